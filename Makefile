@@ -1,0 +1,86 @@
+# GPT-2 training in C++17/CUDA.
+#   make            build everything (trainer, tools, tests)
+#   make test       build, then run every test this machine can run (GPU tests skip without a GPU)
+#   make GPU_ARCH=80  build for another GPU generation (default: read from nvidia-smi, else sm_90 + PTX)
+#
+# Sources are found by name, so adding a file needs no edit here:
+#   test/test_*.cpp  CPU unit tests (GoogleTest)         -> build/test_*
+#   test/test_*.cu   GPU unit tests (GoogleTest + CUDA)  -> build/test_*
+#   test/test_*.sh   script tests (exit 0 pass, 77 skip) -> run in place
+#   dev/*.cu, dev/*.cpp, dev/data/*.cpp  labs and tools  -> build/*
+# A binary that needs extra libraries gets a LDLIBS_<name> line below.
+
+CUDA_HOME ?= /usr/local/cuda
+NVCC := $(CUDA_HOME)/bin/nvcc
+CXX := g++
+BUILD := build
+
+GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '. ')
+ifeq ($(strip $(GPU_ARCH)),)
+GPU_ARCH := 90
+endif
+GENCODE := -gencode arch=compute_$(GPU_ARCH),code=[sm_$(GPU_ARCH),compute_$(GPU_ARCH)]
+
+WARNINGS := -Wall -Wextra -Wno-unused-parameter
+CXXFLAGS := -std=c++17 -O3 -g -I. -I$(CUDA_HOME)/include -MMD -MP -fopenmp -pthread $(WARNINGS)
+NVCCFLAGS := -std=c++17 -O3 -lineinfo -I. -MMD -MP $(GENCODE) --expt-relaxed-constexpr \
+             -Xcompiler "-fopenmp -pthread $(WARNINGS)" -Wno-deprecated-gpu-targets
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lcublas
+HOST_LIBS := -fopenmp -pthread
+GTEST_LIBS := -lgtest
+
+# PCRE2 (the tokenizer's pre-tokenisation regex) is needed only by the binaries named here; where its
+# headers are missing (the GPU machine) they are skipped and can be carried from a machine that has them.
+PCRE2_BINARIES :=
+HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
+
+CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))
+GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
+SCRIPT_TESTS := $(wildcard test/test_*.sh)
+DEV_BINARIES := $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu)) \
+                $(patsubst dev/%.cpp,$(BUILD)/%,$(wildcard dev/*.cpp)) \
+                $(patsubst dev/data/%.cpp,$(BUILD)/%,$(wildcard dev/data/*.cpp))
+TRAINERS := train_gpt2cu
+
+ifeq ($(HAVE_PCRE2),)
+SKIPPED_PCRE2 := $(filter $(addprefix $(BUILD)/,$(PCRE2_BINARIES)),$(CPU_TESTS) $(DEV_BINARIES))
+CPU_TESTS := $(filter-out $(SKIPPED_PCRE2),$(CPU_TESTS))
+DEV_BINARIES := $(filter-out $(SKIPPED_PCRE2),$(DEV_BINARIES))
+endif
+
+ALL := $(TRAINERS) $(DEV_BINARIES) $(CPU_TESTS) $(GPU_TESTS)
+
+.PHONY: all test clean
+all: $(ALL)
+ifneq ($(SKIPPED_PCRE2),)
+	@echo "note: PCRE2 headers not found (apt-get install libpcre2-dev); not built: $(SKIPPED_PCRE2)"
+endif
+
+train_gpt2cu: train_gpt2.cu
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
+
+$(BUILD)/%: test/%.cpp | $(BUILD)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(GTEST_LIBS) $(HOST_LIBS) $(LDLIBS_$*)
+
+$(BUILD)/%: test/%.cu | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GTEST_LIBS) $(CUDA_LIBS) $(LDLIBS_$*)
+
+$(BUILD)/%: dev/%.cu | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_$*)
+
+$(BUILD)/%: dev/%.cpp | $(BUILD)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
+
+$(BUILD)/%: dev/data/%.cpp | $(BUILD)
+	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
+
+$(BUILD):
+	mkdir -p $@
+
+test: $(CPU_TESTS) $(GPU_TESTS)
+	@bash test/run_tests.sh $(CPU_TESTS) $(GPU_TESTS) $(SCRIPT_TESTS)
+
+clean:
+	rm -rf $(BUILD) $(TRAINERS)
+
+-include $(wildcard $(BUILD)/*.d) $(wildcard *.d)

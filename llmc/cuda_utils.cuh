@@ -1,0 +1,162 @@
+/*
+CUDA error checking and RAII owners for CUDA resources.
+
+Provides: cudaCheck(call) and cudaCheckLaunch() that raise an llmc::Error (exit code kExitCuda) naming
+the call, the source location and CUDA's error text; cuda_device_count() that answers 0 rather than
+failing on a machine without a GPU or driver; and move-only owners for device memory, pinned host
+memory, streams and events, so that no early return or exception leaks them.
+
+Does not provide: cuBLAS/NCCL checks (beside the code that uses those libraries) or any kernels.
+*/
+#pragma once
+
+#include <cstddef>
+#include <utility>
+
+#include <cuda_runtime.h>
+
+#include "llmc/utils.h"
+
+namespace llmc {
+
+inline void cuda_check(cudaError_t err, const char* call, const char* file, int line) {
+    if (err != cudaSuccess) {
+        fail(kExitCuda, "CUDA error %s (%s) from %s at %s:%d", cudaGetErrorName(err), cudaGetErrorString(err), call,
+             file, line);
+    }
+}
+
+#define cudaCheck(call) ::llmc::cuda_check((call), #call, __FILE__, __LINE__)
+#define cudaCheckLaunch() ::llmc::cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+// Number of usable CUDA devices; 0 when there is no GPU or no driver.
+inline int cuda_device_count() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the sticky "no device" error so later checks are not confused
+        return 0;
+    }
+    return n;
+}
+
+template <class T>
+class DeviceBuffer {
+public:
+    DeviceBuffer() = default;
+    explicit DeviceBuffer(size_t count) { allocate(count); }
+    DeviceBuffer(const DeviceBuffer&) = delete;
+    DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+    DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), count_(std::exchange(o.count_, 0)) {}
+    DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+        if (this != &o) {
+            release();
+            ptr_ = std::exchange(o.ptr_, nullptr);
+            count_ = std::exchange(o.count_, 0);
+        }
+        return *this;
+    }
+    ~DeviceBuffer() { release(); }
+
+    void allocate(size_t count) {
+        release();
+        if (count == 0) return;
+        void* p = nullptr;
+        cudaError_t err = cudaMalloc(&p, count * sizeof(T));
+        if (err != cudaSuccess) {
+            fail(kExitCuda, "cudaMalloc of %s failed: %s", human_bytes(double(count * sizeof(T))).c_str(),
+                 cudaGetErrorString(err));
+        }
+        ptr_ = static_cast<T*>(p);
+        count_ = count;
+    }
+    T* get() const { return ptr_; }
+    size_t size() const { return count_; }
+    size_t bytes() const { return count_ * sizeof(T); }
+
+private:
+    void release() noexcept {
+        if (ptr_) cudaFree(ptr_);
+        ptr_ = nullptr;
+        count_ = 0;
+    }
+    T* ptr_ = nullptr;
+    size_t count_ = 0;
+};
+
+// Page-locked host memory. flags are cudaHostAlloc's (cudaHostAllocWriteCombined suits buffers the host
+// only writes and the GPU only reads).
+class PinnedBuffer {
+public:
+    PinnedBuffer() = default;
+    PinnedBuffer(size_t bytes, unsigned flags = cudaHostAllocDefault) { allocate(bytes, flags); }
+    PinnedBuffer(const PinnedBuffer&) = delete;
+    PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+    PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+    PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+        if (this != &o) {
+            release();
+            ptr_ = std::exchange(o.ptr_, nullptr);
+            bytes_ = std::exchange(o.bytes_, 0);
+        }
+        return *this;
+    }
+    ~PinnedBuffer() { release(); }
+
+    void allocate(size_t bytes, unsigned flags = cudaHostAllocDefault) {
+        release();
+        if (bytes == 0) return;
+        void* p = nullptr;
+        cudaError_t err = cudaHostAlloc(&p, bytes, flags);
+        if (err != cudaSuccess) {
+            fail(kExitCuda, "cudaHostAlloc of %s of pinned memory failed: %s", human_bytes(double(bytes)).c_str(),
+                 cudaGetErrorString(err));
+        }
+        ptr_ = static_cast<char*>(p);
+        bytes_ = bytes;
+    }
+    char* get() const { return ptr_; }
+    size_t bytes() const { return bytes_; }
+
+private:
+    void release() noexcept {
+        if (ptr_) cudaFreeHost(ptr_);
+        ptr_ = nullptr;
+        bytes_ = 0;
+    }
+    char* ptr_ = nullptr;
+    size_t bytes_ = 0;
+};
+
+class Stream {
+public:
+    Stream() { cudaCheck(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    ~Stream() {
+        if (s_) cudaStreamDestroy(s_);
+    }
+    cudaStream_t get() const { return s_; }
+    operator cudaStream_t() const { return s_; }
+
+private:
+    cudaStream_t s_ = nullptr;
+};
+
+class Event {
+public:
+    explicit Event(bool timing = false) {
+        cudaCheck(cudaEventCreateWithFlags(&e_, timing ? cudaEventDefault : cudaEventDisableTiming));
+    }
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+    ~Event() {
+        if (e_) cudaEventDestroy(e_);
+    }
+    cudaEvent_t get() const { return e_; }
+    operator cudaEvent_t() const { return e_; }
+
+private:
+    cudaEvent_t e_ = nullptr;
+};
+
+}  // namespace llmc
