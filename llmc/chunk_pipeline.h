@@ -1,0 +1,190 @@
+/*
+The chunk schedule behind file_to_device / device_to_file, written against a small copy interface so
+that it runs and is tested on machines without a GPU.
+
+A transfer of n bytes at the file's current position is cut into chunks (ChunkPlanner). Two staging
+buffers alternate: while chunk k is written to (or was just read from) the file, the copy engine moves
+chunk k+1 (or k) between the device and the other buffer. StagingCopier is that copy engine: the CUDA
+one lives in device_file_io.cuh, a plain memcpy one in the tests.
+
+With direct I/O requested, the part of the transfer that sits on aligned file offsets goes through a
+second descriptor opened with O_DIRECT (bypassing the page cache); the unaligned head and tail go
+through the caller's descriptor. Staging buffers are aligned for this.
+
+Does not provide: memory management of the staging buffers or any CUDA calls.
+*/
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr size_t kDefaultChunkBytes = size_t(32) << 20;
+constexpr size_t kDirectAlignment = 4096;
+
+// One piece of a transfer: bytes [offset, offset + bytes) of the payload, at file position
+// transfer_start + offset; `direct` when it goes through the O_DIRECT descriptor.
+struct Chunk {
+    uint64_t offset = 0;
+    size_t bytes = 0;
+    bool direct = false;
+};
+
+// Cuts [0, nbytes) into chunks of at most chunk_bytes. With direct_alignment > 0, the largest span whose
+// file offsets and length are multiples of direct_alignment is marked direct, and chunk boundaries are
+// placed so that no chunk mixes direct and buffered bytes.
+class ChunkPlanner {
+public:
+    ChunkPlanner(int64_t file_start, uint64_t nbytes, size_t chunk_bytes, size_t direct_alignment = 0)
+        : nbytes_(nbytes), chunk_bytes_(chunk_bytes) {
+        if (chunk_bytes == 0) fail(kExitUsage, "chunk size must be at least 1 byte");
+        body_begin_ = body_end_ = nbytes;  // no direct span
+        if (direct_alignment > 0) {
+            uint64_t a = direct_alignment;
+            uint64_t start = static_cast<uint64_t>(file_start);
+            uint64_t aligned_begin = (start + a - 1) / a * a;  // file offsets of the aligned span
+            uint64_t aligned_end = (start + nbytes) / a * a;
+            if (aligned_end > aligned_begin) {
+                body_begin_ = aligned_begin - start;
+                body_end_ = aligned_end - start;
+            }
+        }
+    }
+
+    bool next(Chunk& out) {
+        if (pos_ >= nbytes_) return false;
+        uint64_t limit;
+        bool direct = false;
+        if (pos_ < body_begin_) {
+            limit = body_begin_;
+        } else if (pos_ < body_end_) {
+            limit = body_end_;
+            direct = true;
+        } else {
+            limit = nbytes_;
+        }
+        out.offset = pos_;
+        out.bytes = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, limit - pos_));
+        out.direct = direct;
+        pos_ += out.bytes;
+        return true;
+    }
+
+private:
+    uint64_t nbytes_;
+    size_t chunk_bytes_;
+    uint64_t body_begin_, body_end_;
+    uint64_t pos_ = 0;
+};
+
+// The copy engine a pipeline drives. Two staging slots (0 and 1) of chunk_bytes() each.
+class StagingCopier {
+public:
+    virtual ~StagingCopier() = default;
+    virtual size_t chunk_bytes() const = 0;
+    virtual char* staging(int slot) = 0;
+    // Starts copying n bytes from device memory into staging slot `slot`.
+    virtual void to_host_async(int slot, const void* device_src, size_t n) = 0;
+    // Starts copying n bytes from staging slot `slot` to device memory.
+    virtual void to_device_async(void* device_dst, int slot, size_t n) = 0;
+    // Returns once the last copy started on `slot` has finished (at once if none is pending).
+    virtual void wait(int slot) = 0;
+    // Waits for every pending copy without raising; used when a transfer is abandoned by an error, so that no
+    // copy still targets a staging buffer when it is reused.
+    virtual void drain() noexcept = 0;
+};
+
+namespace detail {
+
+// Opens the O_DIRECT twin of `file` when the plan has a direct span.
+inline File open_direct_twin(const File& file, bool for_write) {
+    return File(file.path(), for_write ? File::Mode::ReadWrite : File::Mode::Read, /*direct=*/true);
+}
+
+template <class Body>
+void with_drain_on_error(StagingCopier& copier, Body&& body) {
+    try {
+        body();
+    } catch (...) {
+        copier.drain();
+        throw;
+    }
+}
+
+}  // namespace detail
+
+// Writes n bytes of device memory to `file` at its current position and advances it by n.
+// direct_alignment > 0 routes the aligned middle through O_DIRECT.
+inline void pipelined_device_to_file(StagingCopier& copier, File& file, const void* device_src, uint64_t n,
+                                     size_t direct_alignment = 0) {
+    const int64_t start = file.tell();
+    ChunkPlanner plan(start, n, copier.chunk_bytes(), direct_alignment);
+    const char* src = static_cast<const char*>(device_src);
+    Chunk cur;
+    if (!plan.next(cur)) return;
+    File direct_file;
+    detail::with_drain_on_error(copier, [&] {
+        int slot = 0;
+        copier.to_host_async(slot, src + cur.offset, cur.bytes);
+        for (;;) {
+            Chunk nxt;
+            bool has_next = plan.next(nxt);
+            // The other slot's last chunk is already on disk, so its buffer is free for the next copy.
+            if (has_next) copier.to_host_async(slot ^ 1, src + nxt.offset, nxt.bytes);
+            copier.wait(slot);
+            File* out = &file;
+            if (cur.direct) {
+                if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/true);
+                out = &direct_file;
+            }
+            out->seek(start + static_cast<int64_t>(cur.offset));
+            out->write_all(copier.staging(slot), cur.bytes);
+            if (!has_next) break;
+            cur = nxt;
+            slot ^= 1;
+        }
+        if (direct_file.is_open()) direct_file.close();
+    });
+    file.seek(start + static_cast<int64_t>(n));
+}
+
+// Reads n bytes from `file` at its current position into device memory and advances it by n. Returns once
+// the bytes are on the device. A file shorter than the request is an error before anything is copied.
+inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, File& file, uint64_t n,
+                                     size_t direct_alignment = 0) {
+    const int64_t start = file.tell();
+    if (n == 0) return;
+    int64_t size = file.size();
+    if (start + static_cast<int64_t>(n) > size) {
+        fail(kExitIo, "'%s' is too short: expected %llu bytes at offset %lld, but the file is %lld bytes",
+             file.path().c_str(), (unsigned long long)n, (long long)start, (long long)size);
+    }
+    ChunkPlanner plan(start, n, copier.chunk_bytes(), direct_alignment);
+    char* dst = static_cast<char*>(device_dst);
+    File direct_file;
+    detail::with_drain_on_error(copier, [&] {
+        int slot = 0;
+        Chunk c;
+        while (plan.next(c)) {
+            copier.wait(slot);  // the copy that last used this buffer (chunk k-2) must be done before we refill it
+            File* in = &file;
+            if (c.direct) {
+                if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/false);
+                in = &direct_file;
+            }
+            in->seek(start + static_cast<int64_t>(c.offset));
+            in->read_exact(copier.staging(slot), c.bytes);
+            copier.to_device_async(dst + c.offset, slot, c.bytes);
+            slot ^= 1;
+        }
+        copier.wait(0);
+        copier.wait(1);
+    });
+    file.seek(start + static_cast<int64_t>(n));
+}
+
+}  // namespace llmc

@@ -1,0 +1,101 @@
+/*
+Disk <-> GPU transfers: device_to_file and file_to_device.
+
+A DeviceFileIO owns two pinned staging buffers (32 MiB each by default) and their events, allocated once
+and reused by every transfer, so the host memory used is two chunks whatever the size moved. Each call
+works at the file's current position (write a header first, then the payload) and advances it. The
+copies run on the caller's stream, so they are ordered after the work already queued there (a kernel
+that produced the data, say); the call returns once the bytes are in the file (written, not fsynced:
+call File::sync when durability matters) or on the device.
+
+Optional direct I/O (O_DIRECT) bypasses the page cache for the aligned part of a transfer; see the README
+for when it pays.
+
+Does not provide: the schedule itself (chunk_pipeline.h) or checksums and atomic renames (the checkpoint
+code builds those on top).
+*/
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "llmc/chunk_pipeline.h"
+#include "llmc/cuda_utils.cuh"
+
+namespace llmc {
+
+class DeviceFileIO {
+public:
+    explicit DeviceFileIO(size_t chunk_bytes = kDefaultChunkBytes, bool direct = false)
+        : copier_(chunk_bytes, direct ? kDirectAlignment : 1), direct_(direct) {
+        if (direct && chunk_bytes % kDirectAlignment != 0) {
+            fail(kExitUsage, "direct I/O needs a chunk size that is a multiple of %zu bytes (got %zu)", kDirectAlignment,
+                 chunk_bytes);
+        }
+    }
+
+    void device_to_file(File& file, const void* device_src, uint64_t nbytes, cudaStream_t stream) {
+        copier_.stream = stream;
+        pipelined_device_to_file(copier_, file, device_src, nbytes, direct_ ? kDirectAlignment : 0);
+    }
+
+    void file_to_device(void* device_dst, File& file, uint64_t nbytes, cudaStream_t stream) {
+        copier_.stream = stream;
+        pipelined_file_to_device(copier_, device_dst, file, nbytes, direct_ ? kDirectAlignment : 0);
+    }
+
+    size_t chunk_bytes() const { return copier_.chunk_bytes(); }
+    size_t pinned_bytes() const { return copier_.pinned_bytes(); }
+    bool direct() const { return direct_; }
+
+private:
+    class CudaCopier final : public StagingCopier {
+    public:
+        CudaCopier(size_t chunk_bytes, size_t alignment) : chunk_bytes_(chunk_bytes) {
+            if (chunk_bytes == 0) fail(kExitUsage, "chunk size must be at least 1 byte");
+            // Each slot starts on an aligned address so O_DIRECT can read and write it.
+            slot_stride_ = (chunk_bytes + alignment - 1) / alignment * alignment;
+            buffer_.allocate(2 * slot_stride_ + alignment);
+            uintptr_t base = reinterpret_cast<uintptr_t>(buffer_.get());
+            base = (base + alignment - 1) / alignment * alignment;
+            base_ = reinterpret_cast<char*>(base);
+            for (auto& e : events_) {
+                cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
+            }
+        }
+        ~CudaCopier() override {
+            drain();
+            for (auto e : events_) cudaEventDestroy(e);
+        }
+        size_t chunk_bytes() const override { return chunk_bytes_; }
+        size_t pinned_bytes() const { return buffer_.bytes(); }
+        char* staging(int slot) override { return base_ + slot * slot_stride_; }
+        void to_host_async(int slot, const void* device_src, size_t n) override {
+            cudaCheck(cudaMemcpyAsync(staging(slot), device_src, n, cudaMemcpyDeviceToHost, stream));
+            cudaCheck(cudaEventRecord(events_[slot], stream));
+        }
+        void to_device_async(void* device_dst, int slot, size_t n) override {
+            cudaCheck(cudaMemcpyAsync(device_dst, staging(slot), n, cudaMemcpyHostToDevice, stream));
+            cudaCheck(cudaEventRecord(events_[slot], stream));
+        }
+        void wait(int slot) override { cudaCheck(cudaEventSynchronize(events_[slot])); }
+        void drain() noexcept override {
+            for (auto e : events_) cudaEventSynchronize(e);
+        }
+
+        cudaStream_t stream = nullptr;
+
+    private:
+        size_t chunk_bytes_;
+        size_t slot_stride_ = 0;
+        PinnedBuffer buffer_;
+        char* base_ = nullptr;
+        cudaEvent_t events_[2] = {nullptr, nullptr};
+    };
+
+    CudaCopier copier_;
+    bool direct_;
+};
+
+}  // namespace llmc
