@@ -18,6 +18,7 @@ usage: bench_device_file_io [--dir /tmp] [--sizes-gib 1,4] [--reps 3] [--chunk-m
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -220,62 +221,75 @@ int bench(int argc, char** argv) {
         DeviceFileIO io(a.chunk), io_direct(a.chunk, true);
         Stream stream;
 
-        auto time_it = [&](const std::string& what, auto&& before, auto&& op) {
+        // Operations are timed in rounds (A B C, A B C, ...) so that a drift in the disk's speed during the run
+        // lands on every operation alike; each row is the median over the rounds.
+        struct Op {
+            std::string what;
+            bool cold;  // drop the file from the page cache before each run
+            std::function<void()> run;
             std::vector<double> t;
-            for (int r = 0; r < a.reps; r++) {
-                before();
-                double t0 = now_s();
-                op();
-                t.push_back(now_s() - t0);
-            }
-            rows.push_back({what, gib, median(t), n});
-            std::fprintf(stderr, "  %-34s %8.3f s  %6.2f GB/s\n", what.c_str(), rows.back().seconds,
-                         n / 1e9 / rows.back().seconds);
-            return rows.back().seconds;
         };
-        auto nothing = [] {};
-        auto cold = [&] { drop_page_cache(path); };
+        auto time_group = [&](std::vector<Op> ops) {
+            for (int r = 0; r < a.reps; r++) {
+                for (Op& op : ops) {
+                    if (op.cold) drop_page_cache(path);
+                    double t0 = now_s();
+                    op.run();
+                    op.t.push_back(now_s() - t0);
+                }
+            }
+            std::vector<double> medians;
+            for (Op& op : ops) {
+                double m = median(op.t);
+                rows.push_back({op.what, gib, m, n});
+                auto [lo, hi] = std::minmax_element(op.t.begin(), op.t.end());
+                std::fprintf(stderr, "  %-34s %8.3f s  %6.2f GB/s  (runs %.3f..%.3f s)\n", op.what.c_str(), m, n / 1e9 / m,
+                             *lo, *hi);
+                medians.push_back(m);
+            }
+            return medians;
+        };
+        auto pipelined_write = [&](DeviceFileIO& io_) {
+            File f(path, File::Mode::Write);
+            io_.device_to_file(f, dev.get(), n, stream);
+            f.sync();
+        };
+        auto pipelined_read = [&](DeviceFileIO& io_) {
+            File f(path, File::Mode::Read);
+            io_.file_to_device(dev2.get(), f, n, stream);
+        };
 
         // Writes (each ends with fsync, so the bytes are on disk).
-        double disk_w = time_it("disk alone: write+fsync", nothing, [&] { host_write(path, host, n, false); });
-        time_it("disk alone: write+fsync O_DIRECT", nothing, [&] { host_write(path, host, n, true); });
-        double pipe_w = time_it("device_to_file+fsync", nothing, [&] {
-            File f(path, File::Mode::Write);
-            io.device_to_file(f, dev.get(), n, stream);
-            f.sync();
+        std::vector<double> w = time_group({
+            {"disk alone: write+fsync", false, [&] { host_write(path, host, n, false); }, {}},
+            {"device_to_file+fsync", false, [&] { pipelined_write(io); }, {}},
+            {"disk alone: write+fsync O_DIRECT", false, [&] { host_write(path, host, n, true); }, {}},
+            {"device_to_file+fsync O_DIRECT", false, [&] { pipelined_write(io_direct); }, {}},
+            {"naive: memcpy+fwrite+fsync", false, [&] { naive_write(path, dev.get(), n); }, {}},
         });
-        time_it("device_to_file+fsync O_DIRECT", nothing, [&] {
-            File f(path, File::Mode::Write);
-            io_direct.device_to_file(f, dev.get(), n, stream);
-            f.sync();
+        double disk_w = w[0], pipe_w = w[1];
+        // The file now holds the buffer's bytes; the reads are checked once at the end.
+        std::vector<double> rc = time_group({
+            {"disk alone: read cold", true, [&] { host_read(path, host, n, false); }, {}},
+            {"file_to_device cold", true, [&] { pipelined_read(io); }, {}},
+            {"disk alone: read O_DIRECT", true, [&] { host_read(path, host, n, true); }, {}},
+            {"file_to_device O_DIRECT", true, [&] { pipelined_read(io_direct); }, {}},
+            {"naive: fread+memcpy cold", true, [&] { naive_read(path, dev2.get(), n); }, {}},
         });
-        time_it("naive: memcpy+fwrite+fsync", nothing, [&] { naive_write(path, dev.get(), n); });
-
-        // The file now holds the buffer's bytes; reads check them once at the end.
-        double disk_r_cold = time_it("disk alone: read cold", cold, [&] { host_read(path, host, n, false); });
-        double disk_r_warm = time_it("disk alone: read warm", nothing, [&] { host_read(path, host, n, false); });
-        time_it("disk alone: read O_DIRECT", cold, [&] { host_read(path, host, n, true); });
-        double pipe_r_cold = time_it("file_to_device cold", cold, [&] {
-            File f(path, File::Mode::Read);
-            io.file_to_device(dev2.get(), f, n, stream);
+        double disk_r_cold = rc[0], pipe_r_cold = rc[1];
+        std::vector<double> rw = time_group({
+            {"disk alone: read warm", false, [&] { host_read(path, host, n, false); }, {}},
+            {"file_to_device warm", false, [&] { pipelined_read(io); }, {}},
         });
-        double pipe_r_warm = time_it("file_to_device warm", nothing, [&] {
-            File f(path, File::Mode::Read);
-            io.file_to_device(dev2.get(), f, n, stream);
-        });
-        time_it("file_to_device O_DIRECT", cold, [&] {
-            File f(path, File::Mode::Read);
-            io_direct.file_to_device(dev2.get(), f, n, stream);
-        });
-        time_it("naive: fread+memcpy cold", cold, [&] { naive_read(path, dev2.get(), n); });
-
-        // PCIe alone.
+        double disk_r_warm = rw[0], pipe_r_warm = rw[1];
         {
             PinnedBuffer pinned(n);
-            time_it("pcie alone: pinned H2D", nothing,
-                    [&] { cudaCheck(cudaMemcpy(dev2.get(), pinned.get(), n, cudaMemcpyHostToDevice)); });
-            time_it("pcie alone: pinned D2H", nothing,
-                    [&] { cudaCheck(cudaMemcpy(pinned.get(), dev.get(), n, cudaMemcpyDeviceToHost)); });
+            time_group({
+                {"pcie alone: pinned H2D", false,
+                 [&] { cudaCheck(cudaMemcpy(dev2.get(), pinned.get(), n, cudaMemcpyHostToDevice)); }, {}},
+                {"pcie alone: pinned D2H", false,
+                 [&] { cudaCheck(cudaMemcpy(pinned.get(), dev.get(), n, cudaMemcpyDeviceToHost)); }, {}},
+            });
         }
 
         // What came back must be what was written.

@@ -143,6 +143,9 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
             }
             out->seek(start + static_cast<int64_t>(cur.offset));
             out->write_all(copier.staging(slot), cur.bytes);
+            // Start this chunk's writeback now, so the disk works while the next chunks are copied and the
+            // caller's fsync finds little left to do.
+            if (!cur.direct) out->start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
             if (!has_next) break;
             cur = nxt;
             slot ^= 1;
@@ -175,6 +178,11 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
             if (c.direct) {
                 if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/false);
                 in = &direct_file;
+            }
+            // Keep the disk busy: ask for the next two chunks while this one is read and copied.
+            if (!c.direct) {
+                uint64_t ahead = c.offset + c.bytes;
+                file.advise_willneed(start + int64_t(ahead), int64_t(std::min<uint64_t>(2 * copier.chunk_bytes(), n - ahead)));
             }
             in->seek(start + static_cast<int64_t>(c.offset));
             in->read_exact(copier.staging(slot), c.bytes);

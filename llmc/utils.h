@@ -237,6 +237,16 @@ public:
         }
     }
 
+    // Hints to the kernel, for streaming transfers: read [offset, offset+len) into the page cache in the
+    // background, or start writing it back to disk now rather than at fsync. Both are advisory: a file that
+    // does not support them (a pipe, /dev/full) just goes without, so their results are deliberately unused.
+    void advise_willneed(int64_t offset, int64_t len) const {
+        if (fd_ >= 0 && len > 0) (void)::posix_fadvise(fd_, offset, len, POSIX_FADV_WILLNEED);
+    }
+    void start_writeback(int64_t offset, int64_t len) const {
+        if (fd_ >= 0 && len > 0) (void)::sync_file_range(fd_, offset, len, SYNC_FILE_RANGE_WRITE);
+    }
+
     // Closing can report a deferred write error (NFS, full disk), so it is checked too.
     void close() {
         if (fd_ < 0) return;

@@ -59,7 +59,7 @@ protected:
         dir_ = temp_dir();
     }
     void TearDown() override {
-        if (!dir_.empty()) std::system(("rm -rf '" + dir_ + "'").c_str());
+        if (!dir_.empty() && std::system(("rm -rf '" + dir_ + "'").c_str()) != 0) ADD_FAILURE() << "cannot remove " << dir_;
     }
     std::string file(const std::string& name) const { return dir_ + "/" + name; }
 
@@ -185,17 +185,19 @@ TEST_F(DeviceFileIOTest, OrderedAfterWorkOnItsStreamAndIndependentOfOtherStreams
     Stream io_stream, busy_stream;
     int clock_khz = 0;
     cudaCheck(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+    // Everything is allocated before the spin starts: cudaMalloc and cudaHostAlloc may synchronise the device,
+    // which is why an I/O context is made once at start-up, never inside a step.
+    const size_t words = (size_t(96) << 20) / 4 + 3;
+    DeviceBuffer<uint32_t> buf(words), back(words);
+    DeviceFileIO io;
+    cudaCheck(cudaDeviceSynchronize());
     // Keep another stream busy for about 3 s while the transfer runs.
     spin_kernel<<<1, 1, 0, busy_stream>>>(3LL * clock_khz * 1000);
     cudaCheckLaunch();
-
-    const size_t words = (size_t(96) << 20) / 4 + 3;
-    DeviceBuffer<uint32_t> buf(words), back(words);
     // The kernel that produces the data is queued just before the write, on the same stream, with no sync:
     // device_to_file must wait for it through stream order.
     fill_kernel<<<264, 256, 0, io_stream>>>(buf.get(), words, 0xC0FFEEu);
     cudaCheckLaunch();
-    DeviceFileIO io;
     std::string path = file("ordered.bin");
     File w(path, File::Mode::Write);
     io.device_to_file(w, buf.get(), words * 4, io_stream);
@@ -310,7 +312,7 @@ TEST_F(DeviceFileIOTest, FullTmpfs) {
     ::testing::internal::CaptureStderr();
     int code = write_program(mnt + "/ckpt.bin", size_t(16) << 20);
     std::string err = ::testing::internal::GetCapturedStderr();
-    std::system(("umount '" + mnt + "'").c_str());
+    EXPECT_EQ(std::system(("umount '" + mnt + "'").c_str()), 0);
     EXPECT_EQ(code, kExitIo);
     EXPECT_NE(err.find("ckpt.bin' at offset"), std::string::npos) << err;
     EXPECT_NE(err.find("No space left on device (is the disk full"), std::string::npos) << err;

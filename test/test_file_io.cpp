@@ -104,7 +104,9 @@ public:
         if (!d) throw std::runtime_error("mkdtemp failed");
         path = d;
     }
-    ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+    ~TempDir() {
+        if (std::system(("rm -rf '" + path + "'").c_str()) != 0) ADD_FAILURE() << "cannot remove " << path;
+    }
     std::string file(const std::string& name) const { return path + "/" + name; }
     std::string path;
 };
