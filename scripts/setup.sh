@@ -12,9 +12,10 @@ APT_PACKAGES=(
     build-essential make git ca-certificates
     libgtest-dev libbenchmark-dev libpcre2-dev nlohmann-json3-dev
     python3 python3-numpy python3-torch
-    nodejs npm
     bible-kjv r-cran-janeaustenr
 )
+# node and npm: the machine's own (e.g. NodeSource's nodejs, which bundles npm) when present, else Debian's.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then APT_PACKAGES+=(nodejs npm); fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
