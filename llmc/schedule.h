@@ -1,0 +1,84 @@
+/*
+Learning-rate schedules and the throughput arithmetic of the step log.
+
+LRSchedule gives the learning rate at a step for the schedules users ask for, each with a linear warmup
+from lr/warmup to lr over the first `warmup` steps:
+  cosine    cosine decay from lr to lr * final_fraction at the last step
+  linear    linear decay from lr to lr * final_fraction at the last step
+  constant  lr after warmup
+  wsd       warmup-stable-decay: lr until the last decay_fraction of the steps, then linear decay to
+            lr * final_fraction
+peak_bf16_flops() knows the dense bf16 tensor-core peak of common GPUs by name; mfu() answers a negative
+number for "unknown" so the log can print n/a rather than a made-up figure.
+
+Does not provide: anything that touches the GPU.
+*/
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "llmc/utils.h"
+
+namespace llmc {
+
+struct LRSchedule {
+    enum class Kind { Cosine, Linear, Constant, WSD };
+    Kind kind = Kind::Cosine;
+    double lr = 6e-4;
+    int warmup = 0;
+    int total = 1;
+    double final_fraction = 0.0;
+    double decay_fraction = 0.2;  // wsd only
+
+    static Kind parse_kind(const std::string& name) {
+        if (name == "cosine") return Kind::Cosine;
+        if (name == "linear") return Kind::Linear;
+        if (name == "constant") return Kind::Constant;
+        if (name == "wsd") return Kind::WSD;
+        fail(kExitUsage, "unknown learning rate schedule '%s' (cosine, linear, constant or wsd)", name.c_str());
+    }
+
+    // step counts from 0. Decay progress is (step - start) / (total - start), as in llm.c: the last step
+    // (total - 1) sits one step short of the floor, and no step divides by zero.
+    double at(int step) const {
+        if (step < warmup) return lr * double(step + 1) / double(warmup);
+        if (kind == Kind::Constant) return lr;
+        double lo = lr * final_fraction;
+        int start = warmup;
+        if (kind == Kind::WSD) {
+            start = std::max(warmup, total - int(std::lround(decay_fraction * total)));
+            if (step < start) return lr;
+        }
+        double progress = std::min(1.0, double(step - start) / double(std::max(1, total - start)));
+        if (kind == Kind::Cosine) return lo + 0.5 * (lr - lo) * (1.0 + std::cos(M_PI * progress));
+        return lr + (lo - lr) * progress;  // linear, and the decay phase of wsd
+    }
+};
+
+// Dense bf16 tensor-core peak (FLOP/s) by device name; 0 when unknown.
+inline double peak_bf16_flops(const std::string& device_name) {
+    struct Entry {
+        const char* name_part;
+        double tflops;
+    };
+    // Order matters: more specific names first.
+    static const Entry table[] = {
+        {"H100 PCIe", 756}, {"H100 NVL", 835}, {"H100", 989}, {"H200", 989}, {"GH200", 989},
+        {"A100", 312},      {"A800", 312},     {"A10G", 70},  {"A10", 125},  {"L40S", 362},
+        {"L40", 181},       {"L4", 121},       {"RTX 4090", 165}, {"RTX 3090", 71}, {"B200", 2250},
+    };
+    for (const Entry& e : table) {
+        if (device_name.find(e.name_part) != std::string::npos) return e.tflops * 1e12;
+    }
+    return 0.0;
+}
+
+// Model FLOPs utilisation in [0, 1+); negative when the GPU's peak is unknown.
+inline double mfu(double flops_per_token, double tokens_per_second, double peak_flops) {
+    if (peak_flops <= 0 || tokens_per_second < 0) return -1.0;
+    return flops_per_token * tokens_per_second / peak_flops;
+}
+
+}  // namespace llmc

@@ -1,0 +1,163 @@
+/*
+CPU tests of the trainer's small utilities: the flag table (parsing, errors, generated usage and
+settings table) and the learning-rate schedules and MFU arithmetic (llmc/schedule.h).
+*/
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "llmc/flags.h"
+#include "llmc/schedule.h"
+
+using namespace llmc;
+
+namespace {
+
+struct Settings {
+    int batch = 4;
+    int64_t steps = -1;
+    float lr = 3e-4f;
+    std::string model = "d12";
+    bool resume = false;
+};
+
+Flags make_flags(Settings& s) {
+    Flags f("train", "test program");
+    f.add("b", "batch-size", &s.batch, "micro-batch size B")
+        .add("x", "max-steps", &s.steps, "steps to train")
+        .add("l", "learning-rate", &s.lr, "peak learning rate")
+        .add("e", "model", &s.model, "descriptor or model file")
+        .add("y", "resume", &s.resume, "resume from the newest checkpoint");
+    return f;
+}
+
+bool parse(Flags& f, std::vector<std::string> args) {
+    std::vector<char*> argv;
+    static std::string prog = "train";
+    argv.push_back(prog.data());
+    for (auto& a : args) argv.push_back(a.data());
+    return f.parse(int(argv.size()), argv.data());
+}
+
+int usage_error(std::vector<std::string> args, std::string* message) {
+    Settings s;
+    Flags f = make_flags(s);
+    try {
+        parse(f, std::move(args));
+    } catch (const Error& e) {
+        *message = e.what();
+        return e.exit_code();
+    }
+    return 0;
+}
+
+}  // namespace
+
+TEST(Flags, ShortLongAndInlineForms) {
+    Settings s;
+    Flags f = make_flags(s);
+    ASSERT_TRUE(parse(f, {"-b", "16", "--max-steps", "2k", "--learning-rate=0.001", "-e", "d24", "-y", "1"}));
+    EXPECT_EQ(s.batch, 16);
+    EXPECT_EQ(s.steps, 2000);
+    EXPECT_FLOAT_EQ(s.lr, 0.001f);
+    EXPECT_EQ(s.model, "d24");
+    EXPECT_TRUE(s.resume);
+    EXPECT_TRUE(f.was_set("batch-size"));
+}
+
+TEST(Flags, DefaultsStayWhenNotGiven) {
+    Settings s;
+    Flags f = make_flags(s);
+    ASSERT_TRUE(parse(f, {}));
+    EXPECT_EQ(s.batch, 4);
+    EXPECT_EQ(s.model, "d12");
+    EXPECT_FALSE(f.was_set("batch-size"));
+}
+
+TEST(Flags, ErrorsNameTheFlag) {
+    std::string m;
+    EXPECT_EQ(usage_error({"--bogus", "1"}, &m), kExitUsage);
+    EXPECT_EQ(m, "unknown flag '--bogus' (see train --help)");
+    EXPECT_EQ(usage_error({"-b"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b needs a value (micro-batch size B)");
+    EXPECT_EQ(usage_error({"-b", "12x"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '12x' is not an integer");
+    EXPECT_EQ(usage_error({"-b", "99999999999"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '99999999999' is not a 32-bit integer");
+    EXPECT_EQ(usage_error({"-l", "fast"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -l: 'fast' is not a number");
+    EXPECT_EQ(usage_error({"-y", "yes"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -y: 'yes' is not 0, 1, true or false");
+}
+
+TEST(Flags, UsageAndSettingsComeFromTheTable) {
+    Settings s;
+    Flags f = make_flags(s);
+    std::string u = f.usage();
+    for (const char* name : {"-b, --batch-size", "-x, --max-steps", "-l, --learning-rate", "-e, --model", "-y, --resume"}) {
+        EXPECT_NE(u.find(name), std::string::npos) << name << " missing from\n" << u;
+    }
+    EXPECT_NE(u.find("micro-batch size B (default: 4)"), std::string::npos) << u;
+    ASSERT_TRUE(parse(f, {"-b", "8"}));
+    std::string t = f.settings_table();
+    EXPECT_NE(t.find("| batch-size                       | 8 *"), std::string::npos) << t;
+    EXPECT_NE(t.find("| model                            | d12 "), std::string::npos) << t;
+}
+
+TEST(Flags, HelpStopsParsing) {
+    Settings s;
+    Flags f = make_flags(s);
+    testing::internal::CaptureStdout();
+    EXPECT_FALSE(parse(f, {"--help"}));
+    std::string out = testing::internal::GetCapturedStdout();
+    EXPECT_NE(out.find("usage: train [flags]"), std::string::npos);
+}
+
+TEST(LRSchedule, WarmupThenCosineToTheFloor) {
+    LRSchedule s;
+    s.kind = LRSchedule::Kind::Cosine;
+    s.lr = 1e-3;
+    s.warmup = 10;
+    s.total = 110;
+    s.final_fraction = 0.1;
+    EXPECT_DOUBLE_EQ(s.at(0), 1e-4);
+    EXPECT_DOUBLE_EQ(s.at(9), 1e-3);
+    EXPECT_DOUBLE_EQ(s.at(10), 1e-3);
+    EXPECT_NEAR(s.at(60), 1e-4 + 0.5 * 9e-4, 1e-15);  // halfway through the decay
+    EXPECT_GT(s.at(109), 1e-4);
+    EXPECT_LT(s.at(109), 1.01e-4);
+    for (int i = 11; i < 110; i++) EXPECT_LT(s.at(i), s.at(i - 1)) << i;
+}
+
+TEST(LRSchedule, LinearConstantAndWSD) {
+    LRSchedule s;
+    s.lr = 1.0;
+    s.warmup = 0;
+    s.total = 100;
+    s.final_fraction = 0.0;
+    s.kind = LRSchedule::Kind::Linear;
+    EXPECT_DOUBLE_EQ(s.at(0), 1.0);
+    EXPECT_DOUBLE_EQ(s.at(50), 0.5);
+    s.kind = LRSchedule::Kind::Constant;
+    EXPECT_DOUBLE_EQ(s.at(99), 1.0);
+    s.kind = LRSchedule::Kind::WSD;
+    s.decay_fraction = 0.2;
+    EXPECT_DOUBLE_EQ(s.at(79), 1.0);
+    EXPECT_DOUBLE_EQ(s.at(80), 1.0);
+    EXPECT_DOUBLE_EQ(s.at(90), 0.5);
+    EXPECT_NEAR(s.at(99), 0.05, 1e-12);
+    EXPECT_THROW(LRSchedule::parse_kind("step"), Error);
+    EXPECT_EQ(LRSchedule::parse_kind("wsd"), LRSchedule::Kind::WSD);
+}
+
+TEST(MFU, KnownAndUnknownGPUs) {
+    EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA H200"), 989e12);
+    EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA H100 80GB HBM3"), 989e12);
+    EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA H100 PCIe"), 756e12);
+    EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA A100-SXM4-80GB"), 312e12);
+    EXPECT_DOUBLE_EQ(peak_bf16_flops("Some Future GPU"), 0.0);
+    EXPECT_LT(mfu(1e9, 1e5, 0.0), 0.0);
+    EXPECT_NEAR(mfu(1e9, 1e5, 1e15), 0.1, 1e-12);
+}
