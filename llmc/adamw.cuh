@@ -1,0 +1,114 @@
+/*
+The AdamW update on the GPU for mixed precision: fp32 master weights and moments, bf16 gradients in and
+bf16 parameters out. The same update as GPT2::update in llmc/gpt2_cpu.h (bias-corrected moments,
+decoupled weight decay on the tensors flagged for it, gradients multiplied by a scale for clipping).
+
+Provides: AdamWSettings (learning rate, betas, eps, weight decay); AdamWTensors, a small table of
+(offset, size, decayed) ranges of one flat parameter buffer, made from param_tensors() for GPT-2; and
+adamw_update(), one launch over all of them (block row y of the grid serves tensor y, so the decay
+flag is uniform per block). Per element: g = grad * grad_scale; m, v updated in fp32; master -= lr *
+(m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
+stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
+in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
+shape. grad_scale is a device pointer (e.g. global_norm's scale), read by the kernel, so clipping needs
+no host synchronisation; null means 1.
+
+Does not provide: learning-rate schedules (the caller passes this step's rate), ZeRO sharding, or the
+initial copy of master weights to bf16 (convert_to_bf16 in cuda_common.cuh).
+*/
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/gpt2_config.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+struct AdamWSettings {
+    float learning_rate = 0.0f;
+    float beta1 = 0.9f;
+    float beta2 = 0.95f;
+    float eps = 1e-8f;
+    float weight_decay = 0.0f;  // applied only to tensors flagged decayed
+};
+
+// Passed to the kernel by value, so it stays small.
+struct AdamWTensors {
+    static constexpr int kMax = 32;
+    int count = 0;
+    int64_t offset[kMax] = {};
+    int64_t numel[kMax] = {};
+    int decayed[kMax] = {};
+
+    void add(int64_t tensor_offset, int64_t tensor_numel, bool tensor_decayed) {
+        if (count == kMax) fail(kExitUsage, "AdamWTensors: more than %d tensors", kMax);
+        offset[count] = tensor_offset;
+        numel[count] = tensor_numel;
+        decayed[count] = tensor_decayed ? 1 : 0;
+        count++;
+    }
+    int64_t max_numel() const {
+        int64_t m = 0;
+        for (int i = 0; i < count; i++) m = numel[i] > m ? numel[i] : m;
+        return m;
+    }
+};
+
+inline AdamWTensors adamw_tensors(const GPT2Config& config) {
+    AdamWTensors t;
+    for (const ParamTensorInfo& info : param_tensors(config)) t.add(info.offset, info.numel, info.decayed);
+    return t;
+}
+
+constexpr int kAdamWBlock = 256;
+constexpr int kAdamWMaxBlocksPerTensor = 4096;
+
+static __global__ void __launch_bounds__(kAdamWBlock)
+    adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors, float lr,
+                 float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
+                 float weight_decay, const float* grad_scale, uint64_t rng_key_value) {
+    const int t = blockIdx.y;
+    const int64_t offset = tensors.offset[t], n = tensors.numel[t];
+    const float wd = tensors.decayed[t] ? weight_decay : 0.0f;
+    const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t idx = offset + i;
+        const float g = float(grads[idx]) * scale;
+        const float mi = beta1 * m[idx] + (1.0f - beta1) * g;
+        const float vi = beta2 * v[idx] + (1.0f - beta2) * g * g;
+        const float m_hat = mi / bias_correction1, v_hat = vi / bias_correction2;
+        float w = master[idx];
+        w -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * w);
+        m[idx] = mi;
+        v[idx] = vi;
+        master[idx] = w;
+        params[idx] = stochastic_round_bf16(w, rng_u32(rng_key_value, uint64_t(idx)));
+    }
+}
+
+// One AdamW step (step counts from 1) over every tensor of the table. params (bf16), master, m, v (fp32)
+// and grads (bf16) are flat buffers indexed by the table's offsets.
+inline void adamw_update(floatX* params, float* master, float* m, float* v, const floatX* grads,
+                         const AdamWTensors& tensors, const AdamWSettings& s, int step, uint64_t seed,
+                         const float* grad_scale, cudaStream_t stream) {
+    if (step < 1) fail(kExitUsage, "adamw_update: step %d, AdamW steps count from 1", step);
+    if (tensors.count == 0) return;
+    // The same float expressions as the CPU reference, so both see identical corrections.
+    const float bias_correction1 = 1.0f - std::pow(s.beta1, float(step));
+    const float bias_correction2 = 1.0f - std::pow(s.beta2, float(step));
+    const int64_t blocks = ceil_div<int64_t>(tensors.max_numel(), kAdamWBlock);
+    if (blocks == 0) return;
+    const dim3 grid(unsigned(blocks < kAdamWMaxBlocksPerTensor ? blocks : kAdamWMaxBlocksPerTensor),
+                    unsigned(tensors.count));
+    adamw_kernel<<<grid, kAdamWBlock, 0, stream>>>(params, master, m, v, grads, tensors, s.learning_rate, s.beta1,
+                                                   s.beta2, bias_correction1, bias_correction2, s.eps, s.weight_decay,
+                                                   grad_scale, rng_key(seed, uint64_t(step)));
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc

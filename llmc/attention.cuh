@@ -1,0 +1,249 @@
+/*
+Causal multi-head self-attention on the GPU, llm.c style: permute, batched cuBLASLt matmuls and a
+softmax kernel. Argument meanings as attention_forward/attention_backward in llmc/gpt2_cpu.h: qkv
+(B,T,3C) holds q, k, v side by side with head h at columns h*HS of each; out (B,T,C) puts head h at
+columns h*HS; scale 1/sqrt(HS).
+
+Provides:
+  attention_forward:  q, k, v permuted to (B,NH,T,HS); preatt = scale * q @ k^T in fp32 (one batched
+                      matmul over B*NH); a causal softmax in fp32 (one warp per row) writes att; y = att
+                      @ v; y permuted back into out.
+  attention_backward: dqkv (B,T,3C), OVERWRITTEN (the CPU reference adds into a zeroed buffer):
+                      datt = dy @ v^T (fp32), dv = att^T @ dy, dpreatt = softmax backward with the scale
+                      (fp32 math, bf16 result), dq = dpreatt @ k, dk = dpreatt^T @ q.
+What is saved for backward: the CPU reference keeps att (B,NH,T,T) in fp32; we keep att as bf16
+(B,NH,T,Tp) with Tp = T rounded up to a multiple of 8 (so every row and every head's matrix starts on
+a 16-byte boundary for cuBLASLt), zero above the diagonal and in the padding columns. Backward also
+reads qkv (the layer's input, which the trainer keeps anyway) and re-permutes it into scratch.
+Memory is quadratic in T (the att activation and the fp32 scratch); T may be anything up to maxT.
+HS must be a multiple of 8. Deterministic: no atomics, and cuBLAS is reproducible on one GPU model.
+
+Does not provide: flash attention (a later issue), dropout, or masks other than causal.
+*/
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/matmul.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+// Row length of the attention matrices (att, and the scores in scratch).
+inline int attention_padded_len(int T) { return round_up(T, 8); }
+
+// Elements of the att activation (B,NH,T,Tp) that attention_forward writes and attention_backward reads.
+inline size_t attention_att_elements(int B, int NH, int T) {
+    return size_t(B) * size_t(NH) * size_t(T) * size_t(attention_padded_len(T));
+}
+
+namespace detail {
+
+// Scratch of both directions, carved in the same order; forward uses q, k, v, y and the fp32 scores,
+// backward everything.
+struct AttentionScratch {
+    floatX *q = nullptr, *k = nullptr, *v = nullptr, *y = nullptr;  // y doubles as dy in backward
+    floatX *dq = nullptr, *dk = nullptr, *dv = nullptr;
+    float* scores = nullptr;       // preatt in forward, datt in backward: (B,NH,T,Tp)
+    floatX* dpreatt = nullptr;     // (B,NH,T,Tp)
+    size_t total = 0;
+};
+
+inline AttentionScratch attention_scratch_layout(void* base, int B, int T, int C, int NH) {
+    const size_t nc = align256(size_t(B) * size_t(T) * size_t(C) * sizeof(floatX));
+    const size_t square = size_t(B) * size_t(NH) * size_t(T) * size_t(attention_padded_len(T));
+    const size_t scores = align256(square * sizeof(float)), dpre = align256(square * sizeof(floatX));
+    AttentionScratch s;
+    s.total = 7 * nc + scores + dpre;
+    if (base != nullptr) {
+        char* p = static_cast<char*>(base);
+        floatX** slots[7] = {&s.q, &s.k, &s.v, &s.y, &s.dq, &s.dk, &s.dv};
+        for (int i = 0; i < 7; i++) *slots[i] = reinterpret_cast<floatX*>(p + size_t(i) * nc);
+        s.scores = reinterpret_cast<float*>(p + 7 * nc);
+        s.dpreatt = reinterpret_cast<floatX*>(p + 7 * nc + scores);
+    }
+    return s;
+}
+
+inline void check_attention_args(const char* fn, int B, int T, int C, int NH) {
+    if (B < 1 || T < 1 || NH < 1 || C % NH != 0) fail(kExitUsage, "%s: B=%d T=%d C=%d NH=%d", fn, B, T, C, NH);
+    require_pack_multiple(C / NH, fn);
+}
+
+}  // namespace detail
+
+inline size_t attention_scratch_bytes(int B, int T, int C, int NH) {
+    return detail::attention_scratch_layout(nullptr, B, T, C, NH).total;
+}
+
+constexpr int kAttentionBlock = 256;
+constexpr int kAttentionRowsPerBlock = kAttentionBlock / kWarpSize;
+
+// qkv (B,T,3,NH,HS) -> q, k, v (B,NH,T,HS); one thread per 8 elements of each.
+static __global__ void attention_split_qkv_kernel(floatX* q, floatX* k, floatX* v, const floatX* qkv, int B, int T,
+                                                  int NH, int HS) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
+    const int64_t C = int64_t(NH) * HS;
+    if (i >= int64_t(B) * T * C) return;
+    const int d = int(i % HS);
+    const int t = int((i / HS) % T);
+    const int h = int((i / (int64_t(HS) * T)) % NH);
+    const int b = int(i / (int64_t(HS) * T * NH));
+    const floatX* src = qkv + (int64_t(b) * T + t) * 3 * C + int64_t(h) * HS + d;
+    store128(q + i, load128(src));
+    store128(k + i, load128(src + C));
+    store128(v + i, load128(src + 2 * C));
+}
+
+// (B,NH,T,HS) <-> (B,T,NH,HS): to_heads moves a (B,T,C) tensor into heads, else back.
+static __global__ void attention_heads_kernel(floatX* dst, const floatX* src, int B, int T, int NH, int HS,
+                                              bool to_heads) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;  // index in (B,NH,T,HS)
+    const int64_t C = int64_t(NH) * HS;
+    if (i >= int64_t(B) * T * C) return;
+    const int d = int(i % HS);
+    const int t = int((i / HS) % T);
+    const int h = int((i / (int64_t(HS) * T)) % NH);
+    const int b = int(i / (int64_t(HS) * T * NH));
+    const int64_t j = (int64_t(b) * T + t) * C + int64_t(h) * HS + d;  // index in (B,T,NH,HS)
+    if (to_heads) {
+        store128(dst + i, load128(src + j));
+    } else {
+        store128(dst + j, load128(src + i));
+    }
+}
+
+// dq, dk, dv (B,NH,T,HS) -> dqkv (B,T,3,NH,HS).
+static __global__ void attention_merge_dqkv_kernel(floatX* dqkv, const floatX* dq, const floatX* dk, const floatX* dv,
+                                                   int B, int T, int NH, int HS) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
+    const int64_t C = int64_t(NH) * HS;
+    if (i >= int64_t(B) * T * C) return;
+    const int d = int(i % HS);
+    const int t = int((i / HS) % T);
+    const int h = int((i / (int64_t(HS) * T)) % NH);
+    const int b = int(i / (int64_t(HS) * T * NH));
+    floatX* dst = dqkv + (int64_t(b) * T + t) * 3 * C + int64_t(h) * HS + d;
+    store128(dst, load128(dq + i));
+    store128(dst + C, load128(dk + i));
+    store128(dst + 2 * C, load128(dv + i));
+}
+
+// One warp per row (b, h, t) of the scores: att[t2] = softmax over t2 <= t, 0 for t < t2 < Tp.
+static __global__ void __launch_bounds__(kAttentionBlock)
+    attention_softmax_kernel(floatX* att, const float* preatt, int64_t rows, int T, int Tp) {
+    const int64_t row = int64_t(blockIdx.x) * kAttentionRowsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= rows) return;
+    const int lane = threadIdx.x % kWarpSize;
+    const int t = int(row % T);
+    const float* x = preatt + row * Tp;
+    floatX* a = att + row * Tp;
+    float m = -INFINITY;
+    for (int t2 = lane; t2 <= t; t2 += kWarpSize) m = fmaxf(m, x[t2]);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int t2 = lane; t2 <= t; t2 += kWarpSize) sum += expf(x[t2] - m);
+    sum = warp_sum(sum);
+    for (int t2 = lane; t2 < Tp; t2 += kWarpSize) {
+        a[t2] = __float2bfloat16_rn(t2 <= t ? expf(x[t2] - m) / sum : 0.0f);
+    }
+}
+
+// One warp per row: dpreatt[t2] = scale * att[t2] * (datt[t2] - sum_j att[j] * datt[j]) for t2 <= t,
+// 0 beyond.
+static __global__ void __launch_bounds__(kAttentionBlock)
+    attention_softmax_backward_kernel(floatX* dpreatt, const floatX* att, const float* datt, int64_t rows, int T,
+                                      int Tp, float scale) {
+    const int64_t row = int64_t(blockIdx.x) * kAttentionRowsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= rows) return;
+    const int lane = threadIdx.x % kWarpSize;
+    const int t = int(row % T);
+    const floatX* a = att + row * Tp;
+    const float* da = datt + row * Tp;
+    floatX* dp = dpreatt + row * Tp;
+    float dot = 0.0f;
+    for (int t2 = lane; t2 <= t; t2 += kWarpSize) dot += float(a[t2]) * da[t2];
+    dot = warp_sum(dot);
+    for (int t2 = lane; t2 < Tp; t2 += kWarpSize) {
+        dp[t2] = __float2bfloat16_rn(t2 <= t ? scale * float(a[t2]) * (da[t2] - dot) : 0.0f);
+    }
+}
+
+inline unsigned attention_pack_blocks(int B, int T, int C, int block) {
+    return unsigned(ceil_div<int64_t>(int64_t(B) * T * C / kPackX, block));
+}
+
+// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C). scratch: attention_scratch_bytes(B, T, C, NH).
+inline void attention_forward(const CublasLt& lt, floatX* out, floatX* att, const floatX* qkv, int B, int T, int C,
+                              int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    detail::check_attention_args("attention_forward", B, T, C, NH);
+    const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
+    if (scratch_bytes < s.total) {
+        fail(kExitUsage, "attention_forward: scratch of %zu bytes, B=%d T=%d C=%d NH=%d needs %zu", scratch_bytes, B, T,
+             C, NH, s.total);
+    }
+    require_aligned16(out, "attention_forward: out");
+    require_aligned16(att, "attention_forward: att");
+    require_aligned16(qkv, "attention_forward: qkv");
+    const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
+    const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
+    const int block = 256;
+    attention_split_qkv_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(s.q, s.k, s.v, qkv, B, T,
+                                                                                            NH, HS);
+    cudaCheckLaunch();
+    const float scale = 1.0f / sqrtf(float(HS));
+    gemm(lt, stream, T, T, HS, GemmOperand{s.q, HS, false, head}, GemmOperand{s.k, HS, true, head}, s.scores,
+         CUDA_R_32F, Tp, square, BNH, scale, 0.0f);
+    attention_softmax_kernel<<<unsigned(ceil_div<int64_t>(rows, kAttentionRowsPerBlock)), kAttentionBlock, 0,
+                               stream>>>(att, s.scores, rows, T, Tp);
+    cudaCheckLaunch();
+    gemm(lt, stream, T, HS, T, GemmOperand{att, Tp, false, square}, GemmOperand{s.v, HS, false, head}, s.y,
+         CUDA_R_16BF, HS, head, BNH, 1.0f, 0.0f);
+    attention_heads_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(out, s.y, B, T, NH, HS, false);
+    cudaCheckLaunch();
+}
+
+// dqkv (B,T,3C) from dout (B,T,C), the forward's input qkv and its att. dqkv must not alias the inputs.
+inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
+                               const floatX* att, int B, int T, int C, int NH, void* scratch, size_t scratch_bytes,
+                               cudaStream_t stream) {
+    detail::check_attention_args("attention_backward", B, T, C, NH);
+    const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
+    if (scratch_bytes < s.total) {
+        fail(kExitUsage, "attention_backward: scratch of %zu bytes, B=%d T=%d C=%d NH=%d needs %zu", scratch_bytes, B,
+             T, C, NH, s.total);
+    }
+    require_aligned16(dqkv, "attention_backward: dqkv");
+    require_aligned16(dout, "attention_backward: dout");
+    require_aligned16(qkv, "attention_backward: qkv");
+    require_aligned16(att, "attention_backward: att");
+    const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
+    const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
+    const int block = 256;
+    floatX* dy = s.y;
+    attention_split_qkv_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(s.q, s.k, s.v, qkv, B, T,
+                                                                                            NH, HS);
+    cudaCheckLaunch();
+    attention_heads_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(dy, dout, B, T, NH, HS, true);
+    cudaCheckLaunch();
+    gemm(lt, stream, T, T, HS, GemmOperand{dy, HS, false, head}, GemmOperand{s.v, HS, true, head}, s.scores,
+         CUDA_R_32F, Tp, square, BNH, 1.0f, 0.0f);
+    gemm(lt, stream, T, HS, T, GemmOperand{att, Tp, true, square}, GemmOperand{dy, HS, false, head}, s.dv, CUDA_R_16BF,
+         HS, head, BNH, 1.0f, 0.0f);
+    const float scale = 1.0f / sqrtf(float(HS));
+    attention_softmax_backward_kernel<<<unsigned(ceil_div<int64_t>(rows, kAttentionRowsPerBlock)), kAttentionBlock, 0,
+                                        stream>>>(s.dpreatt, att, s.scores, rows, T, Tp, scale);
+    cudaCheckLaunch();
+    gemm(lt, stream, T, HS, T, GemmOperand{s.dpreatt, Tp, false, square}, GemmOperand{s.k, HS, false, head}, s.dq,
+         CUDA_R_16BF, HS, head, BNH, 1.0f, 0.0f);
+    gemm(lt, stream, T, HS, T, GemmOperand{s.dpreatt, Tp, true, square}, GemmOperand{s.q, HS, false, head}, s.dk,
+         CUDA_R_16BF, HS, head, BNH, 1.0f, 0.0f);
+    attention_merge_dqkv_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(dqkv, s.dq, s.dk, s.dv, B,
+                                                                                             T, NH, HS);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc

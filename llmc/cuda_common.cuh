@@ -1,0 +1,169 @@
+/*
+What every GPU layer kernel shares: the storage type, 16-byte vector access, deterministic reductions,
+a counter-based random number generator and stochastic rounding to bf16.
+
+Provides: floatX (= __nv_bfloat16, the type of parameters, gradients and activations on the GPU);
+Pack128<T> with load128/store128 (and cache-streaming variants) for 16-byte loads and stores; warp sums
+and maxima and a block sum whose result depends only on the inputs and the block size (fixed shuffle
+and shared-memory trees, no atomics); ceil_div and round_up; checks that a launcher's arguments suit its
+vectorised kernel (count multiple of 8, pointers 16-byte aligned); the counter-based RNG (a random
+32-bit word is a hash of a key, made from (seed, stream), and an element index, so any element's
+random number can be recomputed alone and a run is reproducible whatever the launch configuration);
+stochastic_round_bf16, which rounds away from zero with probability equal to x's distance from its
+neighbour toward zero (in units of their spacing), so the expected result is x; and a kernel
+converting fp32 to bf16 with round-to-nearest.
+Kernels in these headers are `static`, so several translation units may include the same header.
+
+Does not provide: any layer (one .cuh per layer family) or error checks (cuda_utils.cuh).
+*/
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+using floatX = __nv_bfloat16;
+
+constexpr int kWarpSize = 32;
+
+template <class T>
+__host__ __device__ constexpr T ceil_div(T a, T b) {
+    return (a + b - 1) / b;
+}
+
+template <class T>
+__host__ __device__ constexpr T round_up(T a, T b) {
+    return ceil_div(a, b) * b;
+}
+
+// Sub-buffers carved out of one scratch allocation start on 256-byte boundaries (cudaMalloc's alignment).
+inline size_t align256(size_t bytes) { return round_up<size_t>(bytes, 256); }
+
+// 16 bytes of T: the unit of the widest single load or store instruction.
+template <class T>
+struct alignas(16) Pack128 {
+    static constexpr int size = int(16 / sizeof(T));
+    T v[size];
+
+    __device__ T& operator[](int i) { return v[i]; }
+    __device__ const T& operator[](int i) const { return v[i]; }
+};
+using PackX = Pack128<floatX>;  // 8 bf16
+constexpr int kPackX = PackX::size;
+
+template <class T>
+__device__ inline Pack128<T> load128(const T* p) {
+    return *reinterpret_cast<const Pack128<T>*>(p);
+}
+
+// Streaming load: the data will not be reused soon, so it should not evict what will.
+template <class T>
+__device__ inline Pack128<T> load128cs(const T* p) {
+    int4 raw = __ldcs(reinterpret_cast<const int4*>(p));
+    Pack128<T> out;
+    memcpy(&out, &raw, sizeof(out));
+    return out;
+}
+
+template <class T>
+__device__ inline void store128(T* p, const Pack128<T>& x) {
+    *reinterpret_cast<Pack128<T>*>(p) = x;
+}
+
+template <class T>
+__device__ inline void store128cs(T* p, const Pack128<T>& x) {
+    int4 raw;
+    memcpy(&raw, &x, sizeof(raw));
+    __stcs(reinterpret_cast<int4*>(p), raw);
+}
+
+// Butterfly reductions: every lane ends with the same value, computed in an order fixed by the lane
+// numbering alone.
+__device__ inline float warp_sum(float v) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ inline float warp_max(float v) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Sum over a 1-D block whose size is a multiple of 32 (at most 1024); every thread gets the result. All
+// threads of the block must call it. The leading barrier lets it be called several times in a row.
+__device__ inline float block_sum(float v) {
+    __shared__ float partial[kWarpSize];
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int warps = blockDim.x / kWarpSize;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// Launchers of vectorised kernels call these; a violation is a caller's bug or an unsupported shape.
+inline void require_pack_multiple(int64_t n, const char* what) {
+    if (n % kPackX != 0) fail(kExitUsage, "%s: %lld is not a multiple of %d", what, (long long)n, kPackX);
+}
+
+inline void require_aligned16(const void* p, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) fail(kExitUsage, "%s: pointer %p is not 16-byte aligned", what, p);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Counter-based random numbers. SplitMix64's finaliser is a bijection with good avalanche, so hashing
+// (key + index * odd constant) gives independent-looking words for consecutive indices.
+
+__host__ __device__ inline uint64_t mix64(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// One key per (seed, stream), e.g. stream = optimizer step; computed on the host once per launch.
+__host__ __device__ inline uint64_t rng_key(uint64_t seed, uint64_t stream) {
+    return mix64(mix64(seed) ^ mix64(stream + 0x632be59bd9b4e019ull));
+}
+
+__host__ __device__ inline uint32_t rng_u32(uint64_t key, uint64_t index) {
+    return uint32_t(mix64(key + index * 0xd1b54a32d192ed03ull) >> 32);
+}
+
+// x rounded to one of its two bf16 neighbours: away from zero with probability (dropped bits) / 2^16,
+// so the expected result is x. Adding 16 random bits to the 16 bits that are dropped carries into the
+// kept half exactly that often. Infinities and NaNs are passed through.
+__device__ inline floatX stochastic_round_bf16(float x, uint32_t random) {
+    uint32_t bits = __float_as_uint(x);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return __float2bfloat16_rn(x);
+    bits = (bits + (random & 0xffffu)) & 0xffff0000u;
+    __nv_bfloat16_raw raw;
+    raw.x = uint16_t(bits >> 16);
+    return floatX(raw);
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+static __global__ void convert_to_bf16_kernel(floatX* out, const float* in, int64_t n) {
+    const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16_rn(in[i]);
+}
+
+// out[i] = in[i] rounded to nearest bf16 (e.g. the bf16 parameters from fp32 master weights at start).
+inline void convert_to_bf16(floatX* out, const float* in, int64_t n, cudaStream_t stream) {
+    if (n == 0) return;
+    const int block = 256;
+    convert_to_bf16_kernel<<<unsigned(ceil_div<int64_t>(n, block)), block, 0, stream>>>(out, in, n);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc

@@ -1,0 +1,79 @@
+/*
+The global L2 norm of the gradients and the clipping factor derived from it, computed on the device so
+the host need not wait for them.
+
+Provides: global_norm(), which reads one flat bf16 buffer of n gradients (any n) and writes
+  norm  = sqrt(sum of squares), and
+  scale = max_norm / norm when 0 < max_norm < norm, else 1 (as clip_scale in llmc/gpt2_cpu.h),
+to device floats; the scale pointer can go straight to adamw_update as its grad_scale. Two fixed-order
+stages in fp32: kGlobalNormBlocks blocks (a fixed number, not derived from the GPU, so the result is
+the same on every GPU) each sum a fixed grid-stride subset into one partial, then one block sums the
+partials. No atomics: bitwise reproducible.
+
+Does not provide: a norm over several separate buffers (the trainer keeps all gradients in one flat
+buffer) or the all-reduce of the squared norm across GPUs (multi_gpu).
+*/
+#pragma once
+
+#include <cstdint>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr int kGlobalNormBlocks = 512;
+constexpr int kGlobalNormBlock = 512;
+
+// Scratch global_norm needs: one fp32 partial per block.
+constexpr size_t kGlobalNormScratchBytes = kGlobalNormBlocks * sizeof(float);
+
+static __global__ void __launch_bounds__(kGlobalNormBlock)
+    global_norm_partial_kernel(float* partial, const floatX* g, int64_t n) {
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t packs = n / kPackX;
+    float s = 0.0f;
+    for (int64_t p = tid; p < packs; p += stride) {
+        const PackX x = load128cs(g + p * kPackX);
+        for (int k = 0; k < kPackX; k++) {
+            const float v = float(x[k]);
+            s += v * v;
+        }
+    }
+    const int64_t tail = packs * kPackX + tid;
+    if (tail < n) {
+        const float v = float(g[tail]);
+        s += v * v;
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+static __global__ void __launch_bounds__(kGlobalNormBlock)
+    global_norm_final_kernel(float* norm, float* scale, const float* partial, float max_norm) {
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < kGlobalNormBlocks; i += blockDim.x) s += partial[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) {
+        const float nrm = sqrtf(s);
+        if (norm != nullptr) *norm = nrm;
+        if (scale != nullptr) *scale = (max_norm > 0.0f && nrm > max_norm) ? max_norm / nrm : 1.0f;
+    }
+}
+
+// norm and scale (either may be null) from grads (n bf16, 16-byte aligned). scratch: kGlobalNormScratchBytes.
+inline void global_norm(float* norm, float* scale, const floatX* grads, int64_t n, float max_norm, float* scratch,
+                        size_t scratch_bytes, cudaStream_t stream) {
+    require_aligned16(grads, "global_norm: grads");
+    if (scratch_bytes < kGlobalNormScratchBytes) {
+        fail(kExitUsage, "global_norm: scratch of %zu bytes, needs %zu", scratch_bytes, kGlobalNormScratchBytes);
+    }
+    global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
+    cudaCheckLaunch();
+    global_norm_final_kernel<<<1, kGlobalNormBlock, 0, stream>>>(norm, scale, scratch, max_norm);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc

@@ -1,0 +1,268 @@
+/*
+LayerNorm and the residual addition on the GPU, with the argument meanings of layernorm_forward,
+layernorm_backward and residual_forward in llmc/gpt2_cpu.h (eps 1e-5, statistics over the C channels).
+
+Provides:
+  layernorm_forward: out (N,C) bf16, mean and rstd (N) fp32 kept for backward (either may be null);
+                     one warp per row, statistics in fp32 with a two-pass variance.
+  fused_residual_layernorm_forward: residual = a + b (rounded to bf16, as residual_forward) and the
+                     LayerNorm of that rounded residual, in one pass over the row.
+  residual_forward:  out = a + b, elementwise.
+  layernorm_backward: dinp += (ADDED: it is the residual stream's gradient), dweight += and dbias +=.
+                     dinp: one warp per row. dweight/dbias: fixed chunks of 256 rows summed into fp32
+                     partials (8 warps take every 8th row, their sums added in warp order), then the
+                     chunks added in chunk order by a second kernel; no atomics, so the result is
+                     bitwise reproducible on any GPU. Needs layernorm_backward_scratch_bytes(N, C).
+C must be a multiple of 8 and the buffers 16-byte aligned (checked).
+
+Does not provide: a residual backward kernel (the residual gradient is passed through by accumulating
+into dinp, which the trainer arranges) or recomputation of the forward.
+*/
+#pragma once
+
+#include <cstdint>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr float kLayerNormEpsF = 1e-5f;
+constexpr int kLayerNormBlock = 256;  // 8 rows per block in the row kernels
+constexpr int kLayerNormRowsPerBlock = kLayerNormBlock / kWarpSize;
+
+namespace detail {
+
+// Normalises the row x (already in memory, possibly just written by this warp's lanes at the same
+// addresses they read) and writes out, mean and rstd. Each lane touches the same packs in every pass.
+__device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, const floatX* x, const floatX* weight,
+                                     const floatX* bias, int64_t row, int C) {
+    const int lane = threadIdx.x % kWarpSize;
+    float sum = 0.0f;
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX p = load128(x + c);
+        for (int k = 0; k < kPackX; k++) sum += float(p[k]);
+    }
+    const float m = warp_sum(sum) / float(C);
+    float var = 0.0f;
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX p = load128(x + c);
+        for (int k = 0; k < kPackX; k++) {
+            const float d = float(p[k]) - m;
+            var += d * d;
+        }
+    }
+    const float s = 1.0f / sqrtf(warp_sum(var) / float(C) + kLayerNormEpsF);
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX p = load128(x + c);
+        const PackX w = load128(weight + c);
+        const PackX b = load128(bias + c);
+        PackX o;
+        for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn((float(p[k]) - m) * s * float(w[k]) + float(b[k]));
+        store128(out + row * C + c, o);
+    }
+    if (lane == 0) {
+        if (mean != nullptr) mean[row] = m;
+        if (rstd != nullptr) rstd[row] = s;
+    }
+}
+
+inline void check_layernorm_args(const char* fn, int C, std::initializer_list<const void*> pointers) {
+    require_pack_multiple(C, fn);
+    for (const void* p : pointers) require_aligned16(p, fn);
+}
+
+}  // namespace detail
+
+static __global__ void __launch_bounds__(kLayerNormBlock)
+    layernorm_forward_kernel(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
+                             const floatX* bias, int64_t N, int C) {
+    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= N) return;  // whole warps leave together
+    detail::layernorm_row(out, mean, rstd, inp + row * C, weight, bias, row, C);
+}
+
+inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
+                              const floatX* bias, int64_t N, int C, cudaStream_t stream) {
+    detail::check_layernorm_args("layernorm_forward", C, {out, inp, weight, bias});
+    if (N == 0) return;
+    layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0, stream>>>(
+        out, mean, rstd, inp, weight, bias, N, C);
+    cudaCheckLaunch();
+}
+
+static __global__ void __launch_bounds__(kLayerNormBlock)
+    fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
+                                            const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
+                                            int C) {
+    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= N) return;
+    const int lane = threadIdx.x % kWarpSize;
+    floatX* r = residual + row * C;
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX pa = load128(a + row * C + c);
+        const PackX pb = load128(b + row * C + c);
+        PackX o;
+        for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
+        store128(r + c, o);
+    }
+    detail::layernorm_row(out, mean, rstd, r, weight, bias, row, C);
+}
+
+// residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
+inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
+                                             const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
+                                             int C, cudaStream_t stream) {
+    detail::check_layernorm_args("fused_residual_layernorm_forward", C, {residual, out, a, b, weight, bias});
+    if (N == 0) return;
+    fused_residual_layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock,
+                                              0, stream>>>(residual, out, mean, rstd, a, b, weight, bias, N, C);
+    cudaCheckLaunch();
+}
+
+static __global__ void residual_forward_kernel(floatX* out, const floatX* a, const floatX* b, int64_t n) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
+    if (i >= n) return;
+    const PackX pa = load128(a + i);
+    const PackX pb = load128(b + i);
+    PackX o;
+    for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
+    store128(out + i, o);
+}
+
+// out = a + b over n elements (n a multiple of 8); out may alias a or b.
+inline void residual_forward(floatX* out, const floatX* a, const floatX* b, int64_t n, cudaStream_t stream) {
+    require_pack_multiple(n, "residual_forward: n");
+    for (const void* p : {static_cast<const void*>(out), static_cast<const void*>(a), static_cast<const void*>(b)}) {
+        require_aligned16(p, "residual_forward");
+    }
+    if (n == 0) return;
+    const int block = 256;
+    residual_forward_kernel<<<unsigned(ceil_div<int64_t>(n / kPackX, block)), block, 0, stream>>>(out, a, b, n);
+    cudaCheckLaunch();
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward.
+
+constexpr int kLayerNormRowsPerChunk = 256;
+constexpr int kLayerNormColumnsPerBlock = kWarpSize * kPackX;  // 256 channels: a pack per lane
+
+inline int64_t layernorm_chunks(int64_t N) { return ceil_div<int64_t>(N, kLayerNormRowsPerChunk); }
+
+// fp32 partial sums of dweight and dbias for every chunk of rows.
+inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
+    return size_t(layernorm_chunks(N)) * 2 * size_t(C) * sizeof(float);
+}
+
+// dinp[row] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout.
+static __global__ void __launch_bounds__(kLayerNormBlock)
+    layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dout, const floatX* inp, const floatX* weight,
+                                   const float* mean, const float* rstd, int64_t N, int C) {
+    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
+    if (row >= N) return;
+    const int lane = threadIdx.x % kWarpSize;
+    const floatX* x = inp + row * C;
+    const floatX* d = dout + row * C;
+    const float m = mean[row], s = rstd[row];
+    float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX px = load128(x + c), pd = load128(d + c), pw = load128(weight + c);
+        for (int k = 0; k < kPackX; k++) {
+            const float dnorm = float(pw[k]) * float(pd[k]);
+            dnorm_sum += dnorm;
+            dnorm_norm_sum += dnorm * (float(px[k]) - m) * s;
+        }
+    }
+    const float dnorm_mean = warp_sum(dnorm_sum) / float(C);
+    const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / float(C);
+    floatX* dx = dinp + row * C;
+    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+        const PackX px = load128(x + c), pd = load128(d + c), pw = load128(weight + c);
+        PackX o = load128(dx + c);
+        for (int k = 0; k < kPackX; k++) {
+            const float norm = (float(px[k]) - m) * s;
+            const float dnorm = float(pw[k]) * float(pd[k]);
+            o[k] = __float2bfloat16_rn(float(o[k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+        }
+        store128(dx + c, o);
+    }
+}
+
+// Block (x, chunk): channels [x * 256, x * 256 + 256) over the chunk's rows; writes partial[chunk] =
+// (dweight sums (C), dbias sums (C)).
+static __global__ void __launch_bounds__(kLayerNormBlock)
+    layernorm_backward_partial_kernel(float* partial, const floatX* dout, const floatX* inp, const float* mean,
+                                      const float* rstd, int64_t N, int C) {
+    __shared__ float sums_w[kLayerNormRowsPerBlock][kLayerNormColumnsPerBlock];
+    __shared__ float sums_b[kLayerNormRowsPerBlock][kLayerNormColumnsPerBlock];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int64_t chunk = blockIdx.y;
+    const int c0 = blockIdx.x * kLayerNormColumnsPerBlock + lane * kPackX;
+    const int64_t row_end = min(N, (chunk + 1) * kLayerNormRowsPerChunk);
+    float acc_w[kPackX] = {}, acc_b[kPackX] = {};
+    if (c0 < C) {
+        for (int64_t n = chunk * kLayerNormRowsPerChunk + warp; n < row_end; n += kLayerNormRowsPerBlock) {
+            const PackX px = load128(inp + n * C + c0), pd = load128(dout + n * C + c0);
+            const float m = mean[n], s = rstd[n];
+            for (int k = 0; k < kPackX; k++) {
+                const float d = float(pd[k]);
+                acc_w[k] += (float(px[k]) - m) * s * d;
+                acc_b[k] += d;
+            }
+        }
+    }
+    for (int k = 0; k < kPackX; k++) {
+        sums_w[warp][lane * kPackX + k] = acc_w[k];
+        sums_b[warp][lane * kPackX + k] = acc_b[k];
+    }
+    __syncthreads();
+    const int c = blockIdx.x * kLayerNormColumnsPerBlock + threadIdx.x;
+    if (c < C) {
+        float w = 0.0f, b = 0.0f;
+        for (int r = 0; r < kLayerNormRowsPerBlock; r++) {
+            w += sums_w[r][threadIdx.x];
+            b += sums_b[r][threadIdx.x];
+        }
+        partial[chunk * 2 * C + c] = w;
+        partial[chunk * 2 * C + C + c] = b;
+    }
+}
+
+static __global__ void layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, const float* partial,
+                                                       int64_t chunks, int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float w = 0.0f, b = 0.0f;
+    for (int64_t k = 0; k < chunks; k++) {
+        w += partial[k * 2 * C + c];
+        b += partial[k * 2 * C + C + c];
+    }
+    dweight[c] = __float2bfloat16_rn(float(dweight[c]) + w);
+    dbias[c] = __float2bfloat16_rn(float(dbias[c]) + b);
+}
+
+// dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
+// the mean and rstd saved by the forward. dinp must not alias dout or inp.
+inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
+                               const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
+                               float* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight});
+    if (scratch_bytes < layernorm_backward_scratch_bytes(N, C)) {
+        fail(kExitUsage, "layernorm_backward: scratch of %zu bytes, N=%lld C=%d needs %zu", scratch_bytes,
+             (long long)N, C, layernorm_backward_scratch_bytes(N, C));
+    }
+    if (N == 0) return;
+    layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
+                                     stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+    cudaCheckLaunch();
+    const int64_t chunks = layernorm_chunks(N);
+    const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(chunks));
+    layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(scratch, dout, inp, mean, rstd, N, C);
+    cudaCheckLaunch();
+    layernorm_backward_final_kernel<<<unsigned(ceil_div(C, 256)), 256, 0, stream>>>(dweight, dbias, scratch, chunks, C);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc

@@ -1,0 +1,298 @@
+/*
+Matrix multiplications through cuBLASLt: bf16 inputs and outputs (or fp32 outputs), fp32 accumulation.
+
+Provides: cublasCheck(call), which raises an llmc::Error naming the call, file, line and cuBLAS's status;
+CublasLt, the RAII owner of a cuBLASLt handle and its workspace (one per stream: concurrent calls on one
+workspace would race); gemm(), a row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with
+optional epilogues (bias, GELU keeping its input, GELU gradient), used by the linear layers below and by
+attention.cuh; and the linear layer of the model with the CPU reference's argument meanings
+(llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
+  matmul_forward:  out (N,OC) = inp (N,C) @ weight^T + bias; with pre_gelu, out = GELU(that) and
+                   pre_gelu keeps that (the fused fc + GELU of the MLP);
+  matmul_backward: dinp = dout @ weight (OVERWRITTEN, unlike the CPU reference, which adds: activation
+                   gradients are always fresh); with pre_gelu, dinp = (dout @ weight) * GELU'(pre_gelu),
+                   the fused backward of GELU and the projection that follows it;
+                   dweight += dout^T @ inp and dbias += column sums of dout (ADDED, so gradients
+                   accumulate over micro-batches).
+The bias gradient is our own two-pass reduction (fixed chunks of rows, then a fixed-order sum of the
+chunks; no atomics), so it is bitwise reproducible; cuBLAS matmuls are reproducible on one GPU model and
+toolkit with one stream per workspace (cuBLAS documentation, "Results reproducibility").
+cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
+
+Does not provide: fp8, algorithm autotuning or caching of heuristics (each call asks cuBLASLt's
+heuristic, a few microseconds), or standalone GELU (gelu.cuh).
+*/
+#pragma once
+
+#include <cstdint>
+
+#include <cublasLt.h>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+inline void cublas_check(cublasStatus_t status, const char* call, const char* file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+        fail(kExitCuda, "cuBLAS error %s (%s) from %s at %s:%d", cublasLtGetStatusName(status),
+             cublasLtGetStatusString(status), call, file, line);
+    }
+}
+
+#define cublasCheck(call) ::llmc::cublas_check((call), #call, __FILE__, __LINE__)
+
+// 32 MiB is what cuBLAS recommends for Hopper.
+constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
+
+class CublasLt {
+public:
+    explicit CublasLt(size_t workspace_bytes = kCublasWorkspaceBytes) : workspace_(workspace_bytes) {
+        cublasCheck(cublasLtCreate(&handle_));
+    }
+    CublasLt(const CublasLt&) = delete;
+    CublasLt& operator=(const CublasLt&) = delete;
+    ~CublasLt() {
+        if (handle_) cublasLtDestroy(handle_);
+    }
+    cublasLtHandle_t handle() const { return handle_; }
+    void* workspace() const { return workspace_.get(); }
+    size_t workspace_bytes() const { return workspace_.bytes(); }
+
+private:
+    cublasLtHandle_t handle_ = nullptr;
+    DeviceBuffer<char> workspace_;
+};
+
+namespace detail {
+
+// Owners of the per-call cuBLASLt descriptors, so that a failing check does not leak them.
+struct LtMatmulDesc {
+    cublasLtMatmulDesc_t d = nullptr;
+    LtMatmulDesc() { cublasCheck(cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F)); }
+    ~LtMatmulDesc() {
+        if (d) cublasLtMatmulDescDestroy(d);
+    }
+    template <class T>
+    void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+        cublasCheck(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+    }
+};
+
+struct LtLayout {
+    cublasLtMatrixLayout_t l = nullptr;
+    LtLayout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, int batch, int64_t stride) {
+        cublasCheck(cublasLtMatrixLayoutCreate(&l, type, uint64_t(rows), uint64_t(cols), ld));
+        if (batch > 1) {
+            int32_t count = batch;
+            cublasCheck(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+            cublasCheck(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                         sizeof(stride)));
+        }
+    }
+    ~LtLayout() {
+        if (l) cublasLtMatrixLayoutDestroy(l);
+    }
+};
+
+struct LtPreference {
+    cublasLtMatmulPreference_t p = nullptr;
+    LtPreference() { cublasCheck(cublasLtMatmulPreferenceCreate(&p)); }
+    ~LtPreference() {
+        if (p) cublasLtMatmulPreferenceDestroy(p);
+    }
+    template <class T>
+    void set(cublasLtMatmulPreferenceAttributes_t attr, const T& value) {
+        cublasCheck(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+    }
+};
+
+// The largest power of two up to 256 dividing the address and, in bytes, the leading dimension and
+// the batch stride. The heuristic assumes 256-byte alignment unless told otherwise, and odd shapes
+// (T = 37) give strides that are far less aligned than that.
+inline uint32_t alignment_bytes(const void* p, int64_t ld, int64_t stride, size_t elem) {
+    const uint64_t addr = reinterpret_cast<uintptr_t>(p);
+    const uint64_t ld_bytes = uint64_t(ld) * elem, stride_bytes = uint64_t(stride) * elem;
+    uint32_t a = 256;
+    while (a > elem && (addr % a != 0 || ld_bytes % a != 0 || stride_bytes % a != 0)) a /= 2;
+    return a;
+}
+
+inline const char* epilogue_name(cublasLtEpilogue_t e) {
+    switch (e) {
+        case CUBLASLT_EPILOGUE_DEFAULT: return "none";
+        case CUBLASLT_EPILOGUE_BIAS: return "bias";
+        case CUBLASLT_EPILOGUE_GELU_AUX: return "gelu_aux";
+        case CUBLASLT_EPILOGUE_GELU_AUX_BIAS: return "gelu_aux_bias";
+        case CUBLASLT_EPILOGUE_DGELU: return "dgelu";
+        default: return "other";
+    }
+}
+
+}  // namespace detail
+
+// One operand of gemm(): a row-major matrix (or a batch of them, batch_stride elements apart), used
+// transposed when transpose is set. ld is the distance between rows in elements.
+struct GemmOperand {
+    const floatX* ptr = nullptr;
+    int64_t ld = 0;
+    bool transpose = false;
+    int64_t batch_stride = 0;
+};
+
+// Row-major D (M,N) = alpha * op(A) (M,K) @ op(B) (K,N) + beta * D for each of `batch` problems; D is
+// bf16 (d_type CUDA_R_16BF) or fp32 (CUDA_R_32F), ldd elements between rows. Epilogues (bf16 D only):
+//   CUBLASLT_EPILOGUE_BIAS           D += bias (length N, broadcast over rows)
+//   CUBLASLT_EPILOGUE_GELU_AUX(_BIAS) aux = result (+ bias), D = GELU(aux)
+//   CUBLASLT_EPILOGUE_DGELU          D = result * GELU'(aux), aux read
+// cuBLASLt is column-major, so the call computes D^T = op(B)^T op(A)^T: B's buffer is its first operand.
+inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a,
+                 GemmOperand b, void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha,
+                 float beta, cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
+                 floatX* aux = nullptr, int64_t aux_ld = 0) {
+    if (M == 0 || N == 0 || batch == 0) return;
+    const size_t d_elem = d_type == CUDA_R_32F ? 4 : 2;
+    detail::LtMatmulDesc desc;
+    const cublasOperation_t op_first = b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_second = a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_first);
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_second);
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+    if (bias != nullptr) {
+        require_aligned16(bias, "gemm: bias");
+        desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+    }
+    if (aux != nullptr) {
+        require_pack_multiple(aux_ld, "gemm: GELU aux leading dimension");
+        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(aux));
+        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, aux_ld);
+    }
+
+    // Column-major views: a row-major (R, C) buffer with row stride ld is a column-major (C, R) one.
+    detail::LtLayout first(CUDA_R_16BF, b.transpose ? K : N, b.transpose ? N : K, b.ld, batch, b.batch_stride);
+    detail::LtLayout second(CUDA_R_16BF, a.transpose ? M : K, a.transpose ? K : M, a.ld, batch, a.batch_stride);
+    detail::LtLayout out(d_type, N, M, ldd, batch, d_stride);
+
+    detail::LtPreference pref;
+    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, detail::alignment_bytes(b.ptr, b.ld, b.batch_stride, 2));
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, detail::alignment_bytes(a.ptr, a.ld, a.batch_stride, 2));
+    const uint32_t d_align = detail::alignment_bytes(d, ldd, d_stride, d_elem);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_align);
+    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_align);
+
+    cublasLtMatmulHeuristicResult_t heuristic;
+    int found = 0;
+    cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc.d, first.l, second.l, out.l, out.l, pref.p, 1,
+                                               &heuristic, &found));
+    if (found == 0) {
+        fail(kExitCuda,
+             "cuBLASLt has no algorithm for M=%lld N=%lld K=%lld batch=%d transA=%d transB=%d D=%s epilogue=%s",
+             (long long)M, (long long)N, (long long)K, batch, int(a.transpose), int(b.transpose),
+             d_type == CUDA_R_32F ? "fp32" : "bf16", detail::epilogue_name(epilogue));
+    }
+    cublasCheck(cublasLtMatmul(lt.handle(), desc.d, &alpha, b.ptr, first.l, a.ptr, second.l, &beta, d, out.l, d, out.l,
+                               &heuristic.algo, lt.workspace(), lt.workspace_bytes(), stream));
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Bias gradient: dbias[o] += sum over rows of dout[:, o]. Pass one sums fixed chunks of rows into fp32
+// partials (one block per chunk and 256 columns, a warp per row offset, then the 8 warps' sums added in
+// warp order); pass two adds the chunks' partials in chunk order. No atomics anywhere.
+
+constexpr int kBiasGradRowsPerChunk = 256;
+constexpr int kBiasGradBlock = 256;                               // 8 warps
+constexpr int kBiasGradColumnsPerBlock = kWarpSize * kPackX;      // 256
+
+inline int64_t bias_grad_chunks(int64_t N) { return ceil_div<int64_t>(N, kBiasGradRowsPerChunk); }
+
+// Scratch matmul_backward needs for the bias gradient (0 without a bias).
+inline size_t matmul_backward_scratch_bytes(int64_t N, int OC) {
+    return size_t(bias_grad_chunks(N)) * size_t(OC) * sizeof(float);
+}
+
+static __global__ void __launch_bounds__(kBiasGradBlock)
+    bias_grad_partial_kernel(float* partial, const floatX* dout, int64_t N, int OC) {
+    __shared__ float sums[kBiasGradBlock / kWarpSize][kBiasGradColumnsPerBlock];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int64_t chunk = blockIdx.y;
+    const int c0 = blockIdx.x * kBiasGradColumnsPerBlock + lane * kPackX;
+    const int64_t row_end = min(N, (chunk + 1) * kBiasGradRowsPerChunk);
+    float acc[kPackX] = {};
+    if (c0 < OC) {
+        for (int64_t n = chunk * kBiasGradRowsPerChunk + warp; n < row_end; n += kBiasGradBlock / kWarpSize) {
+            const PackX d = load128(dout + n * OC + c0);
+            for (int k = 0; k < kPackX; k++) acc[k] += float(d[k]);
+        }
+    }
+    for (int k = 0; k < kPackX; k++) sums[warp][lane * kPackX + k] = acc[k];
+    __syncthreads();
+    const int c = blockIdx.x * kBiasGradColumnsPerBlock + threadIdx.x;
+    if (c < OC) {
+        float s = 0.0f;
+        for (int w = 0; w < kBiasGradBlock / kWarpSize; w++) s += sums[w][threadIdx.x];
+        partial[chunk * OC + c] = s;
+    }
+}
+
+static __global__ void bias_grad_final_kernel(floatX* dbias, const float* partial, int64_t chunks, int OC) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    float s = 0.0f;
+    for (int64_t k = 0; k < chunks; k++) s += partial[k * OC + c];
+    dbias[c] = __float2bfloat16_rn(float(dbias[c]) + s);
+}
+
+inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, int OC, float* scratch,
+                                 size_t scratch_bytes, cudaStream_t stream) {
+    if (N == 0) return;
+    require_pack_multiple(OC, "bias gradient: OC");
+    require_aligned16(dout, "bias gradient: dout");
+    if (scratch_bytes < matmul_backward_scratch_bytes(N, OC)) {
+        fail(kExitUsage, "bias gradient: scratch of %zu bytes, N=%lld OC=%d needs %zu", scratch_bytes, (long long)N, OC,
+             matmul_backward_scratch_bytes(N, OC));
+    }
+    const int64_t chunks = bias_grad_chunks(N);
+    const dim3 grid(unsigned(ceil_div(OC, kBiasGradColumnsPerBlock)), unsigned(chunks));
+    bias_grad_partial_kernel<<<grid, kBiasGradBlock, 0, stream>>>(scratch, dout, N, OC);
+    cudaCheckLaunch();
+    bias_grad_final_kernel<<<unsigned(ceil_div(OC, 256)), 256, 0, stream>>>(dbias, scratch, chunks, OC);
+    cudaCheckLaunch();
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The linear layer.
+
+// out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
+// that result and out = GELU(pre_gelu), in one cuBLASLt call.
+inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
+                           int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr) {
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+    if (pre_gelu != nullptr) {
+        epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    } else if (bias != nullptr) {
+        epilogue = CUBLASLT_EPILOGUE_BIAS;
+    }
+    gemm(lt, stream, N, OC, C, GemmOperand{inp, C, false, 0}, GemmOperand{weight, C, true, 0}, out, CUDA_R_16BF, OC, 0,
+         1, 1.0f, 0.0f, epilogue, bias, pre_gelu, OC);
+}
+
+// dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when pre_gelu (N,C) is given;
+// dweight (OC,C) += dout^T @ inp (N,C); dbias (OC) += column sums of dout. dinp and dbias may be null.
+// scratch: matmul_backward_scratch_bytes(N, OC) bytes when dbias is given.
+inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
+                            const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
+                            size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
+    if (N == 0) return;
+    if (dinp != nullptr) {
+        const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
+        gemm(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0}, GemmOperand{weight, C, false, 0}, dinp,
+             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
+    }
+    gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
+         0, 1, 1.0f, 1.0f);
+    if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);
+}
+
+}  // namespace llmc

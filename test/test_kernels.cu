@@ -1,0 +1,842 @@
+/*
+GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh, gelu.cuh,
+classifier.cuh, global_norm.cuh, adamw.cuh) against the fp32 CPU reference (llmc/gpt2_cpu.h).
+
+Every kernel gets random inputs rounded to bf16; the CPU reference runs in fp32 on exactly those
+values. Shapes are deliberately not multiples of the block sizes (T=37 and 97, C=48 and 96, NH=3,
+V=101 padded to 128, row counts around the 256-row reduction chunks) plus one realistic case (C=768,
+NH=12, T=64) and the GPT-2 vocabulary for the classifier. Outputs that a kernel overwrites are
+poisoned with NaN bit patterns first, so an element that is not written shows up as non-finite;
+outputs that a kernel adds to start from random values, and their error is measured against the size
+of what was added: ||got - ref|| / ||ref - initial||. Tolerances: 1e-2 for bf16 results (one bf16
+rounding is 2^-9 = 2e-3 relative), 1e-5 for fp32 ones, exact where the math is exact (sums of two bf16
+values). Every backward, the classifier, the norm and AdamW run twice and must agree bitwise.
+Each comparison prints its relative error, so a run shows the margins.
+*/
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "llmc/adamw.cuh"
+#include "llmc/attention.cuh"
+#include "llmc/classifier.cuh"
+#include "llmc/cuda_common.cuh"
+#include "llmc/encoder.cuh"
+#include "llmc/gelu.cuh"
+#include "llmc/global_norm.cuh"
+#include "llmc/gpt2_config.h"
+#include "llmc/gpt2_cpu.h"
+#include "llmc/layernorm.cuh"
+#include "llmc/matmul.cuh"
+#include "test/gpu_test.h"
+
+using namespace llmc;
+
+namespace {
+
+constexpr double kTolBf16 = 1e-2;
+constexpr double kTolFp32 = 1e-5;
+
+// The legacy default stream: synchronous cudaMemcpy calls are ordered with the kernels on it.
+const cudaStream_t kStream = nullptr;
+
+struct Shape {
+    int B, T, C, NH, V, Vp;
+    std::string name() const { return format("B=%d T=%d C=%d NH=%d V=%d Vp=%d", B, T, C, NH, V, Vp); }
+    int64_t N() const { return int64_t(B) * T; }
+};
+
+// N = 111 (under one 256-row chunk), 776 (three chunks and a bit) and the realistic 128.
+const Shape kShapes[] = {
+    {3, 37, 96, 3, 101, 128},
+    {3, 37, 48, 3, 101, 128},
+    {8, 97, 96, 3, 101, 128},
+    {2, 64, 768, 12, 101, 128},
+};
+
+float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Normal values with the given mean and deviation, rounded to bf16 (so host and device hold the same).
+std::vector<float> random_bf16(size_t n, uint64_t seed, float stddev = 1.0f, float mean = 0.0f) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> dist(mean, stddev);
+    std::vector<float> v(n);
+    for (float& x : v) x = bf16_round(dist(gen));
+    return v;
+}
+
+std::vector<int> random_tokens(size_t n, int vocab, uint64_t seed) {
+    std::mt19937_64 gen(seed);
+    std::uniform_int_distribution<int> dist(0, vocab - 1);
+    std::vector<int> v(n);
+    for (int& x : v) x = dist(gen);
+    return v;
+}
+
+DeviceBuffer<floatX> upload_bf16(const std::vector<float>& v) {
+    std::vector<floatX> h(v.size());
+    for (size_t i = 0; i < v.size(); i++) h[i] = __float2bfloat16(v[i]);
+    DeviceBuffer<floatX> d(v.size());
+    cudaCheck(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(floatX), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <class T>
+DeviceBuffer<T> upload(const std::vector<T>& v) {
+    DeviceBuffer<T> d(v.size());
+    cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+std::vector<float> download_bf16(const floatX* p, size_t n) {
+    cudaCheck(cudaDeviceSynchronize());
+    std::vector<floatX> h(n);
+    cudaCheck(cudaMemcpy(h.data(), p, n * sizeof(floatX), cudaMemcpyDeviceToHost));
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = __bfloat162float(h[i]);
+    return v;
+}
+
+template <class T>
+std::vector<T> download(const T* p, size_t n) {
+    cudaCheck(cudaDeviceSynchronize());
+    std::vector<T> v(n);
+    cudaCheck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+// Raw bytes, for bitwise comparisons.
+template <class T>
+std::vector<unsigned char> bytes_of(const T* p, size_t n) {
+    return download(reinterpret_cast<const unsigned char*>(p), n * sizeof(T));
+}
+
+// All bits set: NaN in bf16 and in fp32.
+template <class T>
+void poison(DeviceBuffer<T>& d) {
+    cudaCheck(cudaMemset(d.get(), 0xff, d.bytes()));
+}
+
+// ||got - ref|| / ||ref - base|| (base = 0 when null), after checking every value is finite.
+void expect_close(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, double tol,
+                  const std::vector<float>* base = nullptr) {
+    ASSERT_EQ(got.size(), ref.size()) << what;
+    size_t nonfinite = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        if (!std::isfinite(got[i])) {
+            nonfinite++;
+            continue;
+        }
+        const double d = double(got[i]) - ref[i];
+        const double r = double(ref[i]) - (base != nullptr ? (*base)[i] : 0.0);
+        num += d * d;
+        den += r * r;
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+    std::printf("    %-44s rel err %.2e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_EQ(nonfinite, 0u) << what << ": " << nonfinite << " of " << got.size()
+                             << " values not finite (not written?)";
+    EXPECT_GT(den, 0.0) << what << ": the reference is trivially zero";
+    EXPECT_LE(rel, tol) << what;
+}
+
+void expect_bitwise(const std::string& what, const std::vector<unsigned char>& a, const std::vector<unsigned char>& b) {
+    ASSERT_EQ(a.size(), b.size()) << what;
+    EXPECT_TRUE(std::memcmp(a.data(), b.data(), a.size()) == 0) << what << ": two runs differ";
+}
+
+class KernelTest : public GpuTest {};
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, EncoderForwardMatchesCpuExactly) {
+    for (const Shape& s : kShapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int maxT = s.T + 3;
+        const auto wte = random_bf16(size_t(s.Vp) * s.C, 1), wpe = random_bf16(size_t(maxT) * s.C, 2);
+        const auto tokens = random_tokens(size_t(s.N()), s.V, 3);
+        std::vector<float> ref(size_t(s.N()) * s.C);
+        cpu::encoder_forward<float>(ref.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, s.C);
+        for (float& x : ref) x = bf16_round(x);
+
+        auto d_wte = upload_bf16(wte), d_wpe = upload_bf16(wpe);
+        auto d_tokens = upload(tokens);
+        DeviceBuffer<floatX> d_out(ref.size());
+        poison(d_out);
+        encoder_forward(d_out.get(), d_tokens.get(), d_wte.get(), d_wpe.get(), s.B, s.T, s.C, kStream);
+        const auto got = download_bf16(d_out.get(), ref.size());
+        expect_close("encoder out", got, ref, 0.0);
+        EXPECT_TRUE(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0) << "not bitwise equal";
+    }
+}
+
+TEST_F(KernelTest, EncoderBackwardMatchesCpuAndIsDeterministic) {
+    struct Case {
+        Shape s;
+        bool repeated;  // most positions hold one token: a run longer than a block
+    };
+    std::vector<Case> cases;
+    for (const Shape& s : kShapes) cases.push_back({s, false});
+    cases.push_back({{8, 64, 48, 3, 101, 128}, true});
+    for (const Case& c : cases) {
+        const Shape& s = c.s;
+        SCOPED_TRACE(s.name() + (c.repeated ? " repeated token" : ""));
+        std::printf("  %s%s\n", s.name().c_str(), c.repeated ? " (token 7 at ~3/4 of the positions)" : "");
+        const int maxT = s.T + 3;
+        const size_t N = size_t(s.N());
+        auto tokens = random_tokens(N, s.V, 4);
+        if (c.repeated) {
+            std::mt19937_64 gen(5);
+            for (int& t : tokens) {
+                if (gen() % 4 != 0) t = 7;
+            }
+        }
+        const auto dout = random_bf16(N * s.C, 6);
+        const auto dwte0 = random_bf16(size_t(s.Vp) * s.C, 7, 0.5f), dwpe0 = random_bf16(size_t(maxT) * s.C, 8, 0.5f);
+        std::vector<float> dwte_ref = dwte0, dwpe_ref = dwpe0;
+        cpu::encoder_backward<float>(dwte_ref.data(), dwpe_ref.data(), dout.data(), tokens.data(), s.B, s.T, s.C);
+
+        auto d_dout = upload_bf16(dout);
+        auto d_tokens = upload(tokens);
+        const size_t scratch_bytes = encoder_backward_scratch_bytes(s.B, s.T, s.Vp);
+        DeviceBuffer<char> scratch(scratch_bytes);
+        std::vector<unsigned char> first_wte, first_wpe;
+        for (int run = 0; run < 2; run++) {
+            auto d_dwte = upload_bf16(dwte0), d_dwpe = upload_bf16(dwpe0);
+            poison(scratch);
+            encoder_backward(d_dwte.get(), d_dwpe.get(), d_dout.get(), d_tokens.get(), s.B, s.T, s.C, s.Vp,
+                             scratch.get(), scratch_bytes, kStream);
+            if (run == 0) {
+                const auto dwte = download_bf16(d_dwte.get(), dwte0.size());
+                const auto dwpe = download_bf16(d_dwpe.get(), dwpe0.size());
+                expect_close("dwte (relative to what was added)", dwte, dwte_ref, kTolBf16, &dwte0);
+                expect_close("dwpe (relative to what was added)", dwpe, dwpe_ref, kTolBf16, &dwpe0);
+                std::vector<bool> present(size_t(s.Vp), false);
+                for (int t : tokens) present[size_t(t)] = true;
+                for (int v = 0; v < s.Vp; v++) {
+                    if (present[size_t(v)]) continue;
+                    for (int ch = 0; ch < s.C; ch++) {
+                        ASSERT_EQ(dwte[size_t(v) * s.C + ch], dwte0[size_t(v) * s.C + ch])
+                            << "dwte row " << v << " changed";
+                    }
+                }
+                for (size_t i = size_t(s.T) * s.C; i < dwpe0.size(); i++) {
+                    ASSERT_EQ(dwpe[i], dwpe0[i]) << "dwpe row " << i / s.C << " >= T changed";
+                }
+                first_wte = bytes_of(d_dwte.get(), dwte0.size());
+                first_wpe = bytes_of(d_dwpe.get(), dwpe0.size());
+            } else {
+                expect_bitwise("dwte", bytes_of(d_dwte.get(), dwte0.size()), first_wte);
+                expect_bitwise("dwpe", bytes_of(d_dwpe.get(), dwpe0.size()), first_wpe);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, LayerNormForwardMatchesCpu) {
+    for (const Shape& s : kShapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int64_t N = s.N();
+        const auto inp = random_bf16(size_t(N) * s.C, 10, 2.0f, 0.3f);
+        const auto weight = random_bf16(size_t(s.C), 11, 0.1f, 1.0f), bias = random_bf16(size_t(s.C), 12, 0.1f);
+        std::vector<float> out_ref(inp.size()), mean_ref(static_cast<size_t>(N)), rstd_ref(static_cast<size_t>(N));
+        cpu::layernorm_forward<float>(out_ref.data(), mean_ref.data(), rstd_ref.data(), inp.data(), weight.data(),
+                                      bias.data(), N, s.C);
+
+        auto d_inp = upload_bf16(inp), d_w = upload_bf16(weight), d_b = upload_bf16(bias);
+        DeviceBuffer<floatX> d_out(inp.size());
+        DeviceBuffer<float> d_mean(static_cast<size_t>(N)), d_rstd(static_cast<size_t>(N));
+        poison(d_out);
+        poison(d_mean);
+        poison(d_rstd);
+        layernorm_forward(d_out.get(), d_mean.get(), d_rstd.get(), d_inp.get(), d_w.get(), d_b.get(), N, s.C, kStream);
+        expect_close("layernorm out", download_bf16(d_out.get(), inp.size()), out_ref, kTolBf16);
+        expect_close("layernorm mean (fp32)", download(d_mean.get(), size_t(N)), mean_ref, kTolFp32);
+        expect_close("layernorm rstd (fp32)", download(d_rstd.get(), size_t(N)), rstd_ref, kTolFp32);
+    }
+}
+
+TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
+    for (const Shape& s : kShapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int64_t N = s.N();
+        const size_t n = size_t(N) * s.C;
+        const auto a = random_bf16(n, 13, 2.0f, 0.3f), b = random_bf16(n, 14, 0.5f);
+        const auto weight = random_bf16(size_t(s.C), 15, 0.1f, 1.0f), bias = random_bf16(size_t(s.C), 16, 0.1f);
+        std::vector<float> residual_ref(n), out_ref(n);
+        std::vector<float> mean_ref(static_cast<size_t>(N)), rstd_ref(static_cast<size_t>(N));
+        cpu::residual_forward<float>(residual_ref.data(), a.data(), b.data(), int64_t(n));
+        for (float& x : residual_ref) x = bf16_round(x);
+        cpu::layernorm_forward<float>(out_ref.data(), mean_ref.data(), rstd_ref.data(), residual_ref.data(),
+                                      weight.data(), bias.data(), N, s.C);
+
+        auto d_a = upload_bf16(a), d_b = upload_bf16(b), d_w = upload_bf16(weight), d_bias = upload_bf16(bias);
+        DeviceBuffer<floatX> d_residual(n), d_out(n), d_sum(n);
+        DeviceBuffer<float> d_mean(static_cast<size_t>(N)), d_rstd(static_cast<size_t>(N));
+        poison(d_residual);
+        poison(d_out);
+        poison(d_sum);
+        poison(d_mean);
+        poison(d_rstd);
+        residual_forward(d_sum.get(), d_a.get(), d_b.get(), int64_t(n), kStream);
+        fused_residual_layernorm_forward(d_residual.get(), d_out.get(), d_mean.get(), d_rstd.get(), d_a.get(),
+                                         d_b.get(), d_w.get(), d_bias.get(), N, s.C, kStream);
+        const auto sum = download_bf16(d_sum.get(), n), residual = download_bf16(d_residual.get(), n);
+        expect_close("residual_forward", sum, residual_ref, 0.0);
+        expect_close("fused: residual", residual, residual_ref, 0.0);
+        EXPECT_TRUE(std::memcmp(sum.data(), residual_ref.data(), n * sizeof(float)) == 0) << "residual not exact";
+        EXPECT_TRUE(std::memcmp(residual.data(), residual_ref.data(), n * sizeof(float)) == 0)
+            << "fused residual not exact";
+        expect_close("fused: layernorm out", download_bf16(d_out.get(), n), out_ref, kTolBf16);
+        expect_close("fused: mean (fp32)", download(d_mean.get(), size_t(N)), mean_ref, kTolFp32);
+        expect_close("fused: rstd (fp32)", download(d_rstd.get(), size_t(N)), rstd_ref, kTolFp32);
+    }
+}
+
+TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
+    for (const Shape& s : kShapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int64_t N = s.N();
+        const size_t n = size_t(N) * s.C;
+        const auto inp = random_bf16(n, 20, 2.0f, 0.3f), dout = random_bf16(n, 21);
+        const auto weight = random_bf16(size_t(s.C), 22, 0.1f, 1.0f), bias = random_bf16(size_t(s.C), 23, 0.1f);
+        std::vector<float> out(n), mean(static_cast<size_t>(N)), rstd(static_cast<size_t>(N));
+        cpu::layernorm_forward<float>(out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N,
+                                      s.C);
+        const auto dinp0 = random_bf16(n, 24), dw0 = random_bf16(size_t(s.C), 25, 4.0f),
+                   db0 = random_bf16(size_t(s.C), 26, 4.0f);
+        std::vector<float> dinp_ref = dinp0, dw_ref = dw0, db_ref = db0;
+        cpu::layernorm_backward<float>(dinp_ref.data(), dw_ref.data(), db_ref.data(), dout.data(), inp.data(),
+                                       weight.data(), mean.data(), rstd.data(), N, s.C);
+
+        auto d_inp = upload_bf16(inp), d_dout = upload_bf16(dout), d_w = upload_bf16(weight);
+        auto d_mean = upload(mean), d_rstd = upload(rstd);
+        const size_t scratch_bytes = layernorm_backward_scratch_bytes(N, s.C);
+        DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
+        std::vector<unsigned char> first[3];
+        for (int run = 0; run < 2; run++) {
+            auto d_dinp = upload_bf16(dinp0), d_dw = upload_bf16(dw0), d_db = upload_bf16(db0);
+            poison(scratch);
+            layernorm_backward(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
+                               d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream);
+            std::vector<unsigned char> bits[3] = {bytes_of(d_dinp.get(), n), bytes_of(d_dw.get(), size_t(s.C)),
+                                                  bytes_of(d_db.get(), size_t(s.C))};
+            if (run == 0) {
+                expect_close("dinp (relative to what was added)", download_bf16(d_dinp.get(), n), dinp_ref, kTolBf16,
+                             &dinp0);
+                expect_close("dweight (relative to what was added)", download_bf16(d_dw.get(), size_t(s.C)), dw_ref,
+                             kTolBf16, &dw0);
+                expect_close("dbias (relative to what was added)", download_bf16(d_db.get(), size_t(s.C)), db_ref,
+                             kTolBf16, &db0);
+                for (int i = 0; i < 3; i++) first[i] = bits[i];
+            } else {
+                expect_bitwise("dinp", bits[0], first[0]);
+                expect_bitwise("dweight", bits[1], first[1]);
+                expect_bitwise("dbias", bits[2], first[2]);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+struct LinearCase {
+    int C, OC;
+    bool bias, gelu;
+    const char* name;
+};
+
+std::vector<LinearCase> linear_cases(const Shape& s) {
+    return {
+        {s.C, 3 * s.C, true, false, "qkv: C -> 3C + bias"},
+        {s.C, s.C, true, false, "attproj: C -> C + bias"},
+        {s.C, s.Vp, false, false, "classifier: C -> Vp, no bias"},
+        {s.C, 4 * s.C, true, true, "fc + GELU: C -> 4C + bias"},
+    };
+}
+
+TEST_F(KernelTest, MatmulForwardMatchesCpu) {
+    CublasLt lt;
+    for (const Shape& s : kShapes) {
+        for (const LinearCase& c : linear_cases(s)) {
+            SCOPED_TRACE(s.name() + " " + c.name);
+            std::printf("  %s, %s\n", s.name().c_str(), c.name);
+            const int64_t N = s.N();
+            const auto inp = random_bf16(size_t(N) * c.C, 30);
+            const auto weight = random_bf16(size_t(c.OC) * c.C, 31, 1.0f / std::sqrt(float(c.C)));
+            const auto bias = random_bf16(size_t(c.OC), 32, 0.5f);
+            std::vector<float> pre_ref(size_t(N) * c.OC);
+            cpu::matmul_forward<float>(pre_ref.data(), inp.data(), weight.data(), c.bias ? bias.data() : nullptr, N,
+                                       c.C, c.OC);
+            std::vector<float> out_ref = pre_ref;
+            if (c.gelu) cpu::gelu_forward<float>(out_ref.data(), pre_ref.data(), int64_t(pre_ref.size()));
+
+            auto d_inp = upload_bf16(inp), d_w = upload_bf16(weight), d_b = upload_bf16(bias);
+            DeviceBuffer<floatX> d_out(out_ref.size()), d_pre(pre_ref.size());
+            poison(d_out);
+            poison(d_pre);
+            matmul_forward(lt, d_out.get(), d_inp.get(), d_w.get(), c.bias ? d_b.get() : nullptr, N, c.C, c.OC, kStream,
+                           c.gelu ? d_pre.get() : nullptr);
+            expect_close(c.gelu ? "out = GELU(inp @ W^T + b)" : "out", download_bf16(d_out.get(), out_ref.size()),
+                         out_ref, kTolBf16);
+            if (c.gelu) expect_close("pre_gelu", download_bf16(d_pre.get(), pre_ref.size()), pre_ref, kTolBf16);
+        }
+    }
+}
+
+TEST_F(KernelTest, MatmulBackwardMatchesCpuAndIsDeterministic) {
+    CublasLt lt;
+    for (const Shape& s : kShapes) {
+        struct Case {
+            int C, OC;
+            bool bias, dgelu;
+            const char* name;
+        };
+        const Case cases[] = {
+            {s.C, 3 * s.C, true, false, "qkv: C -> 3C + bias"},
+            {s.C, s.Vp, false, false, "classifier: C -> Vp, no bias"},
+            {4 * s.C, s.C, true, true, "fcproj: 4C -> C + bias, dinp through GELU'"},
+        };
+        for (const Case& c : cases) {
+            SCOPED_TRACE(s.name() + " " + c.name);
+            std::printf("  %s, %s\n", s.name().c_str(), c.name);
+            const int64_t N = s.N();
+            const size_t n_in = size_t(N) * c.C, n_out = size_t(N) * c.OC, n_w = size_t(c.OC) * c.C;
+            const auto inp = random_bf16(n_in, 40), dout = random_bf16(n_out, 41);
+            const auto weight = random_bf16(n_w, 42, 1.0f / std::sqrt(float(c.C)));
+            const auto pre_gelu = random_bf16(n_in, 43, 2.0f);
+            const auto dw0 = random_bf16(n_w, 44, 4.0f), db0 = random_bf16(size_t(c.OC), 45, 8.0f);
+            std::vector<float> dinp_ref(n_in, 0.0f), dw_ref = dw0, db_ref = db0;
+            cpu::matmul_backward<float>(dinp_ref.data(), dw_ref.data(), c.bias ? db_ref.data() : nullptr, dout.data(),
+                                        inp.data(), weight.data(), N, c.C, c.OC);
+            if (c.dgelu) {
+                const std::vector<float> through = dinp_ref;
+                std::fill(dinp_ref.begin(), dinp_ref.end(), 0.0f);
+                cpu::gelu_backward<float>(dinp_ref.data(), pre_gelu.data(), through.data(), int64_t(n_in));
+            }
+
+            auto d_inp = upload_bf16(inp), d_dout = upload_bf16(dout), d_w = upload_bf16(weight);
+            auto d_pre = upload_bf16(pre_gelu);
+            const size_t scratch_bytes = matmul_backward_scratch_bytes(N, c.OC);
+            DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
+            DeviceBuffer<floatX> d_dinp(n_in);
+            std::vector<unsigned char> first[3];
+            for (int run = 0; run < 2; run++) {
+                auto d_dw = upload_bf16(dw0), d_db = upload_bf16(db0);
+                poison(d_dinp);
+                poison(scratch);
+                matmul_backward(lt, d_dinp.get(), d_dw.get(), c.bias ? d_db.get() : nullptr, d_dout.get(), d_inp.get(),
+                                d_w.get(), N, c.C, c.OC, scratch.get(), scratch_bytes, kStream,
+                                c.dgelu ? d_pre.get() : nullptr);
+                std::vector<unsigned char> bits[3] = {bytes_of(d_dinp.get(), n_in), bytes_of(d_dw.get(), n_w),
+                                                      bytes_of(d_db.get(), size_t(c.OC))};
+                if (run == 0) {
+                    expect_close(c.dgelu ? "dinp = (dout @ W) * GELU'(pre)" : "dinp = dout @ W",
+                                 download_bf16(d_dinp.get(), n_in), dinp_ref, kTolBf16);
+                    expect_close("dweight (relative to what was added)", download_bf16(d_dw.get(), n_w), dw_ref,
+                                 kTolBf16, &dw0);
+                    const auto db = download_bf16(d_db.get(), size_t(c.OC));
+                    if (c.bias) {
+                        expect_close("dbias (relative to what was added)", db, db_ref, kTolBf16, &db0);
+                    } else {
+                        EXPECT_TRUE(db == db0) << "dbias changed although no bias was given";
+                    }
+                    for (int i = 0; i < 3; i++) first[i] = bits[i];
+                } else {
+                    expect_bitwise("dinp", bits[0], first[0]);
+                    expect_bitwise("dweight", bits[1], first[1]);
+                    expect_bitwise("dbias", bits[2], first[2]);
+                }
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndBackwardIsDeterministic) {
+    CublasLt lt;
+    std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+    shapes.push_back({2, 1, 48, 3, 101, 128});  // T = 1: a single key per query
+    for (const Shape& s : shapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int64_t N = s.N();
+        const int Tp = attention_padded_len(s.T);
+        const size_t n_qkv = size_t(N) * 3 * s.C, n_out = size_t(N) * s.C;
+        const size_t n_att_cpu = size_t(s.B) * s.NH * s.T * s.T, n_att = attention_att_elements(s.B, s.NH, s.T);
+        // Larger than unit deviation so the softmax is far from uniform.
+        const auto qkv = random_bf16(n_qkv, 50, 1.5f), dout = random_bf16(n_out, 51);
+        std::vector<float> out_ref(n_out), att_ref(n_att_cpu), dqkv_ref(n_qkv, 0.0f);
+        cpu::attention_forward<float>(out_ref.data(), att_ref.data(), qkv.data(), s.B, s.T, s.C, s.NH);
+        cpu::attention_backward<float>(dqkv_ref.data(), dout.data(), qkv.data(), att_ref.data(), s.B, s.T, s.C, s.NH);
+
+        auto d_qkv = upload_bf16(qkv), d_dout = upload_bf16(dout);
+        const size_t scratch_bytes = attention_scratch_bytes(s.B, s.T, s.C, s.NH);
+        DeviceBuffer<char> scratch(scratch_bytes);
+        DeviceBuffer<floatX> d_out(n_out), d_att(n_att), d_dqkv(n_qkv);
+        poison(d_out);
+        poison(d_att);
+        poison(scratch);
+        attention_forward(lt, d_out.get(), d_att.get(), d_qkv.get(), s.B, s.T, s.C, s.NH, scratch.get(), scratch_bytes,
+                          kStream);
+        expect_close("out", download_bf16(d_out.get(), n_out), out_ref, kTolBf16);
+        const auto att = download_bf16(d_att.get(), n_att);
+        std::vector<float> att_valid(n_att_cpu);
+        size_t nonzero_masked = 0;
+        for (size_t row = 0; row < size_t(s.B) * s.NH * s.T; row++) {
+            const size_t t = row % size_t(s.T);
+            for (int t2 = 0; t2 < Tp; t2++) {
+                const float a = att[row * Tp + size_t(t2)];
+                if (t2 < s.T) att_valid[row * s.T + size_t(t2)] = a;
+                if (size_t(t2) > t && a != 0.0f) nonzero_masked++;
+            }
+        }
+        expect_close("att (probabilities, first T columns)", att_valid, att_ref, kTolBf16);
+        EXPECT_EQ(nonzero_masked, 0u) << "att must be 0 above the diagonal and in the padding columns";
+
+        std::vector<unsigned char> first;
+        for (int run = 0; run < 2; run++) {
+            poison(d_dqkv);
+            poison(scratch);
+            attention_backward(lt, d_dqkv.get(), d_dout.get(), d_qkv.get(), d_att.get(), s.B, s.T, s.C, s.NH,
+                               scratch.get(), scratch_bytes, kStream);
+            if (run == 0) {
+                expect_close("dqkv", download_bf16(d_dqkv.get(), n_qkv), dqkv_ref, kTolBf16);
+                first = bytes_of(d_dqkv.get(), n_qkv);
+            } else {
+                expect_bitwise("dqkv", bytes_of(d_dqkv.get(), n_qkv), first);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, GeluForwardBackwardMatchCpu) {
+    for (const Shape& s : kShapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const size_t n = size_t(s.N()) * 4 * s.C;
+        const auto inp = random_bf16(n, 60, 2.0f), dout = random_bf16(n, 61);
+        std::vector<float> out_ref(n), dinp_ref(n, 0.0f);
+        cpu::gelu_forward<float>(out_ref.data(), inp.data(), int64_t(n));
+        cpu::gelu_backward<float>(dinp_ref.data(), inp.data(), dout.data(), int64_t(n));
+
+        auto d_inp = upload_bf16(inp), d_dout = upload_bf16(dout);
+        DeviceBuffer<floatX> d_out(n), d_dinp(n);
+        poison(d_out);
+        poison(d_dinp);
+        gelu_forward(d_out.get(), d_inp.get(), int64_t(n), kStream);
+        gelu_backward(d_dinp.get(), d_inp.get(), d_dout.get(), int64_t(n), kStream);
+        expect_close("gelu out", download_bf16(d_out.get(), n), out_ref, kTolBf16);
+        expect_close("gelu dinp", download_bf16(d_dinp.get(), n), dinp_ref, kTolBf16);
+        const auto separate = bytes_of(d_dinp.get(), n);
+        gelu_backward(d_dout.get(), d_inp.get(), d_dout.get(), int64_t(n), kStream);  // in place
+        expect_bitwise("gelu dinp in place vs separate", bytes_of(d_dout.get(), n), separate);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, FusedClassifierMatchesCpuAndIsDeterministic) {
+    std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+    shapes.push_back({2, 64, 768, 12, kGPT2VocabSize, padded_vocab(kGPT2VocabSize)});
+    for (const Shape& s : shapes) {
+        SCOPED_TRACE(s.name());
+        std::printf("  %s\n", s.name().c_str());
+        const int64_t N = s.N();
+        const size_t n = size_t(N) * s.Vp;
+        // Padded columns hold garbage too: the kernel must ignore them for the loss and zero their gradient.
+        const auto logits = random_bf16(n, 70, 3.0f);
+        const auto targets = random_tokens(size_t(N), s.V, 71);
+        const float dloss = 1.0f / float(N);
+        std::vector<float> probs(n), losses_ref(static_cast<size_t>(N)), dlogits_ref(n, 0.0f);
+        cpu::crossentropy_forward<float>(probs.data(), losses_ref.data(), logits.data(), targets.data(), N, s.V, s.Vp);
+        cpu::crossentropy_backward<float>(dlogits_ref.data(), probs.data(), targets.data(), dloss, N, s.V, s.Vp);
+        double mean_ref = 0;
+        for (float l : losses_ref) mean_ref += l;
+        mean_ref /= double(N);
+
+        auto d_targets = upload(targets);
+        DeviceBuffer<float> d_losses(static_cast<size_t>(N)), d_mean(1);
+        const auto logit_bits = [&] {
+            auto d = upload_bf16(logits);
+            return bytes_of(d.get(), n);
+        }();
+
+        // Evaluation: losses only, logits untouched.
+        auto d_eval = upload_bf16(logits);
+        poison(d_losses);
+        fused_classifier(d_eval.get(), d_losses.get(), d_targets.get(), dloss, N, s.V, s.Vp, false, kStream);
+        const auto eval_losses = bytes_of(d_losses.get(), size_t(N));
+        expect_bitwise("logits unchanged without dlogits", bytes_of(d_eval.get(), n), logit_bits);
+
+        std::vector<unsigned char> first_dlogits, first_losses, first_mean;
+        for (int run = 0; run < 2; run++) {
+            auto d_logits = upload_bf16(logits);
+            poison(d_losses);
+            poison(d_mean);
+            fused_classifier(d_logits.get(), d_losses.get(), d_targets.get(), dloss, N, s.V, s.Vp, true, kStream);
+            mean_loss(d_mean.get(), d_losses.get(), N, kStream);
+            if (run == 0) {
+                const auto dlogits = download_bf16(d_logits.get(), n);
+                expect_close("losses (fp32)", download(d_losses.get(), size_t(N)), losses_ref, kTolFp32);
+                expect_close("dlogits", dlogits, dlogits_ref, kTolBf16);
+                size_t padded_nonzero = 0;
+                for (int64_t row = 0; row < N; row++) {
+                    for (int v = s.V; v < s.Vp; v++) padded_nonzero += dlogits[size_t(row) * s.Vp + size_t(v)] != 0.0f;
+                }
+                EXPECT_EQ(padded_nonzero, 0u) << "padded columns of dlogits must be 0";
+                const float mean = download(d_mean.get(), 1)[0];
+                std::printf("    mean loss %.6f, reference %.6f\n", double(mean), mean_ref);
+                EXPECT_LE(std::fabs(double(mean) - mean_ref), kTolFp32 * mean_ref);
+                first_dlogits = bytes_of(d_logits.get(), n);
+                first_losses = bytes_of(d_losses.get(), size_t(N));
+                first_mean = bytes_of(d_mean.get(), 1);
+                expect_bitwise("losses with and without dlogits", first_losses, eval_losses);
+            } else {
+                expect_bitwise("dlogits", bytes_of(d_logits.get(), n), first_dlogits);
+                expect_bitwise("losses", bytes_of(d_losses.get(), size_t(N)), first_losses);
+                expect_bitwise("mean loss", bytes_of(d_mean.get(), 1), first_mean);
+            }
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+TEST_F(KernelTest, GlobalNormAndClipScaleMatchCpuAndAreDeterministic) {
+    const int64_t sizes[] = {1, 7, 8, 1000003, int64_t(kGlobalNormBlocks) * kGlobalNormBlock * kPackX * 2 + 5};
+    DeviceBuffer<float> scratch(kGlobalNormScratchBytes / sizeof(float)), d_norm(1), d_scale(1);
+    for (int64_t n : sizes) {
+        SCOPED_TRACE(format("n=%lld", (long long)n));
+        std::printf("  n = %lld\n", (long long)n);
+        const auto g = random_bf16(size_t(n), 80, 0.01f);
+        double sq = 0;
+        for (float x : g) sq += double(x) * x;
+        const double norm_ref = std::sqrt(sq);
+        auto d_g = upload_bf16(g);
+
+        std::vector<unsigned char> first;
+        for (int run = 0; run < 2; run++) {
+            poison(d_norm);
+            poison(d_scale);
+            global_norm(d_norm.get(), d_scale.get(), d_g.get(), n, 0.5f * float(norm_ref), scratch.get(),
+                        kGlobalNormScratchBytes, kStream);
+            const float norm = download(d_norm.get(), 1)[0], scale = download(d_scale.get(), 1)[0];
+            if (run == 0) {
+                const double scale_ref = cpu::clip_scale(norm_ref, 0.5 * norm_ref);
+                std::printf("    norm %.8e (reference %.8e), clip scale %.7f (reference %.7f)\n", double(norm),
+                            norm_ref, double(scale), scale_ref);
+                EXPECT_LE(std::fabs(norm - norm_ref), kTolFp32 * norm_ref);
+                EXPECT_LE(std::fabs(scale - scale_ref), kTolFp32 * scale_ref);
+                first = bytes_of(d_norm.get(), 1);
+            } else {
+                expect_bitwise("norm", bytes_of(d_norm.get(), 1), first);
+            }
+        }
+        for (float max_norm : {2.0f * float(norm_ref), 0.0f}) {
+            poison(d_scale);
+            global_norm(nullptr, d_scale.get(), d_g.get(), n, max_norm, scratch.get(), kGlobalNormScratchBytes,
+                        kStream);
+            EXPECT_EQ(download(d_scale.get(), 1)[0], 1.0f) << "max_norm " << max_norm << " must not clip";
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+static __global__ void stochastic_round_test_kernel(floatX* out, float x, uint64_t key, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = stochastic_round_bf16(x, rng_u32(key, uint64_t(i)));
+}
+
+static __global__ void rng_test_kernel(uint32_t* out, uint64_t key, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = rng_u32(key, uint64_t(i));
+}
+
+// The two bf16 neighbours of x: toward zero (truncation) and away from zero.
+void bf16_neighbours(float x, float& toward_zero, float& away) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    const uint32_t lo = bits & 0xffff0000u, hi = lo + 0x10000u;
+    std::memcpy(&toward_zero, &lo, 4);
+    std::memcpy(&away, &hi, 4);
+}
+
+TEST_F(KernelTest, StochasticRoundingIsUnbiasedAndRngMatchesHost) {
+    const int n = 1 << 20;
+    DeviceBuffer<floatX> d_out(n);
+    DeviceBuffer<uint32_t> d_rng(n);
+    const uint64_t key = rng_key(1234, 5);
+    rng_test_kernel<<<ceil_div(n, 256), 256>>>(d_rng.get(), key, n);
+    cudaCheckLaunch();
+    const auto words = download(d_rng.get(), size_t(n));
+    for (int i = 0; i < n; i += 9973) ASSERT_EQ(words[size_t(i)], rng_u32(key, uint64_t(i))) << "index " << i;
+
+    for (float x : {1.0f + 0.3f * 0x1p-7f, -3.0f - 0.85f * 0x1p-6f, 1.5f, 1e-30f * 1.37f}) {
+        SCOPED_TRACE(format("x=%.9g", double(x)));
+        float lo, hi;
+        bf16_neighbours(x, lo, hi);
+        const double expected_up = lo == x ? 0.0 : (double(x) - lo) / (double(hi) - lo);
+        poison(d_out);
+        stochastic_round_test_kernel<<<ceil_div(n, 256), 256>>>(d_out.get(), x, key, n);
+        cudaCheckLaunch();
+        const auto got = download_bf16(d_out.get(), size_t(n));
+        size_t up = 0, other = 0;
+        double mean = 0;
+        for (float y : got) {
+            if (y == hi) up++;
+            else if (y != lo) other++;
+            mean += y;
+        }
+        mean /= n;
+        const double frac = double(up) / n;
+        std::printf("  x = %.9g: rounded away from zero %.4f of the time (expected %.4f), mean %.9g\n", double(x), frac,
+                    expected_up, mean);
+        EXPECT_EQ(other, 0u) << "results other than the two neighbours";
+        EXPECT_NEAR(frac, expected_up, 0.005);  // > 10 standard deviations for 2^20 samples
+        EXPECT_NEAR(mean, double(x), 0.005 * (double(hi) - lo) + 1e-12 * std::fabs(double(x)));
+    }
+}
+
+TEST_F(KernelTest, AdamWMatchesCpuRoundsStochasticallyAndIsReproducible) {
+    const GPT2Config config = make_config(2, 48, 3, 101, 37);
+    const size_t n = size_t(num_parameters(config));
+    const auto tensors = param_tensors(config);
+    cpu::AdamW opt;
+    opt.learning_rate = 1e-2;
+    opt.weight_decay = 0.1;
+    AdamWSettings settings;
+    settings.learning_rate = float(opt.learning_rate);
+    settings.beta1 = float(opt.beta1);
+    settings.beta2 = float(opt.beta2);
+    settings.eps = float(opt.eps);
+    settings.weight_decay = float(opt.weight_decay);
+    const std::vector<float> master0 = [&] {
+        std::mt19937_64 gen(90);
+        std::normal_distribution<float> dist(0.0f, 0.5f);
+        std::vector<float> v(n);
+        for (float& x : v) x = dist(gen);
+        return v;
+    }();
+    const int steps = 3;
+    const float grad_scales[steps] = {0.7f, 0.35f, 1.0f};  // the last step passes no scale pointer (= 1)
+    std::vector<std::vector<float>> grads;
+    for (int k = 0; k < steps; k++) grads.push_back(random_bf16(n, 91 + uint64_t(k), 0.05f));
+
+    cpu::GPT2<float> model(config, master0);
+    std::vector<std::vector<float>> master_ref;
+    for (int k = 0; k < steps; k++) {
+        model.grads = grads[size_t(k)];
+        model.update(opt, k + 1, grad_scales[k]);
+        master_ref.push_back(model.params);
+    }
+
+    struct Run {
+        std::vector<unsigned char> params, master, m, v;
+    };
+    auto run_gpu = [&](uint64_t seed, bool check) {
+        auto d_master = upload(master0);
+        DeviceBuffer<floatX> d_params(n);
+        DeviceBuffer<float> d_m(n), d_v(n), d_scale(1);
+        cudaCheck(cudaMemset(d_m.get(), 0, d_m.bytes()));
+        cudaCheck(cudaMemset(d_v.get(), 0, d_v.bytes()));
+        poison(d_params);
+        convert_to_bf16(d_params.get(), d_master.get(), int64_t(n), kStream);
+        if (check) {
+            const auto p = download_bf16(d_params.get(), n);
+            size_t wrong = 0;
+            for (size_t i = 0; i < n; i++) wrong += p[i] != bf16_round(master0[i]);
+            EXPECT_EQ(wrong, 0u) << "convert_to_bf16 is not round-to-nearest";
+        }
+        const AdamWTensors table = adamw_tensors(config);
+        for (int k = 0; k < steps; k++) {
+            auto d_grads = upload_bf16(grads[size_t(k)]);
+            const bool scaled = grad_scales[k] != 1.0f;
+            if (scaled) cudaCheck(cudaMemcpy(d_scale.get(), &grad_scales[k], sizeof(float), cudaMemcpyHostToDevice));
+            adamw_update(d_params.get(), d_master.get(), d_m.get(), d_v.get(), d_grads.get(), table, settings, k + 1,
+                         seed, scaled ? d_scale.get() : nullptr, kStream);
+            if (!check) continue;
+            SCOPED_TRACE(format("step %d", k + 1));
+            std::printf("  step %d (grad scale %.2f)\n", k + 1, double(grad_scales[k]));
+            const auto master = download(d_master.get(), n);
+            const std::vector<float>& before = k == 0 ? master0 : master_ref[size_t(k - 1)];
+            for (int i = 0; i < kNumParamTensors; i++) {
+                const ParamTensorInfo& t = tensors[size_t(i)];
+                const auto slice = [&](const std::vector<float>& v) {
+                    return std::vector<float>(v.begin() + t.offset, v.begin() + t.offset + t.numel);
+                };
+                const auto base = slice(before);
+                // The update is ~lr per step while fp32 rounding of the weights is ~1e-7 of them: 1e-4 of
+                // the update leaves room for that and catches a missed or misapplied weight decay (1e-3).
+                expect_close(format("master %s (relative to the update)", t.name), slice(master),
+                             slice(master_ref[size_t(k)]), 1e-4, &base);
+            }
+            const auto params = download_bf16(d_params.get(), n);
+            size_t not_neighbour = 0, up = 0, inexact = 0;
+            for (size_t i = 0; i < n; i++) {
+                float lo, hi;
+                bf16_neighbours(master[i], lo, hi);
+                if (lo == master[i]) {
+                    not_neighbour += params[i] != master[i];
+                    continue;
+                }
+                inexact++;
+                if (params[i] == hi) up++;
+                else if (params[i] != lo) not_neighbour++;
+            }
+            EXPECT_EQ(not_neighbour, 0u) << "bf16 parameters that are not a neighbour of the master weight";
+            // Dropped bits are close to uniform, so about half the values round away from zero.
+            const double frac = double(up) / double(inexact);
+            std::printf("    %.3f of the bf16 parameters rounded away from zero\n", frac);
+            EXPECT_GT(frac, 0.4);
+            EXPECT_LT(frac, 0.6);
+        }
+        if (check) {
+            expect_close("adam m", download(d_m.get(), n), model.adam_m, kTolFp32);
+            expect_close("adam v", download(d_v.get(), n), model.adam_v, kTolFp32);
+        }
+        return Run{bytes_of(d_params.get(), n), bytes_of(d_master.get(), n), bytes_of(d_m.get(), n),
+                   bytes_of(d_v.get(), n)};
+    };
+
+    const Run a = run_gpu(7, true), b = run_gpu(7, false), c = run_gpu(8, false);
+    expect_bitwise("params, same seed", a.params, b.params);
+    expect_bitwise("master, same seed", a.master, b.master);
+    expect_bitwise("m, same seed", a.m, b.m);
+    expect_bitwise("v, same seed", a.v, b.v);
+    expect_bitwise("master, different seed (the seed only affects rounding)", a.master, c.master);
+    size_t differ = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t x, y;
+        std::memcpy(&x, &a.params[2 * i], 2);
+        std::memcpy(&y, &c.params[2 * i], 2);
+        differ += x != y;
+    }
+    std::printf("  different seeds: %.3f of the bf16 parameters differ\n", double(differ) / double(n));
+    EXPECT_GT(double(differ), 0.25 * double(n)) << "a different seed should change many roundings";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    ::testing::InitGoogleTest(&argc, argv);
+    return RUN_ALL_TESTS();
+}
