@@ -27,11 +27,14 @@ NVCCFLAGS := -std=c++17 -O3 -lineinfo -I. -MMD -MP $(GENCODE) --expt-relaxed-con
              -Xcompiler "-fopenmp -pthread $(WARNINGS)" -Wno-deprecated-gpu-targets
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lcublas
 HOST_LIBS := -fopenmp -pthread
-GTEST_LIBS := -lgtest
+# gtest_main supplies main() to tests that do not define their own (an archive member is linked only when needed).
+GTEST_LIBS := -lgtest_main -lgtest
 
 # PCRE2 (the tokenizer's pre-tokenisation regex) is needed only by the binaries named here; where its
 # headers are missing (the GPU machine) they are skipped and can be carried from a machine that has them.
-PCRE2_BINARIES :=
+PCRE2_BINARIES := prepare_data test_tokenizer
+LDLIBS_prepare_data := -lpcre2-8
+LDLIBS_test_tokenizer := -lpcre2-8
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
 
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))
@@ -40,7 +43,7 @@ SCRIPT_TESTS := $(wildcard test/test_*.sh)
 DEV_BINARIES := $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu)) \
                 $(patsubst dev/%.cpp,$(BUILD)/%,$(wildcard dev/*.cpp)) \
                 $(patsubst dev/data/%.cpp,$(BUILD)/%,$(wildcard dev/data/*.cpp))
-TRAINERS := train_gpt2cu
+TRAINERS := train_gpt2cu train_gpt2
 
 ifeq ($(HAVE_PCRE2),)
 SKIPPED_PCRE2 := $(filter $(addprefix $(BUILD)/,$(PCRE2_BINARIES)),$(CPU_TESTS) $(DEV_BINARIES))
@@ -50,7 +53,7 @@ endif
 
 ALL := $(TRAINERS) $(DEV_BINARIES) $(CPU_TESTS) $(GPU_TESTS)
 
-.PHONY: all test clean
+.PHONY: all test clean data
 all: $(ALL)
 ifneq ($(SKIPPED_PCRE2),)
 	@echo "note: PCRE2 headers not found (apt-get install libpcre2-dev); not built: $(SKIPPED_PCRE2)"
@@ -58,6 +61,10 @@ endif
 
 train_gpt2cu: train_gpt2.cu
 	$(NVCC) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
+
+# The CPU trainer (fp32 reference model, OpenMP): the quick start without a GPU.
+train_gpt2: train_gpt2_cpu.cpp
+	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)
 
 $(BUILD)/%: test/%.cpp | $(BUILD)
 	$(CXX) $(CXXFLAGS) $< -o $@ $(GTEST_LIBS) $(HOST_LIBS) $(LDLIBS_$*)
@@ -82,5 +89,9 @@ test: $(CPU_TESTS) $(GPU_TESTS)
 
 clean:
 	rm -rf $(BUILD) $(TRAINERS)
+
+# The quick-start corpus: train/val shards and the tokenizer file in data/ (scripts/prepare_corpus.sh).
+data: $(BUILD)/prepare_data
+	bash scripts/prepare_corpus.sh
 
 -include $(wildcard $(BUILD)/*.d) $(wildcard *.d)

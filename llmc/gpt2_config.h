@@ -1,0 +1,218 @@
+/*
+The shape of a GPT-2 model and everything that follows from the shape alone.
+
+Provides: GPT2Config (maxT, V, Vp, L, NH, C); configurations from a descriptor ("d12") or from explicit
+numbers; validate_config(); the 16 parameter tensors in llm.c's order with their shapes, sizes, offsets
+into one flat parameter array and whether AdamW decays them; deterministic GPT-2 initialisation; the
+FLOPs-per-token convention used for MFU (6N + 6LCT, as llm.c).
+
+Descriptors: d12, d24, d36, d48 are GPT-2 small/medium/large/XL (124M/350M/774M/1558M). d2 and d6 are
+small models for quick runs that follow llm.c's rule for its unofficial d6: head size 64, so C = 64 * L
+and NH = L (d6: C=384, NH=6, 30M parameters with the GPT-2 vocabulary; d2: C=128, NH=2, 7M). All use
+the GPT-2 vocabulary (V=50257, padded to Vp=50304) and maxT=1024.
+
+Does not provide: the model's math (gpt2_cpu.h on the CPU, the GPU trainer on the GPU) or file I/O
+(model_file.h).
+*/
+#pragma once
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr int kGPT2VocabSize = 50257;
+constexpr int kGPT2MaxSeqLen = 1024;
+// The vocabulary is padded so the classifier matmul gets friendly sizes; padded rows of wte stay zero.
+constexpr int kVocabPadMultiple = 128;
+
+struct GPT2Config {
+    int max_seq_len = 0;        // maxT: rows of the position embedding
+    int vocab_size = 0;         // V: real tokens
+    int padded_vocab_size = 0;  // Vp >= V: rows of the token embedding and columns of the logits
+    int num_layers = 0;         // L
+    int num_heads = 0;          // NH
+    int channels = 0;           // C
+
+    int head_size() const { return channels / num_heads; }
+    bool operator==(const GPT2Config& o) const {
+        return max_seq_len == o.max_seq_len && vocab_size == o.vocab_size &&
+               padded_vocab_size == o.padded_vocab_size && num_layers == o.num_layers && num_heads == o.num_heads &&
+               channels == o.channels;
+    }
+    bool operator!=(const GPT2Config& o) const { return !(*this == o); }
+};
+
+inline std::string describe(const GPT2Config& c) {
+    return format("maxT=%d V=%d Vp=%d L=%d NH=%d C=%d", c.max_seq_len, c.vocab_size, c.padded_vocab_size,
+                  c.num_layers, c.num_heads, c.channels);
+}
+
+inline int padded_vocab(int vocab_size) {
+    return (vocab_size + kVocabPadMultiple - 1) / kVocabPadMultiple * kVocabPadMultiple;
+}
+
+// Empty when the shape is usable, else what is wrong. The upper bounds only reject garbage (a corrupt
+// header) before it turns into a huge allocation or an overflowing size; they are far above GPT-2 XL.
+inline std::string config_problem(const GPT2Config& c) {
+    auto in_range = [](int v, int hi) { return v >= 1 && v <= hi; };
+    if (!in_range(c.max_seq_len, 1 << 20)) return format("max_seq_len %d is not in [1, 1048576]", c.max_seq_len);
+    if (!in_range(c.vocab_size, 1 << 24)) return format("vocab_size %d is not in [1, 16777216]", c.vocab_size);
+    if (c.padded_vocab_size < c.vocab_size || c.padded_vocab_size > (1 << 24)) {
+        return format("padded_vocab_size %d is not in [vocab_size=%d, 16777216]", c.padded_vocab_size, c.vocab_size);
+    }
+    if (!in_range(c.num_layers, 4096)) return format("num_layers %d is not in [1, 4096]", c.num_layers);
+    if (!in_range(c.channels, 1 << 16)) return format("channels %d is not in [1, 65536]", c.channels);
+    if (!in_range(c.num_heads, c.channels)) return format("num_heads %d is not in [1, channels=%d]", c.num_heads, c.channels);
+    if (c.channels % c.num_heads != 0) {
+        return format("channels %d is not a multiple of num_heads %d", c.channels, c.num_heads);
+    }
+    return "";
+}
+
+// Raises exit_code with "<context>: <problem>" when the shape is unusable.
+inline void validate_config(const GPT2Config& c, int exit_code, const std::string& context) {
+    std::string problem = config_problem(c);
+    if (!problem.empty()) fail(exit_code, "%s: %s (%s)", context.c_str(), problem.c_str(), describe(c).c_str());
+}
+
+// A model of explicit size; Vp is V rounded up to a multiple of 128.
+inline GPT2Config make_config(int num_layers, int channels, int num_heads, int vocab_size = kGPT2VocabSize,
+                              int max_seq_len = kGPT2MaxSeqLen) {
+    GPT2Config c;
+    c.max_seq_len = max_seq_len;
+    c.vocab_size = vocab_size;
+    c.padded_vocab_size = padded_vocab(vocab_size);
+    c.num_layers = num_layers;
+    c.num_heads = num_heads;
+    c.channels = channels;
+    validate_config(c, kExitUsage, "model shape");
+    return c;
+}
+
+inline GPT2Config config_from_descriptor(const std::string& descriptor) {
+    struct Known {
+        const char* name;
+        int layers, channels, heads;
+    };
+    static const Known known[] = {
+        {"d2", 2, 128, 2},     {"d6", 6, 384, 6},      {"d12", 12, 768, 12},
+        {"d24", 24, 1024, 16}, {"d36", 36, 1280, 20},  {"d48", 48, 1600, 25},
+    };
+    for (const Known& k : known) {
+        if (descriptor == k.name) return make_config(k.layers, k.channels, k.heads);
+    }
+    fail(kExitUsage, "unknown model descriptor '%s' (expected d2, d6, d12, d24, d36 or d48)", descriptor.c_str());
+}
+
+// The parameter tensors, in the order llm.c stores them in memory and in model files.
+enum ParamTensor : int {
+    kWte, kWpe, kLn1w, kLn1b, kQkvw, kQkvb, kAttprojw, kAttprojb,
+    kLn2w, kLn2b, kFcw, kFcb, kFcprojw, kFcprojb, kLnfw, kLnfb,
+    kNumParamTensors
+};
+
+struct ParamTensorInfo {
+    const char* name = "";
+    int ndim = 0;
+    int64_t shape[3] = {0, 0, 0};  // per-layer tensors lead with L
+    int64_t numel = 0;
+    int64_t offset = 0;  // elements from the start of the flat parameter array
+    bool decayed = false;  // weight matrices (2-D per layer) get AdamW weight decay; biases and LayerNorms do not
+};
+
+inline std::array<ParamTensorInfo, kNumParamTensors> param_tensors(const GPT2Config& c) {
+    const int64_t Vp = c.padded_vocab_size, maxT = c.max_seq_len, L = c.num_layers, C = c.channels;
+    std::array<ParamTensorInfo, kNumParamTensors> t;
+    auto set = [&](int i, const char* name, bool decayed, std::initializer_list<int64_t> shape) {
+        t[i].name = name;
+        t[i].decayed = decayed;
+        t[i].ndim = 0;
+        t[i].numel = 1;
+        for (int64_t d : shape) {
+            t[i].shape[t[i].ndim++] = d;
+            t[i].numel *= d;
+        }
+    };
+    set(kWte, "wte", true, {Vp, C});
+    set(kWpe, "wpe", true, {maxT, C});
+    set(kLn1w, "ln1w", false, {L, C});
+    set(kLn1b, "ln1b", false, {L, C});
+    set(kQkvw, "qkvw", true, {L, 3 * C, C});
+    set(kQkvb, "qkvb", false, {L, 3 * C});
+    set(kAttprojw, "attprojw", true, {L, C, C});
+    set(kAttprojb, "attprojb", false, {L, C});
+    set(kLn2w, "ln2w", false, {L, C});
+    set(kLn2b, "ln2b", false, {L, C});
+    set(kFcw, "fcw", true, {L, 4 * C, C});
+    set(kFcb, "fcb", false, {L, 4 * C});
+    set(kFcprojw, "fcprojw", true, {L, C, 4 * C});
+    set(kFcprojb, "fcprojb", false, {L, C});
+    set(kLnfw, "lnfw", false, {C});
+    set(kLnfb, "lnfb", false, {C});
+    int64_t offset = 0;
+    for (ParamTensorInfo& info : t) {
+        info.offset = offset;
+        offset += info.numel;
+    }
+    return t;
+}
+
+inline int64_t num_parameters(const GPT2Config& c) {
+    auto t = param_tensors(c);
+    return t[kNumParamTensors - 1].offset + t[kNumParamTensors - 1].numel;
+}
+
+// llm.c's MFU convention: 6 FLOPs per parameter per token (forward + backward matmuls, N counting every
+// parameter including wpe and the padded rows) plus 6*L*C*T for the attention scores and mixing.
+inline double flops_per_token(const GPT2Config& c, int seq_len) {
+    return 6.0 * double(num_parameters(c)) + 6.0 * c.num_layers * double(c.channels) * seq_len;
+}
+
+// A standard normal sample that depends only on (seed, stream, index), so initialisation is the same
+// whatever the thread count and any tensor can be regenerated alone. SplitMix64 mixing feeds Box-Muller.
+inline double counter_normal(uint64_t seed, uint64_t stream, uint64_t index) {
+    auto mix = [](uint64_t z) {
+        z += 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        return z ^ (z >> 31);
+    };
+    uint64_t key = mix(mix(seed) ^ (stream * 0xd1b54a32d192ed03ull));
+    uint64_t a = mix(key ^ mix(2 * index));
+    uint64_t b = mix(key ^ mix(2 * index + 1));
+    double u1 = double((a >> 11) + 1) * 0x1.0p-53;  // (0, 1], so the log is finite
+    double u2 = double(b >> 11) * 0x1.0p-53;        // [0, 1)
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+// GPT-2 / nanoGPT initialisation into the flat array `params` (num_parameters(c) floats): weight
+// matrices N(0, 0.02), the two projections back into the residual stream (attprojw, fcprojw) N(0,
+// 0.02/sqrt(2L)), LayerNorm weights 1, all biases 0, padded rows of wte 0. Deterministic for a seed.
+inline void init_parameters(const GPT2Config& c, uint64_t seed, float* params) {
+    auto tensors = param_tensors(c);
+    const double residual_std = 0.02 / std::sqrt(2.0 * c.num_layers);
+    for (int i = 0; i < kNumParamTensors; i++) {
+        const ParamTensorInfo& t = tensors[i];
+        float* p = params + t.offset;
+        int64_t n = t.numel;
+        if (i == kLn1w || i == kLn2w || i == kLnfw) {
+            for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
+        } else if (!t.decayed) {
+            for (int64_t j = 0; j < n; j++) p[j] = 0.0f;
+        } else {
+            double stddev = (i == kAttprojw || i == kFcprojw) ? residual_std : 0.02;
+            int64_t random = (i == kWte) ? int64_t(c.vocab_size) * c.channels : n;
+#pragma omp parallel for schedule(static)
+            for (int64_t j = 0; j < n; j++) {
+                p[j] = j < random ? float(stddev * counter_normal(seed, uint64_t(i), uint64_t(j))) : 0.0f;
+            }
+        }
+    }
+}
+
+}  // namespace llmc

@@ -1,0 +1,186 @@
+/*
+Model files in llm.c's layout, so that llm.c's files load here and ours load in llm.c.
+
+A model file is a header of 256 int32 values followed by the parameters:
+    header[0] = 20240326 (magic)
+    header[1] = version: 3 = fp32 parameters, 5 = bf16 parameters (every tensor, LayerNorms included)
+    header[2] = maxT, header[3] = V, header[4] = L, header[5] = NH, header[6] = C, header[7] = Vp
+    header[8..255] = 0
+then the 16 tensors of gpt2_config.h's param_tensors() back to back, in that order, row-major, with no
+padding between them: num_parameters * 4 bytes (version 3) or * 2 bytes (version 5) after the header.
+Rule for header[7]: llm.c's versions 3 and 5 always store Vp there. A file whose header[7] is 0 is
+read as unpadded (Vp = V), and the file length then decides: it must hold exactly that many rows.
+llm.c's older versions 1 and 2 (unpadded vocabulary) are rejected with a hint to re-export.
+
+Provides: fp32 <-> bf16 conversion (round to nearest even), write_model_file(), read_model_header()
+and read_model_file(), which validate magic, version, shapes, file length and that the padded rows
+of wte are zero before trusting a byte, and name the file, the offset and what was expected.
+
+Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code),
+or an atomic replace of an existing file (callers that need one write elsewhere and rename).
+*/
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "llmc/gpt2_config.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr int32_t kModelMagic = 20240326;
+constexpr int kModelVersionFp32 = 3;
+constexpr int kModelVersionBf16 = 5;
+constexpr int kModelHeaderInts = 256;
+constexpr int64_t kModelHeaderBytes = kModelHeaderInts * int64_t(sizeof(int32_t));
+
+inline int model_bytes_per_param(int version) {
+    return version == kModelVersionFp32 ? 4 : version == kModelVersionBf16 ? 2 : 0;
+}
+
+// Round to nearest, ties to even; NaN stays NaN (made quiet, sign kept), overflow rounds to infinity.
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x0040u);
+    uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+    return uint16_t((bits + rounding) >> 16);
+}
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+struct ModelFileInfo {
+    GPT2Config config;
+    int version = 0;
+};
+
+// Reads and validates the header of an open model file against its length.
+inline ModelFileInfo read_model_header(File& f) {
+    const char* path = f.path().c_str();
+    int64_t file_size = f.size();
+    if (file_size < kModelHeaderBytes) {
+        fail(kExitData, "model file '%s' is %lld bytes, shorter than its %lld-byte header", path,
+             (long long)file_size, (long long)kModelHeaderBytes);
+    }
+    int32_t h[kModelHeaderInts];
+    f.seek(0);
+    f.read_exact(h, sizeof(h));
+    if (h[0] != kModelMagic) {
+        fail(kExitData, "model file '%s': bad magic %d at offset 0 (expected %d); is this a model file?", path, h[0],
+             kModelMagic);
+    }
+    ModelFileInfo info;
+    info.version = h[1];
+    if (info.version == 1 || info.version == 2) {
+        fail(kExitData,
+             "model file '%s': version %d at offset 4 is llm.c's old unpadded-vocabulary format; re-export it with a "
+             "current train_gpt2.py (version 3 = fp32 or 5 = bf16)", path, info.version);
+    }
+    if (model_bytes_per_param(info.version) == 0) {
+        fail(kExitData, "model file '%s': unsupported version %d at offset 4 (expected 3 = fp32 or 5 = bf16)", path,
+             info.version);
+    }
+    GPT2Config& c = info.config;
+    c.max_seq_len = h[2];
+    c.vocab_size = h[3];
+    c.num_layers = h[4];
+    c.num_heads = h[5];
+    c.channels = h[6];
+    c.padded_vocab_size = h[7] == 0 ? h[3] : h[7];
+    validate_config(c, kExitData, format("model file '%s': the header (offsets 8..31) holds an invalid shape", path));
+    int64_t expected = kModelHeaderBytes + num_parameters(c) * model_bytes_per_param(info.version);
+    if (file_size != expected) {
+        fail(kExitData,
+             "model file '%s': a version %d model of shape %s needs %lld bytes (%lld parameters after the header) "
+             "but the file is %lld bytes%s", path, info.version, describe(c).c_str(), (long long)expected,
+             (long long)num_parameters(c), (long long)file_size,
+             file_size < expected ? " (truncated?)" : " (trailing data, or a header that does not match the data)");
+    }
+    return info;
+}
+
+// The padded rows of wte must be zero: they receive no gradient, and llm.c's writer and ours keep them so.
+// A non-zero value means the file was not written as a GPT-2 model file of this layout.
+inline void check_padded_rows_zero(const GPT2Config& c, const float* params, const std::string& path, int version) {
+    const int64_t C = c.channels;
+    const float* wte = params + param_tensors(c)[kWte].offset;
+    for (int64_t i = int64_t(c.vocab_size) * C; i < int64_t(c.padded_vocab_size) * C; i++) {
+        if (wte[i] != 0.0f) {
+            fail(kExitData,
+                 "model file '%s': padded vocabulary row %lld of wte (offset %lld) holds %g, but rows %d..%d must be "
+                 "zero", path.c_str(), (long long)(i / C),
+                 (long long)(kModelHeaderBytes + i * model_bytes_per_param(version)), double(wte[i]), c.vocab_size,
+                 c.padded_vocab_size - 1);
+        }
+    }
+}
+
+// Reads a whole model file into `params` (resized to num_parameters), converting bf16 to fp32. With
+// `expected`, the file's shape must equal it (for a caller that has already sized a model).
+inline ModelFileInfo read_model_file(const std::string& path, std::vector<float>* params,
+                                     const GPT2Config* expected = nullptr) {
+    File f(path, File::Mode::Read);
+    ModelFileInfo info = read_model_header(f);
+    if (expected != nullptr && info.config != *expected) {
+        fail(kExitData, "model file '%s' holds a model of shape %s, but shape %s was expected", path.c_str(),
+             describe(info.config).c_str(), describe(*expected).c_str());
+    }
+    const int64_t n = num_parameters(info.config);
+    params->resize(size_t(n));
+    if (info.version == kModelVersionFp32) {
+        f.read_exact(params->data(), size_t(n) * sizeof(float));
+    } else {
+        const int64_t chunk = int64_t(1) << 22;
+        std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
+        for (int64_t done = 0; done < n; done += chunk) {
+            int64_t m = std::min(chunk, n - done);
+            f.read_exact(buf.data(), size_t(m) * sizeof(uint16_t));
+            for (int64_t j = 0; j < m; j++) (*params)[size_t(done + j)] = bf16_to_float(buf[size_t(j)]);
+        }
+    }
+    check_padded_rows_zero(info.config, params->data(), path, info.version);
+    return info;
+}
+
+// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16).
+inline void write_model_file(const std::string& path, const GPT2Config& c, const float* params, int version) {
+    if (model_bytes_per_param(version) == 0) {
+        fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
+    }
+    validate_config(c, kExitUsage, format("model file '%s': cannot write an invalid shape", path.c_str()));
+    int32_t h[kModelHeaderInts] = {};
+    h[0] = kModelMagic;
+    h[1] = version;
+    h[2] = c.max_seq_len;
+    h[3] = c.vocab_size;
+    h[4] = c.num_layers;
+    h[5] = c.num_heads;
+    h[6] = c.channels;
+    h[7] = c.padded_vocab_size;
+    const int64_t n = num_parameters(c);
+    File f(path, File::Mode::Write);
+    f.write_all(h, sizeof(h));
+    if (version == kModelVersionFp32) {
+        f.write_all(params, size_t(n) * sizeof(float));
+    } else {
+        const int64_t chunk = int64_t(1) << 22;
+        std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
+        for (int64_t done = 0; done < n; done += chunk) {
+            int64_t m = std::min(chunk, n - done);
+            for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
+            f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+        }
+    }
+    f.close();
+}
+
+}  // namespace llmc

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The CPU trainer (train_gpt2) end to end on synthetic shards: a tiny model learns a noisy Markov chain
+# (the validation loss must fall by a third), reads both shard versions (uint16 and uint32 tokens),
+# writes a model file that loads back to the same validation loss, and fails cleanly on bad input.
+# Exit 0 pass, 1 fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make -s train_gpt2
+dir=$(mktemp -d /tmp/train_gpt2_cpu_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+
+python3 - "$dir" <<'PY'
+import random, struct, sys
+d = sys.argv[1]
+def shard(path, tokens, version):
+    header = [20240520, version, len(tokens)] + [0] * 253
+    fmt = "<%d%s" % (len(tokens), "H" if version == 1 else "I")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header) + struct.pack(fmt, *tokens))
+def chain(n, seed):
+    rng, t, out = random.Random(seed), 0, []
+    for _ in range(n):
+        t = (7 * t + 3) % 97 if rng.random() < 0.9 else rng.randrange(97)
+        out.append(t)
+    return out
+shard(d + "/syn_train_000000.bin", chain(20000, 1), 1)
+shard(d + "/syn_train_000001.bin", chain(20000, 2), 2)
+shard(d + "/syn_val_000000.bin", chain(5000, 3), 1)
+shard(d + "/bad_val_000000.bin", chain(2000, 4) + [97], 1)
+PY
+
+common=(--train "$dir/syn_train_*.bin" --val "$dir/syn_val_*.bin" --batch 4 --seq 16 --val-batches 16)
+OMP_NUM_THREADS=2 ./train_gpt2 "${common[@]}" --layers 2 --channels 32 --heads 2 --vocab 97 --max-seq-len 32 \
+    --steps 150 --lr 3e-3 --val-every 50 --out "$dir/model.bin" | tee "$dir/log"
+read -r first last < <(sed -n 's/^val loss: \([0-9.]*\) -> \([0-9.]*\)$/\1 \2/p' "$dir/log")
+echo "val loss $first -> $last"
+python3 -c "import sys; f, l = float(sys.argv[1]), float(sys.argv[2]); sys.exit(0 if l < f * 2 / 3 else 1)" "$first" "$last" \
+    || { echo "FAIL: the validation loss did not fall by a third"; exit 1; }
+
+./train_gpt2 "${common[@]}" --model "$dir/model.bin" --steps 0 | tee "$dir/log2"
+reloaded=$(sed -n 's/^step     0 | val loss \([0-9.]*\)$/\1/p' "$dir/log2")
+[ "$reloaded" = "$last" ] || { echo "FAIL: the written model gives val loss $reloaded, expected $last"; exit 1; }
+
+expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
+    local code=$1 fragment=$2 rc=0
+    shift 2
+    ./train_gpt2 "$@" >"$dir/out" 2>&1 || rc=$?
+    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
+        echo "FAIL: train_gpt2 $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
+    fi
+}
+tiny=(--layers 1 --channels 8 --heads 2 --vocab 97 --max-seq-len 32 --batch 2 --seq 8 --steps 1)
+expect_exit 3 "no token shards match" --train "$dir/none_*.bin" --val none "${tiny[@]}"
+expect_exit 4 "outside the model's vocabulary" --train "$dir/bad_val_*.bin" --val none "${tiny[@]}" --steps 300
+expect_exit 2 "needs all of --layers" --train "$dir/syn_train_*.bin" --layers 2
+expect_exit 2 "longer than the model's max_seq_len" --train "$dir/syn_train_*.bin" --val none "${tiny[@]}" --seq 33
+echo "ok"
