@@ -1,15 +1,17 @@
 /*
 The token shard file format, shared by the data preparation tool (writer) and the DataLoader (reader).
 
-A shard is llm.c's layout: a header of 256 int32 values, then the tokens.
+A shard is llm.c's layout: a header of 256 int32 values (1024 bytes, little-endian), then the tokens.
     header[0] = 20240520 (magic)
     header[1] = version: 1 = uint16 tokens (llm.c's format, vocabularies up to 65,536 ids)
                          2 = uint32 tokens (our extension, for larger vocabularies)
-    header[2] = number of tokens (low 32 bits; header[3] holds the high 32 bits when version 2 needs them)
-The rest of the header is zero. Token i sits at byte 1024 + i * bytes_per_token.
+    header[2] = number of tokens, low 32 bits. Version 1 keeps it below 2^31 because llm.c reads it as
+                an int; version 2 puts the high 32 bits in header[3], so its shards may exceed 4 Gi tokens.
+The rest of the header is zero. Token i sits at byte 1024 + i * bytes_per_token, so a file holds
+exactly 1024 + count * bytes_per_token bytes; offsets are 64-bit throughout.
 
-Provides: the constants, write_token_shard() and read_shard_header() that validates a shard's header
-against its file length. Does not provide: reading tokens in batches (dataloader.h does that).
+Provides: the constants, write_token_shard() and read_shard_header(), which validates a shard's header
+against its file length. Does not provide: token id checks or reading tokens in batches (dataloader.h).
 */
 #pragma once
 
@@ -24,6 +26,7 @@ namespace llmc {
 constexpr int32_t kShardMagic = 20240520;
 constexpr int kShardHeaderInts = 256;
 constexpr int64_t kShardHeaderBytes = kShardHeaderInts * (int64_t)sizeof(int32_t);
+constexpr int64_t kShardV1MaxTokens = INT32_MAX;
 
 struct ShardHeader {
     int version = 0;
@@ -33,11 +36,18 @@ struct ShardHeader {
 
 inline int shard_bytes_per_token(int version) { return version == 1 ? 2 : version == 2 ? 4 : 0; }
 
-// Writes a shard of `n` tokens. Version 1 stores uint16 and refuses ids above 65535; version 2 stores uint32.
+// Byte offset of token `token` in a shard whose tokens are `bytes_per_token` wide.
+inline int64_t shard_token_byte_offset(int64_t token, int bytes_per_token) {
+    return kShardHeaderBytes + token * bytes_per_token;
+}
+
+// Writes a shard of `n` tokens. Version 1 stores uint16 and refuses ids above 65535 (and more than 2^31-1
+// tokens, which llm.c could not count); version 2 stores uint32.
 inline void write_token_shard(const std::string& path, const uint32_t* tokens, size_t n, int version) {
     if (version != 1 && version != 2) fail(kExitUsage, "shard '%s': unknown version %d (1 or 2)", path.c_str(), version);
-    if (version == 1 && n > UINT32_MAX) {
-        fail(kExitUsage, "shard '%s': %zu tokens do not fit a version 1 header; use version 2", path.c_str(), n);
+    if (version == 1 && n > uint64_t(kShardV1MaxTokens)) {
+        fail(kExitUsage, "shard '%s': %zu tokens do not fit a version 1 header (at most %lld); use version 2",
+             path.c_str(), n, (long long)kShardV1MaxTokens);
     }
     int32_t header[kShardHeaderInts] = {};
     header[0] = kShardMagic;
@@ -64,31 +74,50 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
 
 // Reads and validates a shard's header: magic, version, and token count against the file's length.
 inline ShardHeader read_shard_header(File& f) {
+    const char* path = f.path().c_str();
     int64_t file_size = f.size();
     if (file_size < kShardHeaderBytes) {
-        fail(kExitData, "shard '%s' is %lld bytes, shorter than its %lld-byte header", f.path().c_str(),
-             (long long)file_size, (long long)kShardHeaderBytes);
+        fail(kExitData, "shard '%s' is %lld bytes, shorter than its %lld-byte header (truncated, or not a token shard)",
+             path, (long long)file_size, (long long)kShardHeaderBytes);
     }
     int32_t header[kShardHeaderInts];
     f.seek(0);
     f.read_exact(header, sizeof(header));
     if (header[0] != kShardMagic) {
-        fail(kExitData, "shard '%s': bad magic %d at offset 0 (expected %d); is this a token shard?", f.path().c_str(),
-             header[0], kShardMagic);
+        fail(kExitData, "shard '%s': bad magic %d at offset 0 (expected %d); is this a token shard?", path, header[0],
+             kShardMagic);
     }
     ShardHeader h;
     h.version = header[1];
     h.bytes_per_token = shard_bytes_per_token(h.version);
     if (h.bytes_per_token == 0) {
-        fail(kExitData, "shard '%s': unsupported version %d at offset 4 (expected 1 or 2)", f.path().c_str(), h.version);
+        fail(kExitData, "shard '%s': unsupported version %d at offset 4 (expected 1 = uint16 tokens or 2 = uint32 tokens)",
+             path, h.version);
+    }
+    if (h.version == 1 && header[2] < 0) {
+        fail(kExitData, "shard '%s': version 1 token count %d at offset 8 is negative (expected 0..%lld)", path, header[2],
+             (long long)kShardV1MaxTokens);
     }
     uint64_t count = static_cast<uint32_t>(header[2]);
     if (h.version == 2) count |= uint64_t(static_cast<uint32_t>(header[3])) << 32;
+    // Compared as a token count first so that a huge corrupt count cannot overflow the byte arithmetic.
+    uint64_t payload_bytes = uint64_t(file_size - kShardHeaderBytes);
+    uint64_t tokens_in_file = payload_bytes / uint64_t(h.bytes_per_token);
+    if (count > tokens_in_file) {
+        fail(kExitData,
+             "shard '%s' is truncated: its header (offset 8) says %llu tokens of %d bytes, but the file is %lld bytes, "
+             "room for %llu tokens",
+             path, (unsigned long long)count, h.bytes_per_token, (long long)file_size,
+             (unsigned long long)tokens_in_file);
+    }
     h.num_tokens = static_cast<int64_t>(count);
-    int64_t expected = kShardHeaderBytes + h.num_tokens * h.bytes_per_token;
+    int64_t expected = shard_token_byte_offset(h.num_tokens, h.bytes_per_token);
     if (expected != file_size) {
-        fail(kExitData, "shard '%s': header says %lld tokens (%lld bytes in all) but the file is %lld bytes",
-             f.path().c_str(), (long long)h.num_tokens, (long long)expected, (long long)file_size);
+        fail(kExitData,
+             "shard '%s': its header (offset 8) says %lld tokens, %lld bytes in all, but the file is %lld bytes "
+             "(%lld unexpected bytes after the last token)",
+             path, (long long)h.num_tokens, (long long)expected, (long long)file_size,
+             (long long)(file_size - expected));
     }
     return h;
 }
