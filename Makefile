@@ -84,7 +84,7 @@ $(BUILD)/%: dev/data/%.cpp | $(BUILD)
 $(BUILD):
 	mkdir -p $@
 
-test: $(CPU_TESTS) $(GPU_TESTS)
+test: $(ALL)
 	@bash test/run_tests.sh $(CPU_TESTS) $(GPU_TESTS) $(SCRIPT_TESTS)
 
 clean:
