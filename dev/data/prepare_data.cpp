@@ -1,0 +1,771 @@
+/*
+prepare_data: turns text into GPT-2 token shards that the DataLoader reads.
+
+Inputs are plain text files (each file is one document, its bytes as they are), JSONL files (names
+ending .jsonl, or any with --format jsonl: one JSON object per line and document, its text in a string
+field, "text" by default; blank lines are skipped), or folders (every file below them, in byte order of
+the path). Every document is preceded by <|endoftext|> (50256); an empty text file is no document.
+Documents go to the train split, or to the validation split when their input was named with --val, or,
+with --val-fraction F, when they are among the fraction F of documents picked evenly through the input
+order (document k is validation when floor((k+1)F) > floor(kF)). Each split is cut into shards of
+--shard-tokens tokens (the last one shorter), written as OUT/NAME_train_000000.bin, ... and
+OUT/NAME_val_000000.bin, ... in shard.h's format, version 1 (uint16 tokens). Shards of the same name
+left by an earlier run beyond the new count are removed, so that a glob never mixes two runs.
+
+Work is spread over --threads threads (default: one per core). The main thread reads the inputs into
+chunks of about 1 MiB of whole documents (a longer text document is cut where tokenizer.h's
+safe_split_point() allows), workers encode chunks, and the main thread writes results in input order.
+Chunks do not depend on the thread count, so the shards are byte-identical whatever it is.
+
+Also writes llm.c's tokenizer file (--write-tokenizer), which the trainer loads for decoding.
+
+Errors name the file (and line, for JSONL) and exit with utils.h's codes: 2 usage, 3 unreadable input
+or unwritable output, 4 bad JSON or vocabulary files. Does not: deduplicate, filter, shuffle, or
+know any special token but <|endoftext|>.
+*/
+#define LLMC_TOKENIZER_ENCODER
+#include "llmc/tokenizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "llmc/shard.h"
+#include "llmc/utils.h"
+
+namespace {
+
+using namespace llmc;
+
+enum class Format { Auto, Text, Jsonl };
+
+struct Options {
+    std::vector<std::string> train_inputs;
+    std::vector<std::string> val_inputs;
+    double val_fraction = 0.0;
+    std::string out_dir = "data";
+    std::string name = "corpus";
+    Format format = Format::Auto;
+    std::string text_field = "text";
+    int64_t shard_tokens = 100000000;
+    int threads = 0;
+    size_t chunk_bytes = 1 << 20;
+    std::string encoder_json = ".deps/gpt2/encoder.json";
+    std::string vocab_bpe = ".deps/gpt2/vocab.bpe";
+    std::string write_tokenizer;
+    bool quiet = false;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& v, int64_t lo, int64_t hi) {
+    char* end = nullptr;
+    errno = 0;
+    long long x = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi) {
+        fail(kExitUsage, "%s expects an integer from %lld to %lld, got '%s'", flag.c_str(), (long long)lo, (long long)hi,
+             v.c_str());
+    }
+    return x;
+}
+
+struct Flag {
+    const char* name;
+    const char* arg;  // nullptr for a switch
+    const char* help;
+    std::function<void(Options&, const std::string&)> set;
+};
+
+const std::vector<Flag>& flags() {
+    static const std::vector<Flag> table = {
+        {"--val", "PATH", "an input (file or folder) whose documents all go to the validation split; repeatable",
+         [](Options& o, const std::string& v) { o.val_inputs.push_back(v); }},
+        {"--val-fraction", "F", "send this fraction of the documents (0 < F < 1, picked evenly) to validation",
+         [](Options& o, const std::string& v) {
+             char* end = nullptr;
+             o.val_fraction = std::strtod(v.c_str(), &end);
+             if (v.empty() || *end != '\0' || !(o.val_fraction > 0.0 && o.val_fraction < 1.0)) {
+                 fail(kExitUsage, "--val-fraction expects a number between 0 and 1 (exclusive), got '%s'", v.c_str());
+             }
+         }},
+        {"--out", "DIR", "folder for the shards (default data; created if missing)",
+         [](Options& o, const std::string& v) { o.out_dir = v; }},
+        {"--name", "NAME", "shard name prefix: DIR/NAME_train_000000.bin (default corpus)",
+         [](Options& o, const std::string& v) {
+             if (v.empty() || v.find('/') != std::string::npos) fail(kExitUsage, "--name must be a plain file name, got '%s'", v.c_str());
+             o.name = v;
+         }},
+        {"--format", "auto|text|jsonl", "how to read inputs; auto: .jsonl files are JSONL, others text",
+         [](Options& o, const std::string& v) {
+             if (v == "auto") o.format = Format::Auto;
+             else if (v == "text") o.format = Format::Text;
+             else if (v == "jsonl") o.format = Format::Jsonl;
+             else fail(kExitUsage, "--format expects auto, text or jsonl, got '%s'", v.c_str());
+         }},
+        {"--text-field", "KEY", "the JSONL field that holds a document's text (default text)",
+         [](Options& o, const std::string& v) { o.text_field = v; }},
+        {"--shard-tokens", "N", "tokens per shard (default 100000000)",
+         [](Options& o, const std::string& v) { o.shard_tokens = parse_int("--shard-tokens", v, 1, kShardV1MaxTokens); }},
+        {"--threads", "N", "encoding threads (default: one per core)",
+         [](Options& o, const std::string& v) { o.threads = static_cast<int>(parse_int("--threads", v, 1, 1024)); }},
+        {"--chunk-bytes", "N", "bytes of text per unit of work (default 1048576); shards depend on it, not on --threads",
+         [](Options& o, const std::string& v) { o.chunk_bytes = static_cast<size_t>(parse_int("--chunk-bytes", v, 64, 1LL << 30)); }},
+        {"--encoder-json", "FILE", "GPT-2's encoder.json (default .deps/gpt2/encoder.json)",
+         [](Options& o, const std::string& v) { o.encoder_json = v; }},
+        {"--vocab-bpe", "FILE", "GPT-2's vocab.bpe (default .deps/gpt2/vocab.bpe)",
+         [](Options& o, const std::string& v) { o.vocab_bpe = v; }},
+        {"--write-tokenizer", "FILE", "also write llm.c's tokenizer file (version 2) for decoding; inputs are optional then",
+         [](Options& o, const std::string& v) { o.write_tokenizer = v; }},
+        {"--quiet", nullptr, "print errors only", [](Options& o, const std::string&) { o.quiet = true; }},
+    };
+    return table;
+}
+
+void print_usage(FILE* out) {
+    std::fprintf(out, "usage: prepare_data [options] INPUT...\n"
+                      "Encodes text files, JSONL files or folders of them with GPT-2's tokenizer into token shards.\n"
+                      "options:\n");
+    for (const Flag& f : flags()) {
+        std::string left = std::string(f.name) + (f.arg ? std::string(" ") + f.arg : "");
+        std::fprintf(out, "  %-28s %s\n", left.c_str(), f.help);
+    }
+    std::fprintf(out, "  %-28s %s\n", "-h, --help", "show this text");
+}
+
+Options parse_args(int argc, char** argv) {
+    Options o;
+    for (int i = 1; i < argc; i++) {
+        std::string a = argv[i];
+        if (a == "-h" || a == "--help") {
+            print_usage(stdout);
+            std::exit(kExitOk);
+        }
+        if (a.size() < 2 || a[0] != '-') {
+            o.train_inputs.push_back(a);
+            continue;
+        }
+        std::string value;
+        bool inline_value = false;
+        if (size_t eq = a.find('='); eq != std::string::npos) {
+            value = a.substr(eq + 1);
+            a = a.substr(0, eq);
+            inline_value = true;
+        }
+        auto it = std::find_if(flags().begin(), flags().end(), [&](const Flag& f) { return a == f.name; });
+        if (it == flags().end()) fail(kExitUsage, "unknown option '%s' (see --help)", argv[i]);
+        if (it->arg && !inline_value) {
+            if (i + 1 >= argc) fail(kExitUsage, "%s needs a value (%s)", it->name, it->arg);
+            value = argv[++i];
+        } else if (!it->arg && inline_value) {
+            fail(kExitUsage, "%s takes no value", it->name);
+        }
+        it->set(o, value);
+    }
+    if (o.val_fraction > 0 && !o.val_inputs.empty()) {
+        fail(kExitUsage, "choose the validation split either by file (--val) or by fraction (--val-fraction), not both");
+    }
+    if (o.train_inputs.empty() && o.val_inputs.empty() && o.write_tokenizer.empty()) {
+        print_usage(stderr);
+        fail(kExitUsage, "no input given");
+    }
+    if (o.threads == 0) o.threads = std::max(1u, std::thread::hardware_concurrency());
+    return o;
+}
+
+// ---- inputs ----
+
+enum Split { kTrain = 0, kVal = 1 };
+const char* split_name(int s) { return s == kTrain ? "train" : "val"; }
+
+struct Input {
+    std::string path;
+    Split split;
+    bool jsonl;
+    int64_t bytes;
+};
+
+void list_files(const std::string& path, std::vector<std::string>& out) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+        int e = errno;
+        fail(kExitIo, "cannot read input '%s': %s", path.c_str(), std::strerror(e));
+    }
+    if (S_ISREG(st.st_mode)) {
+        out.push_back(path);
+        return;
+    }
+    if (!S_ISDIR(st.st_mode)) fail(kExitIo, "input '%s' is neither a file nor a folder", path.c_str());
+    DIR* dir = ::opendir(path.c_str());
+    if (!dir) {
+        int e = errno;
+        fail(kExitIo, "cannot list folder '%s': %s", path.c_str(), std::strerror(e));
+    }
+    std::vector<std::string> names;
+    while (dirent* d = ::readdir(dir)) {
+        std::string n = d->d_name;
+        if (n != "." && n != "..") names.push_back(n);
+    }
+    ::closedir(dir);
+    std::sort(names.begin(), names.end());
+    std::string prefix = path.back() == '/' ? path : path + "/";
+    for (const std::string& n : names) list_files(prefix + n, out);
+}
+
+bool ends_with(const std::string& s, const char* suffix) {
+    size_t n = std::strlen(suffix);
+    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+std::vector<Input> resolve_inputs(const Options& o) {
+    std::vector<Input> inputs;
+    auto add = [&](const std::vector<std::string>& paths, Split split) {
+        for (const std::string& p : paths) {
+            std::vector<std::string> files;
+            list_files(p, files);
+            if (files.empty()) fail(kExitIo, "folder '%s' holds no files", p.c_str());
+            for (const std::string& f : files) {
+                bool jsonl = o.format == Format::Jsonl || (o.format == Format::Auto && ends_with(f, ".jsonl"));
+                struct stat st;
+                if (::stat(f.c_str(), &st) != 0) {
+                    int e = errno;
+                    fail(kExitIo, "cannot read input '%s': %s", f.c_str(), std::strerror(e));
+                }
+                inputs.push_back({f, split, jsonl, static_cast<int64_t>(st.st_size)});
+            }
+        }
+    };
+    add(o.train_inputs, kTrain);
+    add(o.val_inputs, kVal);
+    return inputs;
+}
+
+// ---- work items ----
+
+// A run of bytes from one input: a whole text document, a part of one, or whole JSONL lines.
+struct Segment {
+    size_t begin = 0, end = 0;  // into Chunk::bytes
+    uint32_t input = 0;
+    bool starts_document = false;  // text only: the first part of its document
+    int64_t first_line = 0;        // JSONL only: line number of the first line
+};
+
+struct Chunk {
+    uint64_t seq = 0;
+    std::string bytes;
+    std::vector<Segment> segments;
+};
+
+// A document's tokens (or the tokens of a part of one) inside an EncodedChunk.
+struct DocPart {
+    size_t token_end = 0;
+    uint32_t input = 0;
+    bool starts_document = false;
+};
+
+struct EncodedChunk {
+    std::vector<uint32_t> tokens;
+    std::vector<DocPart> parts;
+    size_t bytes = 0;
+    std::exception_ptr error;
+};
+
+// Reads the inputs in order and cuts them into chunks of about chunk_bytes of whole documents.
+class ChunkReader {
+public:
+    ChunkReader(const std::vector<Input>& inputs, size_t chunk_bytes) : inputs_(inputs), chunk_bytes_(chunk_bytes) {}
+
+    // Fills `chunk` and returns true, or returns false when every input has been read.
+    bool next(Chunk& chunk) {
+        chunk.bytes.clear();
+        chunk.segments.clear();
+        chunk.seq = seq_++;
+        while (chunk.bytes.size() < chunk_bytes_) {
+            if (!file_.is_open()) {
+                if (input_ == inputs_.size()) break;
+                file_.open(inputs_[input_].path, File::Mode::Read);
+                pending_.clear();
+                eof_ = false;
+                started_document_ = false;
+                line_ = 1;
+            }
+            const Input& in = inputs_[input_];
+            size_t room = chunk_bytes_ - chunk.bytes.size();
+            if (!eof_ && pending_.size() < room) fill(room - pending_.size());
+            if (eof_ && pending_.empty()) {  // an empty file has no document; a finished one is done
+                file_.close();
+                input_++;
+                continue;
+            }
+            size_t take = eof_ ? pending_.size() : cut(in, room);
+            if (take == 0 && !chunk.segments.empty()) break;  // does not fit; next chunk
+            if (take == 0) {
+                fill(std::max(pending_.size(), chunk_bytes_));  // a document longer than a chunk: read on
+                continue;
+            }
+            Segment s;
+            s.begin = chunk.bytes.size();
+            s.end = s.begin + take;
+            s.input = static_cast<uint32_t>(input_);
+            s.starts_document = !started_document_;
+            s.first_line = line_;
+            chunk.bytes.append(pending_, 0, take);
+            chunk.segments.push_back(s);
+            if (in.jsonl) line_ += std::count(pending_.begin(), pending_.begin() + take, '\n');
+            started_document_ = true;
+            pending_.erase(0, take);
+        }
+        return !chunk.segments.empty();
+    }
+
+private:
+    void fill(size_t want) {
+        size_t old = pending_.size();
+        pending_.resize(old + want);
+        size_t got = file_.read_some(pending_.data() + old, want);
+        pending_.resize(old + got);
+        if (got < want) eof_ = true;
+    }
+
+    // How many pending bytes (at most `room`, more only when nothing fits) form whole units: lines
+    // for JSONL, a safe split for text. 0 when none is complete yet.
+    size_t cut(const Input& in, size_t room) {
+        std::string_view p(pending_);
+        if (in.jsonl) {
+            size_t nl = p.rfind('\n', std::min(room, p.size()) - 1);
+            if (nl != std::string_view::npos) return nl + 1;
+            nl = p.find('\n');
+            return nl == std::string_view::npos ? 0 : nl + 1;
+        }
+        // The last split point that fits: look in a window before the limit, widening it if needed.
+        size_t limit = std::min(room, p.size());
+        for (size_t window = 4096; limit > 0; window *= 16) {
+            size_t from = limit > window ? limit - window : 0;
+            size_t at = safe_split_point(p.substr(0, limit), from);
+            while (at < limit) {
+                size_t later = safe_split_point(p.substr(0, limit), at + 1);
+                if (later >= limit) return at;
+                at = later;
+            }
+            if (from == 0) break;
+        }
+        size_t at = safe_split_point(p, limit);
+        return at < p.size() ? at : 0;
+    }
+
+    const std::vector<Input>& inputs_;
+    size_t chunk_bytes_;
+    size_t input_ = 0;
+    File file_;
+    std::string pending_;
+    bool eof_ = false;
+    bool started_document_ = false;
+    int64_t line_ = 1;
+    uint64_t seq_ = 0;
+};
+
+// nlohmann's message starts "[json.exception.parse_error.101] parse error at line 1, column 5: ";
+// the line is ours to give, so keep only what follows the column.
+std::string json_error_text(const std::string& what) {
+    size_t col = what.find("column ");
+    return col == std::string::npos ? what : what.substr(col);
+}
+
+void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::vector<Input>& inputs,
+                  const std::string& text_field, const Chunk& chunk, EncodedChunk& out) {
+    out.tokens.clear();
+    out.parts.clear();
+    out.bytes = chunk.bytes.size();
+    out.error = nullptr;
+    std::string_view all(chunk.bytes);
+    for (const Segment& s : chunk.segments) {
+        const Input& in = inputs[s.input];
+        std::string_view seg = all.substr(s.begin, s.end - s.begin);
+        if (!in.jsonl) {
+            if (s.starts_document) out.tokens.push_back(enc.eot());
+            enc.encode_ordinary(ctx, seg, out.tokens);
+            out.parts.push_back({out.tokens.size(), s.input, s.starts_document});
+            continue;
+        }
+        int64_t line_no = s.first_line;
+        for (size_t pos = 0; pos < seg.size(); line_no++) {
+            size_t nl = seg.find('\n', pos);
+            size_t end = nl == std::string_view::npos ? seg.size() : nl;
+            std::string_view line = seg.substr(pos, end - pos);
+            pos = end + 1;
+            if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+            nlohmann::json doc;
+            try {
+                doc = nlohmann::json::parse(line.begin(), line.end());
+            } catch (const nlohmann::json::parse_error& e) {
+                fail(kExitData, "%s:%lld: not valid JSON: %s", in.path.c_str(), (long long)line_no,
+                     json_error_text(e.what()).c_str());
+            }
+            if (!doc.is_object()) {
+                fail(kExitData, "%s:%lld: expected a JSON object with a \"%s\" field, got %s", in.path.c_str(),
+                     (long long)line_no, text_field.c_str(), doc.type_name());
+            }
+            auto field = doc.find(text_field);
+            if (field == doc.end() || !field->is_string()) {
+                fail(kExitData, "%s:%lld: expected a string field \"%s\"%s", in.path.c_str(), (long long)line_no,
+                     text_field.c_str(), field == doc.end() ? ", which this object lacks" : "");
+            }
+            out.tokens.push_back(enc.eot());
+            enc.encode_ordinary(ctx, field->get_ref<const std::string&>(), out.tokens);
+            out.parts.push_back({out.tokens.size(), s.input, true});
+        }
+    }
+}
+
+// ---- output ----
+
+std::string shard_path(const Options& o, int split, int64_t index) {
+    return format("%s/%s_%s_%06lld.bin", o.out_dir.c_str(), o.name.c_str(), split_name(split), (long long)index);
+}
+
+class ShardWriter {
+public:
+    ShardWriter(const Options& o, int split, int version) : o_(o), split_(split), version_(version) {}
+
+    void append(const uint32_t* tokens, size_t n) {
+        while (n > 0) {
+            size_t take = std::min(n, static_cast<size_t>(o_.shard_tokens) - buffer_.size());
+            buffer_.insert(buffer_.end(), tokens, tokens + take);
+            tokens += take;
+            n -= take;
+            total_ += take;
+            if (buffer_.size() == static_cast<size_t>(o_.shard_tokens)) flush();
+        }
+    }
+    void finish() {
+        if (!buffer_.empty()) flush();
+    }
+    int64_t shards() const { return shards_; }
+    int64_t tokens() const { return total_; }
+
+private:
+    void flush() {
+        std::string path = shard_path(o_, split_, shards_);
+        std::string tmp = path + ".tmp";
+        write_token_shard(tmp, buffer_.data(), buffer_.size(), version_);
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+        }
+        shards_++;
+        buffer_.clear();
+    }
+
+    const Options& o_;
+    int split_;
+    int version_;
+    std::vector<uint32_t> buffer_;
+    int64_t shards_ = 0;
+    int64_t total_ = 0;
+};
+
+// Removes NAME_SPLIT_NNNNNN.bin files numbered at or above `keep` (left by an earlier, longer run).
+int remove_stale_shards(const Options& o, int split, int64_t keep) {
+    int removed = 0;
+    for (int64_t i = keep;; i++) {
+        std::string p = shard_path(o, split, i);
+        if (::unlink(p.c_str()) != 0) break;
+        removed++;
+    }
+    return removed;
+}
+
+void make_dir(const std::string& dir) {
+    std::string partial;
+    for (size_t i = 0; i <= dir.size(); i++) {
+        if (i == dir.size() || (dir[i] == '/' && i > 0)) {
+            partial = dir.substr(0, i);
+            if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+                int e = errno;
+                fail(kExitIo, "cannot create folder '%s': %s", partial.c_str(), std::strerror(e));
+            }
+        }
+    }
+    struct stat st;
+    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) fail(kExitIo, "'%s' is not a folder", dir.c_str());
+}
+
+// ---- progress ----
+
+class Progress {
+public:
+    Progress(int64_t total_bytes, bool quiet)
+        : total_(total_bytes), quiet_(quiet), tty_(::isatty(2)), start_(Clock::now()), last_(start_) {}
+
+    void update(int64_t bytes, int64_t tokens) {
+        auto now = Clock::now();
+        double since_last = seconds(last_, now);
+        if (quiet_ || seconds(start_, now) < 2.0 || since_last < (tty_ ? 0.5 : 10.0)) return;
+        last_ = now;
+        print(bytes, tokens, tty_ ? "\r" : "", tty_ ? "" : "\n");
+        shown_ = true;
+    }
+    void done(int64_t bytes, int64_t tokens) {
+        if (shown_ && tty_) print(bytes, tokens, "\r", "\n");
+    }
+    double elapsed() const { return seconds(start_, Clock::now()); }
+
+private:
+    using Clock = std::chrono::steady_clock;
+    static double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+    void print(int64_t bytes, int64_t tokens, const char* pre, const char* post) {
+        double t = elapsed();
+        double rate = bytes / 1e6 / std::max(t, 1e-9);
+        double eta = rate > 0 ? (total_ - bytes) / 1e6 / rate : 0;
+        std::fprintf(stderr, "%s%9.1f / %.1f MB  %7.1f MB/s  %12lld tokens  ETA %d:%02d   %s", pre, bytes / 1e6,
+                     total_ / 1e6, rate, (long long)tokens, (int)eta / 60, (int)eta % 60, post);
+        std::fflush(stderr);
+    }
+    int64_t total_;
+    bool quiet_;
+    bool tty_;
+    Clock::time_point start_, last_;
+    bool shown_ = false;
+};
+
+// ---- the pipeline ----
+
+struct RunStats {
+    int64_t documents[2] = {0, 0};
+    int64_t bytes = 0;
+    double encode_seconds = 0;
+};
+
+// The main thread reads chunks and writes results in order; `threads` workers encode. At most
+// 2 * threads + 2 chunks are in flight, which bounds memory.
+RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vector<Input>& inputs,
+                      ShardWriter* writers[2]) {
+    struct Slot {
+        Chunk chunk;
+        EncodedChunk result;
+        bool done = false;
+    };
+    std::mutex mu;
+    std::condition_variable work_cv, done_cv;
+    std::deque<Slot*> queue;
+    std::map<uint64_t, std::unique_ptr<Slot>> in_flight;
+    std::vector<std::unique_ptr<Slot>> free_slots;  // reused, so their buffers are not faulted in anew
+    bool closing = false;
+
+    std::vector<std::thread> workers;
+    for (int t = 0; t < o.threads; t++) {
+        workers.emplace_back([&] {
+            Gpt2Encoder::Context ctx(enc);
+            for (;;) {
+                Slot* slot;
+                {
+                    std::unique_lock<std::mutex> lock(mu);
+                    work_cv.wait(lock, [&] { return closing || !queue.empty(); });
+                    if (queue.empty()) return;
+                    slot = queue.front();
+                    queue.pop_front();
+                }
+                try {
+                    encode_chunk(enc, ctx, inputs, o.text_field, slot->chunk, slot->result);
+                } catch (...) {
+                    slot->result.error = std::current_exception();
+                }
+                {
+                    std::lock_guard<std::mutex> lock(mu);
+                    slot->done = true;
+                }
+                done_cv.notify_all();
+            }
+        });
+    }
+    auto stop_workers = [&] {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            closing = true;
+            queue.clear();
+        }
+        work_cv.notify_all();
+        for (std::thread& w : workers) w.join();
+        workers.clear();
+    };
+
+    int64_t total_bytes = 0;
+    for (const Input& in : inputs) total_bytes += in.bytes;
+    Progress progress(total_bytes, o.quiet);
+    RunStats stats;
+    int64_t tokens_written = 0;
+    uint64_t next_to_write = 0;
+    int current_split = kTrain;
+    int64_t doc_index = 0;
+    const size_t max_in_flight = 2 * static_cast<size_t>(o.threads) + 2;
+
+    auto write_result = [&](const EncodedChunk& r) {
+        if (r.error) std::rethrow_exception(r.error);
+        size_t begin = 0;
+        for (const DocPart& part : r.parts) {
+            if (part.starts_document) {
+                if (o.val_fraction > 0) {
+                    double f = o.val_fraction;
+                    current_split = std::floor((doc_index + 1) * f) > std::floor(doc_index * f) ? kVal : kTrain;
+                } else {
+                    current_split = inputs[part.input].split;
+                }
+                doc_index++;
+                stats.documents[current_split]++;
+            }
+            writers[current_split]->append(r.tokens.data() + begin, part.token_end - begin);
+            begin = part.token_end;
+        }
+        tokens_written += static_cast<int64_t>(r.tokens.size());
+        stats.bytes += static_cast<int64_t>(r.bytes);
+        progress.update(stats.bytes, tokens_written);
+    };
+    // Writes every finished result at the head of the order; with `wait`, first waits for the head.
+    auto drain = [&](bool wait) {
+        for (;;) {
+            std::unique_ptr<Slot> slot;
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                auto head = in_flight.find(next_to_write);
+                if (head == in_flight.end()) return;
+                if (!head->second->done) {
+                    if (!wait) return;
+                    done_cv.wait(lock, [&] { return head->second->done; });
+                }
+                slot = std::move(head->second);
+                in_flight.erase(head);
+            }
+            next_to_write++;
+            write_result(slot->result);
+            free_slots.push_back(std::move(slot));
+            wait = false;
+        }
+    };
+
+    try {
+        ChunkReader reader(inputs, o.chunk_bytes);
+        for (;;) {
+            std::unique_ptr<Slot> slot;
+            if (free_slots.empty()) {
+                slot = std::make_unique<Slot>();
+            } else {
+                slot = std::move(free_slots.back());
+                free_slots.pop_back();
+                slot->done = false;
+            }
+            if (!reader.next(slot->chunk)) break;
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                queue.push_back(slot.get());
+                in_flight.emplace(slot->chunk.seq, std::move(slot));
+            }
+            work_cv.notify_one();
+            drain(false);
+            while (true) {
+                size_t n;
+                {
+                    std::lock_guard<std::mutex> lock(mu);
+                    n = in_flight.size();
+                }
+                if (n < max_in_flight) break;
+                drain(true);
+            }
+        }
+        for (;;) {
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                if (in_flight.empty()) break;
+            }
+            drain(true);
+        }
+    } catch (...) {
+        stop_workers();
+        throw;
+    }
+    stop_workers();
+    stats.encode_seconds = progress.elapsed();
+    progress.done(stats.bytes, tokens_written);
+    return stats;
+}
+
+}  // namespace
+
+// The whole tool, callable in-process: test/test_tokenizer.cpp includes this file with
+// PREPARE_DATA_NO_MAIN defined and runs it on its own inputs.
+int prepare_data_main(int argc, char** argv) {
+    return run_main([&] {
+        Options o = parse_args(argc, argv);
+        std::vector<Input> inputs = resolve_inputs(o);
+
+        auto t0 = std::chrono::steady_clock::now();
+        for (const std::string& f : {o.encoder_json, o.vocab_bpe}) {
+            if (::access(f.c_str(), R_OK) != 0) {
+                int e = errno;
+                fail(kExitIo, "cannot read GPT-2's vocabulary file '%s': %s; scripts/setup.sh puts it in .deps/gpt2 (run "
+                     "from the repository root), or name the files with --encoder-json and --vocab-bpe",
+                     f.c_str(), std::strerror(e));
+            }
+        }
+        Tokenizer tok = load_gpt2_vocab_files(o.encoder_json, o.vocab_bpe);
+        if (!o.write_tokenizer.empty()) {
+            write_tokenizer_bin(tok, o.write_tokenizer);
+            if (!o.quiet) std::printf("wrote %s (%zu tokens, end-of-text %u)\n", o.write_tokenizer.c_str(), tok.size(), tok.eot());
+        }
+        if (inputs.empty()) return kExitOk;
+        Gpt2Encoder enc(tok);
+        double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+        int64_t total_bytes = 0;
+        for (const Input& in : inputs) total_bytes += in.bytes;
+        if (!o.quiet) {
+            std::printf("prepare_data: %zu files, %.1f MB, %d threads, vocabulary of %zu tokens loaded in %.2f s%s\n",
+                        inputs.size(), total_bytes / 1e6, o.threads, tok.size(), load_seconds,
+                        enc.jit() ? "" : " (PCRE2 without JIT: slower)");
+        }
+        make_dir(o.out_dir);
+        int version = tok.size() <= 65536 ? 1 : 2;
+        ShardWriter train(o, kTrain, version), val(o, kVal, version);
+        ShardWriter* writers[2] = {&train, &val};
+        RunStats stats = run_pipeline(o, enc, inputs, writers);
+        train.finish();
+        val.finish();
+
+        int removed = remove_stale_shards(o, kTrain, train.shards()) + remove_stale_shards(o, kVal, val.shards());
+        if (!o.quiet) {
+            for (int s : {kTrain, kVal}) {
+                const ShardWriter& w = *writers[s];
+                if (w.shards() == 0) {
+                    std::printf("  %-5s no documents\n", split_name(s));
+                    continue;
+                }
+                std::printf("  %-5s %8lld documents %12lld tokens in %lld shard%s: %s%s\n", split_name(s),
+                            (long long)stats.documents[s], (long long)w.tokens(), (long long)w.shards(),
+                            w.shards() == 1 ? "" : "s", shard_path(o, s, 0).c_str(), w.shards() > 1 ? " ..." : "");
+            }
+            if (removed > 0) std::printf("  removed %d shard%s left by an earlier run\n", removed, removed == 1 ? "" : "s");
+            std::printf("  %.1f MB in %.2f s: %.1f MB/s, %.0f tokens/s\n", stats.bytes / 1e6, stats.encode_seconds,
+                        stats.bytes / 1e6 / std::max(stats.encode_seconds, 1e-9),
+                        (train.tokens() + val.tokens()) / std::max(stats.encode_seconds, 1e-9));
+        }
+        if (o.val_fraction > 0 && val.shards() == 0) {
+            std::fprintf(stderr, "warning: --val-fraction %g picked no document out of %lld; the validation split is empty\n",
+                         o.val_fraction, (long long)stats.documents[kTrain]);
+        }
+        return kExitOk;
+    });
+}
+
+#ifndef PREPARE_DATA_NO_MAIN
+int main(int argc, char** argv) { return prepare_data_main(argc, argv); }
+#endif
