@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything this project measures on the GPU machine, in one call: build, GPU tests, sanitizer,
+# benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
+# table is printed last.
+#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer
+# The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
+# PCRE2 headers (the GPU machine has the library but not the headers).
+set -u
+OUT=${OUT:-build/h200-logs}
+DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this, so the summary always comes back
+mkdir -p "$OUT"
+summary="$OUT/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+step() {  # step NAME LOGFILE TIMEOUT_S CMD...
+    local name=$1 log=$2 limit=$3
+    shift 3
+    local t0=$SECONDS
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 10 ]; then note "$(printf '%-28s not run: out of time' "$name")"; return 1; fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "=== $name: $*" >>"$OUT/$log"
+    timeout "$limit" "$@" >>"$OUT/$log" 2>&1
+    local rc=$?
+    note "$(printf '%-28s rc=%-3s %4ss  (log %s)' "$name" "$rc" "$((SECONDS - t0))" "$log")"
+    return $rc
+}
+
+for section in "$@"; do
+    case $section in
+        build)
+            nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
+            step build build.log 400 make -k -j16 all ;;
+        tests)
+            step "make test" tests.log 400 make test
+            tail -n 1 "$OUT/tests.log" | tee -a "$summary" ;;
+        io-tests)
+            step test_device_file_io tests.log 120 ./build/test_device_file_io ;;
+        sanitizer)
+            step "sanitizer test_device_file_io" sanitizer.log 400 \
+                compute-sanitizer --tool memcheck --target-processes application-only ./build/test_device_file_io
+            grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" | tee -a "$summary" ;;
+        bench-io)
+            step bench_device_file_io bench_io.log 400 ./build/bench_device_file_io --dir /tmp --sizes-gib 4 --reps 3
+            grep -E "target|peak extra" "$OUT/bench_io.log" | tee -a "$summary" ;;
+        dataloader)
+            step test_dataloader_gpu tests.log 200 ./build/test_dataloader_gpu
+            step bench_dataloader bench_dataloader.log 300 ./build/bench_dataloader
+            tail -n 12 "$OUT/bench_dataloader.log" >>"$summary" ;;
+        tokenizer)
+            step bench_tokenizer bench_tokenizer.log 300 python3 dev/bench_tokenizer.py --threads 16
+            tail -n 8 "$OUT/bench_tokenizer.log" >>"$summary" ;;
+        kernels)
+            step test_kernels kernels.log 300 ./build/test_kernels ;;
+        trainer)
+            step test_gpt2_gpu kernels.log 400 ./build/test_gpt2_gpu ;;
+        *) note "unknown section $section" ;;
+    esac
+done
+echo
+echo "==== summary"
+cat "$summary"
