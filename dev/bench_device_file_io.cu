@@ -4,7 +4,8 @@ Benchmark of the disk <-> GPU I/O layer against its two limits and a naive path.
 For each size it times (wall clock, median of --reps runs):
   disk alone      the same bytes written from / read into host memory with plain write/read (+ fsync)
   pcie alone      one pinned cudaMemcpy of the whole buffer, each direction
-  pipelined       device_to_file + fsync, file_to_device from a cold and a warm page cache
+  pipelined       device_to_file + fsync, file_to_device from a cold and a warm page cache (two reader
+                  threads, the default, and one)
   naive           whole-buffer pageable cudaMemcpy + fwrite (+ fsync) / fread + cudaMemcpy
 and the same disk and pipelined runs with O_DIRECT. Cold means the file's pages were dropped from the page
 cache first (posix_fadvise DONTNEED, and /proc/sys/vm/drop_caches when we are root).
@@ -218,7 +219,7 @@ int bench(int argc, char** argv) {
         char* host = static_cast<char*>(std::aligned_alloc(4096, n));
         if (!host) fail(kExitError, "out of host memory");
         cudaCheck(cudaMemcpy(host, dev.get(), n, cudaMemcpyDeviceToHost));
-        DeviceFileIO io(a.chunk), io_direct(a.chunk, true);
+        DeviceFileIO io(a.chunk), io_direct(a.chunk, true), io_one_reader(a.chunk, false, 1);
         Stream stream;
 
         // Operations are timed in rounds (A B C, A B C, ...) so that a drift in the disk's speed during the run
@@ -272,6 +273,7 @@ int bench(int argc, char** argv) {
         std::vector<double> rc = time_group({
             {"disk alone: read cold", true, [&] { host_read(path, host, n, false); }, {}},
             {"file_to_device cold", true, [&] { pipelined_read(io); }, {}},
+            {"file_to_device cold, 1 reader", true, [&] { pipelined_read(io_one_reader); }, {}},
             {"disk alone: read O_DIRECT", true, [&] { host_read(path, host, n, true); }, {}},
             {"file_to_device O_DIRECT", true, [&] { pipelined_read(io_direct); }, {}},
             {"naive: fread+memcpy cold", true, [&] { naive_read(path, dev2.get(), n); }, {}},
@@ -280,6 +282,7 @@ int bench(int argc, char** argv) {
         std::vector<double> rw = time_group({
             {"disk alone: read warm", false, [&] { host_read(path, host, n, false); }, {}},
             {"file_to_device warm", false, [&] { pipelined_read(io); }, {}},
+            {"file_to_device warm, 1 reader", false, [&] { pipelined_read(io_one_reader); }, {}},
         });
         double disk_r_warm = rw[0], pipe_r_warm = rw[1];
         {

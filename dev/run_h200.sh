@@ -31,7 +31,7 @@ for section in "$@"; do
     case $section in
         build)
             nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
-            step build build.log 400 make -k -j16 all ;;
+            step build build.log 400 make -k -j16 ${BUILD_TARGETS:-all} ;;
         tests)
             step "make test" tests.log 400 make test
             tail -n 1 "$OUT/tests.log" | tee -a "$summary" ;;

@@ -27,8 +27,10 @@ namespace llmc {
 
 class DeviceFileIO {
 public:
-    explicit DeviceFileIO(size_t chunk_bytes = kDefaultChunkBytes, bool direct = false)
-        : copier_(chunk_bytes, direct ? kDirectAlignment : 1), direct_(direct) {
+    // readers: threads reading the file in file_to_device (1 or 2; chunk_pipeline.h says why 2).
+    explicit DeviceFileIO(size_t chunk_bytes = kDefaultChunkBytes, bool direct = false, int readers = 2)
+        : copier_(chunk_bytes, direct ? kDirectAlignment : 1), direct_(direct), readers_(readers) {
+        if (readers < 1 || readers > 2) fail(kExitUsage, "DeviceFileIO takes 1 or 2 readers (got %d)", readers);
         if (direct && chunk_bytes % kDirectAlignment != 0) {
             fail(kExitUsage, "direct I/O needs a chunk size that is a multiple of %zu bytes (got %zu)", kDirectAlignment,
                  chunk_bytes);
@@ -42,7 +44,7 @@ public:
 
     void file_to_device(void* device_dst, File& file, uint64_t nbytes, cudaStream_t stream) {
         copier_.stream = stream;
-        pipelined_file_to_device(copier_, device_dst, file, nbytes, direct_ ? kDirectAlignment : 0);
+        pipelined_file_to_device(copier_, device_dst, file, nbytes, direct_ ? kDirectAlignment : 0, readers_);
     }
 
     size_t chunk_bytes() const { return copier_.chunk_bytes(); }
@@ -54,6 +56,7 @@ private:
     public:
         CudaCopier(size_t chunk_bytes, size_t alignment) : chunk_bytes_(chunk_bytes) {
             if (chunk_bytes == 0) fail(kExitUsage, "chunk size must be at least 1 byte");
+            cudaCheck(cudaGetDevice(&device_));
             // Each slot starts on an aligned address so O_DIRECT can read and write it.
             slot_stride_ = (chunk_bytes + alignment - 1) / alignment * alignment;
             buffer_.allocate(2 * slot_stride_ + alignment);
@@ -80,6 +83,7 @@ private:
             cudaCheck(cudaEventRecord(events_[slot], stream));
         }
         void wait(int slot) override { cudaCheck(cudaEventSynchronize(events_[slot])); }
+        void bind_thread() override { cudaCheck(cudaSetDevice(device_)); }
         void drain() noexcept override {
             for (auto e : events_) cudaEventSynchronize(e);
         }
@@ -87,6 +91,7 @@ private:
         cudaStream_t stream = nullptr;
 
     private:
+        int device_ = 0;
         size_t chunk_bytes_;
         size_t slot_stride_ = 0;
         PinnedBuffer buffer_;
@@ -96,6 +101,7 @@ private:
 
     CudaCopier copier_;
     bool direct_;
+    int readers_;
 };
 
 }  // namespace llmc

@@ -193,11 +193,27 @@ public:
 
     // Reads exactly n bytes or raises an error that says how short the file was.
     void read_exact(void* buf, size_t n) {
-        int64_t start = pos_;
-        size_t got = read_some(buf, n);
-        if (got != n) {
-            fail(kExitIo, "'%s' is too short: expected %zu bytes at offset %lld, the file ends after %zu (size %lld)",
-                 path_.c_str(), n, (long long)start, got, (long long)(start + (int64_t)got));
+        read_exact_at(buf, n, pos_);
+        pos_ += static_cast<int64_t>(n);
+    }
+
+    // Reads exactly n bytes at `offset` without moving the position; safe to call from several threads.
+    void read_exact_at(void* buf, size_t n, int64_t offset) const {
+        require_open("read");
+        size_t done = 0;
+        while (done < n) {
+            ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done, offset + (int64_t)done);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                int e = errno;
+                fail(kExitIo, "read of %zu bytes from '%s' at offset %lld failed: %s", n - done, path_.c_str(),
+                     (long long)(offset + done), std::strerror(e));
+            }
+            if (r == 0) {
+                fail(kExitIo, "'%s' is too short: expected %zu bytes at offset %lld, the file ends after %zu (size %lld)",
+                     path_.c_str(), n, (long long)offset, done, (long long)(offset + (int64_t)done));
+            }
+            done += static_cast<size_t>(r);
         }
     }
 
@@ -237,12 +253,9 @@ public:
         }
     }
 
-    // Hints to the kernel, for streaming transfers: read [offset, offset+len) into the page cache in the
-    // background, or start writing it back to disk now rather than at fsync. Both are advisory: a file that
-    // does not support them (a pipe, /dev/full) just goes without, so their results are deliberately unused.
-    void advise_willneed(int64_t offset, int64_t len) const {
-        if (fd_ >= 0 && len > 0) (void)::posix_fadvise(fd_, offset, len, POSIX_FADV_WILLNEED);
-    }
+    // Starts writing [offset, offset+len) back to disk now rather than at fsync, so that a streaming writer keeps
+    // the disk busy. Advisory: a file that does not support it (a pipe, /dev/full) just goes without, so the
+    // result is deliberately unused.
     void start_writeback(int64_t offset, int64_t len) const {
         if (fd_ >= 0 && len > 0) (void)::sync_file_range(fd_, offset, len, SYNC_FILE_RANGE_WRITE);
     }

@@ -65,9 +65,9 @@ protected:
 
     // header | payload | trailer written with one I/O context, payload read back with another.
     void round_trip(size_t n, size_t write_chunk, size_t read_chunk, size_t header_bytes, bool direct, uint64_t seed,
-                    cudaStream_t stream) {
-        SCOPED_TRACE(format("n=%zu write_chunk=%zu read_chunk=%zu header=%zu direct=%d", n, write_chunk, read_chunk,
-                            header_bytes, int(direct)));
+                    cudaStream_t stream, int readers = 2) {
+        SCOPED_TRACE(format("n=%zu write_chunk=%zu read_chunk=%zu header=%zu direct=%d readers=%d", n, write_chunk,
+                            read_chunk, header_bytes, int(direct), readers));
         const size_t guard = 64;
         std::vector<char> header = random_bytes(header_bytes, seed + 1);
         std::vector<char> payload = random_bytes(n, seed + 2);
@@ -96,7 +96,7 @@ protected:
             EXPECT_EQ(t, trailer) << "trailer changed";
         }
         cudaCheck(cudaMemset(dst.get(), 0xA5, dst.bytes()));
-        DeviceFileIO io(read_chunk, direct);
+        DeviceFileIO io(read_chunk, direct, readers);
         File f(path, File::Mode::Read);
         f.seek(int64_t(header_bytes));
         io.file_to_device(dst.get() + guard, f, n, stream);
@@ -129,6 +129,7 @@ TEST_F(DeviceFileIOTest, SizesAroundTheChunk) {
     uint64_t seed = 10;
     for (size_t n : {size_t(0), size_t(1), size_t(31), kChunk - 1, kChunk, kChunk + 1, kChunk * 7 / 2}) {
         round_trip(n, kChunk, kChunk, 0, false, seed++, s);
+        round_trip(n, kChunk, kChunk, 1024, false, seed++, s, /*readers=*/1);
     }
 }
 
@@ -190,6 +191,10 @@ TEST_F(DeviceFileIOTest, OrderedAfterWorkOnItsStreamAndIndependentOfOtherStreams
     const size_t words = (size_t(96) << 20) / 4 + 3;
     DeviceBuffer<uint32_t> buf(words), back(words);
     DeviceFileIO io;
+    // Launch the fill kernel once first: with lazy module loading (CUDA's default) a kernel's first launch
+    // loads it, and that waits for work running on the device, which is not what this test is about.
+    fill_kernel<<<1, 32, 0, io_stream>>>(buf.get(), 1, 0);
+    cudaCheckLaunch();
     cudaCheck(cudaDeviceSynchronize());
     // Keep another stream busy for about 3 s while the transfer runs.
     spin_kernel<<<1, 1, 0, busy_stream>>>(3LL * clock_khz * 1000);

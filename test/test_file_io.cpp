@@ -6,7 +6,9 @@ reuses a buffer still in flight, produces wrong bytes or a recorded violation.
 */
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <csignal>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -18,23 +20,13 @@ reuses a buffer still in flight, produces wrong bytes or a recorded violation.
 
 #include "llmc/chunk_pipeline.h"
 #include "llmc/utils.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_bytes;
+using llmc::test::TempDir;
 
 namespace {
-
-// Deterministic random bytes, different for each seed.
-std::vector<char> random_bytes(size_t n, uint64_t seed) {
-    std::vector<char> v(n);
-    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v[i] = static_cast<char>(x >> 56);
-    }
-    return v;
-}
 
 // A copier whose copies are deferred until wait(): stale or overwritten staging data shows up as wrong bytes.
 class LazyHostCopier final : public StagingCopier {
@@ -47,12 +39,15 @@ public:
     ~LazyHostCopier() override { std::free(mem_); }
     size_t chunk_bytes() const override { return chunk_; }
     char* staging(int slot) override {
+        std::lock_guard<std::mutex> lock(mu_);
         if (pending_[slot].active) violations++;  // the pipeline looked at a buffer whose copy is still in flight
         return mem_ + slot * stride_;
     }
     void to_host_async(int slot, const void* src, size_t n) override { start(slot, {true, true, src, nullptr, n}); }
     void to_device_async(void* dst, int slot, size_t n) override { start(slot, {true, false, nullptr, dst, n}); }
+    void bind_thread() override { bound_threads++; }
     void wait(int slot) override {
+        std::lock_guard<std::mutex> lock(mu_);
         Op& op = pending_[slot];
         if (!op.active) return;
         char* buf = mem_ + slot * stride_;
@@ -70,10 +65,12 @@ public:
         wait(1);
     }
 
+    // Two reader threads may drive the copier at once, so its books are kept under a lock.
     int violations = 0;
     int in_flight = 0;
     int max_in_flight = 0;
     int copies = 0;
+    std::atomic<int> bound_threads{0};
 
 private:
     struct Op {
@@ -84,6 +81,7 @@ private:
         size_t n = 0;
     };
     void start(int slot, Op op) {
+        std::lock_guard<std::mutex> lock(mu_);
         if (op.n > chunk_) violations++;
         if (pending_[slot].active) violations++;  // reusing a buffer whose copy has not finished
         pending_[slot] = op;
@@ -94,21 +92,7 @@ private:
     size_t chunk_, stride_;
     char* mem_;
     Op pending_[2];
-};
-
-class TempDir {
-public:
-    TempDir() {
-        char tmpl[] = "/tmp/llmc_file_io_XXXXXX";
-        char* d = mkdtemp(tmpl);
-        if (!d) throw std::runtime_error("mkdtemp failed");
-        path = d;
-    }
-    ~TempDir() {
-        if (std::system(("rm -rf '" + path + "'").c_str()) != 0) ADD_FAILURE() << "cannot remove " << path;
-    }
-    std::string file(const std::string& name) const { return path + "/" + name; }
-    std::string path;
+    std::mutex mu_;
 };
 
 std::vector<char> read_whole(const std::string& path) {
@@ -130,9 +114,9 @@ bool direct_io_supported(const std::string& dir) {
 // Writes header + payload + trailer with one chunk size, reads the payload back with another, and checks
 // every byte, the file layout, and that the pipeline never had more than two copies in flight.
 void round_trip(const TempDir& dir, size_t n, size_t write_chunk, size_t read_chunk, size_t header_bytes,
-                size_t direct_alignment, uint64_t seed) {
-    SCOPED_TRACE(format("n=%zu write_chunk=%zu read_chunk=%zu header=%zu direct=%zu", n, write_chunk, read_chunk,
-                        header_bytes, direct_alignment));
+                size_t direct_alignment, uint64_t seed, int readers = 2) {
+    SCOPED_TRACE(format("n=%zu write_chunk=%zu read_chunk=%zu header=%zu direct=%zu readers=%d", n, write_chunk,
+                        read_chunk, header_bytes, direct_alignment, readers));
     std::vector<char> header = random_bytes(header_bytes, seed + 1);
     std::vector<char> payload = random_bytes(n, seed + 2);
     std::vector<char> trailer = random_bytes(37, seed + 3);
@@ -165,8 +149,9 @@ void round_trip(const TempDir& dir, size_t n, size_t write_chunk, size_t read_ch
     File f(path, File::Mode::Read);
     f.seek(int64_t(header_bytes));
     LazyHostCopier r(read_chunk);
-    pipelined_file_to_device(r, back.data() + 1, f, n, direct_alignment);
+    pipelined_file_to_device(r, back.data() + 1, f, n, direct_alignment, readers);
     EXPECT_EQ(r.violations, 0);
+    EXPECT_EQ(r.bound_threads.load(), readers == 2 && n > read_chunk ? 1 : 0) << "the second reader must bind its thread";
     EXPECT_EQ(r.in_flight, 0) << "file_to_device must return with every copy finished";
     EXPECT_LE(r.max_in_flight, 2);
     EXPECT_EQ(f.tell(), int64_t(header_bytes + n));
@@ -224,6 +209,7 @@ TEST(Pipeline, RoundTripSizesAroundTheChunk) {
     for (size_t n : {size_t(0), size_t(1), size_t(31), chunk - 1, chunk, chunk + 1, chunk * 7 / 2, chunk * 40 + 3}) {
         round_trip(dir, n, chunk, chunk, 0, 0, seed++);
         round_trip(dir, n, chunk, chunk, 1024, 0, seed++);
+        round_trip(dir, n, chunk, chunk, 1024, 0, seed++, /*readers=*/1);
     }
 }
 
@@ -242,15 +228,17 @@ TEST(Pipeline, RoundTripTinyChunks) {
     round_trip(dir, 1000, 1, 1, 5, 0, 7);
     round_trip(dir, 1001, 1, 3, 0, 0, 8);
     round_trip(dir, 999, 2, 1, 4096, 0, 9);
+    round_trip(dir, 999, 2, 1, 4096, 0, 10, /*readers=*/1);
 }
 
 TEST(Pipeline, RoundTripDirectIO) {
     TempDir dir;
-    if (!direct_io_supported(dir.path)) GTEST_SKIP() << "skipped: O_DIRECT is not supported on " << dir.path;
+    if (!direct_io_supported(dir.path())) GTEST_SKIP() << "skipped: O_DIRECT is not supported on " << dir.path();
     uint64_t seed = 200;
     for (size_t header : {size_t(0), size_t(1024), size_t(4096), size_t(5000)}) {
         for (size_t n : {size_t(1), size_t(4095), size_t(4096), size_t(12289), size_t(1 << 20) + 5}) {
             round_trip(dir, n, 16384, 8192, header, 4096, seed++);
+            round_trip(dir, n, 16384, 8192, header, 4096, seed++, /*readers=*/1);
         }
     }
 }
@@ -304,6 +292,7 @@ TEST(Pipeline, ErrorMidTransferLeavesNoCopyInFlight) {
             if (truncate(path_.c_str(), 3000) != 0) std::abort();
         }
         void wait(int slot) override { inner_.wait(slot); }
+        void bind_thread() override { inner_.bind_thread(); }
         void drain() noexcept override { inner_.drain(); }
 
     private:

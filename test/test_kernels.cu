@@ -712,7 +712,7 @@ TEST_F(KernelTest, StochasticRoundingIsUnbiasedAndRngMatchesHost) {
                     expected_up, mean);
         EXPECT_EQ(other, 0u) << "results other than the two neighbours";
         EXPECT_NEAR(frac, expected_up, 0.005);  // > 10 standard deviations for 2^20 samples
-        EXPECT_NEAR(mean, double(x), 0.005 * (double(hi) - lo) + 1e-12 * std::fabs(double(x)));
+        EXPECT_NEAR(mean, double(x), 0.005 * std::fabs(double(hi) - double(lo)) + 1e-12 * std::fabs(double(x)));
     }
 }
 
