@@ -13,12 +13,9 @@ Does not provide: learning-rate schedules, gradient accumulation, shuffling, che
 optimizer state, sampling or a GPU; the GPU trainer (train_gpt2.cu) has those.
 */
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +24,7 @@ optimizer state, sampling or a GPU; the GPU trainer (train_gpt2.cu) has those.
 #include <omp.h>
 #include <sys/stat.h>
 
+#include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
@@ -48,119 +46,40 @@ struct Options {
     cpu::AdamW adamw{1e-3, 0.9, 0.95, 1e-8, 0.1};
     double clip = 1.0;
     int val_every = 10, val_batches = 8;
-    uint64_t seed = 1337;
+    int64_t seed = 1337;
     std::string out;
     int out_version = kModelVersionFp32;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t lo, int64_t hi) {
-    char* end = nullptr;
-    errno = 0;
-    long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi) {
-        fail(kExitUsage, "%s expects an integer from %lld to %lld, got '%s'", flag.c_str(), (long long)lo, (long long)hi,
-             v.c_str());
-    }
-    return x;
-}
+// Returns false when --help was given. Checks what one flag's type and range cannot say.
+bool parse_args(int argc, char** argv, Options& o) {
+    Flags flags("train_gpt2", "Trains GPT-2 on the CPU (fp32 reference implementation; threads: OMP_NUM_THREADS).");
+    flags.add("", "train", &o.train_pattern, "training shards (a glob)")
+        .add("", "val", &o.val_pattern, "validation shards (a glob), or 'none'")
+        .add("", "model", &o.model, "d2, d6, d12, d24, d36, d48, or a model file to start from (d2 when empty)")
+        .add("", "layers", &o.layers, "explicit shape: layers (with --channels and --heads, instead of a descriptor)", 1, 4096)
+        .add("", "channels", &o.channels, "explicit shape: channels", 1, 65536)
+        .add("", "heads", &o.heads, "explicit shape: attention heads", 1, 65536)
+        .add("", "vocab", &o.vocab, "explicit shape: vocabulary size", 1, 1 << 24)
+        .add("", "max-seq-len", &o.max_seq_len, "explicit shape: position embeddings", 1, 1 << 20)
+        .add("", "batch", &o.batch, "sequences per batch", 1, 1 << 16)
+        .add("", "seq", &o.seq, "tokens per sequence", 1, 1 << 20)
+        .add("", "steps", &o.steps, "optimizer steps", 0, 1 << 30)
+        .add("", "lr", &o.adamw.learning_rate, "learning rate", 0, 10)
+        .add("", "wd", &o.adamw.weight_decay, "AdamW weight decay on the matrices", 0, 10)
+        .add("", "beta1", &o.adamw.beta1, "AdamW beta1", 0, 0.999999)
+        .add("", "beta2", &o.adamw.beta2, "AdamW beta2", 0, 0.999999)
+        .add("", "eps", &o.adamw.eps, "AdamW epsilon", 0, 1)
+        .add("", "clip", &o.clip, "clip the global gradient norm to this; 0 = off", 0, 1e30)
+        .add("", "val-every", &o.val_every, "validation loss every N steps", 1, 1 << 30)
+        .add("", "val-batches", &o.val_batches, "batches in one validation pass", 1, 1 << 30)
+        .add("", "seed", &o.seed, "initialisation seed for a new model", 0, INT64_MAX)
+        .add("", "out", &o.out, "write the trained model here at the end")
+        .add("", "out-version", &o.out_version, "model file precision: 3 = fp32, 5 = bf16", 3, 5);
+    if (!flags.parse(argc, argv)) return false;
 
-double parse_double(const std::string& flag, const std::string& v, double lo, double hi) {
-    char* end = nullptr;
-    double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !(x >= lo && x <= hi)) {
-        fail(kExitUsage, "%s expects a number from %g to %g, got '%s'", flag.c_str(), lo, hi, v.c_str());
-    }
-    return x;
-}
-
-struct Flag {
-    const char* name;
-    const char* arg;
-    const char* help;
-    std::function<void(Options&, const std::string&)> set;
-};
-
-const std::vector<Flag>& flags() {
-    auto i32 = [](int Options::*field, const char* name, int lo, int hi) {
-        return [=](Options& o, const std::string& v) { o.*field = int(parse_int(name, v, lo, hi)); };
-    };
-    auto real = [](double cpu::AdamW::*field, const char* name, double lo, double hi) {
-        return [=](Options& o, const std::string& v) { o.adamw.*field = parse_double(name, v, lo, hi); };
-    };
-    static const std::vector<Flag> table = {
-        {"--train", "GLOB", "training shards (default data/quickstart_train_*.bin)",
-         [](Options& o, const std::string& v) { o.train_pattern = v; }},
-        {"--val", "GLOB", "validation shards, or 'none' (default data/quickstart_val_*.bin)",
-         [](Options& o, const std::string& v) { o.val_pattern = v == "none" ? "" : v; }},
-        {"--model", "D|FILE", "d2, d6, d12, d24, d36, d48, or a model file to start from (default d2)",
-         [](Options& o, const std::string& v) { o.model = v; }},
-        {"--layers", "L", "explicit shape: layers (with --channels and --heads, instead of a descriptor)",
-         i32(&Options::layers, "--layers", 1, 4096)},
-        {"--channels", "C", "explicit shape: channels", i32(&Options::channels, "--channels", 1, 65536)},
-        {"--heads", "NH", "explicit shape: attention heads", i32(&Options::heads, "--heads", 1, 65536)},
-        {"--vocab", "V", "explicit shape: vocabulary size (default 50257)", i32(&Options::vocab, "--vocab", 1, 1 << 24)},
-        {"--max-seq-len", "N", "explicit shape: position embeddings (default 1024)",
-         i32(&Options::max_seq_len, "--max-seq-len", 1, 1 << 20)},
-        {"--batch", "B", "sequences per batch (default 4)", i32(&Options::batch, "--batch", 1, 1 << 16)},
-        {"--seq", "T", "tokens per sequence (default 64)", i32(&Options::seq, "--seq", 1, 1 << 20)},
-        {"--steps", "N", "optimizer steps (default 50)", i32(&Options::steps, "--steps", 0, 1 << 30)},
-        {"--lr", "X", "learning rate (default 1e-3)", real(&cpu::AdamW::learning_rate, "--lr", 0, 10)},
-        {"--wd", "X", "AdamW weight decay on the matrices (default 0.1)",
-         real(&cpu::AdamW::weight_decay, "--wd", 0, 10)},
-        {"--beta1", "X", "AdamW beta1 (default 0.9)", real(&cpu::AdamW::beta1, "--beta1", 0, 0.999999)},
-        {"--beta2", "X", "AdamW beta2 (default 0.95)", real(&cpu::AdamW::beta2, "--beta2", 0, 0.999999)},
-        {"--eps", "X", "AdamW epsilon (default 1e-8)", real(&cpu::AdamW::eps, "--eps", 0, 1)},
-        {"--clip", "X", "clip the global gradient norm to X; 0 = off (default 1.0)",
-         [](Options& o, const std::string& v) { o.clip = parse_double("--clip", v, 0, 1e30); }},
-        {"--val-every", "N", "validation loss every N steps (default 10)",
-         i32(&Options::val_every, "--val-every", 1, 1 << 30)},
-        {"--val-batches", "N", "batches in one validation pass (default 8)",
-         i32(&Options::val_batches, "--val-batches", 1, 1 << 30)},
-        {"--seed", "N", "initialisation seed for a new model (default 1337)",
-         [](Options& o, const std::string& v) { o.seed = uint64_t(parse_int("--seed", v, 0, INT64_MAX)); }},
-        {"--out", "FILE", "write the trained model here at the end", [](Options& o, const std::string& v) { o.out = v; }},
-        {"--out-version", "3|5", "model file precision: 3 = fp32 (default), 5 = bf16",
-         [](Options& o, const std::string& v) {
-             o.out_version = int(parse_int("--out-version", v, 3, 5));
-             if (o.out_version == 4) fail(kExitUsage, "--out-version expects 3 (fp32) or 5 (bf16), got 4");
-         }},
-    };
-    return table;
-}
-
-void print_usage(FILE* out) {
-    std::fprintf(out, "usage: train_gpt2 [options]\nTrains GPT-2 on the CPU (fp32 reference implementation; threads: "
-                      "OMP_NUM_THREADS).\noptions:\n");
-    for (const Flag& f : flags()) {
-        std::string left = std::string(f.name) + " " + f.arg;
-        std::fprintf(out, "  %-22s %s\n", left.c_str(), f.help);
-    }
-    std::fprintf(out, "  %-22s %s\n", "-h, --help", "show this text");
-}
-
-Options parse_args(int argc, char** argv) {
-    Options o;
-    for (int i = 1; i < argc; i++) {
-        std::string a = argv[i];
-        if (a == "-h" || a == "--help") {
-            print_usage(stdout);
-            std::exit(kExitOk);
-        }
-        std::string value;
-        bool inline_value = false;
-        if (size_t eq = a.find('='); eq != std::string::npos) {
-            value = a.substr(eq + 1);
-            a = a.substr(0, eq);
-            inline_value = true;
-        }
-        auto it = std::find_if(flags().begin(), flags().end(), [&](const Flag& f) { return a == f.name; });
-        if (it == flags().end()) fail(kExitUsage, "unknown option '%s' (see --help)", argv[i]);
-        if (!inline_value) {
-            if (i + 1 >= argc) fail(kExitUsage, "%s needs a value (%s)", it->name, it->arg);
-            value = argv[++i];
-        }
-        it->set(o, value);
-    }
+    if (o.val_pattern == "none") o.val_pattern.clear();
+    if (o.out_version == 4) fail(kExitUsage, "--out-version expects 3 (fp32) or 5 (bf16), got 4");
     int explicit_shape = (o.layers > 0) + (o.channels > 0) + (o.heads > 0);
     if (explicit_shape != 0 && explicit_shape != 3) {
         fail(kExitUsage, "an explicit shape needs all of --layers, --channels and --heads");
@@ -169,7 +88,8 @@ Options parse_args(int argc, char** argv) {
         fail(kExitUsage, "give either --model or an explicit shape (--layers, --channels, --heads), not both");
     }
     if (o.model.empty()) o.model = "d2";
-    return o;
+    std::fputs(flags.settings_table().c_str(), stdout);
+    return true;
 }
 
 bool is_file(const std::string& path) {
@@ -364,5 +284,8 @@ int train(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    return run_main([&] { return train(parse_args(argc, argv)); });
+    return run_main([&] {
+        Options o;
+        return parse_args(argc, argv, o) ? train(o) : kExitOk;
+    });
 }

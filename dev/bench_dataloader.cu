@@ -32,76 +32,50 @@ Prints a table at the end. Does not measure disk reads (the data is page-cached 
 #include <stdlib.h>
 
 #include "llmc/dataloader_gpu.cuh"
+#include "llmc/flags.h"
 
 using namespace llmc;
 
 namespace {
 
-struct Flag {
-    const char* name;
-    const char* value;
-    const char* help;
+struct Options {
+    std::string data;
+    int64_t synthetic_shards = 2;
+    int64_t synthetic_tokens = 100000000;
+    int vocab = 50257;
+    int B = 64;
+    int T = 1024;
+    int prefetch = 4;
+    int64_t seed = 1337;
+    int steps = 200;
+    int warmup = 5;
+    int rounds = 4;
+    double step_ms = 60;
+    int gemm = 8192;
+    double resident_budget_gib = 16;
+    int64_t throughput_batches = 1000;
 };
 
-// The flags and their defaults; usage text and parsing both come from this table.
-const Flag kFlags[] = {
-    {"data", "", "shard glob (or comma-separated globs); empty: synthetic shards"},
-    {"synthetic-shards", "2", "number of synthetic shards"},
-    {"synthetic-tokens", "100000000", "tokens per synthetic shard"},
-    {"vocab", "50257", "vocabulary size (ids are checked against it; <= 65536 ships 16-bit tokens)"},
-    {"B", "64", "batch size per step"},
-    {"T", "1024", "sequence length"},
-    {"prefetch", "4", "host ring buffers filled ahead by the loader thread"},
-    {"seed", "1337", "shuffle seed"},
-    {"steps", "200", "measured steps per mode (split over the rounds)"},
-    {"warmup", "5", "unmeasured steps at the start of each mode's round"},
-    {"rounds", "4", "rounds that alternate the modes"},
-    {"step-ms", "60", "GPU work per step in milliseconds (GEMM count is calibrated to it)"},
-    {"gemm", "8192", "GEMM size n (n x n x n, bf16 in, fp32 accumulate)"},
-    {"resident-budget-gib", "16", "device memory the resident mode may use; 0 skips that mode"},
-    {"throughput-batches", "1000", "batches read for the throughput figures"},
-};
-
-class Flags {
-public:
-    Flags(int argc, char** argv) {
-        for (const Flag& f : kFlags) values_[f.name] = f.value;
-        for (int i = 1; i < argc; i++) {
-            std::string a = argv[i];
-            if (a == "--help" || a == "-h") {
-                usage(stdout);
-                std::exit(0);
-            }
-            if (a.rfind("--", 0) != 0 || !values_.count(a.substr(2)) || i + 1 >= argc) {
-                usage(stderr);
-                fail(kExitUsage, "bad argument '%s' (flags take a value: --name value)", a.c_str());
-            }
-            values_[a.substr(2)] = argv[++i];
-        }
-    }
-    std::string str(const char* name) const { return values_.at(name); }
-    long long num(const char* name) const {
-        const std::string& v = values_.at(name);
-        char* end = nullptr;
-        long long x = std::strtoll(v.c_str(), &end, 10);
-        if (v.empty() || *end) fail(kExitUsage, "--%s needs an integer, got '%s'", name, v.c_str());
-        return x;
-    }
-    double real(const char* name) const {
-        const std::string& v = values_.at(name);
-        char* end = nullptr;
-        double x = std::strtod(v.c_str(), &end);
-        if (v.empty() || *end) fail(kExitUsage, "--%s needs a number, got '%s'", name, v.c_str());
-        return x;
-    }
-
-private:
-    static void usage(FILE* out) {
-        std::fprintf(out, "usage: bench_dataloader [--flag value ...]\n");
-        for (const Flag& f : kFlags) std::fprintf(out, "  --%-20s %s (default: %s)\n", f.name, f.help, *f.value ? f.value : "none");
-    }
-    std::map<std::string, std::string> values_;
-};
+// Returns false when --help was given.
+bool parse_args(int argc, char** argv, Options& o) {
+    Flags flags("bench_dataloader", "DataLoader throughput, and whether a GPU workload stalls waiting for it.");
+    flags.add("", "data", &o.data, "shard glob (or comma-separated globs); empty: synthetic shards")
+        .add("", "synthetic-shards", &o.synthetic_shards, "number of synthetic shards")
+        .add("", "synthetic-tokens", &o.synthetic_tokens, "tokens per synthetic shard")
+        .add("", "vocab", &o.vocab, "vocabulary size (ids are checked against it; <= 65536 ships 16-bit tokens)")
+        .add("", "B", &o.B, "batch size per step")
+        .add("", "T", &o.T, "sequence length")
+        .add("", "prefetch", &o.prefetch, "host ring buffers filled ahead by the loader thread")
+        .add("", "seed", &o.seed, "shuffle seed")
+        .add("", "steps", &o.steps, "measured steps per mode (split over the rounds)")
+        .add("", "warmup", &o.warmup, "unmeasured steps at the start of each mode's round")
+        .add("", "rounds", &o.rounds, "rounds that alternate the modes")
+        .add("", "step-ms", &o.step_ms, "GPU work per step in milliseconds (GEMM count is calibrated to it)")
+        .add("", "gemm", &o.gemm, "GEMM size n (n x n x n, bf16 in, fp32 accumulate)")
+        .add("", "resident-budget-gib", &o.resident_budget_gib, "device memory the resident mode may use; 0 skips that mode")
+        .add("", "throughput-batches", &o.throughput_batches, "batches read for the throughput figures");
+    return flags.parse(argc, argv);
+}
 
 void cublas_check(cublasStatus_t s, const char* what) {
     if (s != CUBLAS_STATUS_SUCCESS) fail(kExitCuda, "cuBLAS error %d from %s", int(s), what);
@@ -221,14 +195,15 @@ struct ModeResult {
 
 int main(int argc, char** argv) {
     return run_main([&] {
-        Flags flags(argc, argv);
+        Options opt;
+        if (!parse_args(argc, argv, opt)) return 0;
 
         DataLoaderConfig cfg;
-        cfg.B = int(flags.num("B"));
-        cfg.T = int(flags.num("T"));
-        cfg.vocab_size = uint32_t(flags.num("vocab"));
-        cfg.prefetch = int(flags.num("prefetch"));
-        cfg.seed = uint64_t(flags.num("seed"));
+        cfg.B = opt.B;
+        cfg.T = opt.T;
+        cfg.vocab_size = uint32_t(opt.vocab);
+        cfg.prefetch = opt.prefetch;
+        cfg.seed = uint64_t(opt.seed);
         cfg.shuffle = true;
         const size_t bt = size_t(cfg.B) * cfg.T;
         if (cuda_device_count() == 0) fail(kExitCuda, "no CUDA GPU found; this benchmark needs one");
@@ -236,9 +211,9 @@ int main(int argc, char** argv) {
         cudaCheck(cudaGetDeviceProperties(&prop, 0));
 
         TempDir tmp;
-        std::string data = flags.str("data");
+        std::string data = opt.data;
         if (data.empty()) {
-            long long shards = flags.num("synthetic-shards"), tokens = flags.num("synthetic-tokens");
+            long long shards = opt.synthetic_shards, tokens = opt.synthetic_tokens;
             std::printf("writing %lld synthetic shards of %lld random tokens to %s\n", shards, tokens, tmp.path().c_str());
             std::vector<uint32_t> t(static_cast<size_t>(tokens));
             for (long long s = 0; s < shards; s++) {
@@ -257,7 +232,7 @@ int main(int argc, char** argv) {
         std::printf("%s: %s\n", data.c_str(), schedule.describe().c_str());
 
         // 1a. Host loader alone.
-        long long nthr = flags.num("throughput-batches");
+        long long nthr = opt.throughput_batches;
         double host_tps;
         {
             DataLoader dl(schedule);
@@ -284,10 +259,10 @@ int main(int argc, char** argv) {
         }
 
         // 2. Stall.
-        Workload work(int(flags.num("gemm")), compute);
+        Workload work(opt.gemm, compute);
         double gemm_ms = work.calibrate();
-        int gemms = std::max(1, int(flags.real("step-ms") / gemm_ms + 0.5));
-        std::printf("workload: %d bf16 GEMMs of %lld^3 per step (%.3f ms each) on %s\n", gemms, flags.num("gemm"), gemm_ms,
+        int gemms = std::max(1, int(opt.step_ms / gemm_ms + 0.5));
+        std::printf("workload: %d bf16 GEMMs of %d^3 per step (%.3f ms each) on %s\n", gemms, opt.gemm, gemm_ms,
                     prop.name);
 
         std::vector<int32_t> fin(bt), ftg(bt);
@@ -301,7 +276,7 @@ int main(int argc, char** argv) {
         cudaCheck(cudaMemcpy(fixed_in.get(), fin.data(), bt * sizeof(int), cudaMemcpyHostToDevice));
         cudaCheck(cudaMemcpy(fixed_tg.get(), ftg.data(), bt * sizeof(int), cudaMemcpyHostToDevice));
 
-        size_t budget = size_t(flags.real("resident-budget-gib") * double(1ull << 30));
+        size_t budget = size_t(opt.resident_budget_gib * double(1ull << 30));
         GpuDataLoader streamed(cfg, compute, 0);
         std::unique_ptr<GpuDataLoader> resident;
         if (budget > 0) {
@@ -315,9 +290,9 @@ int main(int argc, char** argv) {
         const char* names[3] = {"fixed device batch", "streaming loader", "GPU-resident loader"};
         GpuDataLoader* loaders[3] = {nullptr, &streamed, resident.get()};
         int modes = resident ? 3 : 2;
-        int rounds = int(std::max(1LL, flags.num("rounds")));
-        int warmup = int(flags.num("warmup"));
-        int per_round = int(std::max(1LL, flags.num("steps") / rounds));
+        int rounds = std::max(1, opt.rounds);
+        int warmup = opt.warmup;
+        int per_round = std::max(1, opt.steps / rounds);
         int steps = warmup + per_round;
 
         std::vector<ModeResult> results(modes);
@@ -392,8 +367,8 @@ int main(int argc, char** argv) {
         }
 
         double fixed_ms = median(results[0].step_ms);
-        std::printf("\n%s, B=%d T=%d, %d measured steps per mode (%d rounds), %d GEMMs of %lld^3 per step\n", prop.name,
-                    cfg.B, cfg.T, per_round * rounds, rounds, gemms, flags.num("gemm"));
+        std::printf("\n%s, B=%d T=%d, %d measured steps per mode (%d rounds), %d GEMMs of %d^3 per step\n", prop.name,
+                    cfg.B, cfg.T, per_round * rounds, rounds, gemms, opt.gemm);
         std::printf("| %-42s | %14s |\n", "measure", "value");
         std::printf("|%s|%s|\n", std::string(44, '-').c_str(), std::string(16, '-').c_str());
         std::printf("| %-42s | %14.3e |\n", "loader tokens/s, host thread only", host_tps);

@@ -4,10 +4,15 @@ table at start-up, so the three cannot drift apart.
 
 Each flag has an optional short name (llm.c's letters, e.g. -b) and a long name (--batch-size), a typed
 target variable, a default (the variable's value when the flag is added) and a help line. Both
-"-b 16" and "--batch-size 16" / "--batch-size=16" work. Unknown flags, missing or malformed values are
-usage errors (exit code 2) that name the flag. Booleans take 0/1/true/false.
+"-b 16" and "--batch-size 16" / "--batch-size=16" work. Booleans take 0/1/true/false; a switch
+(add_switch) takes no value and sets its bool. A std::vector<std::string> target collects every
+occurrence of a repeatable flag. Numeric flags may carry an inclusive range. A program that takes
+positional arguments (file names) names a vector for them with positional(); elsewhere a positional
+argument is an error. Unknown flags, missing, malformed or out-of-range values are usage errors (exit
+code 2) that name the flag.
 
-Does not provide: cross-flag validation (the program does that after parsing, with its own messages).
+Does not provide: cross-flag validation or enumerated values (the program checks those after parsing,
+with its own messages), a "--" end of flags.
 */
 #pragma once
 
@@ -16,6 +21,7 @@ Does not provide: cross-flag validation (the program does that after parsing, wi
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -25,14 +31,48 @@ namespace llmc {
 
 class Flags {
 public:
-    using Target = std::variant<int*, int64_t*, float*, double*, std::string*, bool*>;
+    using Target = std::variant<int*, int64_t*, float*, double*, std::string*, bool*, std::vector<std::string>*>;
+
+    template <class T>
+    using Bound = typename std::enable_if<std::is_arithmetic<T>::value && !std::is_same<T, bool>::value, T>::type;
 
     explicit Flags(std::string program, std::string summary) : program_(std::move(program)), summary_(std::move(summary)) {}
 
     // short_name without the dash ("b"), or "" for long-only flags; long_name without dashes ("batch-size").
     template <class T>
     Flags& add(const char* short_name, const char* long_name, T* target, const char* help) {
-        specs_.push_back({short_name, long_name, Target(target), help, value_string(Target(target)), false});
+        specs_.push_back({short_name, long_name, Target(target), help, value_string(Target(target)), false, false, {}});
+        return *this;
+    }
+
+    // A numeric flag whose value must lie in [lo, hi]; checked before an int flag is narrowed to 32 bits.
+    // The bounds are not deduced, so that add("", "steps", &int64_value, "...", 0, 1000) compiles.
+    template <class T>
+    Flags& add(const char* short_name, const char* long_name, T* target, const char* help, Bound<T> lo, Bound<T> hi) {
+        add(short_name, long_name, target, help);
+        Range& r = specs_.back().range;
+        r.on = true;
+        r.lo = double(lo);
+        r.hi = double(hi);
+        if constexpr (std::is_integral<T>::value) {
+            r.ilo = (long long)lo;
+            r.ihi = (long long)hi;
+        }
+        return *this;
+    }
+
+    // A flag without a value ("--quiet") that sets *target to true.
+    Flags& add_switch(const char* short_name, const char* long_name, bool* target, const char* help) {
+        add(short_name, long_name, target, help);
+        specs_.back().is_switch = true;
+        return *this;
+    }
+
+    // Arguments that are not flags (and "-") are appended to *target; `name` shows in the usage ("INPUT...").
+    Flags& positional(const char* name, std::vector<std::string>* target, const char* help) {
+        positional_name_ = name;
+        positional_help_ = help;
+        positional_ = target;
         return *this;
     }
 
@@ -44,6 +84,7 @@ public:
                 std::fputs(usage().c_str(), stdout);
                 return false;
             }
+            std::string flag = arg;  // as the user spelled it, without an inline value
             std::string value;
             bool has_inline_value = false;
             Spec* spec = nullptr;
@@ -53,29 +94,54 @@ public:
                 if (eq != std::string::npos) {
                     value = name.substr(eq + 1);
                     name = name.substr(0, eq);
+                    flag = "--" + name;
                     has_inline_value = true;
                 }
                 spec = find_long(name);
             } else if (arg.size() > 1 && arg[0] == '-') {
                 spec = find_short(arg.substr(1));
+            } else if (positional_) {
+                positional_->push_back(arg);
+                continue;
+            } else {
+                fail(kExitUsage, "unexpected argument '%s': %s takes flags only (see %s --help)", arg.c_str(),
+                     program_.c_str(), program_.c_str());
             }
-            if (!spec) fail(kExitUsage, "unknown flag '%s' (see %s --help)", arg.c_str(), program_.c_str());
+            if (!spec) fail(kExitUsage, "unknown flag '%s' (see %s --help)", flag.c_str(), program_.c_str());
+            if (spec->is_switch) {
+                if (has_inline_value) fail(kExitUsage, "flag %s takes no value", flag.c_str());
+                *std::get<bool*>(spec->target) = true;
+                spec->set = true;
+                continue;
+            }
             if (!has_inline_value) {
-                if (i + 1 >= argc) fail(kExitUsage, "flag %s needs a value (%s)", arg.c_str(), spec->help);
+                if (i + 1 >= argc) fail(kExitUsage, "flag %s needs a value (%s)", flag.c_str(), spec->help);
                 value = argv[++i];
             }
-            set(*spec, arg, value);
+            set(*spec, flag, value);
         }
         return true;
     }
 
     std::string usage() const {
-        std::string out = format("usage: %s [flags]\n%s\n\nflags:\n", program_.c_str(), summary_.c_str());
+        std::string out = format("usage: %s [flags]%s%s%s\n%s\n\nflags:\n", program_.c_str(), positional_ ? " " : "",
+                                 positional_ ? positional_name_ : "", positional_ ? "..." : "", summary_.c_str());
         for (const Spec& s : specs_) {
             std::string names = s.short_name[0] ? format("-%s, --%s", s.short_name, s.long_name) : format("    --%s", s.long_name);
-            out += format("  %-30s %s (default: %s)\n", (names + " " + type_name(s.target)).c_str(), s.help,
-                          s.default_value.empty() ? "\"\"" : s.default_value.c_str());
+            if (s.is_switch) {
+                out += format("  %-30s %s\n", names.c_str(), s.help);
+                continue;
+            }
+            std::string range;
+            if (s.range.on) {
+                range = s.target.index() <= 1 ? format(", from %lld to %lld", s.range.ilo, s.range.ihi)
+                                              : format(", from %g to %g", s.range.lo, s.range.hi);
+            }
+            out += format("  %-30s %s (default: %s%s)\n", (names + " " + type_name(s.target)).c_str(), s.help,
+                          s.default_value.empty() ? "\"\"" : s.default_value.c_str(), range.c_str());
         }
+        if (positional_) out += format("  %-30s %s\n", (std::string(positional_name_) + "...").c_str(), positional_help_);
+        out += format("  %-30s %s\n", "-h, --help", "print this text and exit");
         return out;
     }
 
@@ -102,6 +168,11 @@ public:
     }
 
 private:
+    struct Range {
+        bool on = false;
+        double lo = 0, hi = 0;        // float and double flags
+        long long ilo = 0, ihi = 0;   // integer flags, exact beyond 2^53
+    };
     struct Spec {
         const char* short_name;
         const char* long_name;
@@ -109,6 +180,8 @@ private:
         const char* help;
         std::string default_value;
         bool set;
+        bool is_switch;
+        Range range;
     };
 
     Spec* find_long(const std::string& name) {
@@ -129,7 +202,8 @@ private:
             case 0: case 1: return "<int>";
             case 2: case 3: return "<float>";
             case 4: return "<string>";
-            default: return "<0|1>";
+            case 5: return "<0|1>";
+            default: return "<string>...";
         }
     }
 
@@ -141,25 +215,36 @@ private:
             std::string operator()(double* p) const { return format("%g", *p); }
             std::string operator()(std::string* p) const { return *p; }
             std::string operator()(bool* p) const { return *p ? "1" : "0"; }
+            std::string operator()(std::vector<std::string>* p) const {
+                std::string out;
+                for (const std::string& v : *p) out += (out.empty() ? "" : ",") + v;
+                return out;
+            }
         };
         return std::visit(V{}, t);
     }
 
     void set(Spec& s, const std::string& flag, const std::string& value) {
-        auto bad = [&](const char* expected) {
-            fail(kExitUsage, "flag %s: '%s' is not %s", flag.c_str(), value.c_str(), expected);
+        auto bad = [&](const std::string& expected) {
+            fail(kExitUsage, "flag %s: '%s' is not %s", flag.c_str(), value.c_str(), expected.c_str());
         };
         auto parse_int = [&]() -> long long {
             errno = 0;
             char* end = nullptr;
             long long v = std::strtoll(value.c_str(), &end, 10);
             // Accept 1e6-style and K/M suffixes, common for batch and step counts.
-            if (end && (*end == 'k' || *end == 'K') && end[1] == '\0') return v * 1000;
-            if (end && (*end == 'm' || *end == 'M') && end[1] == '\0') return v * 1000000;
-            if (value.empty() || errno != 0 || *end != '\0') {
+            if (end && (*end == 'k' || *end == 'K') && end[1] == '\0') v *= 1000;
+            else if (end && (*end == 'm' || *end == 'M') && end[1] == '\0') v *= 1000000;
+            else if (value.empty() || errno != 0 || *end != '\0') {
                 double d = std::strtod(value.c_str(), &end);
-                if (!value.empty() && *end == '\0' && d == double((long long)d)) return (long long)d;
-                bad("an integer");
+                // The bounds keep the cast defined; 9.2e18 is just below 2^63.
+                if (value.empty() || *end != '\0' || !(d > -9.2e18 && d < 9.2e18) || d != double((long long)d)) {
+                    bad("an integer");
+                }
+                v = (long long)d;
+            }
+            if (s.range.on && (v < s.range.ilo || v > s.range.ihi)) {
+                bad(format("an integer from %lld to %lld", s.range.ilo, s.range.ihi));
             }
             return v;
         };
@@ -168,6 +253,7 @@ private:
             char* end = nullptr;
             double v = std::strtod(value.c_str(), &end);
             if (value.empty() || errno != 0 || *end != '\0') bad("a number");
+            if (s.range.on && !(v >= s.range.lo && v <= s.range.hi)) bad(format("a number from %g to %g", s.range.lo, s.range.hi));
             return v;
         };
         switch (s.target.index()) {
@@ -186,12 +272,16 @@ private:
                 else if (value == "0" || value == "false") *std::get<bool*>(s.target) = false;
                 else bad("0, 1, true or false");
                 break;
+            case 6: std::get<std::vector<std::string>*>(s.target)->push_back(value); break;
         }
         s.set = true;
     }
 
     std::string program_, summary_;
     std::vector<Spec> specs_;
+    std::vector<std::string>* positional_ = nullptr;
+    const char* positional_name_ = "";
+    const char* positional_help_ = "";
 };
 
 }  // namespace llmc

@@ -7,6 +7,7 @@ are checked against the bytes of the files, read here independently of the loade
 */
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -14,38 +15,14 @@ are checked against the bytes of the files, read here independently of the loade
 #include <tuple>
 #include <vector>
 
-#include <stdlib.h>
-
 #include "llmc/dataloader.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_tokens;
+using llmc::test::TempDir;
 
 namespace {
-
-class TempDir {
-public:
-    TempDir() {
-        char tmpl[] = "/tmp/llmc_dataloader_XXXXXX";
-        if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-        path_ = tmpl;
-    }
-    ~TempDir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return path_ + "/" + name; }
-    const std::string& path() const { return path_; }
-
-private:
-    std::string path_;
-};
-
-std::vector<uint32_t> random_tokens(size_t n, uint32_t vocab, uint64_t seed) {
-    SplitMix64 rng(seed);
-    std::vector<uint32_t> t(n);
-    for (auto& x : t) x = static_cast<uint32_t>(rng.below(vocab));
-    return t;
-}
 
 void write_raw(const std::string& path, const std::vector<int32_t>& header, const std::vector<uint8_t>& payload) {
     File f(path, File::Mode::Write);

@@ -8,42 +8,18 @@ Each batch is consumed on the compute stream by a kernel that first spins for a 
 inputs and targets into the test's own buffer (poisoned beforehand), so a copy that overwrote a slot the
 compute stream was still reading, or a batch never copied, shows up as a mismatch. Skipped without a GPU.
 */
-#include <filesystem>
 #include <string>
 #include <vector>
 
-#include <stdlib.h>
-
 #include "llmc/dataloader_gpu.cuh"
 #include "test/gpu_test.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_tokens;
+using llmc::test::TempDir;
 
 namespace {
-
-class TempDir {
-public:
-    TempDir() {
-        char tmpl[] = "/tmp/llmc_dataloader_gpu_XXXXXX";
-        if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
-        path_ = tmpl;
-    }
-    ~TempDir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path_, ec);
-    }
-    std::string file(const std::string& name) const { return path_ + "/" + name; }
-
-private:
-    std::string path_;
-};
-
-std::vector<uint32_t> random_tokens(size_t n, uint32_t vocab, uint64_t seed) {
-    SplitMix64 rng(seed);
-    std::vector<uint32_t> t(n);
-    for (auto& x : t) x = static_cast<uint32_t>(rng.below(vocab));
-    return t;
-}
 
 // Shards of odd sizes; versions alternate when the vocabulary allows 16-bit files.
 std::string write_shards(const TempDir& dir, const std::vector<size_t>& sizes, uint32_t vocab, uint64_t seed) {

@@ -18,14 +18,15 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "llmc/utils.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_tokens;
+using llmc::test::TempDir;
 
 namespace {
 
@@ -56,14 +57,6 @@ std::vector<float> random_params(const GPT2Config& c, uint64_t seed) {
     return p;
 }
 
-std::vector<int> random_tokens(size_t n, int vocab, uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::uniform_int_distribution<int> dist(0, vocab - 1);
-    std::vector<int> v(n);
-    for (int& x : v) x = dist(rng);
-    return v;
-}
-
 // max |a - b| / max |b|: a relative error that stays meaningful where single entries are near zero.
 template <class A, class B>
 double max_rel_error(const A* a, const B* b, int64_t n) {
@@ -86,19 +79,6 @@ public:
 
 private:
     int saved_;
-};
-
-class TempDir {
-public:
-    TempDir() {
-        char tmpl[] = "/tmp/llmc_gpt2_cpu_XXXXXX";
-        char* d = mkdtemp(tmpl);
-        if (!d) throw std::runtime_error("mkdtemp failed");
-        path = d;
-    }
-    ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
-    std::string file(const std::string& name) const { return path + "/" + name; }
-    std::string path;
 };
 
 std::vector<char> read_bytes(const std::string& path) {
@@ -265,8 +245,8 @@ TEST(GPT2Cpu, GradientsMatchFiniteDifferences) {
     const GPT2Config c = tiny_config();
     const int B = 2, T = 8;
     cpu::GPT2<double> model(c, random_params(c, 7));
-    std::vector<int> inputs = random_tokens(size_t(B * T), c.vocab_size, 1);
-    std::vector<int> targets = random_tokens(size_t(B * T), c.vocab_size, 2);
+    std::vector<int> inputs = random_tokens<int>(size_t(B * T), c.vocab_size, 1);
+    std::vector<int> targets = random_tokens<int>(size_t(B * T), c.vocab_size, 2);
     double loss = model.forward(inputs.data(), targets.data(), B, T);
     EXPECT_GT(loss, 1.0);
     model.zero_grad();
@@ -316,8 +296,8 @@ TEST(GPT2Cpu, FloatAgreesWithDouble) {
     std::vector<float> p = random_params(c, 11);
     cpu::GPT2<float> f(c, p);
     cpu::GPT2<double> d(c, p);
-    std::vector<int> inputs = random_tokens(size_t(B * T), c.vocab_size, 4);
-    std::vector<int> targets = random_tokens(size_t(B * T), c.vocab_size, 5);
+    std::vector<int> inputs = random_tokens<int>(size_t(B * T), c.vocab_size, 4);
+    std::vector<int> targets = random_tokens<int>(size_t(B * T), c.vocab_size, 5);
     double lf = f.forward(inputs.data(), targets.data(), B, T);
     double ld = d.forward(inputs.data(), targets.data(), B, T);
     EXPECT_NEAR(lf, ld, 1e-6 * ld);
@@ -345,8 +325,8 @@ TEST(GPT2Cpu, PaddedVocabularyNeverReachesTheLoss) {
     const ParamTensorInfo wte = param_tensors(c)[kWte];
     for (int64_t j = int64_t(c.vocab_size) * c.channels; j < wte.numel; j++) p[size_t(wte.offset + j)] = 3.0f;
     cpu::GPT2<float> dirty(c, p);
-    std::vector<int> inputs = random_tokens(size_t(B * T), c.vocab_size, 6);
-    std::vector<int> targets = random_tokens(size_t(B * T), c.vocab_size, 7);
+    std::vector<int> inputs = random_tokens<int>(size_t(B * T), c.vocab_size, 6);
+    std::vector<int> targets = random_tokens<int>(size_t(B * T), c.vocab_size, 7);
     double l1 = clean.forward(inputs.data(), targets.data(), B, T);
     double l2 = dirty.forward(inputs.data(), targets.data(), B, T);
     EXPECT_EQ(l1, l2);
@@ -372,7 +352,7 @@ TEST(GPT2Cpu, AttentionIsCausal) {
     const GPT2Config c = tiny_config();
     const int B = 1, T = 10, t_changed = 6;
     cpu::GPT2<float> model(c, random_params(c, 31));
-    std::vector<int> inputs = random_tokens(size_t(T), c.vocab_size, 8);
+    std::vector<int> inputs = random_tokens<int>(size_t(T), c.vocab_size, 8);
     model.forward(inputs.data(), nullptr, B, T);
     std::vector<float> before = model.activations().logits;
     inputs[t_changed] = (inputs[t_changed] + 1) % c.vocab_size;
@@ -387,8 +367,8 @@ TEST(GPT2Cpu, ResultsDoNotDependOnTheThreadCount) {
     const GPT2Config c = tiny_config();
     const int B = 3, T = 7;
     std::vector<float> p = random_params(c, 41);
-    std::vector<int> inputs = random_tokens(size_t(B * T), c.vocab_size, 9);
-    std::vector<int> targets = random_tokens(size_t(B * T), c.vocab_size, 10);
+    std::vector<int> inputs = random_tokens<int>(size_t(B * T), c.vocab_size, 9);
+    std::vector<int> targets = random_tokens<int>(size_t(B * T), c.vocab_size, 10);
     auto run = [&](int threads) {
         ThreadCount count(threads);
         cpu::GPT2<float> m(c, p);
@@ -490,7 +470,7 @@ TEST(GPT2Cpu, TrainingLowersTheLoss) {
     std::vector<float> p(size_t(num_parameters(c)));
     init_parameters(c, 3, p.data());
     cpu::GPT2<float> model(c, p);
-    std::vector<int> tokens = random_tokens(size_t(B * T + 1), c.vocab_size, 12);
+    std::vector<int> tokens = random_tokens<int>(size_t(B * T + 1), c.vocab_size, 12);
     std::vector<int> inputs(tokens.begin(), tokens.end() - 1), targets(tokens.begin() + 1, tokens.end());
     double first = 0, last = 0;
     for (int step = 1; step <= 60; step++) {

@@ -27,10 +27,12 @@ saying so, where it is missing.
 #include <random>
 
 #include "llmc/dataloader.h"
+#include "test/test_util.h"
 
 namespace fs = std::filesystem;
 using llmc::Gpt2Encoder;
 using llmc::Tokenizer;
+using llmc::test::TempDir;
 
 namespace {
 
@@ -65,24 +67,6 @@ void write_file(const std::string& path, const std::string& data) {
     std::ofstream f(path, std::ios::binary);
     f << data;
 }
-
-class TempDir {
-public:
-    TempDir() {
-        std::string tmpl = (fs::temp_directory_path() / "test_tokenizer.XXXXXX").string();
-        if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-        path_ = tmpl;
-    }
-    ~TempDir() {
-        std::error_code ec;
-        fs::remove_all(path_, ec);
-    }
-    std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-    const std::string& path() const { return path_; }
-
-private:
-    std::string path_;
-};
 
 // A transcription of tiktoken's byte_pair_merge for one piece: a piece that is a token is that token;
 // otherwise merge the adjacent pair whose concatenation has the lowest id, leftmost first.
@@ -641,12 +625,15 @@ TEST(PrepareData, ReportsErrorsWithFileLineAndExitCode) {
     EXPECT_NE(r.err.find("none.json"), std::string::npos) << r.err;
 
     std::vector<std::pair<std::vector<std::string>, const char*>> usage = {
-        {{"--bogus", dir / "ok.txt"}, "unknown option '--bogus'"},
-        {{"--threads", "0", dir / "ok.txt"}, "--threads expects an integer from 1"},
-        {{"--shard-tokens", "12x", dir / "ok.txt"}, "--shard-tokens expects an integer"},
+        {{"--bogus", dir / "ok.txt"}, "unknown flag '--bogus'"},
+        {{"--threads", "0", dir / "ok.txt"}, "--threads: '0' is not an integer from 1 to 1024"},
+        {{"--shard-tokens", "12x", dir / "ok.txt"}, "--shard-tokens: '12x' is not an integer"},
         {{"--val-fraction", "1.5", dir / "ok.txt"}, "--val-fraction expects a number between 0 and 1"},
         {{"--val-fraction", "0.1", "--val", dir / "ok.txt", dir / "ok.txt"}, "not both"},
+        {{"--val-fraction", "0", dir / "ok.txt"}, "--val-fraction expects a number between 0 and 1"},
         {{"--format", "csv", dir / "ok.txt"}, "--format expects auto, text or jsonl"},
+        {{"--name", "a/b", dir / "ok.txt"}, "--name must be a plain file name"},
+        {{"--quiet=1", dir / "ok.txt"}, "flag --quiet takes no value"},
         {{"--threads"}, "--threads needs a value"},
         {{}, "no input given"},
     };
@@ -657,6 +644,9 @@ TEST(PrepareData, ReportsErrorsWithFileLineAndExitCode) {
         EXPECT_EQ(r.code, llmc::kExitUsage) << message;
         EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
     }
+    r = run_tool({"--help"});
+    EXPECT_EQ(r.code, llmc::kExitOk);
+    EXPECT_NE(r.out.find("usage: prepare_data [flags] INPUT..."), std::string::npos) << r.out;
 }
 
 TEST(PrepareData, ShardsLoadInTheDataLoaderAsTiktokensIds) {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU trainer (train_gpt2) end to end on synthetic shards: a tiny model learns a noisy Markov chain
 # (the validation loss must fall by a third), reads both shard versions (uint16 and uint32 tokens),
-# writes a model file that loads back to the same validation loss, and fails cleanly on bad input.
+# writes a model file that loads back to the same validation loss, and fails cleanly on bad input and
+# bad flags (exit 2, the flag named).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,5 +54,12 @@ tiny=(--layers 1 --channels 8 --heads 2 --vocab 97 --max-seq-len 32 --batch 2 --
 expect_exit 3 "no token shards match" --train "$dir/none_*.bin" --val none "${tiny[@]}"
 expect_exit 4 "outside the model's vocabulary" --train "$dir/bad_val_*.bin" --val none "${tiny[@]}" --steps 300
 expect_exit 2 "needs all of --layers" --train "$dir/syn_train_*.bin" --layers 2
+expect_exit 2 "unknown flag '--bogus'" --bogus 1
+expect_exit 2 "flag --batch: '0' is not an integer from 1 to 65536" --batch 0
+expect_exit 2 "flag --lr: 'fast' is not a number" --lr fast
+expect_exit 2 "flag --seq needs a value" --seq
+expect_exit 2 "--out-version expects 3 (fp32) or 5 (bf16), got 4" --out-version 4
+expect_exit 2 "unexpected argument 'stray'" stray
+expect_exit 0 "usage: train_gpt2 \[flags\]" --help
 expect_exit 2 "longer than the model's max_seq_len" --train "$dir/syn_train_*.bin" --val none "${tiny[@]}" --seq 33
 echo "ok"

@@ -41,9 +41,32 @@ bool parse(Flags& f, std::vector<std::string> args) {
     return f.parse(int(argv.size()), argv.data());
 }
 
-int usage_error(std::vector<std::string> args, std::string* message) {
-    Settings s;
-    Flags f = make_flags(s);
+// The features the data tools use: ranges, switches, repeatable flags and positional arguments.
+struct ToolSettings {
+    int threads = 4;
+    int64_t tokens = 100;
+    double fraction = 0.5;
+    bool quiet = false;
+    std::vector<std::string> val;
+    std::vector<std::string> inputs;
+};
+
+Flags make_tool_flags(ToolSettings& s) {
+    Flags f("tool", "test tool");
+    f.add("", "threads", &s.threads, "worker threads", 1, 1024)
+        .add("", "tokens", &s.tokens, "tokens per shard", 1, int64_t(1) << 40)
+        .add("", "fraction", &s.fraction, "a fraction", 0, 1)
+        .add_switch("q", "quiet", &s.quiet, "print errors only")
+        .add("", "val", &s.val, "validation input; repeatable")
+        .positional("INPUT", &s.inputs, "training inputs");
+    return f;
+}
+
+// Parses args into a fresh table from `make`; returns the usage error's exit code and message, or 0.
+template <class S>
+int usage_error(Flags (*make)(S&), std::vector<std::string> args, std::string* message) {
+    S s;
+    Flags f = make(s);
     try {
         parse(f, std::move(args));
     } catch (const Error& e) {
@@ -51,6 +74,12 @@ int usage_error(std::vector<std::string> args, std::string* message) {
         return e.exit_code();
     }
     return 0;
+}
+int usage_error(std::vector<std::string> args, std::string* message) {
+    return usage_error(make_flags, std::move(args), message);
+}
+int tool_usage_error(std::vector<std::string> args, std::string* message) {
+    return usage_error(make_tool_flags, std::move(args), message);
 }
 
 }  // namespace
@@ -113,6 +142,53 @@ TEST(Flags, HelpStopsParsing) {
     EXPECT_FALSE(parse(f, {"--help"}));
     std::string out = testing::internal::GetCapturedStdout();
     EXPECT_NE(out.find("usage: train [flags]"), std::string::npos);
+}
+
+TEST(Flags, SwitchesRepeatsAndPositionals) {
+    ToolSettings s;
+    Flags f = make_tool_flags(s);
+    ASSERT_TRUE(parse(f, {"a.txt", "--val", "v1", "-q", "--threads=3", "b", "--val=v2", "-", "--tokens", "1099511627776"}));
+    EXPECT_EQ(s.inputs, (std::vector<std::string>{"a.txt", "b", "-"}));
+    EXPECT_EQ(s.val, (std::vector<std::string>{"v1", "v2"}));
+    EXPECT_TRUE(s.quiet);
+    EXPECT_EQ(s.threads, 3);
+    EXPECT_EQ(s.tokens, int64_t(1) << 40);
+    EXPECT_TRUE(f.was_set("val"));
+    EXPECT_FALSE(f.was_set("fraction"));
+    std::string t = f.settings_table();
+    EXPECT_NE(t.find("| val                              | v1,v2 *"), std::string::npos) << t;
+    EXPECT_NE(t.find("| quiet                            | 1 *"), std::string::npos) << t;
+    std::string u = f.usage();
+    EXPECT_NE(u.find("usage: tool [flags] INPUT..."), std::string::npos) << u;
+    EXPECT_NE(u.find("worker threads (default: 4, from 1 to 1024)"), std::string::npos) << u;
+    EXPECT_NE(u.find("a fraction (default: 0.5, from 0 to 1)"), std::string::npos) << u;
+    EXPECT_NE(u.find("--val <string>..."), std::string::npos) << u;
+    EXPECT_NE(u.find("-q, --quiet                    print errors only\n"), std::string::npos) << u;
+}
+
+TEST(Flags, RangesSwitchesAndPositionalsAreChecked) {
+    std::string m;
+    EXPECT_EQ(tool_usage_error({"--threads", "0"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --threads: '0' is not an integer from 1 to 1024");
+    EXPECT_EQ(tool_usage_error({"--threads=1025"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --threads: '1025' is not an integer from 1 to 1024");
+    // Checked before narrowing to 32 bits: 2^32 + 1 must not wrap around into the range.
+    EXPECT_EQ(tool_usage_error({"--threads", "4294967297"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --threads: '4294967297' is not an integer from 1 to 1024");
+    EXPECT_EQ(tool_usage_error({"--tokens", "1099511627777"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --tokens: '1099511627777' is not an integer from 1 to 1099511627776");
+    EXPECT_EQ(tool_usage_error({"--fraction", "1.5"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --fraction: '1.5' is not a number from 0 to 1");
+    EXPECT_EQ(tool_usage_error({"--fraction", "nan"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --fraction: 'nan' is not a number from 0 to 1");
+    EXPECT_EQ(tool_usage_error({"--quiet=1"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --quiet takes no value");
+    EXPECT_EQ(tool_usage_error({"--val"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --val needs a value (validation input; repeatable)");
+    EXPECT_EQ(tool_usage_error({"--threads", "2", "--fraction", "1", "--quiet", "in"}, &m), 0);
+    // A program without positional() refuses them.
+    EXPECT_EQ(usage_error({"-b", "8", "stray"}, &m), kExitUsage);
+    EXPECT_EQ(m, "unexpected argument 'stray': train takes flags only (see train --help)");
 }
 
 TEST(LRSchedule, WarmupThenCosineToTheFloor) {

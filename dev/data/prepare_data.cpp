@@ -33,7 +33,6 @@ know any special token but <|endoftext|>.
 #include <cstdio>
 #include <deque>
 #include <exception>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -44,6 +43,7 @@ know any special token but <|endoftext|>.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "llmc/flags.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"
 
@@ -62,126 +62,53 @@ struct Options {
     Format format = Format::Auto;
     std::string text_field = "text";
     int64_t shard_tokens = 100000000;
-    int threads = 0;
-    size_t chunk_bytes = 1 << 20;
+    int threads = static_cast<int>(std::min(1024u, std::max(1u, std::thread::hardware_concurrency())));
+    int64_t chunk_bytes = 1 << 20;
     std::string encoder_json = ".deps/gpt2/encoder.json";
     std::string vocab_bpe = ".deps/gpt2/vocab.bpe";
     std::string write_tokenizer;
     bool quiet = false;
 };
 
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t lo, int64_t hi) {
-    char* end = nullptr;
-    errno = 0;
-    long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno != 0 || x < lo || x > hi) {
-        fail(kExitUsage, "%s expects an integer from %lld to %lld, got '%s'", flag.c_str(), (long long)lo, (long long)hi,
-             v.c_str());
+// Returns false when --help was given. Checks what one flag's type and range cannot say.
+bool parse_args(int argc, char** argv, Options& o) {
+    std::string format = "auto";
+    Flags flags("prepare_data", "Encodes text files, JSONL files or folders of them with GPT-2's tokenizer into token shards.");
+    flags.positional("INPUT", &o.train_inputs, "inputs (files or folders) whose documents go to the train split")
+        .add("", "val", &o.val_inputs, "an input (file or folder) whose documents all go to the validation split; repeatable")
+        .add("", "val-fraction", &o.val_fraction, "send this fraction of the documents (above 0, below 1; picked evenly) to validation")
+        .add("", "out", &o.out_dir, "folder for the shards (created if missing)")
+        .add("", "name", &o.name, "shard name prefix: OUT/NAME_train_000000.bin")
+        .add("", "format", &format, "how to read inputs: auto (.jsonl files are JSONL, others text), text or jsonl")
+        .add("", "text-field", &o.text_field, "the JSONL field that holds a document's text")
+        .add("", "shard-tokens", &o.shard_tokens, "tokens per shard", 1, kShardV1MaxTokens)
+        .add("", "threads", &o.threads, "encoding threads; the default is one per core", 1, 1024)
+        .add("", "chunk-bytes", &o.chunk_bytes, "bytes of text per unit of work; shards depend on it, not on --threads", 64,
+             1LL << 30)
+        .add("", "encoder-json", &o.encoder_json, "GPT-2's encoder.json")
+        .add("", "vocab-bpe", &o.vocab_bpe, "GPT-2's vocab.bpe")
+        .add("", "write-tokenizer", &o.write_tokenizer, "also write llm.c's tokenizer file (version 2) for decoding; inputs are optional then")
+        .add_switch("", "quiet", &o.quiet, "print errors only");
+    if (!flags.parse(argc, argv)) return false;
+
+    if (flags.was_set("val-fraction") && !(o.val_fraction > 0.0 && o.val_fraction < 1.0)) {
+        fail(kExitUsage, "--val-fraction expects a number between 0 and 1 (exclusive), got %g", o.val_fraction);
     }
-    return x;
-}
-
-struct Flag {
-    const char* name;
-    const char* arg;  // nullptr for a switch
-    const char* help;
-    std::function<void(Options&, const std::string&)> set;
-};
-
-const std::vector<Flag>& flags() {
-    static const std::vector<Flag> table = {
-        {"--val", "PATH", "an input (file or folder) whose documents all go to the validation split; repeatable",
-         [](Options& o, const std::string& v) { o.val_inputs.push_back(v); }},
-        {"--val-fraction", "F", "send this fraction of the documents (0 < F < 1, picked evenly) to validation",
-         [](Options& o, const std::string& v) {
-             char* end = nullptr;
-             o.val_fraction = std::strtod(v.c_str(), &end);
-             if (v.empty() || *end != '\0' || !(o.val_fraction > 0.0 && o.val_fraction < 1.0)) {
-                 fail(kExitUsage, "--val-fraction expects a number between 0 and 1 (exclusive), got '%s'", v.c_str());
-             }
-         }},
-        {"--out", "DIR", "folder for the shards (default data; created if missing)",
-         [](Options& o, const std::string& v) { o.out_dir = v; }},
-        {"--name", "NAME", "shard name prefix: DIR/NAME_train_000000.bin (default corpus)",
-         [](Options& o, const std::string& v) {
-             if (v.empty() || v.find('/') != std::string::npos) fail(kExitUsage, "--name must be a plain file name, got '%s'", v.c_str());
-             o.name = v;
-         }},
-        {"--format", "auto|text|jsonl", "how to read inputs; auto: .jsonl files are JSONL, others text",
-         [](Options& o, const std::string& v) {
-             if (v == "auto") o.format = Format::Auto;
-             else if (v == "text") o.format = Format::Text;
-             else if (v == "jsonl") o.format = Format::Jsonl;
-             else fail(kExitUsage, "--format expects auto, text or jsonl, got '%s'", v.c_str());
-         }},
-        {"--text-field", "KEY", "the JSONL field that holds a document's text (default text)",
-         [](Options& o, const std::string& v) { o.text_field = v; }},
-        {"--shard-tokens", "N", "tokens per shard (default 100000000)",
-         [](Options& o, const std::string& v) { o.shard_tokens = parse_int("--shard-tokens", v, 1, kShardV1MaxTokens); }},
-        {"--threads", "N", "encoding threads (default: one per core)",
-         [](Options& o, const std::string& v) { o.threads = static_cast<int>(parse_int("--threads", v, 1, 1024)); }},
-        {"--chunk-bytes", "N", "bytes of text per unit of work (default 1048576); shards depend on it, not on --threads",
-         [](Options& o, const std::string& v) { o.chunk_bytes = static_cast<size_t>(parse_int("--chunk-bytes", v, 64, 1LL << 30)); }},
-        {"--encoder-json", "FILE", "GPT-2's encoder.json (default .deps/gpt2/encoder.json)",
-         [](Options& o, const std::string& v) { o.encoder_json = v; }},
-        {"--vocab-bpe", "FILE", "GPT-2's vocab.bpe (default .deps/gpt2/vocab.bpe)",
-         [](Options& o, const std::string& v) { o.vocab_bpe = v; }},
-        {"--write-tokenizer", "FILE", "also write llm.c's tokenizer file (version 2) for decoding; inputs are optional then",
-         [](Options& o, const std::string& v) { o.write_tokenizer = v; }},
-        {"--quiet", nullptr, "print errors only", [](Options& o, const std::string&) { o.quiet = true; }},
-    };
-    return table;
-}
-
-void print_usage(FILE* out) {
-    std::fprintf(out, "usage: prepare_data [options] INPUT...\n"
-                      "Encodes text files, JSONL files or folders of them with GPT-2's tokenizer into token shards.\n"
-                      "options:\n");
-    for (const Flag& f : flags()) {
-        std::string left = std::string(f.name) + (f.arg ? std::string(" ") + f.arg : "");
-        std::fprintf(out, "  %-28s %s\n", left.c_str(), f.help);
+    if (o.name.empty() || o.name.find('/') != std::string::npos) {
+        fail(kExitUsage, "--name must be a plain file name, got '%s'", o.name.c_str());
     }
-    std::fprintf(out, "  %-28s %s\n", "-h, --help", "show this text");
-}
-
-Options parse_args(int argc, char** argv) {
-    Options o;
-    for (int i = 1; i < argc; i++) {
-        std::string a = argv[i];
-        if (a == "-h" || a == "--help") {
-            print_usage(stdout);
-            std::exit(kExitOk);
-        }
-        if (a.size() < 2 || a[0] != '-') {
-            o.train_inputs.push_back(a);
-            continue;
-        }
-        std::string value;
-        bool inline_value = false;
-        if (size_t eq = a.find('='); eq != std::string::npos) {
-            value = a.substr(eq + 1);
-            a = a.substr(0, eq);
-            inline_value = true;
-        }
-        auto it = std::find_if(flags().begin(), flags().end(), [&](const Flag& f) { return a == f.name; });
-        if (it == flags().end()) fail(kExitUsage, "unknown option '%s' (see --help)", argv[i]);
-        if (it->arg && !inline_value) {
-            if (i + 1 >= argc) fail(kExitUsage, "%s needs a value (%s)", it->name, it->arg);
-            value = argv[++i];
-        } else if (!it->arg && inline_value) {
-            fail(kExitUsage, "%s takes no value", it->name);
-        }
-        it->set(o, value);
-    }
+    if (format == "auto") o.format = Format::Auto;
+    else if (format == "text") o.format = Format::Text;
+    else if (format == "jsonl") o.format = Format::Jsonl;
+    else fail(kExitUsage, "--format expects auto, text or jsonl, got '%s'", format.c_str());
     if (o.val_fraction > 0 && !o.val_inputs.empty()) {
         fail(kExitUsage, "choose the validation split either by file (--val) or by fraction (--val-fraction), not both");
     }
     if (o.train_inputs.empty() && o.val_inputs.empty() && o.write_tokenizer.empty()) {
-        print_usage(stderr);
+        std::fputs(flags.usage().c_str(), stderr);
         fail(kExitUsage, "no input given");
     }
-    if (o.threads == 0) o.threads = std::max(1u, std::thread::hardware_concurrency());
-    return o;
+    return true;
 }
 
 // ---- inputs ----
@@ -654,7 +581,7 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
     };
 
     try {
-        ChunkReader reader(inputs, o.chunk_bytes);
+        ChunkReader reader(inputs, static_cast<size_t>(o.chunk_bytes));
         for (;;) {
             std::unique_ptr<Slot> slot;
             if (free_slots.empty()) {
@@ -705,7 +632,8 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
 // PREPARE_DATA_NO_MAIN defined and runs it on its own inputs.
 int prepare_data_main(int argc, char** argv) {
     return run_main([&] {
-        Options o = parse_args(argc, argv);
+        Options o;
+        if (!parse_args(argc, argv, o)) return kExitOk;
         std::vector<Input> inputs = resolve_inputs(o);
 
         auto t0 = std::chrono::steady_clock::now();
