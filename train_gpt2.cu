@@ -1,17 +1,1007 @@
 /*
-GPT-2 training on the GPU (bf16 parameters and activations, fp32 master weights, AdamW).
+train_gpt2cu: GPT-2 training on one GPU in mixed precision, in the spirit of llm.c's train_gpt2.cu.
 
-The trainer is being built (see the README's status section); until then this program prints its
-usage and exits, so that the build, the CI and the layout can be relied on by everything else.
+Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
+and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
+weights and rounds them stochastically into the bf16 parameters the model computes with.
+
+This file holds the model (GPT2: its configuration, parameters, gradients, optimizer state and
+activations, all allocated once for a micro-batch of B x T; forward, backward and update built from the
+layer kernels in llmc/) and main(), which reads top to bottom as the run: parse the flags, build or
+load the model, open the data, then loop {next batch, forward, backward, clip, update, log, evaluate,
+sample} and write the model. A step talks to the host once: the loss and the gradient norm come back
+through one copy into pinned memory.
+
+Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
+-v -m -s -g -n -y -k); every flag also has a long name (--help lists them). The flags are parsed and
+checked before anything touches CUDA, so a bad command line fails the same way with or without a GPU.
+
+Does not provide (yet): checkpoints and resume (-n is accepted, -y 1 is refused), several GPUs, a KV
+cache for sampling (each sampled token reruns the forward over the tokens so far), flash attention or
+activation recomputation.
 */
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
+#include <sys/stat.h>
+
+#include "llmc/adamw.cuh"
+#include "llmc/attention.cuh"
+#include "llmc/classifier.cuh"
+#include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/dataloader.h"
+#include "llmc/dataloader_gpu.cuh"
+#include "llmc/device_file_io.cuh"
+#include "llmc/encoder.cuh"
+#include "llmc/flags.h"
+#include "llmc/global_norm.cuh"
+#include "llmc/gpt2_config.h"
+#include "llmc/layernorm.cuh"
+#include "llmc/matmul.cuh"
+#include "llmc/model_file.h"
+#include "llmc/schedule.h"
+#include "llmc/tokenizer.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+// ----------------------------------------------------------------------------------------------------
+// The model.
+
+// Shapes the kernels need that a GPT2Config alone does not promise.
+inline std::string gpu_config_problem(const GPT2Config& c) {
+    std::string problem = config_problem(c);
+    if (!problem.empty()) return problem;
+    if (c.channels % 8 != 0) return format("channels %d is not a multiple of 8 (16-byte vectors)", c.channels);
+    if (c.head_size() % 8 != 0) return format("head size %d is not a multiple of 8", c.head_size());
+    if (c.padded_vocab_size % 8 != 0) return format("padded vocabulary %d is not a multiple of 8", c.padded_vocab_size);
+    return "";
+}
+
+class GPT2 {
+public:
+    // Device memory by kind, for the start-up table.
+    struct Memory {
+        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0;
+        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch; }
+    };
+
+    // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
+    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream)
+        : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
+          adamw_table_(adamw_tensors(config)) {
+        std::string problem = gpu_config_problem(config);
+        if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
+        if (B < 1 || T < 1 || T > config.max_seq_len) {
+            fail(kExitUsage, "GPT2: B=%d T=%d, need B >= 1 and 1 <= T <= maxT=%d", B, T, config.max_seq_len);
+        }
+        num_params_ = llmc::num_parameters(config);
+        const size_t n = size_t(num_params_);
+        params_.allocate(n);
+        grads_.allocate(n);
+        master_.allocate(n);
+        adam_m_.allocate(n);
+        adam_v_.allocate(n);
+        cudaCheck(cudaMemsetAsync(params_.get(), 0, params_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
+        allocate_activations();
+        scalars_.allocate(4);
+        cudaCheck(cudaStreamSynchronize(stream_));
+    }
+    GPT2(const GPT2&) = delete;
+    GPT2& operator=(const GPT2&) = delete;
+
+    const GPT2Config& config() const { return config_; }
+    int max_B() const { return B_; }
+    int max_T() const { return T_; }
+    int64_t num_parameters() const { return num_params_; }
+    const ParamTensorInfo& tensor(int i) const { return tensors_[size_t(i)]; }
+    Memory memory() const { return memory_; }
+    cudaStream_t stream() const { return stream_; }
+    const floatX* params() const { return params_.get(); }
+    const floatX* grads() const { return grads_.get(); }
+    const float* master_weights() const { return master_.get(); }
+    const floatX* logits() const { return logits_; }     // (B,T,Vp) of the last forward (dlogits after a training one)
+    const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
+    const float* mean_loss() const { return scalars_.get(); }
+    const float* grad_norm() const { return scalars_.get() + 1; }
+
+    // The fp32 parameters (file order) become the master weights, and rounded to nearest the bf16 ones;
+    // the optimizer state starts from zero.
+    void set_parameters(const std::vector<float>& host) {
+        if (int64_t(host.size()) != num_params_) {
+            fail(kExitUsage, "GPT2: %zu parameters given, the shape %s needs %lld", host.size(),
+                 describe(config_).c_str(), (long long)num_params_);
+        }
+        cudaCheck(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
+        convert_to_bf16(params_.get(), master_.get(), num_params_, stream_);
+        cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
+        cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
+    }
+
+    // Runs the model on inputs (B,T) (device int32) into the logits (B,T,Vp). With targets, also the
+    // per-position losses and their mean, written to *mean_out (a device float; the model's own slot
+    // mean_loss() when null). With dloss > 0 (training) the logits are replaced by dloss * d(loss)/d(logits),
+    // ready for backward(); dloss is each position's weight in the step's loss, 1 / (B * T * micro-steps).
+    void forward(const int* inputs, const int* targets, int B, int T, float* mean_out = nullptr, float dloss = 0.0f) {
+        check_batch(B, T, "forward");
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
+        const int64_t N = int64_t(B) * T;
+        const floatX* p = params_.get();
+        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
+        encoder_forward(encoded_, inputs, P(kWte), P(kWpe), B, T, C, stream_);
+        layernorm_forward(ln1(0), ln1_mean(0), ln1_rstd(0), encoded_, P(kLn1w), P(kLn1b), N, C, stream_);
+        for (int l = 0; l < L; l++) {
+            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
+            matmul_forward(lt_, qkv(l), ln1(l), P(kQkvw) + int64_t(l) * 3 * C * C, P(kQkvb) + int64_t(l) * 3 * C, N, C,
+                           3 * C, stream_);
+            attention_forward(lt_, atty(l), att(l), qkv(l), B, T, C, NH, scratch_.get(), scratch_.bytes(), stream_);
+            matmul_forward(lt_, proj_, atty(l), P(kAttprojw) + int64_t(l) * C * C, P(kAttprojb) + int64_t(l) * C, N, C,
+                           C, stream_);
+            fused_residual_layernorm_forward(residual2(l), ln2(l), ln2_mean(l), ln2_rstd(l), residual, proj_,
+                                             P(kLn2w) + int64_t(l) * C, P(kLn2b) + int64_t(l) * C, N, C, stream_);
+            matmul_forward(lt_, fch_gelu(l), ln2(l), P(kFcw) + int64_t(l) * 4 * C * C, P(kFcb) + int64_t(l) * 4 * C, N,
+                           C, 4 * C, stream_, fch(l));
+            matmul_forward(lt_, proj_, fch_gelu(l), P(kFcprojw) + int64_t(l) * 4 * C * C, P(kFcprojb) + int64_t(l) * C,
+                           N, 4 * C, C, stream_);
+            // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
+            // runs in the same pass.
+            if (l + 1 < L) {
+                fused_residual_layernorm_forward(residual3(l), ln1(l + 1), ln1_mean(l + 1), ln1_rstd(l + 1),
+                                                 residual2(l), proj_, P(kLn1w) + int64_t(l + 1) * C,
+                                                 P(kLn1b) + int64_t(l + 1) * C, N, C, stream_);
+            } else {
+                fused_residual_layernorm_forward(residual3(l), lnf_, lnf_mean_, lnf_rstd_, residual2(l), proj_, P(kLnfw),
+                                                 P(kLnfb), N, C, stream_);
+            }
+        }
+        matmul_forward(lt_, logits_, lnf_, P(kWte), nullptr, N, C, Vp, stream_);
+        if (targets == nullptr) return;
+        fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
+        llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
+    }
+
+    // Sets every parameter gradient to zero (the start of an optimizer step).
+    void zero_grad() { cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_)); }
+
+    // Adds the gradient of the last training forward's loss (made with dloss > 0, on these inputs) to
+    // the parameter gradients, so that micro-batches accumulate.
+    void backward(const int* inputs, int B, int T) {
+        check_batch(B, T, "backward");
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
+        const int64_t N = int64_t(B) * T;
+        const floatX* p = params_.get();
+        floatX* g = grads_.get();
+        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
+        auto G = [&](int i) { return g + tensors_[size_t(i)].offset; };
+        float* fscratch = reinterpret_cast<float*>(scratch_.get());
+        const size_t sbytes = scratch_.bytes();
+
+        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
+        matmul_backward(lt_, d_ln_, G(kWte), nullptr, logits_, lnf_, P(kWte), N, C, Vp, fscratch, sbytes, stream_);
+        // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
+        // adds into it, so it starts from zero.
+        cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
+        layernorm_backward(d_residual_, G(kLnfw), G(kLnfb), d_ln_, residual3(L - 1), P(kLnfw), lnf_mean_, lnf_rstd_, N,
+                           C, fscratch, sbytes, stream_);
+        for (int l = L - 1; l >= 0; l--) {
+            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
+            const int64_t lc = int64_t(l) * C;
+            // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
+            matmul_backward(lt_, d_fch_, G(kFcprojw) + lc * 4 * C, G(kFcprojb) + lc, d_residual_, fch_gelu(l),
+                            P(kFcprojw) + lc * 4 * C, N, 4 * C, C, fscratch, sbytes, stream_, fch(l));
+            matmul_backward(lt_, d_ln_, G(kFcw) + lc * 4 * C, G(kFcb) + lc * 4, d_fch_, ln2(l), P(kFcw) + lc * 4 * C, N,
+                            C, 4 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, G(kLn2w) + lc, G(kLn2b) + lc, d_ln_, residual2(l), P(kLn2w) + lc,
+                               ln2_mean(l), ln2_rstd(l), N, C, fscratch, sbytes, stream_);
+            // residual2 = residual + attproj(attention(qkv(ln1))).
+            matmul_backward(lt_, d_atty_, G(kAttprojw) + lc * C, G(kAttprojb) + lc, d_residual_, atty(l),
+                            P(kAttprojw) + lc * C, N, C, C, fscratch, sbytes, stream_);
+            attention_backward(lt_, d_qkv_, d_atty_, qkv(l), att(l), B, T, C, NH, scratch_.get(), sbytes, stream_);
+            matmul_backward(lt_, d_ln_, G(kQkvw) + lc * 3 * C, G(kQkvb) + lc * 3, d_qkv_, ln1(l), P(kQkvw) + lc * 3 * C,
+                            N, C, 3 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, G(kLn1w) + lc, G(kLn1b) + lc, d_ln_, residual, P(kLn1w) + lc, ln1_mean(l),
+                               ln1_rstd(l), N, C, fscratch, sbytes, stream_);
+        }
+        encoder_backward(G(kWte), G(kWpe), d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+    }
+
+    // Global gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step counts from 1),
+    // all on the device. The norm lands in *norm_out (the model's slot grad_norm() when null). `seed`
+    // keys the stochastic rounding of the bf16 parameters.
+    void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr) {
+        float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
+        float* scale = scalars_.get() + 2;
+        global_norm(norm, scale, grads_.get(), num_params_, grad_clip, reinterpret_cast<float*>(scratch_.get()),
+                    scratch_.bytes(), stream_);
+        adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_, settings,
+                     step, seed, scale, stream_);
+    }
+
+    // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
+    // reader never sees half a file.
+    void write_model_file(const std::string& path, DeviceFileIO& io) const {
+        int32_t h[kModelHeaderInts] = {};
+        h[0] = kModelMagic;
+        h[1] = kModelVersionFp32;
+        h[2] = config_.max_seq_len;
+        h[3] = config_.vocab_size;
+        h[4] = config_.num_layers;
+        h[5] = config_.num_heads;
+        h[6] = config_.channels;
+        h[7] = config_.padded_vocab_size;
+        const std::string tmp = path + ".tmp";
+        File f(tmp, File::Mode::Write);
+        f.write_all(h, sizeof(h));
+        io.device_to_file(f, master_.get(), master_.bytes(), stream_);
+        f.sync();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+        }
+    }
+
+private:
+    void check_batch(int B, int T, const char* what) const {
+        if (B < 1 || T < 1 || B > B_ || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
+            fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B <= %d, T <= %d", what, B, T, B_, T_);
+        }
+    }
+
+    // Carves every activation, activation gradient and the shared scratch out of three allocations.
+    // Per-layer tensors are strided by the allocated B x T, so smaller batches use a prefix of each.
+    void allocate_activations() {
+        const GPT2Config& c = config_;
+        const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
+        const size_t N = size_t(B_) * size_t(T_);
+        nc_ = N * C;
+        n_ = N;
+        att_stride_ = attention_att_elements(B_, c.num_heads, T_);
+
+        struct Slot {
+            void** ptr;
+            size_t bytes;
+        };
+        const size_t X = sizeof(floatX), F = sizeof(float);
+        const Slot acts[] = {
+            {reinterpret_cast<void**>(&encoded_), N * C * X},
+            {reinterpret_cast<void**>(&ln1_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln1_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
+            {reinterpret_cast<void**>(&atty_), L * N * C * X},
+            {reinterpret_cast<void**>(&att_), L * att_stride_ * X},
+            {reinterpret_cast<void**>(&proj_), N * C * X},
+            {reinterpret_cast<void**>(&residual2_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_), L * N * 4 * C * X},
+            {reinterpret_cast<void**>(&residual3_), L * N * C * X},
+            {reinterpret_cast<void**>(&lnf_), N * C * X},
+            {reinterpret_cast<void**>(&lnf_mean_), N * F},
+            {reinterpret_cast<void**>(&lnf_rstd_), N * F},
+            {reinterpret_cast<void**>(&logits_), N * Vp * X},
+            {reinterpret_cast<void**>(&losses_), N * F},
+        };
+        const Slot act_grads[] = {
+            {reinterpret_cast<void**>(&d_residual_), N * C * X},
+            {reinterpret_cast<void**>(&d_ln_), N * C * X},
+            {reinterpret_cast<void**>(&d_atty_), N * C * X},
+            {reinterpret_cast<void**>(&d_qkv_), N * 3 * C * X},
+            {reinterpret_cast<void**>(&d_fch_), N * 4 * C * X},
+        };
+        auto carve = [](DeviceBuffer<char>& buf, const Slot* slots, size_t count) {
+            size_t total = 0;
+            for (size_t i = 0; i < count; i++) total += align256(slots[i].bytes);
+            buf.allocate(total);
+            size_t at = 0;
+            for (size_t i = 0; i < count; i++) {
+                *slots[i].ptr = buf.get() + at;
+                at += align256(slots[i].bytes);
+            }
+            return total;
+        };
+        memory_.activations = carve(acts_, acts, sizeof(acts) / sizeof(acts[0]));
+        memory_.activation_grads = carve(act_grads_, act_grads, sizeof(act_grads) / sizeof(act_grads[0]));
+
+        // One scratch buffer serves every kernel that needs one: they run one after another on one stream.
+        const int64_t n = int64_t(N);
+        size_t scratch = attention_scratch_bytes(B_, T_, c.channels, c.num_heads);
+        scratch = std::max(scratch, encoder_backward_scratch_bytes(B_, T_, c.padded_vocab_size));
+        scratch = std::max(scratch, layernorm_backward_scratch_bytes(n, c.channels));
+        scratch = std::max(scratch, matmul_backward_scratch_bytes(n, 4 * c.channels));
+        scratch = std::max(scratch, kGlobalNormScratchBytes);
+        scratch_.allocate(scratch);
+        memory_.scratch = scratch_.bytes() + lt_.workspace_bytes();
+        memory_.params = params_.bytes();
+        memory_.grads = grads_.bytes();
+        memory_.optimizer = master_.bytes() + adam_m_.bytes() + adam_v_.bytes();
+        // Poisoned (NaN in bf16 and fp32), so that reading something no kernel wrote shows up at once.
+        cudaCheck(cudaMemsetAsync(acts_.get(), 0xff, acts_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(act_grads_.get(), 0xff, act_grads_.bytes(), stream_));
+    }
+
+    floatX* ln1(int l) const { return ln1_ + size_t(l) * nc_; }
+    float* ln1_mean(int l) const { return ln1_mean_ + size_t(l) * n_; }
+    float* ln1_rstd(int l) const { return ln1_rstd_ + size_t(l) * n_; }
+    floatX* qkv(int l) const { return qkv_ + size_t(l) * 3 * nc_; }
+    floatX* atty(int l) const { return atty_ + size_t(l) * nc_; }
+    floatX* att(int l) const { return att_ + size_t(l) * att_stride_; }
+    floatX* residual2(int l) const { return residual2_ + size_t(l) * nc_; }
+    floatX* ln2(int l) const { return ln2_ + size_t(l) * nc_; }
+    float* ln2_mean(int l) const { return ln2_mean_ + size_t(l) * n_; }
+    float* ln2_rstd(int l) const { return ln2_rstd_ + size_t(l) * n_; }
+    floatX* fch(int l) const { return fch_ + size_t(l) * 4 * nc_; }
+    floatX* fch_gelu(int l) const { return fch_gelu_ + size_t(l) * 4 * nc_; }
+    floatX* residual3(int l) const { return residual3_ + size_t(l) * nc_; }
+
+    GPT2Config config_;
+    int B_, T_;
+    cudaStream_t stream_;
+    std::array<ParamTensorInfo, kNumParamTensors> tensors_;
+    AdamWTensors adamw_table_;
+    int64_t num_params_ = 0;
+    Memory memory_;
+    CublasLt lt_;
+
+    DeviceBuffer<floatX> params_, grads_;
+    DeviceBuffer<float> master_, adam_m_, adam_v_;
+    DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale
+
+    DeviceBuffer<char> acts_, act_grads_, scratch_;
+    size_t nc_ = 0, n_ = 0, att_stride_ = 0;
+    // Activations of the last forward (layer-major where per layer).
+    floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr, *att_ = nullptr;
+    floatX *proj_ = nullptr;  // attproj, then fcproj: only the residual adds read them
+    floatX *residual2_ = nullptr, *ln2_ = nullptr, *fch_ = nullptr, *fch_gelu_ = nullptr, *residual3_ = nullptr;
+    floatX *lnf_ = nullptr, *logits_ = nullptr;
+    float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
+    float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
+    // Gradients of activations: one layer's worth, reused as backward walks down the layers.
+    floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
+};
+
+// ----------------------------------------------------------------------------------------------------
+// The command line.
+
+struct Options {
+    std::string train_pattern = "data/quickstart_train_*.bin";
+    std::string val_pattern = "data/quickstart_val_*.bin";
+    std::string model = "d12";
+    std::string output_dir = "out";
+    int B = 4;
+    int T = 1024;
+    int64_t total_batch = -1;
+    float lr = 3e-4f;
+    int warmup = 0;
+    float final_lr_fraction = 1.0f;
+    float weight_decay = 0.0f;
+    int max_steps = -1;
+    int val_every = 20;
+    int val_max_steps = 20;
+    int sample_every = 20;
+    int gen_tokens = 64;
+    int checkpoint_every = 0;
+    int resume = 0;
+    std::string schedule = "cosine";
+    float decay_fraction = 0.2f;
+    float grad_clip = 1.0f;
+    float beta1 = 0.9f;
+    float beta2 = 0.95f;
+    float eps = 1e-8f;
+    int64_t seed = 1337;
+    float temperature = 1.0f;
+    int top_k = 0;
+    int64_t sample_seed = 42;
+    std::string tokenizer = "data/gpt2_tokenizer.bin";
+    int64_t data_on_gpu_mib = 1024;
+    bool shuffle = true;
+    bool save_model = true;
+    int log_every = 1;
+};
+
+inline Flags make_flags(Options& o) {
+    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU: bf16 parameters, gradients and activations; fp32 master "
+                            "weights, AdamW moments, LayerNorm statistics and losses.");
+    f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
+    f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
+    f.add("e", "model", &o.model,
+          "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
+    f.add("o", "output-dir", &o.output_dir,
+          "directory for log.jsonl and model.bin (created if missing); \"\" writes nothing");
+    f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)");
+    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)");
+    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step, a multiple of B*T (-1: B*T)");
+    f.add("l", "lr", &o.lr, "peak learning rate");
+    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps");
+    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak");
+    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)");
+    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data)");
+    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)");
+    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)");
+    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)");
+    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)");
+    f.add("n", "checkpoint-every", &o.checkpoint_every,
+          "checkpoint every N steps (accepted; checkpoints are not written yet)");
+    f.add("y", "resume", &o.resume, "1: resume from the output directory's checkpoint (not yet supported)");
+    f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
+    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end");
+    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)");
+    f.add("", "beta1", &o.beta1, "AdamW beta1");
+    f.add("", "beta2", &o.beta2, "AdamW beta2");
+    f.add("", "eps", &o.eps, "AdamW epsilon");
+    f.add("", "seed", &o.seed, "seed of initialisation, data order and stochastic rounding");
+    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)");
+    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)");
+    f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)");
+    f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
+    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib,
+          "keep the token shards in GPU memory when they fit in this many MiB (0: stream)");
+    f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
+    f.add("", "save-model", &o.save_model, "write <output-dir>/model.bin (fp32, llm.c version 3) at the end");
+    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)");
+    return f;
+}
+
+inline bool is_regular_file(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// Where the model comes from: a file (its header read and checked now, its weights later) or a descriptor.
+struct ModelSource {
+    GPT2Config config;
+    std::string file;  // empty for a new model
+    int file_version = 0;
+};
+
+inline ModelSource resolve_model(const std::string& model) {
+    ModelSource src;
+    if (is_regular_file(model)) {
+        File f(model, File::Mode::Read);
+        ModelFileInfo info = read_model_header(f);
+        src.config = info.config;
+        src.file = model;
+        src.file_version = info.version;
+    } else if (model.size() >= 2 && model[0] == 'd' && model.find_first_not_of("0123456789", 1) == std::string::npos) {
+        src.config = config_from_descriptor(model);
+    } else if (model.find('/') != std::string::npos || model.find('.') != std::string::npos) {
+        fail(kExitIo, "-e/--model: model file '%s' does not exist", model.c_str());
+    } else {
+        fail(kExitUsage, "-e/--model '%s' is neither a model file nor a descriptor (d2, d6, d12, d24, d36, d48)",
+             model.c_str());
+    }
+    std::string problem = gpu_config_problem(src.config);
+    if (!problem.empty()) {
+        fail(src.file.empty() ? kExitUsage : kExitData, "model '%s': the GPU kernels need %s", model.c_str(),
+             problem.c_str());
+    }
+    return src;
+}
+
+// The settings after checking them against each other and the model; everything here is host-only.
+struct Plan {
+    int grad_accum = 1;
+    int64_t tokens_per_step = 0;
+    LRSchedule schedule;
+    int gen_tokens = 0;
+};
+
+inline Plan plan_run(const Options& o, const GPT2Config& c) {
+    if (o.B < 1) fail(kExitUsage, "-b/--batch-size %d: must be at least 1", o.B);
+    if (o.T < 1) fail(kExitUsage, "-t/--seq-len %d: must be at least 1", o.T);
+    if (o.T > c.max_seq_len) {
+        fail(kExitUsage, "-t/--seq-len %d is longer than the model's maximum sequence length %d", o.T, c.max_seq_len);
+    }
+    if (!(o.lr >= 0.0f)) fail(kExitUsage, "-l/--lr %g: must not be negative", double(o.lr));
+    if (o.warmup < 0) fail(kExitUsage, "-u/--warmup %d: must not be negative", o.warmup);
+    if (!(o.final_lr_fraction >= 0.0f && o.final_lr_fraction <= 1.0f)) {
+        fail(kExitUsage, "-q/--final-lr-fraction %g: must be in [0, 1]", double(o.final_lr_fraction));
+    }
+    if (!(o.weight_decay >= 0.0f)) fail(kExitUsage, "-c/--weight-decay %g: must not be negative", double(o.weight_decay));
+    if (o.max_steps < -1) fail(kExitUsage, "-x/--max-steps %d: must be -1 (one epoch) or at least 0", o.max_steps);
+    if (o.val_every < 0) fail(kExitUsage, "-v/--val-every %d: must not be negative", o.val_every);
+    if (o.val_max_steps != -1 && o.val_max_steps < 1) {
+        fail(kExitUsage, "-m/--val-max-steps %d: must be -1 (all) or at least 1", o.val_max_steps);
+    }
+    if (o.sample_every < 0) fail(kExitUsage, "-s/--sample-every %d: must not be negative", o.sample_every);
+    if (o.sample_every > 0 && o.gen_tokens < 1) {
+        fail(kExitUsage, "-g/--gen-tokens %d: must be at least 1 when sampling", o.gen_tokens);
+    }
+    if (o.checkpoint_every < 0) fail(kExitUsage, "-n/--checkpoint-every %d: must not be negative", o.checkpoint_every);
+    if (o.resume != 0 && o.resume != 1) fail(kExitUsage, "-y/--resume %d: must be 0 or 1", o.resume);
+    if (o.resume == 1) fail(kExitUsage, "-y 1 (resume): not yet supported; checkpoints come with a later version");
+    if (!(o.decay_fraction >= 0.0f && o.decay_fraction <= 1.0f)) {
+        fail(kExitUsage, "--decay-fraction %g: must be in [0, 1]", double(o.decay_fraction));
+    }
+    if (!(o.grad_clip >= 0.0f)) fail(kExitUsage, "--grad-clip %g: must not be negative", double(o.grad_clip));
+    if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f)) fail(kExitUsage, "--beta1 %g: must be in [0, 1)", double(o.beta1));
+    if (!(o.beta2 >= 0.0f && o.beta2 < 1.0f)) fail(kExitUsage, "--beta2 %g: must be in [0, 1)", double(o.beta2));
+    if (!(o.eps > 0.0f)) fail(kExitUsage, "--eps %g: must be positive", double(o.eps));
+    if (o.seed < 0) fail(kExitUsage, "--seed %lld: must not be negative", (long long)o.seed);
+    if (!(o.temperature >= 0.0f)) fail(kExitUsage, "--temperature %g: must not be negative", double(o.temperature));
+    if (o.top_k < 0) fail(kExitUsage, "--top-k %d: must not be negative", o.top_k);
+    if (o.data_on_gpu_mib < 0) {
+        fail(kExitUsage, "--data-on-gpu-mib %lld: must not be negative", (long long)o.data_on_gpu_mib);
+    }
+    if (o.log_every < 1) fail(kExitUsage, "--log-every %d: must be at least 1", o.log_every);
+    if (o.train_pattern.empty()) fail(kExitUsage, "-i/--train: no training shards named");
+
+    Plan p;
+    const int64_t micro = int64_t(o.B) * o.T;  // one GPU: B*T*ranks with ranks = 1
+    p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
+    if (p.tokens_per_step < 1) {
+        fail(kExitUsage, "-d/--total-batch %lld: must be -1 (B*T) or positive", (long long)o.total_batch);
+    }
+    if (p.tokens_per_step % micro != 0) {
+        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens (one GPU)",
+             (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
+    }
+    p.grad_accum = int(p.tokens_per_step / micro);
+    p.schedule.kind = LRSchedule::parse_kind(o.schedule);
+    p.schedule.lr = o.lr;
+    p.schedule.warmup = o.warmup;
+    p.schedule.final_fraction = o.final_lr_fraction;
+    p.schedule.decay_fraction = o.decay_fraction;
+    p.gen_tokens = std::min(o.gen_tokens, o.T - 1);
+    return p;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Logging.
+
+// log.jsonl in the output directory: one JSON object per line, flushed as written.
+class JsonlLog {
+public:
+    JsonlLog() = default;
+    explicit JsonlLog(const std::string& path) : file_(path, File::Mode::Write) {}
+    void write(const std::string& line) {
+        if (!file_.is_open()) return;
+        std::string l = line + "\n";
+        file_.write_all(l.data(), l.size());
+    }
+
+private:
+    File file_;
+};
+
+// JSON has no NaN or infinity; such values go out as null.
+inline std::string json_number(double v, const char* fmt = "%.6g") {
+    return std::isfinite(v) ? format(fmt, v) : std::string("null");
+}
+
+inline void make_directory(const std::string& dir) {
+    std::string partial;
+    size_t start = 0;
+    while (start <= dir.size()) {
+        size_t slash = dir.find('/', start);
+        if (slash == std::string::npos) slash = dir.size();
+        partial = dir.substr(0, slash);
+        if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+            int e = errno;
+            fail(kExitIo, "cannot create output directory '%s': %s", partial.c_str(), std::strerror(e));
+        }
+        start = slash + 1;
+    }
+    struct stat st;
+    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fail(kExitIo, "output directory '%s' is not a directory", dir.c_str());
+    }
+}
+
+inline std::string duration_text(double seconds) {
+    if (!(seconds >= 0) || !std::isfinite(seconds)) return "?";
+    long s = long(seconds + 0.5);
+    if (s >= 3600) return format("%ldh%02ldm", s / 3600, (s / 60) % 60);
+    if (s >= 60) return format("%ldm%02lds", s / 60, s % 60);
+    return format("%lds", s);
+}
+
+inline std::string memory_table(const GPT2& model, size_t data_bytes) {
+    const GPT2::Memory m = model.memory();
+    std::string out = "+----------------------------------+------------------------------------------+\n";
+    out += format("| %-32s | %-40s |\n", "GPU memory", "bytes");
+    out += "+----------------------------------+------------------------------------------+\n";
+    auto row = [&](const char* what, size_t bytes) {
+        out += format("| %-32s | %-40s |\n", what, human_bytes(double(bytes)).c_str());
+    };
+    row("parameters (bf16)", m.params);
+    row("gradients (bf16)", m.grads);
+    row("master + AdamW m, v (fp32)", m.optimizer);
+    row("activations", m.activations);
+    row("activation gradients", m.activation_grads);
+    row("scratch + cuBLAS workspace", m.scratch);
+    row("model total", m.total());
+    row("data loaders (device side)", data_bytes);
+    out += "+----------------------------------+------------------------------------------+\n";
+    return out;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Sampling.
+
+// Picks the next token from one row of logits: greedy at temperature 0, else softmax(logits /
+// temperature) over the top_k largest (all when 0), ties broken by the lower id so the result is
+// reproducible.
+inline uint32_t sample_token(const std::vector<float>& logits, float temperature, int top_k, SplitMix64& rng) {
+    const int V = int(logits.size());
+    std::vector<int> ids(static_cast<size_t>(V));
+    for (int i = 0; i < V; i++) ids[size_t(i)] = i;
+    auto better = [&](int a, int b) {
+        return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    };
+    if (temperature == 0.0f) return uint32_t(*std::min_element(ids.begin(), ids.end(), better));
+    const int k = (top_k > 0 && top_k < V) ? top_k : V;
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), better);
+    const double top = logits[size_t(ids[0])];
+    std::vector<double> w(static_cast<size_t>(k));
+    double sum = 0.0;
+    for (int i = 0; i < k; i++) {
+        w[size_t(i)] = std::exp((double(logits[size_t(ids[size_t(i)])]) - top) / double(temperature));
+        sum += w[size_t(i)];
+    }
+    const double u = double(rng.next() >> 11) * 0x1.0p-53 * sum;
+    double acc = 0.0;
+    for (int i = 0; i < k; i++) {
+        acc += w[size_t(i)];
+        if (u < acc) return uint32_t(ids[size_t(i)]);
+    }
+    return uint32_t(ids[size_t(k - 1)]);
+}
+
+// Generates `n` tokens after an end-of-text token, rerunning the forward on the tokens so far for each
+// (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.
+inline std::vector<uint32_t> generate(GPT2& model, int n, uint32_t start, float temperature, int top_k, uint64_t seed,
+                                      int* d_tokens, PinnedBuffer& host_row) {
+    const GPT2Config& c = model.config();
+    std::vector<int> tokens{int(start)};
+    std::vector<uint32_t> out;
+    std::vector<float> row(size_t(c.vocab_size));
+    SplitMix64 rng(seed);
+    const floatX* pinned = reinterpret_cast<const floatX*>(host_row.get());
+    for (int i = 0; i < n; i++) {
+        const int t = int(tokens.size());
+        cudaCheck(cudaMemcpyAsync(d_tokens, tokens.data(), size_t(t) * sizeof(int), cudaMemcpyHostToDevice,
+                                  model.stream()));
+        model.forward(d_tokens, nullptr, 1, t);
+        cudaCheck(cudaMemcpyAsync(host_row.get(), model.logits() + size_t(t - 1) * c.padded_vocab_size,
+                                  size_t(c.vocab_size) * sizeof(floatX), cudaMemcpyDeviceToHost, model.stream()));
+        cudaCheck(cudaStreamSynchronize(model.stream()));
+        for (int v = 0; v < c.vocab_size; v++) row[size_t(v)] = __bfloat162float(pinned[v]);
+        const uint32_t next = sample_token(row, temperature, top_k, rng);
+        tokens.push_back(int(next));
+        out.push_back(next);
+    }
+    return out;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The run's pieces, in the order main() calls them.
+
+struct Device {
+    std::string name;
+    size_t memory = 0;
+    double peak_flops = 0;  // dense bf16; 0 when this GPU is not in the table
+};
+
+inline Device open_device() {
+    if (cuda_device_count() == 0) {
+        fail(kExitCuda, "no CUDA GPU found: train_gpt2cu needs one (./train_gpt2 is the CPU trainer)");
+    }
+    cudaCheck(cudaSetDevice(0));
+    cudaDeviceProp prop;
+    cudaCheck(cudaGetDeviceProperties(&prop, 0));
+    return Device{prop.name, prop.totalGlobalMem, peak_bf16_flops(prop.name)};
+}
+
+inline std::vector<float> initial_parameters(const ModelSource& src, uint64_t seed) {
+    std::vector<float> params;
+    if (!src.file.empty()) {
+        read_model_file(src.file, &params, &src.config);
+    } else {
+        params.resize(size_t(num_parameters(src.config)));
+        init_parameters(src.config, seed, params.data());
+    }
+    return params;
+}
+
+inline DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle) {
+    DataLoaderConfig d;
+    d.pattern = pattern;
+    d.B = o.B;
+    d.T = o.T;
+    d.rank = 0;
+    d.world = 1;
+    d.vocab_size = uint32_t(c.vocab_size);
+    d.shuffle = shuffle;
+    d.seed = uint64_t(o.seed);
+    return d;
+}
+
+// The training and validation loaders, and the step counts that follow from the data.
+struct Data {
+    std::unique_ptr<GpuDataLoader> train, val;
+    int max_steps = 0;
+    int val_steps = 0;
+
+    Data(const Options& o, const GPT2Config& c, Plan& plan, cudaStream_t stream) {
+        const size_t budget = size_t(o.data_on_gpu_mib) << 20;
+        train = std::make_unique<GpuDataLoader>(loader_config(o.train_pattern, o, c, o.shuffle), stream, budget);
+        const uint64_t epoch = std::max<uint64_t>(1, train->schedule().batches_per_epoch() / uint64_t(plan.grad_accum));
+        max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
+        plan.schedule.total = std::max(1, max_steps);
+        if (!o.val_pattern.empty() && o.val_every > 0) {
+            val = std::make_unique<GpuDataLoader>(loader_config(o.val_pattern, o, c, false), stream, budget);
+            const uint64_t all = std::max<uint64_t>(1, val->schedule().batches_per_epoch());
+            val_steps = int(o.val_max_steps == -1 ? std::min<uint64_t>(all, INT32_MAX)
+                                                  : std::min<uint64_t>(all, uint64_t(o.val_max_steps)));
+        }
+    }
+    size_t device_bytes() const {
+        return (train->resident() ? train->resident_bytes() : 0) + (val && val->resident() ? val->resident_bytes() : 0);
+    }
+};
+
+inline void print_startup(const Flags& flags, const Options& o, const Plan& plan, const Device& device,
+                          const ModelSource& source, const GPT2& model, const Data& data) {
+    std::printf("train_gpt2cu on %s (%s, bf16 peak %s)\n", device.name.c_str(), human_bytes(double(device.memory)).c_str(),
+                device.peak_flops > 0 ? format("%.0f TFLOP/s", device.peak_flops / 1e12).c_str() : "unknown: MFU n/a");
+    std::fputs(flags.settings_table().c_str(), stdout);
+    std::printf("model: %s, %s, %lld parameters, %.2f GFLOP per token (6N + 6LCT)\n",
+                source.file.empty() ? format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed).c_str()
+                                    : format("%s (version %d)", source.file.c_str(), source.file_version).c_str(),
+                describe(model.config()).c_str(), (long long)model.num_parameters(),
+                flops_per_token(model.config(), o.T) / 1e9);
+    const uint64_t epoch_batches = std::max<uint64_t>(1, data.train->schedule().batches_per_epoch());
+    std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
+                "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, data.max_steps,
+                double(data.max_steps) * plan.grad_accum / double(epoch_batches),
+                (unsigned long long)data.train->schedule().total_tokens());
+    std::printf("train data: %zu shard(s), %s; val data: %s\n", data.train->schedule().shards().size(),
+                data.train->resident() ? "on the GPU" : "streamed",
+                data.val ? format("%zu shard(s), %d batches per evaluation", data.val->schedule().shards().size(),
+                                  data.val_steps).c_str()
+                         : "none");
+    if (o.checkpoint_every > 0) std::printf("note: -n %d accepted; checkpoints are not written yet\n", o.checkpoint_every);
+    std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+    std::printf("GPU memory in use after allocation (all of it, CUDA context included): %s of %s\n",
+                human_bytes(double(total_bytes - free_bytes)).c_str(), human_bytes(double(total_bytes)).c_str());
+    std::fflush(stdout);
+}
+
+// Where the run's results go: stdout, log.jsonl, and the tokenizer that turns samples into text.
+struct Outputs {
+    JsonlLog log;
+    Tokenizer tokenizer;
+    bool have_tokenizer = false;
+
+    explicit Outputs(const Options& o) {
+        if (!o.output_dir.empty()) {
+            make_directory(o.output_dir);
+            log = JsonlLog(o.output_dir + "/log.jsonl");
+        }
+        if (o.sample_every > 0) {
+            if (is_regular_file(o.tokenizer)) {
+                tokenizer = read_tokenizer_bin(o.tokenizer);
+                have_tokenizer = true;
+            } else {
+                std::printf("note: tokenizer '%s' not found; samples are printed as token ids\n", o.tokenizer.c_str());
+            }
+        }
+    }
+    std::string text(const std::vector<uint32_t>& ids) const {
+        if (have_tokenizer) return tokenizer.decode(ids);
+        std::string out;
+        for (uint32_t id : ids) out += format("%u ", id);
+        return out;
+    }
+};
+
+// The device and pinned buffers the loop reads results back through, allocated once.
+struct LoopBuffers {
+    DeviceBuffer<float> step_stats;   // grad norm, then one mean loss per micro-step
+    PinnedBuffer step_stats_host;
+    DeviceBuffer<float> val_losses;   // one mean loss per validation batch
+    PinnedBuffer val_losses_host;
+    DeviceBuffer<int> sample_tokens;  // the tokens generated so far
+    PinnedBuffer logit_row;           // one row of logits for the sampler
+    Event step_done;
+
+    LoopBuffers(const Plan& plan, const Data& data, const GPT2Config& c, int T)
+        : step_stats(size_t(1 + plan.grad_accum)), step_stats_host(size_t(1 + plan.grad_accum) * sizeof(float)),
+          val_losses(size_t(std::max(1, data.val_steps))),
+          val_losses_host(size_t(std::max(1, data.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
+          logit_row(size_t(c.vocab_size) * sizeof(floatX)) {}
+};
+
+// The mean validation loss over `steps` batches from the start of the validation set: one copy back.
+inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T, LoopBuffers& buf) {
+    val.reset();
+    for (int i = 0; i < steps; i++) {
+        DeviceBatch batch = val.next_batch();
+        model.forward(batch.inputs, batch.targets, B, T, buf.val_losses.get() + i);
+    }
+    cudaCheck(cudaMemcpyAsync(buf.val_losses_host.get(), buf.val_losses.get(), size_t(steps) * sizeof(float),
+                              cudaMemcpyDeviceToHost, model.stream()));
+    cudaCheck(cudaStreamSynchronize(model.stream()));
+    const float* l = reinterpret_cast<const float*>(buf.val_losses_host.get());
+    double sum = 0.0;
+    for (int i = 0; i < steps; i++) sum += double(l[i]);
+    return sum / steps;
+}
+
+struct StepStats {
+    double loss = 0, norm = 0, seconds = 0;
+};
+
+// One optimizer step: grad_accum micro-batches forward and backward (gradients accumulate, each loss
+// weighted 1/grad_accum), then norm, clip and AdamW on the device. The only wait: the losses and the norm
+// copied back together.
+inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o, int grad_accum, int step, float lr,
+                            LoopBuffers& buf) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const float dloss = 1.0f / (float(o.B) * float(o.T) * float(grad_accum));
+    model.zero_grad();
+    for (int micro = 0; micro < grad_accum; micro++) {
+        DeviceBatch batch = train.next_batch();
+        model.forward(batch.inputs, batch.targets, o.B, o.T, buf.step_stats.get() + 1 + micro, dloss);
+        model.backward(batch.inputs, o.B, o.T);
+    }
+    AdamWSettings settings;
+    settings.learning_rate = lr;
+    settings.beta1 = o.beta1;
+    settings.beta2 = o.beta2;
+    settings.eps = o.eps;
+    settings.weight_decay = o.weight_decay;
+    model.update(settings, o.grad_clip, step + 1, uint64_t(o.seed), buf.step_stats.get());
+    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), buf.step_stats.get(), size_t(1 + grad_accum) * sizeof(float),
+                              cudaMemcpyDeviceToHost, model.stream()));
+    cudaCheck(cudaEventRecord(buf.step_done, model.stream()));
+    cudaCheck(cudaEventSynchronize(buf.step_done));
+    const float* h = reinterpret_cast<const float*>(buf.step_stats_host.get());
+    StepStats s;
+    s.norm = h[0];
+    for (int micro = 0; micro < grad_accum; micro++) s.loss += double(h[1 + micro]);
+    s.loss /= grad_accum;
+    s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+}
+
+// Throughput bookkeeping: the first step pays for warm-up (cuBLAS heuristics, caches), so the averages
+// and the ETA leave it out when there are others.
+struct Throughput {
+    double flops_per_token = 0, peak_flops = 0;
+    int64_t tokens_per_step = 0;
+    double timed_seconds = 0;
+    int timed_steps = 0;
+
+    void add(int step, int max_steps, double seconds) {
+        if (step > 0 || max_steps == 1) {
+            timed_seconds += seconds;
+            timed_steps++;
+        }
+    }
+    double seconds_per_step(double fallback) const { return timed_steps > 0 ? timed_seconds / timed_steps : fallback; }
+    std::string mfu_text(double tok_per_s, const char* fmt) const {
+        const double m = mfu(flops_per_token, tok_per_s, peak_flops);
+        return m >= 0 ? format(fmt, 100.0 * m) : std::string("n/a");
+    }
+};
+
+inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps, float lr, const StepStats& s,
+                     bool print) {
+    const double tok_per_s = double(tp.tokens_per_step) / s.seconds;
+    const double m = mfu(tp.flops_per_token, tok_per_s, tp.peak_flops);
+    if (print) {
+        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.2f ms | %.0f tok/s | MFU %s | ETA %s\n", step + 1,
+                    max_steps, s.loss, double(lr), s.norm, s.seconds * 1e3, tok_per_s,
+                    tp.mfu_text(tok_per_s, "%.1f%%").c_str(),
+                    duration_text(tp.seconds_per_step(s.seconds) * (max_steps - step - 1)).c_str());
+        std::fflush(stdout);
+    }
+    out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
+                         step + 1, json_number(s.loss, "%.9g").c_str(), json_number(lr, "%.6g").c_str(),
+                         json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
+                         m >= 0 ? format("%.4f", m).c_str() : "null"));
+}
+
+inline void print_sample(GPT2& model, const Options& o, const Plan& plan, const Outputs& out, LoopBuffers& buf,
+                         int step) {
+    const uint32_t start = out.have_tokenizer ? out.tokenizer.eot()
+                                              : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1));
+    const std::vector<uint32_t> ids = generate(model, plan.gen_tokens, start, o.temperature, o.top_k,
+                                               uint64_t(o.sample_seed), buf.sample_tokens.get(), buf.logit_row);
+    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
+                out.text(ids).c_str());
+    std::fflush(stdout);
+}
+
+}  // namespace llmc
+
+// ----------------------------------------------------------------------------------------------------
+
+#ifndef TESTING
+using namespace llmc;
 
 int main(int argc, char** argv) {
-    return llmc::run_main([&]() {
-        std::printf("usage: %s [options]\n", argc > 0 ? argv[0] : "train_gpt2cu");
-        std::printf("The GPU trainer is not built yet; see README.md.\n");
-        return argc > 1 ? int(llmc::kExitUsage) : int(llmc::kExitOk);
+    return run_main([&]() -> int {
+        // Flags and the model's shape, checked before anything touches CUDA.
+        Options opt;
+        Flags flags = make_flags(opt);
+        if (!flags.parse(argc, argv)) return kExitOk;
+        const ModelSource source = resolve_model(opt.model);
+        Plan plan = plan_run(opt, source.config);
+        const Device device = open_device();
+        Outputs out(opt);
+
+        // The model and the data.
+        Stream stream;
+        GPT2 model(source.config, opt.B, opt.T, stream);
+        model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
+        Data data(opt, source.config, plan, stream);
+        print_startup(flags, opt, plan, device, source, model, data);
+        LoopBuffers buf(plan, data, source.config, opt.T);
+        Throughput tp{flops_per_token(source.config, opt.T), device.peak_flops, plan.tokens_per_step};
+
+        // The loop: evaluate and sample between steps (and after the last), train in between.
+        double first_val = NAN, last_val = NAN;
+        for (int step = 0; step <= data.max_steps; step++) {
+            const bool last = step == data.max_steps;
+            if (data.val && (step % opt.val_every == 0 || last)) {
+                last_val = evaluate(model, *data.val, data.val_steps, opt.B, opt.T, buf);
+                if (std::isnan(first_val)) first_val = last_val;
+                std::printf("step %5d/%d | val loss %.6f\n", step, data.max_steps, last_val);
+                out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
+            }
+            if (opt.sample_every > 0 && plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
+                print_sample(model, opt, plan, out, buf, step);
+            }
+            if (last) break;
+            const float lr = float(plan.schedule.at(step));
+            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
+            tp.add(step, data.max_steps, s.seconds);
+            log_step(out, tp, step, data.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
+        }
+
+        // The summary and the trained model.
+        if (tp.timed_steps > 0) {
+            const double tok_per_s = double(tp.tokens_per_step) * tp.timed_steps / tp.timed_seconds;
+            std::printf("average over %d steps: %.2f ms/step, %.0f tok/s, MFU %s\n", tp.timed_steps,
+                        1e3 * tp.timed_seconds / tp.timed_steps, tok_per_s, tp.mfu_text(tok_per_s, "%.1f%%").c_str());
+        }
+        if (data.val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
+        size_t free_bytes = 0, total_bytes = 0;
+        cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+        std::printf("peak GPU memory: %s (all allocated at start; CUDA context included)\n",
+                    human_bytes(double(total_bytes - free_bytes)).c_str());
+        if (!opt.output_dir.empty() && opt.save_model) {
+            DeviceFileIO io;
+            const std::string path = opt.output_dir + "/model.bin";
+            model.write_model_file(path, io);
+            std::printf("wrote %s (llm.c version 3, fp32 master weights)\n", path.c_str());
+        }
+        return int(kExitOk);
     });
 }
+#endif

@@ -2,7 +2,7 @@
 # Everything this project measures on the GPU machine, in one call: build, GPU tests, sanitizer,
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last.
-#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer
+#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -54,7 +54,13 @@ for section in "$@"; do
         kernels)
             step test_kernels kernels.log 300 ./build/test_kernels ;;
         trainer)
-            step test_gpt2_gpu kernels.log 400 ./build/test_gpt2_gpu ;;
+            step test_gpt2_gpu trainer.log 200 ./build/test_gpt2_gpu
+            step test_train_gpt2cu.sh trainer.log 150 bash test/test_train_gpt2cu.sh ;;
+        throughput)
+            for B in 16 64; do
+                step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
+                tail -n 6 "$OUT/throughput.log" >>"$summary"
+            done ;;
         *) note "unknown section $section" ;;
     esac
 done

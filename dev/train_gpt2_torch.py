@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""PyTorch reference trainer for train_gpt2cu: the same model, data, schedule and optimizer, in PyTorch
+with bf16 autocast (fp32 parameters and AdamW state, bf16 matmuls and attention), for comparing losses
+step by step and throughput side by side on the same GPU.
+
+It loads one of our model files (llm.c version 3 = fp32 or 5 = bf16) or makes a new model from a
+descriptor (d2 .. d48, GPT-2 initialisation, not bitwise ours), and reads our token shards in order:
+shards sorted by name, sample k of a shard = tokens [k*T, k*T + T + 1), samples in file order, B
+consecutive samples per micro-batch, epochs concatenated. That is exactly what train_gpt2cu reads with
+--shuffle 0 (training) and always reads for validation, so starting both from the same model file gives
+the same batches. Learning-rate schedules are those of llmc/schedule.h; AdamW decays the weight
+matrices only (wte, wpe, qkvw, attprojw, fcw, fcprojw); clipping multiplies the gradients by
+clip / norm when the global norm exceeds clip, as train_gpt2cu does.
+
+Prints one line per step (loss, lr, norm, ms, tok/s), the validation loss every -v steps, the mean
+throughput (steps after the first) and the peak GPU memory; with --compare LOG.jsonl (train_gpt2cu's
+log) it also prints both losses per step and the largest relative difference.
+
+Not provided: sampling, checkpoints, several GPUs.
+
+Example (the same start and data for both):
+  ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init              # writes out/init/model.bin
+  ./train_gpt2cu -e out/init/model.bin --shuffle 0 -b 16 -t 1024 -x 50 -v 25 -s 0 -o out/ours
+  python3 dev/train_gpt2_torch.py -e out/init/model.bin -b 16 -t 1024 -x 50 -v 25 --compare out/ours/log.jsonl
+"""
+import argparse
+import glob
+import json
+import math
+import struct
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+NAMES = ["wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
+         "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb"]
+DECAYED = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
+DESCRIPTORS = {"d2": (2, 128, 2), "d6": (6, 384, 6), "d12": (12, 768, 12), "d24": (24, 1024, 16),
+               "d36": (36, 1280, 20), "d48": (48, 1600, 25)}
+
+
+def shapes(c):
+    L, C, Vp, maxT = c["L"], c["C"], c["Vp"], c["maxT"]
+    return {"wte": (Vp, C), "wpe": (maxT, C), "ln1w": (L, C), "ln1b": (L, C),
+            "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C), "attprojw": (L, C, C), "attprojb": (L, C),
+            "ln2w": (L, C), "ln2b": (L, C), "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
+            "fcprojw": (L, C, 4 * C), "fcprojb": (L, C), "lnfw": (C,), "lnfb": (C,)}
+
+
+def load_model(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    h = struct.unpack("<256i", raw[:1024])
+    if h[0] != 20240326 or h[1] not in (3, 5):
+        sys.exit(f"{path}: not an llm.c model file of version 3 or 5 (magic {h[0]}, version {h[1]})")
+    c = dict(maxT=h[2], V=h[3], L=h[4], NH=h[5], C=h[6], Vp=h[7] or h[3])
+    dtype = np.float32 if h[1] == 3 else np.uint16
+    data = np.frombuffer(raw, dtype=dtype, offset=1024)
+    if h[1] == 5:  # bf16 bits are the top half of fp32
+        data = (data.astype(np.uint32) << 16).view(np.float32)
+    P, pos = {}, 0
+    for name, shape in shapes(c).items():
+        n = int(np.prod(shape))
+        P[name] = torch.from_numpy(data[pos:pos + n].copy()).view(shape)
+        pos += n
+    if pos != data.size:
+        sys.exit(f"{path}: {data.size} parameters, the header's shape needs {pos}")
+    return c, P
+
+
+def new_model(descriptor, seed):
+    L, C, NH = DESCRIPTORS[descriptor]
+    c = dict(maxT=1024, V=50257, L=L, NH=NH, C=C, Vp=50304)
+    g = torch.Generator().manual_seed(seed)
+    P = {}
+    for name, shape in shapes(c).items():
+        if name in ("ln1w", "ln2w", "lnfw"):
+            P[name] = torch.ones(shape)
+        elif name not in DECAYED:
+            P[name] = torch.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * L) if name in ("attprojw", "fcprojw") else 0.02
+            P[name] = torch.randn(shape, generator=g) * std
+    P["wte"][c["V"]:] = 0
+    return c, P
+
+
+class Shards:
+    """Samples of T+1 tokens in shard-name order and file order, B per batch, epochs concatenated."""
+
+    def __init__(self, pattern, B, T):
+        paths = []
+        for item in pattern.split(","):
+            paths += sorted(glob.glob(item))
+        if not paths:
+            sys.exit(f"no shards match '{pattern}'")
+        self.tokens, self.samples = [], []
+        for p in paths:
+            h = np.fromfile(p, dtype=np.int32, count=256)
+            if h[0] != 20240520 or h[1] not in (1, 2):
+                sys.exit(f"{p}: not a token shard (magic {h[0]}, version {h[1]})")
+            n = int(h[2]) if h[1] == 1 else (int(h[2]) & 0xffffffff) | (int(h[3]) << 32)
+            toks = np.memmap(p, dtype=np.uint16 if h[1] == 1 else np.uint32, mode="r", offset=1024, shape=(n,))
+            k = len(self.tokens)
+            self.tokens.append(toks)
+            self.samples += [(k, s * T) for s in range((n - 1) // T)]
+        self.B, self.T = B, T
+
+    def batch(self, i, device):
+        rows = []
+        for s in range(i * self.B, i * self.B + self.B):
+            k, off = self.samples[s % len(self.samples)]
+            rows.append(np.asarray(self.tokens[k][off:off + self.T + 1], dtype=np.int64))
+        x = torch.from_numpy(np.stack(rows)).to(device, non_blocking=True)
+        return x[:, :-1], x[:, 1:]
+
+    def batches_per_epoch(self):
+        return len(self.samples) // self.B
+
+
+def lr_at(a, step, total):
+    """llmc/schedule.h's LRSchedule::at."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    if a.schedule == "constant":
+        return a.lr
+    lo = a.lr * a.final_lr_fraction
+    start = a.warmup
+    if a.schedule == "wsd":
+        start = max(a.warmup, total - int(math.floor(a.decay_fraction * total + 0.5)))
+        if step < start:
+            return a.lr
+    progress = min(1.0, (step - start) / max(1, total - start))
+    if a.schedule == "cosine":
+        return lo + 0.5 * (a.lr - lo) * (1.0 + math.cos(math.pi * progress))
+    return a.lr + (lo - a.lr) * progress
+
+
+def forward(P, c, idx, targets):
+    L, NH, C, V = c["L"], c["NH"], c["C"], c["V"]
+    B, T = idx.shape
+    x = F.embedding(idx, P["wte"]) + P["wpe"][:T]
+    for l in range(L):
+        h = F.layer_norm(x, (C,), P["ln1w"][l], P["ln1b"][l], 1e-5)
+        q, k, v = F.linear(h, P["qkvw"][l], P["qkvb"][l]).split(C, dim=2)
+        q, k, v = (t.view(B, T, NH, C // NH).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + F.linear(y, P["attprojw"][l], P["attprojb"][l])
+        h = F.layer_norm(x, (C,), P["ln2w"][l], P["ln2b"][l], 1e-5)
+        h = F.gelu(F.linear(h, P["fcw"][l], P["fcb"][l]), approximate="tanh")
+        x = x + F.linear(h, P["fcprojw"][l], P["fcprojb"][l])
+    x = F.layer_norm(x, (C,), P["lnfw"], P["lnfb"], 1e-5)
+    logits = F.linear(x, P["wte"])
+    return F.cross_entropy(logits[..., :V].float().reshape(-1, V), targets.reshape(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-i", "--train", default="data/quickstart_train_*.bin")
+    ap.add_argument("-j", "--val", default="data/quickstart_val_*.bin", help='"" for none')
+    ap.add_argument("-e", "--model", default="d12", help="model file (v3/v5) or descriptor d2..d48")
+    ap.add_argument("-b", "--batch-size", type=int, default=4)
+    ap.add_argument("-t", "--seq-len", type=int, default=1024)
+    ap.add_argument("-d", "--total-batch", type=int, default=-1)
+    ap.add_argument("-l", "--lr", type=float, default=3e-4)
+    ap.add_argument("-u", "--warmup", type=int, default=0)
+    ap.add_argument("-q", "--final-lr-fraction", type=float, default=1.0)
+    ap.add_argument("-c", "--weight-decay", type=float, default=0.0)
+    ap.add_argument("-x", "--max-steps", type=int, default=-1)
+    ap.add_argument("-v", "--val-every", type=int, default=20)
+    ap.add_argument("-m", "--val-max-steps", type=int, default=20)
+    ap.add_argument("-k", "--schedule", default="cosine", choices=["cosine", "linear", "constant", "wsd"])
+    ap.add_argument("--decay-fraction", type=float, default=0.2)
+    ap.add_argument("--grad-clip", type=float, default=1.0)
+    ap.add_argument("--beta1", type=float, default=0.9)
+    ap.add_argument("--beta2", type=float, default=0.95)
+    ap.add_argument("--eps", type=float, default=1e-8)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the forward")
+    ap.add_argument("--compare", help="train_gpt2cu's log.jsonl: print both losses per step")
+    a = ap.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA GPU visible to PyTorch")
+    dev = torch.device("cuda")
+    torch.manual_seed(a.seed)
+    c, P0 = load_model(a.model) if a.model not in DESCRIPTORS else new_model(a.model, a.seed)
+    B, T = a.batch_size, a.seq_len
+    if T > c["maxT"]:
+        sys.exit(f"-t {T} is longer than the model's maxT {c['maxT']}")
+    tokens_per_step = B * T if a.total_batch == -1 else a.total_batch
+    if tokens_per_step % (B * T):
+        sys.exit(f"-d {tokens_per_step} is not a multiple of B*T = {B * T}")
+    accum = tokens_per_step // (B * T)
+    train = Shards(a.train, B, T)
+    val = Shards(a.val, B, T) if a.val and a.val_every > 0 else None
+    steps = a.max_steps if a.max_steps >= 0 else max(1, train.batches_per_epoch() // accum)
+    val_steps = 0
+    if val:
+        val_steps = val.batches_per_epoch() if a.val_max_steps == -1 else min(a.val_max_steps, val.batches_per_epoch())
+        val_steps = max(1, val_steps)
+
+    P = {n: torch.nn.Parameter(P0[n].to(dev, torch.float32)) for n in NAMES}
+    nparams = sum(p.numel() for p in P.values())
+    opt = torch.optim.AdamW(
+        [{"params": [P[n] for n in NAMES if n in DECAYED], "weight_decay": a.weight_decay},
+         {"params": [P[n] for n in NAMES if n not in DECAYED], "weight_decay": 0.0}],
+        lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
+    fwd = torch.compile(forward) if a.compile else forward
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}; model {a.model}: {c}, {nparams} parameters")
+    print(f"B={B} T={T}, {tokens_per_step} tokens per step, {accum} micro-step(s), {steps} steps, compile={a.compile}")
+
+    def evaluate():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            losses = [fwd(P, c, *val.batch(i, dev)).item() for i in range(val_steps)]
+        return sum(losses) / len(losses)
+
+    ours = {}
+    if a.compare:
+        for line in open(a.compare):
+            r = json.loads(line)
+            if "loss" in r:
+                ours[r["step"]] = r["loss"]
+    worst, timed, timed_s, batch_index = 0.0, 0, 0.0, 0
+    for step in range(steps + 1):
+        if val and (step % a.val_every == 0 or step == steps):
+            print(f"step {step:5d}/{steps} | val loss {evaluate():.6f}")
+        if step == steps:
+            break
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        lr = lr_at(a, step, max(1, steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=dev)
+        for _ in range(accum):
+            x, y = train.batch(batch_index, dev)
+            batch_index += 1
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fwd(P, c, x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        grads = [p.grad for p in P.values()]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if a.grad_clip > 0:
+            scale = torch.where(norm > a.grad_clip, a.grad_clip / norm, torch.ones_like(norm))
+            torch._foreach_mul_(grads, scale)
+        opt.step()
+        loss_value, norm_value = (loss_sum / accum).item(), norm.item()
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        if step > 0 or steps == 1:
+            timed, timed_s = timed + 1, timed_s + secs
+        line = (f"step {step + 1:5d}/{steps} | loss {loss_value:.6f} | lr {lr:.2e} | norm {norm_value:.4f} | "
+                f"{secs * 1e3:.2f} ms | {tokens_per_step / secs:.0f} tok/s")
+        if step + 1 in ours:
+            rel = abs(ours[step + 1] - loss_value) / abs(loss_value)
+            worst = max(worst, rel)
+            line += f" | train_gpt2cu loss {ours[step + 1]:.6f} (rel diff {rel:.2e})"
+        print(line, flush=True)
+    if timed:
+        print(f"average over {timed} steps: {1e3 * timed_s / timed:.2f} ms/step, {tokens_per_step * timed / timed_s:.0f} tok/s")
+    print(f"peak GPU memory (torch.cuda.max_memory_allocated): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    if ours:
+        print(f"largest relative loss difference to train_gpt2cu: {worst:.3e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+/*
+The GPU model of train_gpt2.cu, whole, against the fp32 CPU reference (llmc/gpt2_cpu.h), plus the
+trainer's host-side pieces (flag checks, the sampler) that need no GPU.
+
+Both models start from identical weights: GPT-2's initialisation with LayerNorm weights and all biases
+perturbed (so that their gradients are not trivially structured), rounded to bf16 on the host, so the
+GPU's bf16 parameters and fp32 master weights and the CPU's fp32 parameters hold the same numbers.
+Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unless stated:
+  - logits (the first V columns; the padded ones must be exactly 0 since the padded rows of wte are 0):
+    tolerance 5e-2. The GPU rounds every activation to bf16 (2^-9 = 2e-3 relative each time) and the
+    residual stream carries those roundings through all layers: the CPU reference with the GPU's bf16
+    roundings inserted after every layer gave 5e-3 at d2 and 9e-3 at d12 (B=4, T=64), for the logits and
+    for every gradient tensor alike, so 5e-2 leaves a margin of 5x or more; a wrong kernel, layout or
+    offset gives errors of order 1.
+  - the mean loss: |gpu - cpu| / cpu <= 1e-2 (a loss near ln(V) = 10.8 averages the per-row errors away;
+    expected ~1e-3).
+  - the gradient of every one of the 16 parameter tensors: tolerance 5e-2 each, for the same reason as
+    the logits (the gradients themselves are bf16 and accumulate in bf16; dwte gets the classifier's and
+    the embedding's parts). Each tensor's error is printed, so a run shows the margins.
+  - 10 AdamW steps (lr 3e-3, weight decay 0.1, clip 1.0, the same batch every step so the loss must
+    fall): each step's loss within 2e-2 relative and each gradient norm within 5e-2 of the CPU's, and the
+    loss must fall by at least 5% over the steps (so the update really does something). The GPU rounds
+    its parameters stochastically from the fp32 master weights, so the two drift apart slowly.
+  - gradient accumulation: two micro-batches of B/2 with dloss 1/(B*T) give the gradient of the whole
+    batch (CPU reference on B) within 5e-2.
+  - a forward smaller than the allocation (B=1, T=10, as sampling does) matches the CPU.
+  - determinism: two fresh models, same weights and batches, 5 training steps: losses, norms and the
+    final bf16 parameters bitwise identical.
+Shapes: d2 (C=128, NH=2) and a small explicit model (L=3, C=96, NH=3, HS=32, V=1000 padded to 1024,
+maxT=80) at B=4, T=64; d6 and d12 at B=4, T=64; d2 at B=4, T=1024. d6 and d12 at T=1024 take minutes on
+the CPU side and run only with LLMC_LONG_TESTS=1 (they skip with a message otherwise).
+*/
+#define TESTING
+#include "train_gpt2.cu"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "llmc/gpt2_cpu.h"
+#include "test/gpu_test.h"
+
+using namespace llmc;
+
+namespace {
+
+constexpr double kTolLogits = 5e-2;
+constexpr double kTolLoss = 1e-2;
+constexpr double kTolGrad = 5e-2;
+constexpr double kTolStepLoss = 2e-2;
+constexpr double kTolNorm = 5e-2;
+
+float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+// GPT-2's initialisation, LayerNorm weights 1 + N(0, 0.1) and biases N(0, 0.02), all rounded to bf16.
+std::vector<float> test_parameters(const GPT2Config& c, uint64_t seed) {
+    std::vector<float> p(size_t(num_parameters(c)));
+    init_parameters(c, seed, p.data());
+    auto tensors = param_tensors(c);
+    for (int i = 0; i < kNumParamTensors; i++) {
+        const ParamTensorInfo& t = tensors[size_t(i)];
+        if (t.decayed) continue;
+        const bool ln_weight = i == kLn1w || i == kLn2w || i == kLnfw;
+        for (int64_t j = 0; j < t.numel; j++) {
+            const double n = counter_normal(seed + 1, uint64_t(i), uint64_t(j));
+            p[size_t(t.offset + j)] = float(ln_weight ? 1.0 + 0.1 * n : 0.02 * n);
+        }
+    }
+    for (float& x : p) x = bf16_round(x);
+    return p;
+}
+
+std::vector<int> random_tokens(size_t n, int vocab, uint64_t seed) {
+    std::mt19937_64 gen(seed);
+    std::uniform_int_distribution<int> dist(0, vocab - 1);
+    std::vector<int> v(n);
+    for (int& x : v) x = dist(gen);
+    return v;
+}
+
+template <class T>
+DeviceBuffer<T> upload(const std::vector<T>& v) {
+    DeviceBuffer<T> d(v.size());
+    cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    cudaCheck(cudaDeviceSynchronize());
+    return d;
+}
+
+template <class T>
+std::vector<T> download(const T* p, size_t n, cudaStream_t stream) {
+    cudaCheck(cudaStreamSynchronize(stream));
+    std::vector<T> v(n);
+    cudaCheck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+std::vector<float> download_bf16(const floatX* p, size_t n, cudaStream_t stream) {
+    std::vector<floatX> h = download(p, n, stream);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = __bfloat162float(h[i]);
+    return v;
+}
+
+float download_scalar(const float* p, cudaStream_t stream) { return download(p, 1, stream)[0]; }
+
+// ||got - ref|| / ||ref|| over matching elements, after checking every value is finite; prints it.
+double expect_close(const std::string& what, const float* got, const float* ref, size_t n, double tol) {
+    size_t nonfinite = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!std::isfinite(got[i])) {
+            nonfinite++;
+            continue;
+        }
+        const double d = double(got[i]) - double(ref[i]);
+        num += d * d;
+        den += double(ref[i]) * double(ref[i]);
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : (num > 0 ? INFINITY : 0.0);
+    std::printf("    %-28s rel err %.2e (tol %.0e)\n", what.c_str(), rel, tol);
+    EXPECT_EQ(nonfinite, 0u) << what << ": " << nonfinite << " of " << n << " values are not finite";
+    EXPECT_GT(den, 0.0) << what << ": the reference is zero";
+    EXPECT_LE(rel, tol) << what;
+    return rel;
+}
+
+struct Case {
+    std::string name;
+    GPT2Config config;
+    int B, T;
+    bool long_running;
+};
+
+std::vector<Case> cases() {
+    return {
+        {"d2 B=4 T=64", config_from_descriptor("d2"), 4, 64, false},
+        {"L3 C96 NH3 V1000 B=4 T=64", make_config(3, 96, 3, 1000, 80), 4, 64, false},
+        {"d6 B=4 T=64", config_from_descriptor("d6"), 4, 64, false},
+        {"d12 B=4 T=64", config_from_descriptor("d12"), 4, 64, false},
+        {"d2 B=4 T=1024", config_from_descriptor("d2"), 4, 1024, false},
+        {"d6 B=4 T=1024", config_from_descriptor("d6"), 4, 1024, true},
+        {"d12 B=4 T=1024", config_from_descriptor("d12"), 4, 1024, true},
+    };
+}
+
+bool long_tests_enabled() {
+    const char* v = std::getenv("LLMC_LONG_TESTS");
+    return v != nullptr && std::string(v) == "1";
+}
+
+class GPT2GpuTest : public GpuTest, public ::testing::WithParamInterface<Case> {};
+
+// Logits and loss of an evaluation forward, then the gradients of a training forward and backward.
+TEST_P(GPT2GpuTest, ForwardAndBackwardMatchCpu) {
+    const Case& k = GetParam();
+    if (k.long_running && !long_tests_enabled()) GTEST_SKIP() << "skipped: set LLMC_LONG_TESTS=1 to run " << k.name;
+    const GPT2Config& c = k.config;
+    const int B = k.B, T = k.T, V = c.vocab_size, Vp = c.padded_vocab_size;
+    const size_t N = size_t(B) * T;
+    std::printf("  %s: %s\n", k.name.c_str(), describe(c).c_str());
+    const std::vector<float> params = test_parameters(c, 11);
+    const std::vector<int> inputs = random_tokens(N, V, 12), targets = random_tokens(N, V, 13);
+
+    cpu::GPT2<float> ref(c, params);
+    const double ref_loss = ref.forward(inputs.data(), targets.data(), B, T);
+    ref.zero_grad();
+    ref.backward();
+
+    Stream stream;
+    GPT2 gpu(c, B, T, stream);
+    gpu.set_parameters(params);
+    auto d_in = upload(inputs), d_tg = upload(targets);
+
+    gpu.forward(d_in.get(), d_tg.get(), B, T);
+    const std::vector<float> logits = download_bf16(gpu.logits(), N * Vp, stream);
+    const float eval_loss = download_scalar(gpu.mean_loss(), stream);
+    std::vector<float> got(N * V), want(N * V);
+    size_t padded_nonzero = 0;
+    for (size_t r = 0; r < N; r++) {
+        for (int v = 0; v < Vp; v++) {
+            if (v < V) {
+                got[r * V + v] = logits[r * Vp + v];
+                want[r * V + v] = ref.activations().logits[r * Vp + v];
+            } else {
+                padded_nonzero += logits[r * Vp + v] != 0.0f;
+            }
+        }
+    }
+    expect_close("logits", got.data(), want.data(), got.size(), kTolLogits);
+    EXPECT_EQ(padded_nonzero, 0u) << "padded logits must be 0";
+    std::printf("    loss %.6f, reference %.6f\n", double(eval_loss), ref_loss);
+    EXPECT_LE(std::fabs(double(eval_loss) - ref_loss), kTolLoss * ref_loss);
+
+    gpu.zero_grad();
+    gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+    gpu.backward(d_in.get(), B, T);
+    const float train_loss = download_scalar(gpu.mean_loss(), stream);
+    EXPECT_EQ(train_loss, eval_loss) << "the training forward must compute the same loss";
+    const std::vector<float> grads = download_bf16(gpu.grads(), size_t(gpu.num_parameters()), stream);
+    for (int i = 0; i < kNumParamTensors; i++) {
+        const ParamTensorInfo& t = gpu.tensor(i);
+        expect_close(std::string("grad ") + t.name, grads.data() + t.offset, ref.grads.data() + t.offset,
+                     size_t(t.numel), kTolGrad);
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GPT2GpuTest, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                             std::string n;
+                             for (char ch : info.param.name) n += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                             return n;
+                         });
+
+class GPT2TrainingTest : public GpuTest {};
+
+TEST_F(GPT2TrainingTest, TenAdamWStepsMatchCpu) {
+    for (const Case& k : {cases()[0], cases()[1]}) {
+        SCOPED_TRACE(k.name);
+        std::printf("  %s\n", k.name.c_str());
+        const GPT2Config& c = k.config;
+        const int B = k.B, T = k.T;
+        const size_t N = size_t(B) * T;
+        const std::vector<float> params = test_parameters(c, 21);
+        const std::vector<int> inputs = random_tokens(N, c.vocab_size, 22), targets = random_tokens(N, c.vocab_size, 23);
+        const float lr = 3e-3f, clip = 1.0f, wd = 0.1f;
+
+        cpu::GPT2<float> ref(c, params);
+        cpu::AdamW opt;
+        opt.learning_rate = lr;
+        opt.weight_decay = wd;
+
+        Stream stream;
+        GPT2 gpu(c, B, T, stream);
+        gpu.set_parameters(params);
+        auto d_in = upload(inputs), d_tg = upload(targets);
+        AdamWSettings settings;
+        settings.learning_rate = lr;
+        settings.weight_decay = wd;
+
+        double first = 0, last = 0;
+        for (int step = 1; step <= 10; step++) {
+            const double ref_loss = ref.forward(inputs.data(), targets.data(), B, T);
+            ref.zero_grad();
+            ref.backward();
+            const double ref_norm = ref.grad_norm();
+            ref.update(opt, step, cpu::clip_scale(ref_norm, clip));
+
+            gpu.zero_grad();
+            gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+            gpu.backward(d_in.get(), B, T);
+            gpu.update(settings, clip, step, 7);
+            const double loss = download_scalar(gpu.mean_loss(), stream);
+            const double norm = download_scalar(gpu.grad_norm(), stream);
+            std::printf("    step %2d  loss %.6f (cpu %.6f)  norm %.5f (cpu %.5f)\n", step, loss, ref_loss, norm, ref_norm);
+            EXPECT_LE(std::fabs(loss - ref_loss), kTolStepLoss * ref_loss) << "step " << step;
+            EXPECT_LE(std::fabs(norm - ref_norm), kTolNorm * ref_norm) << "step " << step;
+            if (step == 1) first = ref_loss;
+            last = loss;
+        }
+        EXPECT_LT(last, 0.95 * first) << "ten steps on one batch must lower the loss";
+    }
+}
+
+TEST_F(GPT2TrainingTest, GradientAccumulationMatchesOneBigBatch) {
+    const GPT2Config c = config_from_descriptor("d2");
+    const int B = 4, T = 64, half = B / 2;
+    const size_t N = size_t(B) * T, Nh = size_t(half) * T;
+    const std::vector<float> params = test_parameters(c, 31);
+    const std::vector<int> inputs = random_tokens(N, c.vocab_size, 32), targets = random_tokens(N, c.vocab_size, 33);
+
+    cpu::GPT2<float> ref(c, params);
+    ref.forward(inputs.data(), targets.data(), B, T);
+    ref.zero_grad();
+    ref.backward();
+
+    Stream stream;
+    GPT2 gpu(c, half, T, stream);
+    gpu.set_parameters(params);
+    auto d_in = upload(inputs), d_tg = upload(targets);
+    gpu.zero_grad();
+    for (int micro = 0; micro < 2; micro++) {
+        gpu.forward(d_in.get() + micro * Nh, d_tg.get() + micro * Nh, half, T, nullptr, 1.0f / float(N));
+        gpu.backward(d_in.get() + micro * Nh, half, T);
+    }
+    const std::vector<float> grads = download_bf16(gpu.grads(), size_t(gpu.num_parameters()), stream);
+    for (int i = 0; i < kNumParamTensors; i++) {
+        const ParamTensorInfo& t = gpu.tensor(i);
+        expect_close(std::string("accumulated grad ") + t.name, grads.data() + t.offset, ref.grads.data() + t.offset,
+                     size_t(t.numel), kTolGrad);
+    }
+}
+
+TEST_F(GPT2TrainingTest, SmallerForwardThanAllocatedMatchesCpu) {
+    const GPT2Config c = make_config(3, 96, 3, 1000, 80);
+    const int B = 1, T = 10;
+    const std::vector<float> params = test_parameters(c, 41);
+    const std::vector<int> inputs = random_tokens(size_t(B) * T, c.vocab_size, 42);
+    cpu::GPT2<float> ref(c, params);
+    ref.forward(inputs.data(), nullptr, B, T);
+
+    Stream stream;
+    GPT2 gpu(c, 4, 64, stream);
+    gpu.set_parameters(params);
+    auto d_in = upload(inputs);
+    gpu.forward(d_in.get(), nullptr, B, T);
+    const std::vector<float> logits = download_bf16(gpu.logits(), size_t(T) * c.padded_vocab_size, stream);
+    expect_close("logits B=1 T=10", logits.data(), ref.activations().logits.data(), logits.size(), kTolLogits);
+}
+
+TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
+    const GPT2Config c = make_config(3, 96, 3, 1000, 80);
+    const int B = 4, T = 64, steps = 5;
+    const size_t N = size_t(B) * T;
+    const std::vector<float> params = test_parameters(c, 51);
+    std::vector<std::vector<int>> batches;
+    for (int s = 0; s < 2 * steps; s++) batches.push_back(random_tokens(N, c.vocab_size, 52 + uint64_t(s)));
+
+    struct Run {
+        std::vector<float> losses, norms;
+        std::vector<floatX> final_params;
+    };
+    auto run = [&]() {
+        Stream stream;
+        GPT2 gpu(c, B, T, stream);
+        gpu.set_parameters(params);
+        AdamWSettings settings;
+        settings.learning_rate = 3e-3f;
+        settings.weight_decay = 0.1f;
+        Run r;
+        for (int s = 0; s < steps; s++) {
+            auto d_in = upload(batches[size_t(2 * s)]), d_tg = upload(batches[size_t(2 * s + 1)]);
+            gpu.zero_grad();
+            gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+            gpu.backward(d_in.get(), B, T);
+            gpu.update(settings, 1.0f, s + 1, 1234);
+            r.losses.push_back(download_scalar(gpu.mean_loss(), stream));
+            r.norms.push_back(download_scalar(gpu.grad_norm(), stream));
+        }
+        r.final_params = download(gpu.params(), size_t(gpu.num_parameters()), stream);
+        return r;
+    };
+    const Run a = run(), b = run();
+    for (int s = 0; s < steps; s++) {
+        std::printf("    step %d  loss %.9g / %.9g  norm %.9g / %.9g\n", s + 1, double(a.losses[size_t(s)]),
+                    double(b.losses[size_t(s)]), double(a.norms[size_t(s)]), double(b.norms[size_t(s)]));
+    }
+    EXPECT_EQ(0, std::memcmp(a.losses.data(), b.losses.data(), a.losses.size() * sizeof(float))) << "losses differ";
+    EXPECT_EQ(0, std::memcmp(a.norms.data(), b.norms.data(), a.norms.size() * sizeof(float))) << "norms differ";
+    EXPECT_EQ(0, std::memcmp(a.final_params.data(), b.final_params.data(), a.final_params.size() * sizeof(floatX)))
+        << "final parameters differ";
+    EXPECT_NE(a.losses.front(), a.losses.back()) << "the steps changed nothing";
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Host-side pieces: no GPU needed.
+
+int usage_error_code(std::vector<std::string> args) {
+    args.insert(args.begin(), "train_gpt2cu");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    Options o;
+    Flags f = make_flags(o);
+    try {
+        f.parse(int(argv.size()), argv.data());
+        plan_run(o, resolve_model(o.model).config);
+    } catch (const Error& e) {
+        return e.exit_code();
+    }
+    return 0;
+}
+
+TEST(TrainerFlags, BadCommandLinesAreUsageErrors) {
+    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64"}), 0);
+    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64", "-d", "512"}), 0);
+    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64", "-d", "500"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-e", "d2", "-t", "1025"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"--no-such-flag", "1"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-b"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-b", "four"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-e", "d5"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-k", "exponential"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-y", "1"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-n", "100"}), 0);
+    EXPECT_EQ(usage_error_code({"-e", "missing/model.bin"}), kExitIo);
+}
+
+TEST(TrainerFlags, GradientAccumulationFollowsTheTotalBatch) {
+    Options o;
+    o.B = 4;
+    o.T = 64;
+    o.total_batch = 4 * 64 * 3;
+    EXPECT_EQ(plan_run(o, config_from_descriptor("d2")).grad_accum, 3);
+    o.total_batch = -1;
+    EXPECT_EQ(plan_run(o, config_from_descriptor("d2")).grad_accum, 1);
+}
+
+TEST(Sampler, GreedyTopKAndSeeds) {
+    std::vector<float> logits(1000);
+    std::mt19937_64 gen(5);
+    std::normal_distribution<float> dist(0.0f, 2.0f);
+    for (float& x : logits) x = dist(gen);
+    logits[617] = 20.0f;
+    SplitMix64 rng(1);
+    EXPECT_EQ(sample_token(logits, 0.0f, 0, rng), 617u) << "temperature 0 is greedy";
+    EXPECT_EQ(sample_token(logits, 1.0f, 1, rng), 617u) << "top-k 1 is greedy";
+    // Top-k 5 never leaves the 5 largest; the same seed gives the same sequence.
+    std::vector<int> order(1000);
+    for (int i = 0; i < 1000; i++) order[size_t(i)] = i;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return logits[size_t(a)] > logits[size_t(b)]; });
+    logits[617] = logits[size_t(order[1])];  // a flat top, so several tokens are drawn
+    SplitMix64 r1(9), r2(9);
+    std::vector<uint32_t> s1, s2;
+    for (int i = 0; i < 200; i++) {
+        s1.push_back(sample_token(logits, 1.0f, 5, r1));
+        s2.push_back(sample_token(logits, 1.0f, 5, r2));
+    }
+    EXPECT_EQ(s1, s2);
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+        return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    std::vector<uint32_t> top5(order.begin(), order.begin() + 5);
+    int distinct = 0;
+    std::vector<bool> seen(1000, false);
+    for (uint32_t id : s1) {
+        EXPECT_NE(std::find(top5.begin(), top5.end(), id), top5.end()) << "token " << id << " is not in the top 5";
+        if (!seen[id]) distinct++;
+        seen[id] = true;
+    }
+    EXPECT_GE(distinct, 2) << "temperature 1 over a flat top must not always pick one token";
+}
+
+}  // namespace

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# The GPU trainer (train_gpt2cu) end to end. Without a GPU: its command-line errors (exit code 2, or 3
+# for a missing model file, each with its message), which are checked before CUDA is touched; then
+# exit 77. With a GPU, on synthetic shards (a noisy Markov chain over 97 GPT-2 token ids) and d2:
+#   - 40 steps: 40 step lines with loss, lr, norm, ms, tok/s, MFU and ETA; log.jsonl with 40 step
+#     records (loss, lr, norm, ms, tok_per_s, mfu) and 5 validation records; the validation loss falls
+#     by a fifth and the train loss falls; samples are printed; model.bin is an llm.c version 3 file of
+#     the right size, and loading it gives back (nearly) the final validation loss;
+#   - determinism: the same run twice gives identical losses and norms in log.jsonl;
+#   - the data on the GPU and streamed from the host give identical losses;
+#   - gradient accumulation (-d 2*B*T) runs two micro-steps per step.
+# Exit 0 pass, 1 fail, 77 skip (no GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make -s train_gpt2cu
+dir=$(mktemp -d /tmp/train_gpt2cu_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+
+expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
+    local code=$1 fragment=$2 rc=0
+    shift 2
+    ./train_gpt2cu "$@" >"$dir/out" 2>&1 || rc=$?
+    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
+        echo "FAIL: train_gpt2cu $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
+    fi
+}
+expect_exit 0 "usage: train_gpt2cu" --help
+expect_exit 2 "unknown flag '--no-such-flag'" --no-such-flag 1
+expect_exit 2 "needs a value" -e d2 -b
+expect_exit 2 "is not an integer" -b four
+expect_exit 2 "not a multiple of B\*T" -e d2 -b 4 -t 64 -d 1000
+expect_exit 2 "longer than the model's maximum sequence length" -e d2 -t 2048
+expect_exit 2 "not yet supported" -y 1
+expect_exit 2 "unknown learning rate schedule" -k exponential
+expect_exit 2 "unknown model descriptor" -e d5
+expect_exit 3 "does not exist" -e "$dir/missing.bin"
+echo "command-line errors: ok"
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: no NVIDIA GPU (the command-line checks above passed)"
+    exit 77
+fi
+
+python3 - "$dir" <<'PY'
+import random, struct, sys
+d = sys.argv[1]
+def shard(path, tokens):
+    header = [20240520, 1, len(tokens)] + [0] * 253
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header) + struct.pack("<%dH" % len(tokens), *tokens))
+def chain(n, seed):
+    rng, t, out = random.Random(seed), 0, []
+    for _ in range(n):
+        t = (7 * t + 3) % 97 if rng.random() < 0.9 else rng.randrange(97)
+        out.append(t * 500)  # spread over the vocabulary, all below 50257
+    return out
+shard(d + "/syn_train_000000.bin", chain(60000, 1))
+shard(d + "/syn_train_000001.bin", chain(60000, 2))
+shard(d + "/syn_val_000000.bin", chain(8000, 3))
+PY
+
+tok=()
+[ -f data/gpt2_tokenizer.bin ] && tok=(--tokenizer data/gpt2_tokenizer.bin)
+common=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -l 3e-3 -u 5 -c 0.1 --seed 3 "${tok[@]}")
+
+# A 40-step run with everything on.
+./train_gpt2cu "${common[@]}" -x 40 -v 10 -m 4 -s 20 -g 16 -o "$dir/run1" | tee "$dir/log1"
+steps=$(grep -cE '^step +[0-9]+/40 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| norm [0-9.]+ \| [0-9.]+ ms \| [0-9]+ tok/s \| MFU ([0-9.]+%|n/a) \| ETA ' "$dir/log1" || true)
+[ "$steps" -eq 40 ] || { echo "FAIL: expected 40 step lines, found $steps"; exit 1; }
+grep -q -- '---------- sample at step 20' "$dir/log1" || { echo "FAIL: no sample at step 20"; exit 1; }
+grep -q -- '---------- sample at step 40' "$dir/log1" || { echo "FAIL: no sample at step 40"; exit 1; }
+grep -q 'parameters (bf16)' "$dir/log1" || { echo "FAIL: no memory table"; exit 1; }
+grep -q '| batch-size  *| 4 \*' "$dir/log1" || { echo "FAIL: no settings table"; exit 1; }
+
+python3 - "$dir" <<'PY'
+import json, os, struct, sys
+d = sys.argv[1]
+recs = [json.loads(l) for l in open(d + "/run1/log.jsonl")]
+train = [r for r in recs if "loss" in r]
+val = [r for r in recs if "val_loss" in r]
+def fail(msg):
+    print("FAIL:", msg); sys.exit(1)
+if [r["step"] for r in train] != list(range(1, 41)): fail("log.jsonl step records: %s" % [r["step"] for r in train])
+for r in train:
+    for k in ("loss", "lr", "norm", "ms", "tok_per_s", "mfu"):
+        if k not in r: fail("step record without %s: %s" % (k, r))
+    if r["mfu"] is not None and r["mfu"] < 0: fail("negative MFU: %s" % r)
+if [r["step"] for r in val] != [0, 10, 20, 30, 40]: fail("val records at steps %s" % [r["step"] for r in val])
+first, last = val[0]["val_loss"], val[-1]["val_loss"]
+print("val loss %.4f -> %.4f" % (first, last))
+if not last < 0.8 * first: fail("the validation loss did not fall by a fifth")
+a = sum(r["loss"] for r in train[:5]) / 5
+b = sum(r["loss"] for r in train[-5:]) / 5
+print("train loss, first 5 steps %.4f, last 5 steps %.4f" % (a, b))
+if not b < a: fail("the train loss did not fall")
+# The parameter count of d2 (C=128, L=2), tensor by tensor as in llmc/gpt2_config.h.
+C, L, Vp, maxT = 128, 2, 50304, 1024
+n = Vp * C + maxT * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 4 * C * C + 4 * C + 4 * C * C + C) + 2 * C
+path = d + "/run1/model.bin"
+h = struct.unpack("<8i", open(path, "rb").read(32))
+if h[:2] != (20240326, 3): fail("model.bin header %s" % (h,))
+if os.path.getsize(path) != 1024 + 4 * n: fail("model.bin is %d bytes, expected %d" % (os.path.getsize(path), 1024 + 4 * n))
+open(d + "/last_val", "w").write(repr(last))
+PY
+
+# The written model loads back: its validation loss is the last one, up to bf16 rounding of the weights
+# (training rounds stochastically, loading rounds to nearest).
+./train_gpt2cu -e "$dir/run1/model.bin" -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -x 0 -v 1 -m 4 \
+    -s 0 -o "" | tee "$dir/log_reload"
+python3 - "$dir" <<'PY'
+import re, sys
+d = sys.argv[1]
+last = float(open(d + "/last_val").read())
+m = re.search(r"^step +0/0 \| val loss ([0-9.]+)$", open(d + "/log_reload").read(), re.M)
+if not m: print("FAIL: no val loss from the reloaded model"); sys.exit(1)
+got = float(m.group(1))
+print("reloaded val loss %.6f, end of training %.6f" % (got, last))
+if abs(got - last) > 0.02 * last: print("FAIL: the reloaded model's validation loss differs by more than 2%"); sys.exit(1)
+PY
+
+# Determinism, and the two data paths: same seed => identical losses and norms.
+short=("${common[@]}" -x 10 -v 5 -m 2 -s 0 --save-model 0)
+./train_gpt2cu "${short[@]}" -o "$dir/run2" >/dev/null
+./train_gpt2cu "${short[@]}" -o "$dir/run3" >/dev/null
+./train_gpt2cu "${short[@]}" -o "$dir/run4" --data-on-gpu-mib 0 >"$dir/log4"
+grep -q "train data: 2 shard(s), streamed" "$dir/log4" || { echo "FAIL: --data-on-gpu-mib 0 did not stream"; cat "$dir/log4"; exit 1; }
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def numbers(run):
+    out = []
+    for l in open("%s/%s/log.jsonl" % (d, run)):
+        r = json.loads(l)
+        out.append((r["step"], r.get("loss"), r.get("norm"), r.get("val_loss")))
+    return out
+a, b, c = numbers("run2"), numbers("run3"), numbers("run4")
+if a != b: print("FAIL: two runs with the same seed differ:\n%s\n%s" % (a, b)); sys.exit(1)
+if a != c: print("FAIL: data on the GPU and streamed give different losses:\n%s\n%s" % (a, c)); sys.exit(1)
+print("determinism: 10 steps bitwise identical (twice resident, once streamed)")
+PY
+
+# Gradient accumulation: two micro-steps per optimizer step.
+./train_gpt2cu "${common[@]}" -x 3 -d 512 -v 0 -s 0 -o "" | tee "$dir/log5"
+grep -q "512 tokens per step, 2 micro-step(s) per step" "$dir/log5" || { echo "FAIL: no gradient accumulation"; exit 1; }
+[ "$(grep -cE '^step +[0-9]+/3 \| loss' "$dir/log5")" -eq 3 ] || { echo "FAIL: accumulation run did not log 3 steps"; exit 1; }
+echo "ok"
