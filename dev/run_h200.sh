@@ -2,7 +2,7 @@
 # Everything this project measures on the GPU machine, in one call: build, GPU tests, sanitizer,
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last.
-#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
+#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -61,6 +61,10 @@ for section in "$@"; do
                 step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
             done ;;
+        quickstart)
+            step quickstart quickstart.log 300 bash scripts/quickstart.sh
+            grep -E "val loss|^step .*(/| 1500)" "$OUT/quickstart.log" | tail -n 12 >>"$summary"
+            tail -n 25 "$OUT/quickstart.log" >>"$summary" ;;
         *) note "unknown section $section" ;;
     esac
 done
