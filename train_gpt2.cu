@@ -237,15 +237,8 @@ public:
     // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
     // reader never sees half a file.
     void write_model_file(const std::string& path, DeviceFileIO& io) const {
-        int32_t h[kModelHeaderInts] = {};
-        h[0] = kModelMagic;
-        h[1] = kModelVersionFp32;
-        h[2] = config_.max_seq_len;
-        h[3] = config_.vocab_size;
-        h[4] = config_.num_layers;
-        h[5] = config_.num_heads;
-        h[6] = config_.channels;
-        h[7] = config_.padded_vocab_size;
+        int32_t h[kModelHeaderInts];
+        make_model_header(config_, kModelVersionFp32, h);
         const std::string tmp = path + ".tmp";
         File f(tmp, File::Mode::Write);
         f.write_all(h, sizeof(h));

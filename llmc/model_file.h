@@ -24,6 +24,7 @@ or an atomic replace of an existing file (callers that need one write elsewhere 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -151,13 +152,9 @@ inline ModelFileInfo read_model_file(const std::string& path, std::vector<float>
     return info;
 }
 
-// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16).
-inline void write_model_file(const std::string& path, const GPT2Config& c, const float* params, int version) {
-    if (model_bytes_per_param(version) == 0) {
-        fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
-    }
-    validate_config(c, kExitUsage, format("model file '%s': cannot write an invalid shape", path.c_str()));
-    int32_t h[kModelHeaderInts] = {};
+// Fills a model file header for shape c and version (3 = fp32, 5 = bf16); the payload follows it.
+inline void make_model_header(const GPT2Config& c, int version, int32_t (&h)[kModelHeaderInts]) {
+    std::fill(std::begin(h), std::end(h), 0);
     h[0] = kModelMagic;
     h[1] = version;
     h[2] = c.max_seq_len;
@@ -166,6 +163,16 @@ inline void write_model_file(const std::string& path, const GPT2Config& c, const
     h[5] = c.num_heads;
     h[6] = c.channels;
     h[7] = c.padded_vocab_size;
+}
+
+// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16).
+inline void write_model_file(const std::string& path, const GPT2Config& c, const float* params, int version) {
+    if (model_bytes_per_param(version) == 0) {
+        fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
+    }
+    validate_config(c, kExitUsage, format("model file '%s': cannot write an invalid shape", path.c_str()));
+    int32_t h[kModelHeaderInts];
+    make_model_header(c, version, h);
     const int64_t n = num_parameters(c);
     File f(path, File::Mode::Write);
     f.write_all(h, sizeof(h));
