@@ -35,6 +35,10 @@ GTEST_LIBS := -lgtest_main -lgtest
 PCRE2_BINARIES := prepare_data test_tokenizer
 LDLIBS_prepare_data := -lpcre2-8
 LDLIBS_test_tokenizer := -lpcre2-8
+
+# NCCL (multi-GPU communication) is linked only into the binaries that use llmc/multi_gpu.cuh; CUDA_LIBS'
+# -L$(CUDA_HOME)/lib64 finds it where CUDA ships it, and the system path where the distribution does.
+LDLIBS_test_multi_gpu := -lnccl
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
 
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Launch recipes for data-parallel training with train_gpt2cu on several GPUs (NCCL). Every rank runs
+# the same command; rank 0 alone prints and writes the model file. The GPU of a rank is its local rank.
+#
+#   scripts/run_multi_gpu.sh mpirun NPROC [trainer flags...]
+#       one node, NPROC ranks started by OpenMPI's mpirun; the ranks meet in /tmp (no flag needed).
+#   scripts/run_multi_gpu.sh local NPROC [trainer flags...]
+#       one node without MPI: NPROC background processes with explicit --rank/--world-size/--local-rank,
+#       meeting in a fresh directory under /tmp; the script waits for all and fails if any fails.
+#   scripts/run_multi_gpu.sh slurm-file DIR [trainer flags...]
+#       inside a Slurm allocation (sbatch or salloc): srun starts one rank per task; the ranks meet in
+#       DIR, which every node must see (NFS, Lustre, ...).
+#   scripts/run_multi_gpu.sh slurm-tcp PORT [trainer flags...]
+#       inside a Slurm allocation: the ranks meet over TCP at the first node of the allocation, PORT.
+#
+# A batch file for two nodes of 8 GPUs, for example:
+#   #!/bin/bash
+#   #SBATCH --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=8 --time=24:00:00
+#   scripts/run_multi_gpu.sh slurm-tcp 29500 -e d12 -i 'data/fineweb_train_*.bin' -j 'data/fineweb_val_*.bin' \
+#       -b 64 -t 1024 -d 1048576 -o out/d12
+#
+# Knobs (environment): TRAINER (default ./train_gpt2cu), DRY_RUN=1 prints the command instead of running it.
+# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported to every rank, as the GPU provider requires.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+}
+[ $# -ge 2 ] || usage
+mode=$1 arg=$2
+shift 2
+trainer=${TRAINER:-./train_gpt2cu}
+export NCCL_NVLS_ENABLE=0
+
+run() {
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        printf 'NCCL_NVLS_ENABLE=%s' "$NCCL_NVLS_ENABLE"
+        printf ' %q' "$@"
+        printf '\n'
+    else
+        echo "run_multi_gpu: $*" >&2
+        "$@"
+    fi
+}
+
+case "$mode" in
+    mpirun)
+        root=()
+        [ "$(id -u)" = 0 ] && root=(--allow-run-as-root)
+        # --bind-to none: each rank feeds its GPU from several threads (data loading, checkpoint writes).
+        run mpirun "${root[@]}" -np "$arg" --bind-to none -x NCCL_NVLS_ENABLE "$trainer" "$@"
+        ;;
+    local)
+        rdv=$(mktemp -d /tmp/llmc_rendezvous_XXXXXX)
+        if [ "${DRY_RUN:-0}" = 1 ]; then
+            for ((r = 0; r < arg; r++)); do
+                run "$trainer" --rank "$r" --world-size "$arg" --local-rank "$r" --rendezvous "$rdv" "$@"
+            done
+            rmdir "$rdv"
+            exit 0
+        fi
+        pids=()
+        for ((r = 0; r < arg; r++)); do
+            if [ "$r" = 0 ]; then
+                "$trainer" --rank 0 --world-size "$arg" --local-rank 0 --rendezvous "$rdv" "$@" &
+            else
+                # Only rank 0 prints; the others' output is kept in case they fail.
+                "$trainer" --rank "$r" --world-size "$arg" --local-rank "$r" --rendezvous "$rdv" "$@" \
+                    >"$rdv/rank$r.log" 2>&1 &
+            fi
+            pids+=($!)
+        done
+        status=0
+        for r in "${!pids[@]}"; do
+            if ! wait "${pids[$r]}"; then
+                status=1
+                echo "run_multi_gpu: rank $r failed" >&2
+                [ "$r" != 0 ] && tail -n 20 "$rdv/rank$r.log" >&2
+            fi
+        done
+        [ $status = 0 ] && rm -rf "$rdv"
+        exit $status
+        ;;
+    slurm-file)
+        mkdir -p "$arg"
+        run srun --kill-on-bad-exit=1 --export=ALL "$trainer" --rendezvous "file:$arg" "$@"
+        ;;
+    slurm-tcp)
+        : "${SLURM_JOB_NODELIST:?slurm-tcp runs inside a Slurm allocation (sbatch or salloc)}"
+        # Rank 0 runs on the first node of the allocation (srun's default block distribution).
+        host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+        run srun --kill-on-bad-exit=1 --export=ALL "$trainer" --rendezvous "tcp://$host:$arg" "$@"
+        ;;
+    *)
+        usage
+        ;;
+esac
