@@ -9,14 +9,20 @@ This file holds the model (GPT2: its configuration, parameters, gradients, optim
 activations, all allocated once for a micro-batch of B x T; forward, backward and update built from the
 layer kernels in llmc/) and main(), which reads top to bottom as the run: parse the flags, build or
 load the model, open the data, then loop {next batch, forward, backward, clip, update, log, evaluate,
-sample} and write the model. A step talks to the host once: the loss and the gradient norm come back
-through one copy into pinned memory.
+sample, checkpoint} and write the model. A step talks to the host once: the loss and the gradient norm
+come back through one copy into pinned memory.
+
+Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs: the
+fp32 master weights as an llm.c model file (model.bin), the bf16 parameters (stochastic roundings, not a
+function of the master weights), the AdamW moments, the DataLoader position, the step and the settings;
+the random streams are functions of (seed, step), so the seeds are all they need. -y 1 resumes from the
+newest valid checkpoint in the output directory (llmc/checkpoint.h says what valid means).
 
 Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
 -v -m -s -g -n -y -k); every flag also has a long name (--help lists them). The flags are parsed and
 checked before anything touches CUDA, so a bad command line fails the same way with or without a GPU.
 
-Does not provide (yet): checkpoints and resume (-n is accepted, -y 1 is refused), several GPUs, a KV
+Does not provide (yet): several GPUs, a KV
 cache for sampling (each sampled token reruns the forward over the tokens so far), flash attention or
 activation recomputation.
 */
@@ -36,6 +42,7 @@ activation recomputation.
 
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
+#include "llmc/checkpoint.cuh"
 #include "llmc/classifier.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
@@ -234,6 +241,20 @@ public:
                      step, seed, scale, stream_);
     }
 
+    // The device state a checkpoint holds, in file order: the master weights as an llm.c model file
+    // (version 3, so llm.c and -e can read it), the bf16 parameters, the AdamW moments.
+    std::vector<CheckpointTensor> checkpoint_tensors() {
+        int32_t h[kModelHeaderInts];
+        make_model_header(config_, kModelVersionFp32, h);
+        CheckpointTensor model{"model.bin", std::vector<char>(reinterpret_cast<const char*>(h),
+                                                              reinterpret_cast<const char*>(h) + sizeof(h)),
+                               master_.get(), master_.bytes()};
+        return {model,
+                {"params_bf16.bin", {}, params_.get(), params_.bytes()},
+                {"adam_m.bin", {}, adam_m_.get(), adam_m_.bytes()},
+                {"adam_v.bin", {}, adam_v_.get(), adam_v_.bytes()}};
+    }
+
     // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
     // reader never sees half a file.
     void write_model_file(const std::string& path, DeviceFileIO& io) const {
@@ -394,6 +415,9 @@ struct Options {
     int sample_every = 20;
     int gen_tokens = 64;
     int checkpoint_every = 0;
+    int keep_last = 0;
+    int keep_every = 0;
+    bool checkpoint_async = true;
     int resume = 0;
     std::string schedule = "cosine";
     float decay_fraction = 0.2f;
@@ -434,8 +458,12 @@ inline Flags make_flags(Options& o) {
     f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)");
     f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)");
     f.add("n", "checkpoint-every", &o.checkpoint_every,
-          "checkpoint every N steps (accepted; checkpoints are not written yet)");
-    f.add("y", "resume", &o.resume, "1: resume from the output directory's checkpoint (not yet supported)");
+          "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/");
+    f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)");
+    f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N");
+    f.add("", "checkpoint-async", &o.checkpoint_async,
+          "write checkpoints in the background from a device snapshot (0: training waits for the write)");
+    f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory");
     f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
     f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end");
     f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)");
@@ -522,7 +550,11 @@ inline Plan plan_run(const Options& o, const GPT2Config& c) {
     }
     if (o.checkpoint_every < 0) fail(kExitUsage, "-n/--checkpoint-every %d: must not be negative", o.checkpoint_every);
     if (o.resume != 0 && o.resume != 1) fail(kExitUsage, "-y/--resume %d: must be 0 or 1", o.resume);
-    if (o.resume == 1) fail(kExitUsage, "-y 1 (resume): not yet supported; checkpoints come with a later version");
+    if (o.keep_last < 0) fail(kExitUsage, "-nk/--keep-last %d: must not be negative", o.keep_last);
+    if (o.keep_every < 0) fail(kExitUsage, "-nm/--keep-every %d: must not be negative", o.keep_every);
+    if ((o.checkpoint_every > 0 || o.resume == 1) && o.output_dir.empty()) {
+        fail(kExitUsage, "%s needs an output directory (-o)", o.resume == 1 ? "-y 1 (resume)" : "-n (checkpoints)");
+    }
     if (!(o.decay_fraction >= 0.0f && o.decay_fraction <= 1.0f)) {
         fail(kExitUsage, "--decay-fraction %g: must be in [0, 1]", double(o.decay_fraction));
     }
@@ -566,7 +598,20 @@ inline Plan plan_run(const Options& o, const GPT2Config& c) {
 class JsonlLog {
 public:
     JsonlLog() = default;
-    explicit JsonlLog(const std::string& path) : file_(path, File::Mode::Write) {}
+    // append: continue an existing log (a resumed run) rather than start a new one.
+    JsonlLog(const std::string& path, bool append) {
+        if (append && is_regular_file(path)) {
+            file_.open(path, File::Mode::ReadWrite);
+            const int64_t size = file_.size();
+            file_.seek(size);
+            // A run killed mid-line leaves a partial record; the next one starts on a line of its own.
+            char last = '\n';
+            if (size > 0) file_.read_exact_at(&last, 1, size - 1);
+            if (last != '\n') file_.write_all("\n", 1);
+        } else {
+            file_.open(path, File::Mode::Write);
+        }
+    }
     void write(const std::string& line) {
         if (!file_.is_open()) return;
         std::string l = line + "\n";
@@ -774,7 +819,12 @@ inline void print_startup(const Flags& flags, const Options& o, const Plan& plan
                 data.val ? format("%zu shard(s), %d batches per evaluation", data.val->schedule().shards().size(),
                                   data.val_steps).c_str()
                          : "none");
-    if (o.checkpoint_every > 0) std::printf("note: -n %d accepted; checkpoints are not written yet\n", o.checkpoint_every);
+    if (o.checkpoint_every > 0) {
+        std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
+                    o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",
+                    o.keep_last > 0 ? format("the newest %d", o.keep_last).c_str() : "all",
+                    o.keep_last > 0 && o.keep_every > 0 ? format(" and every %d-th step", o.keep_every).c_str() : "");
+    }
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -789,10 +839,10 @@ struct Outputs {
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
-    explicit Outputs(const Options& o) {
+    Outputs(const Options& o, bool append_log) {
         if (!o.output_dir.empty()) {
             make_directory(o.output_dir);
-            log = JsonlLog(o.output_dir + "/log.jsonl");
+            log = JsonlLog(o.output_dir + "/log.jsonl", append_log);
         }
         if (o.sample_every > 0) {
             if (is_regular_file(o.tokenizer)) {
@@ -913,8 +963,9 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
                     duration_text(tp.seconds_per_step(s.seconds) * (max_steps - step - 1)).c_str());
         std::fflush(stdout);
     }
+    // The loss goes out with 17 digits, enough for the double to read back exactly: logs compare bitwise.
     out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
-                         step + 1, json_number(s.loss, "%.9g").c_str(), json_number(lr, "%.6g").c_str(),
+                         step + 1, json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
                          m >= 0 ? format("%.4f", m).c_str() : "null"));
 }
@@ -928,6 +979,128 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, const 
     std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
                 out.text(ids).c_str());
     std::fflush(stdout);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Checkpoints and resume.
+
+// Settings a resume must share with the checkpoint: they fix the shapes, the batches and the random
+// streams. Everything else may change on resume (see checkpoint_settings).
+inline const std::vector<std::string>& resume_must_match() {
+    static const std::vector<std::string> keys = {"model", "batch_size", "seq_len", "tokens_per_step", "seed", "shuffle"};
+    return keys;
+}
+
+// The run's configuration as a checkpoint records it. The keys after the must-match ones may change on
+// resume; changing them applies from the resumed step on (the learning rate follows the new schedule at
+// the same step, for instance), so only unchanged values continue bit-exactly.
+inline std::vector<std::pair<std::string, std::string>> checkpoint_settings(const Options& o, const GPT2Config& c,
+                                                                            const Plan& plan, int max_steps) {
+    return {
+        {"model", describe(c)},
+        {"batch_size", format("%d", o.B)},
+        {"seq_len", format("%d", o.T)},
+        {"tokens_per_step", format("%lld", (long long)plan.tokens_per_step)},
+        {"seed", format("%lld", (long long)o.seed)},
+        {"shuffle", o.shuffle ? "1" : "0"},
+        {"train", o.train_pattern},
+        {"val", o.val_pattern},
+        {"max_steps", format("%d", max_steps)},
+        {"lr", format("%.9g", double(o.lr))},
+        {"warmup", format("%d", o.warmup)},
+        {"final_lr_fraction", format("%.9g", double(o.final_lr_fraction))},
+        {"schedule", o.schedule},
+        {"decay_fraction", format("%.9g", double(o.decay_fraction))},
+        {"weight_decay", format("%.9g", double(o.weight_decay))},
+        {"grad_clip", format("%.9g", double(o.grad_clip))},
+        {"beta1", format("%.9g", double(o.beta1))},
+        {"beta2", format("%.9g", double(o.beta2))},
+        {"eps", format("%.9g", double(o.eps))},
+        {"sample_seed", format("%lld", (long long)o.sample_seed)},
+    };
+}
+
+inline CheckpointManifest checkpoint_meta(const Options& o, const GPT2Config& c, const Plan& plan, const Data& data,
+                                          int step) {
+    CheckpointManifest m;
+    m.settings = checkpoint_settings(o, c, plan, data.max_steps);
+    // The schedule position is the step; the rate is recorded for the reader's benefit.
+    m.settings.push_back({"lr_at_step", format("%.9g", plan.schedule.at(step))});
+    m.blobs.push_back({"train_loader", data.train->state()});
+    if (data.val) m.blobs.push_back({"val_loader", data.val->state()});
+    return m;
+}
+
+inline void print_checkpoint_report(const CheckpointReport& r, bool async) {
+    std::printf("checkpoint %s: %s in %.2f s (%.2f GB/s), training stalled %.1f ms (%s)%s\n", r.path.c_str(),
+                human_bytes(double(r.bytes)).c_str(), r.write_seconds, double(r.bytes) / r.write_seconds / 1e9,
+                r.stall_seconds * 1e3, async ? "async" : "sync",
+                r.removed.empty() ? "" : format("; removed %zu old", r.removed.size()).c_str());
+    for (const std::string& p : r.removed) std::printf("  removed %s\n", p.c_str());
+    std::fflush(stdout);
+}
+
+// Restores the newest checkpoint in the output directory that loads cleanly and returns its step (0
+// when there is none). A checkpoint that fails its checks (truncated, corrupted, missing files) is
+// skipped with the reason printed, and the next older one is tried; a configuration or data that
+// differs from the checkpoint's is an error, not a reason to skip.
+inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
+                                  GPT2& model, Data& data, Outputs& out) {
+    if (candidates.empty()) {
+        std::printf("resume: no checkpoint in '%s'; starting from step 0\n", o.output_dir.c_str());
+        return 0;
+    }
+    const auto settings = checkpoint_settings(o, model.config(), plan, data.max_steps);
+    DeviceFileIO io;
+    size_t skipped = 0;
+    for (const CheckpointEntry& c : candidates) {
+        CheckpointManifest m;
+        try {
+            m = validate_checkpoint(c.path, /*deep=*/false);
+            if (!m.blob("train_loader")) fail(kExitData, "'%s' has no DataLoader state", c.path.c_str());
+        } catch (const Error& e) {
+            if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
+            std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
+            skipped++;
+            continue;
+        }
+        std::vector<std::string> notes;
+        const std::string diff = settings_differences(m, settings, resume_must_match(), &notes);
+        if (!diff.empty()) {
+            fail(kExitUsage, "cannot resume from '%s': this run's configuration differs from the checkpoint's: %s",
+                 c.path.c_str(), diff.c_str());
+        }
+        if (m.step > data.max_steps) {
+            fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
+                 (long long)m.step, data.max_steps);
+        }
+        try {
+            data.train->restore(*m.blob("train_loader"));
+        } catch (const Error& e) {
+            fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
+        }
+        try {
+            load_checkpoint_tensors(c.path, m, model.checkpoint_tensors(), io, model.stream());
+        } catch (const Error& e) {
+            if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
+            std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
+            skipped++;
+            continue;
+        }
+        for (const std::string& n : notes) std::printf("resume: changed setting %s\n", n.c_str());
+        std::printf("resume: restored %s%s: step %lld (next step %lld), master weights, bf16 parameters, AdamW m and "
+                    "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init/rounding %lld, "
+                    "sampling %lld)\n",
+                    c.path.c_str(), skipped ? format(" (after skipping %zu newer)", skipped).c_str() : "",
+                    (long long)m.step, (long long)m.step + 1, (unsigned long long)data.train->position(),
+                    (unsigned long long)data.train->epoch(), (long long)m.step, (long long)o.seed,
+                    (long long)o.sample_seed);
+        std::fflush(stdout);
+        out.log.write(format("{\"resume_from_step\":%lld}", (long long)m.step));
+        return int(m.step);
+    }
+    fail(kExitData, "-y 1: none of the %zu checkpoint(s) in '%s' is valid (reasons above); remove them to start over",
+         candidates.size(), o.output_dir.c_str());
 }
 
 }  // namespace llmc
@@ -945,21 +1118,34 @@ int main(int argc, char** argv) {
         if (!flags.parse(argc, argv)) return kExitOk;
         const ModelSource source = resolve_model(opt.model);
         Plan plan = plan_run(opt, source.config);
+        const std::vector<CheckpointEntry> candidates =
+            opt.resume == 1 ? list_checkpoints(opt.output_dir) : std::vector<CheckpointEntry>();
         const Device device = open_device();
-        Outputs out(opt);
+        Outputs out(opt, /*append_log=*/!candidates.empty());
 
-        // The model and the data.
+        // The model and the data, from the start or from a checkpoint.
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream);
-        model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
+        if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, source.config, plan, stream);
         print_startup(flags, opt, plan, device, source, model, data);
+        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
+        // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
+        std::unique_ptr<Checkpointer> ckpt;
+        if (opt.checkpoint_every > 0) {
+            ckpt = std::make_unique<Checkpointer>(model.checkpoint_tensors(), opt.checkpoint_async);
+            if (ckpt->async()) {
+                std::printf("checkpoint snapshot buffers: %s of device memory\n",
+                            human_bytes(double(ckpt->snapshot_device_bytes())).c_str());
+            }
+        }
         LoopBuffers buf(plan, data, source.config, opt.T);
         Throughput tp{flops_per_token(source.config, opt.T), device.peak_flops, plan.tokens_per_step};
+        CheckpointReport report;
 
         // The loop: evaluate and sample between steps (and after the last), train in between.
         double first_val = NAN, last_val = NAN;
-        for (int step = 0; step <= data.max_steps; step++) {
+        for (int step = start_step; step <= data.max_steps; step++) {
             const bool last = step == data.max_steps;
             if (data.val && (step % opt.val_every == 0 || last)) {
                 last_val = evaluate(model, *data.val, data.val_steps, opt.B, opt.T, buf);
@@ -975,6 +1161,17 @@ int main(int argc, char** argv) {
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
             tp.add(step, data.max_steps, s.seconds);
             log_step(out, tp, step, data.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
+            if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
+            if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == data.max_steps)) {
+                ckpt->save(opt.output_dir, step + 1, model.checkpoint_tensors(),
+                           checkpoint_meta(opt, model.config(), plan, data, step + 1), stream, opt.keep_last,
+                           opt.keep_every);
+                if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
+            }
+        }
+        if (ckpt) {
+            ckpt->wait();
+            if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
         }
 
         // The summary and the trained model.

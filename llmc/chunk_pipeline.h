@@ -8,6 +8,11 @@ into the other buffer; reading, two threads each fill one buffer from the file a
 engine, so a read is always in flight while the other buffer's copy runs. StagingCopier is that copy engine: the CUDA
 one lives in device_file_io.cuh, a plain memcpy one in the tests.
 
+An optional ChunkHook sees every chunk while it sits in a staging buffer: writing, after the copy from
+the device has landed and before the bytes go to the file; reading, after the bytes came from the file and
+before the copy to the device starts. The checkpoint code checksums chunks there, so the bytes checked are
+the bytes that went to (or came from) the disk, without a second pass over the data.
+
 With direct I/O requested, the part of the transfer that sits on aligned file offsets goes through a
 second descriptor opened with O_DIRECT (bypassing the page cache); the unaligned head and tail go
 through the caller's descriptor. Staging buffers are aligned for this.
@@ -21,6 +26,7 @@ Does not provide: memory management of the staging buffers or any CUDA calls.
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -30,6 +36,11 @@ namespace llmc {
 
 constexpr size_t kDefaultChunkBytes = size_t(32) << 20;
 constexpr size_t kDirectAlignment = 4096;
+
+// Sees one chunk in its staging buffer: `bytes` bytes that sit (or will sit) at `file_offset` in the file.
+// With two readers it is called from two threads at once, in no particular order of offsets, so it must be
+// thread safe. An exception it raises abandons the transfer like an I/O error.
+using ChunkHook = std::function<void(const char* host_chunk, size_t bytes, uint64_t file_offset)>;
 
 // One piece of a transfer: bytes [offset, offset + bytes) of the payload, at file position
 // transfer_start + offset; `direct` when it goes through the O_DIRECT descriptor.
@@ -129,7 +140,7 @@ void with_drain_on_error(StagingCopier& copier, Body&& body) {
 // Writes n bytes of device memory to `file` at its current position and advances it by n.
 // direct_alignment > 0 routes the aligned middle through O_DIRECT.
 inline void pipelined_device_to_file(StagingCopier& copier, File& file, const void* device_src, uint64_t n,
-                                     size_t direct_alignment = 0) {
+                                     size_t direct_alignment = 0, const ChunkHook& hook = nullptr) {
     const int64_t start = file.tell();
     ChunkPlanner plan(start, n, copier.chunk_bytes(), direct_alignment);
     const char* src = static_cast<const char*>(device_src);
@@ -145,6 +156,7 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
             // The other slot's last chunk is already on disk, so its buffer is free for the next copy.
             if (has_next) copier.to_host_async(slot ^ 1, src + nxt.offset, nxt.bytes);
             copier.wait(slot);
+            if (hook) hook(copier.staging(slot), cur.bytes, uint64_t(start) + cur.offset);
             File* out = &file;
             if (cur.direct) {
                 if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/true);
@@ -172,7 +184,7 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
 // cache this nearly doubles the rate (8.2 against 4.5 GB/s for 4 GiB on the H200 machine, where one thread's
 // memcpy out of the page cache is the limit); from a cold disk it made no difference there (dev/NOTES.md).
 inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, File& file, uint64_t n,
-                                     size_t direct_alignment = 0, int readers = 2) {
+                                     size_t direct_alignment = 0, int readers = 2, const ChunkHook& hook = nullptr) {
     const int64_t start = file.tell();
     if (n == 0) return;
     int64_t size = file.size();
@@ -200,6 +212,7 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
             copier.wait(slot);  // the copy that last used this buffer must be done before we refill it
             const File& in = c.direct ? direct_file : file;
             in.read_exact_at(copier.staging(slot), c.bytes, start + static_cast<int64_t>(c.offset));
+            if (hook) hook(copier.staging(slot), c.bytes, uint64_t(start) + c.offset);
             copier.to_device_async(dst + c.offset, slot, c.bytes);
         }
     };

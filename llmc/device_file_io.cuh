@@ -12,7 +12,7 @@ Optional direct I/O (O_DIRECT) bypasses the page cache for the aligned part of a
 for when it pays.
 
 Does not provide: the schedule itself (chunk_pipeline.h) or checksums and atomic renames (the checkpoint
-code builds those on top).
+code builds those on top, through the optional per-chunk hook).
 */
 #pragma once
 
@@ -37,14 +37,19 @@ public:
         }
     }
 
-    void device_to_file(File& file, const void* device_src, uint64_t nbytes, cudaStream_t stream) {
+    // hook (optional) sees each chunk in the pinned buffer before it is written (chunk_pipeline.h).
+    void device_to_file(File& file, const void* device_src, uint64_t nbytes, cudaStream_t stream,
+                        const ChunkHook& hook = nullptr) {
         copier_.stream = stream;
-        pipelined_device_to_file(copier_, file, device_src, nbytes, direct_ ? kDirectAlignment : 0);
+        pipelined_device_to_file(copier_, file, device_src, nbytes, direct_ ? kDirectAlignment : 0, hook);
     }
 
-    void file_to_device(void* device_dst, File& file, uint64_t nbytes, cudaStream_t stream) {
+    // hook (optional) sees each chunk in the pinned buffer before it is copied to the device; with two
+    // readers it is called from two threads.
+    void file_to_device(void* device_dst, File& file, uint64_t nbytes, cudaStream_t stream,
+                        const ChunkHook& hook = nullptr) {
         copier_.stream = stream;
-        pipelined_file_to_device(copier_, device_dst, file, nbytes, direct_ ? kDirectAlignment : 0, readers_);
+        pipelined_file_to_device(copier_, device_dst, file, nbytes, direct_ ? kDirectAlignment : 0, readers_, hook);
     }
 
     size_t chunk_bytes() const { return copier_.chunk_bytes(); }

@@ -7,7 +7,9 @@ Device destinations are poisoned before every read and guarded on both sides.
 */
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <csignal>
+#include <mutex>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -321,6 +323,58 @@ TEST_F(DeviceFileIOTest, FullTmpfs) {
     EXPECT_EQ(code, kExitIo);
     EXPECT_NE(err.find("ckpt.bin' at offset"), std::string::npos) << err;
     EXPECT_NE(err.find("No space left on device (is the disk full"), std::string::npos) << err;
+}
+
+// The chunk hook sees each chunk in the pinned staging buffer, with the bytes that go to the file (after the
+// device copy has landed) and that came from it (before the copy to the device), at their file offsets.
+TEST_F(DeviceFileIOTest, ChunkHookSeesPinnedChunksAtTheirOffsets) {
+    const size_t chunk = 1 << 20, n = 5 * chunk + 12345, header = 100;
+    std::vector<char> payload = random_bytes(n, 77);
+    DeviceBuffer<char> d(n), back(n);
+    cudaCheck(cudaMemcpy(d.get(), payload.data(), n, cudaMemcpyHostToDevice));
+    DeviceFileIO io(chunk);
+    std::mutex mu;
+    std::vector<std::pair<uint64_t, size_t>> seen;
+    bool all_pinned = true, all_equal = true;
+    auto hook = [&](const char* p, size_t bytes, uint64_t off) {
+        cudaPointerAttributes attr{};
+        const bool pinned = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+        const bool equal = off >= header && off - header + bytes <= n && std::memcmp(p, payload.data() + (off - header), bytes) == 0;
+        std::lock_guard<std::mutex> lock(mu);
+        seen.emplace_back(off, bytes);
+        all_pinned = all_pinned && pinned;
+        all_equal = all_equal && equal;
+    };
+    auto check = [&](const char* what) {
+        SCOPED_TRACE(what);
+        std::sort(seen.begin(), seen.end());
+        ASSERT_EQ(seen.size(), (n + chunk - 1) / chunk);
+        uint64_t at = header;
+        for (auto& s : seen) {
+            EXPECT_EQ(s.first, at);
+            at += s.second;
+        }
+        EXPECT_EQ(at, header + n);
+        EXPECT_TRUE(all_pinned);
+        EXPECT_TRUE(all_equal);
+        seen.clear();
+    };
+    const std::string path = file("hook.bin");
+    {
+        File f(path, File::Mode::Write);
+        f.write_all(std::string(header, 'h').data(), header);
+        io.device_to_file(f, d.get(), n, nullptr, hook);
+        f.close();
+    }
+    check("write");
+    cudaCheck(cudaMemset(back.get(), 0xAB, n));
+    File f(path, File::Mode::Read);
+    f.seek(header);
+    io.file_to_device(back.get(), f, n, nullptr, hook);
+    check("read");
+    std::vector<char> host(n);
+    cudaCheck(cudaMemcpy(host.data(), back.get(), n, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(host, payload);
 }
 
 int main(int argc, char** argv) {

@@ -6,6 +6,7 @@ reuses a buffer still in flight, produces wrong bytes or a recorded violation.
 */
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <mutex>
@@ -402,4 +403,93 @@ int main(int argc, char** argv) {
     ::testing::InitGoogleTest(&argc, argv);
     ::testing::FLAGS_gtest_death_test_style = "threadsafe";
     return RUN_ALL_TESTS();
+}
+
+// The per-chunk hook sees every chunk exactly once, at its file offset, with the bytes that go to (or came
+// from) the file, while the chunk sits in a staging buffer; a hook that throws abandons the transfer.
+namespace {
+struct SeenChunk {
+    uint64_t offset;
+    std::vector<char> bytes;
+    bool in_staging;
+};
+}  // namespace
+
+TEST(ChunkHook, SeesEveryChunkInStagingWritingAndReading) {
+    TempDir dir("chunk_hook");
+    for (int readers : {1, 2}) {
+        const size_t n = 10 * 1000 + 17, chunk = 1000, header = 123;
+        std::vector<char> payload = random_bytes(n, 99 + readers);
+        std::vector<char> head = random_bytes(header, 7);
+        LazyHostCopier w(chunk);
+        std::mutex mu;
+        std::vector<SeenChunk> seen;
+        // Staging addresses taken before any copy is in flight (asking later would count as a violation).
+        auto staging_of = [](LazyHostCopier& c) { return std::make_pair<const char*, const char*>(c.staging(0), c.staging(1)); };
+        auto in_staging = [](std::pair<const char*, const char*> s, const char* p) {
+            return (p >= s.first && p < s.first + 4096) || (p >= s.second && p < s.second + 4096);
+        };
+        const auto w_staging = staging_of(w);
+        ChunkHook write_hook = [&](const char* p, size_t bytes, uint64_t off) {
+            std::lock_guard<std::mutex> lock(mu);
+            seen.push_back({off, std::vector<char>(p, p + bytes), in_staging(w_staging, p)});
+        };
+        std::string path = dir.file(format("hook%d.bin", readers));
+        {
+            File f(path, File::Mode::Write);
+            f.write_all(head.data(), head.size());
+            pipelined_device_to_file(w, f, payload.data(), n, 0, write_hook);
+            f.close();
+        }
+        auto check = [&](const char* what) {
+            SCOPED_TRACE(format("%s readers=%d", what, readers));
+            std::sort(seen.begin(), seen.end(), [](const SeenChunk& a, const SeenChunk& b) { return a.offset < b.offset; });
+            ASSERT_EQ(seen.size(), (n + chunk - 1) / chunk);
+            uint64_t expect = header;
+            for (const SeenChunk& s : seen) {
+                EXPECT_EQ(s.offset, expect);
+                EXPECT_TRUE(s.in_staging);
+                EXPECT_EQ(0, std::memcmp(s.bytes.data(), payload.data() + (s.offset - header), s.bytes.size()));
+                expect += s.bytes.size();
+            }
+            EXPECT_EQ(expect, header + n);
+        };
+        check("write");
+        seen.clear();
+        EXPECT_EQ(w.violations, 0);
+        LazyHostCopier r(chunk);
+        const auto r_staging = staging_of(r);
+        ChunkHook read_hook = [&](const char* p, size_t bytes, uint64_t off) {
+            std::lock_guard<std::mutex> lock(mu);
+            seen.push_back({off, std::vector<char>(p, p + bytes), in_staging(r_staging, p)});
+        };
+        std::vector<char> back(n);
+        File f(path, File::Mode::Read);
+        f.seek(header);
+        pipelined_file_to_device(r, back.data(), f, n, 0, readers, read_hook);
+        check("read");
+        EXPECT_EQ(back, payload);
+        EXPECT_EQ(r.violations, 0);
+    }
+}
+
+TEST(ChunkHook, ThrowingHookAbandonsTheTransferWithNoCopyInFlight) {
+    TempDir dir("chunk_hook_throw");
+    const size_t n = 5000;
+    std::vector<char> payload = random_bytes(n, 5);
+    std::string path = dir.file("t.bin");
+    LazyHostCopier w(512);
+    int calls = 0;
+    ChunkHook hook = [&](const char*, size_t, uint64_t off) {
+        if (++calls == 3) fail(kExitData, "checksum mismatch at %llu", (unsigned long long)off);
+    };
+    File f(path, File::Mode::Write);
+    try {
+        pipelined_device_to_file(w, f, payload.data(), n, 0, hook);
+        FAIL() << "the hook's error must propagate";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("checksum mismatch at 1024"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(w.in_flight, 0);
+    EXPECT_EQ(f.size(), 1024) << "nothing after the failing chunk is written";
 }

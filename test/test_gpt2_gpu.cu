@@ -399,7 +399,12 @@ TEST(TrainerFlags, BadCommandLinesAreUsageErrors) {
     EXPECT_EQ(usage_error_code({"-b", "four"}), kExitUsage);
     EXPECT_EQ(usage_error_code({"-e", "d5"}), kExitUsage);
     EXPECT_EQ(usage_error_code({"-k", "exponential"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-y", "1"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-y", "1"}), 0);
+    EXPECT_EQ(usage_error_code({"-y", "2"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-y", "1", "-o", ""}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-n", "10", "-o", ""}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-nk", "-1"}), kExitUsage);
+    EXPECT_EQ(usage_error_code({"-n", "10", "-nk", "3", "-nm", "100"}), 0);
     EXPECT_EQ(usage_error_code({"-n", "100"}), 0);
     EXPECT_EQ(usage_error_code({"-e", "missing/model.bin"}), kExitIo);
 }

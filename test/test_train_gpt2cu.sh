@@ -30,7 +30,8 @@ expect_exit 2 "needs a value" -e d2 -b
 expect_exit 2 "is not an integer" -b four
 expect_exit 2 "not a multiple of B\*T" -e d2 -b 4 -t 64 -d 1000
 expect_exit 2 "longer than the model's maximum sequence length" -e d2 -t 2048
-expect_exit 2 "not yet supported" -y 1
+expect_exit 2 "must be 0 or 1" -y 2
+expect_exit 2 "needs an output directory (-o)" -n 5 -o ""
 expect_exit 2 "unknown learning rate schedule" -k exponential
 expect_exit 2 "unknown model descriptor" -e d5
 expect_exit 3 "does not exist" -e "$dir/missing.bin"

@@ -1,0 +1,219 @@
+/*
+Checkpoints of device state: the Checkpointer (synchronous or asynchronous save) and the verified load.
+
+A checkpoint's device part is a list of CheckpointTensors: a file name, optional host bytes written
+first (the model file header), and the device memory behind it. Saving writes each through the
+disk <-> GPU layer (DeviceFileIO) with a chunk hook that checksums every chunk while it sits in the
+pinned staging buffer; checkpoint.h turns the files into a checkpoint directory (temporary name, fsync,
+one rename) and rotates old ones.
+
+Synchronous save: the files are written from the live device buffers on the caller's stream; training
+waits for the whole write. Asynchronous save: the tensors are first copied into spare device buffers
+(allocated once, in the constructor: device-to-device, a few milliseconds even for large models) on a
+side stream that starts after the work already queued on the compute stream, and the compute stream
+waits only for that copy; a background thread then writes the spare buffers to disk while training goes
+on. A new save first waits for the previous one; wait() ends any save in flight and raises its error,
+if any, on the calling thread (the destructor also waits, so the program never leaves with a save in
+flight). The load reads every tensor back through DeviceFileIO, checking each chunk against the manifest
+before it is copied to the device, and fails (kExitData) on the first mismatch.
+
+Does not provide: the choice of what a checkpoint holds, its settings or the resume policy (the trainer),
+or host-pinned snapshots (a spare device copy is faster and the H200 has the memory).
+*/
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "llmc/checkpoint.h"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/device_file_io.cuh"
+
+namespace llmc {
+
+struct CheckpointTensor {
+    std::string file;          // file name inside the checkpoint directory
+    std::vector<char> header;  // host bytes written before the tensor (may be empty)
+    void* device = nullptr;    // read by a save, written by a load
+    size_t bytes = 0;
+};
+
+// What one finished save did.
+struct CheckpointReport {
+    int64_t step = -1;
+    std::string path;
+    uint64_t bytes = 0;
+    double stall_seconds = 0;  // the caller's time in save(): the whole write (sync) or the snapshot set-up (async)
+    double write_seconds = 0;  // from the start of the save to the rename (and rotation)
+    std::vector<std::string> removed;  // checkpoints rotation removed
+};
+
+class Checkpointer {
+public:
+    // layout: the tensors every save will hold (their sizes size the spare buffers of an async one).
+    Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, size_t chunk_bytes = kDefaultChunkBytes)
+        : async_(async), io_(chunk_bytes) {
+        cudaCheck(cudaGetDevice(&device_));
+        if (async_) {
+            for (const CheckpointTensor& t : layout) {
+                spare_.emplace_back(t.bytes);
+                snapshot_bytes_ += t.bytes;
+            }
+        }
+    }
+    Checkpointer(const Checkpointer&) = delete;
+    Checkpointer& operator=(const Checkpointer&) = delete;
+    ~Checkpointer() {
+        if (worker_.joinable()) worker_.join();
+        if (error_) {
+            try {
+                std::rethrow_exception(error_);
+            } catch (const std::exception& e) {
+                std::fprintf(stderr, "error: checkpoint save failed: %s\n", e.what());
+            }
+        }
+    }
+
+    bool async() const { return async_; }
+    size_t snapshot_device_bytes() const { return snapshot_bytes_; }
+
+    // Saves `tensors` (the layout's, in order) and meta as <out_dir>/ckpt_<step>, then rotates. The device
+    // memory is read after everything already queued on `compute`; the caller may queue more work at once
+    // (async) and the checkpoint still holds the state at the time of the call.
+    void save(const std::string& out_dir, int64_t step, const std::vector<CheckpointTensor>& tensors,
+              CheckpointManifest meta, cudaStream_t compute, int keep_last, int keep_every) {
+        wait();
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!async_) {
+            CheckpointReport r = write(out_dir, step, tensors, meta, compute, keep_last, keep_every, t0);
+            r.stall_seconds = r.write_seconds;
+            finished_ = std::move(r);
+            has_report_ = true;
+            return;
+        }
+        if (tensors.size() != spare_.size()) fail(kExitError, "Checkpointer: %zu tensors, the layout has %zu", tensors.size(), spare_.size());
+        std::vector<CheckpointTensor> snap = tensors;
+        cudaCheck(cudaEventRecord(ready_, compute));
+        cudaCheck(cudaStreamWaitEvent(side_, ready_, 0));
+        for (size_t i = 0; i < tensors.size(); i++) {
+            if (tensors[i].bytes != spare_[i].bytes()) {
+                fail(kExitError, "Checkpointer: tensor '%s' is %zu bytes, the layout has %zu", tensors[i].file.c_str(),
+                     tensors[i].bytes, spare_[i].bytes());
+            }
+            cudaCheck(cudaMemcpyAsync(spare_[i].get(), tensors[i].device, tensors[i].bytes, cudaMemcpyDeviceToDevice, side_));
+            snap[i].device = spare_[i].get();
+        }
+        cudaCheck(cudaEventRecord(snapshot_done_, side_));
+        // Training may go on queueing work, but the GPU runs none of it before the snapshot is taken.
+        cudaCheck(cudaStreamWaitEvent(compute, snapshot_done_, 0));
+        const double stall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        worker_done_ = false;
+        worker_ = std::thread([this, out_dir, step, snap = std::move(snap), meta = std::move(meta), keep_last, keep_every,
+                               t0, stall]() mutable {
+            try {
+                cudaCheck(cudaSetDevice(device_));
+                CheckpointReport r = write(out_dir, step, snap, meta, side_, keep_last, keep_every, t0);
+                r.stall_seconds = stall;
+                finished_ = std::move(r);
+                has_report_ = true;
+            } catch (...) {
+                error_ = std::current_exception();
+            }
+            worker_done_ = true;
+        });
+    }
+
+    // Returns once no save is in flight; raises the error of a save that failed (once).
+    void wait() {
+        if (worker_.joinable()) worker_.join();
+        if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    }
+
+    // Without blocking: the report of a save that finished since the last call (false if none), or the
+    // error of one that failed (raised here).
+    bool poll(CheckpointReport* out) {
+        if (worker_.joinable()) {
+            if (!worker_done_.load()) return false;
+            wait();
+        }
+        if (!has_report_) return false;
+        has_report_ = false;
+        *out = finished_;
+        return true;
+    }
+
+private:
+    CheckpointReport write(const std::string& out_dir, int64_t step, const std::vector<CheckpointTensor>& tensors,
+                           const CheckpointManifest& meta, cudaStream_t stream, int keep_last, int keep_every,
+                           std::chrono::steady_clock::time_point t0) {
+        CheckpointWriter w(out_dir, step);
+        for (const CheckpointTensor& t : tensors) {
+            w.add_file(t.file, [&](File& f, const ChunkHook& hook) {
+                write_chunked(f, t.header.data(), t.header.size(), hook, std::max<size_t>(1, t.header.size()));
+                io_.device_to_file(f, t.device, t.bytes, stream, hook);
+            });
+        }
+        CheckpointReport r;
+        r.step = step;
+        r.path = w.commit(meta);
+        r.bytes = w.bytes_written();
+        r.removed = rotate_checkpoints(out_dir, keep_last, keep_every);
+        r.write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        return r;
+    }
+
+    bool async_;
+    int device_ = 0;
+    DeviceFileIO io_;
+    std::vector<DeviceBuffer<char>> spare_;
+    size_t snapshot_bytes_ = 0;
+    Stream side_;
+    Event ready_, snapshot_done_;
+    std::thread worker_;
+    std::atomic<bool> worker_done_{false};
+    std::exception_ptr error_;
+    CheckpointReport finished_;
+    bool has_report_ = false;
+};
+
+// Loads `tensors` from the checkpoint directory `dir` (whose manifest is m) into device memory. Each file
+// must have the recorded size and exactly the tensor's header plus bytes; every chunk is checked against
+// its checksum in the pinned buffer before it goes to the device. Returns once the bytes are on the device.
+inline void load_checkpoint_tensors(const std::string& dir, const CheckpointManifest& m,
+                                    const std::vector<CheckpointTensor>& tensors, DeviceFileIO& io, cudaStream_t stream) {
+    for (const CheckpointTensor& t : tensors) {
+        const std::string path = dir + "/" + t.file;
+        const FileRecord* rec = m.file(t.file);
+        if (!rec) fail(kExitData, "checkpoint '%s' has no file '%s'", dir.c_str(), t.file.c_str());
+        const uint64_t expect = t.header.size() + t.bytes;
+        if (rec->size != expect) {
+            fail(kExitData, "'%s' holds %llu bytes; this model needs %llu (a different model shape?)", path.c_str(),
+                 (unsigned long long)rec->size, (unsigned long long)expect);
+        }
+        File f(path, File::Mode::Read);
+        if (uint64_t(f.size()) != rec->size) {
+            fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (truncated?)", path.c_str(), (long long)f.size(),
+                 (unsigned long long)rec->size);
+        }
+        ChunkVerifier v(*rec, path);
+        if (!t.header.empty()) {
+            std::vector<char> header(t.header.size());
+            read_verified(f, header.data(), header.size(), v, *rec);
+            if (header != t.header) {
+                fail(kExitData, "'%s': its header differs from this model's (a different model shape or format)",
+                     path.c_str());
+            }
+        }
+        io.file_to_device(t.device, f, t.bytes, stream, v.hook());
+        v.finish();
+    }
+}
+
+}  // namespace llmc

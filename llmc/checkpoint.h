@@ -1,0 +1,610 @@
+/*
+Checkpoints on disk, the CPU side: the directory layout, the manifest, chunk checksums, validation,
+discovery of the newest valid checkpoint, and rotation. Everything here works on plain files, so it is
+tested without a GPU; checkpoint.cuh puts device memory behind it.
+
+A checkpoint of step S is the directory <out>/ckpt_<S, 8 digits>/. It is built as ckpt_<S>.tmp/: each data
+file is written, fsynced and closed, then manifest.txt (written last, fsynced), then the directory is
+fsynced, renamed to its final name in one step, and <out> is fsynced. A directory with the final name is
+therefore complete unless its files were damaged afterwards, which the checksums catch: every file is
+recorded in the manifest as a list of chunks (offset, length, 64-bit checksum), computed while each chunk
+sat in the staging buffer on its way to the disk. The manifest is text, ends with a checksum of itself,
+and also carries the run's settings (key value lines), small binary blobs (hex; the DataLoader state) and
+the step.
+
+Does not provide: anything that touches a GPU (checkpoint.cuh), or the choice of what goes into a
+checkpoint (the trainer).
+*/
+#pragma once
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "llmc/chunk_pipeline.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr int kCheckpointVersion = 1;
+constexpr const char* kManifestName = "manifest.txt";
+constexpr const char* kManifestMagic = "llmc-checkpoint";
+
+// ----------------------------------------------------------------------------------------------------
+// The checksum: 64 bits over four interleaved lanes of 8-byte words, so the loop runs at memory speed.
+// Each lane step is a bijection of the word for a fixed state and of the state for a fixed word, and the
+// final mix is a bijection of each lane for fixed others, so any change confined to one 8-byte word (every
+// flipped bit, in particular) always changes the result.
+
+namespace detail {
+inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t fmix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 29;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 32;
+    return x;
+}
+inline uint64_t load64(const unsigned char* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+constexpr uint64_t kLaneMul = 0x9e3779b97f4a7c15ull;
+constexpr uint64_t kWordMul = 0xd6e8feb86659fd93ull;
+inline uint64_t lane_step(uint64_t v, uint64_t w) { return rotl64(v ^ (w * kWordMul), 29) * kLaneMul; }
+}  // namespace detail
+
+inline uint64_t checksum64(const void* data, size_t n) {
+    using namespace detail;
+    const unsigned char* p = static_cast<const unsigned char*>(data);
+    uint64_t v[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull, 0x082efa98ec4e6c89ull};
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        v[0] = lane_step(v[0], load64(p + i));
+        v[1] = lane_step(v[1], load64(p + i + 8));
+        v[2] = lane_step(v[2], load64(p + i + 16));
+        v[3] = lane_step(v[3], load64(p + i + 24));
+    }
+    int lane = 0;
+    for (; i + 8 <= n; i += 8) v[lane] = lane_step(v[lane], load64(p + i)), lane++;
+    if (i < n) {
+        unsigned char tail[8] = {0};
+        std::memcpy(tail, p + i, n - i);
+        v[lane] = lane_step(v[lane], load64(tail));
+    }
+    uint64_t h = uint64_t(n) * kLaneMul;
+    for (int k = 0; k < 4; k++) h = rotl64(h ^ fmix64(v[k] + uint64_t(k)), 23) * kWordMul;
+    return fmix64(h);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The manifest.
+
+struct ChunkSum {
+    uint64_t offset = 0, bytes = 0, sum = 0;
+};
+
+struct FileRecord {
+    std::string name;
+    uint64_t size = 0;
+    std::vector<ChunkSum> chunks;  // sorted by offset, covering [0, size) without gaps
+};
+
+struct CheckpointManifest {
+    int version = kCheckpointVersion;
+    int64_t step = 0;
+    std::vector<std::pair<std::string, std::string>> settings;    // the run's configuration, key -> value
+    std::vector<std::pair<std::string, std::vector<uint8_t>>> blobs;  // small binary state (DataLoader)
+    std::vector<FileRecord> files;
+
+    const std::string* setting(const std::string& key) const {
+        for (const auto& kv : settings) {
+            if (kv.first == key) return &kv.second;
+        }
+        return nullptr;
+    }
+    const std::vector<uint8_t>* blob(const std::string& name) const {
+        for (const auto& b : blobs) {
+            if (b.first == name) return &b.second;
+        }
+        return nullptr;
+    }
+    const FileRecord* file(const std::string& name) const {
+        for (const FileRecord& f : files) {
+            if (f.name == name) return &f;
+        }
+        return nullptr;
+    }
+};
+
+namespace detail {
+inline bool is_token(const std::string& s) {
+    if (s.empty()) return false;
+    for (char c : s) {
+        if (c <= ' ' || c == 127) return false;
+    }
+    return true;
+}
+inline std::string hex64(uint64_t v) { return format("%016" PRIx64, v); }
+}  // namespace detail
+
+inline std::string encode_manifest(const CheckpointManifest& m) {
+    std::string out = format("%s %d\nstep %lld\n", kManifestMagic, m.version, (long long)m.step);
+    for (const auto& kv : m.settings) {
+        if (!detail::is_token(kv.first) || kv.second.find('\n') != std::string::npos) {
+            fail(kExitError, "checkpoint setting '%s' cannot be stored (keys are one word, values one line)",
+                 kv.first.c_str());
+        }
+        out += "setting " + kv.first + " " + kv.second + "\n";
+    }
+    for (const auto& b : m.blobs) {
+        if (!detail::is_token(b.first)) fail(kExitError, "checkpoint blob name '%s' is not one word", b.first.c_str());
+        std::string hex;
+        hex.reserve(2 * b.second.size());
+        for (uint8_t byte : b.second) hex += format("%02x", byte);
+        out += "blob " + b.first + " " + (hex.empty() ? "-" : hex) + "\n";
+    }
+    for (const FileRecord& f : m.files) {
+        if (!detail::is_token(f.name) || f.name.find('/') != std::string::npos) {
+            fail(kExitError, "checkpoint file name '%s' is not one plain word", f.name.c_str());
+        }
+        out += format("file %s %llu %zu\n", f.name.c_str(), (unsigned long long)f.size, f.chunks.size());
+        for (const ChunkSum& c : f.chunks) {
+            out += format("chunk %llu %llu %s\n", (unsigned long long)c.offset, (unsigned long long)c.bytes,
+                          detail::hex64(c.sum).c_str());
+        }
+    }
+    out += "end " + detail::hex64(checksum64(out.data(), out.size())) + "\n";
+    return out;
+}
+
+// Parses and checks a manifest's text; `path` names it in errors. Raises kExitData on anything amiss.
+inline CheckpointManifest parse_manifest(const std::string& text, const std::string& path) {
+    const size_t end_at = text.rfind("end ");
+    if (end_at == std::string::npos || (end_at > 0 && text[end_at - 1] != '\n') || text.empty() || text.back() != '\n') {
+        fail(kExitData, "manifest '%s' (%zu bytes) has no final 'end' line: it is truncated or corrupted", path.c_str(), text.size());
+    }
+    const std::string end_line = text.substr(end_at + 4, text.size() - end_at - 5);
+    const std::string computed = detail::hex64(checksum64(text.data(), end_at));
+    if (end_line != computed) {
+        fail(kExitData, "manifest '%s' is corrupted: its checksum is %s, its text checksums to %s", path.c_str(),
+             end_line.c_str(), computed.c_str());
+    }
+    CheckpointManifest m;
+    std::istringstream in(text.substr(0, end_at));
+    std::string line;
+    int line_no = 0;
+    auto bad = [&](const char* what) {
+        fail(kExitData, "manifest '%s' line %d: %s: '%s'", path.c_str(), line_no, what, line.c_str());
+    };
+    FileRecord* current = nullptr;
+    size_t expected_chunks = 0;
+    while (std::getline(in, line)) {
+        line_no++;
+        std::istringstream ls(line);
+        std::string kind;
+        ls >> kind;
+        if (line_no == 1) {
+            if (kind != kManifestMagic || !(ls >> m.version)) bad("not a checkpoint manifest");
+            if (m.version != kCheckpointVersion) {
+                fail(kExitData, "manifest '%s' has format version %d; this build reads version %d", path.c_str(),
+                     m.version, kCheckpointVersion);
+            }
+        } else if (kind == "step") {
+            long long s = -1;
+            if (!(ls >> s) || s < 0) bad("bad step");
+            m.step = s;
+        } else if (kind == "setting") {
+            std::string key;
+            if (!(ls >> key)) bad("setting without a key");
+            std::string value;
+            std::getline(ls, value);
+            if (!value.empty() && value[0] == ' ') value.erase(0, 1);
+            m.settings.emplace_back(key, value);
+        } else if (kind == "blob") {
+            std::string name, hex;
+            if (!(ls >> name >> hex)) bad("blob without a name and bytes");
+            std::vector<uint8_t> bytes;
+            if (hex != "-") {
+                if (hex.size() % 2 != 0) bad("odd number of hex digits");
+                for (size_t i = 0; i < hex.size(); i += 2) {
+                    unsigned v = 0;
+                    if (std::sscanf(hex.c_str() + i, "%2x", &v) != 1) bad("bad hex digit");
+                    bytes.push_back(uint8_t(v));
+                }
+            }
+            m.blobs.emplace_back(name, std::move(bytes));
+        } else if (kind == "file") {
+            if (current && current->chunks.size() != expected_chunks) bad("the previous file lacks chunks");
+            FileRecord f;
+            unsigned long long size = 0;
+            if (!(ls >> f.name >> size >> expected_chunks) || f.name.find('/') != std::string::npos) bad("bad file line");
+            f.size = size;
+            m.files.push_back(std::move(f));
+            current = &m.files.back();
+        } else if (kind == "chunk") {
+            if (!current) bad("chunk before any file");
+            ChunkSum c;
+            unsigned long long off = 0, bytes = 0;
+            std::string sum;
+            if (!(ls >> off >> bytes >> sum) || sum.size() != 16) bad("bad chunk line");
+            c.offset = off;
+            c.bytes = bytes;
+            c.sum = std::strtoull(sum.c_str(), nullptr, 16);
+            const uint64_t expect = current->chunks.empty() ? 0 : current->chunks.back().offset + current->chunks.back().bytes;
+            if (c.offset != expect || c.bytes == 0 || c.offset + c.bytes > current->size) {
+                bad("chunks must cover the file in order without gaps");
+            }
+            current->chunks.push_back(c);
+        } else {
+            bad("unknown line");
+        }
+    }
+    if (line_no == 0) fail(kExitData, "manifest '%s' is empty", path.c_str());
+    if (current && current->chunks.size() != expected_chunks) bad("the last file lacks chunks");
+    for (const FileRecord& f : m.files) {
+        const uint64_t covered = f.chunks.empty() ? 0 : f.chunks.back().offset + f.chunks.back().bytes;
+        if (covered != f.size) {
+            fail(kExitData, "manifest '%s': the chunks of '%s' cover %llu of its %llu bytes", path.c_str(),
+                 f.name.c_str(), (unsigned long long)covered, (unsigned long long)f.size);
+        }
+    }
+    return m;
+}
+
+inline std::string read_text_file(const std::string& path) {
+    File f(path, File::Mode::Read);
+    std::string s(size_t(f.size()), '\0');
+    f.read_exact(s.data(), s.size());
+    return s;
+}
+
+inline CheckpointManifest read_manifest(const std::string& dir) {
+    const std::string path = dir + "/" + kManifestName;
+    return parse_manifest(read_text_file(path), path);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Checksums while writing and while reading.
+
+// Collects the checksums of one file's chunks as a ChunkHook sees them (from any thread).
+class ChunkRecorder {
+public:
+    ChunkHook hook() {
+        return [this](const char* p, size_t n, uint64_t off) {
+            const uint64_t s = checksum64(p, n);
+            std::lock_guard<std::mutex> lock(mu_);
+            chunks_.push_back({off, uint64_t(n), s});
+        };
+    }
+    // The record of a file of `size` bytes; every byte must have passed through the hook once.
+    FileRecord finish(const std::string& name, uint64_t size) {
+        FileRecord f;
+        f.name = name;
+        f.size = size;
+        f.chunks = chunks_;
+        std::sort(f.chunks.begin(), f.chunks.end(), [](const ChunkSum& a, const ChunkSum& b) { return a.offset < b.offset; });
+        uint64_t at = 0;
+        for (const ChunkSum& c : f.chunks) {
+            if (c.offset != at) break;
+            at += c.bytes;
+        }
+        if (at != size) {
+            fail(kExitError, "checkpoint file '%s': checksummed chunks cover %llu of %llu bytes (a write bypassed the hook)",
+                 name.c_str(), (unsigned long long)at, (unsigned long long)size);
+        }
+        return f;
+    }
+
+private:
+    std::mutex mu_;
+    std::vector<ChunkSum> chunks_;
+};
+
+// Checks chunks against a FileRecord as a ChunkHook sees them; finish() then requires that every chunk
+// was seen. A chunk whose boundaries do not match the record is an error too (the reader must cut the file
+// the way the writer did: the same chunk size, the same start).
+class ChunkVerifier {
+public:
+    ChunkVerifier(const FileRecord& record, std::string path) : rec_(record), path_(std::move(path)), seen_(record.chunks.size(), 0) {}
+    ChunkHook hook() {
+        return [this](const char* p, size_t n, uint64_t off) { check(p, n, off); };
+    }
+    void check(const char* p, size_t n, uint64_t off) {
+        auto it = std::lower_bound(rec_.chunks.begin(), rec_.chunks.end(), off,
+                                   [](const ChunkSum& c, uint64_t o) { return c.offset < o; });
+        if (it == rec_.chunks.end() || it->offset != off || it->bytes != n) {
+            fail(kExitData, "'%s': no recorded chunk of %zu bytes at offset %llu (read with a different chunk size?)",
+                 path_.c_str(), n, (unsigned long long)off);
+        }
+        const uint64_t s = checksum64(p, n);
+        if (s != it->sum) {
+            fail(kExitData, "'%s' is corrupted: bytes %llu..%llu checksum to %s, the manifest records %s", path_.c_str(),
+                 (unsigned long long)off, (unsigned long long)(off + n), detail::hex64(s).c_str(),
+                 detail::hex64(it->sum).c_str());
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        seen_[size_t(it - rec_.chunks.begin())] = 1;
+    }
+    void finish() const {
+        for (size_t i = 0; i < seen_.size(); i++) {
+            if (!seen_[i]) {
+                fail(kExitData, "'%s': bytes at offset %llu were never checked", path_.c_str(),
+                     (unsigned long long)rec_.chunks[i].offset);
+            }
+        }
+    }
+
+private:
+    const FileRecord& rec_;
+    std::string path_;
+    std::mutex mu_;
+    std::vector<char> seen_;
+};
+
+// Writes n host bytes at the file's position in chunks of chunk_bytes, showing each to `hook` first.
+inline void write_chunked(File& f, const void* data, size_t n, const ChunkHook& hook,
+                          size_t chunk_bytes = kDefaultChunkBytes) {
+    const char* p = static_cast<const char*>(data);
+    for (size_t at = 0; at < n; at += chunk_bytes) {
+        const size_t len = std::min(chunk_bytes, n - at);
+        if (hook) hook(p + at, len, uint64_t(f.tell()));
+        f.write_all(p + at, len);
+    }
+}
+
+// Reads n bytes at the file's position chunk by chunk as the record cut them, checking each.
+inline void read_verified(File& f, void* dst, size_t n, ChunkVerifier& verifier, const FileRecord& rec) {
+    char* out = static_cast<char*>(dst);
+    const uint64_t start = uint64_t(f.tell());
+    for (const ChunkSum& c : rec.chunks) {
+        if (c.offset + c.bytes <= start || c.offset >= start + n) continue;
+        if (c.offset < start || c.offset + c.bytes > start + n) {
+            fail(kExitData, "'%s': the read of bytes %llu..%llu splits a recorded chunk", f.path().c_str(),
+                 (unsigned long long)start, (unsigned long long)(start + n));
+        }
+        f.seek(int64_t(c.offset));
+        f.read_exact(out + (c.offset - start), size_t(c.bytes));
+        verifier.check(out + (c.offset - start), size_t(c.bytes), c.offset);
+    }
+    f.seek(int64_t(start + n));
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Layout, discovery and validation.
+
+inline std::string checkpoint_dir_name(int64_t step) { return format("ckpt_%08lld", (long long)step); }
+
+// The step of a complete checkpoint's directory name, or -1 (a .tmp directory, or anything else).
+inline int64_t checkpoint_step_of(const std::string& name) {
+    if (name.size() < 13 || name.compare(0, 5, "ckpt_") != 0) return -1;
+    int64_t step = 0;
+    for (size_t i = 5; i < name.size(); i++) {
+        if (name[i] < '0' || name[i] > '9' || step > (int64_t(1) << 50)) return -1;
+        step = step * 10 + (name[i] - '0');
+    }
+    return step;
+}
+
+struct CheckpointEntry {
+    int64_t step = 0;
+    std::string path;
+};
+
+// Directories with a complete checkpoint's name in out_dir, newest (highest step) first. A missing
+// out_dir has none.
+inline std::vector<CheckpointEntry> list_checkpoints(const std::string& out_dir) {
+    std::vector<CheckpointEntry> out;
+    std::error_code ec;
+    if (!std::filesystem::is_directory(out_dir, ec)) return out;
+    for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
+        const std::string name = e.path().filename().string();
+        const int64_t step = checkpoint_step_of(name);
+        if (step >= 0 && e.is_directory(ec)) out.push_back({step, out_dir + "/" + name});
+    }
+    if (ec) fail(kExitIo, "cannot list directory '%s': %s", out_dir.c_str(), ec.message().c_str());
+    std::sort(out.begin(), out.end(), [](const CheckpointEntry& a, const CheckpointEntry& b) { return a.step > b.step; });
+    return out;
+}
+
+// Checks a checkpoint directory: the manifest parses and checks out, its step matches the name, every
+// listed file exists with the recorded size, and (deep) every chunk's checksum. Returns the manifest;
+// raises kExitData / kExitIo naming the problem.
+inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep) {
+    CheckpointManifest m = read_manifest(dir);
+    const std::string name = std::filesystem::path(dir).filename().string();
+    const int64_t named = checkpoint_step_of(name);
+    if (named >= 0 && named != m.step) {
+        fail(kExitData, "checkpoint '%s' holds step %lld, its name says %lld", dir.c_str(), (long long)m.step,
+             (long long)named);
+    }
+    std::vector<char> buf;
+    for (const FileRecord& rec : m.files) {
+        const std::string path = dir + "/" + rec.name;
+        File f(path, File::Mode::Read);
+        const int64_t size = f.size();
+        if (uint64_t(size) != rec.size) {
+            fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (%s)", path.c_str(), (long long)size,
+                 (unsigned long long)rec.size, uint64_t(size) < rec.size ? "truncated" : "too long");
+        }
+        if (!deep) continue;
+        ChunkVerifier v(rec, path);
+        for (const ChunkSum& c : rec.chunks) {
+            buf.resize(size_t(c.bytes));
+            f.read_exact_at(buf.data(), buf.size(), int64_t(c.offset));
+            v.check(buf.data(), buf.size(), c.offset);
+        }
+        v.finish();
+    }
+    return m;
+}
+
+struct FoundCheckpoint {
+    std::string path;  // empty: none valid
+    CheckpointManifest manifest;
+    std::vector<std::string> skipped;  // "<dir>: <why>" for each newer one that failed validation
+};
+
+// The newest checkpoint in out_dir that passes validate_checkpoint(deep).
+inline FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) {
+    FoundCheckpoint found;
+    for (const CheckpointEntry& e : list_checkpoints(out_dir)) {
+        try {
+            found.manifest = validate_checkpoint(e.path, deep);
+            found.path = e.path;
+            return found;
+        } catch (const Error& err) {
+            found.skipped.push_back(e.path + ": " + err.what());
+        }
+    }
+    return found;
+}
+
+inline void remove_tree(const std::string& path) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+    if (ec) fail(kExitIo, "cannot remove '%s': %s", path.c_str(), ec.message().c_str());
+}
+
+// Keeps the newest keep_last complete checkpoints (keep_last <= 0: all) and every one whose step is a
+// multiple of keep_every (> 0); removes the rest. Returns the removed paths, oldest first.
+inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, int keep_last, int keep_every) {
+    std::vector<std::string> removed;
+    if (keep_last <= 0) return removed;
+    std::vector<CheckpointEntry> all = list_checkpoints(out_dir);
+    for (size_t i = all.size(); i-- > size_t(keep_last);) {
+        if (keep_every > 0 && all[i].step % keep_every == 0) continue;
+        remove_tree(all[i].path);
+        removed.push_back(all[i].path);
+    }
+    if (!removed.empty()) sync_directory(out_dir);
+    return removed;
+}
+
+// Removes leftovers of interrupted saves (ckpt_*.tmp directories).
+inline void remove_stale_temporaries(const std::string& out_dir) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(out_dir, ec)) return;
+    std::vector<std::string> stale;
+    for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.size() > 9 && name.compare(0, 5, "ckpt_") == 0 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+            stale.push_back(e.path().string());
+        }
+    }
+    for (const std::string& s : stale) remove_tree(s);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Writing.
+
+// Builds one checkpoint in <out>/ckpt_<step>.tmp and publishes it with commit(). Destroyed without a
+// commit, it removes its temporary directory (best effort; a crash leaves it for remove_stale_temporaries).
+class CheckpointWriter {
+public:
+    CheckpointWriter(std::string out_dir, int64_t step) : out_dir_(std::move(out_dir)), step_(step) {
+        final_ = out_dir_ + "/" + checkpoint_dir_name(step);
+        tmp_ = final_ + ".tmp";
+        remove_stale_temporaries(out_dir_);
+        std::error_code ec;
+        std::filesystem::create_directories(tmp_, ec);
+        if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp_.c_str(), ec.message().c_str());
+    }
+    CheckpointWriter(const CheckpointWriter&) = delete;
+    CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+    ~CheckpointWriter() {
+        if (committed_) return;
+        std::error_code ec;
+        std::filesystem::remove_all(tmp_, ec);
+    }
+
+    // Creates `name` in the temporary directory; fill(file, hook) writes it, passing every byte through
+    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory); then the
+    // file is fsynced and closed and its chunk checksums recorded.
+    void add_file(const std::string& name, const std::function<void(File&, const ChunkHook&)>& fill) {
+        File f(tmp_ + "/" + name, File::Mode::Write);
+        ChunkRecorder rec;
+        const ChunkHook hook = rec.hook();
+        fill(f, hook);
+        const uint64_t size = uint64_t(f.size());
+        f.sync();
+        f.close();
+        files_.push_back(rec.finish(name, size));
+        bytes_ += size;
+    }
+
+    // Writes the manifest (meta with the recorded files and this step), syncs, and renames the directory
+    // to its final name. Returns the final path.
+    std::string commit(CheckpointManifest meta) {
+        meta.step = step_;
+        meta.version = kCheckpointVersion;
+        meta.files = files_;
+        const std::string text = encode_manifest(meta);
+        File f(tmp_ + "/" + kManifestName, File::Mode::Write);
+        f.write_all(text.data(), text.size());
+        f.sync();
+        f.close();
+        bytes_ += text.size();
+        sync_directory(tmp_);
+        std::error_code ec;
+        // A checkpoint of the same step already there (a run resumed from an older one and got here again)
+        // is replaced: it is removed first, because rename() does not replace a non-empty directory.
+        if (std::filesystem::exists(final_, ec)) remove_tree(final_);
+        if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
+            int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e));
+        }
+        committed_ = true;
+        sync_directory(out_dir_);
+        return final_;
+    }
+
+    const std::string& temporary_path() const { return tmp_; }
+    uint64_t bytes_written() const { return bytes_; }
+
+private:
+    std::string out_dir_, final_, tmp_;
+    int64_t step_;
+    std::vector<FileRecord> files_;
+    uint64_t bytes_ = 0;
+    bool committed_ = false;
+};
+
+// ----------------------------------------------------------------------------------------------------
+// Resume compatibility.
+
+// Compares the settings a checkpoint was saved with against this run's. Keys in must_match that differ
+// (or are missing on one side) make the returned message, one "key: checkpoint has X, this run has Y" per
+// key; other differing keys go to *notes (what may change on resume). Empty: compatible.
+inline std::string settings_differences(const CheckpointManifest& saved,
+                                        const std::vector<std::pair<std::string, std::string>>& now,
+                                        const std::vector<std::string>& must_match, std::vector<std::string>* notes) {
+    std::string problems;
+    for (const auto& kv : now) {
+        const std::string* old = saved.setting(kv.first);
+        const bool strict = std::find(must_match.begin(), must_match.end(), kv.first) != must_match.end();
+        if (old && *old == kv.second) continue;
+        const std::string line = format("%s: checkpoint has %s, this run has '%s'", kv.first.c_str(),
+                                        old ? ("'" + *old + "'").c_str() : "nothing", kv.second.c_str());
+        if (strict) {
+            problems += (problems.empty() ? "" : "; ") + line;
+        } else if (notes) {
+            notes->push_back(line);
+        }
+    }
+    return problems;
+}
+
+}  // namespace llmc

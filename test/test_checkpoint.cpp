@@ -1,0 +1,322 @@
+/*
+CPU tests of the checkpoint format (llmc/checkpoint.h): the checksum, the manifest round trip, the
+write/validate cycle on synthetic state, detection of truncation at many offsets and of a flipped bit in
+every file, missing files, ignored .tmp directories, the choice of the newest valid checkpoint when the
+newest is damaged, rotation (keep-last, keep-every), and the refusal of incompatible settings with a
+message naming what differs. The GPU path (snapshot, async writer) is tested in test_checkpoint_gpu.cu.
+*/
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "llmc/checkpoint.h"
+#include "llmc/utils.h"
+#include "test/test_util.h"
+
+using namespace llmc;
+using llmc::test::random_bytes;
+using llmc::test::TempDir;
+
+namespace {
+
+constexpr size_t kSmallChunk = 1000;  // small and odd, so files have many chunks and a short last one
+
+struct SyntheticState {
+    std::vector<char> header, weights, moments;
+    std::vector<uint8_t> loader;
+};
+
+SyntheticState make_state(uint64_t seed) {
+    SyntheticState s;
+    s.header = random_bytes(1024, seed);
+    s.weights = random_bytes(12345, seed + 1);
+    s.moments = random_bytes(7 * kSmallChunk, seed + 2);
+    std::vector<char> l = random_bytes(61, seed + 3);
+    s.loader.assign(l.begin(), l.end());
+    return s;
+}
+
+std::vector<std::pair<std::string, std::string>> base_settings() {
+    return {{"model", "maxT=64 V=50257 Vp=50304 L=2 NH=2 C=64"}, {"batch", "4"}, {"seq_len", "64"},
+            {"train", "data/a_*.bin"}, {"max_steps", "100"}};
+}
+
+std::string write_checkpoint(const std::string& out, int64_t step, const SyntheticState& s) {
+    CheckpointWriter w(out, step);
+    w.add_file("model.bin", [&](File& f, const ChunkHook& hook) {
+        write_chunked(f, s.header.data(), s.header.size(), hook, s.header.size());
+        write_chunked(f, s.weights.data(), s.weights.size(), hook, kSmallChunk);
+    });
+    w.add_file("moments.bin", [&](File& f, const ChunkHook& hook) {
+        write_chunked(f, s.moments.data(), s.moments.size(), hook, kSmallChunk);
+    });
+    CheckpointManifest m;
+    m.settings = base_settings();
+    m.blobs = {{"train_loader", s.loader}, {"empty", {}}};
+    return w.commit(m);
+}
+
+std::vector<char> read_all(const std::string& path) {
+    File f(path, File::Mode::Read);
+    std::vector<char> v(size_t(f.size()));
+    f.read_exact(v.data(), v.size());
+    return v;
+}
+
+void write_all(const std::string& path, const std::vector<char>& bytes) {
+    File f(path, File::Mode::Write);
+    f.write_all(bytes.data(), bytes.size());
+}
+
+std::string error_of(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+}  // namespace
+
+TEST(Checksum, DetectsEveryFlippedBitAndDependsOnLength) {
+    std::vector<char> data = random_bytes(203, 1);  // not a multiple of 8 or 32: exercises the tail
+    const uint64_t base = checksum64(data.data(), data.size());
+    EXPECT_EQ(base, checksum64(data.data(), data.size()));
+    for (size_t i = 0; i < data.size(); i++) {
+        for (int b = 0; b < 8; b++) {
+            data[i] ^= char(1 << b);
+            ASSERT_NE(checksum64(data.data(), data.size()), base) << "byte " << i << " bit " << b;
+            data[i] ^= char(1 << b);
+        }
+    }
+    std::vector<char> zeros(64, 0);
+    EXPECT_NE(checksum64(zeros.data(), 63), checksum64(zeros.data(), 64)) << "trailing zeros must count";
+    EXPECT_NE(checksum64(zeros.data(), 0), checksum64(zeros.data(), 1));
+}
+
+TEST(Manifest, RoundTripsAndRejectsDamage) {
+    CheckpointManifest m;
+    m.step = 42;
+    m.settings = {{"model", "L=2 C=64"}, {"train", "data/x_*.bin,data/y_*.bin"}, {"empty", ""}};
+    m.blobs = {{"loader", {0, 1, 2, 254, 255}}, {"nothing", {}}};
+    FileRecord f;
+    f.name = "a.bin";
+    f.size = 30;
+    f.chunks = {{0, 10, 0x1234}, {10, 20, 0xfedcba9876543210ull}};
+    m.files = {f};
+    const std::string text = encode_manifest(m);
+    CheckpointManifest back = parse_manifest(text, "m");
+    EXPECT_EQ(back.step, 42);
+    EXPECT_EQ(back.settings, m.settings);
+    EXPECT_EQ(back.blobs, m.blobs);
+    ASSERT_EQ(back.files.size(), 1u);
+    EXPECT_EQ(back.files[0].name, "a.bin");
+    EXPECT_EQ(back.files[0].size, 30u);
+    ASSERT_EQ(back.files[0].chunks.size(), 2u);
+    EXPECT_EQ(back.files[0].chunks[1].sum, 0xfedcba9876543210ull);
+
+    for (size_t cut = 0; cut < text.size(); cut++) {
+        EXPECT_THROW(parse_manifest(text.substr(0, cut), "m"), Error) << "truncated at " << cut;
+    }
+    for (size_t i = 0; i < text.size(); i++) {
+        std::string t = text;
+        t[i] ^= 0x01;
+        EXPECT_THROW(parse_manifest(t, "m"), Error) << "flipped bit in byte " << i;
+    }
+    CheckpointManifest multi_line = m;
+    multi_line.settings.push_back({"bad", "two\nlines"});
+    EXPECT_THROW(encode_manifest(multi_line), Error);
+}
+
+TEST(CheckpointFiles, WriteValidateAndReadBack) {
+    TempDir dir("ckpt_rt");
+    const std::string out = dir / "out";
+    SyntheticState s = make_state(10);
+    const std::string path = write_checkpoint(out, 7, s);
+    EXPECT_EQ(path, out + "/ckpt_00000007");
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+    CheckpointManifest m = validate_checkpoint(path, /*deep=*/true);
+    EXPECT_EQ(m.step, 7);
+    ASSERT_NE(m.blob("train_loader"), nullptr);
+    EXPECT_EQ(*m.blob("train_loader"), s.loader);
+    EXPECT_EQ(m.blob("empty")->size(), 0u);
+    EXPECT_EQ(*m.setting("batch"), "4");
+    const FileRecord* model = m.file("model.bin");
+    ASSERT_NE(model, nullptr);
+    EXPECT_EQ(model->size, s.header.size() + s.weights.size());
+    EXPECT_EQ(model->chunks.size(), 1u + (s.weights.size() + kSmallChunk - 1) / kSmallChunk);
+
+    // Reading back through the verifier, chunk by chunk as written, gives the bytes.
+    File f(path + "/model.bin", File::Mode::Read);
+    ChunkVerifier v(*model, f.path());
+    std::vector<char> header(s.header.size()), weights(s.weights.size());
+    read_verified(f, header.data(), header.size(), v, *model);
+    read_verified(f, weights.data(), weights.size(), v, *model);
+    v.finish();
+    EXPECT_EQ(header, s.header);
+    EXPECT_EQ(weights, s.weights);
+
+    // A verifier that saw only part of the file says so; one fed a different cut refuses it.
+    ChunkVerifier partial(*model, f.path());
+    f.seek(0);
+    read_verified(f, header.data(), header.size(), partial, *model);
+    EXPECT_NE(error_of([&] { partial.finish(); }).find("never checked"), std::string::npos);
+    ChunkVerifier other_cut(*model, f.path());
+    EXPECT_NE(error_of([&] { other_cut.check(weights.data(), 999, 1024); }).find("different chunk size"), std::string::npos);
+}
+
+TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
+    TempDir dir("ckpt_trunc");
+    const std::string out = dir / "out";
+    const std::string path = write_checkpoint(out, 3, make_state(20));
+    for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
+        const std::string file = path + "/" + name;
+        const std::vector<char> whole = read_all(file);
+        for (size_t cut : {size_t(0), size_t(1), size_t(7), size_t(999), size_t(1000), size_t(1024), whole.size() / 2,
+                           whole.size() - 1}) {
+            if (cut >= whole.size()) continue;
+            write_all(file, std::vector<char>(whole.begin(), whole.begin() + long(cut)));
+            const std::string err = error_of([&] { validate_checkpoint(path, false); });
+            EXPECT_FALSE(err.empty()) << name << " cut at " << cut;
+            if (std::string(name) != "manifest.txt") {
+                EXPECT_NE(err.find("truncated"), std::string::npos) << err;
+                EXPECT_NE(err.find(name), std::string::npos) << err;
+            }
+        }
+        write_all(file, whole);
+        EXPECT_NO_THROW(validate_checkpoint(path, true));
+    }
+}
+
+TEST(CheckpointFiles, FlippedBitInEveryFileIsDetected) {
+    TempDir dir("ckpt_flip");
+    const std::string out = dir / "out";
+    const std::string path = write_checkpoint(out, 5, make_state(30));
+    for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
+        const std::string file = path + "/" + name;
+        const std::vector<char> whole = read_all(file);
+        for (size_t at : {size_t(0), size_t(1023), size_t(1024), whole.size() / 3, whole.size() - 1}) {
+            for (int bit : {0, 7}) {
+                std::vector<char> bad = whole;
+                bad[at] ^= char(1 << bit);
+                write_all(file, bad);
+                const std::string err = error_of([&] { validate_checkpoint(path, true); });
+                EXPECT_NE(err.find("corrupted"), std::string::npos) << name << " byte " << at << ": " << err;
+            }
+        }
+        write_all(file, whole);
+    }
+    EXPECT_NO_THROW(validate_checkpoint(path, true));
+}
+
+TEST(CheckpointFiles, MissingFilesAreDetected) {
+    TempDir dir("ckpt_missing");
+    const std::string out = dir / "out";
+    const std::string path = write_checkpoint(out, 5, make_state(40));
+    std::filesystem::remove(path + "/moments.bin");
+    EXPECT_NE(error_of([&] { validate_checkpoint(path, false); }).find("moments.bin"), std::string::npos);
+    std::filesystem::remove(path + "/manifest.txt");
+    EXPECT_NE(error_of([&] { validate_checkpoint(path, false); }).find("manifest.txt"), std::string::npos);
+}
+
+TEST(CheckpointDiscovery, NewestValidIsChosenAndTmpIgnored) {
+    TempDir dir("ckpt_newest");
+    const std::string out = dir / "out";
+    EXPECT_TRUE(find_newest_valid(out, true).path.empty()) << "a missing directory has no checkpoint";
+    write_checkpoint(out, 10, make_state(1));
+    write_checkpoint(out, 20, make_state(2));
+    const std::string newest = write_checkpoint(out, 30, make_state(3));
+    // An interrupted save of a later step, and unrelated entries, are not checkpoints.
+    std::filesystem::create_directories(out + "/ckpt_00000040.tmp");
+    write_all(out + "/ckpt_00000040.tmp/model.bin", random_bytes(100, 1));
+    std::filesystem::create_directories(out + "/ckpt_junk");
+    write_all(out + "/log.jsonl", random_bytes(10, 2));
+
+    FoundCheckpoint f = find_newest_valid(out, true);
+    EXPECT_EQ(f.path, newest);
+    EXPECT_EQ(f.manifest.step, 30);
+    EXPECT_TRUE(f.skipped.empty());
+
+    // Damage the newest: the one before is chosen, and the skip says why.
+    std::vector<char> m = read_all(newest + "/moments.bin");
+    m[m.size() / 2] ^= 0x10;
+    write_all(newest + "/moments.bin", m);
+    f = find_newest_valid(out, true);
+    EXPECT_EQ(f.manifest.step, 20);
+    ASSERT_EQ(f.skipped.size(), 1u);
+    EXPECT_NE(f.skipped[0].find("ckpt_00000030"), std::string::npos);
+    EXPECT_NE(f.skipped[0].find("corrupted"), std::string::npos) << f.skipped[0];
+    // A shallow check does not read the data, so it takes the damaged one; the load's own checks catch it.
+    EXPECT_EQ(find_newest_valid(out, false).manifest.step, 30);
+
+    // A directory renamed to another step's name is refused.
+    std::filesystem::rename(out + "/ckpt_00000020", out + "/ckpt_00000025");
+    f = find_newest_valid(out, true);
+    EXPECT_EQ(f.manifest.step, 10);
+    EXPECT_EQ(f.skipped.size(), 2u);
+
+    // A new save removes the stale .tmp directory.
+    write_checkpoint(out, 50, make_state(5));
+    EXPECT_FALSE(std::filesystem::exists(out + "/ckpt_00000040.tmp"));
+}
+
+TEST(CheckpointDiscovery, SavingTheSameStepAgainReplacesIt) {
+    TempDir dir("ckpt_again");
+    const std::string out = dir / "out";
+    write_checkpoint(out, 8, make_state(1));
+    SyntheticState s2 = make_state(2);
+    const std::string path = write_checkpoint(out, 8, s2);
+    EXPECT_NO_THROW(validate_checkpoint(path, true));
+    EXPECT_EQ(*validate_checkpoint(path, true).blob("train_loader"), s2.loader);
+}
+
+TEST(CheckpointRotation, KeepLastAndKeepEvery) {
+    TempDir dir("ckpt_rotate");
+    const std::string out = dir / "out";
+    SyntheticState s = make_state(1);
+    std::vector<std::string> removed_all;
+    for (int step = 1; step <= 12; step++) {
+        write_checkpoint(out, step, s);
+        for (const std::string& r : rotate_checkpoints(out, /*keep_last=*/3, /*keep_every=*/5)) removed_all.push_back(r);
+    }
+    std::vector<int64_t> left;
+    for (const CheckpointEntry& e : list_checkpoints(out)) left.push_back(e.step);
+    EXPECT_EQ(left, (std::vector<int64_t>{12, 11, 10, 5}));
+    EXPECT_EQ(removed_all.size(), 8u);
+    // keep_last <= 0 keeps everything.
+    EXPECT_TRUE(rotate_checkpoints(out, 0, 0).empty());
+    EXPECT_EQ(list_checkpoints(out).size(), 4u);
+    // Without keep_every, only the newest keep_last stay.
+    rotate_checkpoints(out, 1, 0);
+    ASSERT_EQ(list_checkpoints(out).size(), 1u);
+    EXPECT_EQ(list_checkpoints(out)[0].step, 12);
+}
+
+TEST(CheckpointSettings, IncompatibleSettingsAreNamedAndOthersNoted) {
+    CheckpointManifest saved;
+    saved.settings = base_settings();
+    const std::vector<std::string> must = {"model", "batch", "seq_len", "train"};
+    std::vector<std::string> notes;
+    EXPECT_EQ(settings_differences(saved, base_settings(), must, &notes), "");
+    EXPECT_TRUE(notes.empty());
+
+    auto now = base_settings();
+    now[0].second = "maxT=64 V=50257 Vp=50304 L=4 NH=2 C=64";
+    now[1].second = "8";
+    now[4].second = "200";
+    const std::string err = settings_differences(saved, now, must, &notes);
+    EXPECT_NE(err.find("model: checkpoint has 'maxT=64 V=50257 Vp=50304 L=2 NH=2 C=64', this run has "
+                       "'maxT=64 V=50257 Vp=50304 L=4 NH=2 C=64'"), std::string::npos) << err;
+    EXPECT_NE(err.find("batch: checkpoint has '4', this run has '8'"), std::string::npos) << err;
+    EXPECT_EQ(err.find("max_steps"), std::string::npos) << "max_steps may change";
+    ASSERT_EQ(notes.size(), 1u);
+    EXPECT_NE(notes[0].find("max_steps: checkpoint has '100', this run has '200'"), std::string::npos);
+
+    now = base_settings();
+    now.push_back({"new_key", "1"});
+    notes.clear();
+    EXPECT_EQ(settings_differences(saved, now, {"new_key"}, &notes), "new_key: checkpoint has nothing, this run has '1'");
+}
