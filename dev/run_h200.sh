@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project measures on the GPU machine, in one call: build, GPU tests, sanitizer,
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
-# table is printed last.
+# table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
+#             long-tests resume bench-checkpoint torch
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -42,7 +43,7 @@ for section in "$@"; do
                 compute-sanitizer --tool memcheck --target-processes application-only ./build/test_device_file_io
             grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" | tee -a "$summary" ;;
         bench-io)
-            step bench_device_file_io bench_io.log 400 ./build/bench_device_file_io --dir /tmp --sizes-gib 4 --reps 3
+            step bench_device_file_io bench_io.log 500 ./build/bench_device_file_io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
             grep -E "target|peak extra" "$OUT/bench_io.log" | tee -a "$summary" ;;
         dataloader)
             step test_dataloader_gpu tests.log 200 ./build/test_dataloader_gpu
@@ -60,6 +61,26 @@ for section in "$@"; do
             for B in 16 64; do
                 step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
+            done ;;
+        long-tests)
+            step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
+        resume)
+            step test_resume.sh trainer.log 500 bash test/test_resume.sh ;;
+        bench-checkpoint)
+            step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
+            tail -n 12 "$OUT/bench_checkpoint.log" >>"$summary" ;;
+        torch)
+            # Issue 6's training-dynamics check: the same d12 start and batches (file order), 300 steps each,
+            # then PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table.
+            hp=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+            step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
+            step "ours 300 steps" torch.log 200 ./train_gpt2cu -e out/init/model.bin --shuffle 0 "${hp[@]}" -s 0 -o out/ours
+            step "torch 300 steps + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hp[@]}" \
+                --compare out/ours/log.jsonl
+            grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 2 >>"$summary"
+            for B in 16 64; do
+                step "torch d12 B=$B compiled" torch.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
+                grep -E "^average|^peak" "$OUT/torch.log" | tail -n 2 >>"$summary"
             done ;;
         quickstart)
             step quickstart quickstart.log 300 bash scripts/quickstart.sh

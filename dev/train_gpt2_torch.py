@@ -180,7 +180,11 @@ def main():
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the forward")
-    ap.add_argument("--compare", help="train_gpt2cu's log.jsonl: print both losses per step")
+    ap.add_argument("--compare", help="train_gpt2cu's log.jsonl: print both losses per step and judge them")
+    ap.add_argument("--max-loss-diff", type=float, default=0.05,
+                    help="with --compare: the largest |loss difference| allowed at any step (default 0.05)")
+    ap.add_argument("--max-val-rel", type=float, default=0.01,
+                    help="with --compare: the largest relative difference of the final val loss (default 0.01)")
     a = ap.parse_args()
 
     if not torch.cuda.is_available():
@@ -218,16 +222,20 @@ def main():
             losses = [fwd(P, c, *val.batch(i, dev)).item() for i in range(val_steps)]
         return sum(losses) / len(losses)
 
-    ours = {}
+    ours, ours_val = {}, {}
     if a.compare:
         for line in open(a.compare):
             r = json.loads(line)
             if "loss" in r:
                 ours[r["step"]] = r["loss"]
-    worst, timed, timed_s, batch_index = 0.0, 0, 0.0, 0
+            if "val_loss" in r:
+                ours_val[r["step"]] = r["val_loss"]
+    worst, worst_abs, timed, timed_s, batch_index = 0.0, 0.0, 0, 0.0, 0
+    final_val = None
     for step in range(steps + 1):
         if val and (step % a.val_every == 0 or step == steps):
-            print(f"step {step:5d}/{steps} | val loss {evaluate():.6f}")
+            final_val = evaluate()
+            print(f"step {step:5d}/{steps} | val loss {final_val:.6f}")
         if step == steps:
             break
         torch.cuda.synchronize()
@@ -260,6 +268,7 @@ def main():
         if step + 1 in ours:
             rel = abs(ours[step + 1] - loss_value) / abs(loss_value)
             worst = max(worst, rel)
+            worst_abs = max(worst_abs, abs(ours[step + 1] - loss_value))
             line += f" | train_gpt2cu loss {ours[step + 1]:.6f} (rel diff {rel:.2e})"
         print(line, flush=True)
     if timed:
@@ -267,6 +276,19 @@ def main():
     print(f"peak GPU memory (torch.cuda.max_memory_allocated): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if ours:
         print(f"largest relative loss difference to train_gpt2cu: {worst:.3e}")
+        compared = sum(1 for k in range(1, steps + 1) if k in ours)
+        ok = compared == steps and worst_abs <= a.max_loss_diff
+        verdict = (f"per-step |loss difference|: max {worst_abs:.4f} over {compared}/{steps} steps "
+                   f"(limit {a.max_loss_diff}) {'PASS' if ok else 'FAIL'}")
+        if final_val is not None and steps in ours_val:
+            rel_val = abs(ours_val[steps] - final_val) / abs(final_val)
+            val_ok = rel_val <= a.max_val_rel
+            ok = ok and val_ok
+            verdict += (f"; final val loss {ours_val[steps]:.6f} (ours) vs {final_val:.6f} (torch): rel diff "
+                        f"{rel_val:.2e} (limit {a.max_val_rel}) {'PASS' if val_ok else 'FAIL'}")
+        print(verdict)
+        if not ok:
+            sys.exit(1)
 
 
 if __name__ == "__main__":
