@@ -164,7 +164,7 @@ private:
         r.step = step;
         r.path = w.commit(meta);
         r.bytes = w.bytes_written();
-        r.removed = rotate_checkpoints(out_dir, keep_last, keep_every);
+        r.removed = rotate_checkpoints(out_dir, keep_last, keep_every, step);
         r.write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return r;
     }

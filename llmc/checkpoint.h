@@ -479,11 +479,16 @@ inline void remove_tree(const std::string& path) {
 }
 
 // Keeps the newest keep_last complete checkpoints (keep_last <= 0: all) and every one whose step is a
-// multiple of keep_every (> 0); removes the rest. Returns the removed paths, oldest first.
-inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, int keep_last, int keep_every) {
+// multiple of keep_every (> 0); removes the rest. Returns the removed paths, oldest first. Only steps up to
+// `newest` (the one just written) take part: checkpoints of later steps, left by an earlier run that got
+// further (a fresh run in the same directory, or a resume that skipped a damaged newer checkpoint), would
+// otherwise count as the newest and push out the ones this run just wrote.
+inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, int keep_last, int keep_every,
+                                                   int64_t newest = INT64_MAX) {
     std::vector<std::string> removed;
     if (keep_last <= 0) return removed;
     std::vector<CheckpointEntry> all = list_checkpoints(out_dir);
+    all.erase(std::remove_if(all.begin(), all.end(), [&](const CheckpointEntry& e) { return e.step > newest; }), all.end());
     for (size_t i = all.size(); i-- > size_t(keep_last);) {
         if (keep_every > 0 && all[i].step % keep_every == 0) continue;
         remove_tree(all[i].path);

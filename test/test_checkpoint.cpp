@@ -2,8 +2,9 @@
 CPU tests of the checkpoint format (llmc/checkpoint.h): the checksum, the manifest round trip, the
 write/validate cycle on synthetic state, detection of truncation at many offsets and of a flipped bit in
 every file, missing files, ignored .tmp directories, the choice of the newest valid checkpoint when the
-newest is damaged, rotation (keep-last, keep-every), and the refusal of incompatible settings with a
-message naming what differs. The GPU path (snapshot, async writer) is tested in test_checkpoint_gpu.cu.
+newest is damaged, rotation (keep-last, keep-every, later steps left alone), and the refusal of
+incompatible settings with a message naming what differs. The GPU path (snapshot, async writer) is
+tested in test_checkpoint_gpu.cu.
 */
 #include <gtest/gtest.h>
 
@@ -293,6 +294,23 @@ TEST(CheckpointRotation, KeepLastAndKeepEvery) {
     rotate_checkpoints(out, 1, 0);
     ASSERT_EQ(list_checkpoints(out).size(), 1u);
     EXPECT_EQ(list_checkpoints(out)[0].step, 12);
+}
+
+// Checkpoints of later steps than the one just written (an earlier run that got further) neither count
+// among the newest nor are removed: they must not push out what this run writes.
+TEST(CheckpointRotation, LaterStepsFromAnEarlierRunDoNotPushOutNewOnes) {
+    TempDir dir("ckpt_rotate_later");
+    const std::string out = dir / "out";
+    SyntheticState s = make_state(3);
+    write_checkpoint(out, 90, s);
+    write_checkpoint(out, 100, s);
+    for (int step = 10; step <= 30; step += 10) {
+        write_checkpoint(out, step, s);
+        rotate_checkpoints(out, /*keep_last=*/2, /*keep_every=*/0, /*newest=*/step);
+    }
+    std::vector<int64_t> left;
+    for (const CheckpointEntry& e : list_checkpoints(out)) left.push_back(e.step);
+    EXPECT_EQ(left, (std::vector<int64_t>{100, 90, 30, 20}));
 }
 
 TEST(CheckpointSettings, IncompatibleSettingsAreNamedAndOthersNoted) {

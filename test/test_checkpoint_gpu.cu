@@ -110,9 +110,12 @@ TEST_F(CheckpointGpu, AsyncSaveHoldsTheStateAtTheCallAndMatchesSync) {
     }
     s.load_and_compare(r.path, s.host);
 
-    // A second async save waits for nothing pending and holds the new state.
+    // A second async save waits for nothing pending and holds the new state: the load above put the old
+    // state back on the device, so the new one is written again, on the compute stream just before the
+    // call (the snapshot must come after it).
     std::vector<std::vector<char>> now;
     for (size_t i = 0; i < kSizes.size(); i++) now.emplace_back(kSizes[i], char(0x3C));
+    for (auto& d : s.dev) cudaCheck(cudaMemsetAsync(d.get(), 0x3C, d.bytes(), compute));
     async.save(dir / "async", 10, s.tensors, CheckpointManifest(), compute, 1, 0);
     async.wait();
     ASSERT_TRUE(async.poll(&r));
