@@ -3,7 +3,7 @@
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-#             long-tests resume bench-checkpoint torch
+#             long-tests resume bench-checkpoint torch attention-lab
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -82,6 +82,9 @@ for section in "$@"; do
                 step "torch d12 B=$B compiled" torch.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
                 grep -E "^average|^peak" "$OUT/torch.log" | tail -n 2 >>"$summary"
             done ;;
+        attention-lab)
+            step attention_lab attention.log 300 ./build/attention_lab
+            tail -n 20 "$OUT/attention.log" >>"$summary" ;;
         quickstart)
             step quickstart quickstart.log 300 bash scripts/quickstart.sh
             grep -E "val loss|^step .*(/| 1500)" "$OUT/quickstart.log" | tail -n 12 >>"$summary"
