@@ -22,7 +22,20 @@ Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -
 -v -m -s -g -n -y -k); every flag also has a long name (--help lists them). The flags are parsed and
 checked before anything touches CUDA, so a bad command line fails the same way with or without a GPU.
 
-Does not provide (yet): several GPUs, a KV
+Several GPUs (data parallel, NCCL through llmc/multi_gpu.cuh): with --multi-gpu 1, or when the launcher
+(mpirun, srun) or --rank/--world-size say there are several ranks, each rank trains on its own slice
+of every batch. -z 0: every rank holds the whole optimizer state; on the last micro-step each layer's
+gradients are averaged (all-reduce) on a communication stream as soon as backward has left the layer,
+overlapping the layers below. -z 1 (ZeRO-1, the default there): the master weights and AdamW moments
+are sharded (llmc/zero.h: buffers padded to W equal shards); the gradients are reduce-scattered after
+backward, each rank updates its shard, and the bf16 parameters are all-gathered before the next
+forward. The stochastic rounding is keyed by (seed, step, flat index) on every rank, so the ranks hold
+identical parameters, and one rank through NCCL computes the same bits as the single-GPU path, which
+is left exactly as it was (no NCCL call, the same kernels in the same order). Rank 0 alone prints and
+writes files; the losses and the validation loss are averaged over the ranks for the log.
+
+Does not provide (yet): checkpoints with several ranks (refused with a message; one rank through NCCL
+checkpoints and resumes like the single-GPU path, its state being the whole model), a KV
 cache for sampling (each sampled token reruns the forward over the tokens so far), flash attention or
 activation recomputation.
 */
@@ -56,9 +69,12 @@ activation recomputation.
 #include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/model_file.h"
+#include "llmc/multi_gpu.cuh"
+#include "llmc/rendezvous.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
+#include "llmc/zero.h"
 
 namespace llmc {
 
@@ -84,21 +100,32 @@ public:
     };
 
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
-    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream)
+    // With `multi` (data parallel) the gradients are averaged over its ranks; zero_stage 1 shards the
+    // optimizer state (ZeRO-1). Without it, one GPU and no NCCL call.
+    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
-          adamw_table_(adamw_tensors(config)) {
+          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
         if (B < 1 || T < 1 || T > config.max_seq_len) {
             fail(kExitUsage, "GPT2: B=%d T=%d, need B >= 1 and 1 <= T <= maxT=%d", B, T, config.max_seq_len);
         }
         num_params_ = llmc::num_parameters(config);
-        const size_t n = size_t(num_params_);
+        size_t n = size_t(num_params_), state = n;
+        if (sharded()) {
+            // Parameters and gradients padded to W equal shards (the tail stays zero: nothing writes it);
+            // master weights and moments for this rank's shard only.
+            layout_ = zero_layout(num_params_, multi_->world());
+            owned_ = layout_.owned(multi_->rank());
+            shard_table_ = restrict_tensors(adamw_table_, owned_.begin, owned_.end);
+            n = size_t(layout_.padded_total());
+            state = size_t(layout_.shard_size);
+        }
         params_.allocate(n);
         grads_.allocate(n);
-        master_.allocate(n);
-        adam_m_.allocate(n);
-        adam_v_.allocate(n);
+        master_.allocate(state);
+        adam_m_.allocate(state);
+        adam_v_.allocate(state);
         cudaCheck(cudaMemsetAsync(params_.get(), 0, params_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
@@ -120,7 +147,9 @@ public:
     cudaStream_t stream() const { return stream_; }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }
-    const float* master_weights() const { return master_.get(); }
+    const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
+    MultiGpu* multi() const { return multi_; }
+    bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
     const floatX* logits() const { return logits_; }     // (B,T,Vp) of the last forward (dlogits after a training one)
     const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
     const float* mean_loss() const { return scalars_.get(); }
@@ -133,8 +162,18 @@ public:
             fail(kExitUsage, "GPT2: %zu parameters given, the shape %s needs %lld", host.size(),
                  describe(config_).c_str(), (long long)num_params_);
         }
-        cudaCheck(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
-        convert_to_bf16(params_.get(), master_.get(), num_params_, stream_);
+        if (sharded()) {
+            DeviceBuffer<float> full{size_t(num_params_)};
+            cudaCheck(cudaMemcpyAsync(full.get(), host.data(), full.bytes(), cudaMemcpyHostToDevice, stream_));
+            convert_to_bf16(params_.get(), full.get(), num_params_, stream_);
+            cudaCheck(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
+            cudaCheck(cudaMemcpyAsync(master_.get(), full.get() + owned_.begin, size_t(owned_.size()) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+            cudaCheck(cudaStreamSynchronize(stream_));  // `full` goes away at the return
+        } else {
+            cudaCheck(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
+            convert_to_bf16(params_.get(), master_.get(), num_params_, stream_);
+        }
         cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
@@ -187,8 +226,11 @@ public:
     void zero_grad() { cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_)); }
 
     // Adds the gradient of the last training forward's loss (made with dloss > 0, on these inputs) to
-    // the parameter gradients, so that micro-batches accumulate.
-    void backward(const int* inputs, int B, int T) {
+    // the parameter gradients, so that micro-batches accumulate. With several ranks, `last_micro` (the
+    // step's last micro-batch) also queues the gradients' averaging: -z 0 per layer as backward leaves
+    // it, -z 1 one reduce-scatter at the end; update() waits for them.
+    void backward(const int* inputs, int B, int T, bool last_micro = false) {
+        const bool per_layer = multi_ != nullptr && last_micro && zero_stage_ == 0;
         check_batch(B, T, "backward");
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
@@ -225,45 +267,94 @@ public:
                             N, C, 3 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, G(kLn1w) + lc, G(kLn1b) + lc, d_ln_, residual, P(kLn1w) + lc, ln1_mean(l),
                                ln1_rstd(l), N, C, fscratch, sbytes, stream_);
+            // Layer l's gradients are final: average them while backward goes on below.
+            if (per_layer) multi_->all_reduce_mean_async(g, layer_ranges(l), stream_);
         }
         encoder_backward(G(kWte), G(kWpe), d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+        if (per_layer) {
+            std::vector<ShardRange> rest;
+            for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
+            multi_->all_reduce_mean_async(g, rest, stream_);
+        } else if (multi_ != nullptr && last_micro) {
+            multi_->reduce_scatter_mean_async(g, g + layout_.shard(multi_->rank()).begin, layout_, stream_);
+        }
     }
 
     // Global gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step counts from 1),
     // all on the device. The norm lands in *norm_out (the model's slot grad_norm() when null). `seed`
     // keys the stochastic rounding of the bf16 parameters.
+    // With several ranks it first waits for backward's gradient averaging; with ZeRO-1 the norm is the
+    // sum of the ranks' sums of squares over their shards, each rank updates its shard, and the bf16
+    // parameters are all-gathered before anything later on the stream (the next forward) reads them.
     void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr) {
         float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
         float* scale = scalars_.get() + 2;
-        global_norm(norm, scale, grads_.get(), num_params_, grad_clip, reinterpret_cast<float*>(scratch_.get()),
-                    scratch_.bytes(), stream_);
-        adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_, settings,
-                     step, seed, scale, stream_);
+        float* fscratch = reinterpret_cast<float*>(scratch_.get());
+        if (multi_ != nullptr) multi_->join(stream_);
+        if (!sharded()) {
+            global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_);
+            adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_,
+                         settings, step, seed, scale, stream_);
+            return;
+        }
+        float* sumsq = scalars_.get() + 3;
+        const ShardRange shard = layout_.shard(multi_->rank());
+        global_norm_sumsq(sumsq, grads_.get() + shard.begin, owned_.size(), fscratch, scratch_.bytes(), stream_);
+        multi_->all_reduce_sum_async(sumsq, 1, stream_);
+        multi_->join(stream_);
+        global_norm_finish(norm, scale, sumsq, grad_clip, stream_);
+        adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), shard_table_, settings,
+                     step, seed, scale, stream_, owned_.begin);
+        multi_->all_gather_async(params_.get(), layout_, stream_);
+        multi_->join(stream_);
     }
 
     // The device state a checkpoint holds, in file order: the master weights as an llm.c model file
     // (version 3, so llm.c and -e can read it), the bf16 parameters, the AdamW moments.
+    // Whole-model state only: on the NCCL path the trainer allows checkpoints for one rank, whose ZeRO-1
+    // shard is the whole model (followed by padding, which is not saved).
     std::vector<CheckpointTensor> checkpoint_tensors() {
+        if (multi_ != nullptr && multi_->world() > 1) {
+            fail(kExitUsage, "checkpoints of %d ranks are not yet supported", multi_->world());
+        }
         int32_t h[kModelHeaderInts];
         make_model_header(config_, kModelVersionFp32, h);
+        const size_t n = size_t(num_params_);
         CheckpointTensor model{"model.bin", std::vector<char>(reinterpret_cast<const char*>(h),
                                                               reinterpret_cast<const char*>(h) + sizeof(h)),
-                               master_.get(), master_.bytes()};
+                               master_.get(), n * sizeof(float)};
         return {model,
-                {"params_bf16.bin", {}, params_.get(), params_.bytes()},
-                {"adam_m.bin", {}, adam_m_.get(), adam_m_.bytes()},
-                {"adam_v.bin", {}, adam_v_.get(), adam_v_.bytes()}};
+                {"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)},
+                {"adam_m.bin", {}, adam_m_.get(), n * sizeof(float)},
+                {"adam_v.bin", {}, adam_v_.get(), n * sizeof(float)}};
     }
 
     // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
-    // reader never sees half a file.
-    void write_model_file(const std::string& path, DeviceFileIO& io) const {
+    // reader never sees half a file. With ZeRO-1 every rank must call it (the shards are gathered
+    // first); only a rank with `write` writes.
+    void write_model_file(const std::string& path, DeviceFileIO& io, bool write = true) {
+        if (!sharded()) {
+            if (write) write_master(path, io, master_.get());
+            return;
+        }
+        DeviceBuffer<float> full{size_t(layout_.padded_total())};
+        cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream_));
+        cudaCheck(cudaMemcpyAsync(full.get() + layout_.shard(multi_->rank()).begin, master_.get(), master_.bytes(),
+                                  cudaMemcpyDeviceToDevice, stream_));
+        multi_->all_gather_async(full.get(), layout_, stream_);
+        multi_->join(stream_);
+        cudaCheck(cudaStreamSynchronize(stream_));
+        if (write) write_master(path, io, full.get());
+    }
+
+private:
+    void write_master(const std::string& path, DeviceFileIO& io, const float* master) const {
         int32_t h[kModelHeaderInts];
         make_model_header(config_, kModelVersionFp32, h);
         const std::string tmp = path + ".tmp";
         File f(tmp, File::Mode::Write);
         f.write_all(h, sizeof(h));
-        io.device_to_file(f, master_.get(), master_.bytes(), stream_);
+        io.device_to_file(f, master, size_t(num_params_) * sizeof(float), stream_);
         f.sync();
         f.close();
         if (std::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -272,7 +363,20 @@ public:
         }
     }
 
-private:
+    // Flat range of tensor i's slices [first, first + count) along its leading (layer) dimension; a
+    // tensor without a layer dimension is one slice.
+    ShardRange tensor_range(int i, int first, int count) const {
+        const ParamTensorInfo& t = tensors_[size_t(i)];
+        const int64_t slices = (i >= kLn1w && i <= kFcprojb) ? config_.num_layers : 1;
+        const int64_t per = t.numel / slices;
+        return {t.offset + first * per, t.offset + (first + count) * per};
+    }
+    std::vector<ShardRange> layer_ranges(int l) const {
+        std::vector<ShardRange> r;
+        for (int i = kLn1w; i <= kFcprojb; i++) r.push_back(tensor_range(i, l, 1));
+        return r;
+    }
+
     void check_batch(int B, int T, const char* what) const {
         if (B < 1 || T < 1 || B > B_ || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
             fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B <= %d, T <= %d", what, B, T, B_, T_);
@@ -373,13 +477,18 @@ private:
     cudaStream_t stream_;
     std::array<ParamTensorInfo, kNumParamTensors> tensors_;
     AdamWTensors adamw_table_;
+    MultiGpu* multi_ = nullptr;
+    int zero_stage_ = 0;
+    ZeroLayout layout_;        // ZeRO-1 only
+    ShardRange owned_;         // ZeRO-1: the parameters this rank updates
+    AdamWTensors shard_table_; // ZeRO-1: adamw_table_ cut to owned_
     int64_t num_params_ = 0;
     Memory memory_;
     CublasLt lt_;
 
     DeviceBuffer<floatX> params_, grads_;
     DeviceBuffer<float> master_, adam_m_, adam_v_;
-    DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale
+    DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale, ZeRO-1's sum of squares
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
     size_t nc_ = 0, n_ = 0, att_stride_ = 0;
@@ -434,10 +543,18 @@ struct Options {
     bool shuffle = true;
     bool save_model = true;
     int log_every = 1;
+    // Several GPUs.
+    int multi_gpu = -1;  // -1: NCCL when there are several ranks; 0: never; 1: always (also for one rank)
+    std::string rendezvous;
+    std::string rendezvous_job;
+    int rank = -1, world_size = -1, local_rank = -1;
+    int zero_stage = -1;  // -1: 1 on the NCCL path, else 0
+    double nccl_timeout = kDefaultRendezvousTimeout;
+    double hang_timeout = 0;
 };
 
 inline Flags make_flags(Options& o) {
-    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU: bf16 parameters, gradients and activations; fp32 master "
+    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU, or data parallel on several (NCCL): bf16 parameters, gradients and activations; fp32 master "
                             "weights, AdamW moments, LayerNorm statistics and losses.");
     f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
     f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
@@ -447,7 +564,7 @@ inline Flags make_flags(Options& o) {
           "directory for log.jsonl and model.bin (created if missing); \"\" writes nothing");
     f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)");
     f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)");
-    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step, a multiple of B*T (-1: B*T)");
+    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)");
     f.add("l", "lr", &o.lr, "peak learning rate");
     f.add("u", "warmup", &o.warmup, "learning-rate warmup steps");
     f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak");
@@ -480,6 +597,18 @@ inline Flags make_flags(Options& o) {
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model, "write <output-dir>/model.bin (fp32, llm.c version 3) at the end");
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)");
+    f.add("", "multi-gpu", &o.multi_gpu,
+          "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank");
+    f.add("", "rendezvous", &o.rendezvous,
+          "where the ranks meet: file:DIR, DIR or tcp://HOST:PORT (\"\": /tmp on one node, none for one rank)");
+    f.add("", "rendezvous-job", &o.rendezvous_job, "name of this launch in the rendezvous (default: from the launcher)");
+    f.add("", "rank", &o.rank, "this process's rank (-1: from mpirun/srun's environment, else 0)");
+    f.add("", "world-size", &o.world_size, "number of ranks, with --rank (-1: from the environment, else 1)");
+    f.add("", "local-rank", &o.local_rank, "this rank's GPU on its node (-1: from the environment, else the rank)");
+    f.add("z", "zero-stage", &o.zero_stage,
+          "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)");
+    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up");
+    f.add("", "hang-timeout", &o.hang_timeout, "end the run when a step makes no progress for this many seconds (0: never)");
     return f;
 }
 
@@ -519,6 +648,49 @@ inline ModelSource resolve_model(const std::string& model) {
     return src;
 }
 
+// This process's place among the ranks, from the flags and the launcher's environment, checked before
+// anything touches CUDA. Leaves o.multi_gpu and o.zero_stage at 0 or 1.
+inline RankInfo resolve_ranks(Options& o) {
+    if (o.multi_gpu < -1 || o.multi_gpu > 1) fail(kExitUsage, "--multi-gpu %d: must be -1, 0 or 1", o.multi_gpu);
+    if (o.zero_stage < -1 || o.zero_stage > 1) fail(kExitUsage, "-z/--zero-stage %d: must be 0 or 1", o.zero_stage);
+    if (!(o.nccl_timeout > 0)) fail(kExitUsage, "--nccl-timeout %g: must be positive", o.nccl_timeout);
+    if (!(o.hang_timeout >= 0)) fail(kExitUsage, "--hang-timeout %g: must not be negative", o.hang_timeout);
+    if (o.rank < -1 || o.world_size < -1 || o.local_rank < -1) {
+        fail(kExitUsage, "--rank %d, --world-size %d, --local-rank %d: must not be negative", o.rank, o.world_size,
+             o.local_rank);
+    }
+    if (o.world_size == 0) fail(kExitUsage, "--world-size 0: need at least 1");
+    if (o.multi_gpu == 0 && (o.rank >= 0 || o.world_size >= 0 || o.local_rank >= 0)) {
+        fail(kExitUsage, "--rank/--world-size/--local-rank need the NCCL path; drop --multi-gpu 0");
+    }
+    RankFlags flags;
+    flags.rank = o.rank;
+    flags.world = o.world_size;
+    flags.local_rank = o.local_rank;
+    flags.job = o.rendezvous_job;
+    const RankInfo ranks = detect_ranks(flags);
+    if (o.multi_gpu == 0 && ranks.world > 1) {
+        fail(kExitUsage, "--multi-gpu 0, but %s says there are %d ranks", ranks.launcher.c_str(), ranks.world);
+    }
+    const bool multi = o.multi_gpu == 1 || ranks.world > 1;
+    if (!multi) {
+        if (!o.rendezvous.empty()) fail(kExitUsage, "--rendezvous needs the NCCL path (--multi-gpu 1 or several ranks)");
+        if (!o.rendezvous_job.empty()) {
+            fail(kExitUsage, "--rendezvous-job needs the NCCL path (--multi-gpu 1 or several ranks)");
+        }
+        if (o.zero_stage == 1) fail(kExitUsage, "-z/--zero-stage 1 needs the NCCL path (--multi-gpu 1 or several ranks)");
+    } else {
+        resolve_rendezvous(o.rendezvous, ranks);  // a bad or missing spec fails here, before CUDA
+        if ((o.checkpoint_every > 0 || o.resume == 1) && ranks.world > 1) {
+            fail(kExitUsage, "checkpoints (-n, -y 1) with %d ranks are not yet supported (one rank, with or without "
+                             "--multi-gpu, can checkpoint); train without them", ranks.world);
+        }
+    }
+    o.multi_gpu = multi ? 1 : 0;
+    if (o.zero_stage == -1) o.zero_stage = multi ? 1 : 0;
+    return ranks;
+}
+
 // The settings after checking them against each other and the model; everything here is host-only.
 struct Plan {
     int grad_accum = 1;
@@ -527,7 +699,7 @@ struct Plan {
     int gen_tokens = 0;
 };
 
-inline Plan plan_run(const Options& o, const GPT2Config& c) {
+inline Plan plan_run(const Options& o, const GPT2Config& c, int world = 1) {
     if (o.B < 1) fail(kExitUsage, "-b/--batch-size %d: must be at least 1", o.B);
     if (o.T < 1) fail(kExitUsage, "-t/--seq-len %d: must be at least 1", o.T);
     if (o.T > c.max_seq_len) {
@@ -572,14 +744,18 @@ inline Plan plan_run(const Options& o, const GPT2Config& c) {
     if (o.train_pattern.empty()) fail(kExitUsage, "-i/--train: no training shards named");
 
     Plan p;
-    const int64_t micro = int64_t(o.B) * o.T;  // one GPU: B*T*ranks with ranks = 1
+    const int64_t micro = int64_t(o.B) * o.T * world;  // one micro-step of every rank
     p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
     if (p.tokens_per_step < 1) {
         fail(kExitUsage, "-d/--total-batch %lld: must be -1 (B*T) or positive", (long long)o.total_batch);
     }
     if (p.tokens_per_step % micro != 0) {
-        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens (one GPU)",
-             (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
+        if (world == 1) {
+            fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens (one GPU)",
+                 (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
+        }
+        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T*ranks = %d*%d*%d = %lld tokens",
+             (long long)p.tokens_per_step, o.B, o.T, world, (long long)micro);
     }
     p.grad_accum = int(p.tokens_per_step / micro);
     p.schedule.kind = LRSchedule::parse_kind(o.schedule);
@@ -741,13 +917,17 @@ struct Device {
     double peak_flops = 0;  // dense bf16; 0 when this GPU is not in the table
 };
 
-inline Device open_device() {
+inline void require_gpu() {
     if (cuda_device_count() == 0) {
         fail(kExitCuda, "no CUDA GPU found: train_gpt2cu needs one (./train_gpt2 is the CPU trainer)");
     }
-    cudaCheck(cudaSetDevice(0));
+}
+
+inline Device open_device(int device = 0) {
+    require_gpu();
+    cudaCheck(cudaSetDevice(device));
     cudaDeviceProp prop;
-    cudaCheck(cudaGetDeviceProperties(&prop, 0));
+    cudaCheck(cudaGetDeviceProperties(&prop, device));
     return Device{prop.name, prop.totalGlobalMem, peak_bf16_flops(prop.name)};
 }
 
@@ -762,13 +942,14 @@ inline std::vector<float> initial_parameters(const ModelSource& src, uint64_t se
     return params;
 }
 
-inline DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle) {
+inline DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle,
+                                      const RankInfo& ranks) {
     DataLoaderConfig d;
     d.pattern = pattern;
     d.B = o.B;
     d.T = o.T;
-    d.rank = 0;
-    d.world = 1;
+    d.rank = ranks.rank;
+    d.world = ranks.world;
     d.vocab_size = uint32_t(c.vocab_size);
     d.shuffle = shuffle;
     d.seed = uint64_t(o.seed);
@@ -781,14 +962,14 @@ struct Data {
     int max_steps = 0;
     int val_steps = 0;
 
-    Data(const Options& o, const GPT2Config& c, Plan& plan, cudaStream_t stream) {
+    Data(const Options& o, const GPT2Config& c, Plan& plan, cudaStream_t stream, const RankInfo& ranks = RankInfo()) {
         const size_t budget = size_t(o.data_on_gpu_mib) << 20;
-        train = std::make_unique<GpuDataLoader>(loader_config(o.train_pattern, o, c, o.shuffle), stream, budget);
+        train = std::make_unique<GpuDataLoader>(loader_config(o.train_pattern, o, c, o.shuffle, ranks), stream, budget);
         const uint64_t epoch = std::max<uint64_t>(1, train->schedule().batches_per_epoch() / uint64_t(plan.grad_accum));
         max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
         plan.schedule.total = std::max(1, max_steps);
         if (!o.val_pattern.empty() && o.val_every > 0) {
-            val = std::make_unique<GpuDataLoader>(loader_config(o.val_pattern, o, c, false), stream, budget);
+            val = std::make_unique<GpuDataLoader>(loader_config(o.val_pattern, o, c, false, ranks), stream, budget);
             const uint64_t all = std::max<uint64_t>(1, val->schedule().batches_per_epoch());
             val_steps = int(o.val_max_steps == -1 ? std::min<uint64_t>(all, INT32_MAX)
                                                   : std::min<uint64_t>(all, uint64_t(o.val_max_steps)));
@@ -804,6 +985,13 @@ inline void print_startup(const Flags& flags, const Options& o, const Plan& plan
     std::printf("train_gpt2cu on %s (%s, bf16 peak %s)\n", device.name.c_str(), human_bytes(double(device.memory)).c_str(),
                 device.peak_flops > 0 ? format("%.0f TFLOP/s", device.peak_flops / 1e12).c_str() : "unknown: MFU n/a");
     std::fputs(flags.settings_table().c_str(), stdout);
+    if (MultiGpu* mg = model.multi()) {
+        std::printf("data parallel: %d rank(s) (%s), NCCL, %s; rank 0 on GPU %d; every step each rank takes %d of "
+                    "the %lld tokens\n", mg->world(), mg->ranks().launcher.c_str(),
+                    o.zero_stage == 1 ? "ZeRO-1 (optimizer state sharded, parameters all-gathered)"
+                                      : "gradients all-reduced per layer, optimizer state replicated",
+                    mg->device(), plan.grad_accum * o.B * o.T, (long long)plan.tokens_per_step);
+    }
     std::printf("model: %s, %s, %lld parameters, %.2f GFLOP per token (6N + 6LCT)\n",
                 source.file.empty() ? format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed).c_str()
                                     : format("%s (version %d)", source.file.c_str(), source.file_version).c_str(),
@@ -885,6 +1073,10 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
         DeviceBatch batch = val.next_batch();
         model.forward(batch.inputs, batch.targets, B, T, buf.val_losses.get() + i);
     }
+    if (MultiGpu* mg = model.multi()) {
+        mg->all_reduce_mean_async(buf.val_losses.get(), size_t(steps), model.stream());
+        mg->join(model.stream());
+    }
     cudaCheck(cudaMemcpyAsync(buf.val_losses_host.get(), buf.val_losses.get(), size_t(steps) * sizeof(float),
                               cudaMemcpyDeviceToHost, model.stream()));
     cudaCheck(cudaStreamSynchronize(model.stream()));
@@ -909,8 +1101,10 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     for (int micro = 0; micro < grad_accum; micro++) {
         DeviceBatch batch = train.next_batch();
         model.forward(batch.inputs, batch.targets, o.B, o.T, buf.step_stats.get() + 1 + micro, dloss);
-        model.backward(batch.inputs, o.B, o.T);
+        model.backward(batch.inputs, o.B, o.T, micro + 1 == grad_accum);
     }
+    // The logged loss is the mean over ranks (update() waits for it with the gradients).
+    if (MultiGpu* mg = model.multi()) mg->all_reduce_mean_async(buf.step_stats.get() + 1, size_t(grad_accum), model.stream());
     AdamWSettings settings;
     settings.learning_rate = lr;
     settings.beta1 = o.beta1;
@@ -1117,17 +1311,45 @@ int main(int argc, char** argv) {
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         const ModelSource source = resolve_model(opt.model);
-        Plan plan = plan_run(opt, source.config);
+        const RankInfo ranks = resolve_ranks(opt);
+        Plan plan = plan_run(opt, source.config, ranks.world);
         const std::vector<CheckpointEntry> candidates =
             opt.resume == 1 ? list_checkpoints(opt.output_dir) : std::vector<CheckpointEntry>();
-        const Device device = open_device();
-        Outputs out(opt, /*append_log=*/!candidates.empty());
+
+        // Several GPUs: meet the other ranks (this picks the GPU); rank 0 alone prints and writes files.
+        std::unique_ptr<MultiGpu> multi;
+        if (opt.multi_gpu == 1) {
+            require_gpu();
+            MultiGpuOptions mo;
+            mo.rendezvous = opt.rendezvous;
+            mo.init_timeout_s = opt.nccl_timeout;
+            mo.hang_timeout_s = opt.hang_timeout;
+            multi = std::make_unique<MultiGpu>(ranks, mo);
+        }
+        const bool root = ranks.rank == 0;
+        if (!root && std::freopen("/dev/null", "w", stdout) == nullptr) {
+            fail(kExitIo, "rank %d: cannot silence stdout: %s", ranks.rank, std::strerror(errno));
+        }
+        const Device device = open_device(multi ? multi->device() : 0);
+        Options out_opt = opt;
+        if (!root) out_opt.output_dir.clear();
+        Outputs out(out_opt, /*append_log=*/!candidates.empty());
 
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
-        GPT2 model(source.config, opt.B, opt.T, stream);
+        GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), opt.zero_stage);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
-        Data data(opt, source.config, plan, stream);
+        Data data(opt, source.config, plan, stream, ranks);
+        if (multi) {
+            // Ranks started with different settings would train on silently or hang in a collective.
+            std::string all = format("zero %d;", opt.zero_stage);
+            for (const auto& kv : checkpoint_settings(opt, source.config, plan, data.max_steps)) {
+                all += kv.first + "=" + kv.second + ";";
+            }
+            uint64_t hash = 1469598103934665603ull;  // FNV-1a
+            for (unsigned char ch : all) hash = (hash ^ ch) * 1099511628211ull;
+            multi->check_same(hash, "the training settings (model, batch, data, schedule, optimizer, seeds)");
+        }
         print_startup(flags, opt, plan, device, source, model, data);
         const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
@@ -1140,12 +1362,13 @@ int main(int argc, char** argv) {
             }
         }
         LoopBuffers buf(plan, data, source.config, opt.T);
-        Throughput tp{flops_per_token(source.config, opt.T), device.peak_flops, plan.tokens_per_step};
+        Throughput tp{flops_per_token(source.config, opt.T), device.peak_flops * ranks.world, plan.tokens_per_step};
         CheckpointReport report;
 
         // The loop: evaluate and sample between steps (and after the last), train in between.
         double first_val = NAN, last_val = NAN;
         for (int step = start_step; step <= data.max_steps; step++) {
+            if (multi) multi->heartbeat();
             const bool last = step == data.max_steps;
             if (data.val && (step % opt.val_every == 0 || last)) {
                 last_val = evaluate(model, *data.val, data.val_steps, opt.B, opt.T, buf);
@@ -1153,12 +1376,14 @@ int main(int argc, char** argv) {
                 std::printf("step %5d/%d | val loss %.6f\n", step, data.max_steps, last_val);
                 out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
             }
-            if (opt.sample_every > 0 && plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
+            if (root && opt.sample_every > 0 && plan.gen_tokens > 0 &&
+                ((step > 0 && step % opt.sample_every == 0) || last)) {
                 print_sample(model, opt, plan, out, buf, step);
             }
             if (last) break;
             const float lr = float(plan.schedule.at(step));
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
+            if (multi) multi->heartbeat();
             tp.add(step, data.max_steps, s.seconds);
             log_step(out, tp, step, data.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
             if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
@@ -1185,12 +1410,13 @@ int main(int argc, char** argv) {
         cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
         std::printf("peak GPU memory: %s (all allocated at start; CUDA context included)\n",
                     human_bytes(double(total_bytes - free_bytes)).c_str());
-        if (!opt.output_dir.empty() && opt.save_model) {
+        if (!opt.output_dir.empty() && opt.save_model && (root || model.sharded())) {
             DeviceFileIO io;
             const std::string path = opt.output_dir + "/model.bin";
-            model.write_model_file(path, io);
+            model.write_model_file(path, io, root);  // with ZeRO-1 every rank sends its shard
             std::printf("wrote %s (llm.c version 3, fp32 master weights)\n", path.c_str());
         }
+        if (multi) multi->barrier();  // no rank tears NCCL down while another still needs it
         return int(kExitOk);
     });
 }

@@ -13,8 +13,14 @@ in the flat buffer, so a step is reproducible (also after a resume) and independ
 shape. grad_scale is a device pointer (e.g. global_norm's scale), read by the kernel, so clipping needs
 no host synchronisation; null means 1.
 
-Does not provide: learning-rate schedules (the caller passes this step's rate), ZeRO sharding, or the
-initial copy of master weights to bf16 (convert_to_bf16 in cuda_common.cuh).
+For ZeRO-1, adamw_update() takes a state_offset: master, m and v then hold only the elements from
+that flat index on (a rank's shard), while params, grads and the table keep their flat-buffer
+indices; restrict_tensors() cuts the table down to one range. The stochastic rounding stays keyed by
+the flat index, so a sharded update rounds every element exactly as the unsharded one does.
+
+Does not provide: learning-rate schedules (the caller passes this step's rate), the gradient
+reduce-scatter or parameter all-gather of ZeRO (multi_gpu.cuh), or the initial copy of master weights
+to bf16 (convert_to_bf16 in cuda_common.cuh).
 */
 #pragma once
 
@@ -65,37 +71,49 @@ inline AdamWTensors adamw_tensors(const GPT2Config& config) {
     return t;
 }
 
+// The part of each tensor that lies in [begin, end), with its decay flag: a ZeRO-1 rank's table.
+inline AdamWTensors restrict_tensors(const AdamWTensors& all, int64_t begin, int64_t end) {
+    AdamWTensors t;
+    for (int i = 0; i < all.count; i++) {
+        const int64_t b = all.offset[i] > begin ? all.offset[i] : begin;
+        const int64_t e = all.offset[i] + all.numel[i] < end ? all.offset[i] + all.numel[i] : end;
+        if (e > b) t.add(b, e - b, all.decayed[i] != 0);
+    }
+    return t;
+}
+
 constexpr int kAdamWBlock = 256;
 constexpr int kAdamWMaxBlocksPerTensor = 4096;
 
 static __global__ void __launch_bounds__(kAdamWBlock)
     adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors, float lr,
                  float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
-                 float weight_decay, const float* grad_scale, uint64_t rng_key_value) {
+                 float weight_decay, const float* grad_scale, uint64_t rng_key_value, int64_t state_offset) {
     const int t = blockIdx.y;
     const int64_t offset = tensors.offset[t], n = tensors.numel[t];
     const float wd = tensors.decayed[t] ? weight_decay : 0.0f;
     const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t idx = offset + i;
+        const int64_t idx = offset + i, sidx = idx - state_offset;
         const float g = float(grads[idx]) * scale;
-        const float mi = beta1 * m[idx] + (1.0f - beta1) * g;
-        const float vi = beta2 * v[idx] + (1.0f - beta2) * g * g;
+        const float mi = beta1 * m[sidx] + (1.0f - beta1) * g;
+        const float vi = beta2 * v[sidx] + (1.0f - beta2) * g * g;
         const float m_hat = mi / bias_correction1, v_hat = vi / bias_correction2;
-        float w = master[idx];
+        float w = master[sidx];
         w -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * w);
-        m[idx] = mi;
-        v[idx] = vi;
-        master[idx] = w;
+        m[sidx] = mi;
+        v[sidx] = vi;
+        master[sidx] = w;
         params[idx] = stochastic_round_bf16(w, rng_u32(rng_key_value, uint64_t(idx)));
     }
 }
 
 // One AdamW step (step counts from 1) over every tensor of the table. params (bf16), master, m, v (fp32)
-// and grads (bf16) are flat buffers indexed by the table's offsets.
+// and grads (bf16) are flat buffers indexed by the table's offsets; master, m and v start at flat index
+// state_offset (0: whole buffers; a ZeRO-1 rank passes the start of its shard).
 inline void adamw_update(floatX* params, float* master, float* m, float* v, const floatX* grads,
                          const AdamWTensors& tensors, const AdamWSettings& s, int step, uint64_t seed,
-                         const float* grad_scale, cudaStream_t stream) {
+                         const float* grad_scale, cudaStream_t stream, int64_t state_offset = 0) {
     if (step < 1) fail(kExitUsage, "adamw_update: step %d, AdamW steps count from 1", step);
     if (tensors.count == 0) return;
     // The same float expressions as the CPU reference, so both see identical corrections.
@@ -107,7 +125,7 @@ inline void adamw_update(floatX* params, float* master, float* m, float* v, cons
                     unsigned(tensors.count));
     adamw_kernel<<<grid, kAdamWBlock, 0, stream>>>(params, master, m, v, grads, tensors, s.learning_rate, s.beta1,
                                                    s.beta2, bias_correction1, bias_correction2, s.eps, s.weight_decay,
-                                                   grad_scale, rng_key(seed, uint64_t(step)));
+                                                   grad_scale, rng_key(seed, uint64_t(step)), state_offset);
     cudaCheckLaunch();
 }
 

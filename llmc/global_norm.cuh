@@ -10,8 +10,12 @@ stages in fp32: kGlobalNormBlocks blocks (a fixed number, not derived from the G
 the same on every GPU) each sum a fixed grid-stride subset into one partial, then one block sums the
 partials. No atomics: bitwise reproducible.
 
+For a gradient sharded over GPUs (ZeRO-1): global_norm_sumsq() writes the sum of squares of one range
+and global_norm_finish() turns a (summed over ranks) sum of squares into norm and scale. The two run
+the same arithmetic as global_norm() in the same order, so over the whole buffer they give its bits.
+
 Does not provide: a norm over several separate buffers (the trainer keeps all gradients in one flat
-buffer) or the all-reduce of the squared norm across GPUs (multi_gpu).
+buffer) or the all-reduce of the sum of squares across GPUs (the caller, with multi_gpu.cuh).
 */
 #pragma once
 
@@ -51,16 +55,33 @@ static __global__ void __launch_bounds__(kGlobalNormBlock)
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-static __global__ void __launch_bounds__(kGlobalNormBlock)
-    global_norm_final_kernel(float* norm, float* scale, const float* partial, float max_norm) {
+// The sum of the partials, in one fixed order; thread 0's value is the one to use.
+__device__ inline float global_norm_sum_partials(const float* partial) {
     float s = 0.0f;
     for (int i = threadIdx.x; i < kGlobalNormBlocks; i += blockDim.x) s += partial[i];
-    s = block_sum(s);
-    if (threadIdx.x == 0) {
-        const float nrm = sqrtf(s);
-        if (norm != nullptr) *norm = nrm;
-        if (scale != nullptr) *scale = (max_norm > 0.0f && nrm > max_norm) ? max_norm / nrm : 1.0f;
-    }
+    return block_sum(s);
+}
+
+__device__ inline void global_norm_store(float* norm, float* scale, float sumsq, float max_norm) {
+    const float nrm = sqrtf(sumsq);
+    if (norm != nullptr) *norm = nrm;
+    if (scale != nullptr) *scale = (max_norm > 0.0f && nrm > max_norm) ? max_norm / nrm : 1.0f;
+}
+
+static __global__ void __launch_bounds__(kGlobalNormBlock)
+    global_norm_final_kernel(float* norm, float* scale, const float* partial, float max_norm) {
+    const float s = global_norm_sum_partials(partial);
+    if (threadIdx.x == 0) global_norm_store(norm, scale, s, max_norm);
+}
+
+static __global__ void __launch_bounds__(kGlobalNormBlock)
+    global_norm_sumsq_kernel(float* sumsq, const float* partial) {
+    const float s = global_norm_sum_partials(partial);
+    if (threadIdx.x == 0) *sumsq = s;
+}
+
+static __global__ void global_norm_finish_kernel(float* norm, float* scale, const float* sumsq, float max_norm) {
+    global_norm_store(norm, scale, *sumsq, max_norm);
 }
 
 // norm and scale (either may be null) from grads (n bf16, 16-byte aligned). scratch: kGlobalNormScratchBytes.
@@ -73,6 +94,25 @@ inline void global_norm(float* norm, float* scale, const floatX* grads, int64_t 
     global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
     cudaCheckLaunch();
     global_norm_final_kernel<<<1, kGlobalNormBlock, 0, stream>>>(norm, scale, scratch, max_norm);
+    cudaCheckLaunch();
+}
+
+// *sumsq = the sum of squares of grads[0, n) (n may be 0). scratch as for global_norm.
+inline void global_norm_sumsq(float* sumsq, const floatX* grads, int64_t n, float* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
+    require_aligned16(grads, "global_norm_sumsq: grads");
+    if (scratch_bytes < kGlobalNormScratchBytes) {
+        fail(kExitUsage, "global_norm_sumsq: scratch of %zu bytes, needs %zu", scratch_bytes, kGlobalNormScratchBytes);
+    }
+    global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
+    cudaCheckLaunch();
+    global_norm_sumsq_kernel<<<1, kGlobalNormBlock, 0, stream>>>(sumsq, scratch);
+    cudaCheckLaunch();
+}
+
+// norm and scale (either may be null) from a sum of squares on the device.
+inline void global_norm_finish(float* norm, float* scale, const float* sumsq, float max_norm, cudaStream_t stream) {
+    global_norm_finish_kernel<<<1, 1, 0, stream>>>(norm, scale, sumsq, max_norm);
     cudaCheckLaunch();
 }
 

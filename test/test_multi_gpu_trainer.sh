@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# train_gpt2cu's NCCL path (data parallel, ZeRO-1) against its single-GPU path, with one rank. Without a
+# GPU: the multi-GPU command-line errors (exit 2 with their message, before CUDA is touched); then exit
+# 77. With a GPU, on synthetic shards (a noisy Markov chain over 97 GPT-2 token ids) and d2:
+#   - 10 steps with a constant schedule, with 1 and with 2 micro-steps per step: the plain run,
+#     --multi-gpu 1 -z 0 (per-layer all-reduce) and --multi-gpu 1 -z 1 (reduce-scatter, sharded AdamW,
+#     all-gather) give bitwise identical losses, norms and validation losses in log.jsonl (17
+#     significant digits), and identical model files (-z 1 gathers the shards to write it);
+#   - a checkpoint written at step 5 with --multi-gpu 1 -z 1 resumes with -y 1 (on the NCCL path and on
+#     the plain path) and steps 6..10 match the uninterrupted run bitwise;
+#   - a peer that never comes (--world-size 2, only rank 0 started, --nccl-timeout 5) ends in a clear
+#     error well within the timeout, not a hang.
+# Exit 0 pass, 1 fail, 77 skip (no GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make -s train_gpt2cu
+dir=$(mktemp -d /tmp/multi_gpu_trainer_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+export NCCL_NVLS_ENABLE=0
+
+expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
+    local code=$1 fragment=$2 rc=0
+    shift 2
+    ./train_gpt2cu "$@" >"$dir/out" 2>&1 || rc=$?
+    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
+        echo "FAIL: train_gpt2cu $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
+    fi
+}
+expect_exit 0 "--zero-stage" --help
+expect_exit 0 "--rendezvous-job" --help
+expect_exit 2 "--multi-gpu 2: must be -1, 0 or 1" -e d2 --multi-gpu 2
+expect_exit 2 "-z/--zero-stage 3: must be 0 or 1" -e d2 -z 3
+expect_exit 2 "zero-stage 1 needs the NCCL path" -e d2 -z 1
+expect_exit 2 "--rendezvous needs the NCCL path" -e d2 --rendezvous "$dir/rdv"
+expect_exit 2 "drop --multi-gpu 0" -e d2 --multi-gpu 0 --rank 0 --world-size 2
+expect_exit 2 "--rank and --world-size go together" -e d2 --rank 1
+expect_exit 2 "rank 2 is outside 0..1" -e d2 --rank 2 --world-size 2
+expect_exit 2 "need a meeting point" -e d2 --rank 0 --world-size 2
+expect_exit 2 "expected tcp://HOST:PORT" -e d2 --rank 0 --world-size 2 --rendezvous tcp://nohost
+expect_exit 2 "--nccl-timeout 0: must be positive" -e d2 --multi-gpu 1 --nccl-timeout 0
+expect_exit 2 "--hang-timeout -1: must not be negative" -e d2 --multi-gpu 1 --hang-timeout -1
+expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256 --rank 0 --world-size 2 \
+    --rendezvous "$dir/rdv"
+expect_exit 2 "with 2 ranks are not yet supported" -e d2 -n 5 --rank 0 --world-size 2 --rendezvous "$dir/rdv"
+echo "command-line errors: ok"
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: no NVIDIA GPU (the command-line checks above passed)"
+    exit 77
+fi
+
+python3 - "$dir" <<'PY'
+import random, struct, sys
+d = sys.argv[1]
+def shard(path, tokens):
+    header = [20240520, 1, len(tokens)] + [0] * 253
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256i", *header) + struct.pack("<%dH" % len(tokens), *tokens))
+def chain(n, seed):
+    rng, t, out = random.Random(seed), 0, []
+    for _ in range(n):
+        t = (7 * t + 3) % 97 if rng.random() < 0.9 else rng.randrange(97)
+        out.append(t * 500)  # spread over the vocabulary, all below 50257
+    return out
+shard(d + "/syn_train_000000.bin", chain(60000, 1))
+shard(d + "/syn_train_000001.bin", chain(60000, 2))
+shard(d + "/syn_val_000000.bin", chain(8000, 3))
+PY
+
+mkdir -p "$dir/rdv"
+# A constant schedule (after warmup), so that a run stopped at step 5 and resumed to 10 sees the same rates.
+common=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -l 3e-3 -u 3 -k constant -c 0.1
+        --seed 3 -v 5 -m 2 -s 0)
+nccl=(--multi-gpu 1 --rendezvous "$dir/rdv" --rendezvous-job single)
+
+# Each configuration with one micro-step per step and with two (-d 512: the gradients are averaged only
+# after the second).
+for acc in 256 512; do
+    ./train_gpt2cu "${common[@]}" -x 10 -d $acc -o "$dir/plain_$acc" >"$dir/log_plain_$acc"
+    for z in 0 1; do
+        ./train_gpt2cu "${common[@]}" -x 10 -d $acc -o "$dir/z${z}_$acc" "${nccl[@]}" -z $z >"$dir/log_z${z}_$acc"
+        grep -q "data parallel: 1 rank(s)" "$dir/log_z${z}_$acc" ||
+            { echo "FAIL: -z $z did not take the NCCL path"; cat "$dir/log_z${z}_$acc"; exit 1; }
+        cmp "$dir/plain_$acc/model.bin" "$dir/z${z}_$acc/model.bin" ||
+            { echo "FAIL: -z $z -d $acc: model.bin differs from the plain run's"; exit 1; }
+    done
+    if grep -q "data parallel" "$dir/log_plain_$acc"; then echo "FAIL: the plain run took the NCCL path"; exit 1; fi
+done
+grep -q "ZeRO-1" "$dir/log_z1_256" || { echo "FAIL: -z 1 did not report ZeRO-1"; cat "$dir/log_z1_256"; exit 1; }
+
+# Resume: checkpoint at step 5 on the NCCL path (ZeRO-1), then continue to 10, on the NCCL path and plain.
+./train_gpt2cu "${common[@]}" -x 5 -n 5 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0 >"$dir/log_ck"
+cp -r "$dir/ck" "$dir/ck_plain"
+./train_gpt2cu "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0 >"$dir/log_ck2"
+grep -q "resume: restored" "$dir/log_ck2" || { echo "FAIL: no resume on the NCCL path"; cat "$dir/log_ck2"; exit 1; }
+./train_gpt2cu "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck_plain" --save-model 0 >"$dir/log_ck3"
+grep -q "resume: restored" "$dir/log_ck3" || { echo "FAIL: no plain resume"; cat "$dir/log_ck3"; exit 1; }
+
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def records(run):
+    out = []
+    for l in open("%s/%s/log.jsonl" % (d, run)):
+        r = json.loads(l)
+        if "loss" in r: out.append(("train", r["step"], repr(r["loss"]), repr(r["norm"])))
+        elif "val_loss" in r: out.append(("val", r["step"], repr(r["val_loss"])))
+    return out
+def fail(msg):
+    print("FAIL:", msg); sys.exit(1)
+for acc in (256, 512):
+    plain = records("plain_%d" % acc)
+    if len([r for r in plain if r[0] == "train"]) != 10: fail("plain run: %s" % plain)
+    for z in (0, 1):
+        got = records("z%d_%d" % (z, acc))
+        if got != plain: fail("--multi-gpu 1 -z %d -d %d differs from the plain run:\n%s\n%s" % (z, acc, plain, got))
+print("one rank through NCCL (-z 0 and -z 1, 1 and 2 micro-steps): 10 steps bitwise identical to the plain run")
+plain = records("plain_256")
+tail = [r for r in plain if r[1] > 5 or (r[0] == "val" and r[1] == 5)]
+for run in ("ck", "ck_plain"):
+    got = [r for r in records(run) if r[1] > 5 or (r[0] == "val" and r[1] == 5)]
+    # The first run logs val at step 5 at its end, the resumed one again at its start: keep one of each.
+    got = sorted(set(got), key=lambda r: (r[1], r[0] != "val"))
+    want = sorted(set(tail), key=lambda r: (r[1], r[0] != "val"))
+    if got != want: fail("resumed run %s differs from the uninterrupted one:\n%s\n%s" % (run, want, got))
+print("a -z 1 checkpoint at step 5 resumes bitwise (on the NCCL path and on the plain path)")
+PY
+
+# A peer that never comes: only rank 0 of 2 starts; it must fail with a message within the timeout.
+rc=0
+start=$(date +%s)
+timeout 120 ./train_gpt2cu "${common[@]}" -x 2 -o "" --world-size 2 --rank 0 --local-rank 0 \
+    --rendezvous "$dir/rdv" --rendezvous-job lonely --nccl-timeout 5 >"$dir/log_lonely" 2>&1 || rc=$?
+secs=$(( $(date +%s) - start ))
+if [ $rc -eq 0 ] || [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "FAIL: a lonely rank 0 exited $rc after ${secs}s (expected a clear error)"; cat "$dir/log_lonely"; exit 1
+fi
+grep -q "never read the id" "$dir/log_lonely" || { echo "FAIL: no clear message:"; cat "$dir/log_lonely"; exit 1; }
+[ $secs -le 60 ] || { echo "FAIL: the lonely rank took ${secs}s to give up (timeout 5 s)"; exit 1; }
+echo "a missing peer: exit $rc after ${secs}s: $(grep -m1 'never read the id' "$dir/log_lonely")"
+echo "ok"
