@@ -61,7 +61,7 @@ case "$mode" in
             rmdir "$rdv"
             exit 0
         fi
-        pids=()
+        declare -A rank_of=()
         for ((r = 0; r < arg; r++)); do
             if [ "$r" = 0 ]; then
                 "$trainer" --rank 0 --world-size "$arg" --local-rank 0 --rendezvous "$rdv" "$@" &
@@ -70,17 +70,26 @@ case "$mode" in
                 "$trainer" --rank "$r" --world-size "$arg" --local-rank "$r" --rendezvous "$rdv" "$@" \
                     >"$rdv/rank$r.log" 2>&1 &
             fi
-            pids+=($!)
+            rank_of[$!]=$r
         done
+        # The first rank to fail stops the others: they would otherwise wait for it in a collective forever
+        # (NCCL does not notice a dead peer on one node; --hang-timeout is off by default).
         status=0
-        for r in "${!pids[@]}"; do
-            if ! wait "${pids[$r]}"; then
+        while [ ${#rank_of[@]} -gt 0 ]; do
+            done_pid="" rc=0
+            wait -n -p done_pid "${!rank_of[@]}" 2>/dev/null || rc=$?
+            [ -n "${done_pid:-}" ] || break  # bash has already reaped the rest
+            r=${rank_of[$done_pid]}
+            unset "rank_of[$done_pid]"
+            if [ $rc -ne 0 ] && [ $status = 0 ]; then
                 status=1
-                echo "run_multi_gpu: rank $r failed" >&2
-                [ "$r" != 0 ] && tail -n 20 "$rdv/rank$r.log" >&2
+                echo "run_multi_gpu: rank $r failed (exit $rc); stopping the other ranks" >&2
+                if [ "$r" != 0 ]; then tail -n 20 "$rdv/rank$r.log" >&2; fi
+                if [ ${#rank_of[@]} -gt 0 ]; then kill "${!rank_of[@]}" 2>/dev/null || true; fi
             fi
         done
-        [ $status = 0 ] && rm -rf "$rdv"
+        wait  # the ranks stopped above, so that none outlives the script
+        if [ $status = 0 ]; then rm -rf "$rdv"; else echo "run_multi_gpu: the ranks' logs are in $rdv" >&2; fi
         exit $status
         ;;
     slurm-file)

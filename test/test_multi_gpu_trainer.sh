@@ -44,6 +44,16 @@ expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256
 expect_exit 2 "with 2 ranks are not yet supported" -e d2 -n 5 --rank 0 --world-size 2 --rendezvous "$dir/rdv"
 echo "command-line errors: ok"
 
+train() {  # train LOG ARGS...: a run that must succeed; a hang (e.g. in NCCL) ends after 120 s, not never
+    local log=$1 rc=0
+    shift
+    timeout -k 10 120 ./train_gpt2cu "$@" >"$log" 2>&1 || rc=$?
+    if [ $rc -ne 0 ]; then
+        echo "FAIL: train_gpt2cu $* exited $rc$([ $rc -eq 124 ] && echo ' (killed after 120 s)'), last lines:"
+        tail -n 30 "$log"; exit 1
+    fi
+}
+
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "skipped: no NVIDIA GPU (the command-line checks above passed)"
     exit 77
@@ -76,9 +86,9 @@ nccl=(--multi-gpu 1 --rendezvous "$dir/rdv" --rendezvous-job single)
 # Each configuration with one micro-step per step and with two (-d 512: the gradients are averaged only
 # after the second).
 for acc in 256 512; do
-    ./train_gpt2cu "${common[@]}" -x 10 -d $acc -o "$dir/plain_$acc" >"$dir/log_plain_$acc"
+    train "$dir/log_plain_$acc" "${common[@]}" -x 10 -d $acc -o "$dir/plain_$acc"
     for z in 0 1; do
-        ./train_gpt2cu "${common[@]}" -x 10 -d $acc -o "$dir/z${z}_$acc" "${nccl[@]}" -z $z >"$dir/log_z${z}_$acc"
+        train "$dir/log_z${z}_$acc" "${common[@]}" -x 10 -d $acc -o "$dir/z${z}_$acc" "${nccl[@]}" -z $z
         grep -q "data parallel: 1 rank(s)" "$dir/log_z${z}_$acc" ||
             { echo "FAIL: -z $z did not take the NCCL path"; cat "$dir/log_z${z}_$acc"; exit 1; }
         cmp "$dir/plain_$acc/model.bin" "$dir/z${z}_$acc/model.bin" ||
@@ -89,11 +99,11 @@ done
 grep -q "ZeRO-1" "$dir/log_z1_256" || { echo "FAIL: -z 1 did not report ZeRO-1"; cat "$dir/log_z1_256"; exit 1; }
 
 # Resume: checkpoint at step 5 on the NCCL path (ZeRO-1), then continue to 10, on the NCCL path and plain.
-./train_gpt2cu "${common[@]}" -x 5 -n 5 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0 >"$dir/log_ck"
+train "$dir/log_ck" "${common[@]}" -x 5 -n 5 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0
 cp -r "$dir/ck" "$dir/ck_plain"
-./train_gpt2cu "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0 >"$dir/log_ck2"
+train "$dir/log_ck2" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck" "${nccl[@]}" -z 1 --save-model 0
 grep -q "resume: restored" "$dir/log_ck2" || { echo "FAIL: no resume on the NCCL path"; cat "$dir/log_ck2"; exit 1; }
-./train_gpt2cu "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck_plain" --save-model 0 >"$dir/log_ck3"
+train "$dir/log_ck3" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck_plain" --save-model 0
 grep -q "resume: restored" "$dir/log_ck3" || { echo "FAIL: no plain resume"; cat "$dir/log_ck3"; exit 1; }
 
 python3 - "$dir" <<'PY'
