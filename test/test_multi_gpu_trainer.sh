@@ -59,23 +59,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     exit 77
 fi
 
-python3 - "$dir" <<'PY'
-import random, struct, sys
-d = sys.argv[1]
-def shard(path, tokens):
-    header = [20240520, 1, len(tokens)] + [0] * 253
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", *header) + struct.pack("<%dH" % len(tokens), *tokens))
-def chain(n, seed):
-    rng, t, out = random.Random(seed), 0, []
-    for _ in range(n):
-        t = (7 * t + 3) % 97 if rng.random() < 0.9 else rng.randrange(97)
-        out.append(t * 500)  # spread over the vocabulary, all below 50257
-    return out
-shard(d + "/syn_train_000000.bin", chain(60000, 1))
-shard(d + "/syn_train_000001.bin", chain(60000, 2))
-shard(d + "/syn_val_000000.bin", chain(8000, 3))
-PY
+python3 test/make_synthetic_shards.py "$dir" syn_train=60000,60000 syn_val=8000
 
 mkdir -p "$dir/rdv"
 # A constant schedule (after warmup), so that a run stopped at step 5 and resumed to 10 sees the same rates.

@@ -43,25 +43,9 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     exit 77
 fi
 
-python3 - "$dir" <<'PY'
-import random, struct, sys
-d = sys.argv[1]
-def shard(path, tokens):
-    header = [20240520, 1, len(tokens)] + [0] * 253
-    with open(path, "wb") as f:
-        f.write(struct.pack("<256i", *header) + struct.pack("<%dH" % len(tokens), *tokens))
-def chain(n, seed):
-    rng, t, out = random.Random(seed), 0, []
-    for _ in range(n):
-        t = (7 * t + 3) % 97 if rng.random() < 0.9 else rng.randrange(97)
-        out.append(t * 500)
-    return out
-# 3 shards of ~30 samples of 65 tokens: 22 batches of 4, 11 steps of 2 micro-batches per epoch.
-for i in range(3):
-    shard(d + "/syn_train_%06d.bin" % i, chain(1950 + 13 * i, 10 + i))
-shard(d + "/other_train_000000.bin", chain(5000, 99))
-shard(d + "/syn_val_000000.bin", chain(3000, 3))
-PY
+# 3 shards of ~30 samples of 65 tokens: 22 batches of 4, 11 steps of 2 micro-batches per epoch; other_train
+# is data of the same shape that is not the same (the resume must refuse it).
+python3 test/make_synthetic_shards.py "$dir" syn_train=1950,1963,1976 other_train=5000 syn_val=3000 --seeds 10,99,3
 
 common=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -d 512 -l 3e-3 -u 3 -c 0.1 --seed 5
         -v 10 -m 2 -s 0 -x 30)
