@@ -17,6 +17,7 @@ are checked against the bytes of the files, read here independently of the loade
 
 #include "llmc/dataloader.h"
 #include "test/test_util.h"
+#include "test/expect_error.h"
 
 using namespace llmc;
 using llmc::test::random_tokens;
@@ -58,17 +59,6 @@ std::vector<uint32_t> batch_tokens(const HostBatch& b) {
     std::vector<uint32_t> v(size_t(b.B) * (b.T + 1));
     for (size_t i = 0; i < v.size(); i++) v[i] = token_at(b, i);
     return v;
-}
-
-template <class F>
-void expect_error(F&& f, int exit_code, const std::vector<std::string>& parts) {
-    try {
-        f();
-        ADD_FAILURE() << "expected an error containing '" << parts[0] << "'";
-    } catch (const Error& e) {
-        EXPECT_EQ(e.exit_code(), exit_code) << e.what();
-        for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
-    }
 }
 
 DataLoaderConfig config(const std::string& pattern, int B, int T, uint32_t vocab, bool shuffle = true, uint64_t seed = 7,

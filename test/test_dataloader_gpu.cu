@@ -14,6 +14,7 @@ compute stream was still reading, or a batch never copied, shows up as a mismatc
 #include "llmc/dataloader_gpu.cuh"
 #include "test/gpu_test.h"
 #include "test/test_util.h"
+#include "test/expect_error.h"
 
 using namespace llmc;
 using llmc::test::random_tokens;
@@ -97,17 +98,6 @@ void expect_same_batches(const std::vector<int32_t>& got, const std::vector<int3
             FAIL() << "batch " << k << (j < bt ? " inputs[" : " targets[") << (j % bt) << "] = " << got[i] << ", expected "
                    << want[i];
         }
-    }
-}
-
-template <class F>
-void expect_error(F&& f, int exit_code, const std::vector<std::string>& parts) {
-    try {
-        f();
-        ADD_FAILURE() << "expected an error containing '" << parts[0] << "'";
-    } catch (const Error& e) {
-        EXPECT_EQ(e.exit_code(), exit_code) << e.what();
-        for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
     }
 }
 

@@ -23,6 +23,7 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 #include "llmc/model_file.h"
 #include "llmc/utils.h"
 #include "test/test_util.h"
+#include "test/expect_error.h"
 
 using namespace llmc;
 using llmc::test::random_tokens;
@@ -99,17 +100,6 @@ void set_header_int(std::vector<char>& bytes, int index, int32_t value) {
 }
 
 // Runs fn, expects an llmc::Error with this exit code whose message contains every fragment.
-template <class Fn>
-void expect_error(Fn&& fn, int exit_code, std::initializer_list<const char*> fragments) {
-    try {
-        fn();
-        ADD_FAILURE() << "no error raised";
-    } catch (const Error& e) {
-        EXPECT_EQ(e.exit_code(), exit_code) << e.what();
-        for (const char* f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what() << "\n  lacks: " << f;
-    }
-}
-
 uint32_t float_bits(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);

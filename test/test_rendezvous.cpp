@@ -17,23 +17,11 @@ fail by its deadline with a message that names the path or address and the missi
 
 #include "llmc/rendezvous.h"
 #include "test/test_util.h"
+#include "test/expect_error.h"
 
 using namespace llmc;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, int exit_code, const std::vector<std::string>& parts) {
-    try {
-        f();
-        ADD_FAILURE() << "expected an error containing '" << parts[0] << "'";
-    } catch (const Error& e) {
-        EXPECT_EQ(e.exit_code(), exit_code) << e.what();
-        for (const auto& p : parts) {
-            EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
-        }
-    }
-}
 
 EnvLookup env_of(const std::map<std::string, std::string>& vars) {
     return [vars](const char* name) -> const char* {

@@ -10,23 +10,11 @@ every old world size to every new one, checked element by element against the un
 
 #include "llmc/zero.h"
 #include "test/test_util.h"
+#include "test/expect_error.h"
 
 using namespace llmc;
 
 namespace {
-
-template <class F>
-void expect_error(F&& f, int exit_code, const std::vector<std::string>& parts) {
-    try {
-        f();
-        ADD_FAILURE() << "expected an error containing '" << parts[0] << "'";
-    } catch (const Error& e) {
-        EXPECT_EQ(e.exit_code(), exit_code) << e.what();
-        for (const auto& p : parts) {
-            EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << "'" << p << "' not in: " << e.what();
-        }
-    }
-}
 
 std::vector<float> random_floats(size_t n, uint64_t seed) {
     SplitMix64 rng(seed);
