@@ -21,7 +21,12 @@ dropped: it is carried into the next global batch, which then also starts the ne
 State: the position is one number, the count of global batches consumed; everything else (epoch, shard
 order, sample order, the RNG seeding the current shard's order) is a pure function of it and the seed.
 The state blob records all of them and the geometry, and restore refuses a blob that does not match.
-It is identical on every rank.
+It is identical on every rank. The stream itself does not depend on W, only its cut into global batches
+does, so a caller may opt in (allow_world_change) to restoring a blob saved with W ranks on W' ranks:
+the position is converted through the sample count, batches*B*W, which must be a whole number of the
+new global batches of B*W' samples (else the blob is refused, since no batch of the new run starts
+there); B, T, shuffling, seed and data must still match. state_world() reads the W a blob was saved
+with, without restoring it.
 
 Provides: SplitMix64 (the seeded RNG), DataLoaderConfig, SampleSchedule (the shard list and the
 sample-to-file mapping), BatchReader (synchronous reads of one rank's batch), DataLoader (a ring of
@@ -333,24 +338,15 @@ public:
     }
 
     // Validates a state blob against this schedule and returns its position (global batches consumed).
-    uint64_t decode_state(const std::vector<uint8_t>& blob) const {
-        if (blob.size() < 12 || std::memcmp(blob.data(), kStateMagic, 8) != 0) {
-            fail(kExitData, "DataLoader state (%zu bytes) does not start with the DataLoader state magic", blob.size());
-        }
-        Reader r{blob, 8};
-        uint32_t version = r.u32();
-        if (version != kStateVersion) {
-            fail(kExitData, "DataLoader state has version %u; this build reads version %u", version, kStateVersion);
-        }
-        uint64_t stored_sum = 0;
-        for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
-        if (blob.size() < 20 || fnv1a(blob.data(), blob.size() - 8) != stored_sum) {
-            fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
-        }
+    // allow_world_change: accept a blob saved with another number of ranks W, converting its position
+    // to this loader's global batches; refused when the sample position is not a whole number of them.
+    uint64_t decode_state(const std::vector<uint8_t>& blob, bool allow_world_change = false) const {
+        Reader r = open_state(blob);
         uint32_t B = r.u32(), T = r.u32(), W = r.u32(), shuffle = r.u32();
         uint64_t seed = r.u64();
-        if (B != uint32_t(cfg_.B) || T != uint32_t(cfg_.T) || W != uint32_t(cfg_.world) ||
-            shuffle != (cfg_.shuffle ? 1u : 0u) || seed != cfg_.seed) {
+        bool world_ok = W == uint32_t(cfg_.world) || (allow_world_change && W != 0);
+        if (B != uint32_t(cfg_.B) || T != uint32_t(cfg_.T) || !world_ok || shuffle != (cfg_.shuffle ? 1u : 0u) ||
+            seed != cfg_.seed) {
             fail(kExitData,
                  "DataLoader state was saved with B=%u T=%u W=%u shuffle=%s seed=%llu, but this loader has B=%d T=%d W=%d "
                  "shuffle=%s seed=%llu; resume with the same geometry and seed",
@@ -376,17 +372,40 @@ public:
         saved.shard_order.resize(nshards);
         for (uint32_t& s : saved.shard_order) s = r.u32();
         if (r.at + 8 != blob.size()) fail(kExitData, "DataLoader state is %zu bytes, expected %zu", blob.size(), r.at + 8);
-        StreamPosition now = position(saved.batches);
+        uint64_t batches = saved.batches;
+        std::string where = format("batch %llu", (unsigned long long)saved.batches);
+        if (W != uint32_t(cfg_.world)) {
+            batches = convert_batches(saved.batches, B, W);
+            where = format("batch %llu of a W=%u run (batch %llu of this W=%d loader)", (unsigned long long)saved.batches,
+                           W, (unsigned long long)batches, cfg_.world);
+        }
+        // The recorded epoch, shard and sample depend only on the sample position, so they must agree
+        // with this loader's placement of the converted batch too.
+        StreamPosition now = position(batches);
         if (now.epoch != saved.epoch || now.slot != saved.slot || now.sample != saved.sample ||
             now.rng_state != saved.rng_state || now.shard_order != saved.shard_order) {
             fail(kExitData,
-                 "DataLoader state at batch %llu records epoch %llu, shard slot %u, sample %u, but this build places that "
+                 "DataLoader state at %s records epoch %llu, shard slot %u, sample %u, but this build places that "
                  "batch at epoch %llu, slot %u, sample %u (or orders the shards differently); it was written by an "
                  "incompatible build",
-                 (unsigned long long)saved.batches, (unsigned long long)saved.epoch, saved.slot, saved.sample,
+                 where.c_str(), (unsigned long long)saved.epoch, saved.slot, saved.sample,
                  (unsigned long long)now.epoch, now.slot, now.sample);
         }
-        return saved.batches;
+        return batches;
+    }
+
+    // The number of ranks W a state blob was saved with, read without restoring it (so a caller can say
+    // "resuming a W-rank run on W' ranks" first). Checks the magic, version and checksum only.
+    static uint32_t state_world(const std::vector<uint8_t>& blob) {
+        Reader r = open_state(blob);
+        if (r.at + 12 + 8 > blob.size()) {
+            fail(kExitData, "DataLoader state is truncated: %zu bytes, too few to hold its B, T and W", blob.size());
+        }
+        r.u32();  // B
+        r.u32();  // T
+        uint32_t W = r.u32();
+        if (W == 0) fail(kExitData, "DataLoader state records W=0 ranks; it is corrupt");
+        return W;
     }
 
     std::string describe() const {
@@ -416,6 +435,44 @@ private:
         uint32_t u32() { return static_cast<uint32_t>(take(4)); }
         uint64_t u64() { return take(8); }
     };
+    // Checks a state blob's magic, version and checksum; returns a reader at the field after the version.
+    static Reader open_state(const std::vector<uint8_t>& blob) {
+        if (blob.size() < 12 || std::memcmp(blob.data(), kStateMagic, 8) != 0) {
+            fail(kExitData, "DataLoader state (%zu bytes) does not start with the DataLoader state magic", blob.size());
+        }
+        Reader r{blob, 8};
+        uint32_t version = r.u32();
+        if (version != kStateVersion) {
+            fail(kExitData, "DataLoader state has version %u; this build reads version %u", version, kStateVersion);
+        }
+        uint64_t stored_sum = 0;
+        for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
+        if (blob.size() < 20 || fnv1a(blob.data(), blob.size() - 8) != stored_sum) {
+            fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
+        }
+        return r;
+    }
+    // A position of `batches` global batches of B*W samples, as global batches of this loader. The
+    // stream is the same for every W, so this is exact when the sample count divides evenly.
+    uint64_t convert_batches(uint64_t batches, uint32_t B, uint32_t W) const {
+        uint64_t saved_batch = uint64_t(B) * W;
+        if (batches > UINT64_MAX / saved_batch) {
+            fail(kExitData, "DataLoader state at batch %llu of B*W = %u*%u samples lies past 2^64 samples; it is corrupt",
+                 (unsigned long long)batches, B, W);
+        }
+        uint64_t sample = batches * saved_batch;
+        if (sample % global_batch() != 0) {
+            fail(kExitData,
+                 "DataLoader state was saved by a run on W=%u ranks after %llu global batches of B*W = %u*%u samples, "
+                 "at sample %llu of the stream; this loader runs on W=%d ranks, and %llu is not a multiple of its "
+                 "global batch of B*W = %d*%d = %llu samples, so no batch of this run starts there and it cannot "
+                 "continue the stream exactly (resume from a state whose sample count is a multiple of %llu, or on "
+                 "W=%u ranks)",
+                 W, (unsigned long long)batches, B, W, (unsigned long long)sample, cfg_.world, (unsigned long long)sample,
+                 cfg_.B, cfg_.world, (unsigned long long)global_batch(), (unsigned long long)global_batch(), W);
+        }
+        return sample / global_batch();
+    }
     static void put32(std::vector<uint8_t>& out, uint32_t v) {
         for (int i = 0; i < 4; i++) out.push_back(uint8_t(v >> (8 * i)));
     }
@@ -654,7 +711,10 @@ public:
     std::vector<uint8_t> state_at(uint64_t batches) const { return schedule_.encode_state(batches); }
 
     // Continue from a saved state. Buffers still held are dropped (their pointers become invalid).
-    void restore(const std::vector<uint8_t>& blob) { seek(schedule_.decode_state(blob)); }
+    // allow_world_change: accept a state saved with another number of ranks (see decode_state).
+    void restore(const std::vector<uint8_t>& blob, bool allow_world_change = false) {
+        seek(schedule_.decode_state(blob, allow_world_change));
+    }
 
     // Continue at global batch `batch` (0 = the start of epoch 0). Held buffers are dropped.
     void seek(uint64_t batch) {

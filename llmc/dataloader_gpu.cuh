@@ -17,8 +17,8 @@ A step is then one kernel on the compute stream that cuts the batch out of devic
 the batch number; the host only builds each epoch's sample list once (8 bytes a sample) and uploads it.
 
 Both modes yield exactly the batches of the synchronous host path, and share its position and state
-blob, so a run can resume in either mode. Pointers from next_batch() are valid for work enqueued on the
-compute stream before the next call to next_batch().
+blob, so a run can resume in either mode (and, opted in, on another number of ranks). Pointers from
+next_batch() are valid for work enqueued on the compute stream before the next call to next_batch().
 
 Does not provide: the choice of data, geometry or shuffling (dataloader.h); multi-GPU communication.
 */
@@ -158,7 +158,10 @@ public:
     uint64_t position() const { return position_; }  // the index of the next batch
     uint64_t epoch() const { return schedule_.epoch_of_batch(position_); }
     std::vector<uint8_t> state() const { return schedule_.encode_state(position_); }
-    void restore(const std::vector<uint8_t>& blob) { seek(schedule_.decode_state(blob)); }
+    // allow_world_change: accept a state saved with another number of ranks (see SampleSchedule::decode_state).
+    void restore(const std::vector<uint8_t>& blob, bool allow_world_change = false) {
+        seek(schedule_.decode_state(blob, allow_world_change));
+    }
     void reset() { seek(0); }
     void seek(uint64_t batch) {
         if (!resident_) {

@@ -1,8 +1,8 @@
 /*
 CPU tests of the token shard format (shard.h) and the host DataLoader (dataloader.h): every validation
 error, rank slices disjoint and complete over an epoch, seeded shuffling, the carried epoch tail, exact
-resume from a state blob across shard and epoch boundaries, the prefetch ring, and offsets past 4 GiB
-(sparse files). Shards are written into a fresh directory under /tmp that is removed afterwards; tokens
+resume from a state blob across shard and epoch boundaries, resume on another number of ranks, the
+prefetch ring, and offsets past 4 GiB (sparse files). Shards are written into a fresh directory under /tmp that is removed afterwards; tokens
 are checked against the bytes of the files, read here independently of the loader.
 */
 #include <gtest/gtest.h>
@@ -548,6 +548,239 @@ TEST(State, BlobsForOtherDataOrGeometryAreRefused) {
     expect_error([&] { same.restore({}); }, kExitData, {"magic"});
     same.restore(blob);
     EXPECT_EQ(same.position(), 7u);
+}
+
+namespace {
+
+// One sample as a run hands it out: where it lies (epoch, shard, offset) and its T+1 tokens.
+using StreamSample = std::pair<Key, std::vector<uint32_t>>;
+
+// The next `batches` global batches of a run whose ranks are `ranks`, as one stream: rank 0's rows,
+// then rank 1's, ... of each global batch in turn. Every row is checked against the files.
+std::vector<StreamSample> next_samples(std::vector<std::unique_ptr<DataLoader>>& ranks, uint64_t batches,
+                                       const std::vector<std::vector<uint32_t>>& files) {
+    std::vector<StreamSample> out;
+    for (uint64_t k = 0; k < batches; k++) {
+        uint64_t index = ranks[0]->position();
+        for (auto& dl : ranks) {
+            const HostBatch& b = dl->next();
+            EXPECT_EQ(b.index, index);
+            expect_rows_match_files(b, dl->schedule(), files);
+            std::vector<uint32_t> tokens = batch_tokens(b);
+            for (int i = 0; i < b.B; i++) {
+                auto row = tokens.begin() + ptrdiff_t(i) * (b.T + 1);
+                out.push_back({{b.samples[i].epoch, b.samples[i].shard, b.samples[i].token_offset},
+                               std::vector<uint32_t>(row, row + b.T + 1)});
+            }
+        }
+    }
+    return out;
+}
+
+// Rewrites a state blob's checksum (64-bit FNV-1a of every byte before it, little-endian), so that a
+// test can change a field and reach the check behind the checksum.
+void reseal(std::vector<uint8_t>& blob) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i + 8 < blob.size(); i++) h = (h ^ blob[i]) * 0x100000001b3ull;
+    for (int i = 0; i < 8; i++) blob[blob.size() - 8 + i] = uint8_t(h >> (8 * i));
+}
+
+// Byte offsets of fields of the state blob (version 1).
+constexpr size_t kBlobWorld = 20, kBlobSample = 76;
+
+void set_u32(std::vector<uint8_t>& blob, size_t at, uint32_t v) {
+    for (int i = 0; i < 4; i++) blob.at(at + i) = uint8_t(v >> (8 * i));
+}
+
+}  // namespace
+
+// A state saved by a W=2 run, restored with allow_world_change on W' = 1, 3 and 4 ranks wherever its
+// sample position is a whole number of the new global batches, continues the W=2 run's stream: the
+// same samples with the same tokens in the same order, across shard and epoch boundaries, shuffled and
+// in order. Where the position does not divide, the restore is refused.
+TEST(State, RestoreOnAnotherWorldSizeContinuesTheSameStream) {
+    DataSet ds({260, 190, 330, 175}, 4000);
+    const int B = 3, T = 6, W = 2;
+    for (bool shuffle : {true, false}) {
+        SCOPED_TRACE(shuffle ? "shuffled" : "in order");
+        auto run = [&](int world, uint64_t salt) {
+            std::vector<std::unique_ptr<DataLoader>> ranks;
+            for (int r = 0; r < world; r++) {
+                int prefetch = (r + salt) % 2 ? 3 : 0;
+                ranks.push_back(std::make_unique<DataLoader>(config(ds.pattern(), B, T, 4000, shuffle, 9, r, world, prefetch)));
+            }
+            return ranks;
+        };
+        auto ref = run(W, 0);
+        const SampleSchedule& s = ref[0]->schedule();
+        const uint64_t bpe = s.batches_per_epoch();
+        // 60 batches of W=2 are 120 of W=1, 40 of W=3 and 30 of W=4, and reach past an epoch boundary.
+        const uint64_t window = 60;
+        ASSERT_GT(window * B * W, s.samples_per_epoch());
+        ASSERT_NE(s.samples_per_epoch() % (B * W), 0u) << "this test wants an epoch tail that is carried over";
+        uint64_t total = 2 * bpe + 3 + window;
+        std::vector<StreamSample> stream = next_samples(ref, total, ds.tokens);
+
+        // Inside the first shard, around the global batch that straddles the end of epoch 0, and around
+        // the first global batches that span two shards (each with its neighbours, so every residue
+        // modulo 3 and 4 occurs).
+        std::vector<uint64_t> cuts = {0, 1, 2, 3, bpe - 1, bpe, bpe + 1, bpe + 2, 2 * bpe, 2 * bpe + 1};
+        int spanning = 0;
+        for (uint64_t k = 1; k + 1 < 2 * bpe && spanning < 3; k++) {
+            uint32_t first = std::get<1>(stream[k * B * W].first), last = std::get<1>(stream[(k + 1) * B * W - 1].first);
+            if (first != last) {
+                cuts.insert(cuts.end(), {k - 1, k, k + 1});
+                spanning++;
+            }
+        }
+        ASSERT_EQ(spanning, 3);
+        std::map<int, int> restored, refused;
+        for (uint64_t cut : cuts) {
+            SCOPED_TRACE("cut at W=2 batch " + std::to_string(cut));
+            DataLoader saver(config(ds.pattern(), B, T, 4000, shuffle, 9, int(cut % W), W, 2));
+            for (uint64_t k = 0; k < cut; k++) saver.next();
+            std::vector<uint8_t> blob = saver.state();
+            EXPECT_EQ(SampleSchedule::state_world(blob), uint32_t(W));
+            uint64_t sample = cut * B * W;
+            for (int W2 : {1, 3, 4}) {
+                SCOPED_TRACE("restored on W=" + std::to_string(W2));
+                auto ranks = run(W2, cut);
+                if (sample % (B * W2) != 0) {
+                    for (auto& dl : ranks) {
+                        expect_error([&] { dl->restore(blob, true); }, kExitData,
+                                     {"W=2 ranks", format("W=%d ranks", W2), format("sample %llu", (unsigned long long)sample),
+                                      format("B*W = %d*%d = %d", B, W2, B * W2), "not a multiple"});
+                    }
+                    refused[W2]++;
+                    continue;
+                }
+                uint64_t converted = sample / (B * W2);
+                for (auto& dl : ranks) {
+                    dl->next();  // move away first: restore must not depend on where the loader was
+                    dl->restore(blob, true);
+                    EXPECT_EQ(dl->position(), converted);
+                }
+                std::vector<StreamSample> got = next_samples(ranks, window * W / W2, ds.tokens);
+                ASSERT_EQ(got.size(), window * B * W);
+                for (size_t i = 0; i < got.size(); i++) {
+                    ASSERT_EQ(got[i], stream[sample + i]) << "sample " << sample + i << " of the stream";
+                }
+                // The new run saves its own W, and its state goes back to W=2 at the same sample.
+                std::vector<uint8_t> back = ranks[0]->schedule().encode_state(converted);
+                EXPECT_EQ(SampleSchedule::state_world(back), uint32_t(W2));
+                DataLoader w2(config(ds.pattern(), B, T, 4000, shuffle, 9, 1, W, 0));
+                w2.restore(back, true);
+                EXPECT_EQ(w2.position(), cut);
+                EXPECT_EQ(w2.state(), blob);
+                restored[W2]++;
+            }
+        }
+        EXPECT_EQ(restored[1], int(cuts.size()));
+        EXPECT_EQ(refused[1], 0);
+        for (int W2 : {3, 4}) {
+            EXPECT_GT(restored[W2], 3) << "W=" << W2;
+            EXPECT_GT(refused[W2], 3) << "W=" << W2;
+        }
+    }
+}
+
+TEST(State, WorldChangeIsOptInAndKeepsEveryOtherCheck) {
+    DataSet ds({300, 200, 250}, 1000);
+    DataLoader dl(config(ds.pattern(), 2, 8, 1000, true, 5, 0, 2));
+    for (int k = 0; k < 7; k++) dl.next();
+    std::vector<uint8_t> blob = dl.state();  // 7 global batches of 2*2: sample 28
+
+    // Without the opt-in another W is refused as before, by the host loader's restore and decode_state.
+    for (int W2 : {1, 4, 7}) {
+        DataLoader other(config(ds.pattern(), 2, 8, 1000, true, 5, 0, W2));
+        std::vector<std::string> parts = {"B=2 T=8 W=2", format("B=2 T=8 W=%d", W2), "resume with the same geometry"};
+        expect_error([&] { other.restore(blob); }, kExitData, parts);
+        expect_error([&] { other.restore(blob, false); }, kExitData, parts);
+        expect_error([&] { other.schedule().decode_state(blob); }, kExitData, parts);
+    }
+
+    // With it: 28 samples are 28 global batches of W=1 and 2 of W=7; not a whole number for W=3 or 4.
+    for (auto [W2, want] : std::vector<std::pair<int, uint64_t>>{{1, 14}, {7, 2}, {2, 7}}) {
+        DataLoader other(config(ds.pattern(), 2, 8, 1000, true, 5, W2 - 1, W2));
+        other.restore(blob, true);
+        EXPECT_EQ(other.position(), want) << "W=" << W2;
+        EXPECT_EQ(other.schedule().decode_state(blob, true), want);
+    }
+    for (int W2 : {3, 4}) {
+        DataLoader other(config(ds.pattern(), 2, 8, 1000, true, 5, 0, W2));
+        other.seek(5);
+        expect_error([&] { other.restore(blob, true); }, kExitData,
+                     {"saved by a run on W=2 ranks after 7 global batches of B*W = 2*2 samples", "at sample 28 of the stream",
+                      format("runs on W=%d ranks", W2), format("28 is not a multiple of its global batch of B*W = 2*%d = %d", W2, 2 * W2),
+                      "cannot continue the stream exactly"});
+        EXPECT_EQ(other.position(), 5u) << "a refused restore must leave the loader where it was";
+    }
+
+    // Every other check still holds with the opt-in.
+    auto refused = [&](DataLoaderConfig c, const std::vector<std::string>& parts) {
+        DataLoader other(c);
+        expect_error([&] { other.restore(blob, true); }, kExitData, parts);
+    };
+    refused(config(ds.pattern(), 1, 8, 1000, true, 5, 0, 4), {"B=2 T=8 W=2", "B=1 T=8 W=4"});
+    refused(config(ds.pattern(), 2, 9, 1000, true, 5, 0, 1), {"T=8", "T=9"});
+    refused(config(ds.pattern(), 2, 8, 1000, true, 6, 0, 1), {"seed=5", "seed=6"});
+    refused(config(ds.pattern(), 2, 8, 1000, false, 5, 0, 1), {"shuffle=on", "shuffle=off"});
+    refused(config(ds.paths[0] + "," + ds.paths[1], 2, 8, 1000, true, 5, 0, 1), {"3 shard(s)", "gives 2 shard(s)"});
+    refused(config(ds.paths[1] + "," + ds.paths[0] + "," + ds.paths[2], 2, 8, 1000, true, 5, 0, 1), {"not the same"});
+
+    // The position cross-check runs at the converted batch: a recorded sample that disagrees (the blob
+    // resealed, so that only this check can catch it) is refused on the new W as on the old one.
+    std::vector<uint8_t> moved = blob;
+    moved[kBlobSample] ^= 1;
+    reseal(moved);
+    DataLoader one(config(ds.pattern(), 2, 8, 1000, true, 5, 0, 1));
+    expect_error([&] { one.restore(moved, true); }, kExitData,
+                 {"state at batch 7 of a W=2 run (batch 14 of this W=1 loader) records", "incompatible build"});
+    DataLoader two(config(ds.pattern(), 2, 8, 1000, true, 5, 1, 2));
+    expect_error([&] { two.restore(moved, true); }, kExitData, {"state at batch 7 records", "incompatible build"});
+    expect_error([&] { two.restore(moved); }, kExitData, {"state at batch 7 records", "incompatible build"});
+
+    // A blob that claims W=0 converts to nothing: refused as a geometry mismatch.
+    std::vector<uint8_t> zero = blob;
+    set_u32(zero, kBlobWorld, 0);
+    reseal(zero);
+    expect_error([&] { one.restore(zero, true); }, kExitData, {"W=0", "resume with the same geometry"});
+}
+
+TEST(State, StateWorldReadsTheRanksAndRejectsABadBlob) {
+    DataSet ds({300, 200}, 1000);
+    for (int W : {1, 2, 5}) {
+        DataLoader dl(config(ds.pattern(), 2, 8, 1000, true, 5, W - 1, W));
+        for (int k = 0; k < 3; k++) dl.next();
+        EXPECT_EQ(SampleSchedule::state_world(dl.state()), uint32_t(W));
+        EXPECT_EQ(SampleSchedule::state_world(dl.state_at(0)), uint32_t(W));
+    }
+    DataLoader dl(config(ds.pattern(), 2, 8, 1000, true, 5, 1, 3));
+    std::vector<uint8_t> blob = dl.state_at(4);
+    for (size_t i = 12; i < blob.size(); i += 3) {
+        std::vector<uint8_t> bad = blob;
+        bad[i] ^= 0x04;
+        expect_error([&] { SampleSchedule::state_world(bad); }, kExitData, {"corrupt", "checksum"});
+    }
+    expect_error([&] { SampleSchedule::state_world(std::vector<uint8_t>(blob.begin(), blob.end() - 1)); }, kExitData,
+                 {"corrupt"});
+    std::vector<uint8_t> magic = blob;
+    magic[3] = 'X';
+    expect_error([&] { SampleSchedule::state_world(magic); }, kExitData, {"magic"});
+    expect_error([&] { SampleSchedule::state_world({}); }, kExitData, {"magic"});
+    std::vector<uint8_t> version = blob;
+    version[8] = 2;
+    expect_error([&] { SampleSchedule::state_world(version); }, kExitData, {"version 2", "reads version 1"});
+    std::vector<uint8_t> zero = blob;
+    set_u32(zero, kBlobWorld, 0);
+    reseal(zero);
+    expect_error([&] { SampleSchedule::state_world(zero); }, kExitData, {"W=0", "corrupt"});
+    // Sealed but too short to hold W: the magic and version of a real blob, then a checksum.
+    std::vector<uint8_t> stub(blob.begin(), blob.begin() + 16);
+    stub.resize(24);
+    reseal(stub);
+    expect_error([&] { SampleSchedule::state_world(stub); }, kExitData, {"truncated"});
+    EXPECT_EQ(SampleSchedule::state_world(blob), 3u);
 }
 
 TEST(Prefetch, RingHandsOutInOrderAndLimitsHeldBuffers) {
