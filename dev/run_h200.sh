@@ -3,7 +3,7 @@
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-#             long-tests resume bench-checkpoint torch attention-lab
+#             long-tests resume bench-checkpoint torch torch-throughput attention-lab
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -70,17 +70,32 @@ for section in "$@"; do
             step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
             tail -n 12 "$OUT/bench_checkpoint.log" >>"$summary" ;;
         torch)
-            # Issue 6's training-dynamics check: the same d12 start and batches (file order), 300 steps each,
-            # then PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table.
-            hp=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+            # Issue 6's training-dynamics check: the same d12 start and batches (file order), 300 steps each.
+            # "hot": B=16 (16K tokens per step) at lr 6e-4 after 30 warmup steps; "calm": the same with 4
+            # micro-steps (64K tokens per step). torch fp32 (no autocast, no TF32) on the hot setting gives
+            # the noise floor: how far bf16 itself moves PyTorch's own losses. The JSONL logs come back in $OUT/dynamics.tgz.
+            hot=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+            calm=("${hot[@]}" -d 65536)
             step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
-            step "ours 300 steps" torch.log 200 ./train_gpt2cu -e out/init/model.bin --shuffle 0 "${hp[@]}" -s 0 -o out/ours
-            step "torch 300 steps + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hp[@]}" \
-                --compare out/ours/log.jsonl
-            grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 2 >>"$summary"
+            for cfg in hot calm; do
+                declare -n hp=$cfg
+                step "ours 300 steps ($cfg)" torch.log 200 ./train_gpt2cu -e out/init/model.bin --shuffle 0 "${hp[@]}" -s 0 -o out/ours_$cfg
+                mkdir -p out/dynamics && cp out/ours_$cfg/log.jsonl out/dynamics/ours_$cfg.jsonl
+                step "torch 300 steps ($cfg) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hp[@]}" \
+                    --compare out/ours_$cfg/log.jsonl --log out/dynamics/torch_$cfg.jsonl
+                grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/$cfg: /" >>"$summary"
+                unset -n hp
+            done
+            step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hot[@]}" \
+                --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
+            grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
+            tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
+        torch-throughput)
+            # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
+            # same call as the throughput section).
             for B in 16 64; do
-                step "torch d12 B=$B compiled" torch.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
-                grep -E "^average|^peak" "$OUT/torch.log" | tail -n 2 >>"$summary"
+                step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
+                grep -E "^average|^peak" "$OUT/torch_throughput.log" | tail -n 2 >>"$summary"
             done ;;
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab

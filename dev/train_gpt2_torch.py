@@ -24,6 +24,7 @@ Example (the same start and data for both):
   python3 dev/train_gpt2_torch.py -e out/init/model.bin -b 16 -t 1024 -x 50 -v 25 --compare out/ours/log.jsonl
 """
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -180,6 +181,9 @@ def main():
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the forward")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                    help="bf16: autocast (the reference); fp32: no autocast and no TF32, for the noise floor of bf16")
+    ap.add_argument("--log", help="write the step and val losses as JSONL (train_gpt2cu's keys), for --compare")
     ap.add_argument("--compare", help="train_gpt2cu's log.jsonl: print both losses per step and judge them")
     ap.add_argument("--max-loss-diff", type=float, default=0.05,
                     help="with --compare: the largest |loss difference| allowed at any step (default 0.05)")
@@ -214,11 +218,22 @@ def main():
          {"params": [P[n] for n in NAMES if n not in DECAYED], "weight_decay": 0.0}],
         lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
     fwd = torch.compile(forward) if a.compile else forward
+    if a.precision == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def autocast():
+        if a.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    log = open(a.log, "w") if a.log else None
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}; model {a.model}: {c}, {nparams} parameters")
-    print(f"B={B} T={T}, {tokens_per_step} tokens per step, {accum} micro-step(s), {steps} steps, compile={a.compile}")
+    print(f"B={B} T={T}, {tokens_per_step} tokens per step, {accum} micro-step(s), {steps} steps, compile={a.compile}, "
+          f"precision={a.precision}")
 
     def evaluate():
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), autocast():
             losses = [fwd(P, c, *val.batch(i, dev)).item() for i in range(val_steps)]
         return sum(losses) / len(losses)
 
@@ -236,6 +251,8 @@ def main():
         if val and (step % a.val_every == 0 or step == steps):
             final_val = evaluate()
             print(f"step {step:5d}/{steps} | val loss {final_val:.6f}")
+            if log:
+                log.write(json.dumps({"step": step, "val_loss": final_val}) + "\n")
         if step == steps:
             break
         torch.cuda.synchronize()
@@ -248,7 +265,7 @@ def main():
         for _ in range(accum):
             x, y = train.batch(batch_index, dev)
             batch_index += 1
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with autocast():
                 loss = fwd(P, c, x, y)
             (loss / accum).backward()
             loss_sum += loss.detach()
@@ -271,6 +288,10 @@ def main():
             worst_abs = max(worst_abs, abs(ours[step + 1] - loss_value))
             line += f" | train_gpt2cu loss {ours[step + 1]:.6f} (rel diff {rel:.2e})"
         print(line, flush=True)
+        if log:
+            log.write(json.dumps({"step": step + 1, "loss": loss_value, "norm": norm_value}) + "\n")
+    if log:
+        log.close()
     if timed:
         print(f"average over {timed} steps: {1e3 * timed_s / timed:.2f} ms/step, {tokens_per_step * timed / timed_s:.0f} tok/s")
     print(f"peak GPU memory (torch.cuda.max_memory_allocated): {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
