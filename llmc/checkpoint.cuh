@@ -26,6 +26,7 @@ or host-pinned snapshots (a spare device copy is faster and the H200 has the mem
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,6 +61,20 @@ public:
     // layout: the tensors every save will hold (their sizes size the spare buffers of an async one).
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, size_t chunk_bytes = kDefaultChunkBytes)
         : async_(async), io_(chunk_bytes) {
+        init(layout);
+    }
+    // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save holds all ranks
+    // at `barrier` once rank 0 has prepared the directory; rank 0 waits up to part_timeout_s for the others.
+    // `layout` is this rank's files only.
+    Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, int rank, int world,
+                 std::function<void()> barrier, double part_timeout_s)
+        : async_(async), rank_(rank), world_(world), barrier_(std::move(barrier)), part_timeout_s_(part_timeout_s),
+          io_(kDefaultChunkBytes) {
+        init(layout);
+    }
+
+private:
+    void init(const std::vector<CheckpointTensor>& layout) {
         cudaCheck(cudaGetDevice(&device_));
         if (async_) {
             for (const CheckpointTensor& t : layout) {
@@ -68,6 +83,8 @@ public:
             }
         }
     }
+
+public:
     Checkpointer(const Checkpointer&) = delete;
     Checkpointer& operator=(const Checkpointer&) = delete;
     ~Checkpointer() {
@@ -91,6 +108,10 @@ public:
               CheckpointManifest meta, cudaStream_t compute, int keep_last, int keep_every) {
         wait();
         const auto t0 = std::chrono::steady_clock::now();
+        if (world_ > 1) {
+            if (rank_ == 0) prepare_shared_checkpoint(out_dir, step);
+            if (barrier_) barrier_();
+        }
         if (!async_) {
             CheckpointReport r = write(out_dir, step, tensors, meta, compute, keep_last, keep_every, t0);
             r.stall_seconds = r.write_seconds;
@@ -153,7 +174,7 @@ private:
     CheckpointReport write(const std::string& out_dir, int64_t step, const std::vector<CheckpointTensor>& tensors,
                            const CheckpointManifest& meta, cudaStream_t stream, int keep_last, int keep_every,
                            std::chrono::steady_clock::time_point t0) {
-        CheckpointWriter w(out_dir, step);
+        CheckpointWriter w(out_dir, step, rank_, world_, part_timeout_s_);
         for (const CheckpointTensor& t : tensors) {
             w.add_file(t.file, [&](File& f, const ChunkHook& hook) {
                 write_chunked(f, t.header.data(), t.header.size(), hook, std::max<size_t>(1, t.header.size()));
@@ -164,13 +185,16 @@ private:
         r.step = step;
         r.path = w.commit(meta);
         r.bytes = w.bytes_written();
-        r.removed = rotate_checkpoints(out_dir, keep_last, keep_every, step);
+        if (rank_ == 0) r.removed = rotate_checkpoints(out_dir, keep_last, keep_every, step);
         r.write_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return r;
     }
 
     bool async_;
     int device_ = 0;
+    int rank_ = 0, world_ = 1;
+    std::function<void()> barrier_;
+    double part_timeout_s_ = 600;
     DeviceFileIO io_;
     std::vector<DeviceBuffer<char>> spare_;
     size_t snapshot_bytes_ = 0;
@@ -214,6 +238,18 @@ inline void load_checkpoint_tensors(const std::string& dir, const CheckpointMani
         io.file_to_device(t.device, f, t.bytes, stream, v.hook());
         v.finish();
     }
+}
+
+// Loads elements [first, last) of a flat array held by `segments` of a checkpoint (read_array_range: every
+// chunk checked) into device memory at dst. Synchronous; for a resume on a different number of ranks, where
+// this rank's range is not one whole file.
+inline void load_array_range(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segments,
+                             size_t elem_bytes, int64_t first, int64_t last, void* dst, cudaStream_t stream) {
+    char* out = static_cast<char*>(dst);
+    read_array_range(dir, m, segments, elem_bytes, first, last, [&](uint64_t at, const char* p, size_t n) {
+        cudaCheck(cudaMemcpyAsync(out + at, p, n, cudaMemcpyHostToDevice, stream));
+        cudaCheck(cudaStreamSynchronize(stream));  // p is reused for the next chunk
+    });
 }
 
 }  // namespace llmc

@@ -12,12 +12,19 @@ sat in the staging buffer on its way to the disk. The manifest is text, ends wit
 and also carries the run's settings (key value lines), small binary blobs (hex; the DataLoader state) and
 the step.
 
+Several ranks (data parallel with ZeRO-1) write one checkpoint together into the same directory: each
+rank its own files, ranks other than 0 a part_<rank>.txt with their files' records, and rank 0 the
+manifest over all of them and the rename, once every part is there (CheckpointWriter). read_array_range()
+reads any element range of an array spread over several ranks' files, checking every chunk it touches,
+which is what a resume on a different number of ranks needs.
+
 Does not provide: anything that touches a GPU (checkpoint.cuh), or the choice of what goes into a
 checkpoint (the trainer).
 */
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -28,6 +35,7 @@ checkpoint (the trainer).
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -515,13 +523,47 @@ inline void remove_stale_temporaries(const std::string& out_dir) {
 // ----------------------------------------------------------------------------------------------------
 // Writing.
 
+// The name under which rank r (> 0) of a several-rank save publishes the records of its files inside the
+// temporary directory; rank 0 merges them into the manifest.
+inline std::string checkpoint_part_name(int rank) { return format("part_%05d.txt", rank); }
+
+// Several ranks build one checkpoint: before any rank writes, rank 0 calls this (it removes leftovers of
+// interrupted saves, a stale temporary directory of this very step included, and creates a fresh one), and
+// the caller then holds every rank at a barrier, so no rank writes into a directory about to be removed.
+inline std::string prepare_shared_checkpoint(const std::string& out_dir, int64_t step) {
+    const std::string tmp = out_dir + "/" + checkpoint_dir_name(step) + ".tmp";
+    remove_stale_temporaries(out_dir);
+    std::error_code ec;
+    std::filesystem::create_directories(tmp, ec);
+    if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp.c_str(), ec.message().c_str());
+    sync_directory(out_dir);
+    return tmp;
+}
+
 // Builds one checkpoint in <out>/ckpt_<step>.tmp and publishes it with commit(). Destroyed without a
 // commit, it removes its temporary directory (best effort; a crash leaves it for remove_stale_temporaries).
+//
+// With world > 1 (several ranks writing one checkpoint into a shared directory, which
+// prepare_shared_checkpoint made): rank r > 0 adds its files and commit() publishes their records as
+// part_<r>.txt (temporary name, fsync, rename), leaving the directory alone; rank 0's commit() waits up to
+// part_timeout_s for every other rank's part, merges the records into the manifest and publishes the
+// checkpoint with the one rename. A rank that dies before its part is published leaves no checkpoint: rank
+// 0 times out naming the missing ranks, and the directory stays a .tmp that the next save removes.
 class CheckpointWriter {
 public:
-    CheckpointWriter(std::string out_dir, int64_t step) : out_dir_(std::move(out_dir)), step_(step) {
+    CheckpointWriter(std::string out_dir, int64_t step, int rank = 0, int world = 1, double part_timeout_s = 600)
+        : out_dir_(std::move(out_dir)), step_(step), rank_(rank), world_(world), part_timeout_s_(part_timeout_s) {
+        if (world_ < 1 || rank_ < 0 || rank_ >= world_) fail(kExitError, "CheckpointWriter: rank %d of %d", rank_, world_);
         final_ = out_dir_ + "/" + checkpoint_dir_name(step);
         tmp_ = final_ + ".tmp";
+        if (world_ > 1) {
+            std::error_code ec;
+            if (!std::filesystem::is_directory(tmp_, ec)) {
+                fail(kExitIo, "checkpoint directory '%s' does not exist on rank %d: every rank's output directory must "
+                              "be the same shared directory, prepared by rank 0", tmp_.c_str(), rank_);
+            }
+            return;
+        }
         remove_stale_temporaries(out_dir_);
         std::error_code ec;
         std::filesystem::create_directories(tmp_, ec);
@@ -530,7 +572,7 @@ public:
     CheckpointWriter(const CheckpointWriter&) = delete;
     CheckpointWriter& operator=(const CheckpointWriter&) = delete;
     ~CheckpointWriter() {
-        if (committed_) return;
+        if (committed_ || rank_ != 0) return;
         std::error_code ec;
         std::filesystem::remove_all(tmp_, ec);
     }
@@ -550,12 +592,25 @@ public:
         bytes_ += size;
     }
 
-    // Writes the manifest (meta with the recorded files and this step), syncs, and renames the directory
-    // to its final name. Returns the final path.
+    // Rank 0 (or the only rank): writes the manifest (meta with the recorded files of every rank and this
+    // step), syncs, and renames the directory to its final name; returns the final path. Another rank:
+    // publishes its part and returns the temporary directory's path.
     std::string commit(CheckpointManifest meta) {
+        if (rank_ != 0) {
+            publish_part();
+            return tmp_;
+        }
         meta.step = step_;
         meta.version = kCheckpointVersion;
         meta.files = files_;
+        for (FileRecord& f : collect_parts()) meta.files.push_back(std::move(f));
+        for (size_t i = 0; i < meta.files.size(); i++) {
+            for (size_t j = 0; j < i; j++) {
+                if (meta.files[i].name == meta.files[j].name) {
+                    fail(kExitError, "checkpoint '%s': two ranks wrote the file '%s'", tmp_.c_str(), meta.files[i].name.c_str());
+                }
+            }
+        }
         const std::string text = encode_manifest(meta);
         File f(tmp_ + "/" + kManifestName, File::Mode::Write);
         f.write_all(text.data(), text.size());
@@ -577,15 +632,126 @@ public:
     }
 
     const std::string& temporary_path() const { return tmp_; }
-    uint64_t bytes_written() const { return bytes_; }
+    uint64_t bytes_written() const { return bytes_; }  // this rank's files (rank 0: and the others' too)
 
 private:
+    void publish_part() {
+        CheckpointManifest part;
+        part.step = step_;
+        part.settings.push_back({"rank", format("%d", rank_)});
+        part.settings.push_back({"world", format("%d", world_)});
+        part.files = files_;
+        const std::string text = encode_manifest(part);
+        const std::string path = tmp_ + "/" + checkpoint_part_name(rank_);
+        File f(path + ".tmp", File::Mode::Write);
+        f.write_all(text.data(), text.size());
+        f.sync();
+        f.close();
+        if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
+            int e = errno;
+            fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
+        }
+        sync_directory(tmp_);
+        committed_ = true;
+    }
+
+    // Rank 0: waits for the parts of ranks 1..world-1 and returns their file records.
+    std::vector<FileRecord> collect_parts() {
+        std::vector<FileRecord> out;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int r = 1; r < world_; r++) {
+            const std::string path = tmp_ + "/" + checkpoint_part_name(r);
+            std::error_code ec;
+            while (!std::filesystem::exists(path, ec)) {
+                const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                if (waited > part_timeout_s_) {
+                    std::string missing;
+                    for (int q = r; q < world_; q++) {
+                        if (!std::filesystem::exists(tmp_ + "/" + checkpoint_part_name(q), ec)) missing += format(" %d", q);
+                    }
+                    fail(kExitIo, "checkpoint of step %lld: rank(s)%s did not finish their part in %.0f s ('%s' has no %s); "
+                                  "the checkpoint is not published",
+                         (long long)step_, missing.c_str(), part_timeout_s_, tmp_.c_str(), checkpoint_part_name(r).c_str());
+                }
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            }
+            CheckpointManifest part = parse_manifest(read_text_file(path), path);
+            const std::string* pr = part.setting("rank");
+            const std::string* pw = part.setting("world");
+            if (part.step != step_ || !pr || *pr != format("%d", r) || !pw || *pw != format("%d", world_)) {
+                fail(kExitData, "'%s' is not rank %d's part of the %d-rank checkpoint of step %lld", path.c_str(), r,
+                     world_, (long long)step_);
+            }
+            for (FileRecord& f : part.files) {
+                bytes_ += f.size;
+                out.push_back(std::move(f));
+            }
+        }
+        return out;
+    }
+
     std::string out_dir_, final_, tmp_;
     int64_t step_;
+    int rank_ = 0, world_ = 1;
+    double part_timeout_s_ = 600;
     std::vector<FileRecord> files_;
     uint64_t bytes_ = 0;
     bool committed_ = false;
 };
+
+// ----------------------------------------------------------------------------------------------------
+// Reading a range of a flat array spread over files (resume on a different number of ranks).
+
+// Elements [begin, begin + count) of a flat array are stored in `file`, from byte `offset` on.
+struct ArraySegment {
+    std::string file;
+    uint64_t offset = 0;
+    int64_t begin = 0, count = 0;
+};
+
+// Reads elements [first, last) of a flat array of elem_bytes-wide elements held by `segments` of the
+// checkpoint in `dir` (manifest m), which must cover that range. Every recorded chunk the range touches is
+// read whole and checked against its checksum before any of its bytes are used; the bytes go to
+// sink(element offset from `first` in bytes, pointer, length), in pieces of at most one chunk. Raises
+// kExitData naming the file on a missing file, a short file, a bad checksum or a range not covered.
+inline void read_array_range(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segments,
+                             size_t elem_bytes, int64_t first, int64_t last,
+                             const std::function<void(uint64_t, const char*, size_t)>& sink) {
+    int64_t covered = 0;
+    std::vector<char> buf;
+    for (const ArraySegment& seg : segments) {
+        const int64_t a = std::max(first, seg.begin), b = std::min(last, seg.begin + seg.count);
+        if (b <= a) continue;
+        covered += b - a;
+        const std::string path = dir + "/" + seg.file;
+        const FileRecord* rec = m.file(seg.file);
+        if (!rec) fail(kExitData, "checkpoint '%s' has no file '%s'", dir.c_str(), seg.file.c_str());
+        const uint64_t lo = seg.offset + uint64_t(a - seg.begin) * elem_bytes;
+        const uint64_t hi = seg.offset + uint64_t(b - seg.begin) * elem_bytes;
+        if (hi > rec->size) {
+            fail(kExitData, "'%s' holds %llu bytes; elements %lld..%lld need bytes up to %llu", path.c_str(),
+                 (unsigned long long)rec->size, (long long)a, (long long)b, (unsigned long long)hi);
+        }
+        File f(path, File::Mode::Read);
+        if (uint64_t(f.size()) != rec->size) {
+            fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (truncated?)", path.c_str(), (long long)f.size(),
+                 (unsigned long long)rec->size);
+        }
+        ChunkVerifier v(*rec, path);
+        for (const ChunkSum& c : rec->chunks) {
+            if (c.offset + c.bytes <= lo || c.offset >= hi) continue;
+            buf.resize(size_t(c.bytes));
+            f.read_exact_at(buf.data(), buf.size(), int64_t(c.offset));
+            v.check(buf.data(), buf.size(), c.offset);
+            const uint64_t from = std::max(lo, c.offset), to = std::min(hi, c.offset + c.bytes);
+            sink(uint64_t(a - first) * elem_bytes + (from - lo), buf.data() + (from - c.offset), size_t(to - from));
+        }
+    }
+    if (covered != last - first) {
+        fail(kExitData, "checkpoint '%s': its files hold %lld of the %lld elements %lld..%lld", dir.c_str(),
+             (long long)covered, (long long)(last - first), (long long)first, (long long)last);
+    }
+}
 
 // ----------------------------------------------------------------------------------------------------
 // Resume compatibility.

@@ -3,17 +3,22 @@ CPU tests of the checkpoint format (llmc/checkpoint.h): the checksum, the manife
 write/validate cycle on synthetic state, detection of truncation at many offsets and of a flipped bit in
 every file, missing files, ignored .tmp directories, the choice of the newest valid checkpoint when the
 newest is damaged, rotation (keep-last, keep-every, later steps left alone), and the refusal of
-incompatible settings with a message naming what differs. The GPU path (snapshot, async writer) is
+incompatible settings with a message naming what differs; several ranks writing one checkpoint
+(concurrent writers, a missing rank, a stale part of an earlier attempt) and reading any rank's range back
+on another number of ranks, with damaged chunks caught. The GPU path (snapshot, async writer) is
 tested in test_checkpoint_gpu.cu.
 */
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "llmc/checkpoint.h"
 #include "llmc/utils.h"
+#include "llmc/zero.h"
 #include "test/test_util.h"
 
 using namespace llmc;
@@ -337,4 +342,139 @@ TEST(CheckpointSettings, IncompatibleSettingsAreNamedAndOthersNoted) {
     now.push_back({"new_key", "1"});
     notes.clear();
     EXPECT_EQ(settings_differences(saved, now, {"new_key"}, &notes), "new_key: checkpoint has nothing, this run has '1'");
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Several ranks writing one checkpoint, and reading ranges back on another number of ranks.
+
+namespace {
+
+constexpr int64_t kShardedElems = 10007;  // not a multiple of any shard size or of the chunk
+
+// Rank r's writer of a world-rank checkpoint of `state` (4-byte elements): its owned range as
+// master_<r>.bin, committed (a part for r > 0, the manifest and rename for rank 0).
+std::string write_rank(const std::string& out, int64_t step, int rank, int world, const std::vector<char>& state,
+                       double timeout_s = 30) {
+    const ZeroLayout layout = zero_layout(kShardedElems, world);
+    const ShardRange own = layout.owned(rank);
+    CheckpointWriter w(out, step, rank, world, timeout_s);
+    w.add_file(format("master_%05d.bin", rank), [&](File& f, const ChunkHook& hook) {
+        write_chunked(f, state.data() + own.begin * 4, size_t(own.size()) * 4, hook, kSmallChunk);
+    });
+    CheckpointManifest m;
+    m.settings = base_settings();
+    m.settings.push_back({"state_ranks", format("%d", world)});
+    return w.commit(m);
+}
+
+std::vector<ArraySegment> segments_of(int world) {
+    const ZeroLayout layout = zero_layout(kShardedElems, world);
+    std::vector<ArraySegment> segs;
+    for (int r = 0; r < world; r++) {
+        const ShardRange own = layout.owned(r);
+        segs.push_back({format("master_%05d.bin", r), 0, own.begin, own.size()});
+    }
+    return segs;
+}
+
+std::vector<char> read_range(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segs,
+                             int64_t first, int64_t last) {
+    std::vector<char> out(size_t(last - first) * 4, 0);
+    read_array_range(dir, m, segs, 4, first, last, [&](uint64_t at, const char* p, size_t n) {
+        ASSERT_LE(at + n, out.size());
+        std::memcpy(out.data() + at, p, n);
+    });
+    return out;
+}
+
+}  // namespace
+
+TEST(SeveralRanks, OneCheckpointFromConcurrentWritersReadBackOnOtherRankCounts) {
+    TempDir tmp;
+    const std::string out = tmp.path() + "/out";
+    const std::vector<char> state = random_bytes(size_t(kShardedElems) * 4, 77);
+    const int world = 3;
+    prepare_shared_checkpoint(out, 40);  // rank 0, before the barrier
+    std::vector<std::string> results(world), errors(world);
+    std::vector<std::thread> ranks;
+    for (int r = world - 1; r >= 0; r--) {  // rank 0 first in line to wait for the others
+        ranks.emplace_back([&, r] {
+            try {
+                results[size_t(r)] = write_rank(out, 40, r, world, state);
+            } catch (const Error& e) {
+                errors[size_t(r)] = e.what();
+            }
+        });
+    }
+    for (std::thread& t : ranks) t.join();
+    for (int r = 0; r < world; r++) ASSERT_EQ(errors[size_t(r)], "") << "rank " << r;
+    const std::string dir = out + "/" + checkpoint_dir_name(40);
+    EXPECT_EQ(results[0], dir);
+    EXPECT_FALSE(std::filesystem::exists(dir + ".tmp"));
+    const CheckpointManifest m = validate_checkpoint(dir, /*deep=*/true);
+    ASSERT_EQ(m.files.size(), size_t(world)) << "every rank's file is in the one manifest";
+    for (int r = 0; r < world; r++) EXPECT_NE(m.file(format("master_%05d.bin", r)), nullptr) << r;
+    EXPECT_EQ(find_newest_valid(out, true).path, dir);
+
+    // Every rank of every other world size gets exactly its slice; so does a range across shard borders.
+    for (int new_world : {1, 2, 3, 4, 5, 8}) {
+        const ZeroLayout layout = zero_layout(kShardedElems, new_world);
+        for (int r = 0; r < new_world; r++) {
+            const ShardRange own = layout.owned(r);
+            const std::vector<char> got = read_range(dir, m, segments_of(world), own.begin, own.end);
+            const std::vector<char> want(state.begin() + own.begin * 4, state.begin() + own.end * 4);
+            EXPECT_TRUE(got == want) << "world " << new_world << " rank " << r;
+        }
+    }
+    const std::vector<char> mid = read_range(dir, m, segments_of(world), 3000, 7500);
+    EXPECT_TRUE(mid == std::vector<char>(state.begin() + 3000 * 4, state.begin() + 7500 * 4));
+
+    // A range the files do not cover, and a damaged chunk: only the reads that touch it fail.
+    std::vector<ArraySegment> partial = segments_of(world);
+    partial.pop_back();
+    EXPECT_NE(error_of([&] { read_range(dir, m, partial, 0, kShardedElems); }).find("hold"), std::string::npos);
+    const std::string victim = dir + "/master_00001.bin";
+    std::vector<char> bytes = read_all(victim);
+    bytes[bytes.size() / 2] ^= 0x10;
+    write_all(victim, bytes);
+    const ShardRange own1 = zero_layout(kShardedElems, world).owned(1);
+    EXPECT_NE(error_of([&] { read_range(dir, m, segments_of(world), own1.begin, own1.end); }).find("corrupted"),
+              std::string::npos);
+    const ShardRange own0 = zero_layout(kShardedElems, world).owned(0);
+    EXPECT_EQ(error_of([&] { read_range(dir, m, segments_of(world), own0.begin, own0.end); }), "")
+        << "a range that does not touch the damaged chunk still reads";
+}
+
+TEST(SeveralRanks, AMissingRankPublishesNothing) {
+    TempDir tmp;
+    const std::string out = tmp.path() + "/out";
+    const std::vector<char> state = random_bytes(size_t(kShardedElems) * 4, 78);
+    prepare_shared_checkpoint(out, 10);
+    write_rank(out, 10, 1, 3, state);  // rank 2 never comes
+    const std::string err = error_of([&] { write_rank(out, 10, 0, 3, state, /*timeout_s=*/0.2); });
+    EXPECT_NE(err.find("rank(s) 2 did not finish"), std::string::npos) << err;
+    EXPECT_TRUE(list_checkpoints(out).empty()) << "no checkpoint is published without every rank's part";
+    EXPECT_FALSE(std::filesystem::exists(out + "/" + checkpoint_dir_name(10) + ".tmp")) << "rank 0 cleans up";
+    // A rank whose directory was not prepared (not the shared one) says so.
+    EXPECT_NE(error_of([&] { write_rank(out, 11, 1, 3, state); }).find("shared directory"), std::string::npos);
+}
+
+TEST(SeveralRanks, AStalePartOfTheSameStepIsNeverMerged) {
+    TempDir tmp;
+    const std::string out = tmp.path() + "/out";
+    const std::vector<char> old_state = random_bytes(size_t(kShardedElems) * 4, 79);
+    const std::vector<char> state = random_bytes(size_t(kShardedElems) * 4, 80);
+    // An earlier attempt at step 20 died after rank 1 published its part.
+    prepare_shared_checkpoint(out, 20);
+    write_rank(out, 20, 1, 2, old_state);
+    // The new attempt: rank 0 prepares (removing the stale directory), rank 0 then times out waiting for
+    // rank 1 rather than merging the old part.
+    prepare_shared_checkpoint(out, 20);
+    EXPECT_NE(error_of([&] { write_rank(out, 20, 0, 2, state, 0.2); }).find("did not finish"), std::string::npos);
+    prepare_shared_checkpoint(out, 20);
+    write_rank(out, 20, 1, 2, state);
+    write_rank(out, 20, 0, 2, state);
+    const std::string dir = out + "/" + checkpoint_dir_name(20);
+    const CheckpointManifest m = validate_checkpoint(dir, true);
+    EXPECT_TRUE(read_range(dir, m, segments_of(2), 0, kShardedElems) == state);
 }
