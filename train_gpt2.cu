@@ -34,10 +34,16 @@ identical parameters, and one rank through NCCL computes the same bits as the si
 is left exactly as it was (no NCCL call, the same kernels in the same order). Rank 0 alone prints and
 writes files; the losses and the validation loss are averaged over the ranks for the log.
 
-Does not provide (yet): checkpoints with several ranks (refused with a message; one rank through NCCL
-checkpoints and resumes like the single-GPU path, its state being the whole model), a KV
-cache for sampling (each sampled token reruns the forward over the tokens so far), flash attention or
-activation recomputation.
+Checkpoints with several ranks: with ZeRO-1 every rank writes its shard of the optimizer state into the
+shared output directory and rank 0 publishes the checkpoint once all are written; without it rank 0
+writes the whole state. A resume on another number of ranks (or between ZeRO-1 and not) re-shards the
+optimizer state from the saved ranges and continues the same sample stream (GPT2::load_checkpoint).
+
+Attention is flash attention (llmc/flash_attention.cuh: memory linear in T, deterministic backward) for
+head sizes 64 and 128, which covers every GPT-2 size; other head sizes use the cuBLASLt path.
+
+Does not provide (yet): a KV cache for sampling (each sampled token reruns the forward over the tokens
+so far), activation recomputation.
 */
 #include <algorithm>
 #include <array>
@@ -196,7 +202,8 @@ public:
             const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
             matmul_forward(lt_, qkv(l), ln1(l), P(kQkvw) + int64_t(l) * 3 * C * C, P(kQkvb) + int64_t(l) * 3 * C, N, C,
                            3 * C, stream_);
-            attention_forward(lt_, atty(l), att(l), qkv(l), B, T, C, NH, scratch_.get(), scratch_.bytes(), stream_);
+            attention_forward(lt_, atty(l), att_saved(l), att_saved_bytes_, qkv(l), B, T, C, NH, scratch_.get(),
+                              scratch_.bytes(), stream_);
             matmul_forward(lt_, proj_, atty(l), P(kAttprojw) + int64_t(l) * C * C, P(kAttprojb) + int64_t(l) * C, N, C,
                            C, stream_);
             fused_residual_layernorm_forward(residual2(l), ln2(l), ln2_mean(l), ln2_rstd(l), residual, proj_,
@@ -262,7 +269,8 @@ public:
             // residual2 = residual + attproj(attention(qkv(ln1))).
             matmul_backward(lt_, d_atty_, G(kAttprojw) + lc * C, G(kAttprojb) + lc, d_residual_, atty(l),
                             P(kAttprojw) + lc * C, N, C, C, fscratch, sbytes, stream_);
-            attention_backward(lt_, d_qkv_, d_atty_, qkv(l), att(l), B, T, C, NH, scratch_.get(), sbytes, stream_);
+            attention_backward(lt_, d_qkv_, d_atty_, qkv(l), atty(l), att_saved(l), att_saved_bytes_, B, T, C, NH,
+                               scratch_.get(), sbytes, stream_);
             matmul_backward(lt_, d_ln_, G(kQkvw) + lc * 3 * C, G(kQkvb) + lc * 3, d_qkv_, ln1(l), P(kQkvw) + lc * 3 * C,
                             N, C, 3 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, G(kLn1w) + lc, G(kLn1b) + lc, d_ln_, residual, P(kLn1w) + lc, ln1_mean(l),
@@ -309,24 +317,113 @@ public:
         multi_->join(stream_);
     }
 
-    // The device state a checkpoint holds, in file order: the master weights as an llm.c model file
-    // (version 3, so llm.c and -e can read it), the bf16 parameters, the AdamW moments.
-    // Whole-model state only: on the NCCL path the trainer allows checkpoints for one rank, whose ZeRO-1
-    // shard is the whole model (followed by padding, which is not saved).
+    // The device state this rank's part of a checkpoint holds, in file order.
+    // Whole layout (one GPU, or data parallel without ZeRO-1, where rank 0 alone saves): model.bin (the
+    // master weights as an llm.c version 3 file, so llm.c and -e read it), params_bf16.bin, adam_m.bin,
+    // adam_v.bin. Sharded layout (ZeRO-1, every rank saves): rank 0 writes model.bin as an llm.c version 5
+    // file (the bf16 parameters, identical on every rank; no gather needed), and every rank r writes
+    // master_<r>.bin, adam_m_<r>.bin and adam_v_<r>.bin holding its owned range (checkpoint_meta records
+    // the ranges, so a resume with another number of ranks can re-shard; see load_checkpoint).
     std::vector<CheckpointTensor> checkpoint_tensors() {
-        if (multi_ != nullptr && multi_->world() > 1) {
-            fail(kExitUsage, "checkpoints of %d ranks are not yet supported", multi_->world());
-        }
-        int32_t h[kModelHeaderInts];
-        make_model_header(config_, kModelVersionFp32, h);
         const size_t n = size_t(num_params_);
-        CheckpointTensor model{"model.bin", std::vector<char>(reinterpret_cast<const char*>(h),
-                                                              reinterpret_cast<const char*>(h) + sizeof(h)),
-                               master_.get(), n * sizeof(float)};
-        return {model,
-                {"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)},
-                {"adam_m.bin", {}, adam_m_.get(), n * sizeof(float)},
-                {"adam_v.bin", {}, adam_v_.get(), n * sizeof(float)}};
+        if (!sharded()) {
+            return {{"model.bin", model_header(kModelVersionFp32), master_.get(), n * sizeof(float)},
+                    {"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)},
+                    {"adam_m.bin", {}, adam_m_.get(), n * sizeof(float)},
+                    {"adam_v.bin", {}, adam_v_.get(), n * sizeof(float)}};
+        }
+        std::vector<CheckpointTensor> t;
+        if (multi_->rank() == 0) t.push_back(bf16_model_tensor());
+        for (CheckpointTensor& s : shard_tensors(multi_->rank())) t.push_back(std::move(s));
+        return t;
+    }
+
+    // The checkpoint settings that describe the layout of checkpoint_tensors() across the ranks.
+    std::vector<std::pair<std::string, std::string>> checkpoint_layout() const {
+        if (!sharded()) return {{"state_layout", "whole"}};
+        std::vector<std::pair<std::string, std::string>> kv = {{"state_layout", "sharded"},
+                                                                {"state_ranks", format("%d", layout_.world)}};
+        for (int r = 0; r < layout_.world; r++) {
+            const ShardRange o = layout_.owned(r);
+            kv.push_back({format("state_shard_%d", r), format("%lld %lld", (long long)o.begin, (long long)o.size())});
+        }
+        return kv;
+    }
+
+    // Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
+    // number of ranks: when the checkpoint's layout and ranges are this run's, each file is streamed
+    // straight to the device (every chunk checked); otherwise (a resume on another number of ranks, or
+    // between the whole and the sharded layout) this rank's range of the master weights and moments is
+    // assembled from the pieces of the saved files (read_array_range, every chunk checked). Returns a
+    // description of what was re-sharded, empty when nothing was.
+    std::string load_checkpoint(const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
+        const std::string* kind = m.setting("state_layout");
+        const bool saved_sharded = kind && *kind == "sharded";
+        if (kind && !saved_sharded && *kind != "whole") fail(kExitData, "'%s': unknown state_layout '%s'", dir.c_str(), kind->c_str());
+        const size_t n = size_t(num_params_);
+        std::vector<SavedShard> shards;
+        if (saved_sharded) {
+            const std::string* ranks = m.setting("state_ranks");
+            const int w = ranks ? std::atoi(ranks->c_str()) : 0;
+            if (w < 1) fail(kExitData, "'%s': a sharded checkpoint without a valid state_ranks setting", dir.c_str());
+            for (int r = 0; r < w; r++) {
+                const std::string* range = m.setting(format("state_shard_%d", r));
+                long long begin = -1, count = -1;
+                if (!range || std::sscanf(range->c_str(), "%lld %lld", &begin, &count) != 2 || begin < 0 || count < 0) {
+                    fail(kExitData, "'%s': the range of rank %d's shard is missing or malformed", dir.c_str(), r);
+                }
+                SavedShard s;
+                s.path = dir + "/" + format("master_%05d.bin", r);
+                s.rank = r;
+                s.world = w;
+                s.begin = begin;
+                s.count = count;
+                shards.push_back(s);
+            }
+            check_saved_shards(shards, num_params_);
+        }
+        const ShardRange target = sharded() ? owned_ : ShardRange{0, num_params_};
+        // The parameters are whole in both layouts.
+        load_checkpoint_tensors(dir, m, {saved_sharded ? bf16_model_tensor()
+                                                       : CheckpointTensor{"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)}},
+                                io, stream_);
+        if (!saved_sharded && !sharded()) {
+            std::vector<CheckpointTensor> t = checkpoint_tensors();
+            t.erase(t.begin() + 1);  // params_bf16.bin: done
+            load_checkpoint_tensors(dir, m, t, io, stream_);
+            return "";
+        }
+        if (saved_sharded && sharded() && int(shards.size()) == layout_.world &&
+            shards[size_t(multi_->rank())].range().begin == target.begin && shards[size_t(multi_->rank())].range().end == target.end) {
+            load_checkpoint_tensors(dir, m, shard_tensors(multi_->rank()), io, stream_);
+            return "";
+        }
+        // Re-shard: this rank's range from whichever files hold it.
+        std::vector<ArraySegment> master, mom1, mom2;
+        if (saved_sharded) {
+            for (const SavedShard& s : shards) {
+                master.push_back({format("master_%05d.bin", s.rank), 0, s.begin, s.count});
+                mom1.push_back({format("adam_m_%05d.bin", s.rank), 0, s.begin, s.count});
+                mom2.push_back({format("adam_v_%05d.bin", s.rank), 0, s.begin, s.count});
+            }
+        } else {
+            // model.bin's header must be this model's before its weights are trusted.
+            const std::vector<char> want = model_header(kModelVersionFp32);
+            std::vector<char> got(want.size());
+            read_array_range(dir, m, {{"model.bin", 0, 0, int64_t(want.size())}}, 1, 0, int64_t(want.size()),
+                             [&](uint64_t at, const char* p, size_t len) { std::memcpy(got.data() + at, p, len); });
+            if (got != want) fail(kExitData, "'%s/model.bin': its header differs from this model's", dir.c_str());
+            master.push_back({"model.bin", uint64_t(want.size()), 0, num_params_});
+            mom1.push_back({"adam_m.bin", 0, 0, num_params_});
+            mom2.push_back({"adam_v.bin", 0, 0, num_params_});
+        }
+        load_array_range(dir, m, master, sizeof(float), target.begin, target.end, master_.get(), stream_);
+        load_array_range(dir, m, mom1, sizeof(float), target.begin, target.end, adam_m_.get(), stream_);
+        load_array_range(dir, m, mom2, sizeof(float), target.begin, target.end, adam_v_.get(), stream_);
+        return format("optimizer state of %s re-sharded to %s", saved_sharded ? format("%zu rank(s)", shards.size()).c_str() : "one whole copy",
+                      sharded() ? format("rank %d of %d (parameters %lld..%lld)", multi_->rank(), layout_.world,
+                                         (long long)target.begin, (long long)target.end).c_str()
+                                : "one whole copy");
     }
 
     // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
@@ -348,6 +445,21 @@ public:
     }
 
 private:
+    std::vector<char> model_header(int version) const {
+        int32_t h[kModelHeaderInts];
+        make_model_header(config_, version, h);
+        return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
+    }
+    CheckpointTensor bf16_model_tensor() {
+        return {"model.bin", model_header(kModelVersionBf16), params_.get(), size_t(num_params_) * sizeof(floatX)};
+    }
+    std::vector<CheckpointTensor> shard_tensors(int rank) {
+        const size_t k = size_t(layout_.owned(rank).size());
+        return {{format("master_%05d.bin", rank), {}, master_.get(), k * sizeof(float)},
+                {format("adam_m_%05d.bin", rank), {}, adam_m_.get(), k * sizeof(float)},
+                {format("adam_v_%05d.bin", rank), {}, adam_v_.get(), k * sizeof(float)}};
+    }
+
     void write_master(const std::string& path, DeviceFileIO& io, const float* master) const {
         int32_t h[kModelHeaderInts];
         make_model_header(config_, kModelVersionFp32, h);
@@ -391,7 +503,8 @@ private:
         const size_t N = size_t(B_) * size_t(T_);
         nc_ = N * C;
         n_ = N;
-        att_stride_ = attention_att_elements(B_, c.num_heads, T_);
+        // What attention saves for backward (flash: lse; other head sizes: the probabilities), per layer.
+        att_saved_bytes_ = align256(attention_saved_bytes(B_, c.num_heads, T_, c.channels / c.num_heads));
 
         struct Slot {
             void** ptr;
@@ -405,7 +518,7 @@ private:
             {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
             {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
             {reinterpret_cast<void**>(&atty_), L * N * C * X},
-            {reinterpret_cast<void**>(&att_), L * att_stride_ * X},
+            {reinterpret_cast<void**>(&att_saved_), L * att_saved_bytes_},
             {reinterpret_cast<void**>(&proj_), N * C * X},
             {reinterpret_cast<void**>(&residual2_), L * N * C * X},
             {reinterpret_cast<void**>(&ln2_), L * N * C * X},
@@ -443,7 +556,7 @@ private:
 
         // One scratch buffer serves every kernel that needs one: they run one after another on one stream.
         const int64_t n = int64_t(N);
-        size_t scratch = attention_scratch_bytes(B_, T_, c.channels, c.num_heads);
+        size_t scratch = attention_scratch_bytes(B_, c.num_heads, T_, c.channels / c.num_heads);
         scratch = std::max(scratch, encoder_backward_scratch_bytes(B_, T_, c.padded_vocab_size));
         scratch = std::max(scratch, layernorm_backward_scratch_bytes(n, c.channels));
         scratch = std::max(scratch, matmul_backward_scratch_bytes(n, 4 * c.channels));
@@ -463,7 +576,7 @@ private:
     float* ln1_rstd(int l) const { return ln1_rstd_ + size_t(l) * n_; }
     floatX* qkv(int l) const { return qkv_ + size_t(l) * 3 * nc_; }
     floatX* atty(int l) const { return atty_ + size_t(l) * nc_; }
-    floatX* att(int l) const { return att_ + size_t(l) * att_stride_; }
+    void* att_saved(int l) const { return att_saved_ + size_t(l) * att_saved_bytes_; }
     floatX* residual2(int l) const { return residual2_ + size_t(l) * nc_; }
     floatX* ln2(int l) const { return ln2_ + size_t(l) * nc_; }
     float* ln2_mean(int l) const { return ln2_mean_ + size_t(l) * n_; }
@@ -491,9 +604,10 @@ private:
     DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale, ZeRO-1's sum of squares
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
-    size_t nc_ = 0, n_ = 0, att_stride_ = 0;
+    size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
-    floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr, *att_ = nullptr;
+    floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;
+    char* att_saved_ = nullptr;  // attention's saved state, att_saved_bytes_ per layer
     floatX *proj_ = nullptr;  // attproj, then fcproj: only the residual adds read them
     floatX *residual2_ = nullptr, *ln2_ = nullptr, *fch_ = nullptr, *fch_gelu_ = nullptr, *residual3_ = nullptr;
     floatX *lnf_ = nullptr, *logits_ = nullptr;
@@ -681,10 +795,6 @@ inline RankInfo resolve_ranks(Options& o) {
         if (o.zero_stage == 1) fail(kExitUsage, "-z/--zero-stage 1 needs the NCCL path (--multi-gpu 1 or several ranks)");
     } else {
         resolve_rendezvous(o.rendezvous, ranks);  // a bad or missing spec fails here, before CUDA
-        if ((o.checkpoint_every > 0 || o.resume == 1) && ranks.world > 1) {
-            fail(kExitUsage, "checkpoints (-n, -y 1) with %d ranks are not yet supported (one rank, with or without "
-                             "--multi-gpu, can checkpoint); train without them", ranks.world);
-        }
     }
     o.multi_gpu = multi ? 1 : 0;
     if (o.zero_stage == -1) o.zero_stage = multi ? 1 : 0;
@@ -1214,10 +1324,12 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_settings(cons
     };
 }
 
-inline CheckpointManifest checkpoint_meta(const Options& o, const GPT2Config& c, const Plan& plan, const Data& data,
-                                          int step) {
+inline CheckpointManifest checkpoint_meta(const Options& o, const GPT2& model, const Plan& plan, const Data& data,
+                                          int step, int world) {
     CheckpointManifest m;
-    m.settings = checkpoint_settings(o, c, plan, data.max_steps);
+    m.settings = checkpoint_settings(o, model.config(), plan, data.max_steps);
+    m.settings.push_back({"ranks", format("%d", world)});
+    for (auto& kv : model.checkpoint_layout()) m.settings.push_back(std::move(kv));
     // The schedule position is the step; the rate is recorded for the reader's benefit.
     m.settings.push_back({"lr_at_step", format("%.9g", plan.schedule.at(step))});
     m.blobs.push_back({"train_loader", data.train->state()});
@@ -1239,7 +1351,7 @@ inline void print_checkpoint_report(const CheckpointReport& r, bool async) {
 // skipped with the reason printed, and the next older one is tried; a configuration or data that
 // differs from the checkpoint's is an error, not a reason to skip.
 inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
-                                  GPT2& model, Data& data, Outputs& out) {
+                                  GPT2& model, Data& data, Outputs& out, int world) {
     if (candidates.empty()) {
         std::printf("resume: no checkpoint in '%s'; starting from step 0\n", o.output_dir.c_str());
         return 0;
@@ -1268,13 +1380,18 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
                  (long long)m.step, data.max_steps);
         }
+        // A run on another number of ranks continues the same sample stream (the DataLoader converts its
+        // position; the same tokens per step make that exact) and re-shards the optimizer state.
+        int saved_world = 0;
         try {
-            data.train->restore(*m.blob("train_loader"));
+            saved_world = int(SampleSchedule::state_world(*m.blob("train_loader")));
+            data.train->restore(*m.blob("train_loader"), /*allow_world_change=*/true);
         } catch (const Error& e) {
             fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
         }
+        std::string resharded;
         try {
-            load_checkpoint_tensors(c.path, m, model.checkpoint_tensors(), io, model.stream());
+            resharded = model.load_checkpoint(c.path, m, io);
         } catch (const Error& e) {
             if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
             std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
@@ -1282,6 +1399,11 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             continue;
         }
         for (const std::string& n : notes) std::printf("resume: changed setting %s\n", n.c_str());
+        if (saved_world != world) {
+            std::printf("resume: the checkpoint was written by %d rank(s), this run has %d: the DataLoader continues "
+                        "the same sample stream\n", saved_world, world);
+        }
+        if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
         std::printf("resume: restored %s%s: step %lld (next step %lld), master weights, bf16 parameters, AdamW m and "
                     "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init/rounding %lld, "
                     "sampling %lld)\n",
@@ -1351,11 +1473,19 @@ int main(int argc, char** argv) {
             multi->check_same(hash, "the training settings (model, batch, data, schedule, optimizer, seeds)");
         }
         print_startup(flags, opt, plan, device, source, model, data);
-        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
+        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, ranks.world) : 0;
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
         std::unique_ptr<Checkpointer> ckpt;
-        if (opt.checkpoint_every > 0) {
+        if (opt.checkpoint_every > 0 && model.sharded() && ranks.world > 1) {
+            // ZeRO-1 with several ranks: every rank writes its shard into the shared directory.
+            MultiGpu* mg = multi.get();
+            ckpt = std::make_unique<Checkpointer>(model.checkpoint_tensors(), opt.checkpoint_async, ranks.rank,
+                                                  ranks.world, [mg] { mg->barrier(); }, opt.nccl_timeout);
+        } else if (opt.checkpoint_every > 0 && root) {
+            // One GPU, or ranks that all hold the whole state: rank 0 alone writes it.
             ckpt = std::make_unique<Checkpointer>(model.checkpoint_tensors(), opt.checkpoint_async);
+        }
+        if (ckpt) {
             if (ckpt->async()) {
                 std::printf("checkpoint snapshot buffers: %s of device memory\n",
                             human_bytes(double(ckpt->snapshot_device_bytes())).c_str());
@@ -1389,7 +1519,7 @@ int main(int argc, char** argv) {
             if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
             if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == data.max_steps)) {
                 ckpt->save(opt.output_dir, step + 1, model.checkpoint_tensors(),
-                           checkpoint_meta(opt, model.config(), plan, data, step + 1), stream, opt.keep_last,
+                           checkpoint_meta(opt, model, plan, data, step + 1, ranks.world), stream, opt.keep_last,
                            opt.keep_every);
                 if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
             }

@@ -71,11 +71,11 @@ for section in "$@"; do
             tail -n 12 "$OUT/bench_checkpoint.log" >>"$summary" ;;
         torch)
             # Issue 6's training-dynamics check: the same d12 start and batches (file order), 300 steps each.
-            # "hot": B=16 (16K tokens per step) at lr 6e-4 after 30 warmup steps; "calm": the same with 4
-            # micro-steps (64K tokens per step). torch fp32 (no autocast, no TF32) on the hot setting gives
+            # "hot": B=16 (16K tokens per step) at lr 6e-4 after 30 warmup steps; "calm": 4 micro-steps
+            # (64K tokens per step) and 100 warmup steps. torch fp32 (no autocast, no TF32) on the hot setting gives
             # the noise floor: how far bf16 itself moves PyTorch's own losses. The JSONL logs come back in $OUT/dynamics.tgz.
             hot=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
-            calm=("${hot[@]}" -d 65536)
+            calm=(-b 16 -t 1024 -d 65536 -x 300 -l 6e-4 -u 100 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
             for cfg in hot calm; do
                 declare -n hp=$cfg

@@ -1,24 +1,36 @@
 /*
-Causal multi-head self-attention on the GPU, llm.c style: permute, batched cuBLASLt matmuls and a
-softmax kernel. Argument meanings as attention_forward/attention_backward in llmc/gpt2_cpu.h: qkv
-(B,T,3C) holds q, k, v side by side with head h at columns h*HS of each; out (B,T,C) puts head h at
-columns h*HS; scale 1/sqrt(HS).
+Causal multi-head self-attention on the GPU. Argument meanings as attention_forward/attention_backward in
+llmc/gpt2_cpu.h: qkv (B,T,3C) holds q, k, v side by side with head h at columns h*HS of each; out (B,T,C)
+puts head h at columns h*HS; scale 1/sqrt(HS).
 
 Provides:
-  attention_forward:  q, k, v permuted to (B,NH,T,HS); preatt = scale * q @ k^T in fp32 (one batched
-                      matmul over B*NH); a causal softmax in fp32 (one warp per row) writes att; y = att
-                      @ v; y permuted back into out.
-  attention_backward: dqkv (B,T,3C), OVERWRITTEN (the CPU reference adds into a zeroed buffer):
-                      datt = dy @ v^T (fp32), dv = att^T @ dy, dpreatt = softmax backward with the scale
-                      (fp32 math, bf16 result), dq = dpreatt @ k, dk = dpreatt^T @ q.
-What is saved for backward: the CPU reference keeps att (B,NH,T,T) in fp32; we keep att as bf16
-(B,NH,T,Tp) with Tp = T rounded up to a multiple of 8 (so every row and every head's matrix starts on
-a 16-byte boundary for cuBLASLt), zero above the diagonal and in the padding columns. Backward also
-reads qkv (the layer's input, which the trainer keeps anyway) and re-permutes it into scratch.
-Memory is quadratic in T (the att activation and the fp32 scratch); T may be anything up to maxT.
-HS must be a multiple of 8. Deterministic: no atomics, and cuBLAS is reproducible on one GPU model.
+  attention_forward, attention_backward: what the trainer calls. Head sizes 64 and 128 (every GPT-2
+                      shape d2..d48 has HS = 64) run flash attention (llmc/flash_attention.cuh: tensor-core
+                      kernels, nothing quadratic in T stored); any other head size (model files may have
+                      other shapes) runs the cuBLASLt path below. attention_uses_flash(HS) says which.
+  attention_saved_bytes(B, NH, T, HS): bytes of the state forward saves for backward, one layer: flash:
+                      lse (B,NH,T) fp32; cuBLASLt: att (B,NH,T,Tp) bf16.
+  attention_scratch_bytes(B, NH, T, HS): scratch bytes of either direction: flash: D (B,NH,T) fp32
+                      (backward only); cuBLASLt: permuted copies of q, k, v, y, dq, dk, dv plus the scores
+                      (B,NH,T,Tp) in fp32 and bf16.
+  attention_forward_cublaslt, attention_backward_cublaslt: the cuBLASLt path, for any head size (the
+                      kernel lab dev/attention_lab.cu times it against flash). Forward: q, k, v permuted to
+                      (B,NH,T,HS); preatt = scale * q @ k^T in fp32 (one batched matmul over B*NH); a causal
+                      softmax in fp32 (one warp per row) writes att; y = att @ v; y permuted back into out.
+                      Backward: datt = dy @ v^T (fp32), dv = att^T @ dy, dpreatt = softmax backward with the
+                      scale (fp32 math, bf16 result), dq = dpreatt @ k, dk = dpreatt^T @ q. att is kept as
+                      bf16 (B,NH,T,Tp) with Tp = attention_padded_len(T) = T rounded up to a multiple of 8
+                      (so every row and every head's matrix starts on a 16-byte boundary for cuBLASLt), zero
+                      above the diagonal and in the padding columns (the CPU reference keeps (B,NH,T,T)
+                      fp32). Memory is quadratic in T.
+Both paths: dqkv (B,T,3C) is OVERWRITTEN (the CPU reference adds into a zeroed buffer) and must not alias
+the inputs; backward reads qkv (the layer's input) and out (the forward's output; only flash needs it),
+which the trainer keeps anyway. T may be anything >= 1. Checked, with an error naming the function: B,
+T, NH >= 1, C a multiple of NH, HS = C/NH a multiple of 8, the saved and scratch sizes, every pointer
+16-byte aligned. Deterministic: no atomics in either path (cuBLAS is reproducible on one GPU model). The
+two paths agree to within bf16 rounding, not bitwise.
 
-Does not provide: flash attention (a later issue), dropout, or masks other than causal.
+Does not provide: dropout, masks other than causal, a KV cache.
 */
 #pragma once
 
@@ -27,23 +39,22 @@ Does not provide: flash attention (a later issue), dropout, or masks other than 
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/flash_attention.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
 namespace llmc {
 
-// Row length of the attention matrices (att, and the scores in scratch).
-inline int attention_padded_len(int T) { return round_up(T, 8); }
+// The head sizes flash attention has kernels for; attention_forward/backward use it for these.
+inline bool attention_uses_flash(int HS) { return HS == 64 || HS == 128; }
 
-// Elements of the att activation (B,NH,T,Tp) that attention_forward writes and attention_backward reads.
-inline size_t attention_att_elements(int B, int NH, int T) {
-    return size_t(B) * size_t(NH) * size_t(T) * size_t(attention_padded_len(T));
-}
+// Row length of the cuBLASLt path's attention matrices (att, and the scores in scratch).
+inline int attention_padded_len(int T) { return round_up(T, 8); }
 
 namespace detail {
 
-// Scratch of both directions, carved in the same order; forward uses q, k, v, y and the fp32 scores,
-// backward everything.
+// Scratch of both directions of the cuBLASLt path, carved in the same order; forward uses q, k, v, y
+// and the fp32 scores, backward everything.
 struct AttentionScratch {
     floatX *q = nullptr, *k = nullptr, *v = nullptr, *y = nullptr;  // y doubles as dy in backward
     floatX *dq = nullptr, *dk = nullptr, *dv = nullptr;
@@ -69,14 +80,40 @@ inline AttentionScratch attention_scratch_layout(void* base, int B, int T, int C
 }
 
 inline void check_attention_args(const char* fn, int B, int T, int C, int NH) {
-    if (B < 1 || T < 1 || NH < 1 || C % NH != 0) fail(kExitUsage, "%s: B=%d T=%d C=%d NH=%d", fn, B, T, C, NH);
-    require_pack_multiple(C / NH, fn);
+    if (B < 1 || T < 1 || NH < 1 || C < 1) {
+        fail(kExitUsage, "%s: B=%d T=%d C=%d NH=%d must all be at least 1", fn, B, T, C, NH);
+    }
+    if (C % NH != 0) fail(kExitUsage, "%s: C=%d is not a multiple of NH=%d", fn, C, NH);
+    if ((C / NH) % kPackX != 0) {
+        fail(kExitUsage, "%s: head size HS = C/NH = %d/%d = %d is not a multiple of %d", fn, C, NH, C / NH, kPackX);
+    }
+}
+
+inline void check_size(const char* fn, const char* what, size_t have, size_t need, int B, int T, int C, int NH) {
+    if (have < need) {
+        fail(kExitUsage, "%s: %s of %zu bytes, B=%d T=%d C=%d NH=%d needs %zu", fn, what, have, B, T, C, NH, need);
+    }
 }
 
 }  // namespace detail
 
-inline size_t attention_scratch_bytes(int B, int T, int C, int NH) {
-    return detail::attention_scratch_layout(nullptr, B, T, C, NH).total;
+// Bytes of the cuBLASLt path's saved att (B,NH,T,Tp) bf16 and of its scratch.
+inline size_t attention_cublaslt_saved_bytes(int B, int NH, int T) {
+    return size_t(B) * size_t(NH) * size_t(T) * size_t(attention_padded_len(T)) * sizeof(floatX);
+}
+
+inline size_t attention_cublaslt_scratch_bytes(int B, int NH, int T, int HS) {
+    return detail::attention_scratch_layout(nullptr, B, T, NH * HS, NH).total;
+}
+
+// Bytes of the state attention_forward saves for attention_backward, for one layer.
+inline size_t attention_saved_bytes(int B, int NH, int T, int HS) {
+    return attention_uses_flash(HS) ? flash_lse_bytes(B, NH, T) : attention_cublaslt_saved_bytes(B, NH, T);
+}
+
+// Bytes of the scratch attention_forward and attention_backward need (the larger of the two).
+inline size_t attention_scratch_bytes(int B, int NH, int T, int HS) {
+    return attention_uses_flash(HS) ? flash_scratch_bytes(B, NH, T) : attention_cublaslt_scratch_bytes(B, NH, T, HS);
 }
 
 constexpr int kAttentionBlock = 256;
@@ -176,18 +213,17 @@ inline unsigned attention_pack_blocks(int B, int T, int C, int block) {
     return unsigned(ceil_div<int64_t>(int64_t(B) * T * C / kPackX, block));
 }
 
-// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C). scratch: attention_scratch_bytes(B, T, C, NH).
-inline void attention_forward(const CublasLt& lt, floatX* out, floatX* att, const floatX* qkv, int B, int T, int C,
-                              int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
-    detail::check_attention_args("attention_forward", B, T, C, NH);
+// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C); scratch: attention_cublaslt_scratch_bytes.
+inline void attention_forward_cublaslt(const CublasLt& lt, floatX* out, floatX* att, const floatX* qkv, int B, int T,
+                                       int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    const char* fn = "attention_forward_cublaslt";
+    detail::check_attention_args(fn, B, T, C, NH);
     const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
-    if (scratch_bytes < s.total) {
-        fail(kExitUsage, "attention_forward: scratch of %zu bytes, B=%d T=%d C=%d NH=%d needs %zu", scratch_bytes, B, T,
-             C, NH, s.total);
-    }
-    require_aligned16(out, "attention_forward: out");
-    require_aligned16(att, "attention_forward: att");
-    require_aligned16(qkv, "attention_forward: qkv");
+    detail::check_size(fn, "scratch", scratch_bytes, s.total, B, T, C, NH);
+    require_aligned16(out, "attention_forward_cublaslt: out");
+    require_aligned16(att, "attention_forward_cublaslt: att");
+    require_aligned16(qkv, "attention_forward_cublaslt: qkv");
+    require_aligned16(scratch, "attention_forward_cublaslt: scratch");
     const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
     const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
     const int block = 256;
@@ -207,19 +243,18 @@ inline void attention_forward(const CublasLt& lt, floatX* out, floatX* att, cons
 }
 
 // dqkv (B,T,3C) from dout (B,T,C), the forward's input qkv and its att. dqkv must not alias the inputs.
-inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
-                               const floatX* att, int B, int T, int C, int NH, void* scratch, size_t scratch_bytes,
-                               cudaStream_t stream) {
-    detail::check_attention_args("attention_backward", B, T, C, NH);
+inline void attention_backward_cublaslt(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
+                                        const floatX* att, int B, int T, int C, int NH, void* scratch,
+                                        size_t scratch_bytes, cudaStream_t stream) {
+    const char* fn = "attention_backward_cublaslt";
+    detail::check_attention_args(fn, B, T, C, NH);
     const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
-    if (scratch_bytes < s.total) {
-        fail(kExitUsage, "attention_backward: scratch of %zu bytes, B=%d T=%d C=%d NH=%d needs %zu", scratch_bytes, B,
-             T, C, NH, s.total);
-    }
-    require_aligned16(dqkv, "attention_backward: dqkv");
-    require_aligned16(dout, "attention_backward: dout");
-    require_aligned16(qkv, "attention_backward: qkv");
-    require_aligned16(att, "attention_backward: att");
+    detail::check_size(fn, "scratch", scratch_bytes, s.total, B, T, C, NH);
+    require_aligned16(dqkv, "attention_backward_cublaslt: dqkv");
+    require_aligned16(dout, "attention_backward_cublaslt: dout");
+    require_aligned16(qkv, "attention_backward_cublaslt: qkv");
+    require_aligned16(att, "attention_backward_cublaslt: att");
+    require_aligned16(scratch, "attention_backward_cublaslt: scratch");
     const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
     const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
     const int block = 256;
@@ -244,6 +279,53 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
     attention_merge_dqkv_kernel<<<attention_pack_blocks(B, T, C, block), block, 0, stream>>>(dqkv, s.dq, s.dk, s.dv, B,
                                                                                              T, NH, HS);
     cudaCheckLaunch();
+}
+
+// out (B,T,C) from qkv (B,T,3C), saving attention_saved_bytes(B, NH, T, C/NH) bytes of state in `saved`
+// for attention_backward. scratch: attention_scratch_bytes (flash's forward uses none).
+inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size_t saved_bytes, const floatX* qkv,
+                              int B, int T, int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    const char* fn = "attention_forward";
+    detail::check_attention_args(fn, B, T, C, NH);
+    const int HS = C / NH;
+    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, HS), B, T, C, NH);
+    require_aligned16(saved, "attention_forward: saved");
+    if (attention_uses_flash(HS)) {
+        float* lse = static_cast<float*>(saved);
+        if (HS == 64) {
+            flash_forward<64>(out, lse, qkv, B, T, NH, stream);
+        } else {
+            flash_forward<128>(out, lse, qkv, B, T, NH, stream);
+        }
+    } else {
+        attention_forward_cublaslt(lt, out, static_cast<floatX*>(saved), qkv, B, T, C, NH, scratch, scratch_bytes,
+                                   stream);
+    }
+}
+
+// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's input qkv, output out and saved state.
+// dqkv must not alias the inputs.
+inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
+                               const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
+                               void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    const char* fn = "attention_backward";
+    detail::check_attention_args(fn, B, T, C, NH);
+    const int HS = C / NH;
+    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, HS), B, T, C, NH);
+    require_aligned16(saved, "attention_backward: saved");
+    if (attention_uses_flash(HS)) {
+        detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
+        float* D = static_cast<float*>(scratch);
+        const float* lse = static_cast<const float*>(saved);
+        if (HS == 64) {
+            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+        } else {
+            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+        }
+    } else {
+        attention_backward_cublaslt(lt, dqkv, dout, qkv, static_cast<const floatX*>(saved), B, T, C, NH, scratch,
+                                    scratch_bytes, stream);
+    }
 }
 
 }  // namespace llmc

@@ -28,7 +28,9 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     final bf16 parameters bitwise identical.
 Shapes: d2 (C=128, NH=2) and a small explicit model (L=3, C=96, NH=3, HS=32, V=1000 padded to 1024,
 maxT=80) at B=4, T=64; d6 and d12 at B=4, T=64; d2 at B=4, T=1024. d6 and d12 at T=1024 take minutes on
-the CPU side and run only with LLMC_LONG_TESTS=1 (they skip with a message otherwise).
+the CPU side and run only with LLMC_LONG_TESTS=1 (they skip with a message otherwise). The GPT-2 shapes
+(HS=64) run flash attention, the C=96 model the cuBLASLt attention path; the AdamW, smaller-forward and
+determinism tests run both d2 and the C=96 model.
 */
 #define TESTING
 #include "train_gpt2.cu"
@@ -310,65 +312,75 @@ TEST_F(GPT2TrainingTest, GradientAccumulationMatchesOneBigBatch) {
     }
 }
 
+// d2 (HS = 64: flash attention) and the C96 model (HS = 32: the cuBLASLt attention path).
 TEST_F(GPT2TrainingTest, SmallerForwardThanAllocatedMatchesCpu) {
-    const GPT2Config c = make_config(3, 96, 3, 1000, 80);
-    const int B = 1, T = 10;
-    const std::vector<float> params = test_parameters(c, 41);
-    const std::vector<int> inputs = random_tokens(size_t(B) * T, c.vocab_size, 42);
-    cpu::GPT2<float> ref(c, params);
-    ref.forward(inputs.data(), nullptr, B, T);
+    for (const Case& k : {cases()[0], cases()[1]}) {
+        SCOPED_TRACE(k.name);
+        std::printf("  %s\n", k.name.c_str());
+        const GPT2Config& c = k.config;
+        const int B = 1, T = 10;
+        const std::vector<float> params = test_parameters(c, 41);
+        const std::vector<int> inputs = random_tokens(size_t(B) * T, c.vocab_size, 42);
+        cpu::GPT2<float> ref(c, params);
+        ref.forward(inputs.data(), nullptr, B, T);
 
-    Stream stream;
-    GPT2 gpu(c, 4, 64, stream);
-    gpu.set_parameters(params);
-    auto d_in = upload(inputs);
-    gpu.forward(d_in.get(), nullptr, B, T);
-    const std::vector<float> logits = download_bf16(gpu.logits(), size_t(T) * c.padded_vocab_size, stream);
-    expect_close("logits B=1 T=10", logits.data(), ref.activations().logits.data(), logits.size(), kTolLogits);
+        Stream stream;
+        GPT2 gpu(c, 4, 64, stream);
+        gpu.set_parameters(params);
+        auto d_in = upload(inputs);
+        gpu.forward(d_in.get(), nullptr, B, T);
+        const std::vector<float> logits = download_bf16(gpu.logits(), size_t(T) * c.padded_vocab_size, stream);
+        expect_close("logits B=1 T=10", logits.data(), ref.activations().logits.data(), logits.size(), kTolLogits);
+    }
 }
 
+// Both attention paths, as above.
 TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
-    const GPT2Config c = make_config(3, 96, 3, 1000, 80);
-    const int B = 4, T = 64, steps = 5;
-    const size_t N = size_t(B) * T;
-    const std::vector<float> params = test_parameters(c, 51);
-    std::vector<std::vector<int>> batches;
-    for (int s = 0; s < 2 * steps; s++) batches.push_back(random_tokens(N, c.vocab_size, 52 + uint64_t(s)));
+    for (const Case& k : {cases()[0], cases()[1]}) {
+        SCOPED_TRACE(k.name);
+        std::printf("  %s\n", k.name.c_str());
+        const GPT2Config& c = k.config;
+        const int B = 4, T = 64, steps = 5;
+        const size_t N = size_t(B) * T;
+        const std::vector<float> params = test_parameters(c, 51);
+        std::vector<std::vector<int>> batches;
+        for (int s = 0; s < 2 * steps; s++) batches.push_back(random_tokens(N, c.vocab_size, 52 + uint64_t(s)));
 
-    struct Run {
-        std::vector<float> losses, norms;
-        std::vector<floatX> final_params;
-    };
-    auto run = [&]() {
-        Stream stream;
-        GPT2 gpu(c, B, T, stream);
-        gpu.set_parameters(params);
-        AdamWSettings settings;
-        settings.learning_rate = 3e-3f;
-        settings.weight_decay = 0.1f;
-        Run r;
+        struct Run {
+            std::vector<float> losses, norms;
+            std::vector<floatX> final_params;
+        };
+        auto run = [&]() {
+            Stream stream;
+            GPT2 gpu(c, B, T, stream);
+            gpu.set_parameters(params);
+            AdamWSettings settings;
+            settings.learning_rate = 3e-3f;
+            settings.weight_decay = 0.1f;
+            Run r;
+            for (int s = 0; s < steps; s++) {
+                auto d_in = upload(batches[size_t(2 * s)]), d_tg = upload(batches[size_t(2 * s + 1)]);
+                gpu.zero_grad();
+                gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+                gpu.backward(d_in.get(), B, T);
+                gpu.update(settings, 1.0f, s + 1, 1234);
+                r.losses.push_back(download_scalar(gpu.mean_loss(), stream));
+                r.norms.push_back(download_scalar(gpu.grad_norm(), stream));
+            }
+            r.final_params = download(gpu.params(), size_t(gpu.num_parameters()), stream);
+            return r;
+        };
+        const Run a = run(), b = run();
         for (int s = 0; s < steps; s++) {
-            auto d_in = upload(batches[size_t(2 * s)]), d_tg = upload(batches[size_t(2 * s + 1)]);
-            gpu.zero_grad();
-            gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
-            gpu.backward(d_in.get(), B, T);
-            gpu.update(settings, 1.0f, s + 1, 1234);
-            r.losses.push_back(download_scalar(gpu.mean_loss(), stream));
-            r.norms.push_back(download_scalar(gpu.grad_norm(), stream));
+            std::printf("    step %d  loss %.9g / %.9g  norm %.9g / %.9g\n", s + 1, double(a.losses[size_t(s)]),
+                        double(b.losses[size_t(s)]), double(a.norms[size_t(s)]), double(b.norms[size_t(s)]));
         }
-        r.final_params = download(gpu.params(), size_t(gpu.num_parameters()), stream);
-        return r;
-    };
-    const Run a = run(), b = run();
-    for (int s = 0; s < steps; s++) {
-        std::printf("    step %d  loss %.9g / %.9g  norm %.9g / %.9g\n", s + 1, double(a.losses[size_t(s)]),
-                    double(b.losses[size_t(s)]), double(a.norms[size_t(s)]), double(b.norms[size_t(s)]));
+        EXPECT_EQ(0, std::memcmp(a.losses.data(), b.losses.data(), a.losses.size() * sizeof(float))) << "losses differ";
+        EXPECT_EQ(0, std::memcmp(a.norms.data(), b.norms.data(), a.norms.size() * sizeof(float))) << "norms differ";
+        EXPECT_EQ(0, std::memcmp(a.final_params.data(), b.final_params.data(), a.final_params.size() * sizeof(floatX)))
+            << "final parameters differ";
+        EXPECT_NE(a.losses.front(), a.losses.back()) << "the steps changed nothing";
     }
-    EXPECT_EQ(0, std::memcmp(a.losses.data(), b.losses.data(), a.losses.size() * sizeof(float))) << "losses differ";
-    EXPECT_EQ(0, std::memcmp(a.norms.data(), b.norms.data(), a.norms.size() * sizeof(float))) << "norms differ";
-    EXPECT_EQ(0, std::memcmp(a.final_params.data(), b.final_params.data(), a.final_params.size() * sizeof(floatX)))
-        << "final parameters differ";
-    EXPECT_NE(a.losses.front(), a.losses.back()) << "the steps changed nothing";
 }
 
 // ----------------------------------------------------------------------------------------------------

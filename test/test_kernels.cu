@@ -1,16 +1,20 @@
 /*
-GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh, gelu.cuh,
-classifier.cuh, global_norm.cuh, adamw.cuh) against the fp32 CPU reference (llmc/gpt2_cpu.h).
+GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh with
+flash_attention.cuh, gelu.cuh, classifier.cuh, global_norm.cuh, adamw.cuh) against the fp32 CPU reference
+(llmc/gpt2_cpu.h).
 
 Every kernel gets random inputs rounded to bf16; the CPU reference runs in fp32 on exactly those
 values. Shapes are deliberately not multiples of the block sizes (T=37 and 97, C=48 and 96, NH=3,
 V=101 padded to 128, row counts around the 256-row reduction chunks) plus one realistic case (C=768,
-NH=12, T=64) and the GPT-2 vocabulary for the classifier. Outputs that a kernel overwrites are
-poisoned with NaN bit patterns first, so an element that is not written shows up as non-finite;
-outputs that a kernel adds to start from random values, and their error is measured against the size
-of what was added: ||got - ref|| / ||ref - initial||. Tolerances: 1e-2 for bf16 results (one bf16
-rounding is 2^-9 = 2e-3 relative), 1e-5 for fp32 ones, exact where the math is exact (sums of two bf16
-values). Every backward, the classifier, the norm and AdamW run twice and must agree bitwise.
+NH=12, T=64) and the GPT-2 vocabulary for the classifier. Attention has its own cases: both of its
+paths (flash for HS 64 and 128, cuBLASLt for HS 16, 32 and 48) at T = 1, 37, 64, 65, 97 and 200, and
+its saved state too (flash's lse against a double reference, the cuBLASLt path's probabilities).
+Outputs that a kernel overwrites are poisoned with NaN bit patterns first, so an element that is not
+written shows up as non-finite; outputs that a kernel adds to start from random values, and their
+error is measured against the size of what was added: ||got - ref|| / ||ref - initial||. Tolerances:
+1e-2 for bf16 results (one bf16 rounding is 2^-9 = 2e-3 relative), 1e-5 for fp32 ones, exact where the
+math is exact (sums of two bf16 values). Every backward, attention's forward, the classifier, the norm
+and AdamW run twice and must agree bitwise.
 Each comparison prints its relative error, so a run shows the margins.
 */
 #include <gtest/gtest.h>
@@ -35,6 +39,7 @@ Each comparison prints its relative error, so a run shows the margins.
 #include "llmc/gpt2_cpu.h"
 #include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
+#include "test/expect_error.h"
 #include "test/gpu_test.h"
 
 using namespace llmc;
@@ -468,61 +473,183 @@ TEST_F(KernelTest, MatmulBackwardMatchesCpuAndIsDeterministic) {
 
 // ----------------------------------------------------------------------------------------------------
 
-TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndBackwardIsDeterministic) {
+// attention_forward/backward run flash attention for HS 64 and 128 and the cuBLASLt path for other head
+// sizes; every case names the path it must take, so the dispatch is pinned too. T is 1 (one key per
+// query), 37, 65 (one row into a second 64-row flash tile), 97 and 200 (a partial fourth tile), none a
+// multiple of the tiles or of the cuBLASLt path's 8-column padding; plus the d12 head layout at T=64.
+struct AttentionCase {
+    int B, T, C, NH;
+    bool flash;
+    std::string name() const {
+        return format("B=%d T=%d C=%d NH=%d HS=%d (%s)", B, T, C, NH, C / NH, flash ? "flash" : "cuBLASLt");
+    }
+};
+
+const AttentionCase kAttentionCases[] = {
+    {2, 1, 128, 2, true},  {3, 37, 192, 3, true}, {2, 65, 128, 2, true}, {1, 200, 256, 4, true},
+    {2, 64, 768, 12, true}, {2, 1, 256, 2, true},  {2, 37, 256, 2, true}, {1, 65, 384, 3, true},
+    {1, 200, 256, 2, true}, {2, 1, 48, 3, false},  {3, 37, 96, 3, false}, {2, 65, 96, 2, false},
+    {8, 97, 96, 3, false},  {1, 200, 144, 3, false},
+};
+
+// lse[b,h,t] = ln sum_{k<=t} exp(q_t.k_k / sqrt(HS)) in double, from the same (bf16) values as the GPU.
+std::vector<float> attention_lse_ref(const std::vector<float>& qkv, int B, int T, int C, int NH) {
+    const int HS = C / NH;
+    const double scale = 1.0 / std::sqrt(double(HS));
+    std::vector<float> lse(size_t(B) * NH * T);
+    std::vector<double> s(static_cast<size_t>(T));
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            for (int t = 0; t < T; t++) {
+                const float* q = &qkv[(size_t(b) * T + size_t(t)) * 3 * C + size_t(h) * HS];
+                double m = -INFINITY;
+                for (int k = 0; k <= t; k++) {
+                    const float* kp = &qkv[(size_t(b) * T + size_t(k)) * 3 * C + size_t(C) + size_t(h) * HS];
+                    double dot = 0;
+                    for (int d = 0; d < HS; d++) dot += double(q[d]) * kp[d];
+                    s[size_t(k)] = scale * dot;
+                    m = std::max(m, s[size_t(k)]);
+                }
+                double sum = 0;
+                for (int k = 0; k <= t; k++) sum += std::exp(s[size_t(k)] - m);
+                lse[(size_t(b) * NH + size_t(h)) * T + size_t(t)] = float(m + std::log(sum));
+            }
+        }
+    }
+    return lse;
+}
+
+// Elements part*C .. part*C+C-1 of every row of a (N, 3C) tensor: dq, dk or dv of dqkv.
+std::vector<float> qkv_part(const std::vector<float>& x, int64_t N, int C, int part) {
+    std::vector<float> r(size_t(N) * C);
+    for (int64_t i = 0; i < N; i++) {
+        std::copy_n(x.begin() + (i * 3 + part) * C, C, r.begin() + i * C);
+    }
+    return r;
+}
+
+TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndAreDeterministic) {
     CublasLt lt;
-    std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
-    shapes.push_back({2, 1, 48, 3, 101, 128});  // T = 1: a single key per query
-    for (const Shape& s : shapes) {
+    for (const AttentionCase& s : kAttentionCases) {
         SCOPED_TRACE(s.name());
         std::printf("  %s\n", s.name().c_str());
-        const int64_t N = s.N();
+        const int HS = s.C / s.NH;
+        ASSERT_EQ(attention_uses_flash(HS), s.flash) << "attention_forward/backward take the other path";
+        const int64_t N = int64_t(s.B) * s.T;
         const int Tp = attention_padded_len(s.T);
-        const size_t n_qkv = size_t(N) * 3 * s.C, n_out = size_t(N) * s.C;
-        const size_t n_att_cpu = size_t(s.B) * s.NH * s.T * s.T, n_att = attention_att_elements(s.B, s.NH, s.T);
+        const size_t n_qkv = size_t(N) * 3 * s.C, n_out = size_t(N) * s.C, n_rows = size_t(s.B) * s.NH * s.T;
         // Larger than unit deviation so the softmax is far from uniform.
         const auto qkv = random_bf16(n_qkv, 50, 1.5f), dout = random_bf16(n_out, 51);
-        std::vector<float> out_ref(n_out), att_ref(n_att_cpu), dqkv_ref(n_qkv, 0.0f);
+        std::vector<float> out_ref(n_out), att_ref(n_rows * s.T), dqkv_ref(n_qkv, 0.0f);
         cpu::attention_forward<float>(out_ref.data(), att_ref.data(), qkv.data(), s.B, s.T, s.C, s.NH);
         cpu::attention_backward<float>(dqkv_ref.data(), dout.data(), qkv.data(), att_ref.data(), s.B, s.T, s.C, s.NH);
 
         auto d_qkv = upload_bf16(qkv), d_dout = upload_bf16(dout);
-        const size_t scratch_bytes = attention_scratch_bytes(s.B, s.T, s.C, s.NH);
-        DeviceBuffer<char> scratch(scratch_bytes);
-        DeviceBuffer<floatX> d_out(n_out), d_att(n_att), d_dqkv(n_qkv);
-        poison(d_out);
-        poison(d_att);
-        poison(scratch);
-        attention_forward(lt, d_out.get(), d_att.get(), d_qkv.get(), s.B, s.T, s.C, s.NH, scratch.get(), scratch_bytes,
-                          kStream);
-        expect_close("out", download_bf16(d_out.get(), n_out), out_ref, kTolBf16);
-        const auto att = download_bf16(d_att.get(), n_att);
-        std::vector<float> att_valid(n_att_cpu);
-        size_t nonzero_masked = 0;
-        for (size_t row = 0; row < size_t(s.B) * s.NH * s.T; row++) {
-            const size_t t = row % size_t(s.T);
-            for (int t2 = 0; t2 < Tp; t2++) {
-                const float a = att[row * Tp + size_t(t2)];
-                if (t2 < s.T) att_valid[row * s.T + size_t(t2)] = a;
-                if (size_t(t2) > t && a != 0.0f) nonzero_masked++;
-            }
-        }
-        expect_close("att (probabilities, first T columns)", att_valid, att_ref, kTolBf16);
-        EXPECT_EQ(nonzero_masked, 0u) << "att must be 0 above the diagonal and in the padding columns";
+        const size_t saved_bytes = attention_saved_bytes(s.B, s.NH, s.T, HS);
+        const size_t scratch_bytes = attention_scratch_bytes(s.B, s.NH, s.T, HS);
+        EXPECT_EQ(saved_bytes, s.flash ? n_rows * sizeof(float) : n_rows * size_t(Tp) * sizeof(floatX))
+            << "saved state: lse (B,NH,T) fp32 with flash, att (B,NH,T,Tp) bf16 otherwise";
+        DeviceBuffer<char> saved(saved_bytes), scratch(scratch_bytes);
+        DeviceBuffer<floatX> d_out(n_out), d_dqkv(n_qkv);
 
-        std::vector<unsigned char> first;
+        // Forward twice into poisoned buffers: checked against the CPU, then bitwise against the first run.
+        std::vector<unsigned char> first_out, first_saved;
+        for (int run = 0; run < 2; run++) {
+            poison(d_out);
+            poison(saved);
+            poison(scratch);
+            attention_forward(lt, d_out.get(), saved.get(), saved_bytes, d_qkv.get(), s.B, s.T, s.C, s.NH,
+                              scratch.get(), scratch_bytes, kStream);
+            if (run == 1) {
+                expect_bitwise("out (forward twice)", bytes_of(d_out.get(), n_out), first_out);
+                expect_bitwise("saved state (forward twice)", bytes_of(saved.get(), saved_bytes), first_saved);
+                break;
+            }
+            expect_close("out", download_bf16(d_out.get(), n_out), out_ref, kTolBf16);
+            if (s.flash) {
+                // fp32 statistics from bf16 inputs, summed in another order than the double reference.
+                expect_close("lse (fp32)", download(reinterpret_cast<const float*>(saved.get()), n_rows),
+                             attention_lse_ref(qkv, s.B, s.T, s.C, s.NH), kTolFp32);
+            } else {
+                const auto att = download_bf16(reinterpret_cast<const floatX*>(saved.get()), n_rows * size_t(Tp));
+                std::vector<float> att_valid(n_rows * s.T);
+                size_t nonzero_masked = 0;
+                for (size_t row = 0; row < n_rows; row++) {
+                    const size_t t = row % size_t(s.T);
+                    for (int t2 = 0; t2 < Tp; t2++) {
+                        const float a = att[row * Tp + size_t(t2)];
+                        if (t2 < s.T) att_valid[row * s.T + size_t(t2)] = a;
+                        if (size_t(t2) > t && a != 0.0f) nonzero_masked++;
+                    }
+                }
+                expect_close("att (probabilities, first T columns)", att_valid, att_ref, kTolBf16);
+                EXPECT_EQ(nonzero_masked, 0u) << "att must be 0 above the diagonal and in the padding columns";
+            }
+            first_out = bytes_of(d_out.get(), n_out);
+            first_saved = bytes_of(saved.get(), saved_bytes);
+        }
+
+        // Backward twice, dqkv and scratch poisoned each time: checked, then bitwise against the first run.
+        std::vector<unsigned char> first_dqkv;
         for (int run = 0; run < 2; run++) {
             poison(d_dqkv);
             poison(scratch);
-            attention_backward(lt, d_dqkv.get(), d_dout.get(), d_qkv.get(), d_att.get(), s.B, s.T, s.C, s.NH,
-                               scratch.get(), scratch_bytes, kStream);
-            if (run == 0) {
-                expect_close("dqkv", download_bf16(d_dqkv.get(), n_qkv), dqkv_ref, kTolBf16);
-                first = bytes_of(d_dqkv.get(), n_qkv);
-            } else {
-                expect_bitwise("dqkv", bytes_of(d_dqkv.get(), n_qkv), first);
+            attention_backward(lt, d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), saved.get(), saved_bytes,
+                               s.B, s.T, s.C, s.NH, scratch.get(), scratch_bytes, kStream);
+            if (run == 1) {
+                expect_bitwise("dqkv (backward twice)", bytes_of(d_dqkv.get(), n_qkv), first_dqkv);
+                break;
             }
+            const auto dqkv = download_bf16(d_dqkv.get(), n_qkv);
+            expect_close("dqkv", dqkv, dqkv_ref, kTolBf16);
+            // Each part alone too (at T = 1, dq and dk are 0: a single key gets all the weight).
+            if (s.T > 1) {
+                const char* names[3] = {"dq", "dk", "dv"};
+                for (int part = 0; part < 3; part++) {
+                    expect_close(names[part], qkv_part(dqkv, N, s.C, part), qkv_part(dqkv_ref, N, s.C, part),
+                                 kTolBf16);
+                }
+            }
+            first_dqkv = bytes_of(d_dqkv.get(), n_qkv);
         }
     }
+}
+
+TEST_F(KernelTest, AttentionRejectsBadArguments) {
+    CublasLt lt;
+    const int B = 2, T = 37, C = 128, NH = 2, HS = C / NH;  // flash
+    const size_t N = size_t(B) * T;
+    const size_t saved_bytes = attention_saved_bytes(B, NH, T, HS);
+    const size_t scratch_bytes = attention_scratch_bytes(B, NH, T, HS);
+    DeviceBuffer<floatX> qkv(N * 3 * C), out(N * C), dqkv(N * 3 * C);
+    DeviceBuffer<char> saved(saved_bytes), scratch(scratch_bytes);
+    auto fwd = [&](const floatX* in, size_t sb, int c, int nh) {
+        attention_forward(lt, out.get(), saved.get(), sb, in, B, T, c, nh, scratch.get(), scratch_bytes, kStream);
+    };
+    auto bwd = [&](size_t scb) {
+        attention_backward(lt, dqkv.get(), out.get(), qkv.get(), out.get(), saved.get(), saved_bytes, B, T, C, NH,
+                           scratch.get(), scb, kStream);
+    };
+    expect_error([&] { fwd(qkv.get(), saved_bytes - 1, C, NH); }, kExitUsage, {"attention_forward", "saved state"});
+    expect_error([&] { bwd(scratch_bytes - 1); }, kExitUsage, {"attention_backward", "scratch"});
+    expect_error([&] { fwd(qkv.get() + 1, saved_bytes, C, NH); }, kExitUsage, {"qkv", "16-byte aligned"});
+    expect_error([&] { fwd(qkv.get(), saved_bytes, 36, 3); }, kExitUsage, {"attention_forward", "head size", "12"});
+    expect_error([&] { fwd(qkv.get(), saved_bytes, 128, 3); }, kExitUsage, {"attention_forward", "multiple of NH"});
+    // One grid row per (b, h): B*NH above 65535 is refused before anything is launched.
+    expect_error(
+        [&] {
+            attention_forward(lt, out.get(), saved.get(), SIZE_MAX, qkv.get(), 70000, 1, 64, 1, scratch.get(),
+                              scratch_bytes, kStream);
+        },
+        kExitUsage, {"flash_forward", "B*NH"});
+    // The cuBLASLt path (HS = 32) checks its scratch.
+    expect_error(
+        [&] {
+            attention_forward(lt, out.get(), saved.get(), saved_bytes, qkv.get(), 1, 4, 64, 2, scratch.get(),
+                              attention_scratch_bytes(1, 2, 4, 32) - 1, kStream);
+        },
+        kExitUsage, {"attention_forward_cublaslt", "scratch"});
+    cudaCheck(cudaDeviceSynchronize());
 }
 
 // ----------------------------------------------------------------------------------------------------

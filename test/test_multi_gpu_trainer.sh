@@ -6,8 +6,10 @@
 #     --multi-gpu 1 -z 0 (per-layer all-reduce) and --multi-gpu 1 -z 1 (reduce-scatter, sharded AdamW,
 #     all-gather) give bitwise identical losses, norms and validation losses in log.jsonl (17
 #     significant digits), and identical model files (-z 1 gathers the shards to write it);
-#   - a checkpoint written at step 5 with --multi-gpu 1 -z 1 resumes with -y 1 (on the NCCL path and on
-#     the plain path) and steps 6..10 match the uninterrupted run bitwise;
+#   - a checkpoint written at step 5 with --multi-gpu 1 -z 1 (the sharded layout: model.bin as bf16
+#     version 5, master_/adam_m_/adam_v_00000.bin) resumes with -y 1 on the NCCL path (its own layout)
+#     and on the plain path (re-sharded into one whole copy), and a plain (whole layout) checkpoint
+#     resumes with -z 1 (re-sharded into rank 0's shard): steps 6..10 match the uninterrupted run bitwise;
 #   - a peer that never comes (--world-size 2, only rank 0 started, --nccl-timeout 5) ends in a clear
 #     error well within the timeout, not a hang.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
@@ -41,7 +43,6 @@ expect_exit 2 "--nccl-timeout 0: must be positive" -e d2 --multi-gpu 1 --nccl-ti
 expect_exit 2 "--hang-timeout -1: must not be negative" -e d2 --multi-gpu 1 --hang-timeout -1
 expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256 --rank 0 --world-size 2 \
     --rendezvous "$dir/rdv"
-expect_exit 2 "with 2 ranks are not yet supported" -e d2 -n 5 --rank 0 --world-size 2 --rendezvous "$dir/rdv"
 echo "command-line errors: ok"
 
 train() {  # train LOG ARGS...: a run that must succeed; a hang (e.g. in NCCL) ends after 120 s, not never
@@ -89,6 +90,17 @@ train "$dir/log_ck2" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck" "${nccl[@]}" -z
 grep -q "resume: restored" "$dir/log_ck2" || { echo "FAIL: no resume on the NCCL path"; cat "$dir/log_ck2"; exit 1; }
 train "$dir/log_ck3" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck_plain" --save-model 0
 grep -q "resume: restored" "$dir/log_ck3" || { echo "FAIL: no plain resume"; cat "$dir/log_ck3"; exit 1; }
+grep -q "re-sharded to one whole copy" "$dir/log_ck3" || { echo "FAIL: the plain resume did not re-shard"; cat "$dir/log_ck3"; exit 1; }
+ls "$dir/ck/ckpt_00000005" >"$dir/ls_sharded"
+for f in model.bin master_00000.bin adam_m_00000.bin adam_v_00000.bin manifest.txt; do
+    grep -qx "$f" "$dir/ls_sharded" || { echo "FAIL: the -z 1 checkpoint lacks $f:"; cat "$dir/ls_sharded"; exit 1; }
+done
+python3 -c "import struct,sys; h=struct.unpack('<2i', open(sys.argv[1],'rb').read(8)); sys.exit(0 if h==(20240326,5) else 1)" \
+    "$dir/ck/ckpt_00000005/model.bin" || { echo "FAIL: the -z 1 checkpoint's model.bin is not an llm.c bf16 (v5) file"; exit 1; }
+# A plain checkpoint (whole layout) resumed on the NCCL path with ZeRO-1.
+train "$dir/log_ckw" "${common[@]}" -x 5 -n 5 -o "$dir/ck_whole" --save-model 0
+train "$dir/log_ckw2" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/ck_whole" "${nccl[@]}" -z 1 --save-model 0
+grep -q "re-sharded to rank 0 of 1" "$dir/log_ckw2" || { echo "FAIL: the -z 1 resume did not re-shard"; cat "$dir/log_ckw2"; exit 1; }
 
 python3 - "$dir" <<'PY'
 import json, sys
@@ -111,13 +123,13 @@ for acc in (256, 512):
 print("one rank through NCCL (-z 0 and -z 1, 1 and 2 micro-steps): 10 steps bitwise identical to the plain run")
 plain = records("plain_256")
 tail = [r for r in plain if r[1] > 5 or (r[0] == "val" and r[1] == 5)]
-for run in ("ck", "ck_plain"):
+for run in ("ck", "ck_plain", "ck_whole"):
     got = [r for r in records(run) if r[1] > 5 or (r[0] == "val" and r[1] == 5)]
     # The first run logs val at step 5 at its end, the resumed one again at its start: keep one of each.
     got = sorted(set(got), key=lambda r: (r[1], r[0] != "val"))
     want = sorted(set(tail), key=lambda r: (r[1], r[0] != "val"))
     if got != want: fail("resumed run %s differs from the uninterrupted one:\n%s\n%s" % (run, want, got))
-print("a -z 1 checkpoint at step 5 resumes bitwise (on the NCCL path and on the plain path)")
+print("a -z 1 checkpoint at step 5 resumes bitwise (on the NCCL path and on the plain path), a plain one with -z 1")
 PY
 
 # A peer that never comes: only rank 0 of 2 starts; it must fail with a message within the timeout.

@@ -1,0 +1,594 @@
+/*
+Flash attention for the trainer's causal multi-head self-attention: tensor-core kernels that never store
+the (T x T) scores, for head sizes 64 and 128. Argument meanings as attention_forward/attention_backward
+in llmc/attention.cuh (which dispatches here for HS 64 and 128): qkv (B,T,3C) holds q, k, v side by side
+with head h at columns h*HS of each; out (B,T,C) puts head h at columns h*HS; scale 1/sqrt(HS). No
+permutes: the kernels read and write these layouts directly.
+
+Provides:
+  flash_forward<HS>:  out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv; lse[b,h,t] = ln sum_{k<=t}
+                      exp(scale * q_t.k_k) (natural log). Block = 64 queries of one (b,h), 4 warps of 16
+                      rows; loops over 64-key blocks up to the diagonal with an online softmax in the log2
+                      domain; query blocks are issued longest first.
+  flash_backward<HS>: dqkv (B,T,3C), OVERWRITTEN, from dout (B,T,C), qkv, out and lse of the forward.
+                      Three kernels: D = rowsum(dout * out) into scratch D (B,NH,T) fp32; dK, dV per block
+                      of 64 keys (loop over the query blocks at or after it, P recomputed from lse); dQ per
+                      block of 64 queries (loop over the key blocks up to the diagonal, P and dP
+                      recomputed).
+  flash_lse_bytes, flash_scratch_bytes: the sizes of lse and of D.
+  Products through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), operands via ldmatrix from
+  shared tiles [row][HS + 8] (the pad makes every ldmatrix conflict-free), tiles loaded with cp.async,
+  rows past T zero-filled. Probabilities and dS are rounded to bf16 as mma operands; softmax statistics,
+  accumulators and lse are fp32.
+What is saved for backward: lse only, 4 bytes per (b,h,t); backward also reads qkv (the layer's input)
+and out (the input of the attention projection), which the trainer keeps anyway. Memory is linear in T.
+Deterministic: no atomics; every element of out, lse, D and dqkv is written by exactly one thread after
+a fixed sequence of operations (dQ has its own pass instead of atomic adds), so results are bitwise
+reproducible for given inputs and shapes.
+Limits (checked by the launchers, errors name the function): HS is a template argument, 64 or 128; B, T,
+NH >= 1 and B*NH <= 65535 (one grid row per (b,h)); every pointer 16-byte aligned; dqkv must not alias
+the inputs. Needs sm_80 or newer (bf16 mma.sync, cp.async); the HS = 128 kernels use more than 48 KB of
+shared memory, which the launchers request.
+
+Does not provide: other head sizes (llmc/attention.cuh keeps a cuBLASLt path for them), dropout, masks
+other than causal, Hopper-only paths (wgmma, TMA). Design, register and shared-memory budgets, checks and
+timings: dev/ATTENTION.md; the kernel lab (fp32 reference, timing against the cuBLASLt path):
+dev/attention_lab.cu.
+*/
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "llmc/flash_attention.cuh needs sm_80 or newer (bf16 mma.sync, cp.async): build with GPU_ARCH=80 or above"
+#endif
+
+namespace llmc {
+
+namespace flash_detail {
+
+// ----------------------------------------------------------------------------------------------------
+// PTX wrappers. The "memory" clobbers keep the compiler from moving shared-memory reads and the async
+// copies across the barriers that order them.
+
+__device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ inline void cp_async16(void* dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+                 : "memory");
+}
+
+__device__ inline void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ inline void ldsm_x4(uint32_t (&r)[4], const floatX* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+__device__ inline void ldsm_x4_trans(uint32_t (&r)[4], const floatX* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// c (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+__device__ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair, lo in the low half (the lower column of an mma operand).
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Tiles. Fragment layouts of m16n8k16 (lane = 4 * g + q): A regs (row g, k 2q..2q+1), (row g+8, ..),
+// (row g, k 2q+8..), (row g+8, k 2q+8..); B regs (k 2q..2q+1, col g), (k 2q+8.., col g); C (row g, col
+// 2q..2q+1), (row g+8, ..). Shared tiles are row-major [row][HS + 8]: the 16-byte pad puts the 8 rows an
+// ldmatrix reads in 8 different bank quads.
+
+constexpr int kThreads = 128;  // 4 warps, 16 rows of the block's tile each
+constexpr int kBlockM = 64;    // rows (queries in forward and dQ, keys in dK/dV) per block
+constexpr int kBlockN = 64;    // keys per step (forward, dQ)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int HS>
+constexpr int row_stride() {
+    return HS + 8;
+}
+
+// Rows row0 .. row0+ROWS-1 of a (rows, HS) slice whose row r starts at g + r * stride; rows >= T are
+// zero-filled (zeros, not garbage: a masked probability 0 times a NaN would still be NaN).
+template <int HS, int ROWS>
+__device__ inline void load_tile(floatX* s, const floatX* g, int64_t stride, int row0, int T) {
+    constexpr int kChunks = HS / 8;
+    for (int i = threadIdx.x; i < ROWS * kChunks; i += kThreads) {
+        const int r = i / kChunks, c = (i % kChunks) * 8;
+        const int t = row0 + r;
+        const floatX* src = g + int64_t(min(t, T - 1)) * stride + c;
+        cp_async16(s + r * row_stride<HS>() + c, src, t < T);
+    }
+}
+
+// A fragment (16x16) at (row0, col0) of a shared tile.
+template <int HS>
+__device__ inline void load_a(uint32_t (&a)[4], const floatX* s, int row0, int col0, int lane) {
+    ldsm_x4(a, s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row_stride<HS>() + col0 + (lane >> 4) * 8);
+}
+
+// B fragments of two k-steps (k = col0..col0+31) for the 8 columns n = row0..row0+7 of a tile stored
+// [n][k]: b[0], b[1] for k-step col0, b[2], b[3] for col0 + 16.
+template <int HS>
+__device__ inline void load_b_nk(uint32_t (&b)[4], const floatX* s, int row0, int col0, int lane) {
+    ldsm_x4(b, s + (row0 + (lane & 7)) * row_stride<HS>() + col0 + (lane >> 3) * 8);
+}
+
+// B fragments of one k-step (k = row0..row0+15) for two column groups (n = col0..+7 and col0+8..+15)
+// of a tile stored [k][n]: b[0], b[1] for n = col0.., b[2], b[3] for col0 + 8.
+template <int HS>
+__device__ inline void load_b_kn(uint32_t (&b)[4], const floatX* s, int row0, int col0, int lane) {
+    ldsm_x4_trans(b, s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row_stride<HS>() + col0 + (lane >> 4) * 8);
+}
+
+// acc (16 x N of this warp) += A (16 x HS rows arow0.. of sA) * B^T, B = N rows of sB [n][HS].
+template <int HS, int N>
+__device__ inline void mma_rows_by_rows(float (&acc)[N / 8][4], const floatX* sA, int arow0, const floatX* sB,
+                                        int lane) {
+#pragma unroll
+    for (int k2 = 0; k2 < HS / 32; k2++) {
+        uint32_t a0[4], a1[4];
+        load_a<HS>(a0, sA, arow0, k2 * 32, lane);
+        load_a<HS>(a1, sA, arow0, k2 * 32 + 16, lane);
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt++) {
+            uint32_t b[4];
+            load_b_nk<HS>(b, sB, nt * 8, k2 * 32, lane);
+            mma_bf16(acc[nt], a0, b[0], b[1]);
+            mma_bf16(acc[nt], a1, b[2], b[3]);
+        }
+    }
+}
+
+// acc (16 x HS) += P (16 x K, fp32 accumulators of a previous mma, rounded to bf16) * sB (K rows [k][HS]).
+template <int HS, int K>
+__device__ inline void mma_acc_by_tile(float (&acc)[HS / 8][4], const float (&p)[K / 8][4], const floatX* sB,
+                                       int lane) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        const uint32_t a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
+                               pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                               pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int np = 0; np < HS / 16; np++) {
+            uint32_t b[4];
+            load_b_kn<HS>(b, sB, kk * 16, np * 16, lane);
+            mma_bf16(acc[2 * np], a, b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+template <int N>
+__device__ inline void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+
+// Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
+// r) * stride, rows >= T skipped.
+template <int HS>
+__device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc)[HS / 8][4], float mul_a,
+                                  float mul_b, int row0, int T, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    const int ra = row0 + g, rb = ra + 8;
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) {
+        const int col = dt * 8 + 2 * q;
+        if (ra < T) {
+            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(ra) * stride + col) =
+                __floats2bfloat162_rn(acc[dt][0] * mul_a, acc[dt][1] * mul_a);
+        }
+        if (rb < T) {
+            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(rb) * stride + col) =
+                __floats2bfloat162_rn(acc[dt][2] * mul_b, acc[dt][3] * mul_b);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Forward. Block (query block, b*NH + h); query blocks are issued longest first (the last ones see the
+// most keys). Online softmax in the log2 domain: s2 = scale * log2(e) * q.k.
+
+template <int HS>
+constexpr size_t fwd_smem() {
+    return size_t(kBlockM + 2 * kBlockN) * row_stride<HS>() * sizeof(floatX);
+}
+
+template <int HS>
+static __global__ void __launch_bounds__(kThreads)
+    flash_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
+    extern __shared__ uint4 smem[];
+    floatX* sQ = reinterpret_cast<floatX*>(smem);
+    floatX* sK = sQ + kBlockM * row_stride<HS>();
+    floatX* sV = sK + kBlockN * row_stride<HS>();
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int C = NH * HS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int wrow0 = warp * 16;
+    const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
+
+    load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
+    cp_async_wait_all();
+    __syncthreads();
+    uint32_t qf[HS / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; kk++) load_a<HS>(qf[kk], sQ, wrow0, kk * 16, lane);
+
+    float o[HS / 8][4];
+    zero(o);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kBlockN;
+        __syncthreads();  // every warp is done with the previous K, V
+        load_tile<HS, kBlockN>(sK, base + C, C3, k0, T);
+        load_tile<HS, kBlockN>(sV, base + 2 * C, C3, k0, T);
+        cp_async_wait_all();
+        __syncthreads();
+
+        float s[kBlockN / 8][4];
+        zero(s);
+#pragma unroll
+        for (int k2 = 0; k2 < HS / 32; k2++) {
+#pragma unroll
+            for (int nt = 0; nt < kBlockN / 8; nt++) {
+                uint32_t bf[4];
+                load_b_nk<HS>(bf, sK, nt * 8, k2 * 32, lane);
+                mma_bf16(s[nt], qf[2 * k2], bf[0], bf[1]);
+                mma_bf16(s[nt], qf[2 * k2 + 1], bf[2], bf[3]);
+            }
+        }
+        // Keys above the diagonal or past T get -inf; only blocks reaching them pay for the test.
+        const bool masked = k0 + kBlockN - 1 > q0 || k0 + kBlockN > T;
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = k0 + nt * 8 + 2 * q + (e & 1);
+                float v = s[nt][e] * scale_log2;
+                if (masked && (key > row[e >> 1] || key >= T)) v = -INFINITY;
+                s[nt][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float sub[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            sub[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing unmasked yet stays at 0
+            const float corr = exp2f(m[r] - sub[r]);
+            m[r] = mx[r];
+            l[r] *= corr;
+#pragma unroll
+            for (int dt = 0; dt < HS / 8; dt++) {
+                o[dt][2 * r] *= corr;
+                o[dt][2 * r + 1] *= corr;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[nt][e] = exp2f(s[nt][e] - sub[e >> 1]);
+                rs[e >> 1] += s[nt][e];
+            }
+        }
+        l[0] += rs[0];
+        l[1] += rs[1];
+        mma_acc_by_tile<HS, kBlockN>(o, s, sV, lane);
+    }
+
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        if (q == 0 && row[r] < T) lse[int64_t(bh) * T + row[r]] = (m[r] + log2f(l[r])) * kLn2;
+    }
+    store_rows<HS>(out + int64_t(b) * T * C + h * HS, C, o, inv[0], inv[1], q0 + wrow0, T, lane);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward, 1: D[b,h,t] = sum_d dout * out over one head's row; HS/8 lanes per row, fixed shuffle tree.
+
+template <int HS>
+static __global__ void __launch_bounds__(kThreads)
+    flash_bwd_dot_kernel(float* D, const floatX* out, const floatX* dout, int B, int T, int NH) {
+    constexpr int kLanes = HS / 8;
+    const int64_t r = int64_t(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes;  // (b, t, h) order
+    const int sub = threadIdx.x % kLanes;
+    const bool valid = r < int64_t(B) * T * NH;
+    float acc = 0.0f;
+    if (valid) {
+        const PackX o = load128(out + r * HS + sub * 8), d = load128(dout + r * HS + sub * 8);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += float(o[i]) * float(d[i]);
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (valid && sub == 0) {
+        const int h = int(r % NH);
+        const int64_t bt = r / NH;
+        const int t = int(bt % T), b = int(bt / T);
+        D[(int64_t(b) * NH + h) * T + t] = acc;
+    }
+}
+
+// Backward, 2: dK, dV of one block of kBlockM keys (16 per warp, as rows), looping over the query blocks
+// at or after it, BQ queries at a time. Transposed products keep keys as the mma rows, so P^T and dS^T
+// are already A operands: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO,
+// dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q, and dK is scaled once at the end.
+
+template <int HS>
+constexpr int dkdv_bq() {
+    return HS <= 64 ? 64 : 32;  // queries per step: keeps the S^T and dP^T accumulators small for HS = 128
+}
+
+template <int HS>
+constexpr size_t dkdv_smem() {
+    return size_t(2 * kBlockM + 2 * dkdv_bq<HS>()) * row_stride<HS>() * sizeof(floatX) +
+           2 * dkdv_bq<HS>() * sizeof(float);
+}
+
+template <int HS>
+static __global__ void __launch_bounds__(kThreads)
+    flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
+                          int T, int NH, float scale_log2, float scale) {
+    constexpr int BQ = dkdv_bq<HS>();
+    extern __shared__ uint4 smem[];
+    floatX* sK = reinterpret_cast<floatX*>(smem);
+    floatX* sV = sK + kBlockM * row_stride<HS>();
+    floatX* sQ = sV + kBlockM * row_stride<HS>();
+    floatX* sdO = sQ + BQ * row_stride<HS>();
+    float* sL = reinterpret_cast<float*>(sdO + BQ * row_stride<HS>());
+    float* sD = sL + BQ;
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int k0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int C = NH * HS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
+    const floatX* dobase = dout + int64_t(b) * T * C + h * HS;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int wrow0 = warp * 16;
+    const int key[2] = {k0 + wrow0 + g, k0 + wrow0 + g + 8};
+
+    load_tile<HS, kBlockM>(sK, base + C, C3, k0, T);
+    load_tile<HS, kBlockM>(sV, base + 2 * C, C3, k0, T);
+    float dk[HS / 8][4], dv[HS / 8][4];
+    zero(dk);
+    zero(dv);
+    const int n_qblocks = ceil_div(T, BQ);
+    for (int i = k0 / BQ; i < n_qblocks; i++) {
+        const int q0 = i * BQ;
+        __syncthreads();  // every warp is done with the previous Q, dO, lse, D
+        load_tile<HS, BQ>(sQ, base, C3, q0, T);
+        load_tile<HS, BQ>(sdO, dobase, C, q0, T);
+        for (int t = threadIdx.x; t < BQ; t += kThreads) {
+            const int qi = q0 + t;
+            sL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
+            sD[t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
+        }
+        cp_async_wait_all();
+        __syncthreads();
+
+        float st[BQ / 8][4];
+        zero(st);
+        mma_rows_by_rows<HS, BQ>(st, sK, wrow0, sQ, lane);
+        // Queries before the key (above the diagonal) or past T get P = 0.
+        const bool masked = q0 < k0 + kBlockM - 1 || q0 + BQ > T;
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = nt * 8 + 2 * q + (e & 1), qi = q0 + c;
+                const float p = exp2f(st[nt][e] * scale_log2 - sL[c]);
+                st[nt][e] = masked && (qi < key[e >> 1] || qi >= T) ? 0.0f : p;
+            }
+        }
+        mma_acc_by_tile<HS, BQ>(dv, st, sdO, lane);
+
+        float dpt[BQ / 8][4];
+        zero(dpt);
+        mma_rows_by_rows<HS, BQ>(dpt, sV, wrow0, sdO, lane);
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = nt * 8 + 2 * q + (e & 1);
+                dpt[nt][e] = st[nt][e] * (dpt[nt][e] - sD[c]);
+            }
+        }
+        mma_acc_by_tile<HS, BQ>(dk, dpt, sQ, lane);
+    }
+    // A block's first query block starts at or before k0, so the loop ran at least once and the K, V
+    // copies issued before it have landed.
+    store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk, scale, scale, k0 + wrow0, T, lane);
+    store_rows<HS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * HS, C3, dv, 1.0f, 1.0f, k0 + wrow0, T, lane);
+}
+
+// Backward, 3: dQ of one block of kBlockM queries, looping over the key blocks up to the diagonal with P
+// recomputed from lse: S = Q K^T, P, dP = dO V^T, dS = P (dP - D), dQ += dS K, scaled at the end.
+// Separate from the dK/dV pass (FlashAttention-2's deterministic mode) so that no two blocks add into
+// the same dQ element.
+
+template <int HS>
+constexpr size_t dq_smem() {
+    return size_t(2 * kBlockM + 2 * kBlockN) * row_stride<HS>() * sizeof(floatX);
+}
+
+template <int HS>
+static __global__ void __launch_bounds__(kThreads)
+    flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
+                        int NH, float scale_log2, float scale) {
+    extern __shared__ uint4 smem[];
+    floatX* sQ = reinterpret_cast<floatX*>(smem);
+    floatX* sdO = sQ + kBlockM * row_stride<HS>();
+    floatX* sK = sdO + kBlockM * row_stride<HS>();
+    floatX* sV = sK + kBlockN * row_stride<HS>();
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int C = NH * HS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int wrow0 = warp * 16;
+    const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
+    float lse2[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lse2[r] = row[r] < T ? lse[int64_t(bh) * T + row[r]] * kLog2e : 0.0f;
+        Dr[r] = row[r] < T ? D[int64_t(bh) * T + row[r]] : 0.0f;
+    }
+    load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
+    load_tile<HS, kBlockM>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T);
+
+    float dq[HS / 8][4];
+    zero(dq);
+    const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kBlockN;
+        __syncthreads();  // every warp is done with the previous K, V
+        load_tile<HS, kBlockN>(sK, base + C, C3, k0, T);
+        load_tile<HS, kBlockN>(sV, base + 2 * C, C3, k0, T);
+        cp_async_wait_all();
+        __syncthreads();
+
+        float s[kBlockN / 8][4];
+        zero(s);
+        mma_rows_by_rows<HS, kBlockN>(s, sQ, wrow0, sK, lane);
+        const bool masked = k0 + kBlockN - 1 > q0 || k0 + kBlockN > T;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int k = k0 + nt * 8 + 2 * q + (e & 1);
+                const float p = exp2f(s[nt][e] * scale_log2 - lse2[e >> 1]);
+                s[nt][e] = masked && (k > row[e >> 1] || k >= T) ? 0.0f : p;
+            }
+        }
+        float dp[kBlockN / 8][4];
+        zero(dp);
+        mma_rows_by_rows<HS, kBlockN>(dp, sdO, wrow0, sV, lane);
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) dp[nt][e] = s[nt][e] * (dp[nt][e] - Dr[e >> 1]);
+        }
+        mma_acc_by_tile<HS, kBlockN>(dq, dp, sK, lane);
+    }
+    store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq, scale, scale, q0 + wrow0, T, lane);
+}
+
+
+// ----------------------------------------------------------------------------------------------------
+// Launcher helpers.
+
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+    if (bytes > 48 * 1024) {
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    }
+}
+
+constexpr int64_t kMaxGridY = 65535;
+
+inline void check_args(const char* fn, int B, int T, int NH) {
+    if (B < 1 || T < 1 || NH < 1) fail(kExitUsage, "%s: B=%d T=%d NH=%d must all be at least 1", fn, B, T, NH);
+    if (int64_t(B) * NH > kMaxGridY) {
+        fail(kExitUsage, "%s: B*NH = %lld is more than %lld (one grid row per batch row and head)", fn,
+             (long long)(int64_t(B) * NH), (long long)kMaxGridY);
+    }
+}
+
+}  // namespace flash_detail
+
+// Bytes of lse (B,NH,T) fp32, the state flash_forward saves for flash_backward.
+inline size_t flash_lse_bytes(int B, int NH, int T) { return size_t(B) * size_t(NH) * size_t(T) * sizeof(float); }
+
+// Bytes of flash_backward's scratch: D (B,NH,T) fp32.
+inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes(B, NH, T); }
+
+// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS.
+template <int HS>
+void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
+    static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
+    using namespace flash_detail;
+    check_args("flash_forward", B, T, NH);
+    require_aligned16(out, "flash_forward: out");
+    require_aligned16(lse, "flash_forward: lse");
+    require_aligned16(qkv, "flash_forward: qkv");
+    allow_smem(flash_fwd_kernel<HS>, fwd_smem<HS>());
+    const float scale_log2 = kLog2e / sqrtf(float(HS));
+    const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
+    flash_fwd_kernel<HS><<<grid, kThreads, fwd_smem<HS>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
+    cudaCheckLaunch();
+}
+
+// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
+// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out.
+template <int HS>
+void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
+                    int T, int NH, float* D, cudaStream_t stream) {
+    static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
+    using namespace flash_detail;
+    check_args("flash_backward", B, T, NH);
+    require_aligned16(dqkv, "flash_backward: dqkv");
+    require_aligned16(dout, "flash_backward: dout");
+    require_aligned16(qkv, "flash_backward: qkv");
+    require_aligned16(out, "flash_backward: out");
+    require_aligned16(lse, "flash_backward: lse");
+    require_aligned16(D, "flash_backward: D");
+    const int64_t rows = int64_t(B) * T * NH;
+    flash_bwd_dot_kernel<HS><<<unsigned(ceil_div<int64_t>(rows, kThreads / (HS / 8))), kThreads, 0, stream>>>(
+        D, out, dout, B, T, NH);
+    cudaCheckLaunch();
+    allow_smem(flash_bwd_dkdv_kernel<HS>, dkdv_smem<HS>());
+    allow_smem(flash_bwd_dq_kernel<HS>, dq_smem<HS>());
+    const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
+    const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
+    flash_bwd_dkdv_kernel<HS><<<grid, kThreads, dkdv_smem<HS>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                            scale_log2, scale);
+    cudaCheckLaunch();
+    flash_bwd_dq_kernel<HS><<<grid, kThreads, dq_smem<HS>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH, scale_log2,
+                                                                        scale);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc
