@@ -641,6 +641,7 @@ struct Options {
     int keep_last = 0;
     int keep_every = 0;
     bool checkpoint_async = true;
+    bool stochastic_rounding = true;
     int resume = 0;
     std::string schedule = "cosine";
     float decay_fraction = 0.2f;
@@ -692,6 +693,8 @@ inline Flags make_flags(Options& o) {
           "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/");
     f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)");
     f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N");
+    f.add("", "stochastic-rounding", &o.stochastic_rounding,
+          "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory");
@@ -1220,6 +1223,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     settings.beta1 = o.beta1;
     settings.beta2 = o.beta2;
     settings.eps = o.eps;
+    settings.stochastic_rounding = o.stochastic_rounding;
     settings.weight_decay = o.weight_decay;
     model.update(settings, o.grad_clip, step + 1, uint64_t(o.seed), buf.step_stats.get());
     cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), buf.step_stats.get(), size_t(1 + grad_accum) * sizeof(float),
@@ -1320,6 +1324,7 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_settings(cons
         {"beta1", format("%.9g", double(o.beta1))},
         {"beta2", format("%.9g", double(o.beta2))},
         {"eps", format("%.9g", double(o.eps))},
+        {"stochastic_rounding", o.stochastic_rounding ? "1" : "0"},
         {"sample_seed", format("%lld", (long long)o.sample_seed)},
     };
 }

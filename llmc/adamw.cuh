@@ -41,6 +41,7 @@ struct AdamWSettings {
     float beta2 = 0.95f;
     float eps = 1e-8f;
     float weight_decay = 0.0f;  // applied only to tensors flagged decayed
+    bool stochastic_rounding = true;  // false: the bf16 parameter is the master weight rounded to nearest
 };
 
 // Passed to the kernel by value, so it stays small.
@@ -88,7 +89,8 @@ constexpr int kAdamWMaxBlocksPerTensor = 4096;
 static __global__ void __launch_bounds__(kAdamWBlock)
     adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors, float lr,
                  float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
-                 float weight_decay, const float* grad_scale, uint64_t rng_key_value, int64_t state_offset) {
+                 float weight_decay, const float* grad_scale, uint64_t rng_key_value, int64_t state_offset,
+                 int stochastic) {
     const int t = blockIdx.y;
     const int64_t offset = tensors.offset[t], n = tensors.numel[t];
     const float wd = tensors.decayed[t] ? weight_decay : 0.0f;
@@ -104,7 +106,7 @@ static __global__ void __launch_bounds__(kAdamWBlock)
         m[sidx] = mi;
         v[sidx] = vi;
         master[sidx] = w;
-        params[idx] = stochastic_round_bf16(w, rng_u32(rng_key_value, uint64_t(idx)));
+        params[idx] = stochastic ? stochastic_round_bf16(w, rng_u32(rng_key_value, uint64_t(idx))) : __float2bfloat16_rn(w);
     }
 }
 
@@ -125,7 +127,8 @@ inline void adamw_update(floatX* params, float* master, float* m, float* v, cons
                     unsigned(tensors.count));
     adamw_kernel<<<grid, kAdamWBlock, 0, stream>>>(params, master, m, v, grads, tensors, s.learning_rate, s.beta1,
                                                    s.beta2, bias_correction1, bias_correction2, s.eps, s.weight_decay,
-                                                   grad_scale, rng_key(seed, uint64_t(step)), state_offset);
+                                                   grad_scale, rng_key(seed, uint64_t(step)), state_offset,
+                                                   s.stochastic_rounding ? 1 : 0);
     cudaCheckLaunch();
 }
 
