@@ -1479,6 +1479,8 @@ int main(int argc, char** argv) {
         }
         print_startup(flags, opt, plan, device, source, model, data);
         const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, ranks.world) : 0;
+        // Every rank must have resumed from the same checkpoint (each validated it on its own).
+        if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
         std::unique_ptr<Checkpointer> ckpt;
         if (opt.checkpoint_every > 0 && model.sharded() && ranks.world > 1) {
