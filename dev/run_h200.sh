@@ -70,23 +70,26 @@ for section in "$@"; do
             step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
             tail -n 12 "$OUT/bench_checkpoint.log" >>"$summary" ;;
         torch)
-            # Issue 6's training-dynamics check: the same d12 start and batches (file order), 300 steps each.
+            # Issue 6's training-dynamics check: the same d12 start and batches, 300 steps each. The batches are
+            # shuffled (the same --shuffle 1 --seed for both; dev/train_gpt2_torch.py ports the DataLoader's order,
+            # test/test_torch_ref_order.sh checks it), since in file order the loss jumps at the corpus's shard boundaries.
             # "hot": B=16 (16K tokens per step) at lr 6e-4 after 30 warmup steps; "calm": 4 micro-steps
             # (64K tokens per step) and 100 warmup steps. torch fp32 (no autocast, no TF32) on the hot setting gives
             # the noise floor: how far bf16 itself moves PyTorch's own losses. The JSONL logs come back in $OUT/dynamics.tgz.
             hot=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             calm=(-b 16 -t 1024 -d 65536 -x 300 -l 6e-4 -u 100 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+            order=(--shuffle 1 --seed 1337)
             step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
             for cfg in hot calm; do
                 declare -n hp=$cfg
-                step "ours 300 steps ($cfg)" torch.log 200 ./train_gpt2cu -e out/init/model.bin --shuffle 0 "${hp[@]}" -s 0 -o out/ours_$cfg
+                step "ours 300 steps ($cfg)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$cfg
                 mkdir -p out/dynamics && cp out/ours_$cfg/log.jsonl out/dynamics/ours_$cfg.jsonl
-                step "torch 300 steps ($cfg) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hp[@]}" \
+                step "torch 300 steps ($cfg) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
                     --compare out/ours_$cfg/log.jsonl --log out/dynamics/torch_$cfg.jsonl
                 grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/$cfg: /" >>"$summary"
                 unset -n hp
             done
-            step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${hot[@]}" \
+            step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hot[@]}" \
                 --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
             grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
             tar czf "$OUT/dynamics.tgz" -C out dynamics ;;

@@ -4,13 +4,17 @@ with bf16 autocast (fp32 parameters and AdamW state, bf16 matmuls and attention)
 step by step and throughput side by side on the same GPU.
 
 It loads one of our model files (llm.c version 3 = fp32 or 5 = bf16) or makes a new model from a
-descriptor (d2 .. d48, GPT-2 initialisation, not bitwise ours), and reads our token shards in order:
-shards sorted by name, sample k of a shard = tokens [k*T, k*T + T + 1), samples in file order, B
-consecutive samples per micro-batch, epochs concatenated. That is exactly what train_gpt2cu reads with
---shuffle 0 (training) and always reads for validation, so starting both from the same model file gives
-the same batches. Learning-rate schedules are those of llmc/schedule.h; AdamW decays the weight
-matrices only (wte, wpe, qkvw, attprojw, fcw, fcprojw); clipping multiplies the gradients by
-clip / norm when the global norm exceeds clip, as train_gpt2cu does.
+descriptor (d2 .. d48, GPT-2 initialisation, not bitwise ours), and reads our token shards in the order
+train_gpt2cu's DataLoader (llmc/dataloader.h) hands them to one rank: sample k of a shard = tokens
+[k*T, k*T + T + 1); with --shuffle 1 (the default, as in train_gpt2cu) a per-epoch shard order and a
+per-(epoch, shard) sample order, seeded permutations drawn from SplitMix64 and seeded by --seed exactly
+as train_gpt2cu's --seed seeds them; with --shuffle 0 shards in name order and samples in file order
+(validation always reads that way); B consecutive samples per micro-batch, epochs concatenated. So
+starting both from the same model file with the same -b, -t, --seed and --shuffle gives the same
+batches (test/test_torch_ref_order.sh checks the order against the DataLoader's, sample for sample).
+Learning-rate schedules are those of llmc/schedule.h; AdamW decays the weight matrices only (wte, wpe,
+qkvw, attprojw, fcw, fcprojw); clipping multiplies the gradients by clip / norm when the global norm
+exceeds clip, as train_gpt2cu does.
 
 Prints one line per step (loss, lr, norm, ms, tok/s), the validation loss every -v steps, the mean
 throughput (steps after the first) and the peak GPU memory; with --compare LOG.jsonl (train_gpt2cu's
@@ -20,8 +24,9 @@ Not provided: sampling, checkpoints, several GPUs.
 
 Example (the same start and data for both):
   ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init              # writes out/init/model.bin
-  ./train_gpt2cu -e out/init/model.bin --shuffle 0 -b 16 -t 1024 -x 50 -v 25 -s 0 -o out/ours
-  python3 dev/train_gpt2_torch.py -e out/init/model.bin -b 16 -t 1024 -x 50 -v 25 --compare out/ours/log.jsonl
+  ./train_gpt2cu -e out/init/model.bin --shuffle 1 --seed 1337 -b 16 -t 1024 -x 50 -v 25 -s 0 -o out/ours
+  python3 dev/train_gpt2_torch.py -e out/init/model.bin --shuffle 1 --seed 1337 -b 16 -t 1024 -x 50 -v 25 \
+      --compare out/ours/log.jsonl
 """
 import argparse
 import contextlib
@@ -89,37 +94,118 @@ def new_model(descriptor, seed):
     return c, P
 
 
-class Shards:
-    """Samples of T+1 tokens in shard-name order and file order, B per batch, epochs concatenated."""
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9e3779b97f4a7c15  # splitmix64's increment, also the stream multiplier of stream_seed()
 
-    def __init__(self, pattern, B, T):
+
+def splitmix64_mix(z):
+    """SplitMix64::mix of llmc/dataloader.h, on a Python int (or, elementwise, a numpy uint64 array)."""
+    if isinstance(z, np.ndarray):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xbf58476d1ce4e5b9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94d049bb133111eb)
+        return z ^ (z >> np.uint64(31))
+    z = ((z ^ (z >> 30)) * 0xbf58476d1ce4e5b9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94d049bb133111eb) & MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_permutation(seed, n):
+    """llmc/dataloader.h's seeded_permutation: Fisher-Yates from the top, swapping out[i-1] with
+    out[below(i)] for i = n..2, where below(i) draws SplitMix64 outputs (the c-th output is
+    mix(seed + c * GOLDEN64)) and rejects those under (2^64 - i) % i. The draws are made in numpy
+    batches; a rejection (probability < 2^-32 a draw) restarts the batch after the rejected output."""
+    out = list(range(n))
+    if n < 2:
+        return np.array(out, dtype=np.int64)
+    bounds = np.arange(n, 1, -1, dtype=np.uint64)
+    thresholds = (np.uint64(0) - bounds) % bounds
+    draws = np.empty(n - 1, dtype=np.uint64)
+    used, k = 0, 0  # generator outputs consumed, draws done
+    while k < n - 1:
+        m = n - 1 - k
+        counters = np.arange(used + 1, used + m + 1, dtype=np.uint64)
+        r = splitmix64_mix(np.uint64(seed) + counters * np.uint64(GOLDEN64))
+        ok = r >= thresholds[k:]
+        take = m if ok.all() else int(np.argmin(ok))
+        draws[k:k + take] = r[:take] % bounds[k:k + take]
+        k += take
+        used += take if take == m else take + 1
+    for i, j in zip(range(n - 1, 0, -1), draws.tolist()):
+        out[i], out[j] = out[j], out[i]
+    return np.array(out, dtype=np.int64)
+
+
+class Shards:
+    """One rank's (W=1) samples in the order of llmc/dataloader.h's SampleSchedule: a sample is T+1
+    tokens starting at a multiple of T; an epoch is every shard's samples, shards in a per-epoch order
+    and each shard's samples in a per-(epoch, shard) order (seeded permutations with shuffle, else name
+    order and file order); epochs concatenated, batch i = stream samples [i*B, i*B + B)."""
+
+    def __init__(self, pattern, B, T, shuffle=False, seed=0):
         paths = []
         for item in pattern.split(","):
-            paths += sorted(glob.glob(item))
-        if not paths:
-            sys.exit(f"no shards match '{pattern}'")
-        self.tokens, self.samples = [], []
+            matches = sorted(glob.glob(item))
+            if not matches:
+                sys.exit(f"no shard file matches '{item}'")
+            paths += matches
+        if len(set(paths)) != len(paths):
+            sys.exit(f"a shard is named twice by '{pattern}'")
+        self.tokens, self.counts = [], []
         for p in paths:
             h = np.fromfile(p, dtype=np.int32, count=256)
             if h[0] != 20240520 or h[1] not in (1, 2):
                 sys.exit(f"{p}: not a token shard (magic {h[0]}, version {h[1]})")
             n = int(h[2]) if h[1] == 1 else (int(h[2]) & 0xffffffff) | (int(h[3]) << 32)
-            toks = np.memmap(p, dtype=np.uint16 if h[1] == 1 else np.uint32, mode="r", offset=1024, shape=(n,))
-            k = len(self.tokens)
-            self.tokens.append(toks)
-            self.samples += [(k, s * T) for s in range((n - 1) // T)]
-        self.B, self.T = B, T
+            if n < T + 1:
+                sys.exit(f"{p}: {n} tokens, fewer than one sample of T+1 = {T + 1}")
+            self.tokens.append(np.memmap(p, dtype=np.uint16 if h[1] == 1 else np.uint32, mode="r", offset=1024,
+                                         shape=(n,)))
+            self.counts.append((n - 1) // T)
+        self.samples_per_epoch = sum(self.counts)
+        if self.samples_per_epoch < B:
+            sys.exit(f"'{pattern}' holds {self.samples_per_epoch} samples, fewer than one batch of B = {B}")
+        self.B, self.T, self.shuffle, self.seed = B, T, shuffle, seed & MASK64
+        self.epochs = {}  # epoch -> (shard, token offset) arrays of its samples in stream order; the last two
+
+    def stream_seed(self, epoch, stream):
+        """Stream 0 orders the epoch's shards; stream slot+1 orders the samples of the shard at that slot."""
+        z = splitmix64_mix(splitmix64_mix(self.seed) ^ epoch)
+        return splitmix64_mix(z ^ ((stream * GOLDEN64) & MASK64))
+
+    def epoch_samples(self, epoch):
+        if epoch not in self.epochs:
+            n = len(self.counts)
+            order = seeded_permutation(self.stream_seed(epoch, 0), n) if self.shuffle else np.arange(n)
+            shards, offsets = [], []
+            for slot, k in enumerate(order.tolist()):
+                c = self.counts[k]
+                samples = seeded_permutation(self.stream_seed(epoch, slot + 1), c) if self.shuffle else np.arange(c)
+                shards.append(np.full(c, k, dtype=np.int64))
+                offsets.append(samples * self.T)
+            self.epochs = {e: v for e, v in self.epochs.items() if e == epoch - 1}
+            self.epochs[epoch] = (np.concatenate(shards), np.concatenate(offsets))
+        return self.epochs[epoch]
+
+    def samples(self, i):
+        """(shard index, token offset) of the B samples of batch i."""
+        out = []
+        for s in range(i * self.B, i * self.B + self.B):
+            shards, offsets = self.epoch_samples(s // self.samples_per_epoch)
+            j = s % self.samples_per_epoch
+            out.append((int(shards[j]), int(offsets[j])))
+        return out
+
+    def rows(self, i):
+        """Batch i as a (B, T+1) int64 array of tokens."""
+        return np.stack([np.asarray(self.tokens[k][off:off + self.T + 1], dtype=np.int64)
+                         for k, off in self.samples(i)])
 
     def batch(self, i, device):
-        rows = []
-        for s in range(i * self.B, i * self.B + self.B):
-            k, off = self.samples[s % len(self.samples)]
-            rows.append(np.asarray(self.tokens[k][off:off + self.T + 1], dtype=np.int64))
-        x = torch.from_numpy(np.stack(rows)).to(device, non_blocking=True)
+        x = torch.from_numpy(self.rows(i)).to(device, non_blocking=True)
         return x[:, :-1], x[:, 1:]
 
     def batches_per_epoch(self):
-        return len(self.samples) // self.B
+        return self.samples_per_epoch // self.B
 
 
 def lr_at(a, step, total):
@@ -179,7 +265,10 @@ def main():
     ap.add_argument("--beta1", type=float, default=0.9)
     ap.add_argument("--beta2", type=float, default=0.95)
     ap.add_argument("--eps", type=float, default=1e-8)
-    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--seed", type=int, default=1337,
+                    help="seed of a new model's initialisation and of the training data order (train_gpt2cu's --seed)")
+    ap.add_argument("--shuffle", type=int, default=1, choices=[0, 1],
+                    help="1: train_gpt2cu's shuffled order (seeded by --seed); 0: shards in name order, samples in file order")
     ap.add_argument("--compile", type=int, default=0, help="1: torch.compile the forward")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                     help="bf16: autocast (the reference); fp32: no autocast and no TF32, for the noise floor of bf16")
@@ -190,6 +279,8 @@ def main():
     ap.add_argument("--max-val-rel", type=float, default=0.01,
                     help="with --compare: the largest relative difference of the final val loss (default 0.01)")
     a = ap.parse_args()
+    if not 0 <= a.seed < 2**63:
+        sys.exit(f"--seed {a.seed}: must lie in [0, 2^63) like train_gpt2cu's")
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU visible to PyTorch")
@@ -203,7 +294,7 @@ def main():
     if tokens_per_step % (B * T):
         sys.exit(f"-d {tokens_per_step} is not a multiple of B*T = {B * T}")
     accum = tokens_per_step // (B * T)
-    train = Shards(a.train, B, T)
+    train = Shards(a.train, B, T, shuffle=bool(a.shuffle), seed=a.seed)
     val = Shards(a.val, B, T) if a.val and a.val_every > 0 else None
     steps = a.max_steps if a.max_steps >= 0 else max(1, train.batches_per_epoch() // accum)
     val_steps = 0
@@ -230,7 +321,7 @@ def main():
     log = open(a.log, "w") if a.log else None
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}; model {a.model}: {c}, {nparams} parameters")
     print(f"B={B} T={T}, {tokens_per_step} tokens per step, {accum} micro-step(s), {steps} steps, compile={a.compile}, "
-          f"precision={a.precision}")
+          f"precision={a.precision}, training data {'shuffled with seed %d' % a.seed if a.shuffle else 'in order'}")
 
     def evaluate():
         with torch.no_grad(), autocast():
