@@ -4,6 +4,7 @@
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-throughput attention-lab
+#             throughput-large profile
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -62,6 +63,22 @@ for section in "$@"; do
                 step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
             done ;;
+        throughput-large)
+            # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits (no recompute yet).
+            for model in d24 d48; do
+                for B in 64 32 16 8 4; do
+                    if step "train_gpt2cu $model B=$B" throughput_large.log 150 ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o ""; then
+                        grep -E "^average|^peak" "$OUT/throughput_large.log" | tail -n 2 >>"$summary"
+                        break
+                    fi
+                done
+            done ;;
+        profile)
+            # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised).
+            step "ncu d12 B=64" profile.log 500 ncu --target-processes application-only --csv --print-units base \
+                --metrics gpu__time_duration.sum --log-file "$OUT/ncu.csv" \
+                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
+            python3 dev/ncu_summary.py "$OUT/ncu.csv" --steps 3 | tee -a "$summary" ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Per-kernel GPU time from an Nsight Compute CSV (gpu__time_duration.sum), grouped by kernel name.
+
+    ncu --csv --print-units base --metrics gpu__time_duration.sum --log-file prof.csv ./train_gpt2cu ... -x 3
+    python3 dev/ncu_summary.py prof.csv --steps 3
+
+Prints one row per kernel (name cut before its argument list and template arguments): launches per
+step, ms per step, share of the total, sorted by time; then the total per step. ncu serialises the
+kernels, so the total is the sum of kernel times (no overlap, no launch gaps), not the step time.
+"""
+import argparse
+import csv
+import re
+import sys
+
+UNITS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3, "second": 1e3}
+
+
+def short_name(name):
+    name = re.sub(r"\(.*$", "", name)  # argument list
+    depth, out = 0, []
+    for ch in name:  # template arguments
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    name = "".join(out).strip()
+    return name.split(" ")[-1] if " " in name else name
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--steps", type=int, default=1, help="training steps the profile covers (times are divided by it)")
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    lines = open(a.csv, errors="replace").read().splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        sys.exit(f"{a.csv}: no ncu CSV header (a line starting with \"ID\")")
+    total, per = 0.0, {}
+    for row in csv.DictReader(lines[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = row.get("Metric Unit", "ns").strip()
+        if unit not in UNITS:
+            sys.exit(f"{a.csv}: unknown time unit '{unit}'")
+        ms = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
+        name = short_name(row["Kernel Name"])
+        t, n = per.get(name, (0.0, 0))
+        per[name] = (t + ms, n + 1)
+        total += ms
+    if not per:
+        sys.exit(f"{a.csv}: no gpu__time_duration.sum rows")
+    print(f"| kernel | launches/step | ms/step | share |")
+    print(f"|---|---|---|---|")
+    for name, (t, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        print(f"| {name} | {n / a.steps:.1f} | {t / a.steps:.3f} | {100 * t / total:.1f}% |")
+    print(f"total kernel time: {total / a.steps:.2f} ms/step over {len(per)} kernel names ({a.steps} step(s))")
+
+
+if __name__ == "__main__":
+    main()
