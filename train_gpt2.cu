@@ -70,6 +70,7 @@ so far), activation recomputation.
 #include "llmc/device_file_io.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/flags.h"
+#include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/layernorm.cuh"
@@ -108,9 +109,13 @@ public:
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
     // With `multi` (data parallel) the gradients are averaged over its ranks; zero_stage 1 shards the
     // optimizer state (ZeRO-1). Without it, one GPU and no NCCL call.
-    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0)
+    // recompute_gelu: keep one GELU output buffer instead of one per layer and recompute it in backward
+    // (llm.c's -r 1): the forward is unchanged, backward reads the recomputed values.
+    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0,
+         bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
-          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0) {
+          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
+          recompute_gelu_(recompute_gelu) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
         if (B < 1 || T < 1 || T > config.max_seq_len) {
@@ -260,6 +265,8 @@ public:
             const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
             const int64_t lc = int64_t(l) * C;
             // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
+            // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
+            if (recompute_gelu_) gelu_forward(fch_gelu(l), fch(l), N * 4 * C, stream_);
             matmul_backward(lt_, d_fch_, G(kFcprojw) + lc * 4 * C, G(kFcprojb) + lc, d_residual_, fch_gelu(l),
                             P(kFcprojw) + lc * 4 * C, N, 4 * C, C, fscratch, sbytes, stream_, fch(l));
             matmul_backward(lt_, d_ln_, G(kFcw) + lc * 4 * C, G(kFcb) + lc * 4, d_fch_, ln2(l), P(kFcw) + lc * 4 * C, N,
@@ -525,7 +532,7 @@ private:
             {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
             {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
             {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
-            {reinterpret_cast<void**>(&fch_gelu_), L * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_), (recompute_gelu_ ? 1 : L) * N * 4 * C * X},
             {reinterpret_cast<void**>(&residual3_), L * N * C * X},
             {reinterpret_cast<void**>(&lnf_), N * C * X},
             {reinterpret_cast<void**>(&lnf_mean_), N * F},
@@ -582,7 +589,7 @@ private:
     float* ln2_mean(int l) const { return ln2_mean_ + size_t(l) * n_; }
     float* ln2_rstd(int l) const { return ln2_rstd_ + size_t(l) * n_; }
     floatX* fch(int l) const { return fch_ + size_t(l) * 4 * nc_; }
-    floatX* fch_gelu(int l) const { return fch_gelu_ + size_t(l) * 4 * nc_; }
+    floatX* fch_gelu(int l) const { return fch_gelu_ + (recompute_gelu_ ? 0 : size_t(l) * 4 * nc_); }
     floatX* residual3(int l) const { return residual3_ + size_t(l) * nc_; }
 
     GPT2Config config_;
@@ -592,6 +599,7 @@ private:
     AdamWTensors adamw_table_;
     MultiGpu* multi_ = nullptr;
     int zero_stage_ = 0;
+    bool recompute_gelu_ = false;
     ZeroLayout layout_;        // ZeRO-1 only
     ShardRange owned_;         // ZeRO-1: the parameters this rank updates
     AdamWTensors shard_table_; // ZeRO-1: adamw_table_ cut to owned_
@@ -642,6 +650,7 @@ struct Options {
     int keep_every = 0;
     bool checkpoint_async = true;
     bool stochastic_rounding = true;
+    int recompute = 0;
     int resume = 0;
     std::string schedule = "cosine";
     float decay_fraction = 0.2f;
@@ -693,6 +702,9 @@ inline Flags make_flags(Options& o) {
           "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/");
     f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)");
     f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N");
+    f.add("r", "recompute", &o.recompute,
+          "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
+          "slower; llm.c's default); 0: keep them all");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "checkpoint-async", &o.checkpoint_async,
@@ -834,6 +846,7 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, int world = 1) {
         fail(kExitUsage, "-g/--gen-tokens %d: must be at least 1 when sampling", o.gen_tokens);
     }
     if (o.checkpoint_every < 0) fail(kExitUsage, "-n/--checkpoint-every %d: must not be negative", o.checkpoint_every);
+    if (o.recompute != 0 && o.recompute != 1) fail(kExitUsage, "-r/--recompute %d: must be 0 or 1", o.recompute);
     if (o.resume != 0 && o.resume != 1) fail(kExitUsage, "-y/--resume %d: must be 0 or 1", o.resume);
     if (o.keep_last < 0) fail(kExitUsage, "-nk/--keep-last %d: must not be negative", o.keep_last);
     if (o.keep_every < 0) fail(kExitUsage, "-nm/--keep-every %d: must not be negative", o.keep_every);
@@ -1325,6 +1338,7 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_settings(cons
         {"beta2", format("%.9g", double(o.beta2))},
         {"eps", format("%.9g", double(o.eps))},
         {"stochastic_rounding", o.stochastic_rounding ? "1" : "0"},
+        {"recompute", format("%d", o.recompute)},
         {"sample_seed", format("%lld", (long long)o.sample_seed)},
     };
 }
@@ -1464,7 +1478,7 @@ int main(int argc, char** argv) {
 
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
-        GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), opt.zero_stage);
+        GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), opt.zero_stage, opt.recompute == 1);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, source.config, plan, stream, ranks);
         if (multi) {

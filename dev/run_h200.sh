@@ -64,13 +64,17 @@ for section in "$@"; do
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
             done ;;
         throughput-large)
-            # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits (no recompute yet).
+            # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits, without and with
+            # recompute (-r 1).
             for model in d24 d48; do
-                for B in 64 32 16 8 4; do
-                    if step "train_gpt2cu $model B=$B" throughput_large.log 150 ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o ""; then
-                        grep -E "^average|^peak" "$OUT/throughput_large.log" | tail -n 2 >>"$summary"
-                        break
-                    fi
+                for r in 0 1; do
+                    for B in 64 32 16 8 4; do
+                        if step "train_gpt2cu $model B=$B -r $r" throughput_large.log 150 \
+                            ./train_gpt2cu -e $model -b $B -t 1024 -r $r -x 12 -v 0 -s 0 -o ""; then
+                            grep -E "^average|^peak" "$OUT/throughput_large.log" | tail -n 2 >>"$summary"
+                            break
+                        fi
+                    done
                 done
             done ;;
         profile)
