@@ -113,6 +113,13 @@ for section in "$@"; do
             step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hot[@]}" \
                 --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
             grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
+            # Ours with the bf16 parameters rounded to nearest (as autocast does) against the same torch run:
+            # what stochastic rounding contributes to the difference.
+            step "ours 300 steps (hot, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
+                "${hot[@]}" --stochastic-rounding 0 -s 0 -o out/ours_hot_rn
+            cp out/ours_hot_rn/log.jsonl out/dynamics/ours_hot_rn.jsonl
+            python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$OUT/torch.log" |
+                sed "s/^/ours round-to-nearest vs torch bf16 (hot): /" >>"$summary"
             tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
         torch-throughput)
             # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
