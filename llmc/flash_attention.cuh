@@ -70,6 +70,15 @@ __device__ inline void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// The pipelined kernels (Pipe = true) commit each step's copies as a group and wait for all but the
+// newest N groups, so the next step's tiles load while this step computes.
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ inline void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 __device__ inline void ldsm_x4(uint32_t (&r)[4], const floatX* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -220,18 +229,19 @@ __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc
 // Forward. Block (query block, b*NH + h); query blocks are issued longest first (the last ones see the
 // most keys). Online softmax in the log2 domain: s2 = scale * log2(e) * q.k.
 
-template <int HS>
+// Pipe: two K, V buffers; block j+1's tiles load while block j computes (same arithmetic, same bits).
+template <int HS, bool Pipe = false>
 constexpr size_t fwd_smem() {
-    return size_t(kBlockM + 2 * kBlockN) * row_stride<HS>() * sizeof(floatX);
+    return size_t(kBlockM + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
 }
 
-template <int HS>
+template <int HS, bool Pipe = false>
 static __global__ void __launch_bounds__(kThreads)
     flash_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
     extern __shared__ uint4 smem[];
     floatX* sQ = reinterpret_cast<floatX*>(smem);
-    floatX* sK = sQ + kBlockM * row_stride<HS>();
-    floatX* sV = sK + kBlockN * row_stride<HS>();
+    floatX* sKV = sQ + kBlockM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
+    constexpr int kTile = kBlockN * row_stride<HS>();
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
     const int C = NH * HS;
@@ -242,6 +252,10 @@ static __global__ void __launch_bounds__(kThreads)
     const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
 
     load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
+    if constexpr (Pipe) {
+        load_tile<HS, kBlockN>(sKV, base + C, C3, 0, T);
+        load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, 0, T);
+    }
     cp_async_wait_all();
     __syncthreads();
     uint32_t qf[HS / 16][4];
@@ -254,10 +268,25 @@ static __global__ void __launch_bounds__(kThreads)
     const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
-        __syncthreads();  // every warp is done with the previous K, V
-        load_tile<HS, kBlockN>(sK, base + C, C3, k0, T);
-        load_tile<HS, kBlockN>(sV, base + 2 * C, C3, k0, T);
-        cp_async_wait_all();
+        const int buf = Pipe ? (j & 1) : 0;
+        const floatX* sK = sKV + 2 * buf * kTile;
+        const floatX* sV = sK + kTile;
+        __syncthreads();  // every warp is done with the K, V buffer about to be filled
+        if constexpr (Pipe) {
+            if (j + 1 < n_blocks) {
+                floatX* nK = sKV + 2 * (buf ^ 1) * kTile;
+                load_tile<HS, kBlockN>(nK, base + C, C3, k0 + kBlockN, T);
+                load_tile<HS, kBlockN>(nK + kTile, base + 2 * C, C3, k0 + kBlockN, T);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+        } else {
+            load_tile<HS, kBlockN>(sKV, base + C, C3, k0, T);
+            load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, k0, T);
+            cp_async_wait_all();
+        }
         __syncthreads();
 
         float s[kBlockN / 8][4];
@@ -361,24 +390,25 @@ constexpr int dkdv_bq() {
     return HS <= 64 ? 64 : 32;  // queries per step: keeps the S^T and dP^T accumulators small for HS = 128
 }
 
-template <int HS>
+// Pipe: two buffers of Q, dO, lse and D; query block i+1 loads while block i computes.
+template <int HS, bool Pipe = false>
 constexpr size_t dkdv_smem() {
-    return size_t(2 * kBlockM + 2 * dkdv_bq<HS>()) * row_stride<HS>() * sizeof(floatX) +
-           2 * dkdv_bq<HS>() * sizeof(float);
+    return size_t(2 * kBlockM + (Pipe ? 4 : 2) * dkdv_bq<HS>()) * row_stride<HS>() * sizeof(floatX) +
+           (Pipe ? 4 : 2) * dkdv_bq<HS>() * sizeof(float);
 }
 
-template <int HS>
+template <int HS, bool Pipe = false>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                           int T, int NH, float scale_log2, float scale) {
     constexpr int BQ = dkdv_bq<HS>();
+    constexpr int kQTile = BQ * row_stride<HS>();
+    constexpr int kBufs = Pipe ? 2 : 1;
     extern __shared__ uint4 smem[];
     floatX* sK = reinterpret_cast<floatX*>(smem);
     floatX* sV = sK + kBlockM * row_stride<HS>();
-    floatX* sQ = sV + kBlockM * row_stride<HS>();
-    floatX* sdO = sQ + BQ * row_stride<HS>();
-    float* sL = reinterpret_cast<float*>(sdO + BQ * row_stride<HS>());
-    float* sD = sL + BQ;
+    floatX* sQdO = sV + kBlockM * row_stride<HS>();  // per buffer: Q, then dO
+    float* sLD = reinterpret_cast<float*>(sQdO + 2 * kBufs * kQTile);  // per buffer: lse, then D
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
     const int k0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
     const int C = NH * HS;
@@ -389,24 +419,50 @@ static __global__ void __launch_bounds__(kThreads)
     const int wrow0 = warp * 16;
     const int key[2] = {k0 + wrow0 + g, k0 + wrow0 + g + 8};
 
+    // Query block i's Q, dO (async copies) and lse, D (plain stores) into buffer `buf`.
+    auto load_queries = [&](int i, int buf) {
+        const int q0 = i * BQ;
+        floatX* bQ = sQdO + 2 * buf * kQTile;
+        float* bL = sLD + 2 * buf * BQ;
+        load_tile<HS, BQ>(bQ, base, C3, q0, T);
+        load_tile<HS, BQ>(bQ + kQTile, dobase, C, q0, T);
+        for (int t = threadIdx.x; t < BQ; t += kThreads) {
+            const int qi = q0 + t;
+            bL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
+            bL[BQ + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
+        }
+    };
     load_tile<HS, kBlockM>(sK, base + C, C3, k0, T);
     load_tile<HS, kBlockM>(sV, base + 2 * C, C3, k0, T);
     float dk[HS / 8][4], dv[HS / 8][4];
     zero(dk);
     zero(dv);
-    const int n_qblocks = ceil_div(T, BQ);
-    for (int i = k0 / BQ; i < n_qblocks; i++) {
+    const int n_qblocks = ceil_div(T, BQ), i0 = k0 / BQ;
+    if constexpr (Pipe) {
+        load_queries(i0, 0);
+        cp_async_commit();
+    }
+    for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * BQ;
-        __syncthreads();  // every warp is done with the previous Q, dO, lse, D
-        load_tile<HS, BQ>(sQ, base, C3, q0, T);
-        load_tile<HS, BQ>(sdO, dobase, C, q0, T);
-        for (int t = threadIdx.x; t < BQ; t += kThreads) {
-            const int qi = q0 + t;
-            sL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
-            sD[t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
+        const int buf = Pipe ? ((i - i0) & 1) : 0;
+        __syncthreads();  // every warp is done with the Q, dO, lse, D buffer about to be filled
+        if constexpr (Pipe) {
+            if (i + 1 < n_qblocks) {
+                load_queries(i + 1, buf ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+        } else {
+            load_queries(i, 0);
+            cp_async_wait_all();
         }
-        cp_async_wait_all();
         __syncthreads();
+        const floatX* sQ = sQdO + 2 * buf * kQTile;
+        const floatX* sdO = sQ + kQTile;
+        const float* sL = sLD + 2 * buf * BQ;
+        const float* sD = sL + BQ;
 
         float st[BQ / 8][4];
         zero(st);
@@ -448,20 +504,21 @@ static __global__ void __launch_bounds__(kThreads)
 // Separate from the dK/dV pass (FlashAttention-2's deterministic mode) so that no two blocks add into
 // the same dQ element.
 
-template <int HS>
+// Pipe: two K, V buffers, as in the forward.
+template <int HS, bool Pipe = false>
 constexpr size_t dq_smem() {
-    return size_t(2 * kBlockM + 2 * kBlockN) * row_stride<HS>() * sizeof(floatX);
+    return size_t(2 * kBlockM + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
 }
 
-template <int HS>
+template <int HS, bool Pipe = false>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
                         int NH, float scale_log2, float scale) {
     extern __shared__ uint4 smem[];
     floatX* sQ = reinterpret_cast<floatX*>(smem);
     floatX* sdO = sQ + kBlockM * row_stride<HS>();
-    floatX* sK = sdO + kBlockM * row_stride<HS>();
-    floatX* sV = sK + kBlockN * row_stride<HS>();
+    floatX* sKV = sdO + kBlockM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
+    constexpr int kTile = kBlockN * row_stride<HS>();
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
     const int C = NH * HS;
@@ -478,16 +535,36 @@ static __global__ void __launch_bounds__(kThreads)
     }
     load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
     load_tile<HS, kBlockM>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T);
+    if constexpr (Pipe) {
+        load_tile<HS, kBlockN>(sKV, base + C, C3, 0, T);
+        load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, 0, T);
+        cp_async_commit();
+    }
 
     float dq[HS / 8][4];
     zero(dq);
     const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
-        __syncthreads();  // every warp is done with the previous K, V
-        load_tile<HS, kBlockN>(sK, base + C, C3, k0, T);
-        load_tile<HS, kBlockN>(sV, base + 2 * C, C3, k0, T);
-        cp_async_wait_all();
+        const int buf = Pipe ? (j & 1) : 0;
+        const floatX* sK = sKV + 2 * buf * kTile;
+        const floatX* sV = sK + kTile;
+        __syncthreads();  // every warp is done with the K, V buffer about to be filled
+        if constexpr (Pipe) {
+            if (j + 1 < n_blocks) {
+                floatX* nK = sKV + 2 * (buf ^ 1) * kTile;
+                load_tile<HS, kBlockN>(nK, base + C, C3, k0 + kBlockN, T);
+                load_tile<HS, kBlockN>(nK + kTile, base + 2 * C, C3, k0 + kBlockN, T);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+        } else {
+            load_tile<HS, kBlockN>(sKV, base + C, C3, k0, T);
+            load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, k0, T);
+            cp_async_wait_all();
+        }
         __syncthreads();
 
         float s[kBlockN / 8][4];
@@ -545,8 +622,9 @@ inline size_t flash_lse_bytes(int B, int NH, int T) { return size_t(B) * size_t(
 // Bytes of flash_backward's scratch: D (B,NH,T) fp32.
 inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes(B, NH, T); }
 
-// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS.
-template <int HS>
+// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe: the double-buffered kernels (the same
+// results bit for bit; whether they are faster is measured in dev/attention_lab.cu).
+template <int HS, bool Pipe = false>
 void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
     using namespace flash_detail;
@@ -554,16 +632,16 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
     require_aligned16(out, "flash_forward: out");
     require_aligned16(lse, "flash_forward: lse");
     require_aligned16(qkv, "flash_forward: qkv");
-    allow_smem(flash_fwd_kernel<HS>, fwd_smem<HS>());
+    allow_smem(flash_fwd_kernel<HS, Pipe>, fwd_smem<HS, Pipe>());
     const float scale_log2 = kLog2e / sqrtf(float(HS));
     const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
-    flash_fwd_kernel<HS><<<grid, kThreads, fwd_smem<HS>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
+    flash_fwd_kernel<HS, Pipe><<<grid, kThreads, fwd_smem<HS, Pipe>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
     cudaCheckLaunch();
 }
 
 // dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
-// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out.
-template <int HS>
+// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe: as for flash_forward.
+template <int HS, bool Pipe = false>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
                     int T, int NH, float* D, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
@@ -579,15 +657,15 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
     flash_bwd_dot_kernel<HS><<<unsigned(ceil_div<int64_t>(rows, kThreads / (HS / 8))), kThreads, 0, stream>>>(
         D, out, dout, B, T, NH);
     cudaCheckLaunch();
-    allow_smem(flash_bwd_dkdv_kernel<HS>, dkdv_smem<HS>());
-    allow_smem(flash_bwd_dq_kernel<HS>, dq_smem<HS>());
+    allow_smem(flash_bwd_dkdv_kernel<HS, Pipe>, dkdv_smem<HS, Pipe>());
+    allow_smem(flash_bwd_dq_kernel<HS, Pipe>, dq_smem<HS, Pipe>());
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
-    flash_bwd_dkdv_kernel<HS><<<grid, kThreads, dkdv_smem<HS>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                            scale_log2, scale);
+    flash_bwd_dkdv_kernel<HS, Pipe><<<grid, kThreads, dkdv_smem<HS, Pipe>(), stream>>>(dqkv, qkv, dout, lse, D, T,
+                                                                                        NH, scale_log2, scale);
     cudaCheckLaunch();
-    flash_bwd_dq_kernel<HS><<<grid, kThreads, dq_smem<HS>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH, scale_log2,
-                                                                        scale);
+    flash_bwd_dq_kernel<HS, Pipe><<<grid, kThreads, dq_smem<HS, Pipe>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                                    scale_log2, scale);
     cudaCheckLaunch();
 }
 
