@@ -347,87 +347,49 @@ public:
 
     // The checkpoint settings that describe the layout of checkpoint_tensors() across the ranks.
     std::vector<std::pair<std::string, std::string>> checkpoint_layout() const {
-        if (!sharded()) return {{"state_layout", "whole"}};
-        std::vector<std::pair<std::string, std::string>> kv = {{"state_layout", "sharded"},
-                                                                {"state_ranks", format("%d", layout_.world)}};
-        for (int r = 0; r < layout_.world; r++) {
-            const ShardRange o = layout_.owned(r);
-            kv.push_back({format("state_shard_%d", r), format("%lld %lld", (long long)o.begin, (long long)o.size())});
-        }
-        return kv;
+        return state_layout_settings(sharded() ? &layout_ : nullptr);
     }
 
     // Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
-    // number of ranks: when the checkpoint's layout and ranges are this run's, each file is streamed
-    // straight to the device (every chunk checked); otherwise (a resume on another number of ranks, or
-    // between the whole and the sharded layout) this rank's range of the master weights and moments is
-    // assembled from the pieces of the saved files (read_array_range, every chunk checked). Returns a
-    // description of what was re-sharded, empty when nothing was.
+    // number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each
+    // file is streamed straight to the device (every chunk checked); otherwise (a resume on another number
+    // of ranks, or between the whole and the sharded layout) this rank's range of the master weights and
+    // moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
+    // Returns a description of what was re-sharded, empty when nothing was.
     std::string load_checkpoint(const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
-        const std::string* kind = m.setting("state_layout");
-        const bool saved_sharded = kind && *kind == "sharded";
-        if (kind && !saved_sharded && *kind != "whole") fail(kExitData, "'%s': unknown state_layout '%s'", dir.c_str(), kind->c_str());
+        const std::vector<char> header = model_header(kModelVersionFp32);
+        const StateLayout saved = read_state_layout(dir, m, num_params_, header.size());
         const size_t n = size_t(num_params_);
-        std::vector<SavedShard> shards;
-        if (saved_sharded) {
-            const std::string* ranks = m.setting("state_ranks");
-            const int w = ranks ? std::atoi(ranks->c_str()) : 0;
-            if (w < 1) fail(kExitData, "'%s': a sharded checkpoint without a valid state_ranks setting", dir.c_str());
-            for (int r = 0; r < w; r++) {
-                const std::string* range = m.setting(format("state_shard_%d", r));
-                long long begin = -1, count = -1;
-                if (!range || std::sscanf(range->c_str(), "%lld %lld", &begin, &count) != 2 || begin < 0 || count < 0) {
-                    fail(kExitData, "'%s': the range of rank %d's shard is missing or malformed", dir.c_str(), r);
-                }
-                SavedShard s;
-                s.path = dir + "/" + format("master_%05d.bin", r);
-                s.rank = r;
-                s.world = w;
-                s.begin = begin;
-                s.count = count;
-                shards.push_back(s);
-            }
-            check_saved_shards(shards, num_params_);
-        }
         const ShardRange target = sharded() ? owned_ : ShardRange{0, num_params_};
         // The parameters are whole in both layouts.
-        load_checkpoint_tensors(dir, m, {saved_sharded ? bf16_model_tensor()
+        load_checkpoint_tensors(dir, m, {saved.sharded ? bf16_model_tensor()
                                                        : CheckpointTensor{"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)}},
                                 io, stream_);
-        if (!saved_sharded && !sharded()) {
+        if (!saved.sharded && !sharded()) {
             std::vector<CheckpointTensor> t = checkpoint_tensors();
             t.erase(t.begin() + 1);  // params_bf16.bin: done
             load_checkpoint_tensors(dir, m, t, io, stream_);
             return "";
         }
-        if (saved_sharded && sharded() && int(shards.size()) == layout_.world &&
-            shards[size_t(multi_->rank())].range().begin == target.begin && shards[size_t(multi_->rank())].range().end == target.end) {
+        if (saved.sharded && sharded() && int(saved.shards.size()) == layout_.world &&
+            saved.shards[size_t(multi_->rank())].begin == target.begin &&
+            saved.shards[size_t(multi_->rank())].range().end == target.end) {
             load_checkpoint_tensors(dir, m, shard_tensors(multi_->rank()), io, stream_);
             return "";
         }
-        // Re-shard: this rank's range from whichever files hold it.
-        std::vector<ArraySegment> master, mom1, mom2;
-        if (saved_sharded) {
-            for (const SavedShard& s : shards) {
-                master.push_back({format("master_%05d.bin", s.rank), 0, s.begin, s.count});
-                mom1.push_back({format("adam_m_%05d.bin", s.rank), 0, s.begin, s.count});
-                mom2.push_back({format("adam_v_%05d.bin", s.rank), 0, s.begin, s.count});
-            }
-        } else {
-            // model.bin's header must be this model's before its weights are trusted.
-            const std::vector<char> want = model_header(kModelVersionFp32);
-            std::vector<char> got(want.size());
-            read_array_range(dir, m, {{"model.bin", 0, 0, int64_t(want.size())}}, 1, 0, int64_t(want.size()),
+        // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
+        // must be this model's before its weights are trusted.
+        if (!saved.sharded) {
+            std::vector<char> got(header.size());
+            read_array_range(dir, m, {{"model.bin", 0, 0, int64_t(header.size())}}, 1, 0, int64_t(header.size()),
                              [&](uint64_t at, const char* p, size_t len) { std::memcpy(got.data() + at, p, len); });
-            if (got != want) fail(kExitData, "'%s/model.bin': its header differs from this model's", dir.c_str());
-            master.push_back({"model.bin", uint64_t(want.size()), 0, num_params_});
-            mom1.push_back({"adam_m.bin", 0, 0, num_params_});
-            mom2.push_back({"adam_v.bin", 0, 0, num_params_});
+            if (got != header) fail(kExitData, "'%s/model.bin': its header differs from this model's", dir.c_str());
         }
-        load_array_range(dir, m, master, sizeof(float), target.begin, target.end, master_.get(), stream_);
-        load_array_range(dir, m, mom1, sizeof(float), target.begin, target.end, adam_m_.get(), stream_);
-        load_array_range(dir, m, mom2, sizeof(float), target.begin, target.end, adam_v_.get(), stream_);
-        return format("optimizer state of %s re-sharded to %s", saved_sharded ? format("%zu rank(s)", shards.size()).c_str() : "one whole copy",
+        load_array_range(dir, m, saved.master, sizeof(float), target.begin, target.end, master_.get(), stream_);
+        load_array_range(dir, m, saved.adam_m, sizeof(float), target.begin, target.end, adam_m_.get(), stream_);
+        load_array_range(dir, m, saved.adam_v, sizeof(float), target.begin, target.end, adam_v_.get(), stream_);
+        return format("optimizer state of %s re-sharded to %s",
+                      saved.sharded ? format("%zu rank(s)", saved.shards.size()).c_str() : "one whole copy",
                       sharded() ? format("rank %d of %d (parameters %lld..%lld)", multi_->rank(), layout_.world,
                                          (long long)target.begin, (long long)target.end).c_str()
                                 : "one whole copy");
@@ -462,9 +424,9 @@ private:
     }
     std::vector<CheckpointTensor> shard_tensors(int rank) {
         const size_t k = size_t(layout_.owned(rank).size());
-        return {{format("master_%05d.bin", rank), {}, master_.get(), k * sizeof(float)},
-                {format("adam_m_%05d.bin", rank), {}, adam_m_.get(), k * sizeof(float)},
-                {format("adam_v_%05d.bin", rank), {}, adam_v_.get(), k * sizeof(float)}};
+        return {{state_shard_file(StateKind::Master, rank), {}, master_.get(), k * sizeof(float)},
+                {state_shard_file(StateKind::AdamM, rank), {}, adam_m_.get(), k * sizeof(float)},
+                {state_shard_file(StateKind::AdamV, rank), {}, adam_v_.get(), k * sizeof(float)}};
     }
 
     void write_master(const std::string& path, DeviceFileIO& io, const float* master) const {

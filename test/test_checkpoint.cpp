@@ -358,12 +358,12 @@ std::string write_rank(const std::string& out, int64_t step, int rank, int world
     const ZeroLayout layout = zero_layout(kShardedElems, world);
     const ShardRange own = layout.owned(rank);
     CheckpointWriter w(out, step, rank, world, timeout_s);
-    w.add_file(format("master_%05d.bin", rank), [&](File& f, const ChunkHook& hook) {
+    w.add_file(state_shard_file(StateKind::Master, rank), [&](File& f, const ChunkHook& hook) {
         write_chunked(f, state.data() + own.begin * 4, size_t(own.size()) * 4, hook, kSmallChunk);
     });
     CheckpointManifest m;
     m.settings = base_settings();
-    m.settings.push_back({"state_ranks", format("%d", world)});
+    for (auto& kv : state_layout_settings(&layout)) m.settings.push_back(kv);
     return w.commit(m);
 }
 
@@ -372,7 +372,7 @@ std::vector<ArraySegment> segments_of(int world) {
     std::vector<ArraySegment> segs;
     for (int r = 0; r < world; r++) {
         const ShardRange own = layout.owned(r);
-        segs.push_back({format("master_%05d.bin", r), 0, own.begin, own.size()});
+        segs.push_back({state_shard_file(StateKind::Master, r), 0, own.begin, own.size()});
     }
     return segs;
 }
@@ -413,8 +413,17 @@ TEST(SeveralRanks, OneCheckpointFromConcurrentWritersReadBackOnOtherRankCounts) 
     EXPECT_FALSE(std::filesystem::exists(dir + ".tmp"));
     const CheckpointManifest m = validate_checkpoint(dir, /*deep=*/true);
     ASSERT_EQ(m.files.size(), size_t(world)) << "every rank's file is in the one manifest";
-    for (int r = 0; r < world; r++) EXPECT_NE(m.file(format("master_%05d.bin", r)), nullptr) << r;
+    for (int r = 0; r < world; r++) EXPECT_NE(m.file(state_shard_file(StateKind::Master, r)), nullptr) << r;
     EXPECT_EQ(find_newest_valid(out, true).path, dir);
+    // The manifest's layout settings give back exactly the segments the ranks wrote.
+    const StateLayout saved = read_state_layout(dir, m, kShardedElems, 1024);
+    ASSERT_TRUE(saved.sharded);
+    ASSERT_EQ(saved.master.size(), size_t(world));
+    for (int r = 0; r < world; r++) {
+        EXPECT_EQ(saved.master[size_t(r)].file, segments_of(world)[size_t(r)].file);
+        EXPECT_EQ(saved.master[size_t(r)].begin, segments_of(world)[size_t(r)].begin);
+        EXPECT_EQ(saved.master[size_t(r)].count, segments_of(world)[size_t(r)].count);
+    }
 
     // Every rank of every other world size gets exactly its slice; so does a range across shard borders.
     for (int new_world : {1, 2, 3, 4, 5, 8}) {
@@ -477,4 +486,80 @@ TEST(SeveralRanks, AStalePartOfTheSameStepIsNeverMerged) {
     const std::string dir = out + "/" + checkpoint_dir_name(20);
     const CheckpointManifest m = validate_checkpoint(dir, true);
     EXPECT_TRUE(read_range(dir, m, segments_of(2), 0, kShardedElems) == state);
+}
+
+TEST(StateLayout, SettingsRoundTripForEveryRankCountAndTheWholeLayout) {
+    for (int64_t n : {int64_t(1), int64_t(127), int64_t(10007), int64_t(124475904)}) {
+        for (int w = 1; w <= 8; w++) {
+            const ZeroLayout layout = zero_layout(n, w);
+            CheckpointManifest m;
+            m.settings = state_layout_settings(&layout);
+            const StateLayout got = read_state_layout("ck", m, n, 1024);
+            ASSERT_TRUE(got.sharded);
+            ASSERT_EQ(got.shards.size(), size_t(w));
+            int64_t at = 0;
+            for (int r = 0; r < w; r++) {
+                const ShardRange own = layout.owned(r);
+                SCOPED_TRACE(format("n=%lld w=%d r=%d", (long long)n, w, r));
+                for (const auto* segs : {&got.master, &got.adam_m, &got.adam_v}) {
+                    EXPECT_EQ((*segs)[size_t(r)].begin, own.begin);
+                    EXPECT_EQ((*segs)[size_t(r)].count, own.size());
+                    EXPECT_EQ((*segs)[size_t(r)].offset, 0u);
+                }
+                EXPECT_EQ(got.master[size_t(r)].file, format("master_%05d.bin", r));
+                EXPECT_EQ(got.adam_m[size_t(r)].file, format("adam_m_%05d.bin", r));
+                EXPECT_EQ(got.adam_v[size_t(r)].file, format("adam_v_%05d.bin", r));
+                EXPECT_EQ(own.begin, at) << "the ranges tile [0, n) in rank order";
+                at += own.size();
+            }
+            EXPECT_EQ(at, n);
+            EXPECT_EQ(got.params.file, "model.bin");
+            EXPECT_EQ(got.params.offset, 1024u);
+            EXPECT_EQ(got.params.count, n);
+        }
+    }
+    // The whole layout, named or (checkpoints from before the setting existed) not.
+    for (bool named : {true, false}) {
+        CheckpointManifest m;
+        if (named) m.settings = state_layout_settings(nullptr);
+        const StateLayout got = read_state_layout("ck", m, 500, 1024);
+        EXPECT_FALSE(got.sharded);
+        ASSERT_EQ(got.master.size(), 1u);
+        EXPECT_EQ(got.master[0].file, "model.bin");
+        EXPECT_EQ(got.master[0].offset, 1024u);
+        EXPECT_EQ(got.master[0].count, 500);
+        EXPECT_EQ(got.adam_m[0].file, "adam_m.bin");
+        EXPECT_EQ(got.adam_v[0].file, "adam_v.bin");
+        EXPECT_EQ(got.params.file, "params_bf16.bin");
+        EXPECT_EQ(got.params.offset, 0u);
+    }
+}
+
+TEST(StateLayout, MalformedSettingsAreRefusedByName) {
+    const ZeroLayout layout = zero_layout(1000, 3);
+    auto with = [&](const std::string& key, const std::string* value) {
+        CheckpointManifest m;
+        for (auto& kv : state_layout_settings(&layout)) {
+            if (kv.first == key) {
+                if (value == nullptr) continue;  // dropped
+                kv.second = *value;
+            }
+            m.settings.push_back(kv);
+        }
+        return error_of([&] { read_state_layout("ck", m, 1000, 1024); });
+    };
+    const std::string bad_kind = "striped", abc = "abc", zero = "0", one_number = "12", three = "0 300 7",
+                      negative = "-5 10", gap = "400 300", overlap = "300 400";
+    EXPECT_NE(with("state_layout", &bad_kind).find("unknown state_layout 'striped'"), std::string::npos);
+    EXPECT_NE(with("state_ranks", nullptr).find("state_ranks"), std::string::npos);
+    EXPECT_NE(with("state_ranks", &abc).find("state_ranks"), std::string::npos);
+    EXPECT_NE(with("state_ranks", &zero).find("state_ranks"), std::string::npos);
+    for (const std::string* v : {static_cast<const std::string*>(nullptr), &one_number, &three, &negative}) {
+        EXPECT_NE(with("state_shard_1", v).find("rank 1's shard is missing or malformed"), std::string::npos)
+            << (v ? *v : "(missing)");
+    }
+    EXPECT_NE(with("state_shard_1", &gap), "") << "a gap between ranks 0 and 1";
+    EXPECT_NE(with("state_shard_1", &overlap), "") << "ranks 1 and 2 overlap";
+    const std::string ok1 = format("%lld %lld", (long long)layout.owned(1).begin, (long long)layout.owned(1).size());
+    EXPECT_EQ(with("state_shard_1", &ok1), "") << "the unchanged settings parse";
 }
