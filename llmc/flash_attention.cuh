@@ -225,6 +225,39 @@ __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc
     }
 }
 
+// Key block j's K and V tiles (kBlockN rows each) into dst (K) and dst + one tile (V), as async copies.
+template <int HS>
+__device__ inline void kv_load(floatX* dst, const floatX* base, int C, int64_t C3, int j, int T) {
+    load_tile<HS, kBlockN>(dst, base + C, C3, j * kBlockN, T);
+    load_tile<HS, kBlockN>(dst + kBlockN * row_stride<HS>(), base + 2 * C, C3, j * kBlockN, T);
+}
+
+// One step of a loop over key blocks (forward, dQ): makes block j's K, V ready in shared memory for every
+// warp and returns its K tile (V follows one tile later). sKV holds one K, V pair, or two with Pipe.
+// Plain: loads block j and waits for it. Pipe: issues block j+1 into the other pair first, then waits only
+// for block j (issued one step earlier, or for j = 0 by the caller before the loop).
+template <int HS, bool Pipe>
+__device__ inline const floatX* kv_step(floatX* sKV, const floatX* base, int C, int64_t C3, int j, int n_blocks,
+                                        int T) {
+    constexpr int kPair = 2 * kBlockN * row_stride<HS>();
+    const int buf = Pipe ? (j & 1) : 0;
+    __syncthreads();  // every warp is done with the K, V pair about to be filled
+    if constexpr (Pipe) {
+        if (j + 1 < n_blocks) {
+            kv_load<HS>(sKV + (buf ^ 1) * kPair, base, C, C3, j + 1, T);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+    } else {
+        kv_load<HS>(sKV, base, C, C3, j, T);
+        cp_async_wait_all();
+    }
+    __syncthreads();
+    return sKV + buf * kPair;
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Forward. Block (query block, b*NH + h); query blocks are issued longest first (the last ones see the
 // most keys). Online softmax in the log2 domain: s2 = scale * log2(e) * q.k.
@@ -252,10 +285,7 @@ static __global__ void __launch_bounds__(kThreads)
     const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
 
     load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
-    if constexpr (Pipe) {
-        load_tile<HS, kBlockN>(sKV, base + C, C3, 0, T);
-        load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, 0, T);
-    }
+    if constexpr (Pipe) kv_load<HS>(sKV, base, C, C3, 0, T);
     cp_async_wait_all();
     __syncthreads();
     uint32_t qf[HS / 16][4];
@@ -268,26 +298,8 @@ static __global__ void __launch_bounds__(kThreads)
     const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
-        const int buf = Pipe ? (j & 1) : 0;
-        const floatX* sK = sKV + 2 * buf * kTile;
+        const floatX* sK = kv_step<HS, Pipe>(sKV, base, C, C3, j, n_blocks, T);
         const floatX* sV = sK + kTile;
-        __syncthreads();  // every warp is done with the K, V buffer about to be filled
-        if constexpr (Pipe) {
-            if (j + 1 < n_blocks) {
-                floatX* nK = sKV + 2 * (buf ^ 1) * kTile;
-                load_tile<HS, kBlockN>(nK, base + C, C3, k0 + kBlockN, T);
-                load_tile<HS, kBlockN>(nK + kTile, base + 2 * C, C3, k0 + kBlockN, T);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-        } else {
-            load_tile<HS, kBlockN>(sKV, base + C, C3, k0, T);
-            load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, k0, T);
-            cp_async_wait_all();
-        }
-        __syncthreads();
 
         float s[kBlockN / 8][4];
         zero(s);
@@ -536,8 +548,7 @@ static __global__ void __launch_bounds__(kThreads)
     load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
     load_tile<HS, kBlockM>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T);
     if constexpr (Pipe) {
-        load_tile<HS, kBlockN>(sKV, base + C, C3, 0, T);
-        load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, 0, T);
+        kv_load<HS>(sKV, base, C, C3, 0, T);
         cp_async_commit();
     }
 
@@ -546,26 +557,8 @@ static __global__ void __launch_bounds__(kThreads)
     const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
-        const int buf = Pipe ? (j & 1) : 0;
-        const floatX* sK = sKV + 2 * buf * kTile;
+        const floatX* sK = kv_step<HS, Pipe>(sKV, base, C, C3, j, n_blocks, T);
         const floatX* sV = sK + kTile;
-        __syncthreads();  // every warp is done with the K, V buffer about to be filled
-        if constexpr (Pipe) {
-            if (j + 1 < n_blocks) {
-                floatX* nK = sKV + 2 * (buf ^ 1) * kTile;
-                load_tile<HS, kBlockN>(nK, base + C, C3, k0 + kBlockN, T);
-                load_tile<HS, kBlockN>(nK + kTile, base + 2 * C, C3, k0 + kBlockN, T);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-        } else {
-            load_tile<HS, kBlockN>(sKV, base + C, C3, k0, T);
-            load_tile<HS, kBlockN>(sKV + kTile, base + 2 * C, C3, k0, T);
-            cp_async_wait_all();
-        }
-        __syncthreads();
 
         float s[kBlockN / 8][4];
         zero(s);
