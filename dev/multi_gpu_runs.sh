@@ -21,12 +21,13 @@ work=$(mktemp -d /tmp/multi_gpu_runs_XXXXXX)
 summary="$OUT/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
-[ -x ./train_gpt2cu ] || make -j16 train_gpt2cu >/dev/null
+trainer=${TRAINER:-./train_gpt2cu}  # TRAINER=...: another binary (a stand-in, to try this script without GPUs)
+[ -x "$trainer" ] || make -j16 train_gpt2cu >/dev/null
 ls data/quickstart_train_*.bin >/dev/null || { echo "data/ is missing: run make data first"; exit 1; }
 
 single() {  # single LOG LIMIT ARGS...: one GPU, no NCCL
     local log=$1 limit=$2; shift 2
-    timeout -k 10 "$limit" ./train_gpt2cu "$@" >"$OUT/$log" 2>&1
+    timeout -k 10 "$limit" "$trainer" "$@" >"$OUT/$log" 2>&1
 }
 ranks() {  # ranks WORLD LOG LIMIT ARGS...: WORLD local ranks; rank 0's output to LOG, the others' to LOG.rR
     local world=$1 log=$2 limit=$3 rdv pids=() rc=0 r
@@ -34,7 +35,7 @@ ranks() {  # ranks WORLD LOG LIMIT ARGS...: WORLD local ranks; rank 0's output t
     rdv=$(mktemp -d "$work/rdv_XXXXXX")
     for ((r = 0; r < world; r++)); do
         local dest="$OUT/$log"; [ $r -gt 0 ] && dest="$work/$log.r$r"
-        timeout -k 10 "$limit" ./train_gpt2cu --rank $r --world-size "$world" --local-rank $r --rendezvous "$rdv" \
+        timeout -k 10 "$limit" "$trainer" --rank $r --world-size "$world" --local-rank $r --rendezvous "$rdv" \
             --rendezvous-job "$log" "$@" >"$dest" 2>&1 &
         pids+=($!)
     done
@@ -125,7 +126,7 @@ pids=()
 start=$(date +%s)
 for ((r = 0; r < N; r++)); do
     dest="$OUT/kill_r0.log"; [ $r -gt 0 ] && dest="$work/kill_r$r.log"
-    timeout -k 10 400 ./train_gpt2cu --rank $r --world-size "$N" --local-rank $r --rendezvous "$rdv" --rendezvous-job kill \
+    timeout -k 10 400 "$trainer" --rank $r --world-size "$N" --local-rank $r --rendezvous "$rdv" --rendezvous-job kill \
         "${kill_args[@]}" -o "$work/kill" >"$dest" 2>&1 &
     pids+=($!)
 done
