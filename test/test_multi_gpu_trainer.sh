@@ -20,14 +20,8 @@ dir=$(mktemp -d /tmp/multi_gpu_trainer_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 export NCCL_NVLS_ENABLE=0
 
-expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
-    local code=$1 fragment=$2 rc=0
-    shift 2
-    ./train_gpt2cu "$@" >"$dir/out" 2>&1 || rc=$?
-    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
-        echo "FAIL: train_gpt2cu $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
-    fi
-}
+source test/script_lib.sh
+expect_bin=(./train_gpt2cu)
 expect_exit 0 "--zero-stage" --help
 expect_exit 0 "--rendezvous-job" --help
 expect_exit 2 "--multi-gpu 2: must be -1, 0 or 1" -e d2 --multi-gpu 2

@@ -25,14 +25,8 @@ trap 'rm -rf "$dir"' EXIT
 # Every run not killed on purpose has a time limit, so a hang fails the test rather than hold the GPU.
 trainer() { timeout -k 10 180 ./train_gpt2cu "$@"; }
 
-expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
-    local code=$1 fragment=$2 rc=0
-    shift 2
-    trainer "$@" >"$dir/out" 2>&1 || rc=$?
-    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
-        echo "FAIL: train_gpt2cu $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
-    fi
-}
+source test/script_lib.sh
+expect_bin=(trainer)
 expect_exit 2 "needs an output directory (-o)" -y 1 -o ""
 expect_exit 2 "-nk/--keep-last -1: must not be negative" -nk -1
 expect_exit 2 "-nm/--keep-every -2: must not be negative" -nm -2

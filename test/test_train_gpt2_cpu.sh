@@ -42,14 +42,8 @@ python3 -c "import sys; f, l = float(sys.argv[1]), float(sys.argv[2]); sys.exit(
 reloaded=$(sed -n 's/^step     0 | val loss \([0-9.]*\)$/\1/p' "$dir/log2")
 [ "$reloaded" = "$last" ] || { echo "FAIL: the written model gives val loss $reloaded, expected $last"; exit 1; }
 
-expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
-    local code=$1 fragment=$2 rc=0
-    shift 2
-    ./train_gpt2 "$@" >"$dir/out" 2>&1 || rc=$?
-    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
-        echo "FAIL: train_gpt2 $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
-    fi
-}
+source test/script_lib.sh
+expect_bin=(./train_gpt2)
 tiny=(--layers 1 --channels 8 --heads 2 --vocab 97 --max-seq-len 32 --batch 2 --seq 8 --steps 1)
 expect_exit 3 "no token shards match" --train "$dir/none_*.bin" --val none "${tiny[@]}"
 expect_exit 4 "outside the model's vocabulary" --train "$dir/bad_val_*.bin" --val none "${tiny[@]}" --steps 300

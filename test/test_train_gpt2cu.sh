@@ -18,14 +18,8 @@ make -s train_gpt2cu
 dir=$(mktemp -d /tmp/train_gpt2cu_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 
-expect_exit() {  # expect_exit CODE MESSAGE-FRAGMENT ARGS...
-    local code=$1 fragment=$2 rc=0
-    shift 2
-    ./train_gpt2cu "$@" >"$dir/out" 2>&1 || rc=$?
-    if [ $rc -ne "$code" ] || ! grep -q -- "$fragment" "$dir/out"; then
-        echo "FAIL: train_gpt2cu $* exited $rc (expected $code with '$fragment'):"; cat "$dir/out"; exit 1
-    fi
-}
+source test/script_lib.sh
+expect_bin=(./train_gpt2cu)
 expect_exit 0 "usage: train_gpt2cu" --help
 expect_exit 2 "unknown flag '--no-such-flag'" --no-such-flag 1
 expect_exit 2 "needs a value" -e d2 -b
