@@ -1,5 +1,5 @@
 /*
-The fused classifier: softmax, cross-entropy loss and its gradient in one pass over the logits, with
+The fused classifier: softmax, cross-entropy loss and its gradient in one kernel over the logits, with
 the meanings of crossentropy_forward/crossentropy_backward in llmc/gpt2_cpu.h.
 
 Provides:
@@ -11,8 +11,26 @@ Provides:
                     are left untouched (evaluation). No probabilities are stored.
   mean_loss:        the mean of N per-row losses, summed by one block in a fixed order (fp64 partial
                     sums), written to a device float; deterministic.
-Block reductions use fixed trees, so the results are bitwise reproducible. Vp must be a multiple of 8.
-Targets are trusted: the data loader validates them.
+
+How fused_classifier works. It is bound by memory traffic and by the exponentials (the special-function
+unit does 16 per clock per SM), so both are kept to the minimum:
+  - Three passes over the row: the max, the sum of e^(x - max) (and the loss), the gradient. Each
+    exponential is 2^((x - max) * log2(e)) by one hardware ex2 instruction (relative error about
+    2^-22); the gradient multiplies by dloss / sum, computed once per row.
+  - The row is read from memory once: a 512-thread block holds the row in its threads, thread t taking
+    the 8-column packs at columns 8t + 4096j. The first kClassifierRegisterPacks (8) of them stay in
+    registers and the next kClassifierSharedPacks (5) in shared memory (copied there by cp.async,
+    which needs no registers), so 13 * 4096 = 53248 columns are held (GPT-2's Vp is 50304) while
+    two blocks still fit on an SM (64 registers per thread, 40 KB of shared memory per block). One
+    block's reductions and exponentials then overlap the other's memory traffic.
+  - Packs beyond those (longer rows) are read again from memory in each pass (L1/L2 mostly), one at
+    a time. Rows of at most 4096 columns take that path alone (holding them gains nothing), so the
+    short rows of the unit tests exercise it.
+  - Padded columns are set to -inf as a pack is used, so they add nothing to the sum and get a
+    gradient of exactly 0; packs wholly past V are not read.
+The loss is computed the same way with and without write_dlogits, so the two are bitwise equal.
+Reductions use fixed trees and no atomics, so the results are bitwise reproducible. Vp must be a
+multiple of 8. Targets are trusted: the data loader validates them. Needs sm_80 or newer (cp.async).
 
 Does not provide: the classifier matmul (matmul.cuh, logits = lnf @ wte^T), label smoothing, or
 ignored positions (every row has a target).
@@ -20,84 +38,222 @@ ignored positions (every row has a target).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/utils.h"
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "llmc/classifier.cuh needs sm_80 or newer (cp.async): build with GPU_ARCH=80 or above"
+#endif
+
 namespace llmc {
 
 constexpr int kClassifierBlock = 512;
+// Thread t's packs are at columns 8t + j * kClassifierColumnStride, j = 0, 1, ...
+constexpr int kClassifierColumnStride = kClassifierBlock * kPackX;
+// How many of them a thread holds between the passes. 8 packs in registers are 32 of the 64 registers
+// a thread may use when two 512-thread blocks share an SM (ptxas fits the kernel in 64 without
+// spilling; 12 or more held packs spill). 5 packs per thread in shared memory are 40 KB per block,
+// under the 48 KB of static shared memory a block may have; two blocks need 80 KB of an SM.
+constexpr int kClassifierRegisterPacks = 8;
+constexpr int kClassifierSharedPacks = 5;
 
 namespace detail {
 
-// Running (max, sum of exp(x - max)) of two parts combined into one.
-__device__ inline void softmax_merge(float& m, float& s, float m2, float s2) {
-    const float nm = fmaxf(m, m2);
-    if (nm == -INFINITY) return;  // both parts empty
-    s = s * expf(m - nm) + s2 * expf(m2 - nm);
-    m = nm;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^a with the hardware approximation: one MUFU.EX2 (exp2f adds range fix-ups around it). Denormal
+// results are flushed to 0, and 2^-inf = 0.
+__device__ inline float fast_exp2(float a) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+
+// e^(x - m) for x <= m. x and m are bf16 values, so x - m is exact in fp32 whenever the result is not
+// negligible; the one rounding is that of the product with log2(e).
+__device__ inline float exp_shifted(float x, float m) { return fast_exp2((x - m) * kLog2e); }
+
+// A pack of 8 bf16 logits as four 32-bit words (column 2i in the low half of word i), so that a held
+// pack costs exactly four registers.
+struct alignas(16) LogitPack {
+    uint32_t w[kPackX / 2];
+};
+
+__device__ inline float low_bf16(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ inline float high_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// kReadOnce: a streaming load (evict first), for data that will not be read again.
+template <bool kReadOnce>
+__device__ inline LogitPack load_logit_words(const floatX* p) {
+    const int4* q = reinterpret_cast<const int4*>(p);
+    const int4 raw = kReadOnce ? __ldcs(q) : *q;
+    LogitPack out;
+    memcpy(&out, &raw, sizeof(out));
+    return out;
+}
+
+// 16 bytes from global to shared memory without passing through registers; visible to this thread
+// after copy_async_wait_all(). Both addresses 16-byte aligned.
+__device__ inline void copy16_async(void* shared, const void* global) {
+    const uint32_t s = uint32_t(__cvta_generic_to_shared(shared));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(global) : "memory");
+}
+
+__device__ inline void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Sets every column >= V of the pack at column c to -inf, so that it adds nothing to the softmax and
+// its gradient is 0. A pack wholly at or past V need not have been loaded: all of it is overwritten.
+__device__ inline void mask_padded(LogitPack& p, int c, int V) {
+    if (c + kPackX <= V) return;
+    for (int i = 0; i < kPackX / 2; i++) {
+        if (c + 2 * i >= V) {
+            p.w[i] = 0xff80ff80u;  // -inf, -inf
+        } else if (c + 2 * i + 1 >= V) {
+            p.w[i] = (p.w[i] & 0xffffu) | 0xff800000u;
+        }
+    }
+}
+
+// The pack at column c of row x, masked; memory is read only when the pack holds a column < V.
+__device__ inline LogitPack load_logit_pack(const floatX* x, int c, int V) {
+    LogitPack p;
+    if (c < V) p = load_logit_words<false>(x + c);
+    mask_padded(p, c, V);
+    return p;
+}
+
+__device__ inline float pack_max(const LogitPack& p) {
+    __nv_bfloat162 h[kPackX / 2];
+    memcpy(h, &p, sizeof(h));
+    const __nv_bfloat162 m = __hmax2(__hmax2(h[0], h[1]), __hmax2(h[2], h[3]));  // exact; ignores NaN like fmaxf
+    return fmaxf(__low2float(m), __high2float(m));
+}
+
+// Sum over the pack of e^(x - m), in a fixed tree.
+__device__ inline float pack_exp_sum(const LogitPack& p, float m) {
+    float e[kPackX];
+    for (int i = 0; i < kPackX / 2; i++) {
+        e[2 * i] = exp_shifted(low_bf16(p.w[i]), m);
+        e[2 * i + 1] = exp_shifted(high_bf16(p.w[i]), m);
+    }
+    return ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
+}
+
+// Writes to out the dlogits of the pack p at column c: e^(x - m) * scale (scale = dloss / sum), minus
+// dloss at the target column. -inf (padded) columns give exactly 0.
+__device__ inline void store_grad_pack(floatX* out, const LogitPack& p, int c, float m, float scale, int target,
+                                       float dloss) {
+    const bool has_target = unsigned(target - c) < unsigned(kPackX);
+    uint32_t w[kPackX / 2];
+    for (int i = 0; i < kPackX / 2; i++) {
+        float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
+        float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
+        if (has_target) {
+            if (c + 2 * i == target) lo -= dloss;
+            if (c + 2 * i + 1 == target) hi -= dloss;
+        }
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        memcpy(&w[i], &h, sizeof(h));
+    }
+    *reinterpret_cast<int4*>(out) = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
+// The maximum over a 1-D block (a multiple of 32 threads), given to every thread; all threads call it.
+// A maximum is exact, so it does not depend on the order.
+__device__ inline float block_max(float v) {
+    __shared__ float partial[kWarpSize];
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < int(blockDim.x) / kWarpSize ? partial[lane] : -INFINITY;
+    return warp_max(v);
 }
 
 }  // namespace detail
 
-static __global__ void __launch_bounds__(kClassifierBlock)
+// One block per row. Thread t holds its first R packs in registers and the next S in shared memory;
+// any further packs are read from memory in each pass.
+template <int R, int S>
+static __global__ void __launch_bounds__(kClassifierBlock, 2)
     fused_classifier_kernel(floatX* logits, float* losses, const int* targets, float dloss, int V, int Vp,
                             bool write_dlogits) {
-    __shared__ float warp_m[kClassifierBlock / kWarpSize], warp_s[kClassifierBlock / kWarpSize];
-    __shared__ float row_m, row_s;
+    constexpr int kStride = kClassifierColumnStride;
+    __shared__ detail::LogitPack stash[S > 0 ? S : 1][kClassifierBlock];  // [j][t]: conflict-free
+    __shared__ float target_logit;
     const int64_t row = blockIdx.x;
     floatX* x = logits + row * Vp;
-    const int target = targets[row];
-    const float target_logit = float(x[target]);  // read by every thread before any thread overwrites x
+    // Read before any thread overwrites x: the writes come after the barriers of the reductions.
+    if (threadIdx.x == 0) target_logit = float(x[targets[row]]);
 
-    // Pass 1: each thread's running max and sum over its packs.
-    float m = -INFINITY, s = 0.0f;
-    for (int c = threadIdx.x * kPackX; c < V; c += kClassifierBlock * kPackX) {
-        const PackX p = load128(x + c);
-        float pm = -INFINITY;
-        for (int k = 0; k < kPackX; k++) {
-            if (c + k < V) pm = fmaxf(pm, float(p[k]));
-        }
-        float ps = 0.0f;
-        for (int k = 0; k < kPackX; k++) {
-            if (c + k < V) ps += expf(float(p[k]) - pm);
-        }
-        detail::softmax_merge(m, s, pm, ps);
+    const int c0 = int(threadIdx.x) * kPackX;
+    floatX* xt = x + c0;  // this thread's held packs are at constant offsets from here
+    const int c_streamed = c0 + (R + S) * kStride;
+    // A shared pack, masked (each thread reads only the slots it filled).
+    const auto stashed = [&](int j) {
+        detail::LogitPack p = stash[j][threadIdx.x];
+        detail::mask_padded(p, c0 + (R + j) * kStride, V);
+        return p;
+    };
+
+    // Pass 1, the row max. Every load of the held packs is issued before any is used.
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+        if (c0 + (R + j) * kStride < V) detail::copy16_async(&stash[j][threadIdx.x], xt + (R + j) * kStride);
     }
-    // Fixed tree: lanes by xor butterfly (lane 0's result is used), then warp results in warp order.
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-        detail::softmax_merge(m, s, m2, s2);
+    detail::LogitPack held[R > 0 ? R : 1];
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        if (c0 + j * kStride < V) held[j] = detail::load_logit_words<true>(xt + j * kStride);  // read once
     }
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    if (lane == 0) {
-        warp_m[warp] = m;
-        warp_s[warp] = s;
+    if (S > 0) detail::copy_async_wait_all();
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        detail::mask_padded(held[j], c0 + j * kStride, V);
+        m = fmaxf(m, detail::pack_max(held[j]));
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float bm = warp_m[0], bs = warp_s[0];
-        for (int w = 1; w < kClassifierBlock / kWarpSize; w++) detail::softmax_merge(bm, bs, warp_m[w], warp_s[w]);
-        row_m = bm;
-        row_s = bs;
-        losses[row] = logf(bs) + bm - target_logit;
-    }
-    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < S; j++) m = fmaxf(m, detail::pack_max(stashed(j)));
+#pragma unroll 1  // one pack at a time: registers are scarce
+    for (int c = c_streamed; c < V; c += kStride) m = fmaxf(m, detail::pack_max(detail::load_logit_pack(x, c, V)));
+    m = detail::block_max(m);
+
+    // Pass 2, the sum of e^(x - m) (every thread adds its packs in the same order) and the loss.
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < R; j++) s += detail::pack_exp_sum(held[j], m);
+#pragma unroll
+    for (int j = 0; j < S; j++) s += detail::pack_exp_sum(stashed(j), m);
+#pragma unroll 1
+    for (int c = c_streamed; c < V; c += kStride) s += detail::pack_exp_sum(detail::load_logit_pack(x, c, V), m);
+    s = block_sum(s);  // the same fixed tree in every thread, so every thread holds the same sum
+    if (threadIdx.x == 0) losses[row] = (m - target_logit) + logf(s);
     if (!write_dlogits) return;
 
-    // Pass 2: the gradient in place.
-    const float rm = row_m, rs = row_s;
-    for (int c = threadIdx.x * kPackX; c < Vp; c += kClassifierBlock * kPackX) {
-        PackX p = load128(x + c);
-        for (int k = 0; k < kPackX; k++) {
-            const int v = c + k;
-            float g = 0.0f;
-            if (v < V) g = (expf(float(p[k]) - rm) / rs - (v == target ? 1.0f : 0.0f)) * dloss;
-            p[k] = __float2bfloat16_rn(g);
+    // Pass 3, the gradient in place; each thread overwrites only the packs it read.
+    const float scale = dloss / s;
+    const int target = targets[row];
+#pragma unroll
+    for (int j = 0; j < R; j++) {
+        if (c0 + j * kStride < Vp) {
+            detail::store_grad_pack(xt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss);
         }
-        store128(x + c, p);
+    }
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+        if (c0 + (R + j) * kStride < Vp) {
+            detail::store_grad_pack(xt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale, target,
+                                    dloss);
+        }
+    }
+#pragma unroll 1
+    for (int c = c_streamed; c < Vp; c += kStride) {
+        detail::store_grad_pack(x + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss);
     }
 }
 
@@ -110,8 +266,14 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     require_aligned16(logits, "fused_classifier: logits");
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier: V=%d is not in [1, Vp=%d]", V, Vp);
     if (N == 0) return;
-    fused_classifier_kernel<<<unsigned(N), kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp,
-                                                                          write_dlogits);
+    const unsigned grid = unsigned(N);
+    if (Vp <= kClassifierColumnStride) {  // at most one pack per thread: nothing to hold
+        fused_classifier_kernel<0, 0>
+            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
+    } else {
+        fused_classifier_kernel<kClassifierRegisterPacks, kClassifierSharedPacks>
+            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
+    }
     cudaCheckLaunch();
 }
 
