@@ -11,7 +11,8 @@ Provides:
   layernorm_backward: dinp += (ADDED: it is the residual stream's gradient), dweight += and dbias +=.
                      dinp: one warp per row. dweight/dbias: fixed chunks of 256 rows summed into fp32
                      partials (8 warps take every 8th row, their sums added in warp order), then the
-                     chunks added in chunk order by a second kernel; no atomics, so the result is
+                     chunks added by a second kernel (a block per 32 channels, 32 warps taking every
+                     32nd chunk, their sums added in warp order); no atomics, so the result is
                      bitwise reproducible on any GPU. Needs layernorm_backward_scratch_bytes(N, C).
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
 
@@ -230,17 +231,39 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     }
 }
 
-static __global__ void layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, const float* partial,
-                                                       int64_t chunks, int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+// Adds the chunks' partials into dweight and dbias: a block per 32 channels, lane = channel (a warp
+// reads 128 contiguous bytes of each partial row); warp w adds chunks w, w + 32, w + 64, ... in that
+// order, then warp 0 adds the 32 warps' sums in warp order. The order depends only on the number of
+// chunks, never on timing.
+constexpr int kLayerNormFinalWarps = 32;
+
+static __global__ void __launch_bounds__(kLayerNormFinalWarps * kWarpSize)
+    layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, const float* partial, int64_t chunks, int C) {
+    __shared__ float sums_w[kLayerNormFinalWarps][kWarpSize], sums_b[kLayerNormFinalWarps][kWarpSize];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int c = blockIdx.x * kWarpSize + lane;
+    const bool writer = warp == 0 && c < C;
+    const float old_w = writer ? float(dweight[c]) : 0.0f, old_b = writer ? float(dbias[c]) : 0.0f;
     float w = 0.0f, b = 0.0f;
-    for (int64_t k = 0; k < chunks; k++) {
-        w += partial[k * 2 * C + c];
-        b += partial[k * 2 * C + C + c];
+    if (c < C) {
+#pragma unroll 8
+        for (int64_t k = warp; k < chunks; k += kLayerNormFinalWarps) {
+            w += partial[k * 2 * C + c];
+            b += partial[k * 2 * C + C + c];
+        }
     }
-    dweight[c] = __float2bfloat16_rn(float(dweight[c]) + w);
-    dbias[c] = __float2bfloat16_rn(float(dbias[c]) + b);
+    sums_w[warp][lane] = w;
+    sums_b[warp][lane] = b;
+    __syncthreads();
+    if (writer) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int r = 0; r < kLayerNormFinalWarps; r++) {
+            tw += sums_w[r][lane];
+            tb += sums_b[r][lane];
+        }
+        dweight[c] = __float2bfloat16_rn(old_w + tw);
+        dbias[c] = __float2bfloat16_rn(old_b + tb);
+    }
 }
 
 // dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
@@ -261,7 +284,8 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(chunks));
     layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(scratch, dout, inp, mean, rstd, N, C);
     cudaCheckLaunch();
-    layernorm_backward_final_kernel<<<unsigned(ceil_div(C, 256)), 256, 0, stream>>>(dweight, dbias, scratch, chunks, C);
+    layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
+        dweight, dbias, scratch, chunks, C);
     cudaCheckLaunch();
 }
 

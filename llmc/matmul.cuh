@@ -15,8 +15,9 @@ attention.cuh; and the linear layer of the model with the CPU reference's argume
                    dweight += dout^T @ inp and dbias += column sums of dout (ADDED, so gradients
                    accumulate over micro-batches).
 The bias gradient is our own two-pass reduction (fixed chunks of rows, then a fixed-order sum of the
-chunks; no atomics), so it is bitwise reproducible; cuBLAS matmuls are reproducible on one GPU model and
-toolkit with one stream per workspace (cuBLAS documentation, "Results reproducibility").
+chunks, shared by 32 warps per 32 columns; no atomics), so it is bitwise reproducible; cuBLAS matmuls
+are reproducible on one GPU model and toolkit with one stream per workspace (cuBLAS documentation,
+"Results reproducibility").
 cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
 
 Does not provide: fp8, algorithm autotuning or caching of heuristics (each call asks cuBLASLt's
@@ -199,7 +200,8 @@ inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, 
 // ----------------------------------------------------------------------------------------------------
 // Bias gradient: dbias[o] += sum over rows of dout[:, o]. Pass one sums fixed chunks of rows into fp32
 // partials (one block per chunk and 256 columns, a warp per row offset, then the 8 warps' sums added in
-// warp order); pass two adds the chunks' partials in chunk order. No atomics anywhere.
+// warp order); pass two adds the chunks' partials in a fixed interleaved order (below). No atomics
+// anywhere.
 
 constexpr int kBiasGradRowsPerChunk = 256;
 constexpr int kBiasGradBlock = 256;                               // 8 warps
@@ -236,12 +238,30 @@ static __global__ void __launch_bounds__(kBiasGradBlock)
     }
 }
 
-static __global__ void bias_grad_final_kernel(floatX* dbias, const float* partial, int64_t chunks, int OC) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= OC) return;
+// Pass two: a block per 32 columns, lane = column, so that a warp reads 128 contiguous bytes of a
+// chunk's partial row. Warp w adds chunks w, w + 32, w + 64, ... in that order (8 loads each for
+// N = 65536, all in flight at once), then warp 0 adds the 32 warps' sums in warp order. The order
+// depends only on the number of chunks, never on timing.
+constexpr int kBiasGradFinalWarps = 32;
+
+static __global__ void __launch_bounds__(kBiasGradFinalWarps * kWarpSize)
+    bias_grad_final_kernel(floatX* dbias, const float* partial, int64_t chunks, int OC) {
+    __shared__ float sums[kBiasGradFinalWarps][kWarpSize];
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int c = blockIdx.x * kWarpSize + lane;
+    const float old = warp == 0 && c < OC ? float(dbias[c]) : 0.0f;  // loaded early, used at the end
     float s = 0.0f;
-    for (int64_t k = 0; k < chunks; k++) s += partial[k * OC + c];
-    dbias[c] = __float2bfloat16_rn(float(dbias[c]) + s);
+    if (c < OC) {
+#pragma unroll 8
+        for (int64_t k = warp; k < chunks; k += kBiasGradFinalWarps) s += partial[k * OC + c];
+    }
+    sums[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && c < OC) {
+        float total = 0.0f;
+        for (int w = 0; w < kBiasGradFinalWarps; w++) total += sums[w][lane];
+        dbias[c] = __float2bfloat16_rn(old + total);
+    }
 }
 
 inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, int OC, float* scratch,
@@ -257,7 +277,8 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
     const dim3 grid(unsigned(ceil_div(OC, kBiasGradColumnsPerBlock)), unsigned(chunks));
     bias_grad_partial_kernel<<<grid, kBiasGradBlock, 0, stream>>>(scratch, dout, N, OC);
     cudaCheckLaunch();
-    bias_grad_final_kernel<<<unsigned(ceil_div(OC, 256)), 256, 0, stream>>>(dbias, scratch, chunks, OC);
+    bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(
+        dbias, scratch, chunks, OC);
     cudaCheckLaunch();
 }
 
