@@ -10,10 +10,12 @@ llmc/attention.cuh); this file holds what only the lab needs: fp32 reference ker
 definition (one warp per row), the checks and the timing table.
 Checks (exit 1 on any failure): out, lse, dq, dk, dv against the fp32 reference (relative error norm;
 lse max abs), outputs poisoned with NaN before each launch (so an unwritten element shows), forward and
-backward run twice and compared bitwise, and the double-buffered variants (Pipe = true, not yet used by
-the trainer) bitwise equal to them; T = 1, 37, 64, 65, 1000, 1024 and small and large B*NH, HS 64 and
-128. Then times (CUDA events, median of 25 after warm-up) flash, pipelined flash and the cuBLASLt path at
-the d12 shapes, checks them against each other and prints a table.
+backward run twice and compared bitwise, and every other kernel variant (Pipe: double-buffered tiles; MT:
+two row tiles of 16 per warp, HS 64) bitwise equal to them; T = 1, 37, 64, 65, 1000, 1024 and small and
+large B*NH, HS 64 and 128. Then times (CUDA events, median of 25 after warm-up) every variant and the
+cuBLASLt path at the d12 shapes, checks them against each other and prints a table. Event timings drift
+with the GPU's clocks; `bash dev/run_h200.sh attention-ncu` times the same launches under Nsight Compute
+at fixed clocks.
 
 Does not provide: tests for the trainer (test/test_kernels.cu tests attention_forward/backward, both
 paths, against the CPU reference).
@@ -23,6 +25,7 @@ paths, against the CPU reference).
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -252,15 +255,25 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         if (HS == 64) flash_backward<64>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
         else flash_backward<128>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
     };
-    // The double-buffered kernels (Pipe = true): the same arithmetic, so the same bits are required.
-    auto pfwd = [&](floatX* o) {
-        if (HS == 64) flash_forward<64, true>(o, lse.get(), qkv.get(), B, T, NH, stream);
-        else flash_forward<128, true>(o, lse.get(), qkv.get(), B, T, NH, stream);
+    // The other kernel variants (Pipe: double-buffered tiles; MT: two row tiles per warp, HS 64 only): the
+    // same arithmetic per row, so the same bits are required.
+    struct Variant {
+        const char* name;
+        std::function<void(floatX*)> fwd, bwd;
     };
-    auto pbwd = [&](floatX* g) {
-        if (HS == 64) flash_backward<64, true>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
-        else flash_backward<128, true>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
+    std::vector<Variant> variants;
+    auto add = [&](const char* name, auto f, auto b) {
+        variants.push_back({name, [&, f](floatX* o) { f(o, lse.get(), qkv.get(), B, T, NH, stream); },
+                            [&, b](floatX* g) { b(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream); }});
     };
+    if (HS == 64) {
+        add("flash pipelined", flash_forward<64, true>, flash_backward<64, true>);
+        add("flash 2 tiles", flash_forward<64, false, 2>, flash_backward<64, false, 2>);
+        add("pipelined 2 tiles", flash_forward<64, true, 2>, flash_backward<64, true, 2>);
+        add("pipe 2t, dkdv 1t", flash_forward<64, true, 2>, flash_backward<64, true, 1, 2>);
+    } else {
+        add("flash pipelined", flash_forward<128, true>, flash_backward<128, true>);
+    }
     int failures = 0;
     auto check = [&](bool ok, const char* what, double v) {
         if (!ok) {
@@ -287,18 +300,24 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
     const bool det = std::memcmp(h_out.data(), h_out2.data(), n_out * sizeof(floatX)) == 0 &&
                      std::memcmp(h_dqkv.data(), h_dqkv2.data(), n_qkv * sizeof(floatX)) == 0;
     check(det, "flash forward/backward twice not bitwise equal", 0);
-    poison(out2.get(), out2.bytes());
-    poison(lse.get(), lse.bytes());
-    pfwd(out2.get());
-    poison(dqkv2.get(), dqkv2.bytes());
-    poison(D.get(), D.bytes());
-    pbwd(dqkv2.get());
-    cudaCheck(cudaDeviceSynchronize());
-    const bool pipe_same =
-        std::memcmp(to_host(out2.get(), n_out).data(), h_out.data(), n_out * sizeof(floatX)) == 0 &&
-        std::memcmp(to_host(dqkv2.get(), n_qkv).data(), h_dqkv.data(), n_qkv * sizeof(floatX)) == 0 &&
-        std::memcmp(to_host(lse.get(), n_lse).data(), h_lse.data(), n_lse * sizeof(float)) == 0;
-    check(pipe_same, "pipelined flash differs from flash (out, lse or dqkv not bitwise equal)", 0);
+    std::vector<bool> same(variants.size());
+    for (size_t v = 0; v < variants.size(); v++) {
+        poison(out2.get(), out2.bytes());
+        poison(lse.get(), lse.bytes());
+        variants[v].fwd(out2.get());
+        poison(dqkv2.get(), dqkv2.bytes());
+        poison(D.get(), D.bytes());
+        variants[v].bwd(dqkv2.get());
+        cudaCheck(cudaDeviceSynchronize());
+        same[v] = std::memcmp(to_host(out2.get(), n_out).data(), h_out.data(), n_out * sizeof(floatX)) == 0 &&
+                  std::memcmp(to_host(dqkv2.get(), n_qkv).data(), h_dqkv.data(), n_qkv * sizeof(floatX)) == 0 &&
+                  std::memcmp(to_host(lse.get(), n_lse).data(), h_lse.data(), n_lse * sizeof(float)) == 0;
+        if (!same[v]) {
+            std::fprintf(stderr, "FAIL %s: %s differs from flash (out, lse or dqkv not bitwise equal)\n",
+                         s.str().c_str(), variants[v].name);
+            failures++;
+        }
+    }
 
     // The cuBLASLt path (llmc/attention.cuh runs it for head sizes other than 64 and 128).
     const size_t att_bytes = attention_cublaslt_saved_bytes(B, NH, T);
@@ -365,17 +384,22 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
            det ? "yes" : "NO"};
     Row lr{s.str(), "cuBLASLt path", -1, -1, att_bytes + scratch_bytes, with_ref ? err_cublaslt : -1,
            "-"};
-    Row pr{s.str(), "flash pipelined", -1, -1, fr.saved, -1, pipe_same ? "= flash" : "DIFFERS"};
+    std::vector<Row> vrows;
+    for (size_t v = 0; v < variants.size(); v++) {
+        vrows.push_back(Row{s.str(), variants[v].name, -1, -1, fr.saved, -1, same[v] ? "= flash" : "DIFFERS"});
+    }
     if (timed) {
         fr.fwd_ms = time_ms([&] { fwd(out.get()); }, stream);
         fr.bwd_ms = time_ms([&] { bwd(dqkv.get()); }, stream);
-        pr.fwd_ms = time_ms([&] { pfwd(out2.get()); }, stream);
-        pr.bwd_ms = time_ms([&] { pbwd(dqkv2.get()); }, stream);
+        for (size_t v = 0; v < variants.size(); v++) {
+            vrows[v].fwd_ms = time_ms([&] { variants[v].fwd(out2.get()); }, stream);
+            vrows[v].bwd_ms = time_ms([&] { variants[v].bwd(dqkv2.get()); }, stream);
+        }
         lr.fwd_ms = time_ms(lfwd, stream);
         lr.bwd_ms = time_ms(lbwd, stream);
     }
     rows.push_back(fr);
-    rows.push_back(pr);
+    for (const Row& r : vrows) rows.push_back(r);
     rows.push_back(lr);
     return failures;
 }

@@ -281,6 +281,27 @@ inline void attention_backward_cublaslt(const CublasLt& lt, floatX* dqkv, const 
     cudaCheckLaunch();
 }
 
+namespace detail {
+// The flash kernels the trainer runs for HS 64 (every GPT-2 shape): double-buffered tiles (Pipe) and the
+// row tiles of 16 per warp (1 or 2) in the forward, dK/dV and dQ kernels. Every variant gives the same
+// bits; their timings are in dev/ATTENTION.md (build/attention_lab measures them all, and
+// dev/compare_builds.sh times trainers built with -DLLMC_FLASH64_PIPE=0/1, -DLLMC_FLASH64_FWD/_KV/_Q=1/2).
+#ifndef LLMC_FLASH64_PIPE
+#define LLMC_FLASH64_PIPE 1
+#endif
+#ifndef LLMC_FLASH64_FWD
+#define LLMC_FLASH64_FWD 1
+#endif
+#ifndef LLMC_FLASH64_KV
+#define LLMC_FLASH64_KV 1
+#endif
+#ifndef LLMC_FLASH64_Q
+#define LLMC_FLASH64_Q 1
+#endif
+constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0;
+constexpr int kFlash64FwdTiles = LLMC_FLASH64_FWD, kFlash64KvTiles = LLMC_FLASH64_KV, kFlash64QTiles = LLMC_FLASH64_Q;
+}  // namespace detail
+
 // out (B,T,C) from qkv (B,T,3C), saving attention_saved_bytes(B, NH, T, C/NH) bytes of state in `saved`
 // for attention_backward. scratch: attention_scratch_bytes (flash's forward uses none).
 inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size_t saved_bytes, const floatX* qkv,
@@ -293,7 +314,7 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     if (attention_uses_flash(HS)) {
         float* lse = static_cast<float*>(saved);
         if (HS == 64) {
-            flash_forward<64>(out, lse, qkv, B, T, NH, stream);
+            flash_forward<64, detail::kFlash64Pipe, detail::kFlash64FwdTiles>(out, lse, qkv, B, T, NH, stream);
         } else {
             flash_forward<128>(out, lse, qkv, B, T, NH, stream);
         }
@@ -318,7 +339,8 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
         if (HS == 64) {
-            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash_backward<64, detail::kFlash64Pipe, detail::kFlash64KvTiles, detail::kFlash64QTiles>(
+                dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else {
             flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         }

@@ -116,9 +116,16 @@ __device__ inline uint32_t pack_bf16(float lo, float hi) {
 // 2q..2q+1), (row g+8, ..). Shared tiles are row-major [row][HS + 8]: the 16-byte pad puts the 8 rows an
 // ldmatrix reads in 8 different bank quads.
 
-constexpr int kThreads = 128;  // 4 warps, 16 rows of the block's tile each
-constexpr int kBlockM = 64;    // rows (queries in forward and dQ, keys in dK/dV) per block
+constexpr int kThreads = 128;  // 4 warps, 16 * MT rows of the block's tile each
+constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kBlockN = 64;    // keys per step (forward, dQ)
+
+// Rows (queries in forward and dQ, keys in dK/dV) per block: MT row tiles of 16 per warp. MT = 2 lets
+// each warp use every B fragment it loads from shared memory twice.
+template <int MT>
+constexpr int block_m() {
+    return kWarps * 16 * MT;
+}
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -160,40 +167,57 @@ __device__ inline void load_b_kn(uint32_t (&b)[4], const floatX* s, int row0, in
     ldsm_x4_trans(b, s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row_stride<HS>() + col0 + (lane >> 4) * 8);
 }
 
-// acc (16 x N of this warp) += A (16 x HS rows arow0.. of sA) * B^T, B = N rows of sB [n][HS].
-template <int HS, int N>
-__device__ inline void mma_rows_by_rows(float (&acc)[N / 8][4], const floatX* sA, int arow0, const floatX* sB,
+// acc[mt] (16 x N) += rows arow0 + 16 mt .. +15 of sA (16 x HS each) times B^T, B = N rows of sB [n][HS].
+// Each B fragment is loaded once and used for all MT row tiles of the warp (MT = 2 halves the shared
+// memory reads per mma); every row sees the same sequence of mma steps whatever MT is.
+template <int HS, int N, int MT>
+__device__ inline void mma_rows_by_rows(float (&acc)[MT][N / 8][4], const floatX* sA, int arow0, const floatX* sB,
                                         int lane) {
 #pragma unroll
     for (int k2 = 0; k2 < HS / 32; k2++) {
-        uint32_t a0[4], a1[4];
-        load_a<HS>(a0, sA, arow0, k2 * 32, lane);
-        load_a<HS>(a1, sA, arow0, k2 * 32 + 16, lane);
+        uint32_t a[MT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            load_a<HS>(a[mt][0], sA, arow0 + 16 * mt, k2 * 32, lane);
+            load_a<HS>(a[mt][1], sA, arow0 + 16 * mt, k2 * 32 + 16, lane);
+        }
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt++) {
             uint32_t b[4];
             load_b_nk<HS>(b, sB, nt * 8, k2 * 32, lane);
-            mma_bf16(acc[nt], a0, b[0], b[1]);
-            mma_bf16(acc[nt], a1, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16(acc[mt][nt], a[mt][0], b[0], b[1]);
+                mma_bf16(acc[mt][nt], a[mt][1], b[2], b[3]);
+            }
         }
     }
 }
 
-// acc (16 x HS) += P (16 x K, fp32 accumulators of a previous mma, rounded to bf16) * sB (K rows [k][HS]).
-template <int HS, int K>
-__device__ inline void mma_acc_by_tile(float (&acc)[HS / 8][4], const float (&p)[K / 8][4], const floatX* sB,
-                                       int lane) {
+// acc[mt] (16 x HS) += P[mt] (16 x K, fp32 accumulators of a previous mma, rounded to bf16) * sB (K rows
+// [k][HS]); B fragments shared by the MT row tiles as above.
+template <int HS, int K, int MT>
+__device__ inline void mma_acc_by_tile(float (&acc)[MT][HS / 8][4], const float (&p)[MT][K / 8][4],
+                                       const floatX* sB, int lane) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++) {
-        const uint32_t a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-                               pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]),
-                               pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int np = 0; np < HS / 16; np++) {
             uint32_t b[4];
             load_b_kn<HS>(b, sB, kk * 16, np * 16, lane);
-            mma_bf16(acc[2 * np], a, b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
@@ -202,6 +226,12 @@ template <int N>
 __device__ inline void zero(float (&acc)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+
+template <int M, int N>
+__device__ inline void zero(float (&acc)[M][N][4]) {
+#pragma unroll
+    for (int i = 0; i < M; i++) zero(acc[i]);
 }
 
 // Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
@@ -263,45 +293,61 @@ __device__ inline const floatX* kv_step(floatX* sKV, const floatX* base, int C, 
 // most keys). Online softmax in the log2 domain: s2 = scale * log2(e) * q.k.
 
 // Pipe: two K, V buffers; block j+1's tiles load while block j computes (same arithmetic, same bits).
-template <int HS, bool Pipe = false>
+// MT: row tiles per warp (block_m<MT>() queries per block). Every query row goes through the same
+// operations for any Pipe and MT, so all variants give the same bits; a warp skips key blocks that lie
+// wholly above its rows' diagonal (for them P = 0 and nothing would change).
+template <int HS, bool Pipe = false, int MT = 1>
 constexpr size_t fwd_smem() {
-    return size_t(kBlockM + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
+    return size_t(block_m<MT>() + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
 }
 
-template <int HS, bool Pipe = false>
+template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
+    constexpr int BM = block_m<MT>();
     extern __shared__ uint4 smem[];
     floatX* sQ = reinterpret_cast<floatX*>(smem);
-    floatX* sKV = sQ + kBlockM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
+    floatX* sKV = sQ + BM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
     constexpr int kTile = kBlockN * row_stride<HS>();
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int C = NH * HS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
-    const int wrow0 = warp * 16;
-    const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
+    const int wrow0 = warp * 16 * MT;
+    const int wfirst = q0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's query rows
+    int row[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        row[mt][0] = wfirst + 16 * mt + g;
+        row[mt][1] = row[mt][0] + 8;
+    }
 
-    load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
+    load_tile<HS, BM>(sQ, base, C3, q0, T);
     if constexpr (Pipe) kv_load<HS>(sKV, base, C, C3, 0, T);
     cp_async_wait_all();
     __syncthreads();
-    uint32_t qf[HS / 16][4];
+    uint32_t qf[MT][HS / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < HS / 16; kk++) load_a<HS>(qf[kk], sQ, wrow0, kk * 16, lane);
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int kk = 0; kk < HS / 16; kk++) load_a<HS>(qf[mt][kk], sQ, wrow0 + 16 * mt, kk * 16, lane);
+    }
 
-    float o[HS / 8][4];
+    float o[MT][HS / 8][4];
     zero(o);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.0f;
+    const int n_blocks = ceil_div(min(T, q0 + BM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
         const floatX* sK = kv_step<HS, Pipe>(sKV, base, C, C3, j, n_blocks, T);
         const floatX* sV = sK + kTile;
+        if (k0 > wlast) continue;  // every key after every row of this warp
 
-        float s[kBlockN / 8][4];
+        float s[MT][kBlockN / 8][4];
         zero(s);
 #pragma unroll
         for (int k2 = 0; k2 < HS / 32; k2++) {
@@ -309,61 +355,71 @@ static __global__ void __launch_bounds__(kThreads)
             for (int nt = 0; nt < kBlockN / 8; nt++) {
                 uint32_t bf[4];
                 load_b_nk<HS>(bf, sK, nt * 8, k2 * 32, lane);
-                mma_bf16(s[nt], qf[2 * k2], bf[0], bf[1]);
-                mma_bf16(s[nt], qf[2 * k2 + 1], bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    mma_bf16(s[mt][nt], qf[mt][2 * k2], bf[0], bf[1]);
+                    mma_bf16(s[mt][nt], qf[mt][2 * k2 + 1], bf[2], bf[3]);
+                }
             }
         }
         // Keys above the diagonal or past T get -inf; only blocks reaching them pay for the test.
-        const bool masked = k0 + kBlockN - 1 > q0 || k0 + kBlockN > T;
-        float mx[2] = {m[0], m[1]};
+        const bool masked = k0 + kBlockN - 1 > wfirst || k0 + kBlockN > T;
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; nt++) {
+        for (int mt = 0; mt < MT; mt++) {
+            float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = k0 + nt * 8 + 2 * q + (e & 1);
-                float v = s[nt][e] * scale_log2;
-                if (masked && (key > row[e >> 1] || key >= T)) v = -INFINITY;
-                s[nt][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = k0 + nt * 8 + 2 * q + (e & 1);
+                    float v = s[mt][nt][e] * scale_log2;
+                    if (masked && (key > row[mt][e >> 1] || key >= T)) v = -INFINITY;
+                    s[mt][nt][e] = v;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
+                }
             }
-        }
-        float sub[2], rs[2] = {0.0f, 0.0f};
+            float sub[2], rs[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            sub[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing unmasked yet stays at 0
-            const float corr = exp2f(m[r] - sub[r]);
-            m[r] = mx[r];
-            l[r] *= corr;
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                sub[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing unmasked yet stays at 0
+                const float corr = exp2f(m[mt][r] - sub[r]);
+                m[mt][r] = mx[r];
+                l[mt][r] *= corr;
 #pragma unroll
-            for (int dt = 0; dt < HS / 8; dt++) {
-                o[dt][2 * r] *= corr;
-                o[dt][2 * r + 1] *= corr;
+                for (int dt = 0; dt < HS / 8; dt++) {
+                    o[mt][dt][2 * r] *= corr;
+                    o[mt][dt][2 * r + 1] *= corr;
+                }
             }
-        }
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; nt++) {
+            for (int nt = 0; nt < kBlockN / 8; nt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                s[nt][e] = exp2f(s[nt][e] - sub[e >> 1]);
-                rs[e >> 1] += s[nt][e];
+                for (int e = 0; e < 4; e++) {
+                    s[mt][nt][e] = exp2f(s[mt][nt][e] - sub[e >> 1]);
+                    rs[e >> 1] += s[mt][nt][e];
+                }
             }
+            l[mt][0] += rs[0];
+            l[mt][1] += rs[1];
         }
-        l[0] += rs[0];
-        l[1] += rs[1];
-        mma_acc_by_tile<HS, kBlockN>(o, s, sV, lane);
+        mma_acc_by_tile<HS, kBlockN, MT>(o, s, sV, lane);
     }
 
-    float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        if (q == 0 && row[r] < T) lse[int64_t(bh) * T + row[r]] = (m[r] + log2f(l[r])) * kLn2;
+    for (int mt = 0; mt < MT; mt++) {
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            inv[r] = lr > 0.0f ? 1.0f / lr : 0.0f;
+            if (q == 0 && row[mt][r] < T) lse[int64_t(bh) * T + row[mt][r]] = (m[mt][r] + log2f(lr)) * kLn2;
+        }
+        store_rows<HS>(out + int64_t(b) * T * C + h * HS, C, o[mt], inv[0], inv[1], wfirst + 16 * mt, T, lane);
     }
-    store_rows<HS>(out + int64_t(b) * T * C + h * HS, C, o, inv[0], inv[1], q0 + wrow0, T, lane);
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -392,44 +448,55 @@ static __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// Backward, 2: dK, dV of one block of kBlockM keys (16 per warp, as rows), looping over the query blocks
-// at or after it, BQ queries at a time. Transposed products keep keys as the mma rows, so P^T and dS^T
-// are already A operands: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO,
-// dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q, and dK is scaled once at the end.
+// Backward, 2: dK, dV of one block of block_m<MT>() keys (16 * MT per warp, as rows), looping over the
+// query blocks at or after it, BQ queries at a time. Transposed products keep keys as the mma rows, so
+// P^T and dS^T are already A operands: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO,
+// dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q, and dK is scaled once at the end. BQ only sets how
+// many query k-steps one iteration takes: each key row accumulates the same k-steps in the same order for
+// any BQ, MT and Pipe, so all variants give the same bits. A warp skips query blocks that end before its
+// first key (P = 0 there).
 
-template <int HS>
+template <int HS, int MT>
 constexpr int dkdv_bq() {
-    return HS <= 64 ? 64 : 32;  // queries per step: keeps the S^T and dP^T accumulators small for HS = 128
+    // queries per step: keeps the S^T and dP^T accumulators small for HS = 128 and for MT = 2
+    return HS <= 64 && MT == 1 ? 64 : 32;
 }
 
 // Pipe: two buffers of Q, dO, lse and D; query block i+1 loads while block i computes.
-template <int HS, bool Pipe = false>
+template <int HS, bool Pipe = false, int MT = 1>
 constexpr size_t dkdv_smem() {
-    return size_t(2 * kBlockM + (Pipe ? 4 : 2) * dkdv_bq<HS>()) * row_stride<HS>() * sizeof(floatX) +
-           (Pipe ? 4 : 2) * dkdv_bq<HS>() * sizeof(float);
+    return size_t(2 * block_m<MT>() + (Pipe ? 4 : 2) * dkdv_bq<HS, MT>()) * row_stride<HS>() * sizeof(floatX) +
+           (Pipe ? 4 : 2) * dkdv_bq<HS, MT>() * sizeof(float);
 }
 
-template <int HS, bool Pipe = false>
+template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                           int T, int NH, float scale_log2, float scale) {
-    constexpr int BQ = dkdv_bq<HS>();
+    constexpr int BM = block_m<MT>();
+    constexpr int BQ = dkdv_bq<HS, MT>();
     constexpr int kQTile = BQ * row_stride<HS>();
     constexpr int kBufs = Pipe ? 2 : 1;
     extern __shared__ uint4 smem[];
     floatX* sK = reinterpret_cast<floatX*>(smem);
-    floatX* sV = sK + kBlockM * row_stride<HS>();
-    floatX* sQdO = sV + kBlockM * row_stride<HS>();  // per buffer: Q, then dO
+    floatX* sV = sK + BM * row_stride<HS>();
+    floatX* sQdO = sV + BM * row_stride<HS>();  // per buffer: Q, then dO
     float* sLD = reinterpret_cast<float*>(sQdO + 2 * kBufs * kQTile);  // per buffer: lse, then D
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int k0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int k0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int C = NH * HS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
     const floatX* dobase = dout + int64_t(b) * T * C + h * HS;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
-    const int wrow0 = warp * 16;
-    const int key[2] = {k0 + wrow0 + g, k0 + wrow0 + g + 8};
+    const int wrow0 = warp * 16 * MT;
+    const int wfirst = k0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's keys
+    int key[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        key[mt][0] = wfirst + 16 * mt + g;
+        key[mt][1] = key[mt][0] + 8;
+    }
 
     // Query block i's Q, dO (async copies) and lse, D (plain stores) into buffer `buf`.
     auto load_queries = [&](int i, int buf) {
@@ -444,9 +511,9 @@ static __global__ void __launch_bounds__(kThreads)
             bL[BQ + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
         }
     };
-    load_tile<HS, kBlockM>(sK, base + C, C3, k0, T);
-    load_tile<HS, kBlockM>(sV, base + 2 * C, C3, k0, T);
-    float dk[HS / 8][4], dv[HS / 8][4];
+    load_tile<HS, BM>(sK, base + C, C3, k0, T);
+    load_tile<HS, BM>(sV, base + 2 * C, C3, k0, T);
+    float dk[MT][HS / 8][4], dv[MT][HS / 8][4];
     zero(dk);
     zero(dv);
     const int n_qblocks = ceil_div(T, BQ), i0 = k0 / BQ;
@@ -471,119 +538,153 @@ static __global__ void __launch_bounds__(kThreads)
             cp_async_wait_all();
         }
         __syncthreads();
+        if (q0 + BQ - 1 < wfirst) continue;  // every query before every key of this warp
         const floatX* sQ = sQdO + 2 * buf * kQTile;
         const floatX* sdO = sQ + kQTile;
         const float* sL = sLD + 2 * buf * BQ;
         const float* sD = sL + BQ;
 
-        float st[BQ / 8][4];
+        float st[MT][BQ / 8][4];
         zero(st);
-        mma_rows_by_rows<HS, BQ>(st, sK, wrow0, sQ, lane);
+        mma_rows_by_rows<HS, BQ, MT>(st, sK, wrow0, sQ, lane);
         // Queries before the key (above the diagonal) or past T get P = 0.
-        const bool masked = q0 < k0 + kBlockM - 1 || q0 + BQ > T;
+        const bool masked = q0 < wlast || q0 + BQ > T;
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; nt++) {
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = nt * 8 + 2 * q + (e & 1), qi = q0 + c;
-                const float p = exp2f(st[nt][e] * scale_log2 - sL[c]);
-                st[nt][e] = masked && (qi < key[e >> 1] || qi >= T) ? 0.0f : p;
+            for (int nt = 0; nt < BQ / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = nt * 8 + 2 * q + (e & 1), qi = q0 + c;
+                    const float p = exp2f(st[mt][nt][e] * scale_log2 - sL[c]);
+                    st[mt][nt][e] = masked && (qi < key[mt][e >> 1] || qi >= T) ? 0.0f : p;
+                }
             }
         }
-        mma_acc_by_tile<HS, BQ>(dv, st, sdO, lane);
+        mma_acc_by_tile<HS, BQ, MT>(dv, st, sdO, lane);
 
-        float dpt[BQ / 8][4];
+        float dpt[MT][BQ / 8][4];
         zero(dpt);
-        mma_rows_by_rows<HS, BQ>(dpt, sV, wrow0, sdO, lane);
+        mma_rows_by_rows<HS, BQ, MT>(dpt, sV, wrow0, sdO, lane);
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; nt++) {
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = nt * 8 + 2 * q + (e & 1);
-                dpt[nt][e] = st[nt][e] * (dpt[nt][e] - sD[c]);
+            for (int nt = 0; nt < BQ / 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = nt * 8 + 2 * q + (e & 1);
+                    dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sD[c]);
+                }
             }
         }
-        mma_acc_by_tile<HS, BQ>(dk, dpt, sQ, lane);
+        mma_acc_by_tile<HS, BQ, MT>(dk, dpt, sQ, lane);
     }
     // A block's first query block starts at or before k0, so the loop ran at least once and the K, V
     // copies issued before it have landed.
-    store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk, scale, scale, k0 + wrow0, T, lane);
-    store_rows<HS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * HS, C3, dv, 1.0f, 1.0f, k0 + wrow0, T, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane);
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * HS, C3, dv[mt], 1.0f, 1.0f, wfirst + 16 * mt, T,
+                       lane);
+    }
 }
 
-// Backward, 3: dQ of one block of kBlockM queries, looping over the key blocks up to the diagonal with P
-// recomputed from lse: S = Q K^T, P, dP = dO V^T, dS = P (dP - D), dQ += dS K, scaled at the end.
+// Backward, 3: dQ of one block of block_m<MT>() queries, looping over the key blocks up to the diagonal
+// with P recomputed from lse: S = Q K^T, P, dP = dO V^T, dS = P (dP - D), dQ += dS K, scaled at the end.
 // Separate from the dK/dV pass (FlashAttention-2's deterministic mode) so that no two blocks add into
-// the same dQ element.
+// the same dQ element. Pipe, MT and the skipped key blocks as in the forward (same bits for all).
 
-// Pipe: two K, V buffers, as in the forward.
-template <int HS, bool Pipe = false>
+template <int HS, bool Pipe = false, int MT = 1>
 constexpr size_t dq_smem() {
-    return size_t(2 * kBlockM + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
+    return size_t(2 * block_m<MT>() + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
 }
 
-template <int HS, bool Pipe = false>
+template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
                         int NH, float scale_log2, float scale) {
+    constexpr int BM = block_m<MT>();
+    constexpr int KS = MT == 1 ? kBlockN : kBlockN / 2;
     extern __shared__ uint4 smem[];
     floatX* sQ = reinterpret_cast<floatX*>(smem);
-    floatX* sdO = sQ + kBlockM * row_stride<HS>();
-    floatX* sKV = sdO + kBlockM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
+    floatX* sdO = sQ + BM * row_stride<HS>();
+    floatX* sKV = sdO + BM * row_stride<HS>();  // K then V; with Pipe, a second K, V pair after them
     constexpr int kTile = kBlockN * row_stride<HS>();
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * kBlockM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
     const int C = NH * HS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
-    const int wrow0 = warp * 16;
-    const int row[2] = {q0 + wrow0 + g, q0 + wrow0 + g + 8};
-    float lse2[2], Dr[2];
+    const int wrow0 = warp * 16 * MT;
+    const int wfirst = q0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's query rows
+    int row[MT][2];
+    float lse2[MT][2], Dr[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lse2[r] = row[r] < T ? lse[int64_t(bh) * T + row[r]] * kLog2e : 0.0f;
-        Dr[r] = row[r] < T ? D[int64_t(bh) * T + row[r]] : 0.0f;
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            row[mt][r] = wfirst + 16 * mt + g + 8 * r;
+            lse2[mt][r] = row[mt][r] < T ? lse[int64_t(bh) * T + row[mt][r]] * kLog2e : 0.0f;
+            Dr[mt][r] = row[mt][r] < T ? D[int64_t(bh) * T + row[mt][r]] : 0.0f;
+        }
     }
-    load_tile<HS, kBlockM>(sQ, base, C3, q0, T);
-    load_tile<HS, kBlockM>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T);
+    load_tile<HS, BM>(sQ, base, C3, q0, T);
+    load_tile<HS, BM>(sdO, dout + int64_t(b) * T * C + h * HS, C, q0, T);
     if constexpr (Pipe) {
         kv_load<HS>(sKV, base, C, C3, 0, T);
         cp_async_commit();
     }
 
-    float dq[HS / 8][4];
+    float dq[MT][HS / 8][4];
     zero(dq);
-    const int n_blocks = ceil_div(min(T, q0 + kBlockM), kBlockN);
+    const int n_blocks = ceil_div(min(T, q0 + BM), kBlockN);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kBlockN;
         const floatX* sK = kv_step<HS, Pipe>(sKV, base, C, C3, j, n_blocks, T);
         const floatX* sV = sK + kTile;
-
-        float s[kBlockN / 8][4];
-        zero(s);
-        mma_rows_by_rows<HS, kBlockN>(s, sQ, wrow0, sK, lane);
-        const bool masked = k0 + kBlockN - 1 > q0 || k0 + kBlockN > T;
+        // The block's keys in parts of KS (fewer live registers with MT = 2; dQ still takes the key k-steps
+        // in order, so the bits do not change).
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; nt++) {
+        for (int part = 0; part < kBlockN / KS; part++) {
+            const int kp = k0 + part * KS;
+            if (kp > wlast) continue;  // every key after every row of this warp
+            const floatX* sKp = sK + part * KS * row_stride<HS>();
+            const floatX* sVp = sV + part * KS * row_stride<HS>();
+            float s[MT][KS / 8][4];
+            zero(s);
+            mma_rows_by_rows<HS, KS, MT>(s, sQ, wrow0, sKp, lane);
+            const bool masked = kp + KS - 1 > wfirst || kp + KS > T;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int k = k0 + nt * 8 + 2 * q + (e & 1);
-                const float p = exp2f(s[nt][e] * scale_log2 - lse2[e >> 1]);
-                s[nt][e] = masked && (k > row[e >> 1] || k >= T) ? 0.0f : p;
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int nt = 0; nt < KS / 8; nt++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int k = kp + nt * 8 + 2 * q + (e & 1);
+                        const float p = exp2f(s[mt][nt][e] * scale_log2 - lse2[mt][e >> 1]);
+                        s[mt][nt][e] = masked && (k > row[mt][e >> 1] || k >= T) ? 0.0f : p;
+                    }
+                }
             }
-        }
-        float dp[kBlockN / 8][4];
-        zero(dp);
-        mma_rows_by_rows<HS, kBlockN>(dp, sdO, wrow0, sV, lane);
+            float dp[MT][KS / 8][4];
+            zero(dp);
+            mma_rows_by_rows<HS, KS, MT>(dp, sdO, wrow0, sVp, lane);
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; nt++) {
+            for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) dp[nt][e] = s[nt][e] * (dp[nt][e] - Dr[e >> 1]);
+                for (int nt = 0; nt < KS / 8; nt++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - Dr[mt][e >> 1]);
+                }
+            }
+            mma_acc_by_tile<HS, KS, MT>(dq, dp, sKp, lane);
         }
-        mma_acc_by_tile<HS, kBlockN>(dq, dp, sK, lane);
     }
-    store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq, scale, scale, q0 + wrow0, T, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq[mt], scale, scale, wfirst + 16 * mt, T, lane);
+    }
 }
 
 
@@ -615,29 +716,35 @@ inline size_t flash_lse_bytes(int B, int NH, int T) { return size_t(B) * size_t(
 // Bytes of flash_backward's scratch: D (B,NH,T) fp32.
 inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes(B, NH, T); }
 
-// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe: the double-buffered kernels (the same
-// results bit for bit; whether they are faster is measured in dev/attention_lab.cu).
-template <int HS, bool Pipe = false>
+// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe (double-buffered tiles) and MT (row
+// tiles of 16 per warp, 1 or 2; 2 only for HS 64, where the registers allow it) choose between kernels
+// that give the same results bit for bit; which is fastest is measured in dev/attention_lab.cu.
+template <int HS, bool Pipe = false, int MT = 1>
 void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
+    static_assert(MT == 1 || (MT == 2 && HS == 64), "two row tiles per warp only for HS 64");
     using namespace flash_detail;
     check_args("flash_forward", B, T, NH);
     require_aligned16(out, "flash_forward: out");
     require_aligned16(lse, "flash_forward: lse");
     require_aligned16(qkv, "flash_forward: qkv");
-    allow_smem(flash_fwd_kernel<HS, Pipe>, fwd_smem<HS, Pipe>());
+    allow_smem(flash_fwd_kernel<HS, Pipe, MT>, fwd_smem<HS, Pipe, MT>());
     const float scale_log2 = kLog2e / sqrtf(float(HS));
-    const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
-    flash_fwd_kernel<HS, Pipe><<<grid, kThreads, fwd_smem<HS, Pipe>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
+    const dim3 grid(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
+    flash_fwd_kernel<HS, Pipe, MT>
+        <<<grid, kThreads, fwd_smem<HS, Pipe, MT>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
     cudaCheckLaunch();
 }
 
 // dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
-// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe: as for flash_forward.
-template <int HS, bool Pipe = false>
+// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe, MT: as for flash_forward,
+// separately for the dK/dV kernel (MT) and the dQ kernel (MTQ).
+template <int HS, bool Pipe = false, int MT = 1, int MTQ = MT>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
                     int T, int NH, float* D, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
+    static_assert((MT == 1 || (MT == 2 && HS == 64)) && (MTQ == 1 || (MTQ == 2 && HS == 64)),
+                  "two row tiles per warp only for HS 64");
     using namespace flash_detail;
     check_args("flash_backward", B, T, NH);
     require_aligned16(dqkv, "flash_backward: dqkv");
@@ -650,15 +757,16 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
     flash_bwd_dot_kernel<HS><<<unsigned(ceil_div<int64_t>(rows, kThreads / (HS / 8))), kThreads, 0, stream>>>(
         D, out, dout, B, T, NH);
     cudaCheckLaunch();
-    allow_smem(flash_bwd_dkdv_kernel<HS, Pipe>, dkdv_smem<HS, Pipe>());
-    allow_smem(flash_bwd_dq_kernel<HS, Pipe>, dq_smem<HS, Pipe>());
+    allow_smem(flash_bwd_dkdv_kernel<HS, Pipe, MT>, dkdv_smem<HS, Pipe, MT>());
+    allow_smem(flash_bwd_dq_kernel<HS, Pipe, MTQ>, dq_smem<HS, Pipe, MTQ>());
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
-    const dim3 grid(unsigned(ceil_div(T, kBlockM)), unsigned(B * NH));
-    flash_bwd_dkdv_kernel<HS, Pipe><<<grid, kThreads, dkdv_smem<HS, Pipe>(), stream>>>(dqkv, qkv, dout, lse, D, T,
-                                                                                        NH, scale_log2, scale);
+    const dim3 grid_kv(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
+    flash_bwd_dkdv_kernel<HS, Pipe, MT><<<grid_kv, kThreads, dkdv_smem<HS, Pipe, MT>(), stream>>>(
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
-    flash_bwd_dq_kernel<HS, Pipe><<<grid, kThreads, dq_smem<HS, Pipe>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                                    scale_log2, scale);
+    const dim3 grid_q(unsigned(ceil_div(T, block_m<MTQ>())), unsigned(B * NH));
+    flash_bwd_dq_kernel<HS, Pipe, MTQ><<<grid_q, kThreads, dq_smem<HS, Pipe, MTQ>(), stream>>>(
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
 }
 
