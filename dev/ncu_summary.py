@@ -7,6 +7,11 @@
 Prints one row per kernel (name cut before its argument list and template arguments): launches per
 step, ms per step, share of the total, sorted by time; then the total per step. ncu serialises the
 kernels, so the total is the sum of kernel times (no overlap, no launch gaps), not the step time.
+
+    python3 dev/ncu_summary.py prof.csv --variants
+compares kernel variants instead (e.g. the flash kernels of build/attention_lab under ncu, where ncu
+holds the clocks fixed): one row per kernel name with its template arguments and grid size, with the
+number of launches and the median and minimum ms per launch, sorted by name.
 """
 import argparse
 import csv
@@ -30,17 +35,26 @@ def short_name(name):
     return name.split(" ")[-1] if " " in name else name
 
 
+def variant_name(name):
+    """'void ns::k<64, true, 2>(float *, int)' -> 'k<64, true, 2>'."""
+    name = name.split("(")[0].strip()
+    head, _, targs = name.partition("<")
+    head = head.split(" ")[-1].split("::")[-1]
+    return head + ("<" + targs if targs else "")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--steps", type=int, default=1, help="training steps the profile covers (times are divided by it)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--variants", action="store_true", help="median ms per launch by template arguments and grid")
     a = ap.parse_args()
     lines = open(a.csv, errors="replace").read().splitlines()
     start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
     if start is None:
         sys.exit(f"{a.csv}: no ncu CSV header (a line starting with \"ID\")")
-    total, per = 0.0, {}
+    total, per, launches = 0.0, {}, {}
     for row in csv.DictReader(lines[start:]):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
@@ -48,10 +62,23 @@ def main():
         if unit not in UNITS:
             sys.exit(f"{a.csv}: unknown time unit '{unit}'")
         ms = float(row["Metric Value"].replace(",", "")) * UNITS[unit]
+        if a.variants:
+            full = variant_name(row["Kernel Name"])
+            launches.setdefault((full, row.get("Grid Size", "?")), []).append(ms)
+            continue
         name = short_name(row["Kernel Name"])
         t, n = per.get(name, (0.0, 0))
         per[name] = (t + ms, n + 1)
         total += ms
+    if a.variants:
+        if not launches:
+            sys.exit(f"{a.csv}: no gpu__time_duration.sum rows")
+        print("| kernel | grid | launches | median ms | min ms |")
+        print("|---|---|---|---|---|")
+        for (name, grid), ms in sorted(launches.items()):
+            ms = sorted(ms)
+            print(f"| {name} | {grid} | {len(ms)} | {ms[len(ms) // 2]:.4f} | {ms[0]:.4f} |")
+        return
     if not per:
         sys.exit(f"{a.csv}: no gpu__time_duration.sum rows")
     print(f"| kernel | launches/step | ms/step | share |")

@@ -3,8 +3,8 @@
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-#             long-tests resume bench-checkpoint torch torch-throughput attention-lab
-#             throughput-large profile
+#             long-tests resume bench-checkpoint torch torch-mild torch-throughput attention-lab
+#             throughput-large profile attention-ncu compare
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -121,6 +121,24 @@ for section in "$@"; do
             python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$OUT/torch.log" |
                 sed "s/^/ours round-to-nearest vs torch bf16 (hot): /" >>"$summary"
             tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
+        torch-mild)
+            # The training-dynamics check at half the learning rate (3e-4, otherwise the "hot" setting of the torch
+            # section): ours with stochastic rounding (the default) and with round to nearest, against one torch bf16 run.
+            mild=(-b 16 -t 1024 -x 300 -l 3e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+            order=(--shuffle 1 --seed 1337)
+            mkdir -p out/dynamics
+            [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
+            step "ours 300 steps (mild)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${mild[@]}" -s 0 -o out/ours_mild
+            step "ours 300 steps (mild, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
+                "${mild[@]}" --stochastic-rounding 0 -s 0 -o out/ours_mild_rn
+            step "torch 300 steps (mild)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${mild[@]}" \
+                --log out/dynamics/torch_mild.jsonl
+            for v in mild mild_rn; do
+                cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
+                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_mild.jsonl | tee -a "$OUT/torch.log" |
+                    sed "s/^/ours ($v) vs torch bf16 (mild): /" >>"$summary"
+            done
+            tar czf "$OUT/dynamics_mild.tgz" -C out dynamics ;;
         torch-throughput)
             # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
             # same call as the throughput section).
@@ -131,6 +149,19 @@ for section in "$@"; do
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab
             tail -n 20 "$OUT/attention.log" >>"$summary" ;;
+        attention-ncu)
+            # The lab's flash kernels under Nsight Compute, which holds the clocks fixed: median time per
+            # launch of each variant (template arguments) and grid, free of clock drift between variants.
+            step "ncu attention_lab" attention_ncu.log 400 ncu --target-processes application-only --csv --print-units base \
+                --metrics gpu__time_duration.sum --kernel-name regex:flash --log-file "$OUT/attention_ncu.csv" ./build/attention_lab
+            python3 dev/ncu_summary.py "$OUT/attention_ncu.csv" --variants | grep -E "kernel \||, (192|768), 1\)" |
+                tee -a "$summary" ;;
+        compare)
+            # Trainers built with other compile-time choices, timed against each other in one run:
+            # COMPARE="base= q2=-DLLMC_FLASH64_Q=2 ..." (see dev/compare_builds.sh).
+            # shellcheck disable=SC2086
+            step compare_builds compare.log 550 bash dev/compare_builds.sh ${COMPARE:-base=}
+            tail -n $(( $(echo ${COMPARE:-base=} | wc -w) + 1 )) "$OUT/compare.log" >>"$summary" ;;
         quickstart)
             step quickstart quickstart.log 300 bash scripts/quickstart.sh
             grep -E "val loss|^step .*(/| 1500)" "$OUT/quickstart.log" | tail -n 12 >>"$summary"
