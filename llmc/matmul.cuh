@@ -31,6 +31,7 @@ heuristic, a few microseconds), or standalone GELU (gelu.cuh).
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/gelu.cuh"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -285,10 +286,23 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
 // ----------------------------------------------------------------------------------------------------
 // The linear layer.
 
+// Where the MLP's GELU runs: in the matmul's cuBLASLt epilogue (GELU_AUX_BIAS forward, DGELU backward), or
+// as our own elementwise kernel after a plain (bias) matmul. cuBLASLt picks other kernels for the GELU
+// epilogues; which way is faster is measured with dev/compare_builds.sh (-DLLMC_GELU_EPILOGUE=0 or 1).
+#ifndef LLMC_GELU_EPILOGUE
+#define LLMC_GELU_EPILOGUE 1
+#endif
+constexpr bool kGeluEpilogue = LLMC_GELU_EPILOGUE != 0;
+
 // out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
 // that result and out = GELU(pre_gelu), in one cuBLASLt call.
 inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
                            int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr) {
+    if (pre_gelu != nullptr && !kGeluEpilogue) {
+        matmul_forward(lt, pre_gelu, inp, weight, bias, N, C, OC, stream);
+        gelu_forward(out, pre_gelu, N * OC, stream);
+        return;
+    }
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (pre_gelu != nullptr) {
         epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -307,9 +321,12 @@ inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, f
                             size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
     if (N == 0) return;
     if (dinp != nullptr) {
-        const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
+        const bool fused = pre_gelu != nullptr && kGeluEpilogue;
+        const cublasLtEpilogue_t epilogue = fused ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
         gemm(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0}, GemmOperand{weight, C, false, 0}, dinp,
-             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
+             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, fused ? const_cast<floatX*>(pre_gelu) : nullptr, C);
+        // In place: each element of dinp is read, then written, by the same thread.
+        if (pre_gelu != nullptr && !fused) gelu_backward(dinp, pre_gelu, dinp, N * C, stream);
     }
     gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
          0, 1, 1.0f, 1.0f);
