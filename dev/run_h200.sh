@@ -3,8 +3,8 @@
 # benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-#             long-tests resume bench-checkpoint torch torch-mild torch-throughput attention-lab
-#             throughput-large profile attention-ncu compare
+#             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
+#             throughput-large profile attention-ncu attention-detail compare
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -121,24 +121,28 @@ for section in "$@"; do
             python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$OUT/torch.log" |
                 sed "s/^/ours round-to-nearest vs torch bf16 (hot): /" >>"$summary"
             tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
-        torch-mild)
-            # The training-dynamics check at half the learning rate (3e-4, otherwise the "hot" setting of the torch
-            # section): ours with stochastic rounding (the default) and with round to nearest, against one torch bf16 run.
-            mild=(-b 16 -t 1024 -x 300 -l 3e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
+        torch-mild|torch-hot)
+            # The training-dynamics check in one setting, quickly: ours with stochastic rounding (the default)
+            # and with round to nearest, against one torch bf16 run. hot: issue 6's setting of the torch section
+            # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $OUT/dynamics_NAME.tgz.
+            name=${section#torch-}
+            lr=6e-4
+            [ "$name" = mild ] && lr=3e-4
+            hp=(-b 16 -t 1024 -x 300 -l $lr -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             order=(--shuffle 1 --seed 1337)
             mkdir -p out/dynamics
             [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
-            step "ours 300 steps (mild)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${mild[@]}" -s 0 -o out/ours_mild
-            step "ours 300 steps (mild, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
-                "${mild[@]}" --stochastic-rounding 0 -s 0 -o out/ours_mild_rn
-            step "torch 300 steps (mild)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${mild[@]}" \
-                --log out/dynamics/torch_mild.jsonl
-            for v in mild mild_rn; do
+            step "ours 300 steps ($name)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$name
+            step "ours 300 steps ($name, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
+                "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
+            step "torch 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
+                --log out/dynamics/torch_$name.jsonl
+            for v in $name ${name}_rn; do
                 cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
-                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_mild.jsonl | tee -a "$OUT/torch.log" |
-                    sed "s/^/ours ($v) vs torch bf16 (mild): /" >>"$summary"
+                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
+                    sed "s/^/ours ($v) vs torch bf16 ($name): /" >>"$summary"
             done
-            tar czf "$OUT/dynamics_mild.tgz" -C out dynamics ;;
+            tar czf "$OUT/dynamics_$name.tgz" -C out dynamics ;;
         torch-throughput)
             # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
             # same call as the throughput section).
@@ -156,6 +160,18 @@ for section in "$@"; do
                 --metrics gpu__time_duration.sum --kernel-name regex:flash --log-file "$OUT/attention_ncu.csv" ./build/attention_lab
             python3 dev/ncu_summary.py "$OUT/attention_ncu.csv" --variants | grep -E "kernel \||, (192|768), 1\)" |
                 tee -a "$summary" ;;
+        attention-detail)
+            # One d12 B=64 launch of each flash kernel in the trainer (the second step's first), with Nsight
+            # Compute's throughput, occupancy, warp-stall and instruction sections, to see what bounds them.
+            for k in flash_fwd_kernel flash_bwd_dkdv_kernel flash_bwd_dq_kernel; do
+                step "ncu detail $k" attention_detail.log 150 ncu --target-processes application-only \
+                    --kernel-name "regex:$k" --launch-skip 12 --launch-count 1 --section SpeedOfLight \
+                    --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+                    --section InstructionStats --section MemoryWorkloadAnalysis \
+                    ./train_gpt2cu -e d12 -b 64 -t 1024 -x 2 -v 0 -s 0 -o ""
+            done
+            grep -E "flash_|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank" \
+                "$OUT/attention_detail.log" | tee -a "$summary" ;;
         compare)
             # Trainers built with other compile-time choices, timed against each other in one run:
             # COMPARE="base= q2=-DLLMC_FLASH64_Q=2 ..." (see dev/compare_builds.sh).

@@ -290,13 +290,13 @@ namespace detail {
 #define LLMC_FLASH64_PIPE 1
 #endif
 #ifndef LLMC_FLASH64_FWD
-#define LLMC_FLASH64_FWD 1
+#define LLMC_FLASH64_FWD 2
 #endif
 #ifndef LLMC_FLASH64_KV
-#define LLMC_FLASH64_KV 1
+#define LLMC_FLASH64_KV 2
 #endif
 #ifndef LLMC_FLASH64_Q
-#define LLMC_FLASH64_Q 1
+#define LLMC_FLASH64_Q 2
 #endif
 constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0;
 constexpr int kFlash64FwdTiles = LLMC_FLASH64_FWD, kFlash64KvTiles = LLMC_FLASH64_KV, kFlash64QTiles = LLMC_FLASH64_Q;

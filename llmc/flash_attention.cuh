@@ -120,6 +120,24 @@ constexpr int kThreads = 128;  // 4 warps, 16 * MT rows of the block's tile each
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kBlockN = 64;    // keys per step (forward, dQ)
 
+// Blocks per SM each kernel asks the compiler to make room for (__launch_bounds__' second argument) with
+// HS 64 and MT = 1; 1 leaves the register count to the compiler (2 blocks/SM in the backward kernels, 3
+// in the forward at ~136-180 registers). Raising them trades a few spilled registers for more warps to
+// hide latency with; dev/compare_builds.sh measures it (-DLLMC_FLASH_MINB_FWD=4 ...).
+#ifndef LLMC_FLASH_MINB_FWD
+#define LLMC_FLASH_MINB_FWD 1
+#endif
+#ifndef LLMC_FLASH_MINB_KV
+#define LLMC_FLASH_MINB_KV 1
+#endif
+#ifndef LLMC_FLASH_MINB_Q
+#define LLMC_FLASH_MINB_Q 1
+#endif
+template <int HS, int MT>
+constexpr int min_blocks(int wanted) {
+    return HS == 64 && MT == 1 ? wanted : 1;
+}
+
 // Rows (queries in forward and dQ, keys in dK/dV) per block: MT row tiles of 16 per warp. MT = 2 lets
 // each warp use every B fragment it loads from shared memory twice.
 template <int MT>
@@ -234,6 +252,33 @@ __device__ inline void zero(float (&acc)[M][N][4]) {
     for (int i = 0; i < M; i++) zero(acc[i]);
 }
 
+// 2^x on the special-function unit. exp2f is the same instruction with a fix-up for results below 2^-126,
+// which a probability never needs (they flush to 0 here).
+__device__ inline float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
+// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
+// own, so the other blocks carry no index arithmetic.
+template <int MT, int N, class Keep>
+__device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = row0 + 16 * mt + g + 8 * (e >> 1), c = col0 + nt * 8 + 2 * q + (e & 1);
+                if (!keep(r, c)) acc[mt][nt][e] = fill;
+            }
+        }
+    }
+}
+
 // Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
 // r) * stride, rows >= T skipped.
 template <int HS>
@@ -302,7 +347,7 @@ constexpr size_t fwd_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads)
+static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_FWD))
     flash_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
     constexpr int BM = block_m<MT>();
     extern __shared__ uint4 smem[];
@@ -363,29 +408,27 @@ static __global__ void __launch_bounds__(kThreads)
             }
         }
         // Keys above the diagonal or past T get -inf; only blocks reaching them pay for the test.
-        const bool masked = k0 + kBlockN - 1 > wfirst || k0 + kBlockN > T;
+        if (k0 + kBlockN - 1 > wfirst || k0 + kBlockN > T) {
+            mask_block<MT, kBlockN>(s, wfirst, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-            float mx[2] = {m[mt][0], m[mt][1]};
+            // The running max m is kept scaled; max(s) * scale rounds to the same float as max(s * scale).
+            float bm[2] = {-INFINITY, -INFINITY};
 #pragma unroll
             for (int nt = 0; nt < kBlockN / 8; nt++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = k0 + nt * 8 + 2 * q + (e & 1);
-                    float v = s[mt][nt][e] * scale_log2;
-                    if (masked && (key > row[mt][e >> 1] || key >= T)) v = -INFINITY;
-                    s[mt][nt][e] = v;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], v);
-                }
+                for (int e = 0; e < 4; e++) bm[e >> 1] = fmaxf(bm[e >> 1], s[mt][nt][e]);
             }
             float sub[2], rs[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                sub[r] = mx[r] == -INFINITY ? 0.0f : mx[r];  // a row with nothing unmasked yet stays at 0
-                const float corr = exp2f(m[mt][r] - sub[r]);
-                m[mt][r] = mx[r];
+                bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 1));
+                bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
+                const float mx = fmaxf(m[mt][r], bm[r] * scale_log2);
+                sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
+                const float corr = exp2_fast(m[mt][r] - sub[r]);
+                m[mt][r] = mx;
                 l[mt][r] *= corr;
 #pragma unroll
                 for (int dt = 0; dt < HS / 8; dt++) {
@@ -397,7 +440,7 @@ static __global__ void __launch_bounds__(kThreads)
             for (int nt = 0; nt < kBlockN / 8; nt++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    s[mt][nt][e] = exp2f(s[mt][nt][e] - sub[e >> 1]);
+                    s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, -sub[e >> 1]));
                     rs[e >> 1] += s[mt][nt][e];
                 }
             }
@@ -470,7 +513,7 @@ constexpr size_t dkdv_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads)
+static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_KV))
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                           int T, int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
@@ -488,15 +531,9 @@ static __global__ void __launch_bounds__(kThreads)
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
     const floatX* dobase = dout + int64_t(b) * T * C + h * HS;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, q = lane & 3;
     const int wrow0 = warp * 16 * MT;
     const int wfirst = k0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's keys
-    int key[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        key[mt][0] = wfirst + 16 * mt + g;
-        key[mt][1] = key[mt][0] + 8;
-    }
 
     // Query block i's Q, dO (async copies) and lse, D (plain stores) into buffer `buf`.
     auto load_queries = [&](int i, int buf) {
@@ -547,19 +584,20 @@ static __global__ void __launch_bounds__(kThreads)
         float st[MT][BQ / 8][4];
         zero(st);
         mma_rows_by_rows<HS, BQ, MT>(st, sK, wrow0, sQ, lane);
-        // Queries before the key (above the diagonal) or past T get P = 0.
-        const bool masked = q0 < wlast || q0 + BQ > T;
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
             for (int nt = 0; nt < BQ / 8; nt++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int c = nt * 8 + 2 * q + (e & 1), qi = q0 + c;
-                    const float p = exp2f(st[mt][nt][e] * scale_log2 - sL[c]);
-                    st[mt][nt][e] = masked && (qi < key[mt][e >> 1] || qi >= T) ? 0.0f : p;
+                    const int c = nt * 8 + 2 * q + (e & 1);
+                    st[mt][nt][e] = exp2_fast(fmaf(st[mt][nt][e], scale_log2, -sL[c]));
                 }
             }
+        }
+        // Queries before the key (above the diagonal) or past T get P = 0.
+        if (q0 < wlast || q0 + BQ > T) {
+            mask_block<MT, BQ>(st, wfirst, q0, 0.0f, lane, [T](int r, int c) { return c >= r && c < T; });
         }
         mma_acc_by_tile<HS, BQ, MT>(dv, st, sdO, lane);
 
@@ -600,7 +638,7 @@ constexpr size_t dq_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads)
+static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_Q))
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
                         int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
@@ -615,7 +653,7 @@ static __global__ void __launch_bounds__(kThreads)
     const int C = NH * HS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2;
     const int wrow0 = warp * 16 * MT;
     const int wfirst = q0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's query rows
     int row[MT][2];
@@ -654,18 +692,18 @@ static __global__ void __launch_bounds__(kThreads)
             float s[MT][KS / 8][4];
             zero(s);
             mma_rows_by_rows<HS, KS, MT>(s, sQ, wrow0, sKp, lane);
-            const bool masked = kp + KS - 1 > wfirst || kp + KS > T;
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                 for (int nt = 0; nt < KS / 8; nt++) {
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        const int k = kp + nt * 8 + 2 * q + (e & 1);
-                        const float p = exp2f(s[mt][nt][e] * scale_log2 - lse2[mt][e >> 1]);
-                        s[mt][nt][e] = masked && (k > row[mt][e >> 1] || k >= T) ? 0.0f : p;
+                        s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
                     }
                 }
+            }
+            if (kp + KS - 1 > wfirst || kp + KS > T) {
+                mask_block<MT, KS>(s, wfirst, kp, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
             }
             float dp[MT][KS / 8][4];
             zero(dp);
