@@ -260,23 +260,29 @@ __device__ inline float exp2_fast(float x) {
     return y;
 }
 
-// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
-// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
-// own, so the other blocks carry no index arithmetic.
-template <int MT, int N, class Keep>
-__device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
+// Calls f(mt, nt, e, r, c) for every element acc[mt][nt][e] of a warp's (16 * MT) x N accumulator block
+// (m16n8 C fragments), with r its row among the warp's 16 * MT rows and c its column (0 .. N-1).
+template <int MT, int N, class F>
+__device__ inline void for_each_element(int lane, F f) {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
         for (int nt = 0; nt < N / 8; nt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = row0 + 16 * mt + g + 8 * (e >> 1), c = col0 + nt * 8 + 2 * q + (e & 1);
-                if (!keep(r, c)) acc[mt][nt][e] = fill;
-            }
+            for (int e = 0; e < 4; e++) f(mt, nt, e, 16 * mt + g + 8 * (e >> 1), nt * 8 + 2 * q + (e & 1));
         }
     }
+}
+
+// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
+// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
+// own, so the other blocks carry no index arithmetic.
+template <int MT, int N, class Keep>
+__device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
+    for_each_element<MT, N>(lane, [&](int mt, int nt, int e, int r, int c) {
+        if (!keep(row0 + r, col0 + c)) acc[mt][nt][e] = fill;
+    });
 }
 
 // Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
@@ -531,7 +537,7 @@ static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
     const floatX* dobase = dout + int64_t(b) * T * C + h * HS;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, q = lane & 3;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int wrow0 = warp * 16 * MT;
     const int wfirst = k0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's keys
 
@@ -584,17 +590,9 @@ static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH
         float st[MT][BQ / 8][4];
         zero(st);
         mma_rows_by_rows<HS, BQ, MT>(st, sK, wrow0, sQ, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-            for (int nt = 0; nt < BQ / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int c = nt * 8 + 2 * q + (e & 1);
-                    st[mt][nt][e] = exp2_fast(fmaf(st[mt][nt][e], scale_log2, -sL[c]));
-                }
-            }
-        }
+        for_each_element<MT, BQ>(lane, [&](int mt, int nt, int e, int, int c) {
+            st[mt][nt][e] = exp2_fast(fmaf(st[mt][nt][e], scale_log2, -sL[c]));
+        });
         // Queries before the key (above the diagonal) or past T get P = 0.
         if (q0 < wlast || q0 + BQ > T) {
             mask_block<MT, BQ>(st, wfirst, q0, 0.0f, lane, [T](int r, int c) { return c >= r && c < T; });
@@ -604,17 +602,9 @@ static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH
         float dpt[MT][BQ / 8][4];
         zero(dpt);
         mma_rows_by_rows<HS, BQ, MT>(dpt, sV, wrow0, sdO, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-            for (int nt = 0; nt < BQ / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int c = nt * 8 + 2 * q + (e & 1);
-                    dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sD[c]);
-                }
-            }
-        }
+        for_each_element<MT, BQ>(lane, [&](int mt, int nt, int e, int, int c) {
+            dpt[mt][nt][e] = st[mt][nt][e] * (dpt[mt][nt][e] - sD[c]);
+        });
         mma_acc_by_tile<HS, BQ, MT>(dk, dpt, sQ, lane);
     }
     // A block's first query block starts at or before k0, so the loop ran at least once and the K, V
@@ -692,30 +682,18 @@ static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH
             float s[MT][KS / 8][4];
             zero(s);
             mma_rows_by_rows<HS, KS, MT>(s, sQ, wrow0, sKp, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int nt = 0; nt < KS / 8; nt++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
-                    }
-                }
-            }
+            for_each_element<MT, KS>(lane, [&](int mt, int nt, int e, int, int) {
+                s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, -lse2[mt][e >> 1]));
+            });
             if (kp + KS - 1 > wfirst || kp + KS > T) {
                 mask_block<MT, KS>(s, wfirst, kp, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
             }
             float dp[MT][KS / 8][4];
             zero(dp);
             mma_rows_by_rows<HS, KS, MT>(dp, sdO, wrow0, sVp, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int nt = 0; nt < KS / 8; nt++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - Dr[mt][e >> 1]);
-                }
-            }
+            for_each_element<MT, KS>(lane, [&](int mt, int nt, int e, int, int) {
+                dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - Dr[mt][e >> 1]);
+            });
             mma_acc_by_tile<HS, KS, MT>(dq, dp, sKp, lane);
         }
     }
