@@ -120,24 +120,6 @@ constexpr int kThreads = 128;  // 4 warps, 16 * MT rows of the block's tile each
 constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kBlockN = 64;    // keys per step (forward, dQ)
 
-// Blocks per SM each kernel asks the compiler to make room for (__launch_bounds__' second argument) with
-// HS 64 and MT = 1; 1 leaves the register count to the compiler (2 blocks/SM in the backward kernels, 3
-// in the forward at ~136-180 registers). Raising them trades a few spilled registers for more warps to
-// hide latency with; dev/compare_builds.sh measures it (-DLLMC_FLASH_MINB_FWD=4 ...).
-#ifndef LLMC_FLASH_MINB_FWD
-#define LLMC_FLASH_MINB_FWD 1
-#endif
-#ifndef LLMC_FLASH_MINB_KV
-#define LLMC_FLASH_MINB_KV 1
-#endif
-#ifndef LLMC_FLASH_MINB_Q
-#define LLMC_FLASH_MINB_Q 1
-#endif
-template <int HS, int MT>
-constexpr int min_blocks(int wanted) {
-    return HS == 64 && MT == 1 ? wanted : 1;
-}
-
 // Rows (queries in forward and dQ, keys in dK/dV) per block: MT row tiles of 16 per warp. MT = 2 lets
 // each warp use every B fragment it loads from shared memory twice.
 template <int MT>
@@ -353,7 +335,7 @@ constexpr size_t fwd_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_FWD))
+static __global__ void __launch_bounds__(kThreads)
     flash_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
     constexpr int BM = block_m<MT>();
     extern __shared__ uint4 smem[];
@@ -519,7 +501,7 @@ constexpr size_t dkdv_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_KV))
+static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                           int T, int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
@@ -628,7 +610,7 @@ constexpr size_t dq_smem() {
 }
 
 template <int HS, bool Pipe = false, int MT = 1>
-static __global__ void __launch_bounds__(kThreads, min_blocks<HS, MT>(LLMC_FLASH_MINB_Q))
+static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
                         int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
