@@ -123,7 +123,7 @@ for section in "$@"; do
             tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
         torch-mild|torch-hot)
             # The training-dynamics check in one setting, quickly: ours with stochastic rounding (the default)
-            # and with round to nearest, against one torch bf16 run. hot: issue 6's setting of the torch section
+            # and with round to nearest, against one torch bf16 run, and torch fp32 against torch bf16. hot: issue 6's setting of the torch section
             # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $OUT/dynamics_NAME.tgz.
             name=${section#torch-}
             lr=6e-4
@@ -137,6 +137,11 @@ for section in "$@"; do
                 "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
             step "torch 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
                 --log out/dynamics/torch_$name.jsonl
+            # The noise floor of this setting: PyTorch in fp32 (no autocast, no TF32) against its own bf16 run.
+            step "torch fp32 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
+                --precision fp32 --log out/dynamics/torch_fp32_$name.jsonl
+            python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
+                sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
             for v in $name ${name}_rn; do
                 cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
                 python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
