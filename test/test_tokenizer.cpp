@@ -561,6 +561,38 @@ TEST(PrepareData, SplitsByFileAndByFraction) {
     EXPECT_EQ(read_split(dir / "byfraction", "corpus_val_"), expected_ids({c.docs[2], c.docs[5]}));
 }
 
+TEST(PrepareData, ShufflesWholeFilesBySeed) {
+    REQUIRE_VOCAB();
+    TempDir dir;
+    Corpus c = make_corpus(dir);
+    // The files as the tool lists them, and the documents each holds.
+    std::vector<std::vector<std::string>> files = {{c.docs[0]}, {c.docs[1]}, {c.docs[2]}, {c.docs[3], c.docs[4], c.docs[5]}};
+    auto run = [&](const std::string& out, const std::string& seed) {
+        std::vector<std::string> args = tool_args(dir, out, {"--shuffle-files", seed, "--chunk-bytes", "100", "--name", "mix"});
+        args.insert(args.end(), c.inputs.begin(), c.inputs.end());
+        ToolRun r = run_tool(args);
+        EXPECT_EQ(r.code, 0) << r.err;
+        return read_split(dir / out, "mix_train_");
+    };
+    for (uint64_t seed : {1ull, 1337ull}) {
+        std::vector<uint32_t> order(files.size());
+        llmc::seeded_permutation(seed, order.data(), order.size());
+        std::vector<std::string> docs;
+        for (uint32_t i : order) docs.insert(docs.end(), files[i].begin(), files[i].end());
+        std::vector<uint32_t> got = run("seed" + std::to_string(seed), std::to_string(seed));
+        EXPECT_EQ(got, expected_ids(docs)) << "seed " << seed;
+        EXPECT_EQ(got, run("again" + std::to_string(seed), std::to_string(seed))) << "seed " << seed;
+    }
+    // At least one of the two seeds must move a file, or the test above proves nothing.
+    std::vector<uint32_t> a(files.size()), b(files.size());
+    llmc::seeded_permutation(1, a.data(), a.size());
+    llmc::seeded_permutation(1337, b.data(), b.size());
+    std::vector<uint32_t> identity = {0, 1, 2, 3};
+    EXPECT_TRUE(a != identity || b != identity);
+    ToolRun bad = run_tool(tool_args(dir, "bad", {"--shuffle-files", "-1", c.inputs[0]}));
+    EXPECT_EQ(bad.code, 2) << bad.err;
+}
+
 TEST(PrepareData, RemovesStaleShardsOfTheSameName) {
     REQUIRE_VOCAB();
     TempDir dir;

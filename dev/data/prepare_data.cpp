@@ -9,7 +9,9 @@ Documents go to the train split, or to the validation split when their input was
 with --val-fraction F, when they are among the fraction F of documents picked evenly through the input
 order (document k is validation when floor((k+1)F) > floor(kF)). Each split is cut into shards of
 --shard-tokens tokens (the last one shorter), written as OUT/NAME_train_000000.bin, ... and
-OUT/NAME_val_000000.bin, ... in shard.h's format, version 1 (uint16 tokens). Shards of the same name
+OUT/NAME_val_000000.bin, ... in shard.h's format, version 1 (uint16 tokens). Files are read in the order
+above, or with --shuffle-files SEED in a seeded permutation of that order (the DataLoader's splitmix64
+permutation, the same on every machine), so that each shard mixes documents of every source. Shards of the same name
 left by an earlier run beyond the new count are removed, so that a glob never mixes two runs.
 
 Work is spread over --threads threads (default: one per core). The main thread reads the inputs into
@@ -21,10 +23,12 @@ Also writes llm.c's tokenizer file (--write-tokenizer), which the trainer loads 
 
 Errors name the file (and line, for JSONL) and exit with utils.h's codes: 2 usage, 3 unreadable input
 or unwritable output, 4 bad JSON or vocabulary files. Does not: deduplicate, filter, shuffle, or
-know any special token but <|endoftext|>.
+know any special token but <|endoftext|>; --shuffle-files moves whole files, not the lines of a JSONL
+file or the parts of a text.
 */
 #define LLMC_TOKENIZER_ENCODER
 #include "llmc/tokenizer.h"
+#include "llmc/dataloader.h"  // seeded_permutation
 
 #include <algorithm>
 #include <chrono>
@@ -68,6 +72,8 @@ struct Options {
     std::string vocab_bpe = ".deps/gpt2/vocab.bpe";
     std::string write_tokenizer;
     bool quiet = false;
+    bool shuffle_files = false;
+    int64_t shuffle_seed = 0;
 };
 
 // Returns false when --help was given. Checks what one flag's type and range cannot say.
@@ -88,8 +94,12 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "encoder-json", &o.encoder_json, "GPT-2's encoder.json")
         .add("", "vocab-bpe", &o.vocab_bpe, "GPT-2's vocab.bpe")
         .add("", "write-tokenizer", &o.write_tokenizer, "also write llm.c's tokenizer file (version 2) for decoding; inputs are optional then")
+        .add("", "shuffle-files", &o.shuffle_seed,
+             "read the input files in an order shuffled with this seed (a whole file moves), so shards mix the sources", 0,
+             INT64_MAX)
         .add_switch("", "quiet", &o.quiet, "print errors only");
     if (!flags.parse(argc, argv)) return false;
+    o.shuffle_files = flags.was_set("shuffle-files");
 
     if (flags.was_set("val-fraction") && !(o.val_fraction > 0.0 && o.val_fraction < 1.0)) {
         fail(kExitUsage, "--val-fraction expects a number between 0 and 1 (exclusive), got %g", o.val_fraction);
@@ -175,6 +185,14 @@ std::vector<Input> resolve_inputs(const Options& o) {
     };
     add(o.train_inputs, kTrain);
     add(o.val_inputs, kVal);
+    if (o.shuffle_files) {
+        std::vector<uint32_t> order(inputs.size());
+        seeded_permutation(static_cast<uint64_t>(o.shuffle_seed), order.data(), order.size());
+        std::vector<Input> shuffled;
+        shuffled.reserve(inputs.size());
+        for (uint32_t i : order) shuffled.push_back(inputs[i]);
+        inputs.swap(shuffled);
+    }
     return inputs;
 }
 
