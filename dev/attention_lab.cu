@@ -271,6 +271,7 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         add("flash 2 tiles", flash_forward<64, false, 2>, flash_backward<64, false, 2>);
         add("pipelined 2 tiles", flash_forward<64, true, 2>, flash_backward<64, true, 2>);
         add("pipe 2t, dkdv 1t", flash_forward<64, true, 2>, flash_backward<64, true, 1, 2>);
+        add("trainer's (dkdv unpiped)", flash_forward<64, true, 2>, flash_backward<64, false, 2, 2, true>);
     } else {
         add("flash pipelined", flash_forward<128, true>, flash_backward<128, true>);
     }

@@ -285,9 +285,14 @@ namespace detail {
 // The flash kernels the trainer runs for HS 64 (every GPT-2 shape): double-buffered tiles (Pipe) and the
 // row tiles of 16 per warp (1 or 2) in the forward, dK/dV and dQ kernels. Every variant gives the same
 // bits; their timings are in dev/ATTENTION.md (build/attention_lab measures them all, and
-// dev/compare_builds.sh times trainers built with -DLLMC_FLASH64_PIPE=0/1, -DLLMC_FLASH64_FWD/_KV/_Q=1/2).
+// dev/compare_builds.sh times trainers built with -DLLMC_FLASH64_PIPE=0/1 for the forward and dQ kernels,
+// -DLLMC_FLASH64_KV_PIPE=0/1 for dK/dV, -DLLMC_FLASH64_FWD/_KV/_Q=1/2). At fixed clocks (session 5) dK/dV
+// with MT = 2 ran 3% faster without Pipe, the other two 8-9% faster with it.
 #ifndef LLMC_FLASH64_PIPE
 #define LLMC_FLASH64_PIPE 1
+#endif
+#ifndef LLMC_FLASH64_KV_PIPE
+#define LLMC_FLASH64_KV_PIPE 0
 #endif
 #ifndef LLMC_FLASH64_FWD
 #define LLMC_FLASH64_FWD 2
@@ -298,7 +303,7 @@ namespace detail {
 #ifndef LLMC_FLASH64_Q
 #define LLMC_FLASH64_Q 2
 #endif
-constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0;
+constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0, kFlash64KvPipe = LLMC_FLASH64_KV_PIPE != 0;
 constexpr int kFlash64FwdTiles = LLMC_FLASH64_FWD, kFlash64KvTiles = LLMC_FLASH64_KV, kFlash64QTiles = LLMC_FLASH64_Q;
 }  // namespace detail
 
@@ -339,7 +344,8 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
         if (HS == 64) {
-            flash_backward<64, detail::kFlash64Pipe, detail::kFlash64KvTiles, detail::kFlash64QTiles>(
+            flash_backward<64, detail::kFlash64KvPipe, detail::kFlash64KvTiles, detail::kFlash64QTiles,
+                           detail::kFlash64Pipe>(
                 dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else {
             flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);

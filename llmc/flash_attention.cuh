@@ -736,8 +736,8 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
 
 // dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
 // flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe, MT: as for flash_forward,
-// separately for the dK/dV kernel (MT) and the dQ kernel (MTQ).
-template <int HS, bool Pipe = false, int MT = 1, int MTQ = MT>
+// separately for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ).
+template <int HS, bool Pipe = false, int MT = 1, int MTQ = MT, bool PipeQ = Pipe>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
                     int T, int NH, float* D, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
@@ -756,14 +756,14 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
         D, out, dout, B, T, NH);
     cudaCheckLaunch();
     allow_smem(flash_bwd_dkdv_kernel<HS, Pipe, MT>, dkdv_smem<HS, Pipe, MT>());
-    allow_smem(flash_bwd_dq_kernel<HS, Pipe, MTQ>, dq_smem<HS, Pipe, MTQ>());
+    allow_smem(flash_bwd_dq_kernel<HS, PipeQ, MTQ>, dq_smem<HS, PipeQ, MTQ>());
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
     const dim3 grid_kv(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
     flash_bwd_dkdv_kernel<HS, Pipe, MT><<<grid_kv, kThreads, dkdv_smem<HS, Pipe, MT>(), stream>>>(
         dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
     const dim3 grid_q(unsigned(ceil_div(T, block_m<MTQ>())), unsigned(B * NH));
-    flash_bwd_dq_kernel<HS, Pipe, MTQ><<<grid_q, kThreads, dq_smem<HS, Pipe, MTQ>(), stream>>>(
+    flash_bwd_dq_kernel<HS, PipeQ, MTQ><<<grid_q, kThreads, dq_smem<HS, PipeQ, MTQ>(), stream>>>(
         dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
 }
