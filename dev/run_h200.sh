@@ -4,7 +4,7 @@
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
-#             throughput-large profile attention-ncu attention-detail compare
+#             throughput-large profile attention-ncu attention-detail compare matmul-lab
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -65,10 +65,10 @@ for section in "$@"; do
             done ;;
         throughput-large)
             # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits, without and with
-            # recompute (-r 1).
+            # recompute (-r 1). A B that does not fit fails at start-up (allocation), in about a second.
             for model in d24 d48; do
                 for r in 0 1; do
-                    for B in 64 32 16 8 4; do
+                    for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
                         if step "train_gpt2cu $model B=$B -r $r" throughput_large.log 150 \
                             ./train_gpt2cu -e $model -b $B -t 1024 -r $r -x 12 -v 0 -s 0 -o ""; then
                             grep -E "^average|^peak" "$OUT/throughput_large.log" | tail -n 2 >>"$summary"
@@ -155,6 +155,10 @@ for section in "$@"; do
                 step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
                 grep -E "^average|^peak" "$OUT/torch_throughput.log" | tail -n 2 >>"$summary"
             done ;;
+        matmul-lab)
+            # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
+            step matmul_lab matmul_lab.log 200 ./build/matmul_lab
+            tail -n 40 "$OUT/matmul_lab.log" >>"$summary" ;;
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab
             tail -n 20 "$OUT/attention.log" >>"$summary" ;;
