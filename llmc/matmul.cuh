@@ -5,8 +5,9 @@ Provides: cublasCheck(call), which raises an llmc::Error naming the call, file, 
 CublasLt, the RAII owner of a cuBLASLt handle and its workspace (one per stream: concurrent calls on one
 workspace would race); gemm(), a row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with
 optional epilogues (bias, GELU keeping its input, GELU gradient), used by the linear layers below and by
-attention.cuh; and the linear layer of the model with the CPU reference's argument meanings
-(llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
+attention.cuh (its cuBLASLt setup, detail::GemmCall, also lists every algorithm the heuristic offers
+and runs any one of them: dev/matmul_lab.cu times them); and the linear layer of the model with the CPU
+reference's argument meanings (llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
   matmul_forward:  out (N,OC) = inp (N,C) @ weight^T + bias; with pre_gelu, out = GELU(that) and
                    pre_gelu keeps that (the fused fc + GELU of the MLP);
   matmul_backward: dinp = dout @ weight (OVERWRITTEN, unlike the CPU reference, which adds: activation
@@ -21,11 +22,12 @@ are reproducible on one GPU model and toolkit with one stream per workspace (cuB
 cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
 
 Does not provide: fp8, algorithm autotuning or caching of heuristics (each call asks cuBLASLt's
-heuristic, a few microseconds), or standalone GELU (gelu.cuh).
+heuristic, a few microseconds, and runs its first choice), or standalone GELU (gelu.cuh).
 */
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <cublasLt.h>
 
@@ -143,59 +145,111 @@ struct GemmOperand {
     int64_t batch_stride = 0;
 };
 
+namespace detail {
+
+// The cuBLASLt setup of one gemm() call (descriptor, layouts, heuristic preference), built from gemm()'s
+// own arguments: heuristics() lists the algorithms cuBLASLt's heuristic offers, best first, and run()
+// runs any one of them. gemm() runs the first; dev/matmul_lab.cu times them all for the trainer's calls.
+// Holds the operand pointers, alpha and beta (cuBLASLt reads them at each run()), and lt by reference.
+class GemmCall {
+public:
+    GemmCall(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a, GemmOperand b,
+             void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha, float beta,
+             cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
+             floatX* aux = nullptr, int64_t aux_ld = 0)
+        : lt_(lt), stream_(stream), M_(M), N_(N), K_(K), batch_(batch), a_(a), b_(b), d_(d), d_type_(d_type),
+          alpha_(alpha), beta_(beta), epilogue_(epilogue),
+          // Column-major views: a row-major (R, C) buffer with row stride ld is a column-major (C, R) one.
+          first_(CUDA_R_16BF, b.transpose ? K : N, b.transpose ? N : K, b.ld, batch, b.batch_stride),
+          second_(CUDA_R_16BF, a.transpose ? M : K, a.transpose ? K : M, a.ld, batch, a.batch_stride),
+          out_(d_type, N, M, ldd, batch, d_stride) {
+        const cublasOperation_t op_first = b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+        const cublasOperation_t op_second = a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+        desc_.set(CUBLASLT_MATMUL_DESC_TRANSA, op_first);
+        desc_.set(CUBLASLT_MATMUL_DESC_TRANSB, op_second);
+        desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
+        if (bias != nullptr) {
+            require_aligned16(bias, "gemm: bias");
+            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+        }
+        if (aux != nullptr) {
+            require_pack_multiple(aux_ld, "gemm: GELU aux leading dimension");
+            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(aux));
+            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, aux_ld);
+        }
+
+        const size_t d_elem = d_type == CUDA_R_32F ? 4 : 2;
+        pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_bytes(b.ptr, b.ld, b.batch_stride, 2));
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_bytes(a.ptr, a.ld, a.batch_stride, 2));
+        const uint32_t d_align = alignment_bytes(d, ldd, d_stride, d_elem);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_align);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_align);
+    }
+    GemmCall(const GemmCall&) = delete;
+    GemmCall& operator=(const GemmCall&) = delete;
+
+    // Up to max_results algorithms in the heuristic's order of preference into results; returns how many.
+    int heuristics(int max_results, cublasLtMatmulHeuristicResult_t* results) const {
+        int found = 0;
+        cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt_.handle(), desc_.d, first_.l, second_.l, out_.l, out_.l, pref_.p,
+                                                   max_results, results, &found));
+        return found;
+    }
+    std::vector<cublasLtMatmulHeuristicResult_t> heuristics(int max_results) const {
+        std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_results));
+        results.resize(size_t(heuristics(max_results, results.data())));
+        return results;
+    }
+
+    // Runs the matmul with algo (one of heuristics()' results) on the call's stream, in lt's workspace.
+    void run(const cublasLtMatmulAlgo_t& algo) const {
+        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha_, b_.ptr, first_.l, a_.ptr, second_.l, &beta_, d_,
+                                   out_.l, d_, out_.l, &algo, lt_.workspace(), lt_.workspace_bytes(), stream_));
+    }
+
+    // gemm()'s error when the heuristic has no algorithm.
+    [[noreturn]] void fail_no_algorithm() const {
+        fail(kExitCuda,
+             "cuBLASLt has no algorithm for M=%lld N=%lld K=%lld batch=%d transA=%d transB=%d D=%s epilogue=%s",
+             (long long)M_, (long long)N_, (long long)K_, batch_, int(a_.transpose), int(b_.transpose),
+             d_type_ == CUDA_R_32F ? "fp32" : "bf16", epilogue_name(epilogue_));
+    }
+
+private:
+    const CublasLt& lt_;
+    cudaStream_t stream_;
+    int64_t M_, N_, K_;
+    int batch_;
+    GemmOperand a_, b_;
+    void* d_;
+    cudaDataType_t d_type_;
+    float alpha_, beta_;
+    cublasLtEpilogue_t epilogue_;
+    LtMatmulDesc desc_;
+    LtLayout first_, second_, out_;
+    LtPreference pref_;
+};
+
+}  // namespace detail
+
 // Row-major D (M,N) = alpha * op(A) (M,K) @ op(B) (K,N) + beta * D for each of `batch` problems; D is
 // bf16 (d_type CUDA_R_16BF) or fp32 (CUDA_R_32F), ldd elements between rows. Epilogues (bf16 D only):
 //   CUBLASLT_EPILOGUE_BIAS           D += bias (length N, broadcast over rows)
 //   CUBLASLT_EPILOGUE_GELU_AUX(_BIAS) aux = result (+ bias), D = GELU(aux)
 //   CUBLASLT_EPILOGUE_DGELU          D = result * GELU'(aux), aux read
 // cuBLASLt is column-major, so the call computes D^T = op(B)^T op(A)^T: B's buffer is its first operand.
+// Runs the heuristic's first algorithm.
 inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a,
                  GemmOperand b, void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha,
                  float beta, cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
                  floatX* aux = nullptr, int64_t aux_ld = 0) {
     if (M == 0 || N == 0 || batch == 0) return;
-    const size_t d_elem = d_type == CUDA_R_32F ? 4 : 2;
-    detail::LtMatmulDesc desc;
-    const cublasOperation_t op_first = b.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const cublasOperation_t op_second = a.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, op_first);
-    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, op_second);
-    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
-    if (bias != nullptr) {
-        require_aligned16(bias, "gemm: bias");
-        desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
-    }
-    if (aux != nullptr) {
-        require_pack_multiple(aux_ld, "gemm: GELU aux leading dimension");
-        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(aux));
-        desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, aux_ld);
-    }
-
-    // Column-major views: a row-major (R, C) buffer with row stride ld is a column-major (C, R) one.
-    detail::LtLayout first(CUDA_R_16BF, b.transpose ? K : N, b.transpose ? N : K, b.ld, batch, b.batch_stride);
-    detail::LtLayout second(CUDA_R_16BF, a.transpose ? M : K, a.transpose ? K : M, a.ld, batch, a.batch_stride);
-    detail::LtLayout out(d_type, N, M, ldd, batch, d_stride);
-
-    detail::LtPreference pref;
-    pref.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
-    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, detail::alignment_bytes(b.ptr, b.ld, b.batch_stride, 2));
-    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, detail::alignment_bytes(a.ptr, a.ld, a.batch_stride, 2));
-    const uint32_t d_align = detail::alignment_bytes(d, ldd, d_stride, d_elem);
-    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_align);
-    pref.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_align);
-
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
-    cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc.d, first.l, second.l, out.l, out.l, pref.p, 1,
-                                               &heuristic, &found));
-    if (found == 0) {
-        fail(kExitCuda,
-             "cuBLASLt has no algorithm for M=%lld N=%lld K=%lld batch=%d transA=%d transB=%d D=%s epilogue=%s",
-             (long long)M, (long long)N, (long long)K, batch, int(a.transpose), int(b.transpose),
-             d_type == CUDA_R_32F ? "fp32" : "bf16", detail::epilogue_name(epilogue));
-    }
-    cublasCheck(cublasLtMatmul(lt.handle(), desc.d, &alpha, b.ptr, first.l, a.ptr, second.l, &beta, d, out.l, d, out.l,
-                               &heuristic.algo, lt.workspace(), lt.workspace_bytes(), stream));
+    const detail::GemmCall call(lt, stream, M, N, K, a, b, d, d_type, ldd, d_stride, batch, alpha, beta, epilogue, bias,
+                                aux, aux_ld);
+    cublasLtMatmulHeuristicResult_t first;  // no heap allocation per call: gemm() runs inside the step
+    if (call.heuristics(1, &first) == 0) call.fail_no_algorithm();
+    call.run(first.algo);
 }
 
 // ----------------------------------------------------------------------------------------------------
