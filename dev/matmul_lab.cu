@@ -276,27 +276,34 @@ Case dweight_case(const CublasLt& lt, cudaStream_t stream, const char* name, int
 // ----------------------------------------------------------------------------------------------------
 // Measurement.
 
+// -1 where cuBLASLt does not report an attribute for this algorithm.
 struct AlgoInfo {
-    int32_t id = -1, splitk = -1;
-    uint32_t tile = 0, stages = 0, reduction = 0, cluster = 0;
+    int64_t id = -1, splitk = -1, tile = -1, stages = -1, reduction = -1, cluster = -1;
 };
 
-template <class T>
-T algo_attribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
-    T value{};
+// An algorithm's configuration attribute, whatever its width (cuBLASLt's are 16- or 32-bit): the size is
+// asked first (sizeInBytes 0), then the value is read into the low bytes of a zeroed 64-bit integer
+// (little-endian); -1 when the size query or the read is refused.
+int64_t algo_attribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+    size_t size = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS || size == 0 ||
+        size > sizeof(uint64_t)) {
+        return -1;
+    }
+    uint64_t value = 0;
     size_t written = 0;
-    cublasCheck(cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written));
-    return value;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, size, &written) != CUBLAS_STATUS_SUCCESS) return -1;
+    return static_cast<int64_t>(value);
 }
 
 AlgoInfo algo_info(const cublasLtMatmulAlgo_t& algo) {
     AlgoInfo a;
-    a.id = algo_attribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_ID);
-    a.tile = algo_attribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
-    a.splitk = algo_attribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
-    a.reduction = algo_attribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-    a.stages = algo_attribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID);
-    a.cluster = algo_attribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+    a.id = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_ID);
+    a.tile = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
+    a.splitk = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+    a.reduction = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    a.stages = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID);
+    a.cluster = algo_attribute(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
     return a;
 }
 
@@ -379,7 +386,7 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
         try {
             c.call->run(h.algo);
         } catch (const Error& e) {
-            std::printf("%4zu | %6d | skipped: %s\n", r, a.id, e.what());
+            std::printf("%4zu | %6lld | skipped: %s\n", r, (long long)a.id, e.what());
             continue;
         }
         cudaCheck(cudaStreamSynchronize(stream));
@@ -409,8 +416,9 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
         std::vector<double> ms;
         for (int i = 0; i < o.reps; i++) ms.push_back(time_one(h.algo));
         const double med = median(ms);
-        std::printf("%4zu | %6d | %5u | %6d | %3u | %6u | %7u | %10zu | %6.2f | %9.4f | %8.1f | %4s | %s\n", r, a.id,
-                    a.tile, a.splitk, a.reduction, a.stages, a.cluster, h.workspaceSize, double(h.wavesCount), med,
+        std::printf("%4zu | %6lld | %5lld | %6lld | %3lld | %6lld | %7lld | %10zu | %6.2f | %9.4f | %8.1f | %4s | %s\n",
+                    r, (long long)a.id, (long long)a.tile, (long long)a.splitk, (long long)a.reduction,
+                    (long long)a.stages, (long long)a.cluster, h.workspaceSize, double(h.wavesCount), med,
                     flop / (med * 1e-3) / 1e12, equal.c_str(), repeat.c_str());
         if (r == 0) s.rank0_ms = med;
         if (s.best_ms < 0 || med < s.best_ms) {
