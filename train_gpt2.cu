@@ -156,6 +156,9 @@ public:
     const ParamTensorInfo& tensor(int i) const { return tensors_[size_t(i)]; }
     Memory memory() const { return memory_; }
     cudaStream_t stream() const { return stream_; }
+    // cuBLASLt algorithm tuning (llmc/matmul.cuh): the same bits either way, faster matmuls with it.
+    void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
+    const CublasLt& cublas() const { return lt_; }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }
     const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
@@ -612,6 +615,7 @@ struct Options {
     int keep_every = 0;
     bool checkpoint_async = true;
     bool stochastic_rounding = true;
+    bool gemm_tune = true;
     int recompute = 0;
     int resume = 0;
     std::string schedule = "cosine";
@@ -669,6 +673,9 @@ inline Flags make_flags(Options& o) {
           "slower; llm.c's default); 0: keep them all");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
+    f.add("", "gemm-tune", &o.gemm_tune,
+          "1: each matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise the "
+          "heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises); 0: the heuristic's choice");
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory");
@@ -1235,6 +1242,20 @@ struct Throughput {
     }
 };
 
+// After the first step, what --gemm-tune chose (it tunes each matmul shape at its first call).
+inline void print_gemm_tuning(const CublasLt& lt) {
+    int moved = 0;
+    double first = 0, chosen = 0;
+    for (const auto& kv : lt.tuned()) {
+        if (kv.second.rank != 0) moved++;
+        first += kv.second.first_ms;
+        chosen += kv.second.chosen_ms;
+    }
+    std::printf("gemm tuning: %zu matmul shapes timed; %d run a faster algorithm than cuBLASLt's first choice, "
+                "with bitwise the same output (one call of each shape: %.2f -> %.2f ms)\n",
+                lt.tuned().size(), moved, first, chosen);
+}
+
 inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps, float lr, const StepStats& s,
                      bool print) {
     const double tok_per_s = double(tp.tokens_per_step) / s.seconds;
@@ -1441,6 +1462,7 @@ int main(int argc, char** argv) {
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), opt.zero_stage, opt.recompute == 1);
+        model.set_gemm_tuning(opt.gemm_tune);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, source.config, plan, stream, ranks);
         if (multi) {
@@ -1498,6 +1520,7 @@ int main(int argc, char** argv) {
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
             if (multi) multi->heartbeat();
             tp.add(step, data.max_steps, s.seconds);
+            if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, data.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
             if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
             if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == data.max_steps)) {

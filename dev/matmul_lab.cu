@@ -354,6 +354,10 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
             poison(c.d, c.d_count * sizeof(floatX));
         }
         if (c.aux_out != nullptr) poison(c.aux_out, c.aux_count * sizeof(floatX));
+        // cudaMemset and device-to-device cudaMemcpy may return before they finish, and the matmuls run on a
+        // non-blocking stream: without this the next run could start before D is reset (session 5 call 3
+        // reported every forward as not repeating its own bits).
+        cudaCheck(cudaDeviceSynchronize());
     };
     auto differing = [&](const floatX* d_other, const floatX* aux_other) {
         unsigned long long n = count_diff(c.d, d_other, c.d_count, counter);

@@ -21,12 +21,24 @@ are reproducible on one GPU model and toolkit with one stream per workspace (cuB
 "Results reproducibility").
 cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
 
-Does not provide: fp8, algorithm autotuning or caching of heuristics (each call asks cuBLASLt's
-heuristic, a few microseconds, and runs its first choice), or standalone GELU (gelu.cuh).
+Algorithm choice: gemm() runs the heuristic's first choice, unless the CublasLt has tuning on
+(set_tuning; the trainer's --gemm-tune). Then the first beta = 0 call of each distinct shape, layout and
+epilogue runs the heuristic's first choice and fingerprints its output (D, and the GELU input it keeps),
+runs each other candidate the heuristic offers (up to kTuneCandidates), keeps those whose output has the
+same fingerprint (the same bits: same arithmetic, so runs stay reproducible whichever wins), times them
+and the first choice, and from then on runs the fastest for that key. Those first calls synchronise the
+stream. dev/matmul_lab.cu measured the candidates (dev/NOTES.md, session 5). Calls with beta != 0 (the
+weight gradients, which accumulate) always run the first choice.
+
+Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds), or standalone GELU
+(gelu.cuh).
 */
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <vector>
 
 #include <cublasLt.h>
@@ -64,9 +76,30 @@ public:
     void* workspace() const { return workspace_.get(); }
     size_t workspace_bytes() const { return workspace_.bytes(); }
 
+    // Algorithm tuning (the file's comment): off by default.
+    void set_tuning(bool on) { tuning_ = on; }
+    bool tuning() const { return tuning_; }
+
+    // What tuning found for one key: the algorithm run, its rank in the heuristic's list, how many
+    // candidates there were and how many gave the first choice's bits; the first choice's and the chosen
+    // one's time (ms, the fastest of a few runs, measured at the key's first call).
+    struct Tuned {
+        cublasLtMatmulAlgo_t algo{};
+        int rank = 0, candidates = 0, same_bits = 0;
+        float first_ms = 0, chosen_ms = 0;
+    };
+    using TuneKey = std::array<int64_t, 22>;
+    const std::map<TuneKey, Tuned>& tuned() const { return tuned_; }
+    // For gemm(): the cache (tuning happens inside const calls) and a device word for fingerprints.
+    std::map<TuneKey, Tuned>& tune_cache() const { return tuned_; }
+    unsigned long long* fingerprint_word() const { return fingerprint_.get(); }
+
 private:
     cublasLtHandle_t handle_ = nullptr;
     DeviceBuffer<char> workspace_;
+    bool tuning_ = false;
+    mutable std::map<TuneKey, Tuned> tuned_;
+    DeviceBuffer<unsigned long long> fingerprint_{1};
 };
 
 namespace detail {
@@ -158,7 +191,8 @@ public:
              cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
              floatX* aux = nullptr, int64_t aux_ld = 0)
         : lt_(lt), stream_(stream), M_(M), N_(N), K_(K), batch_(batch), a_(a), b_(b), d_(d), d_type_(d_type),
-          alpha_(alpha), beta_(beta), epilogue_(epilogue),
+          ldd_(ldd), d_stride_(d_stride), alpha_(alpha), beta_(beta), epilogue_(epilogue), has_bias_(bias != nullptr),
+          aux_(aux), aux_ld_(aux_ld),
           // Column-major views: a row-major (R, C) buffer with row stride ld is a column-major (C, R) one.
           first_(CUDA_R_16BF, b.transpose ? K : N, b.transpose ? N : K, b.ld, batch, b.batch_stride),
           second_(CUDA_R_16BF, a.transpose ? M : K, a.transpose ? K : M, a.ld, batch, a.batch_stride),
@@ -179,12 +213,14 @@ public:
         }
 
         const size_t d_elem = d_type == CUDA_R_32F ? 4 : 2;
+        align_first_ = alignment_bytes(b.ptr, b.ld, b.batch_stride, 2);
+        align_second_ = alignment_bytes(a.ptr, a.ld, a.batch_stride, 2);
+        align_d_ = alignment_bytes(d, ldd, d_stride, d_elem);
         pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
-        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_bytes(b.ptr, b.ld, b.batch_stride, 2));
-        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_bytes(a.ptr, a.ld, a.batch_stride, 2));
-        const uint32_t d_align = alignment_bytes(d, ldd, d_stride, d_elem);
-        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, d_align);
-        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d_align);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_first_);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_second_);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d_);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d_);
     }
     GemmCall(const GemmCall&) = delete;
     GemmCall& operator=(const GemmCall&) = delete;
@@ -208,6 +244,28 @@ public:
                                    out_.l, d_, out_.l, &algo, lt_.workspace(), lt_.workspace_bytes(), stream_));
     }
 
+    // Everything that decides which algorithms the heuristic offers and what they compute; not the
+    // addresses (only their alignments).
+    CublasLt::TuneKey key() const {
+        uint32_t alpha_bits, beta_bits;
+        std::memcpy(&alpha_bits, &alpha_, 4);
+        std::memcpy(&beta_bits, &beta_, 4);
+        return {M_, N_, K_, batch_, a_.ld, a_.transpose, a_.batch_stride, b_.ld, b_.transpose, b_.batch_stride,
+                int64_t(d_type_), ldd_, d_stride_, int64_t(epilogue_), has_bias_, aux_ != nullptr, aux_ld_,
+                align_first_, align_second_, align_d_, alpha_bits, beta_bits};
+    }
+
+    // Whether tune() may run this call several times: the output must not feed the result (beta = 0), and
+    // a GELU input it keeps is fingerprinted for one problem only.
+    bool tunable() const { return beta_ == 0.0f && (aux_ == nullptr || batch_ == 1); }
+
+    // A 64-bit fingerprint of what the call wrote (D, and aux when kept): equal outputs give equal
+    // fingerprints; different ones differ but with probability ~2^-64. Synchronises the stream.
+    uint64_t fingerprint(unsigned long long* word) const;
+
+    // The fastest of a few runs of algo, in ms (after one run to warm up). Synchronises the stream.
+    float time_ms(const cublasLtMatmulAlgo_t& algo) const;
+
     // gemm()'s error when the heuristic has no algorithm.
     [[noreturn]] void fail_no_algorithm() const {
         fail(kExitCuda,
@@ -224,12 +282,104 @@ private:
     GemmOperand a_, b_;
     void* d_;
     cudaDataType_t d_type_;
+    int64_t ldd_, d_stride_;
     float alpha_, beta_;
     cublasLtEpilogue_t epilogue_;
+    bool has_bias_;
+    const floatX* aux_;
+    int64_t aux_ld_;
+    uint32_t align_first_ = 0, align_second_ = 0, align_d_ = 0;
     LtMatmulDesc desc_;
     LtLayout first_, second_, out_;
     LtPreference pref_;
 };
+
+// Adds a hash of every (index, 16-bit word) pair of x to *sum: integer sums, so the result does not depend
+// on the order the threads add in.
+__global__ void gemm_fingerprint_kernel(const uint16_t* x, int64_t n, unsigned long long* sum) {
+    unsigned long long h = 0;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+        unsigned long long z = ((unsigned long long)i << 16 | x[i]) + 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        h += z ^ (z >> 31);
+    }
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) h += __shfl_xor_sync(0xffffffffu, h, offset);
+    if (threadIdx.x % kWarpSize == 0) atomicAdd(sum, h);
+}
+
+inline uint64_t GemmCall::fingerprint(unsigned long long* word) const {
+    cudaCheck(cudaMemsetAsync(word, 0, sizeof(*word), stream_));
+    auto add = [&](const void* p, int64_t words) {
+        gemm_fingerprint_kernel<<<264, 256, 0, stream_>>>(static_cast<const uint16_t*>(p), words, word);
+        cudaCheckLaunch();
+    };
+    // D: `batch` problems of M rows, ldd_ elements apart; the last row holds N.
+    const int64_t d_elems = int64_t(batch_ - 1) * d_stride_ + (M_ - 1) * ldd_ + N_;
+    add(d_, d_elems * (d_type_ == CUDA_R_32F ? 2 : 1));
+    if (aux_ != nullptr) add(aux_, (M_ - 1) * aux_ld_ + N_);
+    unsigned long long host = 0;
+    cudaCheck(cudaMemcpyAsync(&host, word, sizeof(host), cudaMemcpyDeviceToHost, stream_));
+    cudaCheck(cudaStreamSynchronize(stream_));
+    return host;
+}
+
+inline float GemmCall::time_ms(const cublasLtMatmulAlgo_t& algo) const {
+    constexpr int kTimedRuns = 3;
+    Event start(true), stop(true);
+    run(algo);
+    float best = 0;
+    for (int i = 0; i < kTimedRuns; i++) {
+        cudaCheck(cudaEventRecord(start, stream_));
+        run(algo);
+        cudaCheck(cudaEventRecord(stop, stream_));
+        cudaCheck(cudaEventSynchronize(stop));
+        float ms = 0;
+        cudaCheck(cudaEventElapsedTime(&ms, start, stop));
+        if (i == 0 || ms < best) best = ms;
+    }
+    return best;
+}
+
+constexpr int kTuneCandidates = 8;
+
+// The algorithm for `call` when lt has tuning on (the file's comment): looked up, or tuned at the key's
+// first call. Leaves D as some candidate wrote it; the caller runs the returned algorithm.
+inline cublasLtMatmulAlgo_t tuned_algo(const CublasLt& lt, const GemmCall& call) {
+    std::map<CublasLt::TuneKey, CublasLt::Tuned>& cache = lt.tune_cache();
+    const CublasLt::TuneKey key = call.key();
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second.algo;
+
+    cublasLtMatmulHeuristicResult_t results[kTuneCandidates];
+    const int found = call.heuristics(kTuneCandidates, results);
+    if (found == 0) call.fail_no_algorithm();
+    CublasLt::Tuned t;
+    t.algo = results[0].algo;
+    t.candidates = found;
+    t.same_bits = 1;
+    call.run(results[0].algo);
+    const uint64_t reference = call.fingerprint(lt.fingerprint_word());
+    t.first_ms = t.chosen_ms = call.time_ms(results[0].algo);
+    for (int r = 1; r < found; r++) {
+        if (results[r].state != CUBLAS_STATUS_SUCCESS || results[r].workspaceSize > lt.workspace_bytes()) continue;
+        try {
+            call.run(results[r].algo);
+        } catch (const Error&) {
+            continue;  // offered but refused at run time: not a candidate
+        }
+        if (call.fingerprint(lt.fingerprint_word()) != reference) continue;
+        t.same_bits++;
+        const float ms = call.time_ms(results[r].algo);
+        if (ms < t.chosen_ms) {
+            t.chosen_ms = ms;
+            t.algo = results[r].algo;
+            t.rank = r;
+        }
+    }
+    cache.emplace(key, t);
+    return t.algo;
+}
 
 }  // namespace detail
 
@@ -239,7 +389,7 @@ private:
 //   CUBLASLT_EPILOGUE_GELU_AUX(_BIAS) aux = result (+ bias), D = GELU(aux)
 //   CUBLASLT_EPILOGUE_DGELU          D = result * GELU'(aux), aux read
 // cuBLASLt is column-major, so the call computes D^T = op(B)^T op(A)^T: B's buffer is its first operand.
-// Runs the heuristic's first algorithm.
+// Runs the heuristic's first algorithm, or with lt's tuning on the tuned one (the file's comment).
 inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a,
                  GemmOperand b, void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha,
                  float beta, cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
@@ -247,6 +397,10 @@ inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, 
     if (M == 0 || N == 0 || batch == 0) return;
     const detail::GemmCall call(lt, stream, M, N, K, a, b, d, d_type, ldd, d_stride, batch, alpha, beta, epilogue, bias,
                                 aux, aux_ld);
+    if (lt.tuning() && call.tunable()) {
+        call.run(detail::tuned_algo(lt, call));
+        return;
+    }
     cublasLtMatmulHeuristicResult_t first;  // no heap allocation per call: gemm() runs inside the step
     if (call.heuristics(1, &first) == 0) call.fail_no_algorithm();
     call.run(first.algo);

@@ -24,6 +24,7 @@ Each comparison prints its relative error, so a run shows the margins.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -526,6 +527,86 @@ std::vector<float> qkv_part(const std::vector<float>& x, int64_t N, int C, int p
         std::copy_n(x.begin() + (i * 3 + part) * C, C, r.begin() + i * C);
     }
     return r;
+}
+
+// --gemm-tune: with tuning on, every linear-layer matmul gives bitwise what the heuristic's first choice
+// gives, at d12's layer widths and the LM head's; a second call of a tuned shape uses the cache.
+TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
+    struct Case {
+        int64_t N;
+        int C, OC;
+        bool bias, gelu;
+        const char* name;
+    };
+    const Case cases[] = {
+        {4096, 768, 2304, true, false, "qkv 768 -> 2304 + bias"},
+        {4096, 768, 768, true, false, "attproj 768 -> 768 + bias"},
+        {4096, 768, 3072, true, true, "fc 768 -> 3072 + bias, GELU"},
+        {4096, 3072, 768, true, false, "fcproj 3072 -> 768 + bias, dinp through GELU'"},
+        {1024, 768, 50304, false, false, "LM head 768 -> 50304"},
+    };
+    CublasLt plain, tuned;
+    tuned.set_tuning(true);
+    size_t tuned_keys = 0;
+    for (const Case& c : cases) {
+        SCOPED_TRACE(c.name);
+        std::printf("  %s, N=%lld\n", c.name, (long long)c.N);
+        const size_t n_in = size_t(c.N) * c.C, n_out = size_t(c.N) * c.OC, n_w = size_t(c.OC) * c.C;
+        auto d_inp = upload_bf16(random_bf16(n_in, 60)), d_w = upload_bf16(random_bf16(n_w, 61, 0.03f));
+        auto d_b = upload_bf16(random_bf16(size_t(c.OC), 62, 0.5f)), d_dout = upload_bf16(random_bf16(n_out, 63));
+        auto d_pre_in = upload_bf16(random_bf16(n_in, 64, 2.0f));
+        const bool dgelu = std::string(c.name).rfind("fcproj", 0) == 0;
+        const size_t scratch_bytes = matmul_backward_scratch_bytes(c.N, c.OC);
+        DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
+        std::vector<unsigned char> bits[2][5];
+        for (int t = 0; t < 2; t++) {
+            const CublasLt& lt = t == 0 ? plain : tuned;
+            for (int call = 0; call < (t == 1 ? 2 : 1); call++) {
+                DeviceBuffer<floatX> out(n_out), pre(n_out), dinp(n_in);
+                auto dw = upload_bf16(random_bf16(n_w, 65)), db = upload_bf16(random_bf16(size_t(c.OC), 66));
+                poison(out);
+                poison(pre);
+                poison(dinp);
+                matmul_forward(lt, out.get(), d_inp.get(), d_w.get(), c.bias ? d_b.get() : nullptr, c.N, c.C, c.OC,
+                               kStream, c.gelu ? pre.get() : nullptr);
+                matmul_backward(lt, dinp.get(), dw.get(), c.bias ? db.get() : nullptr, d_dout.get(), d_inp.get(),
+                                d_w.get(), c.N, c.C, c.OC, scratch.get(), scratch_bytes, kStream,
+                                dgelu ? d_pre_in.get() : nullptr);
+                std::vector<unsigned char> b[5] = {bytes_of(out.get(), n_out),
+                                                   c.gelu ? bytes_of(pre.get(), n_out) : std::vector<unsigned char>{},
+                                                   bytes_of(dinp.get(), n_in), bytes_of(dw.get(), n_w),
+                                                   bytes_of(db.get(), size_t(c.OC))};
+                if (t == 1 && call == 0) tuned_keys = tuned.tuned().size();
+                if (t == 1 && call == 1) {
+                    EXPECT_EQ(tuned.tuned().size(), tuned_keys) << "a second call of the same shapes tuned again";
+                }
+                if (t == 0) {
+                    for (int i = 0; i < 5; i++) bits[0][i] = b[i];
+                } else {
+                    const char* names[5] = {"out", "pre_gelu", "dinp", "dweight", "dbias"};
+                    for (int i = 0; i < 5; i++) {
+                        expect_bitwise(format("%s (tuned, call %d)", names[i], call + 1), b[i], bits[0][i]);
+                    }
+                }
+            }
+        }
+    }
+    // Forward and dinp of each case are tuned (the weight gradients accumulate, beta = 1: never tuned).
+    EXPECT_EQ(tuned.tuned().size(), 2 * std::size(cases));
+    EXPECT_TRUE(plain.tuned().empty());
+    int moved = 0;
+    for (const auto& kv : tuned.tuned()) {
+        const CublasLt::Tuned& t = kv.second;
+        EXPECT_GE(t.candidates, 1);
+        EXPECT_GE(t.same_bits, 1);
+        EXPECT_LE(t.same_bits, t.candidates);
+        EXPECT_LT(t.rank, t.candidates);
+        EXPECT_LE(t.chosen_ms, t.first_ms);
+        EXPECT_GT(t.chosen_ms, 0.0f);
+        moved += t.rank != 0;
+    }
+    std::printf("  %zu shapes tuned, %d run another algorithm than the heuristic's first\n", tuned.tuned().size(),
+                moved);
 }
 
 TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndAreDeterministic) {
