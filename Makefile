@@ -19,7 +19,13 @@ GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/
 ifeq ($(strip $(GPU_ARCH)),)
 GPU_ARCH := 90
 endif
+# Hopper (90) builds as sm_90a: the wgmma flash-attention kernels (llmc/flash_attention_sm90.cuh) need its
+# arch-specific instructions, and LLMC_SM90A tells the host code they were compiled.
+ifeq ($(strip $(GPU_ARCH)),90)
+GENCODE := -gencode arch=compute_90a,code=[sm_90a,compute_90a] -DLLMC_SM90A=1
+else
 GENCODE := -gencode arch=compute_$(GPU_ARCH),code=[sm_$(GPU_ARCH),compute_$(GPU_ARCH)]
+endif
 
 WARNINGS := -Wall -Wextra -Wno-unused-parameter
 CXXFLAGS := -std=c++17 -O3 -g -I. -I$(CUDA_HOME)/include -MMD -MP -fopenmp -pthread $(WARNINGS)

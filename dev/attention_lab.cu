@@ -11,7 +11,9 @@ definition (one warp per row), the checks and the timing table.
 Checks (exit 1 on any failure): out, lse, dq, dk, dv against the fp32 reference (relative error norm;
 lse max abs), outputs poisoned with NaN before each launch (so an unwritten element shows), forward and
 backward run twice and compared bitwise, and every other kernel variant (Pipe: double-buffered tiles; MT:
-two row tiles of 16 per warp, HS 64) bitwise equal to them; T = 1, 37, 64, 65, 1000, 1024 and small and
+two row tiles of 16 per warp, HS 64; on an sm_90a build on Hopper, the wgmma kernels of
+llmc/flash_attention_sm90.cuh with their warpgroup and register choices) bitwise equal to them, after a
+selftest of the wgmma building blocks (swizzled tiles, descriptors, one and four accumulated blocks); T = 1, 37, 64, 65, 1000, 1024 and small and
 large B*NH, HS 64 and 128. Then times (CUDA events, median of 25 after warm-up) every variant and the
 cuBLASLt path at the d12 shapes, checks them against each other and prints a table. Event timings drift
 with the GPU's clocks; `bash dev/run_h200.sh attention-ncu` times the same launches under Nsight Compute
@@ -33,6 +35,7 @@ paths, against the CPU reference).
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_attention.cuh"
+#include "llmc/flash_attention_sm90.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -162,6 +165,100 @@ __global__ void fill_uniform_kernel(floatX* p, size_t n, uint64_t key, float amp
     }
 }
 
+// The wgmma building blocks of llmc/flash_attention_sm90.cuh on one warpgroup: A, B (64 x 64 bf16, row-major
+// in global memory) through swizzled tiles; d_nt = A B^T (B read K-major), d_nn = A B (B read MN-major).
+// Checked on the host against a double-precision product, so a wrong descriptor shows by itself.
+__global__ void wgmma_selftest_kernel(float* d_nt, float* d_nn, const floatX* a, const floatX* b) {
+#if LLMC_FLASH90_DEVICE
+    using namespace flash90_detail;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* sA = align_smem(smem_raw);
+    uint8_t* sB = sA + kTileBytes;
+    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    load_tile_sw(sA, a, 64, 0, 64, tid, kWGThreads);
+    load_tile_sw(sB, b, 64, 0, 64, tid, kWGThreads);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_proxy();
+    __syncthreads();
+    uint32_t af[4][4];
+    load_a_frags(af, sA, warp, lane);
+    float nt[8][4], nn[8][4];
+    zero8(nt);
+    zero8(nn);
+    product<false>(nt, af, sB);
+    product<true>(nn, af, sB);
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 8; i++) {
+        for (int e = 0; e < 4; e++) {
+            const int r = 16 * warp + g + 8 * (e >> 1), c = 8 * i + 2 * q + (e & 1);
+            d_nt[r * 64 + c] = nt[i][e];
+            d_nn[r * 64 + c] = nn[i][e];
+        }
+    }
+#endif
+}
+
+// The same over nblk blocks of B (nblk * 64 rows), accumulated: d_nt = sum_j A B_j^T, d_nn = sum_j A B_j.
+// mode 0: B blocks double-buffered, block j + 1 loading while block j computes (as the flash90 kernels);
+// 1: one buffer, each block loaded and waited for before it computes; 2: all blocks loaded up front; 3: as 2
+// with A's fragments loaded again for every block.
+__global__ void wgmma_pipe_selftest_kernel(float* d_nt, float* d_nn, const floatX* a, const floatX* b, int nblk,
+                                           int mode) {
+#if LLMC_FLASH90_DEVICE
+    using namespace flash90_detail;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* sA = align_smem(smem_raw);
+    uint8_t* sB = sA + kTileBytes;  // mode 0: 2 buffers; 1: 1; 2: nblk
+    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
+    const int T = nblk * 64;
+    load_tile_sw(sA, a, 64, 0, 64, tid, kWGThreads);
+    if (mode == 0) load_tile_sw(sB, b, 64, 0, T, tid, kWGThreads);
+    if (mode >= 2) {
+        for (int j = 0; j < nblk; j++) load_tile_sw(sB + j * kTileBytes, b, 64, j * 64, T, tid, kWGThreads);
+    }
+    cp_async_commit();
+    uint32_t af[4][4];
+    float nt[8][4], nn[8][4];
+    zero8(nt);
+    zero8(nn);
+    for (int j = 0; j < nblk; j++) {
+        const uint8_t* tile = sB;
+        __syncthreads();
+        if (mode == 0) {
+            tile = sB + (j & 1) * kTileBytes;
+            if (j + 1 < nblk) {
+                load_tile_sw(sB + ((j + 1) & 1) * kTileBytes, b, 64, (j + 1) * 64, T, tid, kWGThreads);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+        } else if (mode == 1) {
+            load_tile_sw(sB, b, 64, j * 64, T, tid, kWGThreads);
+            cp_async_commit();
+            cp_async_wait<0>();
+        } else {
+            tile = sB + j * kTileBytes;
+            cp_async_wait<0>();
+        }
+        fence_async_proxy();
+        __syncthreads();
+        if (j == 0 || mode == 3) load_a_frags(af, sA, warp, lane);
+        product<false>(nt, af, tile);
+        product<true>(nn, af, tile);
+    }
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 8; i++) {
+        for (int e = 0; e < 4; e++) {
+            const int r = 16 * warp + g + 8 * (e >> 1), c = 8 * i + 2 * q + (e & 1);
+            d_nt[r * 64 + c] = nt[i][e];
+            d_nn[r * 64 + c] = nn[i][e];
+        }
+    }
+#endif
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Host side.
 
@@ -230,6 +327,84 @@ double time_ms(Fn&& fn, cudaStream_t stream) {
         ms.push_back(t);
     }
     return median(ms);
+}
+
+// Runs wgmma_selftest_kernel; returns the number of failed checks (0 where wgmma is not available).
+int wgmma_selftest() {
+    if (!flash90_available()) {
+        std::printf("wgmma selftest: skipped (not an sm_90a build on a compute 9.0 GPU)\n");
+        return 0;
+    }
+    std::vector<floatX> ha(64 * 64), hb(64 * 64);
+    for (int i = 0; i < 64 * 64; i++) {
+        ha[i] = __float2bfloat16_rn(float((i * 37 + 11) % 17 - 8) / 8.0f);
+        hb[i] = __float2bfloat16_rn(float((i * 53 + 5) % 13 - 6) / 4.0f);
+    }
+    DeviceBuffer<floatX> a(64 * 64), b(64 * 64);
+    DeviceBuffer<float> nt(64 * 64), nn(64 * 64);
+    cudaCheck(cudaMemcpy(a.get(), ha.data(), a.bytes(), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(b.get(), hb.data(), b.bytes(), cudaMemcpyHostToDevice));
+    const size_t smem = 2 * flash90_detail::kTileBytes + flash90_detail::kAlign;
+    wgmma_selftest_kernel<<<1, flash90_detail::kWGThreads, smem>>>(nt.get(), nn.get(), a.get(), b.get());
+    cudaCheckLaunch();
+    cudaCheck(cudaDeviceSynchronize());
+    const auto hnt = to_host(nt.get(), 64 * 64), hnn = to_host(nn.get(), 64 * 64);
+    double e_nt = 0, e_nn = 0;
+    for (int r = 0; r < 64; r++) {
+        for (int c = 0; c < 64; c++) {
+            double snt = 0, snn = 0;
+            for (int k = 0; k < 64; k++) {
+                snt += double(float(ha[r * 64 + k])) * double(float(hb[c * 64 + k]));
+                snn += double(float(ha[r * 64 + k])) * double(float(hb[k * 64 + c]));
+            }
+            e_nt = std::max(e_nt, std::fabs(snt - hnt[r * 64 + c]));
+            e_nn = std::max(e_nn, std::fabs(snn - hnn[r * 64 + c]));
+        }
+    }
+    // Products of these bf16 values are exact in fp32 sums of 64 terms, up to rounding of partial sums.
+    const bool ok_nt = e_nt < 1e-3, ok_nn = e_nn < 1e-3;
+    std::printf("wgmma selftest: A B^T (K-major B) max abs err %.3g %s; A B (MN-major B) max abs err %.3g %s\n",
+                e_nt, ok_nt ? "ok" : "FAIL", e_nn, ok_nn ? "ok" : "FAIL");
+    int failed = (ok_nt ? 0 : 1) + (ok_nn ? 0 : 1);
+
+    // Accumulated over 4 blocks of B, three ways of loading them.
+    const int nblk = 4;
+    std::vector<floatX> hb4(nblk * 64 * 64);
+    for (int i = 0; i < int(hb4.size()); i++) hb4[i] = __float2bfloat16_rn(float((i * 29 + 3) % 11 - 5) / 4.0f);
+    DeviceBuffer<floatX> b4(hb4.size());
+    cudaCheck(cudaMemcpy(b4.get(), hb4.data(), b4.bytes(), cudaMemcpyHostToDevice));
+    const char* modes[4] = {"double-buffered", "one buffer", "all loaded", "all loaded, A reloaded"};
+    for (int mode = 0; mode < 4; mode++) {
+        const size_t sm = size_t(1 + (mode >= 2 ? nblk : 2)) * flash90_detail::kTileBytes + flash90_detail::kAlign;
+        cudaCheck(cudaFuncSetAttribute(wgmma_pipe_selftest_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(sm)));
+        wgmma_pipe_selftest_kernel<<<1, flash90_detail::kWGThreads, sm>>>(nt.get(), nn.get(), a.get(), b4.get(), nblk,
+                                                                          mode);
+        cudaCheckLaunch();
+        cudaCheck(cudaDeviceSynchronize());
+        const auto pnt = to_host(nt.get(), 64 * 64), pnn = to_host(nn.get(), 64 * 64);
+        double ent = 0, enn = 0;
+        for (int r = 0; r < 64; r++) {
+            for (int c = 0; c < 64; c++) {
+                double snt = 0, snn = 0;
+                for (int j = 0; j < nblk; j++) {
+                    for (int k = 0; k < 64; k++) {
+                        const double av = double(float(ha[r * 64 + k]));
+                        snt += av * double(float(hb4[(j * 64 + c) * 64 + k]));
+                        snn += av * double(float(hb4[(j * 64 + k) * 64 + c]));
+                    }
+                }
+                // d_nn sums A B_j over j, each B_j read as a 64 x 64 block of its own
+                ent = std::max(ent, std::fabs(snt - pnt[r * 64 + c]));
+                enn = std::max(enn, std::fabs(snn - pnn[r * 64 + c]));
+            }
+        }
+        const bool ok = ent < 1e-2 && enn < 1e-2;
+        std::printf("wgmma selftest, %d blocks %s: A B^T err %.3g, A B err %.3g %s\n", nblk, modes[mode], ent, enn,
+                    ok ? "ok" : "FAIL");
+        failed += ok ? 0 : 1;
+    }
+    return failed;
 }
 
 constexpr double kTolOut = 1e-2, kTolGrad = 2e-2, kTolVsCublaslt = 3e-2;
@@ -320,6 +495,60 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         }
     }
 
+    // The wgmma kernels (HS 64 on an sm_90a build; llmc/flash_attention_sm90.cuh): checked for determinism,
+    // against the reference (or flash) below, and bitwise against flash: wgmma sums the same 16-wide k-steps
+    // in the same order as mma.sync, and the first H200 run found every output bit equal, which this keeps.
+    // Each runs its own forward into out2 and lse and its backward from them.
+    struct Other {
+        const char* name;
+        std::function<void(floatX*)> fwd;
+        std::function<void(floatX*, const floatX*)> bwd;  // (dqkv, its forward's out)
+        std::vector<floatX> out, dqkv;
+        bool det = false;
+    };
+    std::vector<Other> others;
+    if (HS == 64 && flash90_available()) {
+        auto addo = [&](const char* name, auto f, auto b) {
+            others.push_back({name, [&, f](floatX* o) { f(o, lse.get(), qkv.get(), B, T, NH, stream); },
+                              [&, b](floatX* g, const floatX* o) {
+                                  b(g, dout.get(), qkv.get(), o, lse.get(), B, T, NH, D.get(), stream);
+                              },
+                              {}, {}, false});
+        };
+        addo("wgmma WG1", flash90_forward<1>, flash90_backward<1, 1>);
+        addo("wgmma WG2", flash90_forward<2>, flash90_backward<2, 2>);
+        addo("wgmma trainer's (kv3 q4)", flash90_forward<1>, flash90_backward<1, 1, 3, 4>);
+        addo("wgmma WG1 kv3 q3 per SM", flash90_forward<1>, flash90_backward<1, 1, 3, 3>);
+        addo("wgmma WG1 overlap kv3", flash90_forward<1>, flash90_backward<1, 1, 3, 1, true>);
+    }
+    for (Other& v : others) {
+        poison(out2.get(), out2.bytes());
+        poison(lse.get(), lse.bytes());
+        v.fwd(out2.get());
+        poison(dqkv2.get(), dqkv2.bytes());
+        poison(D.get(), D.bytes());
+        v.bwd(dqkv2.get(), out2.get());
+        cudaCheck(cudaDeviceSynchronize());
+        v.out = to_host(out2.get(), n_out);
+        v.dqkv = to_host(dqkv2.get(), n_qkv);
+        const auto v_lse = to_host(lse.get(), n_lse);
+        poison(out2.get(), out2.bytes());
+        v.fwd(out2.get());
+        poison(dqkv2.get(), dqkv2.bytes());
+        v.bwd(dqkv2.get(), out2.get());
+        cudaCheck(cudaDeviceSynchronize());
+        v.det = std::memcmp(to_host(out2.get(), n_out).data(), v.out.data(), n_out * sizeof(floatX)) == 0 &&
+                std::memcmp(to_host(dqkv2.get(), n_qkv).data(), v.dqkv.data(), n_qkv * sizeof(floatX)) == 0;
+        check(v.det, (std::string(v.name) + ": forward/backward twice not bitwise equal").c_str(), 0);
+        size_t nans = 0;
+        for (float x : v_lse) nans += std::isnan(x) ? 1 : 0;
+        check(nans == 0, (std::string(v.name) + ": NaN in lse").c_str(), double(nans));
+        const bool same_bits = std::memcmp(v.out.data(), h_out.data(), n_out * sizeof(floatX)) == 0 &&
+                               std::memcmp(v.dqkv.data(), h_dqkv.data(), n_qkv * sizeof(floatX)) == 0 &&
+                               std::memcmp(v_lse.data(), h_lse.data(), n_lse * sizeof(float)) == 0;
+        check(same_bits, (std::string(v.name) + ": out, lse or dqkv not bitwise equal to flash").c_str(), 0);
+    }
+
     // The cuBLASLt path (llmc/attention.cuh runs it for head sizes other than 64 and 128).
     const size_t att_bytes = attention_cublaslt_saved_bytes(B, NH, T);
     const size_t scratch_bytes = attention_cublaslt_scratch_bytes(B, NH, T, HS);
@@ -344,6 +573,7 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
     size_t nan_flash = 0, nan_cublaslt = 0;
     for (float v : h_lse) nan_flash += std::isnan(v) ? 1 : 0;
     double err_flash = 0, err_cublaslt = 0;
+    std::vector<float> ref_out, ref_dqkv;  // the fp32 reference where it ran
     if (with_ref) {
         DeviceBuffer<float> r_out(n_out), r_lse(n_lse), r_D(n_lse), r_dqkv(n_qkv);
         const unsigned blocks = unsigned(ceil_div<int64_t>(int64_t(n_lse), 128));  // a thread per row
@@ -356,7 +586,10 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         }
         cudaCheckLaunch();
         cudaCheck(cudaDeviceSynchronize());
-        const auto hr_out = to_host(r_out.get(), n_out), hr_dqkv = to_host(r_dqkv.get(), n_qkv);
+        ref_out = to_host(r_out.get(), n_out);
+        ref_dqkv = to_host(r_dqkv.get(), n_qkv);
+        const auto& hr_out = ref_out;
+        const auto& hr_dqkv = ref_dqkv;
         const auto hr_lse = to_host(r_lse.get(), n_lse);
         double lse_err = 0;
         for (size_t i = 0; i < n_lse; i++) lse_err = std::max(lse_err, double(std::fabs(h_lse[i] - hr_lse[i])));
@@ -380,6 +613,26 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         check(err_flash < kTolVsCublaslt, "flash vs cuBLASLt path rel err", err_flash);
     }
     check(nan_flash == 0, "NaN (unwritten or invalid) elements in flash out/dqkv/lse", double(nan_flash));
+    std::vector<double> other_err(others.size(), 0.0);
+    for (size_t v = 0; v < others.size(); v++) {
+        size_t nans = 0;
+        const std::string name = others[v].name;
+        // Against the reference where it ran, else against flash (both bf16 kernels: the cuBLASLt bound).
+        const double tol_out = with_ref ? kTolOut : kTolVsCublaslt, tol_grad = with_ref ? kTolGrad : kTolVsCublaslt;
+        double e = with_ref ? rel_err(others[v].out, ref_out, nrows, C, 0, C, &nans)
+                            : rel_err(others[v].out, h_out, nrows, C, 0, C, &nans);
+        check(e < tol_out, (name + ": out rel err").c_str(), e);
+        other_err[v] = e;
+        const char* parts[3] = {": dq rel err", ": dk rel err", ": dv rel err"};
+        for (int part = 0; part < 3; part++) {
+            e = with_ref ? rel_err(others[v].dqkv, ref_dqkv, nrows, 3 * C, part, C, &nans)
+                         : rel_err(others[v].dqkv, h_dqkv, nrows, 3 * C, part, C, &nans);
+            check(e < tol_grad, (name + parts[part]).c_str(), e);
+            other_err[v] = std::max(other_err[v], e);
+        }
+        check(nans == 0, (name + ": NaN (unwritten or invalid) elements in out/dqkv").c_str(), double(nans));
+    }
+
 
     Row fr{s.str(), "flash", -1, -1, flash_lse_bytes(B, NH, T) + flash_scratch_bytes(B, NH, T), err_flash,
            det ? "yes" : "NO"};
@@ -389,7 +642,15 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
     for (size_t v = 0; v < variants.size(); v++) {
         vrows.push_back(Row{s.str(), variants[v].name, -1, -1, fr.saved, -1, same[v] ? "= flash" : "DIFFERS"});
     }
+    for (size_t v = 0; v < others.size(); v++) {
+        vrows.push_back(Row{s.str(), others[v].name, -1, -1, fr.saved, other_err[v], others[v].det ? "yes" : "NO"});
+    }
     if (timed) {
+        for (size_t v = 0; v < others.size(); v++) {
+            Row& r = vrows[variants.size() + v];
+            r.fwd_ms = time_ms([&] { others[v].fwd(out2.get()); }, stream);
+            r.bwd_ms = time_ms([&] { others[v].bwd(dqkv2.get(), out2.get()); }, stream);
+        }
         fr.fwd_ms = time_ms([&] { fwd(out.get()); }, stream);
         fr.bwd_ms = time_ms([&] { bwd(dqkv.get()); }, stream);
         for (size_t v = 0; v < variants.size(); v++) {
@@ -412,7 +673,7 @@ int main() {
         if (cuda_device_count() == 0) fail(kExitCuda, "attention_lab needs a GPU");
         CublasLt lt;
         std::vector<Row> rows;
-        int failures = 0;
+        int failures = wgmma_selftest();
         const Shape checked[] = {{1, 1, 12, 64},   {2, 37, 12, 64},  {1, 64, 12, 64},  {3, 65, 4, 64},
                                  {2, 1000, 12, 64}, {1, 1024, 12, 64}, {16, 1024, 12, 64}, {1, 1, 6, 128},
                                  {2, 37, 6, 128},   {2, 1000, 6, 128}, {1, 1024, 6, 128}};
@@ -420,14 +681,14 @@ int main() {
         const Shape timed[] = {{16, 1024, 12, 64}, {64, 1024, 12, 64}};
         for (const Shape& s : timed) failures += run_case(lt, s, false, true, rows);
 
-        std::printf("\n%-24s | %-16s | %8s | %8s | %12s | %11s | %s\n", "shape", "impl", "fwd ms", "bwd ms",
+        std::printf("\n%-24s | %-24s | %8s | %8s | %12s | %11s | %s\n", "shape", "impl", "fwd ms", "bwd ms",
                     "saved bytes", "max rel err", "deterministic");
         for (const Row& r : rows) {
             char f[32] = "-", b[32] = "-", e[32] = "-";
             if (r.fwd_ms >= 0) std::snprintf(f, sizeof(f), "%.3f", r.fwd_ms);
             if (r.bwd_ms >= 0) std::snprintf(b, sizeof(b), "%.3f", r.bwd_ms);
             if (r.err >= 0) std::snprintf(e, sizeof(e), "%.2e", r.err);
-            std::printf("%-24s | %-16s | %8s | %8s | %12zu | %11s | %s\n", r.shape.c_str(), r.impl.c_str(), f, b,
+            std::printf("%-24s | %-24s | %8s | %8s | %12zu | %11s | %s\n", r.shape.c_str(), r.impl.c_str(), f, b,
                         r.saved, e, r.det.c_str());
         }
         std::printf("max rel err: against the fp32 reference (rows with '-' times), else flash against the cuBLASLt "

@@ -133,16 +133,24 @@ for section in "$@"; do
             mkdir -p out/dynamics
             [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
             step "ours 300 steps ($name)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$name
-            step "ours 300 steps ($name, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
-                "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
+            # DYN_EXTRA=0 leaves out ours with round to nearest and PyTorch fp32 (the noise floor), when only
+            # the default trainer against PyTorch bf16 is in question.
+            variants=($name)
+            if [ "${DYN_EXTRA:-1}" != 0 ]; then
+                variants+=(${name}_rn)
+                step "ours 300 steps ($name, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
+                    "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
+            fi
             step "torch 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
                 --log out/dynamics/torch_$name.jsonl
-            # The noise floor of this setting: PyTorch in fp32 (no autocast, no TF32) against its own bf16 run.
-            step "torch fp32 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
-                --precision fp32 --log out/dynamics/torch_fp32_$name.jsonl
-            python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
-                sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
-            for v in $name ${name}_rn; do
+            if [ "${DYN_EXTRA:-1}" != 0 ]; then
+                # The noise floor of this setting: PyTorch in fp32 (no autocast, no TF32) against its own bf16 run.
+                step "torch fp32 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
+                    --precision fp32 --log out/dynamics/torch_fp32_$name.jsonl
+                python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
+                    sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
+            fi
+            for v in "${variants[@]}"; do
                 cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
                 python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
                     sed "s/^/ours ($v) vs torch bf16 ($name): /" >>"$summary"

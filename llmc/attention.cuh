@@ -6,7 +6,8 @@ puts head h at columns h*HS; scale 1/sqrt(HS).
 Provides:
   attention_forward, attention_backward: what the trainer calls. Head sizes 64 and 128 (every GPT-2
                       shape d2..d48 has HS = 64) run flash attention (llmc/flash_attention.cuh: tensor-core
-                      kernels, nothing quadratic in T stored); any other head size (model files may have
+                      kernels, nothing quadratic in T stored; on Hopper, HS 64 runs the wgmma kernels of
+                      llmc/flash_attention_sm90.cuh, same bits); any other head size (model files may have
                       other shapes) runs the cuBLASLt path below. attention_uses_flash(HS) says which.
   attention_saved_bytes(B, NH, T, HS): bytes of the state forward saves for backward, one layer: flash:
                       lse (B,NH,T) fp32; cuBLASLt: att (B,NH,T,Tp) bf16.
@@ -40,6 +41,7 @@ Does not provide: dropout, masks other than causal, a KV cache.
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_attention.cuh"
+#include "llmc/flash_attention_sm90.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -303,6 +305,33 @@ namespace detail {
 #ifndef LLMC_FLASH64_Q
 #define LLMC_FLASH64_Q 2
 #endif
+// LLMC_FLASH_WGMMA=1 (default): on an sm_90a build running on compute 9.0, HS 64 runs the wgmma kernels
+// of llmc/flash_attention_sm90.cuh (same arguments and saved state, their own summation order) with
+// LLMC_FLASH90_FWD / _KV / _Q warpgroups per block, the dK/dV and dQ kernels' registers capped for
+// LLMC_FLASH90_KV_MINB / _Q_MINB blocks per SM, and dK/dV's overlap (LLMC_FLASH90_KV_OVERLAP); 0 keeps
+// the mma.sync kernels everywhere. Timings of the choices: dev/ATTENTION.md (build/attention_lab).
+#ifndef LLMC_FLASH_WGMMA
+#define LLMC_FLASH_WGMMA 1
+#endif
+#ifndef LLMC_FLASH90_FWD
+#define LLMC_FLASH90_FWD 1
+#endif
+#ifndef LLMC_FLASH90_KV
+#define LLMC_FLASH90_KV 1
+#endif
+#ifndef LLMC_FLASH90_Q
+#define LLMC_FLASH90_Q 1
+#endif
+#ifndef LLMC_FLASH90_KV_MINB
+#define LLMC_FLASH90_KV_MINB 3
+#endif
+#ifndef LLMC_FLASH90_Q_MINB
+#define LLMC_FLASH90_Q_MINB 4
+#endif
+#ifndef LLMC_FLASH90_KV_OVERLAP
+#define LLMC_FLASH90_KV_OVERLAP 0
+#endif
+inline bool use_flash90() { return LLMC_FLASH_WGMMA != 0 && flash90_available(); }
 constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0, kFlash64KvPipe = LLMC_FLASH64_KV_PIPE != 0;
 constexpr int kFlash64FwdTiles = LLMC_FLASH64_FWD, kFlash64KvTiles = LLMC_FLASH64_KV, kFlash64QTiles = LLMC_FLASH64_Q;
 }  // namespace detail
@@ -318,7 +347,9 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     require_aligned16(saved, "attention_forward: saved");
     if (attention_uses_flash(HS)) {
         float* lse = static_cast<float*>(saved);
-        if (HS == 64) {
+        if (HS == 64 && detail::use_flash90()) {
+            flash90_forward<LLMC_FLASH90_FWD>(out, lse, qkv, B, T, NH, stream);
+        } else if (HS == 64) {
             flash_forward<64, detail::kFlash64Pipe, detail::kFlash64FwdTiles>(out, lse, qkv, B, T, NH, stream);
         } else {
             flash_forward<128>(out, lse, qkv, B, T, NH, stream);
@@ -343,7 +374,10 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
-        if (HS == 64) {
+        if (HS == 64 && detail::use_flash90()) {
+            flash90_backward<LLMC_FLASH90_KV, LLMC_FLASH90_Q, LLMC_FLASH90_KV_MINB, LLMC_FLASH90_Q_MINB,
+                             LLMC_FLASH90_KV_OVERLAP != 0>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+        } else if (HS == 64) {
             flash_backward<64, detail::kFlash64KvPipe, detail::kFlash64KvTiles, detail::kFlash64QTiles,
                            detail::kFlash64Pipe>(
                 dqkv, dout, qkv, out, lse, B, T, NH, D, stream);

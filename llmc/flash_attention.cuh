@@ -31,8 +31,8 @@ the inputs. Needs sm_80 or newer (bf16 mma.sync, cp.async); the HS = 128 kernels
 shared memory, which the launchers request.
 
 Does not provide: other head sizes (llmc/attention.cuh keeps a cuBLASLt path for them), dropout, masks
-other than causal, Hopper-only paths (wgmma, TMA). Design, register and shared-memory budgets, checks and
-timings: dev/ATTENTION.md; the kernel lab (fp32 reference, timing against the cuBLASLt path):
+other than causal; the Hopper (wgmma) kernels for HS 64 are in llmc/flash_attention_sm90.cuh. Design,
+register and shared-memory budgets, checks and timings: dev/ATTENTION.md; the kernel lab (fp32 reference, timing against the cuBLASLt path):
 dev/attention_lab.cu.
 */
 #pragma once
@@ -288,6 +288,67 @@ __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc
     }
 }
 
+// One key block of the online softmax for 16 query rows (an m16 row tile of a warp): s holds their raw
+// scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2 - m) with m the
+// new running max (kept scaled, log2 domain); the running sum l and the output accumulator o are
+// rescaled to the new max first. Element layout: m16n8 C fragments (rows g and g + 8 of the tile).
+template <int HS>
+__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
+                                    float scale_log2) {
+    // max(s) * scale rounds to the same float as max(s * scale).
+    float bm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) bm[e >> 1] = fmaxf(bm[e >> 1], s[nt][e]);
+    }
+    float sub[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 1));
+        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
+        const float mx = fmaxf(m[r], bm[r] * scale_log2);
+        sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
+        const float corr = exp2_fast(m[r] - sub[r]);
+        m[r] = mx;
+        l[r] *= corr;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++) {
+            o[dt][2 * r] *= corr;
+            o[dt][2 * r + 1] *= corr;
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[nt][e] = exp2_fast(fmaf(s[nt][e], scale_log2, -sub[e >> 1]));
+            rs[e >> 1] += s[nt][e];
+        }
+    }
+    l[0] += rs[0];
+    l[1] += rs[1];
+}
+
+// The forward's end for 16 query rows from row0: lse (natural log) into lse_bh[row] and out rows = o / l
+// into out_bh + row * C (out_bh: this (b, h)'s first element of out); rows >= T skipped.
+template <int HS>
+__device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, const float (&o)[HS / 8][4],
+                                          const float (&m)[2], const float (&l)[2], int row0, int T, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        inv[r] = lr > 0.0f ? 1.0f / lr : 0.0f;
+        const int row = row0 + g + 8 * r;
+        if (q == 0 && row < T) lse_bh[row] = (m[r] + log2f(lr)) * kLn2;
+    }
+    store_rows<HS>(out_bh, C, o, inv[0], inv[1], row0, T, lane);
+}
+
 // Key block j's K and V tiles (kBlockN rows each) into dst (K) and dst + one tile (V), as async copies.
 template <int HS>
 __device__ inline void kv_load(floatX* dst, const floatX* base, int C, int64_t C3, int j, int T) {
@@ -347,15 +408,9 @@ static __global__ void __launch_bounds__(kThreads)
     const int C = NH * HS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * HS;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane >> 2, q = lane & 3;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int wrow0 = warp * 16 * MT;
     const int wfirst = q0 + wrow0, wlast = wfirst + 16 * MT - 1;  // this warp's query rows
-    int row[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        row[mt][0] = wfirst + 16 * mt + g;
-        row[mt][1] = row[mt][0] + 8;
-    }
 
     load_tile<HS, BM>(sQ, base, C3, q0, T);
     if constexpr (Pipe) kv_load<HS>(sKV, base, C, C3, 0, T);
@@ -400,56 +455,14 @@ static __global__ void __launch_bounds__(kThreads)
             mask_block<MT, kBlockN>(s, wfirst, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
         }
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            // The running max m is kept scaled; max(s) * scale rounds to the same float as max(s * scale).
-            float bm[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int nt = 0; nt < kBlockN / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) bm[e >> 1] = fmaxf(bm[e >> 1], s[mt][nt][e]);
-            }
-            float sub[2], rs[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 1));
-                bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
-                const float mx = fmaxf(m[mt][r], bm[r] * scale_log2);
-                sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
-                const float corr = exp2_fast(m[mt][r] - sub[r]);
-                m[mt][r] = mx;
-                l[mt][r] *= corr;
-#pragma unroll
-                for (int dt = 0; dt < HS / 8; dt++) {
-                    o[mt][dt][2 * r] *= corr;
-                    o[mt][dt][2 * r + 1] *= corr;
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < kBlockN / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    s[mt][nt][e] = exp2_fast(fmaf(s[mt][nt][e], scale_log2, -sub[e >> 1]));
-                    rs[e >> 1] += s[mt][nt][e];
-                }
-            }
-            l[mt][0] += rs[0];
-            l[mt][1] += rs[1];
-        }
+        for (int mt = 0; mt < MT; mt++) softmax_step<HS>(s[mt], m[mt], l[mt], o[mt], scale_log2);
         mma_acc_by_tile<HS, kBlockN, MT>(o, s, sV, lane);
     }
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        float inv[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float lr = l[mt][r];
-            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-            inv[r] = lr > 0.0f ? 1.0f / lr : 0.0f;
-            if (q == 0 && row[mt][r] < T) lse[int64_t(bh) * T + row[mt][r]] = (m[mt][r] + log2f(lr)) * kLn2;
-        }
-        store_rows<HS>(out + int64_t(b) * T * C + h * HS, C, o[mt], inv[0], inv[1], wfirst + 16 * mt, T, lane);
+        store_forward_rows<HS>(out + int64_t(b) * T * C + h * HS, C, lse + int64_t(bh) * T, o[mt], m[mt], l[mt],
+                               wfirst + 16 * mt, T, lane);
     }
 }
 

@@ -1,0 +1,533 @@
+/*
+Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same three
+kernels and the same arguments, saved state (lse) and scratch (D) as flash_forward<64>/flash_backward<64>
+of llmc/flash_attention.cuh, which stays the path for every other GPU and head size.
+
+Provides:
+  flash90_available():       true where these kernels can run: built for sm_90a (the Makefile does so for
+                             GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
+  flash90_forward:           out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
+  flash90_backward:          dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
+  Template argument WG: warpgroups (of 128 threads, 64 rows each) per block; they share the tiles the
+  block loads. Every WG (and the backward's MinKV, MinQ, OverlapKV) gives the same bits (each row sees the
+  same sequence of operations).
+
+How: each warpgroup owns 64 rows (queries in forward and dQ, keys in dK/dV). The operand that stays
+fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory and goes to registers
+as wgmma A fragments (ldmatrix) in every step (see the register note); the operand that streams (K, V
+or Q, dO, 64 rows per step, double-buffered with cp.async) is read by wgmma straight from shared memory.
+Products are wgmma.m64n64k16 with fp32 accumulators; P and dS go from the accumulators to A fragments
+without leaving registers. Shared tiles are 64 rows x 128 bytes in the 128-byte swizzle wgmma reads
+(16-byte chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte aligned; the same tile serves as a
+K-major B operand (S = Q K^T: keys are the columns) and as an MN-major one (O += P V: keys are the
+reduction), so nothing is transposed by hand.
+
+Numerics as the mma.sync kernels (bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and
+D in fp32, dQ in its own pass without atomics, so results are bitwise reproducible), and the same bits:
+each accumulator takes the same 16-wide k-steps in the same order as there, and the H200 gives equal
+results for both instructions, which dev/attention_lab.cu requires (besides the fp32 reference);
+test/test_kernels.cu checks what the trainer runs against the CPU reference.
+
+Register note (ptxas, CUDA 13.0): fragments kept in registers across the key loop (Q's, loaded once) were
+given the same registers as P's fragments, so every block after the first multiplied the wrong operand;
+the kernels therefore reload their fixed operands from shared memory (ldmatrix) in every step.
+
+Does not provide: head sizes other than 64, non-causal attention, TMA loads, warp specialisation.
+*/
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/flash_attention.cuh"
+#include "llmc/utils.h"
+
+// Device code for sm_90a (wgmma is an "a" feature): __CUDA_ARCH_FEAT_SM90_ALL is defined there only.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LLMC_FLASH90_DEVICE 1
+#else
+#define LLMC_FLASH90_DEVICE 0
+#endif
+
+namespace llmc {
+
+namespace flash90_detail {
+using namespace flash_detail;
+
+constexpr int kHS = 64;
+constexpr int kRows = 64;                          // rows per warpgroup and per streamed tile
+constexpr int kWGThreads = 128;
+constexpr int kTileBytes = kRows * kHS * 2;        // 8 KiB: 64 rows of 128 bytes
+constexpr int kAlign = 1024;                       // the 128-byte swizzle repeats every 8 rows
+
+// Dynamic shared memory rounded up to the swizzle's 1024-byte period (the launchers ask for kAlign more).
+__device__ inline uint8_t* align_smem(uint8_t* p) {
+    const uint32_t a = smem_addr(p);
+    return p + ((kAlign - (a & (kAlign - 1))) & (kAlign - 1));
+}
+
+// Rows row0 .. row0+63 of a (rows, 64) bf16 slice (row r at g + r * stride) into a swizzled tile; rows
+// >= T zero-filled. All nthreads threads of the block take part.
+__device__ inline void load_tile_sw(uint8_t* s, const floatX* g, int64_t stride, int row0, int T, int tid,
+                                    int nthreads) {
+    for (int i = tid; i < kRows * 8; i += nthreads) {
+        const int r = i >> 3, c = i & 7;
+        const int t = row0 + r;
+        cp_async16(s + r * 128 + ((c ^ (r & 7)) << 4), g + int64_t(min(t, T - 1)) * stride + c * 8, t < T);
+    }
+}
+
+// After this thread's cp.async copies have landed: makes them visible to wgmma, which reads shared memory
+// through the async proxy. A __syncthreads() must follow before any warpgroup reads the tiles.
+__device__ inline void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
+// 16w..16w+15) of all four k-steps of a warpgroup's 64 x 64 swizzled tile.
+__device__ inline void load_a_frags(uint32_t (&a)[4][4], const uint8_t* tile, int warp, int lane) {
+    const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int chunk = 2 * kk + (lane >> 4);
+        ldsm_x4(a[kk], reinterpret_cast<const floatX*>(tile + row * 128 + ((chunk ^ (row & 7)) << 4)));
+    }
+}
+
+// A fragments of the four k-steps from a 64 x 64 fp32 accumulator (the m64n64 D layout equals the A layout
+// once rounded to bf16 pairs).
+__device__ inline void acc_to_a(uint32_t (&a)[4][4], const float (&d)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        a[kk][0] = pack_bf16(d[2 * kk][0], d[2 * kk][1]);
+        a[kk][1] = pack_bf16(d[2 * kk][2], d[2 * kk][3]);
+        a[kk][2] = pack_bf16(d[2 * kk + 1][0], d[2 * kk + 1][1]);
+        a[kk][3] = pack_bf16(d[2 * kk + 1][2], d[2 * kk + 1][3]);
+    }
+}
+
+// Shared-memory matrix descriptor of a swizzled tile (128-byte swizzle, 8-row groups 1024 bytes apart).
+// K-major (B stored [n][k]): the k-steps of 16 lie 32 bytes apart inside the swizzled rows; the leading
+// offset is unused. MN-major (B stored [k][n], n = 64 exactly one swizzle width): the k-steps are 16 rows
+// (2048 bytes) apart and both offsets are the 8-row stride.
+template <bool MNMajor>
+__device__ inline uint64_t tile_desc(const uint8_t* tile, int kk) {
+    const uint32_t addr = smem_addr(tile) + (MNMajor ? kk * 2048 : kk * 32);
+    const uint64_t lbo = MNMajor ? 1024 : 16, sbo = 1024;
+    return uint64_t((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma that owns it.
+__device__ inline void fence_acc(float (&d)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+    }
+}
+
+__device__ inline void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ inline void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d (64 x 64 per warpgroup, fp32) += A (registers, one k-step) * B (shared, descriptor); MNMajor selects
+// B's transposed layout. Issues only: the caller fences, commits and waits.
+template <bool MNMajor>
+__device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+#if LLMC_FLASH90_DEVICE
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(MNMajor ? 1 : 0));
+#endif
+}
+
+// Issues d += A (four k-steps in registers) * B (a 64 x 64 swizzled tile) as four wgmma.
+template <bool MNMajor>
+__device__ inline void issue_product(float (&d)[8][4], const uint32_t (&a)[4][4], const uint8_t* tile) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<MNMajor>(d, a[kk], tile_desc<MNMajor>(tile, kk));
+}
+
+// d0 += A0 * B0 and d1 += A1 * B1 (B1 = nullptr: d0 only) as one wgmma group, waited for before returning.
+template <bool MNMajor>
+__device__ inline void products(float (&d0)[8][4], const uint32_t (&a0)[4][4], const uint8_t* b0,
+                                float (&d1)[8][4], const uint32_t (&a1)[4][4], const uint8_t* b1) {
+    fence_acc(d0);
+    if (b1 != nullptr) fence_acc(d1);
+    wg_fence();
+    issue_product<MNMajor>(d0, a0, b0);
+    if (b1 != nullptr) issue_product<MNMajor>(d1, a1, b1);
+    wg_commit();
+    wg_wait_all();
+    fence_acc(d0);
+    if (b1 != nullptr) fence_acc(d1);
+}
+
+template <bool MNMajor>
+__device__ inline void product(float (&d)[8][4], const uint32_t (&a)[4][4], const uint8_t* b) {
+    products<MNMajor>(d, a, b, d, a, nullptr);
+}
+
+__device__ inline void zero8(float (&d)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
+}
+
+// Shared memory of each kernel (plus kAlign for the alignment).
+template <int WG>
+constexpr size_t smem90_fwd() {  // Q tiles of the warpgroups, two K, V pairs
+    return size_t(WG + 4) * kTileBytes + kAlign;
+}
+template <int WG>
+constexpr size_t smem90_dq() {  // Q and dO tiles of the warpgroups, two K, V pairs
+    return size_t(2 * WG + 4) * kTileBytes + kAlign;
+}
+template <int WG>
+constexpr size_t smem90_dkdv() {  // K and V tiles of the warpgroups, two Q, dO pairs, two lse, D pairs
+    return size_t(2 * WG + 4) * kTileBytes + 2 * 2 * kRows * sizeof(float) + kAlign;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Forward: block = 64 * WG queries of one (b, h), longest first; loop over 64-key blocks up to the
+// diagonal, K and V of block j + 1 loading while block j computes.
+
+template <int WG>
+static __global__ void __launch_bounds__(WG * kWGThreads)
+    flash90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
+#if LLMC_FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* sQ = align_smem(smem_raw);
+    uint8_t* sKV = sQ + WG * kTileBytes;  // [buffer][K, V]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
+    const int row0 = wfirst + 16 * warp;                              // this warp's
+
+    for (int w = 0; w < WG; w++) load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
+    cp_async_commit();
+    auto load_kv = [&](int j, int buf) {
+        uint8_t* dst = sKV + buf * 2 * kTileBytes;
+        load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
+        load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+    };
+    load_kv(0, 0);
+    cp_async_commit();
+    uint32_t qa[4][4], pa[4][4];
+
+    float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    zero8(o);
+    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kRows, buf = j & 1;
+        __syncthreads();  // every warpgroup is done with the buffer about to be filled
+        if (j + 1 < n_blocks) {
+            load_kv(j + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_proxy();
+        __syncthreads();
+        if (k0 > wlast) continue;  // every key after every query of this warpgroup
+        const uint8_t* sK = sKV + buf * 2 * kTileBytes;
+        // Q's fragments again for every key block (the tile stays in shared memory): kept in registers across
+        // the loop, they were given the registers of P's fragments by ptxas (CUDA 13.0), so every key block
+        // after the first multiplied the previous P instead of Q.
+        load_a_frags(qa, sQ + wg * kTileBytes, warp, lane);
+        zero8(s[0]);
+        product<false>(s[0], qa, sK);
+        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+            mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
+        }
+        softmax_step<kHS>(s[0], m, l, o, scale_log2);
+        acc_to_a(pa, s[0]);
+        product<true>(o, pa, sK + kTileBytes);
+    }
+    store_forward_rows<kHS>(out + int64_t(b) * T * C + h * kHS, C, lse + int64_t(bh) * T, o, m, l, row0, T, lane);
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward, dK/dV: block = 64 * WG keys of one (b, h), longest first; loop over the 64-query blocks from
+// the block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are
+// the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end.
+
+// Overlap: dV's product is issued before dS^T is computed, so the element-wise work runs under it (same
+// operations in the same order per accumulator: same bits).
+template <int WG, int MinBlocks = 1, bool Overlap = false>
+static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+    flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
+                        int NH, float scale_log2, float scale) {
+#if LLMC_FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* sK = align_smem(smem_raw);
+    uint8_t* sV = sK + WG * kTileBytes;
+    uint8_t* sQdO = sV + WG * kTileBytes;                              // [buffer][Q, dO]
+    float* sLD = reinterpret_cast<float*>(sQdO + 4 * kTileBytes);  // [buffer][lse2, D]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int k0 = blockIdx.x * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const floatX* dobase = dout + int64_t(b) * T * C + h * kHS;
+    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
+    const int row0 = wfirst + 16 * warp;
+
+    for (int w = 0; w < WG; w++) {
+        load_tile_sw(sK + w * kTileBytes, base + C, C3, k0 + kRows * w, T, tid, kThreads);
+        load_tile_sw(sV + w * kTileBytes, base + 2 * C, C3, k0 + kRows * w, T, tid, kThreads);
+    }
+    cp_async_commit();
+    auto load_queries = [&](int i, int buf) {
+        const int q0 = i * kRows;
+        uint8_t* dst = sQdO + buf * 2 * kTileBytes;
+        load_tile_sw(dst, base, C3, q0, T, tid, kThreads);
+        load_tile_sw(dst + kTileBytes, dobase, C, q0, T, tid, kThreads);
+        float* bL = sLD + buf * 2 * kRows;
+        for (int t = tid; t < kRows; t += kThreads) {
+            const int qi = q0 + t;
+            bL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
+            bL[kRows + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
+        }
+    };
+    const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
+    load_queries(i0, 0);
+    cp_async_commit();
+
+    uint32_t ka[4][4], va[4][4], pa[4][4], da[4][4];
+    float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
+    zero8(dk);
+    zero8(dv);
+    for (int i = i0; i < n_qblocks; i++) {
+        const int q0 = i * kRows, buf = (i - i0) & 1;
+        __syncthreads();
+        if (i + 1 < n_qblocks) {
+            load_queries(i + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_proxy();
+        __syncthreads();
+        if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
+        const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
+        const uint8_t* sdO = sQ + kTileBytes;
+        const float* sL = sLD + buf * 2 * kRows;
+        const float* sD = sL + kRows;
+
+        load_a_frags(ka, sK + wg * kTileBytes, warp, lane);  // again each step, as Q's in the forward
+        load_a_frags(va, sV + wg * kTileBytes, warp, lane);
+        zero8(st[0]);
+        zero8(dpt);
+        products<false>(st[0], ka, sQ, dpt, va, sdO);
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
+            st[0][nt][e] = exp2_fast(fmaf(st[0][nt][e], scale_log2, -sL[c]));
+        });
+        // Queries before the key (above the diagonal) or past T get P = 0.
+        if (q0 < wlast || q0 + kRows > T) {
+            mask_block<1, kRows>(st, row0, q0, 0.0f, lane, [T](int r, int c) { return c >= r && c < T; });
+        }
+        auto make_ds = [&] {
+            for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
+                dpt[nt][e] = st[0][nt][e] * (dpt[nt][e] - sD[c]);
+            });
+            acc_to_a(da, dpt);
+        };
+        acc_to_a(pa, st[0]);
+        if constexpr (Overlap) {
+            fence_acc(dv);
+            wg_fence();
+            issue_product<true>(dv, pa, sdO);
+            wg_commit();
+            make_ds();
+            fence_acc(dk);
+            wg_fence();
+            issue_product<true>(dk, da, sQ);
+            wg_commit();
+            wg_wait_all();
+            fence_acc(dv);
+            fence_acc(dk);
+        } else {
+            make_ds();
+            products<true>(dv, pa, sdO, dk, da, sQ);
+        }
+    }
+    // A block's first query block starts at its first key, so the loop ran at least once.
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane);
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward, dQ: block = 64 * WG queries of one (b, h), longest first; loop over the key blocks up to the
+// diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
+
+template <int WG, int MinBlocks = 1>
+static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+    flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
+                      int NH, float scale_log2, float scale) {
+#if LLMC_FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* sQ = align_smem(smem_raw);
+    uint8_t* sdO = sQ + WG * kTileBytes;
+    uint8_t* sKV = sdO + WG * kTileBytes;  // [buffer][K, V]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int g = lane >> 2;
+    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;
+    const int row0 = wfirst + 16 * warp;
+    float lse2[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
+        Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
+    }
+
+    for (int w = 0; w < WG; w++) {
+        load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
+        load_tile_sw(sdO + w * kTileBytes, dout + int64_t(b) * T * C + h * kHS, C, q0 + kRows * w, T, tid, kThreads);
+    }
+    cp_async_commit();
+    auto load_kv = [&](int j, int buf) {
+        uint8_t* dst = sKV + buf * 2 * kTileBytes;
+        load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
+        load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+    };
+    load_kv(0, 0);
+    cp_async_commit();
+
+    uint32_t qa[4][4], doa[4][4], da[4][4];
+    float dq[8][4], s[1][8][4], dp[8][4];
+    zero8(dq);
+    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kRows, buf = j & 1;
+        __syncthreads();
+        if (j + 1 < n_blocks) {
+            load_kv(j + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_proxy();
+        __syncthreads();
+        if (k0 > wlast) continue;
+        const uint8_t* sK = sKV + buf * 2 * kTileBytes;
+        load_a_frags(qa, sQ + wg * kTileBytes, warp, lane);  // again each step, as Q's in the forward
+        load_a_frags(doa, sdO + wg * kTileBytes, warp, lane);
+        zero8(s[0]);
+        zero8(dp);
+        products<false>(s[0], qa, sK, dp, doa, sK + kTileBytes);
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
+            s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
+        });
+        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+            mask_block<1, kRows>(s, row0, k0, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
+        }
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
+            dp[nt][e] = s[0][nt][e] * (dp[nt][e] - Dr[e >> 1]);
+        });
+        acc_to_a(da, dp);
+        product<true>(dq, da, sK);
+    }
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
+#endif
+}
+
+}  // namespace flash90_detail
+
+// Whether flash90_forward/flash90_backward can run here: built for sm_90a and running on compute 9.0.
+inline bool flash90_available() {
+#if defined(LLMC_SM90A)
+    static const bool ok = [] {
+        int dev = 0, major = 0, minor = 0;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        return major == 9 && minor == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
+// As flash_forward<64> (same arguments, same lse), on wgmma. Needs flash90_available().
+template <int WG = 1>
+void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
+    static_assert(WG == 1 || WG == 2 || WG == 3, "1 to 3 warpgroups per block");
+    using namespace flash90_detail;
+    if (!flash90_available()) fail(kExitUsage, "flash90_forward: needs a build for sm_90a and a compute 9.0 GPU");
+    check_args("flash90_forward", B, T, NH);
+    require_aligned16(out, "flash90_forward: out");
+    require_aligned16(lse, "flash90_forward: lse");
+    require_aligned16(qkv, "flash90_forward: qkv");
+    allow_smem(flash90_fwd_kernel<WG>, smem90_fwd<WG>());
+    const float scale_log2 = kLog2e / sqrtf(float(kHS));
+    const dim3 grid(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
+    flash90_fwd_kernel<WG><<<grid, WG * kWGThreads, smem90_fwd<WG>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
+    cudaCheckLaunch();
+}
+
+// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes), on wgmma.
+// WG for the dK/dV kernel, WGQ for the dQ kernel; MinKV, MinQ: blocks per SM their registers are capped
+// for (__launch_bounds__; 1 leaves the compiler free); OverlapKV: see flash90_dkdv_kernel.
+template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1, bool OverlapKV = false>
+void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
+                      int B, int T, int NH, float* D, cudaStream_t stream) {
+    static_assert(WG >= 1 && WG <= 3 && WGQ >= 1 && WGQ <= 3, "1 to 3 warpgroups per block");
+    using namespace flash90_detail;
+    if (!flash90_available()) fail(kExitUsage, "flash90_backward: needs a build for sm_90a and a compute 9.0 GPU");
+    check_args("flash90_backward", B, T, NH);
+    require_aligned16(dqkv, "flash90_backward: dqkv");
+    require_aligned16(dout, "flash90_backward: dout");
+    require_aligned16(qkv, "flash90_backward: qkv");
+    require_aligned16(out, "flash90_backward: out");
+    require_aligned16(lse, "flash90_backward: lse");
+    require_aligned16(D, "flash90_backward: D");
+    const int64_t rows = int64_t(B) * T * NH;
+    flash_bwd_dot_kernel<kHS><<<unsigned(ceil_div<int64_t>(rows, flash_detail::kThreads / (kHS / 8))),
+                                flash_detail::kThreads, 0, stream>>>(D, out, dout, B, T, NH);
+    cudaCheckLaunch();
+    allow_smem(flash90_dkdv_kernel<WG, MinKV, OverlapKV>, smem90_dkdv<WG>());
+    allow_smem(flash90_dq_kernel<WGQ, MinQ>, smem90_dq<WGQ>());
+    const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
+    const dim3 grid_kv(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
+    flash90_dkdv_kernel<WG, MinKV, OverlapKV><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                                   scale_log2, scale);
+    cudaCheckLaunch();
+    const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
+    flash90_dq_kernel<WGQ, MinQ><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                                 scale_log2, scale);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc
