@@ -165,6 +165,14 @@ __global__ void fill_uniform_kernel(floatX* p, size_t n, uint64_t key, float amp
     }
 }
 
+// A warpgroup's 64 x 64 fp32 accumulator (m64n64 D layout) into d, row-major.
+__device__ inline void store_acc64(float* d, const float (&acc)[8][4], int warp, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 8; i++) {
+        for (int e = 0; e < 4; e++) d[(16 * warp + g + 8 * (e >> 1)) * 64 + 8 * i + 2 * q + (e & 1)] = acc[i][e];
+    }
+}
+
 // The wgmma building blocks of llmc/flash_attention_sm90.cuh on one warpgroup: A, B (64 x 64 bf16, row-major
 // in global memory) through swizzled tiles; d_nt = A B^T (B read K-major), d_nn = A B (B read MN-major).
 // Checked on the host against a double-precision product, so a wrong descriptor shows by itself.
@@ -188,14 +196,8 @@ __global__ void wgmma_selftest_kernel(float* d_nt, float* d_nn, const floatX* a,
     zero8(nn);
     product<false>(nt, af, sB);
     product<true>(nn, af, sB);
-    const int g = lane >> 2, q = lane & 3;
-    for (int i = 0; i < 8; i++) {
-        for (int e = 0; e < 4; e++) {
-            const int r = 16 * warp + g + 8 * (e >> 1), c = 8 * i + 2 * q + (e & 1);
-            d_nt[r * 64 + c] = nt[i][e];
-            d_nn[r * 64 + c] = nn[i][e];
-        }
-    }
+    store_acc64(d_nt, nt, warp, lane);
+    store_acc64(d_nn, nn, warp, lane);
 #endif
 }
 
@@ -224,38 +226,29 @@ __global__ void wgmma_pipe_selftest_kernel(float* d_nt, float* d_nn, const float
     zero8(nn);
     for (int j = 0; j < nblk; j++) {
         const uint8_t* tile = sB;
-        __syncthreads();
-        if (mode == 0) {
+        if (mode == 0) {  // the kernels' loop step
             tile = sB + (j & 1) * kTileBytes;
-            if (j + 1 < nblk) {
-                load_tile_sw(sB + ((j + 1) & 1) * kTileBytes, b, 64, (j + 1) * 64, T, tid, kWGThreads);
-                cp_async_commit();
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-        } else if (mode == 1) {
-            load_tile_sw(sB, b, 64, j * 64, T, tid, kWGThreads);
-            cp_async_commit();
-            cp_async_wait<0>();
+            pipeline_step(j, nblk, [&](int next) {
+                load_tile_sw(sB + (next & 1) * kTileBytes, b, 64, next * 64, T, tid, kWGThreads);
+            });
         } else {
-            tile = sB + j * kTileBytes;
+            __syncthreads();
+            if (mode == 1) {
+                load_tile_sw(sB, b, 64, j * 64, T, tid, kWGThreads);
+                cp_async_commit();
+            } else {
+                tile = sB + j * kTileBytes;
+            }
             cp_async_wait<0>();
+            fence_async_proxy();
+            __syncthreads();
         }
-        fence_async_proxy();
-        __syncthreads();
         if (j == 0 || mode == 3) load_a_frags(af, sA, warp, lane);
         product<false>(nt, af, tile);
         product<true>(nn, af, tile);
     }
-    const int g = lane >> 2, q = lane & 3;
-    for (int i = 0; i < 8; i++) {
-        for (int e = 0; e < 4; e++) {
-            const int r = 16 * warp + g + 8 * (e >> 1), c = 8 * i + 2 * q + (e & 1);
-            d_nt[r * 64 + c] = nt[i][e];
-            d_nn[r * 64 + c] = nn[i][e];
-        }
-    }
+    store_acc64(d_nt, nt, warp, lane);
+    store_acc64(d_nn, nn, warp, lane);
 #endif
 }
 

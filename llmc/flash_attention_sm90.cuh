@@ -83,6 +83,24 @@ __device__ inline void load_tile_sw(uint8_t* s, const floatX* g, int64_t stride,
 // through the async proxy. A __syncthreads() must follow before any warpgroup reads the tiles.
 __device__ inline void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// One step of a double-buffered loop over n_steps tiles (or tile sets): the barrier that lets the buffer
+// of step + 1 be refilled (every warpgroup is done with it), load_next(step + 1) issued when there is
+// such a step, then step's copies waited for, fenced for wgmma and a barrier, so every warpgroup may read
+// them. The copies of step 0 must have been issued and committed before the loop.
+template <class LoadNext>
+__device__ inline void pipeline_step(int step, int n_steps, LoadNext load_next) {
+    __syncthreads();
+    if (step + 1 < n_steps) {
+        load_next(step + 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    fence_async_proxy();
+    __syncthreads();
+}
+
 // A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
 // 16w..16w+15) of all four k-steps of a warpgroup's 64 x 64 swizzled tile.
 __device__ inline void load_a_frags(uint32_t (&a)[4][4], const uint8_t* tile, int warp, int lane) {
@@ -235,16 +253,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        __syncthreads();  // every warpgroup is done with the buffer about to be filled
-        if (j + 1 < n_blocks) {
-            load_kv(j + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_proxy();
-        __syncthreads();
+        pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
         if (k0 > wlast) continue;  // every key after every query of this warpgroup
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         // Q's fragments again for every key block (the tile stays in shared memory): kept in registers across
@@ -320,16 +329,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     zero8(dv);
     for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * kRows, buf = (i - i0) & 1;
-        __syncthreads();
-        if (i + 1 < n_qblocks) {
-            load_queries(i + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_proxy();
-        __syncthreads();
+        pipeline_step(i - i0, n_qblocks - i0, [&](int next) { load_queries(i0 + next, next & 1); });
         if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
         const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
         const uint8_t* sdO = sQ + kTileBytes;
@@ -429,16 +429,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        __syncthreads();
-        if (j + 1 < n_blocks) {
-            load_kv(j + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_proxy();
-        __syncthreads();
+        pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         load_a_frags(qa, sQ + wg * kTileBytes, warp, lane);  // again each step, as Q's in the forward
