@@ -77,6 +77,7 @@ so far), activation recomputation.
 #include "llmc/matmul.cuh"
 #include "llmc/model_file.h"
 #include "llmc/multi_gpu.cuh"
+#include "llmc/sampler.h"
 #include "llmc/rendezvous.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
@@ -947,35 +948,6 @@ inline std::string memory_table(const GPT2& model, size_t data_bytes) {
 
 // ----------------------------------------------------------------------------------------------------
 // Sampling.
-
-// Picks the next token from one row of logits: greedy at temperature 0, else softmax(logits /
-// temperature) over the top_k largest (all when 0), ties broken by the lower id so the result is
-// reproducible.
-inline uint32_t sample_token(const std::vector<float>& logits, float temperature, int top_k, SplitMix64& rng) {
-    const int V = int(logits.size());
-    std::vector<int> ids(static_cast<size_t>(V));
-    for (int i = 0; i < V; i++) ids[size_t(i)] = i;
-    auto better = [&](int a, int b) {
-        return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
-    };
-    if (temperature == 0.0f) return uint32_t(*std::min_element(ids.begin(), ids.end(), better));
-    const int k = (top_k > 0 && top_k < V) ? top_k : V;
-    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), better);
-    const double top = logits[size_t(ids[0])];
-    std::vector<double> w(static_cast<size_t>(k));
-    double sum = 0.0;
-    for (int i = 0; i < k; i++) {
-        w[size_t(i)] = std::exp((double(logits[size_t(ids[size_t(i)])]) - top) / double(temperature));
-        sum += w[size_t(i)];
-    }
-    const double u = double(rng.next() >> 11) * 0x1.0p-53 * sum;
-    double acc = 0.0;
-    for (int i = 0; i < k; i++) {
-        acc += w[size_t(i)];
-        if (u < acc) return uint32_t(ids[size_t(i)]);
-    }
-    return uint32_t(ids[size_t(k - 1)]);
-}
 
 // Generates `n` tokens after an end-of-text token, rerunning the forward on the tokens so far for each
 // (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.

@@ -7,10 +7,13 @@ loads an llm.c model file; reads token shards (llmc/shard.h, uint16 or uint32 to
 consecutive tokens per batch, wrapping around at the end; trains with AdamW (decay on matrices only)
 and global-norm clipping at a constant learning rate; prints the train loss every step and the
 validation loss (over the first --val-batches batches of the validation shards) every --val-every
-steps and at the end; and can write the result as a model file.
+steps and at the end; can write the result as a model file; and with --gen-tokens N prints N tokens
+sampled from the trained model after an end-of-text token (llmc/sampler.h, the GPU trainer's sampler;
+decoded with --tokenizer, or printed as ids where that file is missing).
 
 Does not provide: learning-rate schedules, gradient accumulation, shuffling, checkpoints with
-optimizer state, sampling or a GPU; the GPU trainer (train_gpt2.cu) has those.
+optimizer state, a KV cache for sampling (each token reruns the forward over the tokens so far) or a
+GPU; the GPU trainer (train_gpt2.cu) has those.
 */
 #include <algorithm>
 #include <chrono>
@@ -28,7 +31,9 @@ optimizer state, sampling or a GPU; the GPU trainer (train_gpt2.cu) has those.
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
+#include "llmc/sampler.h"
 #include "llmc/shard.h"
+#include "llmc/tokenizer.h"
 #include "llmc/utils.h"
 
 using namespace llmc;
@@ -49,6 +54,11 @@ struct Options {
     int64_t seed = 1337;
     std::string out;
     int out_version = kModelVersionFp32;
+    int gen_tokens = 0;  // 0: no sample
+    float temperature = 1.0f;
+    int top_k = 0;
+    int64_t sample_seed = 42;
+    std::string tokenizer = "data/gpt2_tokenizer.bin";
 };
 
 // Returns false when --help was given. Checks what one flag's type and range cannot say.
@@ -75,7 +85,12 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "val-batches", &o.val_batches, "batches in one validation pass", 1, 1 << 30)
         .add("", "seed", &o.seed, "initialisation seed for a new model", 0, INT64_MAX)
         .add("", "out", &o.out, "write the trained model here at the end")
-        .add("", "out-version", &o.out_version, "model file precision: 3 = fp32, 5 = bf16", 3, 5);
+        .add("", "out-version", &o.out_version, "model file precision: 3 = fp32, 5 = bf16", 3, 5)
+        .add("", "gen-tokens", &o.gen_tokens, "at the end, sample this many tokens (0: no sample)", 0, 1 << 20)
+        .add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0, 1e6)
+        .add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, 1 << 30)
+        .add("", "sample-seed", &o.sample_seed, "seed of the sampler", 0, INT64_MAX)
+        .add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding the sample (ids are printed without it)");
     if (!flags.parse(argc, argv)) return false;
 
     if (o.val_pattern == "none") o.val_pattern.clear();
@@ -226,11 +241,48 @@ double validation_loss(cpu::GPT2<float>& model, TokenStream& val, int batches, i
     return sum / batches;
 }
 
+// --gen-tokens tokens after an end-of-text token (B = 1, the forward rerun over the tokens so far for each),
+// printed as text when the tokenizer file is there, else as ids.
+void print_sample(cpu::GPT2<float>& model, const Options& o) {
+    const GPT2Config& c = model.config();
+    Tokenizer tok;
+    const bool have_tokenizer = is_file(o.tokenizer);
+    if (have_tokenizer) {
+        tok = read_tokenizer_bin(o.tokenizer);
+    } else {
+        std::printf("note: tokenizer '%s' not found; the sample is printed as token ids\n", o.tokenizer.c_str());
+    }
+    const uint32_t start = have_tokenizer ? tok.eot() : std::min(kGpt2EotToken, uint32_t(c.vocab_size - 1));
+    std::vector<int> tokens{int(start)};
+    std::vector<uint32_t> out;
+    std::vector<float> row(size_t(c.vocab_size));
+    SplitMix64 rng(uint64_t(o.sample_seed));
+    for (int i = 0; i < o.gen_tokens; i++) {
+        const int t = int(tokens.size());
+        model.forward(tokens.data(), nullptr, 1, t);
+        const float* logits = model.activations().logits.data() + size_t(t - 1) * c.padded_vocab_size;
+        std::copy(logits, logits + c.vocab_size, row.begin());
+        const uint32_t next = sample_token(row, o.temperature, o.top_k, rng);
+        tokens.push_back(int(next));
+        out.push_back(next);
+    }
+    std::string text;
+    if (have_tokenizer) {
+        text = tok.decode(out);
+    } else {
+        for (uint32_t id : out) text += std::to_string(id) + " ";
+    }
+    std::printf("---------- sample ----------\n%s\n----------------------------\n", text.c_str());
+}
+
 int train(const Options& o) {
     cpu::GPT2<float> model = build_model(o);
     const GPT2Config& c = model.config();
     const int B = o.batch, T = o.seq;
     if (T > c.max_seq_len) fail(kExitUsage, "--seq %d is longer than the model's max_seq_len %d", T, c.max_seq_len);
+    if (o.gen_tokens > c.max_seq_len - 1) {
+        fail(kExitUsage, "--gen-tokens %d: at most the model's max_seq_len - 1 = %d", o.gen_tokens, c.max_seq_len - 1);
+    }
     std::printf("config: %s, %lld parameters, %.1f MFLOP/token\n", describe(c).c_str(),
                 (long long)num_parameters(c), flops_per_token(c, T) / 1e6);
     std::printf("optimizer: AdamW lr %g, betas (%g, %g), eps %g, weight decay %g on matrices, clip %g\n",
@@ -273,6 +325,7 @@ int train(const Options& o) {
         std::fflush(stdout);
     }
     if (val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
+    if (o.gen_tokens > 0) print_sample(model, o);
     if (!o.out.empty()) {
         std::vector<float> p = model.params_as_float();
         write_model_file(o.out, c, p.data(), o.out_version);

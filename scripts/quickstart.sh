@@ -5,7 +5,7 @@
 #     validation loss every 100 steps, a text sample every 500 steps and at the end; the log and the
 #     final model go to out/quickstart/ (log.jsonl, model.bin).
 #   Without one: the CPU trainer train_gpt2 on a tiny model (2 layers, 64 channels) for a few minutes,
-#     with the validation loss every 50 steps (the CPU trainer does not sample); model in
+#     with the validation loss every 50 steps and a text sample at the end; model in
 #     out/quickstart_cpu/model.bin.
 # Knobs (environment): QUICKSTART_STEPS (GPU: 1500, CPU: 200), QUICKSTART_MODEL (GPU: d6).
 set -euo pipefail
@@ -27,5 +27,6 @@ else
     mkdir -p out/quickstart_cpu
     ./train_gpt2 --train 'data/quickstart_train_*.bin' --val 'data/quickstart_val_*.bin' \
         --layers 2 --channels 64 --heads 2 --batch 8 --seq 64 --lr 3e-3 \
-        --steps "${QUICKSTART_STEPS:-200}" --val-every 50 --val-batches 8 --out out/quickstart_cpu/model.bin
+        --steps "${QUICKSTART_STEPS:-200}" --val-every 50 --val-batches 8 --out out/quickstart_cpu/model.bin \
+        --gen-tokens 64 --temperature 0.8 --top-k 40
 fi

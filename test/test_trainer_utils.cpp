@@ -1,14 +1,18 @@
 /*
 CPU tests of the trainer's small utilities: the flag table (parsing, errors, generated usage and
-settings table) and the learning-rate schedules and MFU arithmetic (llmc/schedule.h).
+settings table), the learning-rate schedules and MFU arithmetic (llmc/schedule.h) and the token
+sampler both trainers use (llmc/sampler.h).
 */
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "llmc/flags.h"
+#include "llmc/sampler.h"
 #include "llmc/schedule.h"
 
 using namespace llmc;
@@ -236,4 +240,39 @@ TEST(MFU, KnownAndUnknownGPUs) {
     EXPECT_DOUBLE_EQ(peak_bf16_flops("Some Future GPU"), 0.0);
     EXPECT_LT(mfu(1e9, 1e5, 0.0), 0.0);
     EXPECT_NEAR(mfu(1e9, 1e5, 1e15), 0.1, 1e-12);
+}
+
+TEST(Sampler, GreedyTopKAndSeeds) {
+    std::vector<float> logits(1000);
+    std::mt19937_64 gen(5);
+    std::normal_distribution<float> dist(0.0f, 2.0f);
+    for (float& x : logits) x = dist(gen);
+    logits[617] = 20.0f;
+    SplitMix64 rng(1);
+    EXPECT_EQ(sample_token(logits, 0.0f, 0, rng), 617u) << "temperature 0 is greedy";
+    EXPECT_EQ(sample_token(logits, 1.0f, 1, rng), 617u) << "top-k 1 is greedy";
+    // Top-k 5 never leaves the 5 largest; the same seed gives the same sequence.
+    std::vector<int> order(1000);
+    for (int i = 0; i < 1000; i++) order[size_t(i)] = i;
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return logits[size_t(a)] > logits[size_t(b)]; });
+    logits[617] = logits[size_t(order[1])];  // a flat top, so several tokens are drawn
+    SplitMix64 r1(9), r2(9);
+    std::vector<uint32_t> s1, s2;
+    for (int i = 0; i < 200; i++) {
+        s1.push_back(sample_token(logits, 1.0f, 5, r1));
+        s2.push_back(sample_token(logits, 1.0f, 5, r2));
+    }
+    EXPECT_EQ(s1, s2);
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+        return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    std::vector<uint32_t> top5(order.begin(), order.begin() + 5);
+    int distinct = 0;
+    std::vector<bool> seen(1000, false);
+    for (uint32_t id : s1) {
+        EXPECT_NE(std::find(top5.begin(), top5.end(), id), top5.end()) << "token " << id << " is not in the top 5";
+        if (!seen[id]) distinct++;
+        seen[id] = true;
+    }
+    EXPECT_GE(distinct, 2) << "temperature 1 over a flat top must not always pick one token";
 }
