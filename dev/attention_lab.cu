@@ -512,7 +512,6 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         addo("wgmma WG2", flash90_forward<2>, flash90_backward<2, 2>);
         addo("wgmma trainer's (kv3 q4)", flash90_forward<1>, flash90_backward<1, 1, 3, 4>);
         addo("wgmma WG1 kv3 q3 per SM", flash90_forward<1>, flash90_backward<1, 1, 3, 3>);
-        addo("wgmma WG1 overlap kv3", flash90_forward<1>, flash90_backward<1, 1, 3, 1, true>);
     }
     for (Other& v : others) {
         poison(out2.get(), out2.bytes());

@@ -306,10 +306,10 @@ namespace detail {
 #define LLMC_FLASH64_Q 2
 #endif
 // LLMC_FLASH_WGMMA=1 (default): on an sm_90a build running on compute 9.0, HS 64 runs the wgmma kernels
-// of llmc/flash_attention_sm90.cuh (same arguments and saved state, their own summation order) with
-// LLMC_FLASH90_FWD / _KV / _Q warpgroups per block, the dK/dV and dQ kernels' registers capped for
-// LLMC_FLASH90_KV_MINB / _Q_MINB blocks per SM, and dK/dV's overlap (LLMC_FLASH90_KV_OVERLAP); 0 keeps
-// the mma.sync kernels everywhere. Timings of the choices: dev/ATTENTION.md (build/attention_lab).
+// of llmc/flash_attention_sm90.cuh (same arguments, saved state and bits) with LLMC_FLASH90_FWD / _KV / _Q
+// warpgroups per block and the dK/dV and dQ kernels' registers capped for LLMC_FLASH90_KV_MINB / _Q_MINB
+// blocks per SM; 0 keeps the mma.sync kernels everywhere. Timings of the choices: dev/ATTENTION.md
+// (build/attention_lab).
 #ifndef LLMC_FLASH_WGMMA
 #define LLMC_FLASH_WGMMA 1
 #endif
@@ -327,9 +327,6 @@ namespace detail {
 #endif
 #ifndef LLMC_FLASH90_Q_MINB
 #define LLMC_FLASH90_Q_MINB 4
-#endif
-#ifndef LLMC_FLASH90_KV_OVERLAP
-#define LLMC_FLASH90_KV_OVERLAP 0
 #endif
 inline bool use_flash90() { return LLMC_FLASH_WGMMA != 0 && flash90_available(); }
 constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0, kFlash64KvPipe = LLMC_FLASH64_KV_PIPE != 0;
@@ -375,8 +372,8 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
         if (HS == 64 && detail::use_flash90()) {
-            flash90_backward<LLMC_FLASH90_KV, LLMC_FLASH90_Q, LLMC_FLASH90_KV_MINB, LLMC_FLASH90_Q_MINB,
-                             LLMC_FLASH90_KV_OVERLAP != 0>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash90_backward<LLMC_FLASH90_KV, LLMC_FLASH90_Q, LLMC_FLASH90_KV_MINB, LLMC_FLASH90_Q_MINB>(
+                dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else if (HS == 64) {
             flash_backward<64, detail::kFlash64KvPipe, detail::kFlash64KvTiles, detail::kFlash64QTiles,
                            detail::kFlash64Pipe>(

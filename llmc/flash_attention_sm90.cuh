@@ -9,18 +9,17 @@ Provides:
   flash90_forward:           out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
   flash90_backward:          dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
   Template argument WG: warpgroups (of 128 threads, 64 rows each) per block; they share the tiles the
-  block loads. Every WG (and the backward's MinKV, MinQ, OverlapKV) gives the same bits (each row sees the
-  same sequence of operations).
+  block loads. Every WG (and the backward's MinKV, MinQ) gives the same bits (each row sees the same
+  sequence of operations).
 
 How: each warpgroup owns 64 rows (queries in forward and dQ, keys in dK/dV). The operand that stays
-fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory and goes to registers
-as wgmma A fragments (ldmatrix) in every step (see the register note); the operand that streams (K, V
-or Q, dO, 64 rows per step, double-buffered with cp.async) is read by wgmma straight from shared memory.
-Products are wgmma.m64n64k16 with fp32 accumulators; P and dS go from the accumulators to A fragments
-without leaving registers. Shared tiles are 64 rows x 128 bytes in the 128-byte swizzle wgmma reads
-(16-byte chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte aligned; the same tile serves as a
-K-major B operand (S = Q K^T: keys are the columns) and as an MN-major one (O += P V: keys are the
-reduction), so nothing is transposed by hand.
+fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory, where wgmma reads it
+as its A operand; the operand that streams (K, V or Q, dO, 64 rows per step, double-buffered with
+cp.async) is read by wgmma from shared memory as B. Products are wgmma.m64n64k16 with fp32 accumulators;
+P and dS go from the accumulators to A fragments in registers without leaving them. Shared tiles are 64
+rows x 128 bytes in the 128-byte swizzle wgmma reads (16-byte chunk c of row r stored at chunk c ^ (r %
+8)), 1024-byte aligned; the same tile serves as a K-major operand (S = Q K^T: keys are the columns) and as
+an MN-major one (O += P V: keys are the reduction), so nothing is transposed by hand.
 
 Numerics as the mma.sync kernels (bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and
 D in fp32, dQ in its own pass without atomics, so results are bitwise reproducible), and the same bits:
@@ -28,11 +27,15 @@ each accumulator takes the same 16-wide k-steps in the same order as there, and 
 results for both instructions, which dev/attention_lab.cu requires (besides the fp32 reference);
 test/test_kernels.cu checks what the trainer runs against the CPU reference.
 
-Register note (ptxas, CUDA 13.0): fragments kept in registers across the key loop (Q's, loaded once) were
-given the same registers as P's fragments, so every block after the first multiplied the wrong operand;
-the kernels therefore reload their fixed operands from shared memory (ldmatrix) in every step.
+Register note (ptxas, CUDA 13.0): the first version kept Q's fragments in registers across the key loop,
+and ptxas gave them the same registers as P's fragments, so every block after the first multiplied the
+wrong operand; it then reloaded them with ldmatrix in every step, and now the fixed operands never enter
+registers (wgmma reads them from shared memory), which also leaves ptxas no reason to serialize the wgmma
+(its C7512 / C7520 remarks; dev/ATTENTION.md step 5). A warpgroup's index comes from warpgroup_index(),
+which ptxas can see to be uniform across the warpgroup.
 
-Does not provide: head sizes other than 64, non-causal attention, TMA loads, warp specialisation.
+Does not provide: head sizes other than 64, non-causal attention, TMA loads, warp specialisation, software
+pipelining inside a warpgroup (measured: no gain over several blocks per SM; dev/ATTENTION.md step 5).
 */
 #pragma once
 
@@ -135,6 +138,18 @@ __device__ inline uint64_t tile_desc(const uint8_t* tile, int kk) {
     return uint64_t((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// This thread's warpgroup in a block of WG warpgroups, in a form ptxas can see to be uniform across the
+// warpgroup (a shuffle from lane 0), so that branches on it do not count as divergent around wgmma (which
+// would serialize the wgmma: ptxas's C7520).
+template <int WG>
+__device__ inline int warpgroup_index() {
+    if constexpr (WG == 1) {
+        return 0;
+    } else {
+        return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWGThreads, 0);
+    }
+}
+
 // Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma that owns it.
 __device__ inline void fence_acc(float (&d)[8][4]) {
 #pragma unroll
@@ -170,17 +185,50 @@ __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64
 #endif
 }
 
-// Issues d += A (four k-steps in registers) * B (a 64 x 64 swizzled tile) as four wgmma.
+// d (64 x 64 per warpgroup, fp32) += A (shared, K-major swizzled tile, descriptor) * B (shared,
+// descriptor): as wgmma_rs with A read from shared memory by the tensor cores themselves.
+template <bool MNMajor>
+__device__ inline void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+#if LLMC_FLASH90_DEVICE
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n"
+        "}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b), "r"(1), "n"(MNMajor ? 1 : 0));
+#endif
+}
+
+// The A operand of a product: a warpgroup's 64 x 64 tile in shared memory (swizzled as load_tile_sw
+// leaves it), read by wgmma directly; the other form is A fragments in registers (uint32_t[4][4]).
+struct SmemA {
+    const uint8_t* tile;
+};
+
+// Issues d += A (four k-steps) * B (a 64 x 64 swizzled tile) as four wgmma.
 template <bool MNMajor>
 __device__ inline void issue_product(float (&d)[8][4], const uint32_t (&a)[4][4], const uint8_t* tile) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) wgmma_rs<MNMajor>(d, a[kk], tile_desc<MNMajor>(tile, kk));
 }
+template <bool MNMajor>
+__device__ inline void issue_product(float (&d)[8][4], SmemA a, const uint8_t* tile) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_ss<MNMajor>(d, tile_desc<false>(a.tile, kk), tile_desc<MNMajor>(tile, kk));
+}
 
 // d0 += A0 * B0 and d1 += A1 * B1 (B1 = nullptr: d0 only) as one wgmma group, waited for before returning.
-template <bool MNMajor>
-__device__ inline void products(float (&d0)[8][4], const uint32_t (&a0)[4][4], const uint8_t* b0,
-                                float (&d1)[8][4], const uint32_t (&a1)[4][4], const uint8_t* b1) {
+template <bool MNMajor, class A0, class A1>
+__device__ inline void products(float (&d0)[8][4], const A0& a0, const uint8_t* b0, float (&d1)[8][4], const A1& a1,
+                                const uint8_t* b1) {
     fence_acc(d0);
     if (b1 != nullptr) fence_acc(d1);
     wg_fence();
@@ -192,8 +240,8 @@ __device__ inline void products(float (&d0)[8][4], const uint32_t (&a0)[4][4], c
     if (b1 != nullptr) fence_acc(d1);
 }
 
-template <bool MNMajor>
-__device__ inline void product(float (&d)[8][4], const uint32_t (&a)[4][4], const uint8_t* b) {
+template <bool MNMajor, class A>
+__device__ inline void product(float (&d)[8][4], const A& a, const uint8_t* b) {
     products<MNMajor>(d, a, b, d, a, nullptr);
 }
 
@@ -218,7 +266,7 @@ constexpr size_t smem90_dkdv() {  // K and V tiles of the warpgroups, two Q, dO 
 
 // ----------------------------------------------------------------------------------------------------
 // Forward: block = 64 * WG queries of one (b, h), longest first; loop over 64-key blocks up to the
-// diagonal, K and V of block j + 1 loading while block j computes.
+// diagonal, K and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait.
 
 template <int WG>
 static __global__ void __launch_bounds__(WG * kWGThreads)
@@ -233,7 +281,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int C = NH * kHS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
     const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
     const int row0 = wfirst + 16 * warp;                              // this warp's
 
@@ -246,8 +294,8 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     };
     load_kv(0, 0);
     cp_async_commit();
-    uint32_t qa[4][4], pa[4][4];
 
+    uint32_t pa[4][4];
     float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero8(o);
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
@@ -256,12 +304,8 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
         pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
         if (k0 > wlast) continue;  // every key after every query of this warpgroup
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
-        // Q's fragments again for every key block (the tile stays in shared memory): kept in registers across
-        // the loop, they were given the registers of P's fragments by ptxas (CUDA 13.0), so every key block
-        // after the first multiplied the previous P instead of Q.
-        load_a_frags(qa, sQ + wg * kTileBytes, warp, lane);
         zero8(s[0]);
-        product<false>(s[0], qa, sK);
+        product<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK);
         if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
             mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
         }
@@ -279,9 +323,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
 // the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end.
 
-// Overlap: dV's product is issued before dS^T is computed, so the element-wise work runs under it (same
-// operations in the same order per accumulator: same bits).
-template <int WG, int MinBlocks = 1, bool Overlap = false>
+template <int WG, int MinBlocks = 1>
 static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
                         int NH, float scale_log2, float scale) {
@@ -298,7 +340,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
     const floatX* dobase = dout + int64_t(b) * T * C + h * kHS;
-    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
     const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
     const int row0 = wfirst + 16 * warp;
 
@@ -323,7 +365,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     load_queries(i0, 0);
     cp_async_commit();
 
-    uint32_t ka[4][4], va[4][4], pa[4][4], da[4][4];
+    uint32_t pa[4][4], da[4][4];
     float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
     zero8(dk);
     zero8(dv);
@@ -336,11 +378,9 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         const float* sL = sLD + buf * 2 * kRows;
         const float* sD = sL + kRows;
 
-        load_a_frags(ka, sK + wg * kTileBytes, warp, lane);  // again each step, as Q's in the forward
-        load_a_frags(va, sV + wg * kTileBytes, warp, lane);
         zero8(st[0]);
         zero8(dpt);
-        products<false>(st[0], ka, sQ, dpt, va, sdO);
+        products<false>(st[0], SmemA{sK + wg * kTileBytes}, sQ, dpt, SmemA{sV + wg * kTileBytes}, sdO);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
             st[0][nt][e] = exp2_fast(fmaf(st[0][nt][e], scale_log2, -sL[c]));
         });
@@ -348,30 +388,12 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         if (q0 < wlast || q0 + kRows > T) {
             mask_block<1, kRows>(st, row0, q0, 0.0f, lane, [T](int r, int c) { return c >= r && c < T; });
         }
-        auto make_ds = [&] {
-            for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
-                dpt[nt][e] = st[0][nt][e] * (dpt[nt][e] - sD[c]);
-            });
-            acc_to_a(da, dpt);
-        };
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
+            dpt[nt][e] = st[0][nt][e] * (dpt[nt][e] - sD[c]);
+        });
         acc_to_a(pa, st[0]);
-        if constexpr (Overlap) {
-            fence_acc(dv);
-            wg_fence();
-            issue_product<true>(dv, pa, sdO);
-            wg_commit();
-            make_ds();
-            fence_acc(dk);
-            wg_fence();
-            issue_product<true>(dk, da, sQ);
-            wg_commit();
-            wg_wait_all();
-            fence_acc(dv);
-            fence_acc(dk);
-        } else {
-            make_ds();
-            products<true>(dv, pa, sdO, dk, da, sQ);
-        }
+        acc_to_a(da, dpt);
+        products<true>(dv, pa, sdO, dk, da, sQ);
     }
     // A block's first query block starts at its first key, so the loop ran at least once.
     store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane);
@@ -398,7 +420,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int C = NH * kHS;
     const int64_t C3 = 3 * int64_t(C);
     const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, wg = tid / kWGThreads, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
     const int g = lane >> 2;
     const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;
     const int row0 = wfirst + 16 * warp;
@@ -423,7 +445,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     load_kv(0, 0);
     cp_async_commit();
 
-    uint32_t qa[4][4], doa[4][4], da[4][4];
+    uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
     zero8(dq);
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
@@ -432,11 +454,9 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
-        load_a_frags(qa, sQ + wg * kTileBytes, warp, lane);  // again each step, as Q's in the forward
-        load_a_frags(doa, sdO + wg * kTileBytes, warp, lane);
         zero8(s[0]);
         zero8(dp);
-        products<false>(s[0], qa, sK, dp, doa, sK + kTileBytes);
+        products<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK, dp, SmemA{sdO + wg * kTileBytes}, sK + kTileBytes);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
             s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
         });
@@ -490,8 +510,8 @@ void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, i
 
 // As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes), on wgmma.
 // WG for the dK/dV kernel, WGQ for the dQ kernel; MinKV, MinQ: blocks per SM their registers are capped
-// for (__launch_bounds__; 1 leaves the compiler free); OverlapKV: see flash90_dkdv_kernel.
-template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1, bool OverlapKV = false>
+// for (__launch_bounds__; 1 leaves the compiler free).
+template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1>
 void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
                       int B, int T, int NH, float* D, cudaStream_t stream) {
     static_assert(WG >= 1 && WG <= 3 && WGQ >= 1 && WGQ <= 3, "1 to 3 warpgroups per block");
@@ -508,11 +528,11 @@ void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const
     flash_bwd_dot_kernel<kHS><<<unsigned(ceil_div<int64_t>(rows, flash_detail::kThreads / (kHS / 8))),
                                 flash_detail::kThreads, 0, stream>>>(D, out, dout, B, T, NH);
     cudaCheckLaunch();
-    allow_smem(flash90_dkdv_kernel<WG, MinKV, OverlapKV>, smem90_dkdv<WG>());
+    allow_smem(flash90_dkdv_kernel<WG, MinKV>, smem90_dkdv<WG>());
     allow_smem(flash90_dq_kernel<WGQ, MinQ>, smem90_dq<WGQ>());
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid_kv(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
-    flash90_dkdv_kernel<WG, MinKV, OverlapKV><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+    flash90_dkdv_kernel<WG, MinKV><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
                                                                                    scale_log2, scale);
     cudaCheckLaunch();
     const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
