@@ -313,7 +313,11 @@ TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
 }
 
 TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
-    for (const Shape& s : kShapes) {
+    // kShapes, plus C = 384 (the fused kernel with 2 packs per lane) and C = 1024 (the two-kernel path).
+    std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
+    shapes.push_back({3, 300, 384, 6, 101, 128});
+    shapes.push_back({2, 150, 1024, 16, 101, 128});
+    for (const Shape& s : shapes) {
         SCOPED_TRACE(s.name());
         std::printf("  %s\n", s.name().c_str());
         const int64_t N = s.N();
@@ -334,11 +338,13 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
         const size_t scratch_bytes = layernorm_backward_scratch_bytes(N, s.C);
         DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
         std::vector<unsigned char> first[3];
-        for (int run = 0; run < 2; run++) {
+        // Runs 0 and 1: the trainer's path, twice; run 2: the separate row and partial kernels, which the
+        // fused kernel (C <= 768) must match bit for bit.
+        for (int run = 0; run < 3; run++) {
             auto d_dinp = upload_bf16(dinp0), d_dw = upload_bf16(dw0), d_db = upload_bf16(db0);
             poison(scratch);
             layernorm_backward(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
-                               d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream);
+                               d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream, run < 2);
             std::vector<unsigned char> bits[3] = {bytes_of(d_dinp.get(), n), bytes_of(d_dw.get(), size_t(s.C)),
                                                   bytes_of(d_db.get(), size_t(s.C))};
             if (run == 0) {
@@ -350,6 +356,7 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
                              kTolBf16, &db0);
                 for (int i = 0; i < 3; i++) first[i] = bits[i];
             } else {
+                SCOPED_TRACE(run == 1 ? "run twice" : "fused kernel against the separate kernels");
                 expect_bitwise("dinp", bits[0], first[0]);
                 expect_bitwise("dweight", bits[1], first[1]);
                 expect_bitwise("dbias", bits[2], first[2]);
