@@ -78,11 +78,12 @@ for section in "$@"; do
                 done
             done ;;
         profile)
-            # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised).
+            # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised), from
+            # the last step only: the first also runs the gemm tuner's trial matmuls.
             step "ncu d12 B=64" profile.log 500 ncu --target-processes application-only --csv --print-units base \
                 --metrics gpu__time_duration.sum --log-file "$OUT/ncu.csv" \
                 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
-            python3 dev/ncu_summary.py "$OUT/ncu.csv" --steps 3 | tee -a "$summary" ;;
+            python3 dev/ncu_summary.py "$OUT/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)
