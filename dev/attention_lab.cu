@@ -508,10 +508,11 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
                               },
                               {}, {}, false});
         };
-        addo("wgmma WG1", flash90_forward<1>, flash90_backward<1, 1>);
-        addo("wgmma WG2", flash90_forward<2>, flash90_backward<2, 2>);
-        addo("wgmma trainer's (kv3 q4)", flash90_forward<1>, flash90_backward<1, 1, 3, 4>);
-        addo("wgmma WG1 kv3 q3 per SM", flash90_forward<1>, flash90_backward<1, 1, 3, 3>);
+        addo("wgmma WG1", flash90_forward<1, false>, flash90_backward<1, 1, 1, 1, false>);
+        addo("wgmma WG2", flash90_forward<2, false>, flash90_backward<2, 2, 1, 1, false>);
+        addo("wgmma kv3 q4, cp.async", flash90_forward<1, false>, flash90_backward<1, 1, 3, 4, false>);
+        addo("wgmma kv3 q4, TMA", flash90_forward<1, true>, flash90_backward<1, 1, 3, 4, true>);
+        addo("wgmma WG2, TMA", flash90_forward<2, true>, flash90_backward<2, 2, 1, 1, true>);
     }
     for (Other& v : others) {
         poison(out2.get(), out2.bytes());

@@ -62,6 +62,8 @@ for section in "$@"; do
             for B in 16 64; do
                 step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
+                grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
+                    "$OUT/throughput.log" | tail -n 5 >>"$summary"
             done ;;
         throughput-large)
             # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits, without and with
@@ -181,14 +183,15 @@ for section in "$@"; do
         attention-detail)
             # One d12 B=64 launch of each flash kernel in the trainer (the second step's first), with Nsight
             # Compute's throughput, occupancy, warp-stall and instruction sections, to see what bounds them.
-            for k in flash_fwd_kernel flash_bwd_dkdv_kernel flash_bwd_dq_kernel; do
+            # The trainer runs the wgmma kernels on an H200 (flash90_*); elsewhere the mma.sync ones (flash_*).
+            for k in ${ATTN_KERNELS:-flash90_fwd_kernel flash90_dkdv_kernel flash90_dq_kernel}; do
                 step "ncu detail $k" attention_detail.log 150 ncu --target-processes application-only \
                     --kernel-name "regex:$k" --launch-skip 12 --launch-count 1 --section SpeedOfLight \
                     --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \
                     --section InstructionStats --section MemoryWorkloadAnalysis \
                     ./train_gpt2cu -e d12 -b 64 -t 1024 -x 2 -v 0 -s 0 -o ""
             done
-            grep -E "flash_|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank" \
+            grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
                 "$OUT/attention_detail.log" | tee -a "$summary" ;;
         compare)
             # Trainers built with other compile-time choices, timed against each other in one run:

@@ -42,6 +42,9 @@ pipelining inside a warpgroup (measured: no gain over several blocks per SM; dev
 #include <cmath>
 #include <cstdint>
 
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
+#include <cudaTypedefs.h>
+
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_attention.cuh"
@@ -102,6 +105,42 @@ __device__ inline void pipeline_step(int step, int n_steps, LoadNext load_next) 
     }
     fence_async_proxy();
     __syncthreads();
+}
+
+// Tile loads through the tensor memory accelerator (TMA), the alternative to load_tile_sw (Tma = true in
+// the kernels below): one thread asks for a whole 64 x 64 tile, which the TMA unit writes into shared
+// memory in the same 128-byte swizzle (rows past T are out of the tensor and arrive as zeros), and the
+// threads wait on an mbarrier that counts the bytes in. No per-thread address arithmetic, no cp.async.
+__device__ inline void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// After mbar_init, before any other thread or the TMA unit uses the barriers (then a __syncthreads()).
+__device__ inline void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// The issuing thread's arrival, announcing `bytes` to come from TMA loads that signal this barrier.
+__device__ inline void mbar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+// Waits until the barrier's phase with this parity has completed (its bytes all arrived).
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "LLMC_MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra LLMC_MBAR_WAIT;\n"
+        "}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// Rows row .. row + 63, columns col .. col + 63 of batch `batch` of the (B, T, cols) tensor of `map`
+// (rows_tensor_map) into a swizzled tile at dst (1024-byte aligned), completing on bar.
+__device__ inline void tma_tile(uint8_t* dst, const CUtensorMap* map, uint64_t* bar, int col, int row, int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(batch), "r"(smem_addr(bar))
+        : "memory");
 }
 
 // A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
@@ -268,12 +307,14 @@ constexpr size_t smem90_dkdv() {  // K and V tiles of the warpgroups, two Q, dO 
 // Forward: block = 64 * WG queries of one (b, h), longest first; loop over 64-key blocks up to the
 // diagonal, K and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait.
 
-template <int WG>
+template <int WG, bool Tma>
 static __global__ void __launch_bounds__(WG * kWGThreads)
-    flash90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, int T, int NH, float scale_log2) {
+    flash90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, const __grid_constant__ CUtensorMap qkv_map, int T,
+                       int NH, float scale_log2) {
 #if LLMC_FLASH90_DEVICE
     constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
     extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q, K/V buffer 0, K/V buffer 1
     uint8_t* sQ = align_smem(smem_raw);
     uint8_t* sKV = sQ + WG * kTileBytes;  // [buffer][K, V]
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
@@ -285,15 +326,35 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
     const int row0 = wfirst + 16 * warp;                              // this warp's
 
-    for (int w = 0; w < WG; w++) load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
-    cp_async_commit();
     auto load_kv = [&](int j, int buf) {
         uint8_t* dst = sKV + buf * 2 * kTileBytes;
-        load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
-        load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+        if constexpr (Tma) {  // thread 0 only
+            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
+            tma_tile(dst, &qkv_map, &bars[1 + buf], C + h * kHS, j * kRows, b);
+            tma_tile(dst + kTileBytes, &qkv_map, &bars[1 + buf], 2 * C + h * kHS, j * kRows, b);
+        } else {
+            load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
+            load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+        }
     };
-    load_kv(0, 0);
-    cp_async_commit();
+    if constexpr (Tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid == 0) {
+            mbar_expect(&bars[0], WG * kTileBytes);
+            for (int w = 0; w < WG; w++) tma_tile(sQ + w * kTileBytes, &qkv_map, &bars[0], h * kHS, q0 + kRows * w, b);
+            load_kv(0, 0);
+        }
+        mbar_wait(&bars[0], 0);
+    } else {
+        for (int w = 0; w < WG; w++) load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
+        cp_async_commit();
+        load_kv(0, 0);
+        cp_async_commit();
+    }
 
     uint32_t pa[4][4];
     float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -301,7 +362,13 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
+        if constexpr (Tma) {
+            __syncthreads();  // every warpgroup is done with the other buffer
+            if (tid == 0 && j + 1 < n_blocks) load_kv(j + 1, (j + 1) & 1);
+            mbar_wait(&bars[1 + buf], (j >> 1) & 1);
+        } else {
+            pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
+        }
         if (k0 > wlast) continue;  // every key after every query of this warpgroup
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
@@ -323,13 +390,15 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
 // the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end.
 
-template <int WG, int MinBlocks = 1>
+template <int WG, int MinBlocks, bool Tma>
 static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
-    flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
-                        int NH, float scale_log2, float scale) {
+    flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
+                        const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
+                        int T, int NH, float scale_log2, float scale) {
 #if LLMC_FLASH90_DEVICE
     constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
     extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: K and V, Q/dO buffer 0, Q/dO buffer 1
     uint8_t* sK = align_smem(smem_raw);
     uint8_t* sV = sK + WG * kTileBytes;
     uint8_t* sQdO = sV + WG * kTileBytes;                              // [buffer][Q, dO]
@@ -344,16 +413,22 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
     const int row0 = wfirst + 16 * warp;
 
-    for (int w = 0; w < WG; w++) {
-        load_tile_sw(sK + w * kTileBytes, base + C, C3, k0 + kRows * w, T, tid, kThreads);
-        load_tile_sw(sV + w * kTileBytes, base + 2 * C, C3, k0 + kRows * w, T, tid, kThreads);
-    }
-    cp_async_commit();
-    auto load_queries = [&](int i, int buf) {
-        const int q0 = i * kRows;
+    // Q and dO tiles of query block i into buffer buf (Tma: issued by thread 0), and their lse and D (every
+    // thread, plain loads, one step ahead: the __syncthreads() that starts the step that reads them makes
+    // them visible).
+    auto load_tiles = [&](int i, int buf) {
         uint8_t* dst = sQdO + buf * 2 * kTileBytes;
-        load_tile_sw(dst, base, C3, q0, T, tid, kThreads);
-        load_tile_sw(dst + kTileBytes, dobase, C, q0, T, tid, kThreads);
+        if constexpr (Tma) {
+            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
+            tma_tile(dst, &qkv_map, &bars[1 + buf], h * kHS, i * kRows, b);
+            tma_tile(dst + kTileBytes, &dout_map, &bars[1 + buf], h * kHS, i * kRows, b);
+        } else {
+            load_tile_sw(dst, base, C3, i * kRows, T, tid, kThreads);
+            load_tile_sw(dst + kTileBytes, dobase, C, i * kRows, T, tid, kThreads);
+        }
+    };
+    auto load_lse_d = [&](int i, int buf) {
+        const int q0 = i * kRows;
         float* bL = sLD + buf * 2 * kRows;
         for (int t = tid; t < kRows; t += kThreads) {
             const int qi = q0 + t;
@@ -362,8 +437,32 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         }
     };
     const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
-    load_queries(i0, 0);
-    cp_async_commit();
+    if constexpr (Tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid == 0) {
+            mbar_expect(&bars[0], 2 * WG * kTileBytes);
+            for (int w = 0; w < WG; w++) {
+                tma_tile(sK + w * kTileBytes, &qkv_map, &bars[0], C + h * kHS, k0 + kRows * w, b);
+                tma_tile(sV + w * kTileBytes, &qkv_map, &bars[0], 2 * C + h * kHS, k0 + kRows * w, b);
+            }
+            load_tiles(i0, 0);
+        }
+        load_lse_d(i0, 0);
+        mbar_wait(&bars[0], 0);
+    } else {
+        for (int w = 0; w < WG; w++) {
+            load_tile_sw(sK + w * kTileBytes, base + C, C3, k0 + kRows * w, T, tid, kThreads);
+            load_tile_sw(sV + w * kTileBytes, base + 2 * C, C3, k0 + kRows * w, T, tid, kThreads);
+        }
+        cp_async_commit();
+        load_tiles(i0, 0);
+        load_lse_d(i0, 0);
+        cp_async_commit();
+    }
 
     uint32_t pa[4][4], da[4][4];
     float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
@@ -371,7 +470,19 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     zero8(dv);
     for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * kRows, buf = (i - i0) & 1;
-        pipeline_step(i - i0, n_qblocks - i0, [&](int next) { load_queries(i0 + next, next & 1); });
+        if constexpr (Tma) {
+            __syncthreads();  // every warpgroup is done with the other buffer
+            if (i + 1 < n_qblocks) {
+                if (tid == 0) load_tiles(i + 1, buf ^ 1);
+                load_lse_d(i + 1, buf ^ 1);
+            }
+            mbar_wait(&bars[1 + buf], ((i - i0) >> 1) & 1);
+        } else {
+            pipeline_step(i - i0, n_qblocks - i0, [&](int next) {
+                load_tiles(i0 + next, next & 1);
+                load_lse_d(i0 + next, next & 1);
+            });
+        }
         if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
         const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
         const uint8_t* sdO = sQ + kTileBytes;
@@ -405,13 +516,15 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
 // Backward, dQ: block = 64 * WG queries of one (b, h), longest first; loop over the key blocks up to the
 // diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
 
-template <int WG, int MinBlocks = 1>
+template <int WG, int MinBlocks, bool Tma>
 static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
-    flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
+    flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
+                      const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
                       int NH, float scale_log2, float scale) {
 #if LLMC_FLASH90_DEVICE
     constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
     extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q and dO, K/V buffer 0, K/V buffer 1
     uint8_t* sQ = align_smem(smem_raw);
     uint8_t* sdO = sQ + WG * kTileBytes;
     uint8_t* sKV = sdO + WG * kTileBytes;  // [buffer][K, V]
@@ -432,18 +545,42 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
     }
 
-    for (int w = 0; w < WG; w++) {
-        load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
-        load_tile_sw(sdO + w * kTileBytes, dout + int64_t(b) * T * C + h * kHS, C, q0 + kRows * w, T, tid, kThreads);
-    }
-    cp_async_commit();
     auto load_kv = [&](int j, int buf) {
         uint8_t* dst = sKV + buf * 2 * kTileBytes;
-        load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
-        load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+        if constexpr (Tma) {  // thread 0 only
+            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
+            tma_tile(dst, &qkv_map, &bars[1 + buf], C + h * kHS, j * kRows, b);
+            tma_tile(dst + kTileBytes, &qkv_map, &bars[1 + buf], 2 * C + h * kHS, j * kRows, b);
+        } else {
+            load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
+            load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
+        }
     };
-    load_kv(0, 0);
-    cp_async_commit();
+    if constexpr (Tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid == 0) {
+            mbar_expect(&bars[0], 2 * WG * kTileBytes);
+            for (int w = 0; w < WG; w++) {
+                tma_tile(sQ + w * kTileBytes, &qkv_map, &bars[0], h * kHS, q0 + kRows * w, b);
+                tma_tile(sdO + w * kTileBytes, &dout_map, &bars[0], h * kHS, q0 + kRows * w, b);
+            }
+            load_kv(0, 0);
+        }
+        mbar_wait(&bars[0], 0);
+    } else {
+        for (int w = 0; w < WG; w++) {
+            load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
+            load_tile_sw(sdO + w * kTileBytes, dout + int64_t(b) * T * C + h * kHS, C, q0 + kRows * w, T, tid,
+                         kThreads);
+        }
+        cp_async_commit();
+        load_kv(0, 0);
+        cp_async_commit();
+    }
 
     uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
@@ -451,7 +588,13 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
+        if constexpr (Tma) {
+            __syncthreads();  // every warpgroup is done with the other buffer
+            if (tid == 0 && j + 1 < n_blocks) load_kv(j + 1, (j + 1) & 1);
+            mbar_wait(&bars[1 + buf], (j >> 1) & 1);
+        } else {
+            pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
+        }
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
@@ -491,8 +634,56 @@ inline bool flash90_available() {
 #endif
 }
 
+// Whether the launchers load tiles through TMA (tma_tile) or cp.async (load_tile_sw) by default: the
+// same bits either way (the same values land in the same swizzled places). -DLLMC_FLASH90_TMA=0 or 1.
+#ifndef LLMC_FLASH90_TMA
+#define LLMC_FLASH90_TMA 1
+#endif
+constexpr bool kFlash90Tma = LLMC_FLASH90_TMA != 0;
+
+namespace flash90_detail {
+
+// The TMA descriptor of a (B, T, cols) bf16 tensor, cols contiguous, read in 64 x 64 tiles (64 rows of one
+// batch, 64 columns) with the 128-byte swizzle; rows past T are outside the tensor (zero-filled). The
+// driver's encoder is reached through the runtime, so nothing links libcuda.
+inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+            fail(kExitCuda, "flash90: the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or later)");
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    CUtensorMap map{};
+    const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(T), cuuint64_t(B)};
+    const cuuint64_t strides[2] = {cuuint64_t(cols) * sizeof(floatX), cuuint64_t(T) * cuuint64_t(cols) * sizeof(floatX)};
+    const cuuint32_t box[3] = {kHS, kRows, 1}, elem_strides[3] = {1, 1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<floatX*>(base), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fail(kExitCuda, "flash90: cuTensorMapEncodeTiled for %s (B=%d T=%d cols=%lld) failed with CUresult %d", what,
+             B, T, (long long)cols, int(r));
+    }
+    return map;
+}
+
+// The maps a launch passes: real ones with Tma, zeros (unused) without.
+template <bool Tma>
+inline CUtensorMap maybe_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
+    if constexpr (Tma) {
+        return rows_tensor_map(base, cols, T, B, what);
+    } else {
+        return CUtensorMap{};
+    }
+}
+
+}  // namespace flash90_detail
+
 // As flash_forward<64> (same arguments, same lse), on wgmma. Needs flash90_available().
-template <int WG = 1>
+template <int WG = 1, bool Tma = kFlash90Tma>
 void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     static_assert(WG == 1 || WG == 2 || WG == 3, "1 to 3 warpgroups per block");
     using namespace flash90_detail;
@@ -501,17 +692,19 @@ void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, i
     require_aligned16(out, "flash90_forward: out");
     require_aligned16(lse, "flash90_forward: lse");
     require_aligned16(qkv, "flash90_forward: qkv");
-    allow_smem(flash90_fwd_kernel<WG>, smem90_fwd<WG>());
+    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    allow_smem(flash90_fwd_kernel<WG, Tma>, smem90_fwd<WG>());
     const float scale_log2 = kLog2e / sqrtf(float(kHS));
     const dim3 grid(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
-    flash90_fwd_kernel<WG><<<grid, WG * kWGThreads, smem90_fwd<WG>(), stream>>>(out, lse, qkv, T, NH, scale_log2);
+    flash90_fwd_kernel<WG, Tma><<<grid, WG * kWGThreads, smem90_fwd<WG>(), stream>>>(out, lse, qkv, qkv_map, T, NH,
+                                                                                     scale_log2);
     cudaCheckLaunch();
 }
 
 // As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes), on wgmma.
 // WG for the dK/dV kernel, WGQ for the dQ kernel; MinKV, MinQ: blocks per SM their registers are capped
 // for (__launch_bounds__; 1 leaves the compiler free).
-template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1>
+template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1, bool Tma = kFlash90Tma>
 void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
                       int B, int T, int NH, float* D, cudaStream_t stream) {
     static_assert(WG >= 1 && WG <= 3 && WGQ >= 1 && WGQ <= 3, "1 to 3 warpgroups per block");
@@ -528,16 +721,18 @@ void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const
     flash_bwd_dot_kernel<kHS><<<unsigned(ceil_div<int64_t>(rows, flash_detail::kThreads / (kHS / 8))),
                                 flash_detail::kThreads, 0, stream>>>(D, out, dout, B, T, NH);
     cudaCheckLaunch();
-    allow_smem(flash90_dkdv_kernel<WG, MinKV>, smem90_dkdv<WG>());
-    allow_smem(flash90_dq_kernel<WGQ, MinQ>, smem90_dq<WGQ>());
+    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    const CUtensorMap dout_map = maybe_map<Tma>(dout, int64_t(NH) * kHS, T, B, "dout");
+    allow_smem(flash90_dkdv_kernel<WG, MinKV, Tma>, smem90_dkdv<WG>());
+    allow_smem(flash90_dq_kernel<WGQ, MinQ, Tma>, smem90_dq<WGQ>());
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid_kv(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
-    flash90_dkdv_kernel<WG, MinKV><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                                   scale_log2, scale);
+    flash90_dkdv_kernel<WG, MinKV, Tma><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(
+        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
     cudaCheckLaunch();
     const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
-    flash90_dq_kernel<WGQ, MinQ><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                                 scale_log2, scale);
+    flash90_dq_kernel<WGQ, MinQ, Tma><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(
+        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
     cudaCheckLaunch();
 }
 
