@@ -12,7 +12,7 @@ Checks (exit 1 on any failure): out, lse, dq, dk, dv against the fp32 reference 
 lse max abs), outputs poisoned with NaN before each launch (so an unwritten element shows), forward and
 backward run twice and compared bitwise, and every other kernel variant (Pipe: double-buffered tiles; MT:
 two row tiles of 16 per warp, HS 64; on an sm_90a build on Hopper, the wgmma kernels of
-llmc/flash_attention_sm90.cuh with their warpgroup and register choices) bitwise equal to them, after a
+llmc/flash_attention_sm90.cuh with their warpgroup, register and tile-loading (TMA or cp.async) choices) bitwise equal to them, after a
 selftest of the wgmma building blocks (swizzled tiles, descriptors, one and four accumulated blocks); T = 1, 37, 64, 65, 1000, 1024 and small and
 large B*NH, HS 64 and 128. Then times (CUDA events, median of 25 after warm-up) every variant and the
 cuBLASLt path at the d12 shapes, checks them against each other and prints a table. Event timings drift

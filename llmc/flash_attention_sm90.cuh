@@ -9,17 +9,23 @@ Provides:
   flash90_forward:           out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
   flash90_backward:          dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
   Template argument WG: warpgroups (of 128 threads, 64 rows each) per block; they share the tiles the
-  block loads. Every WG (and the backward's MinKV, MinQ) gives the same bits (each row sees the same
-  sequence of operations).
+  block loads. Tma: tiles loaded by the tensor memory accelerator (default, LLMC_FLASH90_TMA=1) or by
+  cp.async from every thread. Every WG, Tma (and the backward's MinKV, MinQ) gives the same bits (each row
+  sees the same sequence of operations on the same tile contents).
 
-How: each warpgroup owns 64 rows (queries in forward and dQ, keys in dK/dV). The operand that stays
-fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory, where wgmma reads it
-as its A operand; the operand that streams (K, V or Q, dO, 64 rows per step, double-buffered with
-cp.async) is read by wgmma from shared memory as B. Products are wgmma.m64n64k16 with fp32 accumulators;
-P and dS go from the accumulators to A fragments in registers without leaving them. Shared tiles are 64
-rows x 128 bytes in the 128-byte swizzle wgmma reads (16-byte chunk c of row r stored at chunk c ^ (r %
-8)), 1024-byte aligned; the same tile serves as a K-major operand (S = Q K^T: keys are the columns) and as
-an MN-major one (O += P V: keys are the reduction), so nothing is transposed by hand.
+How: each warpgroup owns 64 rows (queries in forward and dQ, keys in dK/dV). The operand that stays fixed
+for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory, where wgmma reads it as its A
+operand; the operand that streams (K, V or Q, dO, 64 rows per step, double-buffered) is read by wgmma from
+shared memory as B. With TMA one thread asks for a step's tiles (a 3-D tensor map over (B, T, columns), so
+rows past T arrive as zeros) and every thread waits on the buffer's mbarrier; with cp.async every thread
+copies its share of 16-byte chunks and computes their swizzled addresses (Nsight Compute: integer ALU the
+forward's busiest pipe; H200, d12 B=64: forward 0.410 -> 0.320 ms, backward 1.157 -> 1.015 ms per layer
+with TMA). Products are
+wgmma.m64n64k16 with fp32 accumulators; P and dS go from the accumulators to A fragments in registers
+without leaving them. Shared tiles are 64 rows x 128 bytes in the 128-byte swizzle wgmma reads (16-byte
+chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte aligned; the same tile serves as a K-major operand
+(S = Q K^T: keys are the columns) and as an MN-major one (O += P V: keys are the reduction), so nothing is
+transposed by hand.
 
 Numerics as the mma.sync kernels (bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and
 D in fp32, dQ in its own pass without atomics, so results are bitwise reproducible), and the same bits:
@@ -34,8 +40,9 @@ registers (wgmma reads them from shared memory), which also leaves ptxas no reas
 (its C7512 / C7520 remarks; dev/ATTENTION.md step 5). A warpgroup's index comes from warpgroup_index(),
 which ptxas can see to be uniform across the warpgroup.
 
-Does not provide: head sizes other than 64, non-causal attention, TMA loads, warp specialisation, software
-pipelining inside a warpgroup (measured: no gain over several blocks per SM; dev/ATTENTION.md step 5).
+Does not provide: head sizes other than 64, non-causal attention, warp specialisation, TMA multicast across
+a cluster, software pipelining inside a warpgroup (measured: no gain over several blocks per SM;
+dev/ATTENTION.md step 5), D computed inside the dQ kernel (measured slower than its own kernel: step 6).
 */
 #pragma once
 
@@ -141,6 +148,96 @@ __device__ inline void tma_tile(uint8_t* dst, const CUtensorMap* map, uint64_t* 
         "[%5];\n" ::"r"(smem_addr(dst)),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(batch), "r"(smem_addr(bar))
         : "memory");
+}
+
+// Where a kernel's 64 x 64 tiles come from: columns col .. col + 63 of batch b of a (B, T, cols) tensor,
+// through its TMA map, or from g (the column's first element of batch b, rows `stride` elements apart).
+struct TileSource {
+    const CUtensorMap* map;
+    const floatX* g;
+    int64_t stride;
+    int col, b;
+};
+
+// Rows row .. row + 63 of src into the swizzled tile at dst. Tma: issued by the calling thread alone, its
+// bytes counted on bar (announced by the caller's mbar_expect); else every one of nthreads threads copies
+// its share with cp.async (committed by the caller).
+template <bool Tma>
+__device__ inline void load_tile(uint8_t* dst, const TileSource& src, int row, int T, int tid, int nthreads,
+                                 uint64_t* bar) {
+    if constexpr (Tma) {
+        tma_tile(dst, src.map, bar, src.col, row, src.b);
+    } else {
+        load_tile_sw(dst, src.g, src.stride, row, T, tid, nthreads);
+    }
+}
+
+// The tiles that stay for the whole block: WG tiles of a at dst_a and, when b is given, WG of b at dst_b,
+// rows row0 + 64 w, on bars[0] (Tma: by the calling thread alone).
+template <bool Tma, int WG>
+__device__ inline void load_fixed(uint8_t* dst_a, const TileSource& a, uint8_t* dst_b, const TileSource* b, int row0,
+                                  int T, int tid, int nthreads, uint64_t (&bars)[3]) {
+    if constexpr (Tma) mbar_expect(&bars[0], (b != nullptr ? 2 : 1) * WG * kTileBytes);
+    for (int w = 0; w < WG; w++) {
+        load_tile<Tma>(dst_a + w * kTileBytes, a, row0 + kRows * w, T, tid, nthreads, bars);
+        if (b != nullptr) load_tile<Tma>(dst_b + w * kTileBytes, *b, row0 + kRows * w, T, tid, nthreads, bars);
+    }
+}
+
+// Step n of a stream of tile pairs: rows row .. row + 63 of a and b into buffer n & 1 of `stream` (two
+// tiles per buffer), on bars[1 + (n & 1)] (Tma: by the calling thread alone).
+template <bool Tma>
+__device__ inline void load_stream_pair(uint8_t* stream, const TileSource& a, const TileSource& b, int n, int row,
+                                        int T, int tid, int nthreads, uint64_t (&bars)[3]) {
+    uint8_t* dst = stream + (n & 1) * 2 * kTileBytes;
+    uint64_t* bar = &bars[1 + (n & 1)];
+    if constexpr (Tma) mbar_expect(bar, 2 * kTileBytes);
+    load_tile<Tma>(dst, a, row, T, tid, nthreads, bar);
+    load_tile<Tma>(dst + kTileBytes, b, row, T, tid, nthreads, bar);
+}
+
+// The prologue of a kernel's loads: with Tma, thread 0 sets up the three barriers (the fixed tiles', the
+// two stream buffers') and the block waits for that; issue_first then loads the fixed tiles on bars[0]
+// and step 0 of the stream, by thread 0 (Tma) or by every thread (cp.async, one commit group each), and
+// each_first is every thread's own part of step 0. Tma: returns after the fixed tiles have arrived.
+template <bool Tma, class IssueFirst, class EachFirst>
+__device__ inline void loads_begin(uint64_t (&bars)[3], int tid, IssueFirst issue_first, EachFirst each_first) {
+    if constexpr (Tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid == 0) issue_first();
+        each_first();
+        mbar_wait(&bars[0], 0);
+    } else {
+        issue_first();
+        each_first();
+        cp_async_commit();
+    }
+}
+
+// One step of a double-buffered stream of n_steps tile sets (buffer step & 1, on bars[1 + buffer] with
+// Tma): frees the other buffer (a barrier), loads step + 1 into it (issue_next by thread 0 with Tma, by
+// every thread with cp.async; each_next by every thread), then waits for this step's tiles. cp.async:
+// pipeline_step.
+template <bool Tma, class IssueNext, class EachNext>
+__device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], int tid, IssueNext issue_next,
+                                  EachNext each_next) {
+    if constexpr (Tma) {
+        __syncthreads();
+        if (step + 1 < n_steps) {
+            if (tid == 0) issue_next(step + 1);
+            each_next(step + 1);
+        }
+        mbar_wait(&bars[1 + (step & 1)], (step >> 1) & 1);
+    } else {
+        pipeline_step(step, n_steps, [&](int next) {
+            issue_next(next);
+            each_next(next);
+        });
+    }
 }
 
 // A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
@@ -326,35 +423,17 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
     const int row0 = wfirst + 16 * warp;                              // this warp's
 
-    auto load_kv = [&](int j, int buf) {
-        uint8_t* dst = sKV + buf * 2 * kTileBytes;
-        if constexpr (Tma) {  // thread 0 only
-            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
-            tma_tile(dst, &qkv_map, &bars[1 + buf], C + h * kHS, j * kRows, b);
-            tma_tile(dst + kTileBytes, &qkv_map, &bars[1 + buf], 2 * C + h * kHS, j * kRows, b);
-        } else {
-            load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
-            load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
-        }
-    };
-    if constexpr (Tma) {
-        if (tid == 0) {
-            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
-            mbar_init_fence();
-        }
-        __syncthreads();
-        if (tid == 0) {
-            mbar_expect(&bars[0], WG * kTileBytes);
-            for (int w = 0; w < WG; w++) tma_tile(sQ + w * kTileBytes, &qkv_map, &bars[0], h * kHS, q0 + kRows * w, b);
-            load_kv(0, 0);
-        }
-        mbar_wait(&bars[0], 0);
-    } else {
-        for (int w = 0; w < WG; w++) load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
-        cp_async_commit();
-        load_kv(0, 0);
-        cp_async_commit();
-    }
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    auto nothing = [](int) {};
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sQ, q_src, nullptr, nullptr, q0, T, tid, kThreads, bars);
+            load_kv(0);
+        },
+        [] {});
 
     uint32_t pa[4][4];
     float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
@@ -362,13 +441,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        if constexpr (Tma) {
-            __syncthreads();  // every warpgroup is done with the other buffer
-            if (tid == 0 && j + 1 < n_blocks) load_kv(j + 1, (j + 1) & 1);
-            mbar_wait(&bars[1 + buf], (j >> 1) & 1);
-        } else {
-            pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
-        }
+        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
         if (k0 > wlast) continue;  // every key after every query of this warpgroup
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
@@ -413,56 +486,30 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
     const int row0 = wfirst + 16 * warp;
 
-    // Q and dO tiles of query block i into buffer buf (Tma: issued by thread 0), and their lse and D (every
-    // thread, plain loads, one step ahead: the __syncthreads() that starts the step that reads them makes
-    // them visible).
-    auto load_tiles = [&](int i, int buf) {
-        uint8_t* dst = sQdO + buf * 2 * kTileBytes;
-        if constexpr (Tma) {
-            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
-            tma_tile(dst, &qkv_map, &bars[1 + buf], h * kHS, i * kRows, b);
-            tma_tile(dst + kTileBytes, &dout_map, &bars[1 + buf], h * kHS, i * kRows, b);
-        } else {
-            load_tile_sw(dst, base, C3, i * kRows, T, tid, kThreads);
-            load_tile_sw(dst + kTileBytes, dobase, C, i * kRows, T, tid, kThreads);
-        }
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b}, do_src{&dout_map, dobase, C, h * kHS, b};
+    const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
+    // Step n (query block i0 + n) into buffer n & 1: its Q and dO tiles, and (every thread, plain loads, one
+    // step ahead: the barrier that starts the step that reads them makes them visible) its lse and D.
+    auto load_tiles = [&](int n) {
+        load_stream_pair<Tma>(sQdO, q_src, do_src, n, (i0 + n) * kRows, T, tid, kThreads, bars);
     };
-    auto load_lse_d = [&](int i, int buf) {
-        const int q0 = i * kRows;
-        float* bL = sLD + buf * 2 * kRows;
+    auto load_lse_d = [&](int n) {
+        const int q0 = (i0 + n) * kRows;
+        float* bL = sLD + (n & 1) * 2 * kRows;
         for (int t = tid; t < kRows; t += kThreads) {
             const int qi = q0 + t;
             bL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
             bL[kRows + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
         }
     };
-    const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
-    if constexpr (Tma) {
-        if (tid == 0) {
-            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
-            mbar_init_fence();
-        }
-        __syncthreads();
-        if (tid == 0) {
-            mbar_expect(&bars[0], 2 * WG * kTileBytes);
-            for (int w = 0; w < WG; w++) {
-                tma_tile(sK + w * kTileBytes, &qkv_map, &bars[0], C + h * kHS, k0 + kRows * w, b);
-                tma_tile(sV + w * kTileBytes, &qkv_map, &bars[0], 2 * C + h * kHS, k0 + kRows * w, b);
-            }
-            load_tiles(i0, 0);
-        }
-        load_lse_d(i0, 0);
-        mbar_wait(&bars[0], 0);
-    } else {
-        for (int w = 0; w < WG; w++) {
-            load_tile_sw(sK + w * kTileBytes, base + C, C3, k0 + kRows * w, T, tid, kThreads);
-            load_tile_sw(sV + w * kTileBytes, base + 2 * C, C3, k0 + kRows * w, T, tid, kThreads);
-        }
-        cp_async_commit();
-        load_tiles(i0, 0);
-        load_lse_d(i0, 0);
-        cp_async_commit();
-    }
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sK, k_src, sV, &v_src, k0, T, tid, kThreads, bars);
+            load_tiles(0);
+        },
+        [&] { load_lse_d(0); });
 
     uint32_t pa[4][4], da[4][4];
     float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
@@ -470,19 +517,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     zero8(dv);
     for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * kRows, buf = (i - i0) & 1;
-        if constexpr (Tma) {
-            __syncthreads();  // every warpgroup is done with the other buffer
-            if (i + 1 < n_qblocks) {
-                if (tid == 0) load_tiles(i + 1, buf ^ 1);
-                load_lse_d(i + 1, buf ^ 1);
-            }
-            mbar_wait(&bars[1 + buf], ((i - i0) >> 1) & 1);
-        } else {
-            pipeline_step(i - i0, n_qblocks - i0, [&](int next) {
-                load_tiles(i0 + next, next & 1);
-                load_lse_d(i0 + next, next & 1);
-            });
-        }
+        loads_step<Tma>(i - i0, n_qblocks - i0, bars, tid, load_tiles, load_lse_d);
         if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
         const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
         const uint8_t* sdO = sQ + kTileBytes;
@@ -545,42 +580,18 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
     }
 
-    auto load_kv = [&](int j, int buf) {
-        uint8_t* dst = sKV + buf * 2 * kTileBytes;
-        if constexpr (Tma) {  // thread 0 only
-            mbar_expect(&bars[1 + buf], 2 * kTileBytes);
-            tma_tile(dst, &qkv_map, &bars[1 + buf], C + h * kHS, j * kRows, b);
-            tma_tile(dst + kTileBytes, &qkv_map, &bars[1 + buf], 2 * C + h * kHS, j * kRows, b);
-        } else {
-            load_tile_sw(dst, base + C, C3, j * kRows, T, tid, kThreads);
-            load_tile_sw(dst + kTileBytes, base + 2 * C, C3, j * kRows, T, tid, kThreads);
-        }
-    };
-    if constexpr (Tma) {
-        if (tid == 0) {
-            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
-            mbar_init_fence();
-        }
-        __syncthreads();
-        if (tid == 0) {
-            mbar_expect(&bars[0], 2 * WG * kTileBytes);
-            for (int w = 0; w < WG; w++) {
-                tma_tile(sQ + w * kTileBytes, &qkv_map, &bars[0], h * kHS, q0 + kRows * w, b);
-                tma_tile(sdO + w * kTileBytes, &dout_map, &bars[0], h * kHS, q0 + kRows * w, b);
-            }
-            load_kv(0, 0);
-        }
-        mbar_wait(&bars[0], 0);
-    } else {
-        for (int w = 0; w < WG; w++) {
-            load_tile_sw(sQ + w * kTileBytes, base, C3, q0 + kRows * w, T, tid, kThreads);
-            load_tile_sw(sdO + w * kTileBytes, dout + int64_t(b) * T * C + h * kHS, C, q0 + kRows * w, T, tid,
-                         kThreads);
-        }
-        cp_async_commit();
-        load_kv(0, 0);
-        cp_async_commit();
-    }
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b},
+        do_src{&dout_map, dout + int64_t(b) * T * C + h * kHS, C, h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    auto nothing = [](int) {};
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sQ, q_src, sdO, &do_src, q0, T, tid, kThreads, bars);
+            load_kv(0);
+        },
+        [] {});
 
     uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
@@ -588,13 +599,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        if constexpr (Tma) {
-            __syncthreads();  // every warpgroup is done with the other buffer
-            if (tid == 0 && j + 1 < n_blocks) load_kv(j + 1, (j + 1) & 1);
-            mbar_wait(&bars[1 + buf], (j >> 1) & 1);
-        } else {
-            pipeline_step(j, n_blocks, [&](int next) { load_kv(next, next & 1); });
-        }
+        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
@@ -658,7 +663,8 @@ inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int 
     }();
     CUtensorMap map{};
     const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(T), cuuint64_t(B)};
-    const cuuint64_t strides[2] = {cuuint64_t(cols) * sizeof(floatX), cuuint64_t(T) * cuuint64_t(cols) * sizeof(floatX)};
+    const cuuint64_t row_bytes = cuuint64_t(cols) * sizeof(floatX);
+    const cuuint64_t strides[2] = {row_bytes, cuuint64_t(T) * row_bytes};  // bytes between rows, between batches
     const cuuint32_t box[3] = {kHS, kRows, 1}, elem_strides[3] = {1, 1, 1};
     const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<floatX*>(base), dims, strides, box,
                               elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

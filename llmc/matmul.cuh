@@ -30,8 +30,10 @@ and the first choice, and from then on runs the fastest for that key. Those firs
 stream. dev/matmul_lab.cu measured the candidates (dev/NOTES.md, session 5). Calls with beta != 0 (the
 weight gradients, which accumulate) always run the first choice.
 
-Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds), or standalone GELU
-(gelu.cuh).
+Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds: a probe of every algorithm
+id for the GELU epilogues found nothing faster than the heuristic's candidates, dev/NOTES.md session 8),
+cuBLASLt's bias-gradient epilogues (slower than our kernel and fp32 output refused, same place), or
+standalone GELU (gelu.cuh).
 */
 #pragma once
 
