@@ -3,6 +3,7 @@ matmul_lab: is cuBLASLt's first heuristic choice (the algorithm gemm() runs) the
 matmuls the trainer runs, and how much of a training step would picking another one save?
 
   build/matmul_lab [--B 64] [--T 1024] [--C 768] [--Vp 50304] [--layers 12] [--algos 16]
+                   [--sustain SECONDS | --sustain-each SECONDS]
 
 Makes the 15 distinct gemm() calls of one GPT-2 forward and backward at these sizes (d12 by default,
 N = B*T rows), each with exactly the arguments matmul_forward / matmul_backward of llmc/matmul.cuh pass
@@ -35,10 +36,26 @@ Rank 0 of a request for --algos results is checked to be the algorithm a request
 one gemm() runs). Runtime at d12 on an H200: 15 calls x up to 16 ranks x 27 runs (2 checked, 5 warm-up,
 20 timed) of ~27 ms per pass over the 15 calls, plus the re-timing: ~20-30 s.
 
+With --sustain S (seconds) the sweep is skipped: every call's tensors are made at once and the step's
+whole sequence of matmuls (each call per_step times, rank 0's algorithm: what gemm() runs untuned) is run
+back to back for S seconds after a 2-second idle, with a CUDA event between calls. Prints the first
+sequence's time (started from idle clocks) against the median of the sequences in the last half, per
+call and in all: the matmul part of a step at the clock the GPU holds under sustained load (an H200 at
+its 700 W power cap runs at ~1.5 GHz against 1.98 GHz boost), i.e. a floor for the step that no faster
+non-matmul kernel can go below. Needs every call's tensors at once (~25 GB at d12 B=64).
+
+With --sustain-each S, each call's heuristic results (up to --algos) are run one after another, each
+back to back for S seconds after the call's rank 0 has run for one second: the median time per run over
+each result's last half, at the clock the power cap leaves for that algorithm alone. Under the cap an
+algorithm's energy per run decides its speed, so this ranking can differ from the sweep's, which times
+short bursts.
+
 Does not provide: choosing algorithms in the trainer; cuBLASLt's exhaustive search
 (cublasLtMatmulAlgoGetIds); attention's batched matmuls (llmc/attention.cuh).
 */
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -66,6 +83,8 @@ struct Options {
     int algos = 16;
     int warmup = 5;
     int reps = 20;
+    double sustain = 0;       // seconds; > 0: the sustained sequence instead of the sweep
+    double sustain_each = 0;  // seconds per heuristic result; > 0: each call's results sustained
 };
 
 // Returns false when --help was given.
@@ -78,7 +97,11 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "layers", &o.layers, "layers: the per-layer calls' count per step in the summary", 1, 1024)
         .add("", "algos", &o.algos, "heuristic results asked for per call", 1, 128)
         .add("", "warmup", &o.warmup, "untimed runs per result before timing", 0, 1000)
-        .add("", "reps", &o.reps, "timed runs per result (median)", 1, 10000);
+        .add("", "reps", &o.reps, "timed runs per result (median)", 1, 10000)
+        .add("", "sustain", &o.sustain, "seconds of the step's matmul sequence back to back (0: the sweep)", 0.0,
+             3600.0)
+        .add("", "sustain-each", &o.sustain_each, "seconds of each heuristic result back to back (0: the sweep)", 0.0,
+             600.0);
     if (!flags.parse(argc, argv)) return false;
     std::fputs(flags.settings_table().c_str(), stdout);
     return true;
@@ -315,6 +338,18 @@ double median(std::vector<double> v) {
     return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// One run of c with algo between two events, in ms (waits for it).
+double time_run(const Case& c, const cublasLtMatmulAlgo_t& algo, cudaStream_t stream, const Event& start,
+                const Event& stop) {
+    cudaCheck(cudaEventRecord(start, stream));
+    c.call->run(algo);
+    cudaCheck(cudaEventRecord(stop, stream));
+    cudaCheck(cudaEventSynchronize(stop));
+    float t = 0;
+    cudaCheck(cudaEventElapsedTime(&t, start, stop));
+    return double(t);
+}
+
 struct Summary {
     std::string name;
     int per_step = 1;
@@ -366,15 +401,7 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
     };
 
     Event start(true), stop(true);
-    auto time_one = [&](const cublasLtMatmulAlgo_t& algo) {
-        cudaCheck(cudaEventRecord(start, stream));
-        c.call->run(algo);
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        return double(t);
-    };
+    auto time_one = [&](const cublasLtMatmulAlgo_t& algo) { return time_run(c, algo, stream, start, stop); };
     bool have_ref = false;
     for (size_t r = 0; r < results.size(); r++) {
         const cublasLtMatmulHeuristicResult_t& h = results[r];
@@ -457,6 +484,115 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
     return s;
 }
 
+// --sustain: the step's matmul sequence back to back for o.sustain seconds (see the header).
+void run_sustained(std::vector<Case>& cases, cudaStream_t stream, const Options& o) {
+    std::vector<cublasLtMatmulAlgo_t> algos;
+    double flop = 0;
+    for (Case& c : cases) {
+        const std::vector<cublasLtMatmulHeuristicResult_t> r = c.call->heuristics(1);
+        if (r.empty()) c.call->fail_no_algorithm();
+        algos.push_back(r[0].algo);
+        flop += 2.0 * double(c.M) * double(c.N) * double(c.K) * c.per_step;
+    }
+    const size_t n = cases.size();
+    std::vector<std::unique_ptr<Event>> marks;
+    for (size_t i = 0; i <= n; i++) marks.push_back(std::make_unique<Event>(true));
+    std::vector<std::vector<double>> per_call(n);  // ms per sequence, by call
+    std::vector<double> total;
+    auto sequence = [&] {
+        cudaCheck(cudaEventRecord(*marks[0], stream));
+        for (size_t i = 0; i < n; i++) {
+            for (int k = 0; k < cases[i].per_step; k++) cases[i].call->run(algos[i]);
+            cudaCheck(cudaEventRecord(*marks[i + 1], stream));
+        }
+        cudaCheck(cudaEventSynchronize(*marks[n]));
+        double sum = 0;
+        for (size_t i = 0; i < n; i++) {
+            float t = 0;
+            cudaCheck(cudaEventElapsedTime(&t, *marks[i], *marks[i + 1]));
+            per_call[i].push_back(double(t));
+            sum += double(t);
+        }
+        total.push_back(sum);
+    };
+    sequence();  // cuBLASLt's first-use costs, not counted
+    per_call.assign(n, {});
+    total.clear();
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < o.sustain) sequence();
+    const size_t runs = total.size(), half = runs / 2;
+    if (runs < 4) fail(kExitUsage, "matmul_lab: --sustain %.1f ran %zu sequences; give it longer", o.sustain, runs);
+    auto steady = [&](const std::vector<double>& v) {
+        return median(std::vector<double>(v.begin() + std::ptrdiff_t(half), v.end()));
+    };
+    std::printf("\nsustained: the step's matmul sequence %zu times in %.1f s (rank 0 everywhere); first sequence "
+                "(from idle) against the median of the last %zu\n",
+                runs, o.sustain, runs - half);
+    std::printf("%-16s | %5s | %10s | %10s | %7s\n", "call", "x", "first ms", "steady ms", "slower");
+    for (size_t i = 0; i < n; i++) {
+        const double f = per_call[i][0], st = steady(per_call[i]);
+        std::printf("%-16s | %5d | %10.3f | %10.3f | %6.1f%%\n", cases[i].name.c_str(), cases[i].per_step, f, st,
+                    100.0 * (st / f - 1.0));
+    }
+    const double f = total[0], st = steady(total);
+    std::printf("%-16s | %5s | %10.3f | %10.3f | %6.1f%%\n", "sequence", "", f, st, 100.0 * (st / f - 1.0));
+    std::printf("matmuls of one step: %.2f ms from idle (%.0f TFLOP/s), %.2f ms sustained (%.0f TFLOP/s); min %.2f "
+                "max %.2f over the last %zu\n",
+                f, flop / (f * 1e-3) / 1e12, st, flop / (st * 1e-3) / 1e12,
+                *std::min_element(total.begin() + std::ptrdiff_t(half), total.end()),
+                *std::max_element(total.begin() + std::ptrdiff_t(half), total.end()), runs - half);
+}
+
+// --sustain-each: every heuristic result of one call, each back to back for o.sustain_each seconds.
+void run_sustained_each(const CublasLt& lt, Case& c, cudaStream_t stream, const Options& o) {
+    const std::vector<cublasLtMatmulHeuristicResult_t> results = c.call->heuristics(o.algos);
+    if (results.empty()) c.call->fail_no_algorithm();
+    const double flop = 2.0 * double(c.M) * double(c.N) * double(c.K);
+    Event start(true), stop(true);
+    // Runs algo back to back for `seconds`, a CUDA event pair around each run; the median of the last half.
+    // (Between runs the GPU waits only for the host's ~10 us round trip, which leaves it at the cap.)
+    auto sustained = [&](const cublasLtMatmulAlgo_t& algo, double seconds) {
+        std::vector<double> ms;
+        const auto t0 = std::chrono::steady_clock::now();
+        while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds) {
+            ms.push_back(time_run(c, algo, stream, start, stop));
+        }
+        return median(std::vector<double>(ms.begin() + std::ptrdiff_t(ms.size() / 2), ms.end()));
+    };
+    std::printf("\n%s sustained: M=%lld N=%lld K=%lld epilogue=%s, x%d per step; each result %.2f s back to back\n",
+                c.name.c_str(), (long long)c.M, (long long)c.N, (long long)c.K, detail::epilogue_name(c.epilogue),
+                c.per_step, o.sustain_each);
+    std::printf("%4s | %6s | %5s | %6s | %10s | %8s\n", "rank", "algo", "tile", "splitK", "median ms", "TFLOP/s");
+    sustained(results[0].algo, 1.0);  // to the power cap first
+    double best = -1, r0 = -1;
+    size_t best_rank = 0;
+    for (size_t r = 0; r < results.size(); r++) {
+        const cublasLtMatmulHeuristicResult_t& h = results[r];
+        if (h.state != CUBLAS_STATUS_SUCCESS || h.workspaceSize > lt.workspace_bytes()) {
+            std::printf("%4zu | skipped\n", r);
+            continue;
+        }
+        const AlgoInfo a = algo_info(h.algo);
+        double med = 0;
+        try {
+            med = sustained(h.algo, o.sustain_each);
+        } catch (const Error& e) {
+            std::printf("%4zu | %6lld | skipped: %s\n", r, (long long)a.id, e.what());
+            continue;
+        }
+        std::printf("%4zu | %6lld | %5lld | %6lld | %10.4f | %8.1f\n", r, (long long)a.id, (long long)a.tile,
+                    (long long)a.splitk, med, flop / (med * 1e-3) / 1e12);
+        if (r == 0) r0 = med;
+        if (best < 0 || med < best) {
+            best = med;
+            best_rank = r;
+        }
+    }
+    std::printf("%s: rank 0 %.4f ms, best rank %zu %.4f ms (%.1f%%), x%d per step: %.3f ms per step\n", c.name.c_str(),
+                r0, best_rank, best, 100.0 * (1.0 - best / r0), c.per_step, (r0 - best) * c.per_step);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -493,6 +629,19 @@ int main(int argc, char** argv) {
             [&] { return dinp_case(lt, stream, "qkv dinp", L, N, C, 3 * C, false); },
             [&] { return dweight_case(lt, stream, "qkv dweight", L, N, C, 3 * C); },
         };
+        if (o.sustain_each > 0) {
+            for (const auto& make : cases) {
+                Case c = make();
+                run_sustained_each(lt, c, stream, o);
+            }
+            return 0;
+        }
+        if (o.sustain > 0) {
+            std::vector<Case> all;
+            for (const auto& make : cases) all.push_back(make());
+            run_sustained(all, stream, o);
+            return 0;
+        }
         std::vector<Summary> summaries;
         for (const auto& make : cases) {
             Case c = make();

@@ -4,7 +4,8 @@
 # table is printed last. Only 8 files come back from $OUT: about six sections a call.
 #   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
-#             throughput-large profile attention-ncu attention-detail compare matmul-lab
+#             throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab
+#             matmul-sustain matmul-sustain-each gemm-tune-compare
 # The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
 # PCRE2 headers (the GPU machine has the library but not the headers).
 set -u
@@ -27,6 +28,28 @@ step() {  # step NAME LOGFILE TIMEOUT_S CMD...
     local rc=$?
     note "$(printf '%-28s rc=%-3s %4ss  (log %s)' "$name" "$rc" "$((SECONDS - t0))" "$log")"
     return $rc
+}
+
+# nvidia-smi's SM clock, power and clock-event reasons (0x4: the software power cap) every 250 ms while
+# something runs: smi_start; ...; smi_stop; smi_summary NAME (the samples stay in $OUT/NAME).
+smi_start() {
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv,noheader -lms 250 >"$OUT/smi.tmp" 2>&1 &
+    smi_pid=$!
+}
+smi_stop() { kill "$smi_pid"; wait "$smi_pid" 2>/dev/null; }
+smi_summary() {
+    mv "$OUT/smi.tmp" "$OUT/$1"
+    python3 - "$OUT/$1" <<'PY' | tee -a "$summary"
+import statistics, sys
+rows = [[f.strip() for f in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 5]
+busy = [r for r in rows if float(r[3].split()[0]) > 200]  # samples while the GPU works hard
+if busy:
+    for name, i in (("SM clock MHz", 1), ("memory clock MHz", 2), ("power W", 3), ("temperature C", 4)):
+        v = sorted(float(r[i].split()[0]) for r in busy)
+        print(f"{name}: min {v[0]:.0f} median {statistics.median(v):.0f} max {v[-1]:.0f} ({len(v)} samples)")
+    print("event reasons:", sorted({r[5] for r in busy}))
+PY
 }
 
 for section in "$@"; do
@@ -60,8 +83,11 @@ for section in "$@"; do
             step test_train_gpt2cu.sh trainer.log 150 bash test/test_train_gpt2cu.sh ;;
         throughput)
             for B in 16 64; do
+                smi_start
                 step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
+                smi_stop
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
+                [ $B = 64 ] && smi_summary smi_ours_b64.log
                 grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
                     "$OUT/throughput.log" | tail -n 5 >>"$summary"
             done ;;
@@ -86,6 +112,20 @@ for section in "$@"; do
                 --metrics gpu__time_duration.sum --log-file "$OUT/ncu.csv" \
                 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
             python3 dev/ncu_summary.py "$OUT/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
+        profile-real)
+            # The same per-kernel table with ncu leaving clocks and caches alone. The kernels still run one by
+            # one with ncu's pauses between them, so the GPU draws less power and may hold higher clocks than
+            # in a plain run (an H200 at d12 B=64 sits at its 700 W cap, ~1.5 GHz): the total is not the plain
+            # run's kernel time. nvidia-smi samples the SM clock, power and clock-event reasons in a plain run.
+            step "ncu d12 B=64 (real clocks)" profile_real.log 500 ncu --target-processes application-only --csv --print-units base \
+                --clock-control none --cache-control none --metrics gpu__time_duration.sum --log-file "$OUT/ncu_real.csv" \
+                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
+            python3 dev/ncu_summary.py "$OUT/ncu_real.csv" --last-step adamw_kernel | tee -a "$summary"
+            smi_start
+            step "train_gpt2cu d12 B=64 (smi)" profile_real.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 -o ""
+            smi_stop
+            tail -n 3 "$OUT/profile_real.log" >>"$summary"
+            smi_summary smi.log ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)
@@ -163,8 +203,36 @@ for section in "$@"; do
             # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
             # same call as the throughput section).
             for B in 16 64; do
+                smi_start
                 step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
+                smi_stop
                 grep -E "^average|^peak" "$OUT/torch_throughput.log" | tail -n 2 >>"$summary"
+                [ $B = 64 ] && smi_summary smi_torch_b64.log
+            done ;;
+        matmul-sustain)
+            # The step's matmuls alone, back to back for 20 s: their time at the clock the power cap leaves.
+            smi_start
+            step "matmul_lab --sustain" matmul_sustain.log 120 ./build/matmul_lab --sustain ${SUSTAIN_S:-20}
+            smi_stop
+            tail -n 19 "$OUT/matmul_sustain.log" >>"$summary"
+            smi_summary smi_matmul.log ;;
+        matmul-sustain-each)
+            # Every heuristic result of each matmul, each back to back for SUSTAIN_EACH_S seconds: the ranking
+            # at the power cap (where energy per run decides speed) against the sweep's short bursts.
+            smi_start
+            step "matmul_lab --sustain-each" matmul_sustain_each.log 300 ./build/matmul_lab --algos 8 \
+                --sustain-each ${SUSTAIN_EACH_S:-0.4}
+            smi_stop
+            grep -E "rank 0 .* best rank" "$OUT/matmul_sustain_each.log" >>"$summary"
+            smi_summary smi_matmul_each.log ;;
+        gemm-tune-compare)
+            # The trainer with and without its gemm tuner (which picks by short timed bursts), interleaved.
+            for r in 1 2 3; do
+                for t in 1 0; do
+                    step "train_gpt2cu --gemm-tune $t" gemm_tune.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 \
+                        -o "" --gemm-tune $t
+                    echo "round $r --gemm-tune $t: $(grep '^average' "$OUT/gemm_tune.log" | tail -n 1)" | tee -a "$summary"
+                done
             done ;;
         matmul-lab)
             # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
