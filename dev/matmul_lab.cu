@@ -55,13 +55,13 @@ Does not provide: choosing algorithms in the trainer; cuBLASLt's exhaustive sear
 */
 #include <algorithm>
 #include <chrono>
-#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "llmc/cuda_common.cuh"
@@ -103,6 +103,7 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "sustain-each", &o.sustain_each, "seconds of each heuristic result back to back (0: the sweep)", 0.0,
              600.0);
     if (!flags.parse(argc, argv)) return false;
+    if (o.sustain > 0 && o.sustain_each > 0) fail(kExitUsage, "matmul_lab: give --sustain or --sustain-each, not both");
     std::fputs(flags.settings_table().c_str(), stdout);
     return true;
 }
@@ -338,6 +339,11 @@ double median(std::vector<double> v) {
     return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The median of v's second half: what a sustained run settles to, leaving out the climb to the power cap.
+double last_half_median(const std::vector<double>& v) {
+    return median(std::vector<double>(v.begin() + std::ptrdiff_t(v.size() / 2), v.end()));
+}
+
 // One run of c with algo between two events, in ms (waits for it).
 double time_run(const Case& c, const cublasLtMatmulAlgo_t& algo, cudaStream_t stream, const Event& start,
                 const Event& stop) {
@@ -523,19 +529,16 @@ void run_sustained(std::vector<Case>& cases, cudaStream_t stream, const Options&
     while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < o.sustain) sequence();
     const size_t runs = total.size(), half = runs / 2;
     if (runs < 4) fail(kExitUsage, "matmul_lab: --sustain %.1f ran %zu sequences; give it longer", o.sustain, runs);
-    auto steady = [&](const std::vector<double>& v) {
-        return median(std::vector<double>(v.begin() + std::ptrdiff_t(half), v.end()));
-    };
     std::printf("\nsustained: the step's matmul sequence %zu times in %.1f s (rank 0 everywhere); first sequence "
                 "(from idle) against the median of the last %zu\n",
                 runs, o.sustain, runs - half);
     std::printf("%-16s | %5s | %10s | %10s | %7s\n", "call", "x", "first ms", "steady ms", "slower");
     for (size_t i = 0; i < n; i++) {
-        const double f = per_call[i][0], st = steady(per_call[i]);
+        const double f = per_call[i][0], st = last_half_median(per_call[i]);
         std::printf("%-16s | %5d | %10.3f | %10.3f | %6.1f%%\n", cases[i].name.c_str(), cases[i].per_step, f, st,
                     100.0 * (st / f - 1.0));
     }
-    const double f = total[0], st = steady(total);
+    const double f = total[0], st = last_half_median(total);
     std::printf("%-16s | %5s | %10.3f | %10.3f | %6.1f%%\n", "sequence", "", f, st, 100.0 * (st / f - 1.0));
     std::printf("matmuls of one step: %.2f ms from idle (%.0f TFLOP/s), %.2f ms sustained (%.0f TFLOP/s); min %.2f "
                 "max %.2f over the last %zu\n",
@@ -550,7 +553,7 @@ void run_sustained_each(const CublasLt& lt, Case& c, cudaStream_t stream, const 
     if (results.empty()) c.call->fail_no_algorithm();
     const double flop = 2.0 * double(c.M) * double(c.N) * double(c.K);
     Event start(true), stop(true);
-    // Runs algo back to back for `seconds`, a CUDA event pair around each run; the median of the last half.
+    // Runs algo back to back for `seconds`, a CUDA event pair around each run.
     // (Between runs the GPU waits only for the host's ~10 us round trip, which leaves it at the cap.)
     auto sustained = [&](const cublasLtMatmulAlgo_t& algo, double seconds) {
         std::vector<double> ms;
@@ -558,7 +561,7 @@ void run_sustained_each(const CublasLt& lt, Case& c, cudaStream_t stream, const 
         while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds) {
             ms.push_back(time_run(c, algo, stream, start, stop));
         }
-        return median(std::vector<double>(ms.begin() + std::ptrdiff_t(ms.size() / 2), ms.end()));
+        return last_half_median(ms);
     };
     std::printf("\n%s sustained: M=%lld N=%lld K=%lld epilogue=%s, x%d per step; each result %.2f s back to back\n",
                 c.name.c_str(), (long long)c.M, (long long)c.N, (long long)c.K, detail::epilogue_name(c.epilogue),
@@ -588,6 +591,10 @@ void run_sustained_each(const CublasLt& lt, Case& c, cudaStream_t stream, const 
             best = med;
             best_rank = r;
         }
+    }
+    if (r0 < 0) {
+        std::printf("%s: rank 0 skipped, nothing to compare with\n", c.name.c_str());
+        return;
     }
     std::printf("%s: rank 0 %.4f ms, best rank %zu %.4f ms (%.1f%%), x%d per step: %.3f ms per step\n", c.name.c_str(),
                 r0, best_rank, best, 100.0 * (1.0 - best / r0), c.per_step, (r0 - best) * c.per_step);

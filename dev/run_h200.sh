@@ -31,13 +31,24 @@ step() {  # step NAME LOGFILE TIMEOUT_S CMD...
 }
 
 # nvidia-smi's SM clock, power and clock-event reasons (0x4: the software power cap) every 250 ms while
-# something runs: smi_start; ...; smi_stop; smi_summary NAME (the samples stay in $OUT/NAME).
+# something runs (smi_start; ...; smi_stop; smi_summary NAME, or smi_run below); the samples stay in $OUT/NAME.
 smi_start() {
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv,noheader -lms 250 >"$OUT/smi.tmp" 2>&1 &
     smi_pid=$!
 }
-smi_stop() { kill "$smi_pid"; wait "$smi_pid" 2>/dev/null; }
+smi_stop() { kill "$smi_pid" 2>/dev/null; wait "$smi_pid" 2>/dev/null; }
+# smi_run NAME CMD...: CMD (e.g. a step) with the samples taken while it runs, then their summary.
+smi_run() {
+    local name=$1 rc
+    shift
+    smi_start
+    "$@"
+    rc=$?
+    smi_stop
+    smi_summary "$name"
+    return $rc
+}
 smi_summary() {
     mv "$OUT/smi.tmp" "$OUT/$1"
     python3 - "$OUT/$1" <<'PY' | tee -a "$summary"
@@ -83,11 +94,10 @@ for section in "$@"; do
             step test_train_gpt2cu.sh trainer.log 150 bash test/test_train_gpt2cu.sh ;;
         throughput)
             for B in 16 64; do
-                smi_start
-                step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
-                smi_stop
+                smi=()  # the clock sampled at B=64 only: at most 8 files come back
+                [ $B = 64 ] && smi=(smi_run smi_ours_b64.log)
+                "${smi[@]}" step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
                 tail -n 6 "$OUT/throughput.log" >>"$summary"
-                [ $B = 64 ] && smi_summary smi_ours_b64.log
                 grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
                     "$OUT/throughput.log" | tail -n 5 >>"$summary"
             done ;;
@@ -121,11 +131,9 @@ for section in "$@"; do
                 --clock-control none --cache-control none --metrics gpu__time_duration.sum --log-file "$OUT/ncu_real.csv" \
                 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
             python3 dev/ncu_summary.py "$OUT/ncu_real.csv" --last-step adamw_kernel | tee -a "$summary"
-            smi_start
-            step "train_gpt2cu d12 B=64 (smi)" profile_real.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 -o ""
-            smi_stop
-            tail -n 3 "$OUT/profile_real.log" >>"$summary"
-            smi_summary smi.log ;;
+            smi_run smi.log step "train_gpt2cu d12 B=64 (smi)" profile_real.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 \
+                -v 0 -s 0 -o ""
+            tail -n 3 "$OUT/profile_real.log" >>"$summary" ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)
@@ -203,28 +211,21 @@ for section in "$@"; do
             # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
             # same call as the throughput section).
             for B in 16 64; do
-                smi_start
-                step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
-                smi_stop
+                smi=()
+                [ $B = 64 ] && smi=(smi_run smi_torch_b64.log)
+                "${smi[@]}" step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
                 grep -E "^average|^peak" "$OUT/torch_throughput.log" | tail -n 2 >>"$summary"
-                [ $B = 64 ] && smi_summary smi_torch_b64.log
             done ;;
         matmul-sustain)
             # The step's matmuls alone, back to back for 20 s: their time at the clock the power cap leaves.
-            smi_start
-            step "matmul_lab --sustain" matmul_sustain.log 120 ./build/matmul_lab --sustain ${SUSTAIN_S:-20}
-            smi_stop
-            tail -n 19 "$OUT/matmul_sustain.log" >>"$summary"
-            smi_summary smi_matmul.log ;;
+            smi_run smi_matmul.log step "matmul_lab --sustain" matmul_sustain.log 120 ./build/matmul_lab --sustain ${SUSTAIN_S:-20}
+            tail -n 19 "$OUT/matmul_sustain.log" >>"$summary" ;;
         matmul-sustain-each)
             # Every heuristic result of each matmul, each back to back for SUSTAIN_EACH_S seconds: the ranking
             # at the power cap (where energy per run decides speed) against the sweep's short bursts.
-            smi_start
-            step "matmul_lab --sustain-each" matmul_sustain_each.log 300 ./build/matmul_lab --algos 8 \
-                --sustain-each ${SUSTAIN_EACH_S:-0.4}
-            smi_stop
-            grep -E "rank 0 .* best rank" "$OUT/matmul_sustain_each.log" >>"$summary"
-            smi_summary smi_matmul_each.log ;;
+            smi_run smi_matmul_each.log step "matmul_lab --sustain-each" matmul_sustain_each.log 300 ./build/matmul_lab \
+                --algos 8 --sustain-each ${SUSTAIN_EACH_S:-0.4}
+            grep -E "rank 0 .* best rank|rank 0 skipped" "$OUT/matmul_sustain_each.log" >>"$summary" ;;
         gemm-tune-compare)
             # The trainer with and without its gemm tuner (which picks by short timed bursts), interleaved.
             for r in 1 2 3; do
