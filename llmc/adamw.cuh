@@ -6,7 +6,8 @@ decoupled weight decay on the tensors flagged for it, gradients multiplied by a 
 Provides: AdamWSettings (learning rate, betas, eps, weight decay); AdamWTensors, a small table of
 (offset, size, decayed) ranges of one flat parameter buffer, made from param_tensors() for GPT-2; and
 adamw_update(), one launch over all of them (block row y of the grid serves tensor y, so the decay
-flag is uniform per block). Per element: g = grad * grad_scale; m, v updated in fp32; master -= lr *
+flag is uniform per block; a thread takes 4 neighbouring elements when the offsets and buffers
+allow 128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32; master -= lr *
 (m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
 stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
 in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
@@ -86,28 +87,73 @@ inline AdamWTensors restrict_tensors(const AdamWTensors& all, int64_t begin, int
 constexpr int kAdamWBlock = 256;
 constexpr int kAdamWMaxBlocksPerTensor = 4096;
 
+struct AdamWStepArgs {
+    float lr, beta1, beta2, bias_correction1, bias_correction2, eps;
+    uint64_t rng_key;
+    int stochastic;
+};
+
+// One element's update: moments and master weight in place, the new bf16 parameter returned.
+__device__ inline floatX adamw_element(float g, float& m, float& v, float& w, float wd, const AdamWStepArgs& a,
+                                       int64_t idx) {
+    m = a.beta1 * m + (1.0f - a.beta1) * g;
+    v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+    const float m_hat = m / a.bias_correction1, v_hat = v / a.bias_correction2;
+    w -= a.lr * (m_hat / (sqrtf(v_hat) + a.eps) + wd * w);
+    return a.stochastic ? stochastic_round_bf16(w, rng_u32(a.rng_key, uint64_t(idx))) : __float2bfloat16_rn(w);
+}
+
+// vec: every tensor offset and state_offset a multiple of 4 and the buffers 16-byte aligned, so a
+// thread takes 4 neighbouring elements with 128-bit (fp32) and 64-bit (bf16) accesses.
 static __global__ void __launch_bounds__(kAdamWBlock)
-    adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors, float lr,
-                 float beta1, float beta2, float bias_correction1, float bias_correction2, float eps,
-                 float weight_decay, const float* grad_scale, uint64_t rng_key_value, int64_t state_offset,
-                 int stochastic) {
+    adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors,
+                 AdamWStepArgs args, float weight_decay, const float* grad_scale, int64_t state_offset, int vec) {
     const int t = blockIdx.y;
     const int64_t offset = tensors.offset[t], n = tensors.numel[t];
     const float wd = tensors.decayed[t] ? weight_decay : 0.0f;
     const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+    if (vec) {
+        for (int64_t q = first; q < n / 4; q += stride) {
+            const int64_t idx = offset + 4 * q, sidx = idx - state_offset;
+            float4 mq = *reinterpret_cast<const float4*>(m + sidx), vq = *reinterpret_cast<const float4*>(v + sidx);
+            float4 wq = *reinterpret_cast<const float4*>(master + sidx);
+            const uint2 graw = *reinterpret_cast<const uint2*>(grads + idx);
+            floatX gx[4];
+            memcpy(gx, &graw, sizeof(graw));
+            floatX px[4];
+            px[0] = adamw_element(float(gx[0]) * scale, mq.x, vq.x, wq.x, wd, args, idx);
+            px[1] = adamw_element(float(gx[1]) * scale, mq.y, vq.y, wq.y, wd, args, idx + 1);
+            px[2] = adamw_element(float(gx[2]) * scale, mq.z, vq.z, wq.z, wd, args, idx + 2);
+            px[3] = adamw_element(float(gx[3]) * scale, mq.w, vq.w, wq.w, wd, args, idx + 3);
+            *reinterpret_cast<float4*>(m + sidx) = mq;
+            *reinterpret_cast<float4*>(v + sidx) = vq;
+            *reinterpret_cast<float4*>(master + sidx) = wq;
+            uint2 praw;
+            memcpy(&praw, px, sizeof(praw));
+            *reinterpret_cast<uint2*>(params + idx) = praw;
+        }
+    }
+    for (int64_t i = (vec ? n / 4 * 4 : 0) + first; i < n; i += stride) {
         const int64_t idx = offset + i, sidx = idx - state_offset;
-        const float g = float(grads[idx]) * scale;
-        const float mi = beta1 * m[sidx] + (1.0f - beta1) * g;
-        const float vi = beta2 * v[sidx] + (1.0f - beta2) * g * g;
-        const float m_hat = mi / bias_correction1, v_hat = vi / bias_correction2;
-        float w = master[sidx];
-        w -= lr * (m_hat / (sqrtf(v_hat) + eps) + wd * w);
+        float mi = m[sidx], vi = v[sidx], w = master[sidx];
+        params[idx] = adamw_element(float(grads[idx]) * scale, mi, vi, w, wd, args, idx);
         m[sidx] = mi;
         v[sidx] = vi;
         master[sidx] = w;
-        params[idx] = stochastic ? stochastic_round_bf16(w, rng_u32(rng_key_value, uint64_t(idx))) : __float2bfloat16_rn(w);
     }
+}
+
+// Whether adamw_update() takes 4 elements per thread for these buffers and table (else one; same bits).
+inline bool adamw_four_wide(const floatX* params, const float* master, const float* m, const float* v,
+                            const floatX* grads, const AdamWTensors& tensors, int64_t state_offset = 0) {
+    bool vec = state_offset % 4 == 0;
+    for (const void* p : {static_cast<const void*>(params), static_cast<const void*>(master),
+                          static_cast<const void*>(m), static_cast<const void*>(v), static_cast<const void*>(grads)}) {
+        vec = vec && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+    }
+    for (int i = 0; i < tensors.count; i++) vec = vec && tensors.offset[i] % 4 == 0;
+    return vec;
 }
 
 // One AdamW step (step counts from 1) over every tensor of the table. params (bf16), master, m, v (fp32)
@@ -121,14 +167,16 @@ inline void adamw_update(floatX* params, float* master, float* m, float* v, cons
     // The same float expressions as the CPU reference, so both see identical corrections.
     const float bias_correction1 = 1.0f - std::pow(s.beta1, float(step));
     const float bias_correction2 = 1.0f - std::pow(s.beta2, float(step));
-    const int64_t blocks = ceil_div<int64_t>(tensors.max_numel(), kAdamWBlock);
+    const bool vec = adamw_four_wide(params, master, m, v, grads, tensors, state_offset);
+    const int64_t blocks = ceil_div<int64_t>(vec ? ceil_div<int64_t>(tensors.max_numel(), 4) : tensors.max_numel(),
+                                             kAdamWBlock);
     if (blocks == 0) return;
     const dim3 grid(unsigned(blocks < kAdamWMaxBlocksPerTensor ? blocks : kAdamWMaxBlocksPerTensor),
                     unsigned(tensors.count));
-    adamw_kernel<<<grid, kAdamWBlock, 0, stream>>>(params, master, m, v, grads, tensors, s.learning_rate, s.beta1,
-                                                   s.beta2, bias_correction1, bias_correction2, s.eps, s.weight_decay,
-                                                   grad_scale, rng_key(seed, uint64_t(step)), state_offset,
-                                                   s.stochastic_rounding ? 1 : 0);
+    const AdamWStepArgs args{s.learning_rate, s.beta1, s.beta2, bias_correction1, bias_correction2, s.eps,
+                             rng_key(seed, uint64_t(step)), s.stochastic_rounding ? 1 : 0};
+    adamw_kernel<<<grid, kAdamWBlock, 0, stream>>>(params, master, m, v, grads, tensors, args, s.weight_decay,
+                                                   grad_scale, state_offset, vec ? 1 : 0);
     cudaCheckLaunch();
 }
 

@@ -8,7 +8,8 @@ nothing outside, decay flags kept); adamw_update() with a state offset, over the
 1, 2, 3, 5 and 64 (the last leaves ranks owning nothing) on odd-sized tensors, three steps with a clip
 scale: each rank's master weights, moments and bf16 parameters are bitwise the unsharded ones on its
 range, and it writes nothing outside it; global_norm_sumsq() + global_norm_finish() give global_norm()'s
-bits, and the shard sums of squares add up to the whole norm.
+bits, and the shard sums of squares add up to the whole norm; adamw_update()'s 4-wide path (aligned buffers)
+gives the elementwise path's bits, a tail of 3 included.
 
 Does not check: the collectives (test_multi_gpu) or the trainer end to end (test_multi_gpu_trainer.sh).
 */
@@ -184,6 +185,65 @@ TEST_F(ZeroUpdateTest, ShardedAdamWIsBitwiseTheWholeUpdate) {
                       0u)
                 << "wrote master weights past its owned elements";
         }
+    }
+}
+
+// adamw_update() takes 4 elements per thread when every offset is a multiple of 4 and the buffers are
+// 16-byte aligned (the trainer's case), else one: both must give the same bits. The same table runs on
+// aligned buffers and on buffers one element in (not 16-byte aligned, so elementwise); the last tensor's
+// size leaves a tail of 3 for the 4-wide path.
+TEST_F(ZeroUpdateTest, FourWideAdamWIsBitwiseTheElementwiseUpdate) {
+    AdamWTensors table;
+    table.add(0, 4096, true);
+    table.add(4096, 12, false);
+    table.add(4108, 65536 + 3, true);
+    const size_t N = 4108 + 65536 + 3;
+    const auto master0 = random_floats(N, 31, 0.5f);
+    AdamWSettings s;
+    s.learning_rate = 1e-2f;
+    s.weight_decay = 0.1f;
+    auto d_clip = upload(std::vector<float>{0.5f});
+    std::vector<std::vector<float>> grads;
+    for (int k = 0; k < 3; k++) grads.push_back(random_floats(N, 40 + uint64_t(k), 0.05f));
+    std::vector<unsigned char> want[4];
+    for (int shift : {0, 1}) {
+        SCOPED_TRACE(shift == 0 ? "aligned (4 wide)" : "one element in (elementwise)");
+        // Every buffer holds its N elements from index `shift` on.
+        auto shifted = [&](const std::vector<float>& x) {
+            std::vector<float> out(N + 1, 0.0f);
+            std::copy(x.begin(), x.end(), out.begin() + shift);
+            return out;
+        };
+        const std::vector<float> padded = shifted(master0);
+        auto master = upload(padded);
+        auto params = upload_bf16(padded);
+        DeviceBuffer<float> m(N + 1), v(N + 1);
+        cudaCheck(cudaMemset(m.get(), 0, m.bytes()));
+        cudaCheck(cudaMemset(v.get(), 0, v.bytes()));
+        for (int k = 0; k < 3; k++) {
+            auto g = upload_bf16(shifted(grads[size_t(k)]));
+            ASSERT_EQ(adamw_four_wide(params.get() + shift, master.get() + shift, m.get() + shift, v.get() + shift,
+                                      g.get() + shift, table),
+                      shift == 0);
+            adamw_update(params.get() + shift, master.get() + shift, m.get() + shift, v.get() + shift, g.get() + shift,
+                         table, s, k + 1, 77, k == 1 ? nullptr : d_clip.get(), nullptr);
+        }
+        cudaCheck(cudaDeviceSynchronize());
+        const size_t X = sizeof(floatX), F = sizeof(float);
+        auto part = [&](const std::vector<unsigned char>& b, size_t size) {
+            return std::vector<unsigned char>(b.begin() + shift * size, b.begin() + (shift + N) * size);
+        };
+        const std::vector<unsigned char> got[4] = {part(bytes_of(params.get(), N + 1), X),
+                                                   part(bytes_of(master.get(), N + 1), F),
+                                                   part(bytes_of(m.get(), N + 1), F), part(bytes_of(v.get(), N + 1), F)};
+        if (shift == 0) {
+            for (int i = 0; i < 4; i++) want[i] = got[i];
+            ASSERT_GT(differing(got[0], part(bytes_of(upload_bf16(padded).get(), N + 1), X)), N / 2)
+                << "the update barely changed the parameters";
+            continue;
+        }
+        const char* names[4] = {"bf16 parameters", "master weights", "m", "v"};
+        for (int i = 0; i < 4; i++) EXPECT_EQ(differing(got[i], want[i]), 0u) << names[i];
     }
 }
 
