@@ -6,9 +6,9 @@ decoupled weight decay on the tensors flagged for it, gradients multiplied by a 
 Provides: AdamWSettings (learning rate, betas, eps, weight decay); AdamWTensors, a small table of
 (offset, size, decayed) ranges of one flat parameter buffer, made from param_tensors() for GPT-2; and
 adamw_update(), one launch over all of them (block row y of the grid serves tensor y, so the decay
-flag is uniform per block; a thread takes 4 neighbouring elements when the offsets and buffers
-allow 128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32; master -= lr *
-(m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
+flag is uniform per block; a thread takes 4 neighbouring elements when the offsets and buffers allow
+128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32;
+master -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
 stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
 in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
 shape. grad_scale is a device pointer (e.g. global_norm's scale), read by the kernel, so clipping needs

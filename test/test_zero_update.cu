@@ -235,7 +235,8 @@ TEST_F(ZeroUpdateTest, FourWideAdamWIsBitwiseTheElementwiseUpdate) {
         };
         const std::vector<unsigned char> got[4] = {part(bytes_of(params.get(), N + 1), X),
                                                    part(bytes_of(master.get(), N + 1), F),
-                                                   part(bytes_of(m.get(), N + 1), F), part(bytes_of(v.get(), N + 1), F)};
+                                                   part(bytes_of(m.get(), N + 1), F),
+                                                   part(bytes_of(v.get(), N + 1), F)};
         if (shift == 0) {
             for (int i = 0; i < 4; i++) want[i] = got[i];
             ASSERT_GT(differing(got[0], part(bytes_of(upload_bf16(padded).get(), N + 1), X)), N / 2)
