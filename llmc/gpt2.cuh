@@ -1,0 +1,551 @@
+/*
+The GPT-2 model on the GPU, in mixed precision: its parameters, gradients, optimizer state and
+activations, allocated once for micro-batches of up to B x T tokens, and forward, backward and update
+built from the layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
+
+Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
+and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
+weights and rounds them stochastically into the bf16 parameters the model computes with.
+
+Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward averages the gradients over the ranks
+(per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
+moments are sharded: llmc/zero.h) and update() all-gathers the parameters. One rank through NCCL
+computes the same bits as the single-GPU path.
+
+Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
+checkpoint holds.
+*/
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "llmc/adamw.cuh"
+#include "llmc/attention.cuh"
+#include "llmc/checkpoint.cuh"
+#include "llmc/classifier.cuh"
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/device_file_io.cuh"
+#include "llmc/encoder.cuh"
+#include "llmc/gelu.cuh"
+#include "llmc/global_norm.cuh"
+#include "llmc/gpt2_config.h"
+#include "llmc/layernorm.cuh"
+#include "llmc/matmul.cuh"
+#include "llmc/model_file.h"
+#include "llmc/multi_gpu.cuh"
+#include "llmc/utils.h"
+#include "llmc/zero.h"
+
+namespace llmc {
+
+// Shapes the kernels need that a GPT2Config alone does not promise.
+inline std::string gpu_config_problem(const GPT2Config& c) {
+    std::string problem = config_problem(c);
+    if (!problem.empty()) return problem;
+    if (c.channels % 8 != 0) return format("channels %d is not a multiple of 8 (16-byte vectors)", c.channels);
+    if (c.head_size() % 8 != 0) return format("head size %d is not a multiple of 8", c.head_size());
+    if (c.padded_vocab_size % 8 != 0) return format("padded vocabulary %d is not a multiple of 8", c.padded_vocab_size);
+    return "";
+}
+
+class GPT2 {
+public:
+    // Device memory by kind, for the start-up table.
+    struct Memory {
+        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0;
+        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch; }
+    };
+
+    // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
+    // With `multi` (data parallel) the gradients are averaged over its ranks; zero_stage 1 shards the
+    // optimizer state (ZeRO-1). Without it, one GPU and no NCCL call.
+    // recompute_gelu: keep one GELU output buffer instead of one per layer and recompute it in backward
+    // (llm.c's -r 1): the forward is unchanged, backward reads the recomputed values.
+    GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0,
+         bool recompute_gelu = false)
+        : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
+          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
+          recompute_gelu_(recompute_gelu) {
+        std::string problem = gpu_config_problem(config);
+        if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
+        if (B < 1 || T < 1 || T > config.max_seq_len) {
+            fail(kExitUsage, "GPT2: B=%d T=%d, need B >= 1 and 1 <= T <= maxT=%d", B, T, config.max_seq_len);
+        }
+        num_params_ = llmc::num_parameters(config);
+        size_t n = size_t(num_params_), state = n;
+        if (sharded()) {
+            // Parameters and gradients padded to W equal shards (the tail stays zero: nothing writes it);
+            // master weights and moments for this rank's shard only.
+            layout_ = zero_layout(num_params_, multi_->world());
+            owned_ = layout_.owned(multi_->rank());
+            shard_table_ = restrict_tensors(adamw_table_, owned_.begin, owned_.end);
+            n = size_t(layout_.padded_total());
+            state = size_t(layout_.shard_size);
+        }
+        params_.allocate(n);
+        grads_.allocate(n);
+        master_.allocate(state);
+        adam_m_.allocate(state);
+        adam_v_.allocate(state);
+        cudaCheck(cudaMemsetAsync(params_.get(), 0, params_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
+        allocate_activations();
+        scalars_.allocate(4);
+        cudaCheck(cudaStreamSynchronize(stream_));
+    }
+    GPT2(const GPT2&) = delete;
+    GPT2& operator=(const GPT2&) = delete;
+
+    const GPT2Config& config() const { return config_; }
+    int max_B() const { return B_; }
+    int max_T() const { return T_; }
+    int64_t num_parameters() const { return num_params_; }
+    const ParamTensorInfo& tensor(int i) const { return tensors_[size_t(i)]; }
+    Memory memory() const { return memory_; }
+    cudaStream_t stream() const { return stream_; }
+    // cuBLASLt algorithm tuning (llmc/matmul.cuh): the same bits either way, faster matmuls with it.
+    void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
+    const CublasLt& cublas() const { return lt_; }
+    const floatX* params() const { return params_.get(); }
+    const floatX* grads() const { return grads_.get(); }
+    const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
+    MultiGpu* multi() const { return multi_; }
+    bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
+    const floatX* logits() const { return logits_; }     // (B,T,Vp) of the last forward (dlogits after a training one)
+    const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
+    const float* mean_loss() const { return scalars_.get(); }
+    const float* grad_norm() const { return scalars_.get() + 1; }
+
+    // The fp32 parameters (file order) become the master weights, and rounded to nearest the bf16 ones;
+    // the optimizer state starts from zero.
+    void set_parameters(const std::vector<float>& host) {
+        if (int64_t(host.size()) != num_params_) {
+            fail(kExitUsage, "GPT2: %zu parameters given, the shape %s needs %lld", host.size(),
+                 describe(config_).c_str(), (long long)num_params_);
+        }
+        if (sharded()) {
+            DeviceBuffer<float> full{size_t(num_params_)};
+            cudaCheck(cudaMemcpyAsync(full.get(), host.data(), full.bytes(), cudaMemcpyHostToDevice, stream_));
+            convert_to_bf16(params_.get(), full.get(), num_params_, stream_);
+            cudaCheck(cudaMemsetAsync(master_.get(), 0, master_.bytes(), stream_));
+            cudaCheck(cudaMemcpyAsync(master_.get(), full.get() + owned_.begin, size_t(owned_.size()) * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream_));
+            cudaCheck(cudaStreamSynchronize(stream_));  // `full` goes away at the return
+        } else {
+            cudaCheck(cudaMemcpyAsync(master_.get(), host.data(), master_.bytes(), cudaMemcpyHostToDevice, stream_));
+            convert_to_bf16(params_.get(), master_.get(), num_params_, stream_);
+        }
+        cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
+        cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
+    }
+
+    // Runs the model on inputs (B,T) (device int32) into the logits (B,T,Vp). With targets, also the
+    // per-position losses and their mean, written to *mean_out (a device float; the model's own slot
+    // mean_loss() when null). With dloss > 0 (training) the logits are replaced by dloss * d(loss)/d(logits),
+    // ready for backward(); dloss is each position's weight in the step's loss, 1 / (B * T * micro-steps).
+    void forward(const int* inputs, const int* targets, int B, int T, float* mean_out = nullptr, float dloss = 0.0f) {
+        check_batch(B, T, "forward");
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
+        const int64_t N = int64_t(B) * T;
+        const floatX* p = params_.get();
+        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
+        encoder_forward(encoded_, inputs, P(kWte), P(kWpe), B, T, C, stream_);
+        layernorm_forward(ln1(0), ln1_mean(0), ln1_rstd(0), encoded_, P(kLn1w), P(kLn1b), N, C, stream_);
+        for (int l = 0; l < L; l++) {
+            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
+            matmul_forward(lt_, qkv(l), ln1(l), P(kQkvw) + int64_t(l) * 3 * C * C, P(kQkvb) + int64_t(l) * 3 * C, N, C,
+                           3 * C, stream_);
+            attention_forward(lt_, atty(l), att_saved(l), att_saved_bytes_, qkv(l), B, T, C, NH, scratch_.get(),
+                              scratch_.bytes(), stream_);
+            matmul_forward(lt_, proj_, atty(l), P(kAttprojw) + int64_t(l) * C * C, P(kAttprojb) + int64_t(l) * C, N, C,
+                           C, stream_);
+            fused_residual_layernorm_forward(residual2(l), ln2(l), ln2_mean(l), ln2_rstd(l), residual, proj_,
+                                             P(kLn2w) + int64_t(l) * C, P(kLn2b) + int64_t(l) * C, N, C, stream_);
+            matmul_forward(lt_, fch_gelu(l), ln2(l), P(kFcw) + int64_t(l) * 4 * C * C, P(kFcb) + int64_t(l) * 4 * C, N,
+                           C, 4 * C, stream_, fch(l));
+            matmul_forward(lt_, proj_, fch_gelu(l), P(kFcprojw) + int64_t(l) * 4 * C * C, P(kFcprojb) + int64_t(l) * C,
+                           N, 4 * C, C, stream_);
+            // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
+            // runs in the same pass.
+            if (l + 1 < L) {
+                fused_residual_layernorm_forward(residual3(l), ln1(l + 1), ln1_mean(l + 1), ln1_rstd(l + 1),
+                                                 residual2(l), proj_, P(kLn1w) + int64_t(l + 1) * C,
+                                                 P(kLn1b) + int64_t(l + 1) * C, N, C, stream_);
+            } else {
+                fused_residual_layernorm_forward(residual3(l), lnf_, lnf_mean_, lnf_rstd_, residual2(l), proj_, P(kLnfw),
+                                                 P(kLnfb), N, C, stream_);
+            }
+        }
+        matmul_forward(lt_, logits_, lnf_, P(kWte), nullptr, N, C, Vp, stream_);
+        if (targets == nullptr) return;
+        fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
+        llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
+    }
+
+    // Sets every parameter gradient to zero (the start of an optimizer step).
+    void zero_grad() { cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_)); }
+
+    // Adds the gradient of the last training forward's loss (made with dloss > 0, on these inputs) to
+    // the parameter gradients, so that micro-batches accumulate. With several ranks, `last_micro` (the
+    // step's last micro-batch) also queues the gradients' averaging: -z 0 per layer as backward leaves
+    // it, -z 1 one reduce-scatter at the end; update() waits for them.
+    void backward(const int* inputs, int B, int T, bool last_micro = false) {
+        const bool per_layer = multi_ != nullptr && last_micro && zero_stage_ == 0;
+        check_batch(B, T, "backward");
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
+        const int64_t N = int64_t(B) * T;
+        const floatX* p = params_.get();
+        floatX* g = grads_.get();
+        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
+        auto G = [&](int i) { return g + tensors_[size_t(i)].offset; };
+        float* fscratch = reinterpret_cast<float*>(scratch_.get());
+        const size_t sbytes = scratch_.bytes();
+
+        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
+        matmul_backward(lt_, d_ln_, G(kWte), nullptr, logits_, lnf_, P(kWte), N, C, Vp, fscratch, sbytes, stream_);
+        // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
+        // adds into it, so it starts from zero.
+        cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
+        layernorm_backward(d_residual_, G(kLnfw), G(kLnfb), d_ln_, residual3(L - 1), P(kLnfw), lnf_mean_, lnf_rstd_, N,
+                           C, fscratch, sbytes, stream_);
+        for (int l = L - 1; l >= 0; l--) {
+            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
+            const int64_t lc = int64_t(l) * C;
+            // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
+            // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
+            if (recompute_gelu_) gelu_forward(fch_gelu(l), fch(l), N * 4 * C, stream_);
+            matmul_backward(lt_, d_fch_, G(kFcprojw) + lc * 4 * C, G(kFcprojb) + lc, d_residual_, fch_gelu(l),
+                            P(kFcprojw) + lc * 4 * C, N, 4 * C, C, fscratch, sbytes, stream_, fch(l));
+            matmul_backward(lt_, d_ln_, G(kFcw) + lc * 4 * C, G(kFcb) + lc * 4, d_fch_, ln2(l), P(kFcw) + lc * 4 * C, N,
+                            C, 4 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, G(kLn2w) + lc, G(kLn2b) + lc, d_ln_, residual2(l), P(kLn2w) + lc,
+                               ln2_mean(l), ln2_rstd(l), N, C, fscratch, sbytes, stream_);
+            // residual2 = residual + attproj(attention(qkv(ln1))).
+            matmul_backward(lt_, d_atty_, G(kAttprojw) + lc * C, G(kAttprojb) + lc, d_residual_, atty(l),
+                            P(kAttprojw) + lc * C, N, C, C, fscratch, sbytes, stream_);
+            attention_backward(lt_, d_qkv_, d_atty_, qkv(l), atty(l), att_saved(l), att_saved_bytes_, B, T, C, NH,
+                               scratch_.get(), sbytes, stream_);
+            matmul_backward(lt_, d_ln_, G(kQkvw) + lc * 3 * C, G(kQkvb) + lc * 3, d_qkv_, ln1(l), P(kQkvw) + lc * 3 * C,
+                            N, C, 3 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, G(kLn1w) + lc, G(kLn1b) + lc, d_ln_, residual, P(kLn1w) + lc, ln1_mean(l),
+                               ln1_rstd(l), N, C, fscratch, sbytes, stream_);
+            // Layer l's gradients are final: average them while backward goes on below.
+            if (per_layer) multi_->all_reduce_mean_async(g, layer_ranges(l), stream_);
+        }
+        encoder_backward(G(kWte), G(kWpe), d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+        if (per_layer) {
+            std::vector<ShardRange> rest;
+            for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
+            multi_->all_reduce_mean_async(g, rest, stream_);
+        } else if (multi_ != nullptr && last_micro) {
+            multi_->reduce_scatter_mean_async(g, g + layout_.shard(multi_->rank()).begin, layout_, stream_);
+        }
+    }
+
+    // Global gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step counts from 1),
+    // all on the device. The norm lands in *norm_out (the model's slot grad_norm() when null). `seed`
+    // keys the stochastic rounding of the bf16 parameters.
+    // With several ranks it first waits for backward's gradient averaging; with ZeRO-1 the norm is the
+    // sum of the ranks' sums of squares over their shards, each rank updates its shard, and the bf16
+    // parameters are all-gathered before anything later on the stream (the next forward) reads them.
+    void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr) {
+        float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
+        float* scale = scalars_.get() + 2;
+        float* fscratch = reinterpret_cast<float*>(scratch_.get());
+        if (multi_ != nullptr) multi_->join(stream_);
+        if (!sharded()) {
+            global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_);
+            adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_,
+                         settings, step, seed, scale, stream_);
+            return;
+        }
+        float* sumsq = scalars_.get() + 3;
+        const ShardRange shard = layout_.shard(multi_->rank());
+        global_norm_sumsq(sumsq, grads_.get() + shard.begin, owned_.size(), fscratch, scratch_.bytes(), stream_);
+        multi_->all_reduce_sum_async(sumsq, 1, stream_);
+        multi_->join(stream_);
+        global_norm_finish(norm, scale, sumsq, grad_clip, stream_);
+        adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), shard_table_, settings,
+                     step, seed, scale, stream_, owned_.begin);
+        multi_->all_gather_async(params_.get(), layout_, stream_);
+        multi_->join(stream_);
+    }
+
+    // The device state this rank's part of a checkpoint holds, in file order.
+    // Whole layout (one GPU, or data parallel without ZeRO-1, where rank 0 alone saves): model.bin (the
+    // master weights as an llm.c version 3 file, so llm.c and -e read it), params_bf16.bin, adam_m.bin,
+    // adam_v.bin. Sharded layout (ZeRO-1, every rank saves): rank 0 writes model.bin as an llm.c version 5
+    // file (the bf16 parameters, identical on every rank; no gather needed), and every rank r writes
+    // master_<r>.bin, adam_m_<r>.bin and adam_v_<r>.bin holding its owned range (checkpoint_meta records
+    // the ranges, so a resume with another number of ranks can re-shard; see load_checkpoint).
+    std::vector<CheckpointTensor> checkpoint_tensors() {
+        const size_t n = size_t(num_params_);
+        if (!sharded()) {
+            return {{"model.bin", model_header(kModelVersionFp32), master_.get(), n * sizeof(float)},
+                    {"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)},
+                    {"adam_m.bin", {}, adam_m_.get(), n * sizeof(float)},
+                    {"adam_v.bin", {}, adam_v_.get(), n * sizeof(float)}};
+        }
+        std::vector<CheckpointTensor> t;
+        if (multi_->rank() == 0) t.push_back(bf16_model_tensor());
+        for (CheckpointTensor& s : shard_tensors(multi_->rank())) t.push_back(std::move(s));
+        return t;
+    }
+
+    // The checkpoint settings that describe the layout of checkpoint_tensors() across the ranks.
+    std::vector<std::pair<std::string, std::string>> checkpoint_layout() const {
+        return state_layout_settings(sharded() ? &layout_ : nullptr);
+    }
+
+    // Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
+    // number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each
+    // file is streamed straight to the device (every chunk checked); otherwise (a resume on another number
+    // of ranks, or between the whole and the sharded layout) this rank's range of the master weights and
+    // moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
+    // Returns a description of what was re-sharded, empty when nothing was.
+    std::string load_checkpoint(const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
+        const std::vector<char> header = model_header(kModelVersionFp32);
+        const StateLayout saved = read_state_layout(dir, m, num_params_, header.size());
+        const size_t n = size_t(num_params_);
+        const ShardRange target = sharded() ? owned_ : ShardRange{0, num_params_};
+        // The parameters are whole in both layouts.
+        load_checkpoint_tensors(dir, m, {saved.sharded ? bf16_model_tensor()
+                                                       : CheckpointTensor{"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)}},
+                                io, stream_);
+        if (!saved.sharded && !sharded()) {
+            std::vector<CheckpointTensor> t = checkpoint_tensors();
+            t.erase(t.begin() + 1);  // params_bf16.bin: done
+            load_checkpoint_tensors(dir, m, t, io, stream_);
+            return "";
+        }
+        if (saved.sharded && sharded() && int(saved.shards.size()) == layout_.world &&
+            saved.shards[size_t(multi_->rank())].begin == target.begin &&
+            saved.shards[size_t(multi_->rank())].range().end == target.end) {
+            load_checkpoint_tensors(dir, m, shard_tensors(multi_->rank()), io, stream_);
+            return "";
+        }
+        // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
+        // must be this model's before its weights are trusted.
+        if (!saved.sharded) {
+            std::vector<char> got(header.size());
+            read_array_range(dir, m, {{"model.bin", 0, 0, int64_t(header.size())}}, 1, 0, int64_t(header.size()),
+                             [&](uint64_t at, const char* p, size_t len) { std::memcpy(got.data() + at, p, len); });
+            if (got != header) fail(kExitData, "'%s/model.bin': its header differs from this model's", dir.c_str());
+        }
+        load_array_range(dir, m, saved.master, sizeof(float), target.begin, target.end, master_.get(), stream_);
+        load_array_range(dir, m, saved.adam_m, sizeof(float), target.begin, target.end, adam_m_.get(), stream_);
+        load_array_range(dir, m, saved.adam_v, sizeof(float), target.begin, target.end, adam_v_.get(), stream_);
+        return format("optimizer state of %s re-sharded to %s",
+                      saved.sharded ? format("%zu rank(s)", saved.shards.size()).c_str() : "one whole copy",
+                      sharded() ? format("rank %d of %d (parameters %lld..%lld)", multi_->rank(), layout_.world,
+                                         (long long)target.begin, (long long)target.end).c_str()
+                                : "one whole copy");
+    }
+
+    // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
+    // reader never sees half a file. With ZeRO-1 every rank must call it (the shards are gathered
+    // first); only a rank with `write` writes.
+    void write_model_file(const std::string& path, DeviceFileIO& io, bool write = true) {
+        if (!sharded()) {
+            if (write) write_master(path, io, master_.get());
+            return;
+        }
+        DeviceBuffer<float> full{size_t(layout_.padded_total())};
+        cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream_));
+        cudaCheck(cudaMemcpyAsync(full.get() + layout_.shard(multi_->rank()).begin, master_.get(), master_.bytes(),
+                                  cudaMemcpyDeviceToDevice, stream_));
+        multi_->all_gather_async(full.get(), layout_, stream_);
+        multi_->join(stream_);
+        cudaCheck(cudaStreamSynchronize(stream_));
+        if (write) write_master(path, io, full.get());
+    }
+
+private:
+    std::vector<char> model_header(int version) const {
+        int32_t h[kModelHeaderInts];
+        make_model_header(config_, version, h);
+        return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
+    }
+    CheckpointTensor bf16_model_tensor() {
+        return {"model.bin", model_header(kModelVersionBf16), params_.get(), size_t(num_params_) * sizeof(floatX)};
+    }
+    std::vector<CheckpointTensor> shard_tensors(int rank) {
+        const size_t k = size_t(layout_.owned(rank).size());
+        return {{state_shard_file(StateKind::Master, rank), {}, master_.get(), k * sizeof(float)},
+                {state_shard_file(StateKind::AdamM, rank), {}, adam_m_.get(), k * sizeof(float)},
+                {state_shard_file(StateKind::AdamV, rank), {}, adam_v_.get(), k * sizeof(float)}};
+    }
+
+    void write_master(const std::string& path, DeviceFileIO& io, const float* master) const {
+        int32_t h[kModelHeaderInts];
+        make_model_header(config_, kModelVersionFp32, h);
+        const std::string tmp = path + ".tmp";
+        File f(tmp, File::Mode::Write);
+        f.write_all(h, sizeof(h));
+        io.device_to_file(f, master, size_t(num_params_) * sizeof(float), stream_);
+        f.sync();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+        }
+    }
+
+    // Flat range of tensor i's slices [first, first + count) along its leading (layer) dimension; a
+    // tensor without a layer dimension is one slice.
+    ShardRange tensor_range(int i, int first, int count) const {
+        const ParamTensorInfo& t = tensors_[size_t(i)];
+        const int64_t slices = (i >= kLn1w && i <= kFcprojb) ? config_.num_layers : 1;
+        const int64_t per = t.numel / slices;
+        return {t.offset + first * per, t.offset + (first + count) * per};
+    }
+    std::vector<ShardRange> layer_ranges(int l) const {
+        std::vector<ShardRange> r;
+        for (int i = kLn1w; i <= kFcprojb; i++) r.push_back(tensor_range(i, l, 1));
+        return r;
+    }
+
+    void check_batch(int B, int T, const char* what) const {
+        if (B < 1 || T < 1 || B > B_ || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
+            fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B <= %d, T <= %d", what, B, T, B_, T_);
+        }
+    }
+
+    // Carves every activation, activation gradient and the shared scratch out of three allocations.
+    // Per-layer tensors are strided by the allocated B x T, so smaller batches use a prefix of each.
+    void allocate_activations() {
+        const GPT2Config& c = config_;
+        const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
+        const size_t N = size_t(B_) * size_t(T_);
+        nc_ = N * C;
+        n_ = N;
+        // What attention saves for backward (flash: lse; other head sizes: the probabilities), per layer.
+        att_saved_bytes_ = align256(attention_saved_bytes(B_, c.num_heads, T_, c.channels / c.num_heads));
+
+        struct Slot {
+            void** ptr;
+            size_t bytes;
+        };
+        const size_t X = sizeof(floatX), F = sizeof(float);
+        const Slot acts[] = {
+            {reinterpret_cast<void**>(&encoded_), N * C * X},
+            {reinterpret_cast<void**>(&ln1_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln1_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
+            {reinterpret_cast<void**>(&atty_), L * N * C * X},
+            {reinterpret_cast<void**>(&att_saved_), L * att_saved_bytes_},
+            {reinterpret_cast<void**>(&proj_), N * C * X},
+            {reinterpret_cast<void**>(&residual2_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_), (recompute_gelu_ ? 1 : L) * N * 4 * C * X},
+            {reinterpret_cast<void**>(&residual3_), L * N * C * X},
+            {reinterpret_cast<void**>(&lnf_), N * C * X},
+            {reinterpret_cast<void**>(&lnf_mean_), N * F},
+            {reinterpret_cast<void**>(&lnf_rstd_), N * F},
+            {reinterpret_cast<void**>(&logits_), N * Vp * X},
+            {reinterpret_cast<void**>(&losses_), N * F},
+        };
+        const Slot act_grads[] = {
+            {reinterpret_cast<void**>(&d_residual_), N * C * X},
+            {reinterpret_cast<void**>(&d_ln_), N * C * X},
+            {reinterpret_cast<void**>(&d_atty_), N * C * X},
+            {reinterpret_cast<void**>(&d_qkv_), N * 3 * C * X},
+            {reinterpret_cast<void**>(&d_fch_), N * 4 * C * X},
+        };
+        auto carve = [](DeviceBuffer<char>& buf, const Slot* slots, size_t count) {
+            size_t total = 0;
+            for (size_t i = 0; i < count; i++) total += align256(slots[i].bytes);
+            buf.allocate(total);
+            size_t at = 0;
+            for (size_t i = 0; i < count; i++) {
+                *slots[i].ptr = buf.get() + at;
+                at += align256(slots[i].bytes);
+            }
+            return total;
+        };
+        memory_.activations = carve(acts_, acts, sizeof(acts) / sizeof(acts[0]));
+        memory_.activation_grads = carve(act_grads_, act_grads, sizeof(act_grads) / sizeof(act_grads[0]));
+
+        // One scratch buffer serves every kernel that needs one: they run one after another on one stream.
+        const int64_t n = int64_t(N);
+        size_t scratch = attention_scratch_bytes(B_, c.num_heads, T_, c.channels / c.num_heads);
+        scratch = std::max(scratch, encoder_backward_scratch_bytes(B_, T_, c.padded_vocab_size));
+        scratch = std::max(scratch, layernorm_backward_scratch_bytes(n, c.channels));
+        scratch = std::max(scratch, matmul_backward_scratch_bytes(n, 4 * c.channels));
+        scratch = std::max(scratch, kGlobalNormScratchBytes);
+        scratch_.allocate(scratch);
+        memory_.scratch = scratch_.bytes() + lt_.workspace_bytes();
+        memory_.params = params_.bytes();
+        memory_.grads = grads_.bytes();
+        memory_.optimizer = master_.bytes() + adam_m_.bytes() + adam_v_.bytes();
+        // Poisoned (NaN in bf16 and fp32), so that reading something no kernel wrote shows up at once.
+        cudaCheck(cudaMemsetAsync(acts_.get(), 0xff, acts_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(act_grads_.get(), 0xff, act_grads_.bytes(), stream_));
+    }
+
+    floatX* ln1(int l) const { return ln1_ + size_t(l) * nc_; }
+    float* ln1_mean(int l) const { return ln1_mean_ + size_t(l) * n_; }
+    float* ln1_rstd(int l) const { return ln1_rstd_ + size_t(l) * n_; }
+    floatX* qkv(int l) const { return qkv_ + size_t(l) * 3 * nc_; }
+    floatX* atty(int l) const { return atty_ + size_t(l) * nc_; }
+    void* att_saved(int l) const { return att_saved_ + size_t(l) * att_saved_bytes_; }
+    floatX* residual2(int l) const { return residual2_ + size_t(l) * nc_; }
+    floatX* ln2(int l) const { return ln2_ + size_t(l) * nc_; }
+    float* ln2_mean(int l) const { return ln2_mean_ + size_t(l) * n_; }
+    float* ln2_rstd(int l) const { return ln2_rstd_ + size_t(l) * n_; }
+    floatX* fch(int l) const { return fch_ + size_t(l) * 4 * nc_; }
+    floatX* fch_gelu(int l) const { return fch_gelu_ + (recompute_gelu_ ? 0 : size_t(l) * 4 * nc_); }
+    floatX* residual3(int l) const { return residual3_ + size_t(l) * nc_; }
+
+    GPT2Config config_;
+    int B_, T_;
+    cudaStream_t stream_;
+    std::array<ParamTensorInfo, kNumParamTensors> tensors_;
+    AdamWTensors adamw_table_;
+    MultiGpu* multi_ = nullptr;
+    int zero_stage_ = 0;
+    bool recompute_gelu_ = false;
+    ZeroLayout layout_;        // ZeRO-1 only
+    ShardRange owned_;         // ZeRO-1: the parameters this rank updates
+    AdamWTensors shard_table_; // ZeRO-1: adamw_table_ cut to owned_
+    int64_t num_params_ = 0;
+    Memory memory_;
+    CublasLt lt_;
+
+    DeviceBuffer<floatX> params_, grads_;
+    DeviceBuffer<float> master_, adam_m_, adam_v_;
+    DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale, ZeRO-1's sum of squares
+
+    DeviceBuffer<char> acts_, act_grads_, scratch_;
+    size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
+    // Activations of the last forward (layer-major where per layer).
+    floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;
+    char* att_saved_ = nullptr;  // attention's saved state, att_saved_bytes_ per layer
+    floatX *proj_ = nullptr;  // attproj, then fcproj: only the residual adds read them
+    floatX *residual2_ = nullptr, *ln2_ = nullptr, *fch_ = nullptr, *fch_gelu_ = nullptr, *residual3_ = nullptr;
+    floatX *lnf_ = nullptr, *logits_ = nullptr;
+    float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
+    float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
+    // Gradients of activations: one layer's worth, reused as backward walks down the layers.
+    floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
+};
+
+}  // namespace llmc
