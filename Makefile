@@ -45,7 +45,7 @@ LDLIBS_test_tokenizer := -lpcre2-8
 # NCCL (multi-GPU communication) is linked only into the binaries that use llmc/multi_gpu.cuh; CUDA_LIBS'
 # -L$(CUDA_HOME)/lib64 finds it where CUDA ships it, and the system path where the distribution does.
 LDLIBS_test_multi_gpu := -lnccl
-# train_gpt2.cu (data parallel) uses it, and so does every test that #includes train_gpt2.cu.
+# train_gpt2.cu (data parallel) uses it, and so does every test that #includes llmc/gpt2.cuh.
 LDLIBS_train_gpt2cu := -lnccl
 LDLIBS_test_gpt2_gpu := -lnccl
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)

@@ -1,53 +1,30 @@
 /*
-train_gpt2cu: GPT-2 training on one GPU in mixed precision, in the spirit of llm.c's train_gpt2.cu.
+train_gpt2cu: trains GPT-2 on one GPU, or data parallel on several, in the spirit of llm.c's
+train_gpt2.cu. The model is llmc/gpt2.cuh (bf16 parameters, gradients and activations; fp32 master
+weights, AdamW moments, LayerNorm statistics and losses); this file is the program around it.
 
-Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
-and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
-weights and rounds them stochastically into the bf16 parameters the model computes with.
-
-This file holds the model (GPT2: its configuration, parameters, gradients, optimizer state and
-activations, all allocated once for a micro-batch of B x T; forward, backward and update built from the
-layer kernels in llmc/) and main(), which reads top to bottom as the run: parse the flags, build or
-load the model, open the data, then loop {next batch, forward, backward, clip, update, log, evaluate,
-sample, checkpoint} and write the model. A step talks to the host once: the loss and the gradient norm
-come back through one copy into pinned memory.
-
-Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs: the
-fp32 master weights as an llm.c model file (model.bin), the bf16 parameters (stochastic roundings, not a
-function of the master weights), the AdamW moments, the DataLoader position, the step and the settings;
-the random streams are functions of (seed, step), so the seeds are all they need. -y 1 resumes from the
-newest valid checkpoint in the output directory (llmc/checkpoint.h says what valid means).
+main() reads top to bottom as the run: parse and check the flags, the model's shape and the data (all
+before anything touches CUDA, so a bad command line fails the same way with or without a GPU), plan the
+run, meet the other ranks, build or load the model, open the data, maybe resume, then loop {evaluate,
+sample, train a step, log, checkpoint} and write the model. A step talks to the host once: the losses
+and the gradient norm come back through one copy into pinned memory.
 
 Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
--v -m -s -g -n -y -k); every flag also has a long name (--help lists them). The flags are parsed and
-checked before anything touches CUDA, so a bad command line fails the same way with or without a GPU.
+-v -m -s -g -n -y -k -r -z); every flag has a long name, and --help lists them with defaults and ranges.
 
-Several GPUs (data parallel, NCCL through llmc/multi_gpu.cuh): with --multi-gpu 1, or when the launcher
-(mpirun, srun) or --rank/--world-size say there are several ranks, each rank trains on its own slice
-of every batch. -z 0: every rank holds the whole optimizer state; on the last micro-step each layer's
-gradients are averaged (all-reduce) on a communication stream as soon as backward has left the layer,
-overlapping the layers below. -z 1 (ZeRO-1, the default there): the master weights and AdamW moments
-are sharded (llmc/zero.h: buffers padded to W equal shards); the gradients are reduce-scattered after
-backward, each rank updates its shard, and the bf16 parameters are all-gathered before the next
-forward. The stochastic rounding is keyed by (seed, step, flat index) on every rank, so the ranks hold
-identical parameters, and one rank through NCCL computes the same bits as the single-GPU path, which
-is left exactly as it was (no NCCL call, the same kernels in the same order). Rank 0 alone prints and
-writes files; the losses and the validation loss are averaged over the ranks for the log.
+Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs
+(llmc/gpt2_checkpoint.h); -y 1 resumes from the newest valid one in the output directory. The run's
+settings are declared once (run_settings): the checkpoint records them, a resume checks the ones that fix
+shapes, batches and random streams, and the ranks of a data-parallel run must agree on all of them.
 
-Checkpoints with several ranks: with ZeRO-1 every rank writes its shard of the optimizer state into the
-shared output directory and rank 0 publishes the checkpoint once all are written; without it rank 0
-writes the whole state. A resume on another number of ranks (or between ZeRO-1 and not) re-shards the
-optimizer state from the saved ranges and continues the same sample stream (GPT2::load_checkpoint).
+Several GPUs (llmc/multi_gpu.cuh, NCCL): with --multi-gpu 1, or when the launcher (mpirun, srun) or
+--rank/--world-size say there are several ranks, each rank trains on its own slice of every batch; -z 1
+(ZeRO-1, the default there) shards the optimizer state. Rank 0 alone prints and writes files.
 
-Attention is flash attention (llmc/flash_attention.cuh: memory linear in T, deterministic backward) for
-head sizes 64 and 128, which covers every GPT-2 size; other head sizes use the cuBLASLt path.
-
-Does not provide (yet): a KV cache for sampling (each sampled token reruns the forward over the tokens
-so far), activation recomputation.
+Does not provide (yet): a KV cache for sampling (each sampled token reruns the forward over the tokens so
+far), activation recomputation beyond the GELU (-r 1).
 */
 #include <algorithm>
-#include <array>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -57,8 +34,6 @@ so far), activation recomputation.
 #include <string>
 #include <vector>
 
-#include <sys/stat.h>
-
 #include "llmc/checkpoint.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/dataloader.h"
@@ -66,10 +41,12 @@ so far), activation recomputation.
 #include "llmc/device_file_io.cuh"
 #include "llmc/flags.h"
 #include "llmc/gpt2.cuh"
+#include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/model_file.h"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/rendezvous.h"
+#include "llmc/run_log.h"
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
@@ -78,7 +55,7 @@ so far), activation recomputation.
 namespace llmc {
 
 // ----------------------------------------------------------------------------------------------------
-// The command line.
+// The command line: every flag, its default and its range, in one table.
 
 struct Options {
     std::string train_pattern = "data/quickstart_train_*.bin";
@@ -120,6 +97,7 @@ struct Options {
     bool shuffle = true;
     bool save_model = true;
     int log_every = 1;
+    bool dry_run = false;
     // Several GPUs.
     int multi_gpu = -1;  // -1: NCCL when there are several ranks; 0: never; 1: always (also for one rank)
     std::string rendezvous;
@@ -130,34 +108,37 @@ struct Options {
     double hang_timeout = 0;
 };
 
+template <class T>
+constexpr T kMax = std::numeric_limits<T>::max();
+
 inline Flags make_flags(Options& o) {
-    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU, or data parallel on several (NCCL): bf16 parameters, gradients and activations; fp32 master "
-                            "weights, AdamW moments, LayerNorm statistics and losses.");
+    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU, or data parallel on several (NCCL): bf16 parameters, gradients and "
+                            "activations; fp32 master weights, AdamW moments, LayerNorm statistics and losses.");
     f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
     f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
-    f.add("e", "model", &o.model,
-          "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
-    f.add("o", "output-dir", &o.output_dir,
-          "directory for log.jsonl and model.bin (created if missing); \"\" writes nothing");
-    f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)");
-    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)");
-    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)");
-    f.add("l", "lr", &o.lr, "peak learning rate");
-    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps");
-    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak");
-    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)");
-    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data)");
-    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)");
-    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)");
-    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)");
-    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)");
+    f.add("e", "model", &o.model, "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
+    f.add("o", "output-dir", &o.output_dir, "directory for log.jsonl, checkpoints and model.bin (created if missing); \"\" writes nothing");
+    f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)", 1, kMax<int>);
+    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)", 1, kMax<int>);
+    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)",
+          -1, kMax<int64_t>);
+    f.add("l", "lr", &o.lr, "peak learning rate", 0.0f, kMax<float>);
+    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps", 0, kMax<int>);
+    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak", 0.0f, 1.0f);
+    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)", 0.0f, kMax<float>);
+    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data)", -1, kMax<int>);
+    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)", 0, kMax<int>);
+    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)", -1, kMax<int>);
+    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, kMax<int>);
+    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)", 0, kMax<int>);
     f.add("n", "checkpoint-every", &o.checkpoint_every,
-          "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/");
-    f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)");
-    f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N");
+          "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/", 0, kMax<int>);
+    f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)", 0, kMax<int>);
+    f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N",
+          0, kMax<int>);
     f.add("r", "recompute", &o.recompute,
           "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
-          "slower; llm.c's default); 0: keep them all");
+          "slower; llm.c's default); 0: keep them all", 0, 1);
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,
@@ -165,42 +146,45 @@ inline Flags make_flags(Options& o) {
           "heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises); 0: the heuristic's choice");
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
-    f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory");
+    f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
     f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
-    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end");
-    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)");
-    f.add("", "beta1", &o.beta1, "AdamW beta1");
-    f.add("", "beta2", &o.beta2, "AdamW beta2");
-    f.add("", "eps", &o.eps, "AdamW epsilon");
-    f.add("", "seed", &o.seed, "seed of initialisation, data order and stochastic rounding");
-    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)");
-    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)");
+    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end", 0.0f, 1.0f);
+    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)", 0.0f, kMax<float>);
+    f.add("", "beta1", &o.beta1, "AdamW beta1, below 1", 0.0f, 1.0f);
+    f.add("", "beta2", &o.beta2, "AdamW beta2, below 1", 0.0f, 1.0f);
+    f.add("", "eps", &o.eps, "AdamW epsilon, above 0", 0.0f, kMax<float>);
+    f.add("", "seed", &o.seed, "seed of initialisation, data order and stochastic rounding", 0, kMax<int64_t>);
+    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0.0f, kMax<float>);
+    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, kMax<int>);
     f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)");
     f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
-    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib,
-          "keep the token shards in GPU memory when they fit in this many MiB (0: stream)");
+    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib, "keep the token shards in GPU memory when they fit in this many MiB (0: stream)",
+          0, kMax<int64_t>);
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model, "write <output-dir>/model.bin (fp32, llm.c version 3) at the end");
-    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)");
+    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, kMax<int>);
+    f.add("", "dry-run", &o.dry_run, "1: check the flags, the model and the data, print the plan, and exit without a GPU");
     f.add("", "multi-gpu", &o.multi_gpu,
-          "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank");
+          "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank", -1, 1);
     f.add("", "rendezvous", &o.rendezvous,
           "where the ranks meet: file:DIR, DIR or tcp://HOST:PORT (\"\": /tmp on one node, none for one rank)");
     f.add("", "rendezvous-job", &o.rendezvous_job, "name of this launch in the rendezvous (default: from the launcher)");
-    f.add("", "rank", &o.rank, "this process's rank (-1: from mpirun/srun's environment, else 0)");
-    f.add("", "world-size", &o.world_size, "number of ranks, with --rank (-1: from the environment, else 1)");
-    f.add("", "local-rank", &o.local_rank, "this rank's GPU on its node (-1: from the environment, else the rank)");
+    f.add("", "rank", &o.rank, "this process's rank (-1: from mpirun/srun's environment, else 0)", -1, kMax<int>);
+    f.add("", "world-size", &o.world_size, "number of ranks, with --rank (-1: from the environment, else 1)", -1, kMax<int>);
+    f.add("", "local-rank", &o.local_rank, "this rank's GPU on its node (-1: from the environment, else the rank)", -1,
+          kMax<int>);
     f.add("z", "zero-stage", &o.zero_stage,
-          "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)");
-    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up");
-    f.add("", "hang-timeout", &o.hang_timeout, "end the run when a step makes no progress for this many seconds (0: never)");
+          "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
+    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up", 0.0,
+          kMax<double>);
+    f.add("", "hang-timeout", &o.hang_timeout, "end the run when a step makes no progress for this many seconds (0: never)",
+          0.0, kMax<double>);
     return f;
 }
 
-inline bool is_regular_file(const std::string& path) {
-    struct stat st;
-    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
+// ----------------------------------------------------------------------------------------------------
+// The plan: everything derived from the flags, the model's shape, the ranks and the data, checked
+// against each other before the GPU is touched. The Options stay as the user gave them.
 
 // Where the model comes from: a file (its header read and checked now, its weights later) or a descriptor.
 struct ModelSource {
@@ -233,18 +217,16 @@ inline ModelSource resolve_model(const std::string& model) {
     return src;
 }
 
-// This process's place among the ranks, from the flags and the launcher's environment, checked before
-// anything touches CUDA. Leaves o.multi_gpu and o.zero_stage at 0 or 1.
-inline RankInfo resolve_ranks(Options& o) {
-    if (o.multi_gpu < -1 || o.multi_gpu > 1) fail(kExitUsage, "--multi-gpu %d: must be -1, 0 or 1", o.multi_gpu);
-    if (o.zero_stage < -1 || o.zero_stage > 1) fail(kExitUsage, "-z/--zero-stage %d: must be 0 or 1", o.zero_stage);
-    if (!(o.nccl_timeout > 0)) fail(kExitUsage, "--nccl-timeout %g: must be positive", o.nccl_timeout);
-    if (!(o.hang_timeout >= 0)) fail(kExitUsage, "--hang-timeout %g: must not be negative", o.hang_timeout);
-    if (o.rank < -1 || o.world_size < -1 || o.local_rank < -1) {
-        fail(kExitUsage, "--rank %d, --world-size %d, --local-rank %d: must not be negative", o.rank, o.world_size,
-             o.local_rank);
-    }
+// This process's place among the ranks, from the flags and the launcher's environment.
+struct Parallel {
+    RankInfo ranks;
+    bool multi = false;  // the NCCL path (also for one rank with --multi-gpu 1)
+    int zero_stage = 0;
+};
+
+inline Parallel resolve_ranks(const Options& o) {
     if (o.world_size == 0) fail(kExitUsage, "--world-size 0: need at least 1");
+    if (!(o.nccl_timeout > 0)) fail(kExitUsage, "--nccl-timeout %g: must be positive", o.nccl_timeout);
     if (o.multi_gpu == 0 && (o.rank >= 0 || o.world_size >= 0 || o.local_rank >= 0)) {
         fail(kExitUsage, "--rank/--world-size/--local-rank need the NCCL path; drop --multi-gpu 0");
     }
@@ -253,79 +235,74 @@ inline RankInfo resolve_ranks(Options& o) {
     flags.world = o.world_size;
     flags.local_rank = o.local_rank;
     flags.job = o.rendezvous_job;
-    const RankInfo ranks = detect_ranks(flags);
-    if (o.multi_gpu == 0 && ranks.world > 1) {
-        fail(kExitUsage, "--multi-gpu 0, but %s says there are %d ranks", ranks.launcher.c_str(), ranks.world);
+    Parallel p;
+    p.ranks = detect_ranks(flags);
+    if (o.multi_gpu == 0 && p.ranks.world > 1) {
+        fail(kExitUsage, "--multi-gpu 0, but %s says there are %d ranks", p.ranks.launcher.c_str(), p.ranks.world);
     }
-    const bool multi = o.multi_gpu == 1 || ranks.world > 1;
-    if (!multi) {
-        if (!o.rendezvous.empty()) fail(kExitUsage, "--rendezvous needs the NCCL path (--multi-gpu 1 or several ranks)");
-        if (!o.rendezvous_job.empty()) {
-            fail(kExitUsage, "--rendezvous-job needs the NCCL path (--multi-gpu 1 or several ranks)");
-        }
-        if (o.zero_stage == 1) fail(kExitUsage, "-z/--zero-stage 1 needs the NCCL path (--multi-gpu 1 or several ranks)");
+    p.multi = o.multi_gpu == 1 || p.ranks.world > 1;
+    if (!p.multi) {
+        const char* needs = "needs the NCCL path (--multi-gpu 1 or several ranks)";
+        if (!o.rendezvous.empty()) fail(kExitUsage, "--rendezvous %s", needs);
+        if (!o.rendezvous_job.empty()) fail(kExitUsage, "--rendezvous-job %s", needs);
+        if (o.zero_stage == 1) fail(kExitUsage, "-z/--zero-stage 1 %s", needs);
     } else {
-        resolve_rendezvous(o.rendezvous, ranks);  // a bad or missing spec fails here, before CUDA
+        resolve_rendezvous(o.rendezvous, p.ranks);  // a bad or missing spec fails here, before CUDA
     }
-    o.multi_gpu = multi ? 1 : 0;
-    if (o.zero_stage == -1) o.zero_stage = multi ? 1 : 0;
-    return ranks;
+    p.zero_stage = o.zero_stage == -1 ? (p.multi ? 1 : 0) : o.zero_stage;
+    return p;
 }
 
-// The settings after checking them against each other and the model; everything here is host-only.
+inline DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle,
+                                      const RankInfo& ranks) {
+    DataLoaderConfig d;
+    d.pattern = pattern;
+    d.B = o.B;
+    d.T = o.T;
+    d.rank = ranks.rank;
+    d.world = ranks.world;
+    d.vocab_size = uint32_t(c.vocab_size);
+    d.shuffle = shuffle;
+    d.seed = uint64_t(o.seed);
+    return d;
+}
+
 struct Plan {
+    GPT2Config config;
+    Parallel parallel;
     int grad_accum = 1;
     int64_t tokens_per_step = 0;
+    int max_steps = 0;          // -x, or one epoch of the training data
+    int val_steps = 0;          // batches per validation (0: no validation)
     LRSchedule schedule;
     int gen_tokens = 0;
+    DataLoaderConfig train, val;
+    std::vector<std::string> train_shards, val_shards;
+    uint64_t train_tokens = 0, epoch_batches = 0;  // of the training data (for the start-up lines)
+    bool validate() const { return val_steps > 0; }
 };
 
-inline Plan plan_run(const Options& o, const GPT2Config& c, int world = 1) {
-    if (o.B < 1) fail(kExitUsage, "-b/--batch-size %d: must be at least 1", o.B);
-    if (o.T < 1) fail(kExitUsage, "-t/--seq-len %d: must be at least 1", o.T);
+inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& parallel) {
+    // The flag table holds each flag's own range; these are the checks across flags and the exclusive bounds.
     if (o.T > c.max_seq_len) {
         fail(kExitUsage, "-t/--seq-len %d is longer than the model's maximum sequence length %d", o.T, c.max_seq_len);
     }
-    if (!(o.lr >= 0.0f)) fail(kExitUsage, "-l/--lr %g: must not be negative", double(o.lr));
-    if (o.warmup < 0) fail(kExitUsage, "-u/--warmup %d: must not be negative", o.warmup);
-    if (!(o.final_lr_fraction >= 0.0f && o.final_lr_fraction <= 1.0f)) {
-        fail(kExitUsage, "-q/--final-lr-fraction %g: must be in [0, 1]", double(o.final_lr_fraction));
-    }
-    if (!(o.weight_decay >= 0.0f)) fail(kExitUsage, "-c/--weight-decay %g: must not be negative", double(o.weight_decay));
-    if (o.max_steps < -1) fail(kExitUsage, "-x/--max-steps %d: must be -1 (one epoch) or at least 0", o.max_steps);
-    if (o.val_every < 0) fail(kExitUsage, "-v/--val-every %d: must not be negative", o.val_every);
-    if (o.val_max_steps != -1 && o.val_max_steps < 1) {
-        fail(kExitUsage, "-m/--val-max-steps %d: must be -1 (all) or at least 1", o.val_max_steps);
-    }
-    if (o.sample_every < 0) fail(kExitUsage, "-s/--sample-every %d: must not be negative", o.sample_every);
+    if (o.val_max_steps == 0) fail(kExitUsage, "-m/--val-max-steps 0: must be -1 (all) or at least 1");
     if (o.sample_every > 0 && o.gen_tokens < 1) {
         fail(kExitUsage, "-g/--gen-tokens %d: must be at least 1 when sampling", o.gen_tokens);
     }
-    if (o.checkpoint_every < 0) fail(kExitUsage, "-n/--checkpoint-every %d: must not be negative", o.checkpoint_every);
-    if (o.recompute != 0 && o.recompute != 1) fail(kExitUsage, "-r/--recompute %d: must be 0 or 1", o.recompute);
-    if (o.resume != 0 && o.resume != 1) fail(kExitUsage, "-y/--resume %d: must be 0 or 1", o.resume);
-    if (o.keep_last < 0) fail(kExitUsage, "-nk/--keep-last %d: must not be negative", o.keep_last);
-    if (o.keep_every < 0) fail(kExitUsage, "-nm/--keep-every %d: must not be negative", o.keep_every);
     if ((o.checkpoint_every > 0 || o.resume == 1) && o.output_dir.empty()) {
         fail(kExitUsage, "%s needs an output directory (-o)", o.resume == 1 ? "-y 1 (resume)" : "-n (checkpoints)");
     }
-    if (!(o.decay_fraction >= 0.0f && o.decay_fraction <= 1.0f)) {
-        fail(kExitUsage, "--decay-fraction %g: must be in [0, 1]", double(o.decay_fraction));
-    }
-    if (!(o.grad_clip >= 0.0f)) fail(kExitUsage, "--grad-clip %g: must not be negative", double(o.grad_clip));
-    if (!(o.beta1 >= 0.0f && o.beta1 < 1.0f)) fail(kExitUsage, "--beta1 %g: must be in [0, 1)", double(o.beta1));
-    if (!(o.beta2 >= 0.0f && o.beta2 < 1.0f)) fail(kExitUsage, "--beta2 %g: must be in [0, 1)", double(o.beta2));
+    if (!(o.beta1 < 1.0f)) fail(kExitUsage, "--beta1 %g: must be below 1", double(o.beta1));
+    if (!(o.beta2 < 1.0f)) fail(kExitUsage, "--beta2 %g: must be below 1", double(o.beta2));
     if (!(o.eps > 0.0f)) fail(kExitUsage, "--eps %g: must be positive", double(o.eps));
-    if (o.seed < 0) fail(kExitUsage, "--seed %lld: must not be negative", (long long)o.seed);
-    if (!(o.temperature >= 0.0f)) fail(kExitUsage, "--temperature %g: must not be negative", double(o.temperature));
-    if (o.top_k < 0) fail(kExitUsage, "--top-k %d: must not be negative", o.top_k);
-    if (o.data_on_gpu_mib < 0) {
-        fail(kExitUsage, "--data-on-gpu-mib %lld: must not be negative", (long long)o.data_on_gpu_mib);
-    }
-    if (o.log_every < 1) fail(kExitUsage, "--log-every %d: must be at least 1", o.log_every);
     if (o.train_pattern.empty()) fail(kExitUsage, "-i/--train: no training shards named");
 
     Plan p;
+    p.config = c;
+    p.parallel = parallel;
+    const int world = parallel.ranks.world;
     const int64_t micro = int64_t(o.B) * o.T * world;  // one micro-step of every rank
     p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
     if (p.tokens_per_step < 1) {
@@ -346,119 +323,115 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, int world = 1) {
     p.schedule.final_fraction = o.final_lr_fraction;
     p.schedule.decay_fraction = o.decay_fraction;
     p.gen_tokens = std::min(o.gen_tokens, o.T - 1);
+
+    // The data: its headers are read here (the GPU loaders read them again), so a missing or short
+    // split fails before CUDA, and the step counts are known.
+    p.train = loader_config(o.train_pattern, o, c, o.shuffle, parallel.ranks);
+    const SampleSchedule train(p.train);
+    for (const ShardInfo& s : train.shards()) p.train_shards.push_back(s.path);
+    p.train_tokens = train.total_tokens();
+    p.epoch_batches = std::max<uint64_t>(1, train.batches_per_epoch());
+    const uint64_t epoch = std::max<uint64_t>(1, train.batches_per_epoch() / uint64_t(p.grad_accum));
+    p.max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
+    p.schedule.total = std::max(1, p.max_steps);
+    if (!o.val_pattern.empty() && o.val_every > 0) {
+        p.val = loader_config(o.val_pattern, o, c, false, parallel.ranks);
+        const SampleSchedule val(p.val);
+        for (const ShardInfo& s : val.shards()) p.val_shards.push_back(s.path);
+        const uint64_t all = std::max<uint64_t>(1, val.batches_per_epoch());
+        p.val_steps = int(o.val_max_steps == -1 ? std::min<uint64_t>(all, INT32_MAX)
+                                                : std::min<uint64_t>(all, uint64_t(o.val_max_steps)));
+    }
     return p;
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Logging.
+// The run's settings, declared once. The checkpoint's manifest records the MustMatch and MayChange
+// ones; a resume refuses a checkpoint whose MustMatch values differ (they fix the shapes, the batches
+// and the random streams) and reports the others, which apply from the resumed step on (the learning
+// rate follows the new schedule at the same step, for instance; only unchanged values continue
+// bit-exactly). The ranks of a data-parallel run must agree on every setting, the Ranks ones included:
+// those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards).
 
-// log.jsonl in the output directory: one JSON object per line, flushed as written.
-class JsonlLog {
-public:
-    JsonlLog() = default;
-    // append: continue an existing log (a resumed run) rather than start a new one.
-    JsonlLog(const std::string& path, bool append) {
-        if (append && is_regular_file(path)) {
-            file_.open(path, File::Mode::ReadWrite);
-            const int64_t size = file_.size();
-            file_.seek(size);
-            // A run killed mid-line leaves a partial record; the next one starts on a line of its own.
-            char last = '\n';
-            if (size > 0) file_.read_exact_at(&last, 1, size - 1);
-            if (last != '\n') file_.write_all("\n", 1);
-        } else {
-            file_.open(path, File::Mode::Write);
-        }
-    }
-    void write(const std::string& line) {
-        if (!file_.is_open()) return;
-        std::string l = line + "\n";
-        file_.write_all(l.data(), l.size());
-    }
-
-private:
-    File file_;
+struct RunSetting {
+    enum Role { MustMatch, MayChange, Ranks };
+    std::string key, value;
+    Role role;
 };
 
-// JSON has no NaN or infinity; such values go out as null.
-inline std::string json_number(double v, const char* fmt = "%.6g") {
-    return std::isfinite(v) ? format(fmt, v) : std::string("null");
-}
-
-inline void make_directory(const std::string& dir) {
-    std::string partial;
-    size_t start = 0;
-    while (start <= dir.size()) {
-        size_t slash = dir.find('/', start);
-        if (slash == std::string::npos) slash = dir.size();
-        partial = dir.substr(0, slash);
-        if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-            int e = errno;
-            fail(kExitIo, "cannot create output directory '%s': %s", partial.c_str(), std::strerror(e));
-        }
-        start = slash + 1;
-    }
-    struct stat st;
-    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        fail(kExitIo, "output directory '%s' is not a directory", dir.c_str());
-    }
-}
-
-inline std::string duration_text(double seconds) {
-    if (!(seconds >= 0) || !std::isfinite(seconds)) return "?";
-    long s = long(seconds + 0.5);
-    if (s >= 3600) return format("%ldh%02ldm", s / 3600, (s / 60) % 60);
-    if (s >= 60) return format("%ldm%02lds", s / 60, s % 60);
-    return format("%lds", s);
-}
-
-inline std::string memory_table(const GPT2& model, size_t data_bytes) {
-    const GPT2::Memory m = model.memory();
-    std::string out = "+----------------------------------+------------------------------------------+\n";
-    out += format("| %-32s | %-40s |\n", "GPU memory", "bytes");
-    out += "+----------------------------------+------------------------------------------+\n";
-    auto row = [&](const char* what, size_t bytes) {
-        out += format("| %-32s | %-40s |\n", what, human_bytes(double(bytes)).c_str());
+inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
+    auto num = [](double v) { return format("%.9g", v); };
+    auto join = [](const std::vector<std::string>& v) {
+        std::string s;
+        for (const std::string& x : v) s += (s.empty() ? "" : ",") + x;
+        return s;
     };
-    row("parameters (bf16)", m.params);
-    row("gradients (bf16)", m.grads);
-    row("master + AdamW m, v (fp32)", m.optimizer);
-    row("activations", m.activations);
-    row("activation gradients", m.activation_grads);
-    row("scratch + cuBLAS workspace", m.scratch);
-    row("model total", m.total());
-    row("data loaders (device side)", data_bytes);
-    out += "+----------------------------------+------------------------------------------+\n";
-    return out;
+    using R = RunSetting;
+    return {
+        {"model", describe(p.config), R::MustMatch},
+        {"batch_size", format("%d", o.B), R::MustMatch},
+        {"seq_len", format("%d", o.T), R::MustMatch},
+        {"tokens_per_step", format("%lld", (long long)p.tokens_per_step), R::MustMatch},
+        {"seed", format("%lld", (long long)o.seed), R::MustMatch},
+        {"shuffle", o.shuffle ? "1" : "0", R::MustMatch},
+        {"train", o.train_pattern, R::MayChange},
+        {"val", o.val_pattern, R::MayChange},
+        {"max_steps", format("%d", p.max_steps), R::MayChange},
+        {"lr", num(o.lr), R::MayChange},
+        {"warmup", format("%d", o.warmup), R::MayChange},
+        {"final_lr_fraction", num(o.final_lr_fraction), R::MayChange},
+        {"schedule", o.schedule, R::MayChange},
+        {"decay_fraction", num(o.decay_fraction), R::MayChange},
+        {"weight_decay", num(o.weight_decay), R::MayChange},
+        {"grad_clip", num(o.grad_clip), R::MayChange},
+        {"beta1", num(o.beta1), R::MayChange},
+        {"beta2", num(o.beta2), R::MayChange},
+        {"eps", num(o.eps), R::MayChange},
+        {"stochastic_rounding", o.stochastic_rounding ? "1" : "0", R::MayChange},
+        {"recompute", format("%d", o.recompute), R::MayChange},
+        {"sample_seed", format("%lld", (long long)o.sample_seed), R::MayChange},
+        {"zero_stage", format("%d", p.parallel.zero_stage), R::Ranks},
+        {"train_shards", join(p.train_shards), R::Ranks},
+        {"val_shards", join(p.val_shards), R::Ranks},
+        {"val_every", format("%d", o.val_every), R::Ranks},
+        {"val_steps", format("%d", p.val_steps), R::Ranks},
+        {"sample_every", format("%d", o.sample_every), R::Ranks},
+        {"gen_tokens", format("%d", p.gen_tokens), R::Ranks},
+        {"checkpoint_every", format("%d", o.checkpoint_every), R::Ranks},
+        {"checkpoint_async", o.checkpoint_async ? "1" : "0", R::Ranks},
+        {"resume", format("%d", o.resume), R::Ranks},
+        {"output_dir", o.output_dir, R::Ranks},
+        {"save_model", o.save_model ? "1" : "0", R::Ranks},
+        {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
+        {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
+        {"hang_timeout", num(o.hang_timeout), R::Ranks},
+    };
 }
 
-// ----------------------------------------------------------------------------------------------------
-// Sampling.
-
-// Generates `n` tokens after an end-of-text token, rerunning the forward on the tokens so far for each
-// (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.
-inline std::vector<uint32_t> generate(GPT2& model, int n, uint32_t start, float temperature, int top_k, uint64_t seed,
-                                      int* d_tokens, PinnedBuffer& host_row) {
-    const GPT2Config& c = model.config();
-    std::vector<int> tokens{int(start)};
-    std::vector<uint32_t> out;
-    std::vector<float> row(size_t(c.vocab_size));
-    SplitMix64 rng(seed);
-    const floatX* pinned = reinterpret_cast<const floatX*>(host_row.get());
-    for (int i = 0; i < n; i++) {
-        const int t = int(tokens.size());
-        cudaCheck(cudaMemcpyAsync(d_tokens, tokens.data(), size_t(t) * sizeof(int), cudaMemcpyHostToDevice,
-                                  model.stream()));
-        model.forward(d_tokens, nullptr, 1, t);
-        cudaCheck(cudaMemcpyAsync(host_row.get(), model.logits() + size_t(t - 1) * c.padded_vocab_size,
-                                  size_t(c.vocab_size) * sizeof(floatX), cudaMemcpyDeviceToHost, model.stream()));
-        cudaCheck(cudaStreamSynchronize(model.stream()));
-        for (int v = 0; v < c.vocab_size; v++) row[size_t(v)] = __bfloat162float(pinned[v]);
-        const uint32_t next = sample_token(row, temperature, top_k, rng);
-        tokens.push_back(int(next));
-        out.push_back(next);
+// What a checkpoint's manifest records of the settings, and the keys a resume requires unchanged.
+inline std::vector<std::pair<std::string, std::string>> recorded_settings(const std::vector<RunSetting>& all) {
+    std::vector<std::pair<std::string, std::string>> kv;
+    for (const RunSetting& s : all) {
+        if (s.role != RunSetting::Ranks) kv.push_back({s.key, s.value});
     }
-    return out;
+    return kv;
+}
+
+inline std::vector<std::string> must_match_keys(const std::vector<RunSetting>& all) {
+    std::vector<std::string> keys;
+    for (const RunSetting& s : all) {
+        if (s.role == RunSetting::MustMatch) keys.push_back(s.key);
+    }
+    return keys;
+}
+
+// Ranks started with different settings would train on silently or hang in a collective.
+inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over "key=value;" of every setting
+    for (const RunSetting& s : all) {
+        for (unsigned char ch : s.key + "=" + s.value + ";") hash = (hash ^ ch) * 1099511628211ull;
+    }
+    return hash;
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -470,18 +443,27 @@ struct Device {
     double peak_flops = 0;  // dense bf16; 0 when this GPU is not in the table
 };
 
-inline void require_gpu() {
+inline Device open_device(int device = 0) {
     if (cuda_device_count() == 0) {
         fail(kExitCuda, "no CUDA GPU found: train_gpt2cu needs one (./train_gpt2 is the CPU trainer)");
     }
-}
-
-inline Device open_device(int device = 0) {
-    require_gpu();
     cudaCheck(cudaSetDevice(device));
     cudaDeviceProp prop;
     cudaCheck(cudaGetDeviceProperties(&prop, device));
     return Device{prop.name, prop.totalGlobalMem, peak_bf16_flops(prop.name)};
+}
+
+inline std::unique_ptr<MultiGpu> meet_ranks(const Options& o, const Plan& plan) {
+    if (!plan.parallel.multi) return nullptr;
+    if (cuda_device_count() == 0) fail(kExitCuda, "no CUDA GPU found: the NCCL path needs one per rank");
+    MultiGpuOptions mo;
+    mo.rendezvous = o.rendezvous;
+    mo.init_timeout_s = o.nccl_timeout;
+    mo.hang_timeout_s = o.hang_timeout;
+    auto multi = std::make_unique<MultiGpu>(plan.parallel.ranks, mo);
+    multi->check_same(settings_hash(run_settings(o, plan)),
+                      "the run's settings (model, batch, data, schedule, optimizer, seeds, evaluation, checkpoints)");
+    return multi;
 }
 
 inline std::vector<float> initial_parameters(const ModelSource& src, uint64_t seed) {
@@ -495,77 +477,76 @@ inline std::vector<float> initial_parameters(const ModelSource& src, uint64_t se
     return params;
 }
 
-inline DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle,
-                                      const RankInfo& ranks) {
-    DataLoaderConfig d;
-    d.pattern = pattern;
-    d.B = o.B;
-    d.T = o.T;
-    d.rank = ranks.rank;
-    d.world = ranks.world;
-    d.vocab_size = uint32_t(c.vocab_size);
-    d.shuffle = shuffle;
-    d.seed = uint64_t(o.seed);
-    return d;
-}
-
-// The training and validation loaders, and the step counts that follow from the data.
+// The training and validation loaders (the plan says what they read).
 struct Data {
     std::unique_ptr<GpuDataLoader> train, val;
-    int max_steps = 0;
-    int val_steps = 0;
 
-    Data(const Options& o, const GPT2Config& c, Plan& plan, cudaStream_t stream, const RankInfo& ranks = RankInfo()) {
+    Data(const Options& o, const Plan& plan, cudaStream_t stream) {
         const size_t budget = size_t(o.data_on_gpu_mib) << 20;
-        train = std::make_unique<GpuDataLoader>(loader_config(o.train_pattern, o, c, o.shuffle, ranks), stream, budget);
-        const uint64_t epoch = std::max<uint64_t>(1, train->schedule().batches_per_epoch() / uint64_t(plan.grad_accum));
-        max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
-        plan.schedule.total = std::max(1, max_steps);
-        if (!o.val_pattern.empty() && o.val_every > 0) {
-            val = std::make_unique<GpuDataLoader>(loader_config(o.val_pattern, o, c, false, ranks), stream, budget);
-            const uint64_t all = std::max<uint64_t>(1, val->schedule().batches_per_epoch());
-            val_steps = int(o.val_max_steps == -1 ? std::min<uint64_t>(all, INT32_MAX)
-                                                  : std::min<uint64_t>(all, uint64_t(o.val_max_steps)));
-        }
+        train = std::make_unique<GpuDataLoader>(plan.train, stream, budget);
+        if (plan.validate()) val = std::make_unique<GpuDataLoader>(plan.val, stream, budget);
     }
     size_t device_bytes() const {
         return (train->resident() ? train->resident_bytes() : 0) + (val && val->resident() ? val->resident_bytes() : 0);
     }
 };
 
-inline void print_startup(const Flags& flags, const Options& o, const Plan& plan, const Device& device,
-                          const ModelSource& source, const GPT2& model, const Data& data) {
-    std::printf("train_gpt2cu on %s (%s, bf16 peak %s)\n", device.name.c_str(), human_bytes(double(device.memory)).c_str(),
-                device.peak_flops > 0 ? format("%.0f TFLOP/s", device.peak_flops / 1e12).c_str() : "unknown: MFU n/a");
+// The lines that say what the run will do; host-only, so --dry-run prints them too.
+inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, const ModelSource& source) {
     std::fputs(flags.settings_table().c_str(), stdout);
-    if (MultiGpu* mg = model.multi()) {
-        std::printf("data parallel: %d rank(s) (%s), NCCL, %s; rank 0 on GPU %d; every step each rank takes %d of "
-                    "the %lld tokens\n", mg->world(), mg->ranks().launcher.c_str(),
-                    o.zero_stage == 1 ? "ZeRO-1 (optimizer state sharded, parameters all-gathered)"
-                                      : "gradients all-reduced per layer, optimizer state replicated",
-                    mg->device(), plan.grad_accum * o.B * o.T, (long long)plan.tokens_per_step);
+    if (plan.parallel.multi) {
+        std::printf("data parallel: %d rank(s) (%s), NCCL, %s; every step each rank takes %d of the %lld tokens\n",
+                    plan.parallel.ranks.world, plan.parallel.ranks.launcher.c_str(),
+                    plan.parallel.zero_stage == 1 ? "ZeRO-1 (optimizer state sharded, parameters all-gathered)"
+                                                  : "gradients all-reduced per layer, optimizer state replicated",
+                    plan.grad_accum * o.B * o.T, (long long)plan.tokens_per_step);
     }
     std::printf("model: %s, %s, %lld parameters, %.2f GFLOP per token (6N + 6LCT)\n",
                 source.file.empty() ? format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed).c_str()
                                     : format("%s (version %d)", source.file.c_str(), source.file_version).c_str(),
-                describe(model.config()).c_str(), (long long)model.num_parameters(),
-                flops_per_token(model.config(), o.T) / 1e9);
-    const uint64_t epoch_batches = std::max<uint64_t>(1, data.train->schedule().batches_per_epoch());
+                describe(plan.config).c_str(), (long long)num_parameters(plan.config),
+                flops_per_token(plan.config, o.T) / 1e9);
     std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
-                "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, data.max_steps,
-                double(data.max_steps) * plan.grad_accum / double(epoch_batches),
-                (unsigned long long)data.train->schedule().total_tokens());
-    std::printf("train data: %zu shard(s), %s; val data: %s\n", data.train->schedule().shards().size(),
-                data.train->resident() ? "on the GPU" : "streamed",
-                data.val ? format("%zu shard(s), %d batches per evaluation", data.val->schedule().shards().size(),
-                                  data.val_steps).c_str()
-                         : "none");
+                "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,
+                double(plan.max_steps) * plan.grad_accum / double(plan.epoch_batches),
+                (unsigned long long)plan.train_tokens);
+    std::printf("train data: %zu shard(s); val data: %s\n", plan.train_shards.size(),
+                plan.validate() ? format("%zu shard(s), %d batches per evaluation", plan.val_shards.size(),
+                                         plan.val_steps).c_str()
+                                : "none");
     if (o.checkpoint_every > 0) {
         std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
                     o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",
                     o.keep_last > 0 ? format("the newest %d", o.keep_last).c_str() : "all",
                     o.keep_last > 0 && o.keep_every > 0 ? format(" and every %d-th step", o.keep_every).c_str() : "");
     }
+    std::fflush(stdout);
+}
+
+inline std::string memory_table(const GPT2& model, size_t data_bytes) {
+    const GPT2::Memory m = model.memory();
+    const std::string rule = "+----------------------------------+------------------------------------------+\n";
+    std::string out = rule + format("| %-32s | %-40s |\n", "GPU memory", "bytes") + rule;
+    auto row = [&](const char* what, size_t bytes) {
+        out += format("| %-32s | %-40s |\n", what, human_bytes(double(bytes)).c_str());
+    };
+    row("parameters (bf16)", m.params);
+    row("gradients (bf16)", m.grads);
+    row("master + AdamW m, v (fp32)", m.optimizer);
+    row("activations", m.activations);
+    row("activation gradients", m.activation_grads);
+    row("scratch + cuBLAS workspace", m.scratch);
+    row("model total", m.total());
+    row("data loaders (device side)", data_bytes);
+    return out + rule;
+}
+
+inline void print_device(const Device& device, const GPT2& model, const Data& data) {
+    std::printf("GPU: %s (%s, bf16 peak %s)%s; train data: %s\n", device.name.c_str(),
+                human_bytes(double(device.memory)).c_str(),
+                device.peak_flops > 0 ? format("%.0f TFLOP/s", device.peak_flops / 1e12).c_str() : "unknown: MFU n/a",
+                model.multi() ? format(", rank 0 on GPU %d", model.multi()->device()).c_str() : "",
+                data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -580,9 +561,9 @@ struct Outputs {
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
-    Outputs(const Options& o, bool append_log) {
-        if (!o.output_dir.empty()) {
-            make_directory(o.output_dir);
+    Outputs(const Options& o, bool root, bool append_log) {
+        if (root && !o.output_dir.empty()) {
+            make_directories(o.output_dir);
             log = JsonlLog(o.output_dir + "/log.jsonl", append_log);
         }
         if (o.sample_every > 0) {
@@ -612,12 +593,15 @@ struct LoopBuffers {
     PinnedBuffer logit_row;           // one row of logits for the sampler
     Event step_done;
 
-    LoopBuffers(const Plan& plan, const Data& data, const GPT2Config& c, int T)
+    LoopBuffers(const Plan& plan, int T)
         : step_stats(size_t(1 + plan.grad_accum)), step_stats_host(size_t(1 + plan.grad_accum) * sizeof(float)),
-          val_losses(size_t(std::max(1, data.val_steps))),
-          val_losses_host(size_t(std::max(1, data.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
-          logit_row(size_t(c.vocab_size) * sizeof(floatX)) {}
+          val_losses(size_t(std::max(1, plan.val_steps))),
+          val_losses_host(size_t(std::max(1, plan.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
+          logit_row(size_t(plan.config.vocab_size) * sizeof(floatX)) {}
 };
+
+// ----------------------------------------------------------------------------------------------------
+// The loop's steps.
 
 // The mean validation loss over `steps` batches from the start of the validation set: one copy back.
 inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T, LoopBuffers& buf) {
@@ -637,6 +621,43 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
     double sum = 0.0;
     for (int i = 0; i < steps; i++) sum += double(l[i]);
     return sum / steps;
+}
+
+// Generates `n` tokens after an end-of-text token, rerunning the forward on the tokens so far for each
+// (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.
+inline std::vector<uint32_t> generate(GPT2& model, int n, uint32_t start, float temperature, int top_k, uint64_t seed,
+                                      int* d_tokens, PinnedBuffer& host_row) {
+    const GPT2Config& c = model.config();
+    std::vector<int> tokens{int(start)};
+    std::vector<uint32_t> out;
+    std::vector<float> row(size_t(c.vocab_size));
+    SplitMix64 rng(seed);
+    const floatX* pinned = reinterpret_cast<const floatX*>(host_row.get());
+    for (int i = 0; i < n; i++) {
+        const int t = int(tokens.size());
+        cudaCheck(cudaMemcpyAsync(d_tokens, tokens.data(), size_t(t) * sizeof(int), cudaMemcpyHostToDevice,
+                                  model.stream()));
+        model.forward(d_tokens, nullptr, 1, t);
+        cudaCheck(cudaMemcpyAsync(host_row.get(), model.logits() + size_t(t - 1) * c.padded_vocab_size,
+                                  size_t(c.vocab_size) * sizeof(floatX), cudaMemcpyDeviceToHost, model.stream()));
+        cudaCheck(cudaStreamSynchronize(model.stream()));
+        for (int v = 0; v < c.vocab_size; v++) row[size_t(v)] = __bfloat162float(pinned[v]);
+        const uint32_t next = sample_token(row, temperature, top_k, rng);
+        tokens.push_back(int(next));
+        out.push_back(next);
+    }
+    return out;
+}
+
+inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Outputs& out, LoopBuffers& buf, int step) {
+    const uint32_t start = out.have_tokenizer ? out.tokenizer.eot()
+                                              : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1));
+    const std::vector<uint32_t> ids = generate(model, plan.gen_tokens, start, o.temperature, o.top_k,
+                                               uint64_t(o.sample_seed), buf.sample_tokens.get(), buf.logit_row);
+    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
+                out.text(ids).c_str());
+    std::fflush(stdout);
+    out.log.write(format("{\"step\":%d,\"sample\":%s}", step, json_ids(ids).c_str()));
 }
 
 struct StepStats {
@@ -725,71 +746,21 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
                     duration_text(tp.seconds_per_step(s.seconds) * (max_steps - step - 1)).c_str());
         std::fflush(stdout);
     }
-    // The loss goes out with 17 digits, enough for the double to read back exactly: logs compare bitwise.
     out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
                          step + 1, json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
                          m >= 0 ? format("%.4f", m).c_str() : "null"));
 }
 
-inline void print_sample(GPT2& model, const Options& o, const Plan& plan, const Outputs& out, LoopBuffers& buf,
-                         int step) {
-    const uint32_t start = out.have_tokenizer ? out.tokenizer.eot()
-                                              : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1));
-    const std::vector<uint32_t> ids = generate(model, plan.gen_tokens, start, o.temperature, o.top_k,
-                                               uint64_t(o.sample_seed), buf.sample_tokens.get(), buf.logit_row);
-    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
-                out.text(ids).c_str());
-    std::fflush(stdout);
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Checkpoints and resume.
 
-// Settings a resume must share with the checkpoint: they fix the shapes, the batches and the random
-// streams. Everything else may change on resume (see checkpoint_settings).
-inline const std::vector<std::string>& resume_must_match() {
-    static const std::vector<std::string> keys = {"model", "batch_size", "seq_len", "tokens_per_step", "seed", "shuffle"};
-    return keys;
-}
-
-// The run's configuration as a checkpoint records it. The keys after the must-match ones may change on
-// resume; changing them applies from the resumed step on (the learning rate follows the new schedule at
-// the same step, for instance), so only unchanged values continue bit-exactly.
-inline std::vector<std::pair<std::string, std::string>> checkpoint_settings(const Options& o, const GPT2Config& c,
-                                                                            const Plan& plan, int max_steps) {
-    return {
-        {"model", describe(c)},
-        {"batch_size", format("%d", o.B)},
-        {"seq_len", format("%d", o.T)},
-        {"tokens_per_step", format("%lld", (long long)plan.tokens_per_step)},
-        {"seed", format("%lld", (long long)o.seed)},
-        {"shuffle", o.shuffle ? "1" : "0"},
-        {"train", o.train_pattern},
-        {"val", o.val_pattern},
-        {"max_steps", format("%d", max_steps)},
-        {"lr", format("%.9g", double(o.lr))},
-        {"warmup", format("%d", o.warmup)},
-        {"final_lr_fraction", format("%.9g", double(o.final_lr_fraction))},
-        {"schedule", o.schedule},
-        {"decay_fraction", format("%.9g", double(o.decay_fraction))},
-        {"weight_decay", format("%.9g", double(o.weight_decay))},
-        {"grad_clip", format("%.9g", double(o.grad_clip))},
-        {"beta1", format("%.9g", double(o.beta1))},
-        {"beta2", format("%.9g", double(o.beta2))},
-        {"eps", format("%.9g", double(o.eps))},
-        {"stochastic_rounding", o.stochastic_rounding ? "1" : "0"},
-        {"recompute", format("%d", o.recompute)},
-        {"sample_seed", format("%lld", (long long)o.sample_seed)},
-    };
-}
-
-inline CheckpointManifest checkpoint_meta(const Options& o, const GPT2& model, const Plan& plan, const Data& data,
-                                          int step, int world) {
+inline CheckpointManifest checkpoint_meta(const std::vector<RunSetting>& settings, const GPT2& model, const Plan& plan,
+                                          const Data& data, int step) {
     CheckpointManifest m;
-    m.settings = checkpoint_settings(o, model.config(), plan, data.max_steps);
-    m.settings.push_back({"ranks", format("%d", world)});
-    for (auto& kv : model.checkpoint_layout()) m.settings.push_back(std::move(kv));
+    m.settings = recorded_settings(settings);
+    m.settings.push_back({"ranks", format("%d", plan.parallel.ranks.world)});
+    for (auto& kv : checkpoint_layout_settings(model)) m.settings.push_back(std::move(kv));
     // The schedule position is the step; the rate is recorded for the reader's benefit.
     m.settings.push_back({"lr_at_step", format("%.9g", plan.schedule.at(step))});
     m.blobs.push_back({"train_loader", data.train->state()});
@@ -806,17 +777,36 @@ inline void print_checkpoint_report(const CheckpointReport& r, bool async) {
     std::fflush(stdout);
 }
 
+// The checkpointer, when this rank writes checkpoints: with ZeRO-1 on several ranks every rank writes its
+// shard into the shared directory; otherwise rank 0 alone writes the whole state.
+inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& model, MultiGpu* multi) {
+    if (o.checkpoint_every == 0) return nullptr;
+    std::unique_ptr<Checkpointer> ckpt;
+    if (model.sharded() && multi->world() > 1) {
+        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), o.checkpoint_async, multi->rank(),
+                                              multi->world(), [multi] { multi->barrier(); }, o.nccl_timeout);
+    } else if (multi == nullptr || multi->is_root()) {
+        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), o.checkpoint_async);
+    }
+    if (ckpt && ckpt->async()) {
+        std::printf("checkpoint snapshot buffers: %s of device memory\n",
+                    human_bytes(double(ckpt->snapshot_device_bytes())).c_str());
+    }
+    return ckpt;
+}
+
 // Restores the newest checkpoint in the output directory that loads cleanly and returns its step (0
 // when there is none). A checkpoint that fails its checks (truncated, corrupted, missing files) is
 // skipped with the reason printed, and the next older one is tried; a configuration or data that
 // differs from the checkpoint's is an error, not a reason to skip.
 inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
-                                  GPT2& model, Data& data, Outputs& out, int world) {
+                                  GPT2& model, Data& data, Outputs& out) {
     if (candidates.empty()) {
         std::printf("resume: no checkpoint in '%s'; starting from step 0\n", o.output_dir.c_str());
         return 0;
     }
-    const auto settings = checkpoint_settings(o, model.config(), plan, data.max_steps);
+    const std::vector<RunSetting> settings = run_settings(o, plan);
+    const int world = plan.parallel.ranks.world;
     DeviceFileIO io;
     size_t skipped = 0;
     for (const CheckpointEntry& c : candidates) {
@@ -831,14 +821,14 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             continue;
         }
         std::vector<std::string> notes;
-        const std::string diff = settings_differences(m, settings, resume_must_match(), &notes);
+        const std::string diff = settings_differences(m, recorded_settings(settings), must_match_keys(settings), &notes);
         if (!diff.empty()) {
             fail(kExitUsage, "cannot resume from '%s': this run's configuration differs from the checkpoint's: %s",
                  c.path.c_str(), diff.c_str());
         }
-        if (m.step > data.max_steps) {
+        if (m.step > plan.max_steps) {
             fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
-                 (long long)m.step, data.max_steps);
+                 (long long)m.step, plan.max_steps);
         }
         // A run on another number of ranks continues the same sample stream (the DataLoader converts its
         // position; the same tokens per step make that exact) and re-shards the optimizer state.
@@ -851,7 +841,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         }
         std::string resharded;
         try {
-            resharded = model.load_checkpoint(c.path, m, io);
+            resharded = load_checkpoint(model, c.path, m, io);
         } catch (const Error& e) {
             if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
             std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
@@ -879,94 +869,77 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
          candidates.size(), o.output_dir.c_str());
 }
 
+inline void print_summary(const Throughput& tp, const Plan& plan, double first_val, double last_val) {
+    if (tp.timed_steps > 0) {
+        const double tok_per_s = double(tp.tokens_per_step) * tp.timed_steps / tp.timed_seconds;
+        std::printf("average over %d steps: %.2f ms/step, %.0f tok/s, MFU %s\n", tp.timed_steps,
+                    1e3 * tp.timed_seconds / tp.timed_steps, tok_per_s, tp.mfu_text(tok_per_s, "%.1f%%").c_str());
+    }
+    if (plan.validate()) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
+    std::printf("peak GPU memory: %s (all allocated at start; CUDA context included)\n",
+                human_bytes(double(total_bytes - free_bytes)).c_str());
+}
+
 }  // namespace llmc
 
 // ----------------------------------------------------------------------------------------------------
 
-#ifndef TESTING
 using namespace llmc;
 
 int main(int argc, char** argv) {
     return run_main([&]() -> int {
-        // Flags and the model's shape, checked before anything touches CUDA.
+        // Flags, the model's shape, the ranks and the data, checked before anything touches CUDA.
         Options opt;
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         const ModelSource source = resolve_model(opt.model);
-        const RankInfo ranks = resolve_ranks(opt);
-        Plan plan = plan_run(opt, source.config, ranks.world);
+        const Plan plan = plan_run(opt, source.config, resolve_ranks(opt));
+        const std::vector<RunSetting> settings = run_settings(opt, plan);
+        if (opt.dry_run) {
+            print_plan(flags, opt, plan, source);
+            return kExitOk;
+        }
         const std::vector<CheckpointEntry> candidates =
             opt.resume == 1 ? list_checkpoints(opt.output_dir) : std::vector<CheckpointEntry>();
 
         // Several GPUs: meet the other ranks (this picks the GPU); rank 0 alone prints and writes files.
-        std::unique_ptr<MultiGpu> multi;
-        if (opt.multi_gpu == 1) {
-            require_gpu();
-            MultiGpuOptions mo;
-            mo.rendezvous = opt.rendezvous;
-            mo.init_timeout_s = opt.nccl_timeout;
-            mo.hang_timeout_s = opt.hang_timeout;
-            multi = std::make_unique<MultiGpu>(ranks, mo);
-        }
-        const bool root = ranks.rank == 0;
+        std::unique_ptr<MultiGpu> multi = meet_ranks(opt, plan);
+        const bool root = plan.parallel.ranks.rank == 0;
         if (!root && std::freopen("/dev/null", "w", stdout) == nullptr) {
-            fail(kExitIo, "rank %d: cannot silence stdout: %s", ranks.rank, std::strerror(errno));
+            fail(kExitIo, "rank %d: cannot silence stdout: %s", plan.parallel.ranks.rank, std::strerror(errno));
         }
         const Device device = open_device(multi ? multi->device() : 0);
-        Options out_opt = opt;
-        if (!root) out_opt.output_dir.clear();
-        Outputs out(out_opt, /*append_log=*/!candidates.empty());
+        Outputs out(opt, root, /*append_log=*/!candidates.empty());
+        print_plan(flags, opt, plan, source);
 
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
-        GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), opt.zero_stage, opt.recompute == 1);
+        GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
         model.set_gemm_tuning(opt.gemm_tune);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
-        Data data(opt, source.config, plan, stream, ranks);
-        if (multi) {
-            // Ranks started with different settings would train on silently or hang in a collective.
-            std::string all = format("zero %d;", opt.zero_stage);
-            for (const auto& kv : checkpoint_settings(opt, source.config, plan, data.max_steps)) {
-                all += kv.first + "=" + kv.second + ";";
-            }
-            uint64_t hash = 1469598103934665603ull;  // FNV-1a
-            for (unsigned char ch : all) hash = (hash ^ ch) * 1099511628211ull;
-            multi->check_same(hash, "the training settings (model, batch, data, schedule, optimizer, seeds)");
-        }
-        print_startup(flags, opt, plan, device, source, model, data);
-        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, ranks.world) : 0;
+        Data data(opt, plan, stream);
+        print_device(device, model, data);
+        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
         // Every rank must have resumed from the same checkpoint (each validated it on its own).
         if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
-        std::unique_ptr<Checkpointer> ckpt;
-        if (opt.checkpoint_every > 0 && model.sharded() && ranks.world > 1) {
-            // ZeRO-1 with several ranks: every rank writes its shard into the shared directory.
-            MultiGpu* mg = multi.get();
-            ckpt = std::make_unique<Checkpointer>(model.checkpoint_tensors(), opt.checkpoint_async, ranks.rank,
-                                                  ranks.world, [mg] { mg->barrier(); }, opt.nccl_timeout);
-        } else if (opt.checkpoint_every > 0 && root) {
-            // One GPU, or ranks that all hold the whole state: rank 0 alone writes it.
-            ckpt = std::make_unique<Checkpointer>(model.checkpoint_tensors(), opt.checkpoint_async);
-        }
-        if (ckpt) {
-            if (ckpt->async()) {
-                std::printf("checkpoint snapshot buffers: %s of device memory\n",
-                            human_bytes(double(ckpt->snapshot_device_bytes())).c_str());
-            }
-        }
-        LoopBuffers buf(plan, data, source.config, opt.T);
-        Throughput tp{flops_per_token(source.config, opt.T), device.peak_flops * ranks.world, plan.tokens_per_step};
+        std::unique_ptr<Checkpointer> ckpt = make_checkpointer(opt, model, multi.get());
+        LoopBuffers buf(plan, opt.T);
+        Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
+                      plan.tokens_per_step};
         CheckpointReport report;
 
         // The loop: evaluate and sample between steps (and after the last), train in between.
         double first_val = NAN, last_val = NAN;
-        for (int step = start_step; step <= data.max_steps; step++) {
+        for (int step = start_step; step <= plan.max_steps; step++) {
             if (multi) multi->heartbeat();
-            const bool last = step == data.max_steps;
+            const bool last = step == plan.max_steps;
             if (data.val && (step % opt.val_every == 0 || last)) {
-                last_val = evaluate(model, *data.val, data.val_steps, opt.B, opt.T, buf);
+                last_val = evaluate(model, *data.val, plan.val_steps, opt.B, opt.T, buf);
                 if (std::isnan(first_val)) first_val = last_val;
-                std::printf("step %5d/%d | val loss %.6f\n", step, data.max_steps, last_val);
+                std::printf("step %5d/%d | val loss %.6f\n", step, plan.max_steps, last_val);
                 out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
             }
             if (root && opt.sample_every > 0 && plan.gen_tokens > 0 &&
@@ -977,14 +950,13 @@ int main(int argc, char** argv) {
             const float lr = float(plan.schedule.at(step));
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
             if (multi) multi->heartbeat();
-            tp.add(step, data.max_steps, s.seconds);
+            tp.add(step, plan.max_steps, s.seconds);
             if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
-            log_step(out, tp, step, data.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
+            log_step(out, tp, step, plan.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps);
             if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
-            if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == data.max_steps)) {
-                ckpt->save(opt.output_dir, step + 1, model.checkpoint_tensors(),
-                           checkpoint_meta(opt, model, plan, data, step + 1, ranks.world), stream, opt.keep_last,
-                           opt.keep_every);
+            if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == plan.max_steps)) {
+                ckpt->save(opt.output_dir, step + 1, checkpoint_tensors(model),
+                           checkpoint_meta(settings, model, plan, data, step + 1), stream, opt.keep_last, opt.keep_every);
                 if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
             }
         }
@@ -994,24 +966,14 @@ int main(int argc, char** argv) {
         }
 
         // The summary and the trained model.
-        if (tp.timed_steps > 0) {
-            const double tok_per_s = double(tp.tokens_per_step) * tp.timed_steps / tp.timed_seconds;
-            std::printf("average over %d steps: %.2f ms/step, %.0f tok/s, MFU %s\n", tp.timed_steps,
-                        1e3 * tp.timed_seconds / tp.timed_steps, tok_per_s, tp.mfu_text(tok_per_s, "%.1f%%").c_str());
-        }
-        if (data.val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
-        size_t free_bytes = 0, total_bytes = 0;
-        cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
-        std::printf("peak GPU memory: %s (all allocated at start; CUDA context included)\n",
-                    human_bytes(double(total_bytes - free_bytes)).c_str());
+        print_summary(tp, plan, first_val, last_val);
         if (!opt.output_dir.empty() && opt.save_model && (root || model.sharded())) {
             DeviceFileIO io;
             const std::string path = opt.output_dir + "/model.bin";
-            model.write_model_file(path, io, root);  // with ZeRO-1 every rank sends its shard
+            write_trained_model(model, path, io, root);  // with ZeRO-1 every rank sends its shard
             std::printf("wrote %s (llm.c version 3, fp32 master weights)\n", path.c_str());
         }
         if (multi) multi->barrier();  // no rank tears NCCL down while another still needs it
         return int(kExitOk);
     });
 }
-#endif

@@ -20,6 +20,7 @@ with its own messages), a "--" end of flags.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <variant>
@@ -54,6 +55,7 @@ public:
         r.on = true;
         r.lo = double(lo);
         r.hi = double(hi);
+        r.open_above = hi == std::numeric_limits<T>::max();
         if constexpr (std::is_integral<T>::value) {
             r.ilo = (long long)lo;
             r.ihi = (long long)hi;
@@ -132,11 +134,7 @@ public:
                 out += format("  %-30s %s\n", names.c_str(), s.help);
                 continue;
             }
-            std::string range;
-            if (s.range.on) {
-                range = s.target.index() <= 1 ? format(", from %lld to %lld", s.range.ilo, s.range.ihi)
-                                              : format(", from %g to %g", s.range.lo, s.range.hi);
-            }
+            const std::string range = s.range.on ? ", " + range_text(s) : "";
             out += format("  %-30s %s (default: %s%s)\n", (names + " " + type_name(s.target)).c_str(), s.help,
                           s.default_value.empty() ? "\"\"" : s.default_value.c_str(), range.c_str());
         }
@@ -172,6 +170,7 @@ private:
         bool on = false;
         double lo = 0, hi = 0;        // float and double flags
         long long ilo = 0, ihi = 0;   // integer flags, exact beyond 2^53
+        bool open_above = false;      // hi is the type's largest value: only the lower bound is shown
     };
     struct Spec {
         const char* short_name;
@@ -195,6 +194,12 @@ private:
             if (s.short_name[0] && name == s.short_name) return &s;
         }
         return nullptr;
+    }
+
+    static std::string range_text(const Spec& s) {
+        const bool integral = s.target.index() <= 1;
+        if (s.range.open_above) return integral ? format("at least %lld", s.range.ilo) : format("at least %g", s.range.lo);
+        return integral ? format("from %lld to %lld", s.range.ilo, s.range.ihi) : format("from %g to %g", s.range.lo, s.range.hi);
     }
 
     static const char* type_name(const Target& t) {
@@ -244,7 +249,7 @@ private:
                 v = (long long)d;
             }
             if (s.range.on && (v < s.range.ilo || v > s.range.ihi)) {
-                bad(format("an integer from %lld to %lld", s.range.ilo, s.range.ihi));
+                bad("an integer " + range_text(s));
             }
             return v;
         };
@@ -253,7 +258,7 @@ private:
             char* end = nullptr;
             double v = std::strtod(value.c_str(), &end);
             if (value.empty() || errno != 0 || *end != '\0') bad("a number");
-            if (s.range.on && !(v >= s.range.lo && v <= s.range.hi)) bad(format("a number from %g to %g", s.range.lo, s.range.hi));
+            if (s.range.on && !(v >= s.range.lo && v <= s.range.hi)) bad("a number " + range_text(s));
             return v;
         };
         switch (s.target.index()) {

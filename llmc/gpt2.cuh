@@ -13,7 +13,7 @@ moments are sharded: llmc/zero.h) and update() all-gathers the parameters. One r
 computes the same bits as the single-GPU path.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
-checkpoint holds.
+checkpoint holds (llmc/gpt2_checkpoint.cuh).
 */
 #pragma once
 
@@ -28,18 +28,15 @@ checkpoint holds.
 
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
-#include "llmc/checkpoint.cuh"
 #include "llmc/classifier.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/device_file_io.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
-#include "llmc/model_file.h"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
@@ -55,6 +52,24 @@ inline std::string gpu_config_problem(const GPT2Config& c) {
     if (c.padded_vocab_size % 8 != 0) return format("padded vocabulary %d is not a multiple of 8", c.padded_vocab_size);
     return "";
 }
+
+// One transformer block's parameters, or their gradients: views into the flat buffer (file order).
+template <class T>
+struct BlockTensors {
+    T *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+};
+// The tensors outside the blocks: token and position embeddings (wte is also the classifier) and the
+// final LayerNorm.
+template <class T>
+struct OuterTensors {
+    T *wte, *wpe, *lnfw, *lnfb;
+};
+// What block l's forward keeps for its backward (B x T rows of each).
+struct BlockActivations {
+    floatX *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
+    float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
+    void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
+};
 
 class GPT2 {
 public:
@@ -84,7 +99,7 @@ public:
         if (sharded()) {
             // Parameters and gradients padded to W equal shards (the tail stays zero: nothing writes it);
             // master weights and moments for this rank's shard only.
-            layout_ = zero_layout(num_params_, multi_->world());
+            layout_ = llmc::zero_layout(num_params_, multi_->world());
             owned_ = layout_.owned(multi_->rank());
             shard_table_ = restrict_tensors(adamw_table_, owned_.begin, owned_.end);
             n = size_t(layout_.padded_total());
@@ -122,6 +137,17 @@ public:
     const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
     MultiGpu* multi() const { return multi_; }
     bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
+    // ZeRO-1: how the parameters are split over the ranks. owned(): the parameters whose master weights
+    // and moments this rank holds (all of them without ZeRO-1).
+    const ZeroLayout& zero_layout() const { return layout_; }
+    ShardRange owned() const { return sharded() ? owned_ : ShardRange{0, num_params_}; }
+    // The device buffers a checkpoint saves (llmc/gpt2_checkpoint.cuh): bf16 parameters (all of them, in
+    // every layout), and the master weights and AdamW moments of owned().
+    struct State {
+        floatX* params;
+        float *master, *adam_m, *adam_v;
+    };
+    State state() { return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()}; }
     const floatX* logits() const { return logits_; }     // (B,T,Vp) of the last forward (dlogits after a training one)
     const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
     const float* mean_loss() const { return scalars_.get(); }
@@ -161,35 +187,36 @@ public:
         const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
-        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
-        encoder_forward(encoded_, inputs, P(kWte), P(kWpe), B, T, C, stream_);
-        layernorm_forward(ln1(0), ln1_mean(0), ln1_rstd(0), encoded_, P(kLn1w), P(kLn1b), N, C, stream_);
+        const OuterTensors<const floatX> w = outer(p);
+        encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_);
+        const BlockActivations first = acts(0);
+        layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
+                          C, stream_);
         for (int l = 0; l < L; l++) {
-            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
-            matmul_forward(lt_, qkv(l), ln1(l), P(kQkvw) + int64_t(l) * 3 * C * C, P(kQkvb) + int64_t(l) * 3 * C, N, C,
-                           3 * C, stream_);
-            attention_forward(lt_, atty(l), att_saved(l), att_saved_bytes_, qkv(l), B, T, C, NH, scratch_.get(),
+            const BlockTensors<const floatX> b = block(p, l);
+            const BlockActivations a = acts(l);
+            const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
+            matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
+            attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
                               scratch_.bytes(), stream_);
-            matmul_forward(lt_, proj_, atty(l), P(kAttprojw) + int64_t(l) * C * C, P(kAttprojb) + int64_t(l) * C, N, C,
-                           C, stream_);
-            fused_residual_layernorm_forward(residual2(l), ln2(l), ln2_mean(l), ln2_rstd(l), residual, proj_,
-                                             P(kLn2w) + int64_t(l) * C, P(kLn2b) + int64_t(l) * C, N, C, stream_);
-            matmul_forward(lt_, fch_gelu(l), ln2(l), P(kFcw) + int64_t(l) * 4 * C * C, P(kFcb) + int64_t(l) * 4 * C, N,
-                           C, 4 * C, stream_, fch(l));
-            matmul_forward(lt_, proj_, fch_gelu(l), P(kFcprojw) + int64_t(l) * 4 * C * C, P(kFcprojb) + int64_t(l) * C,
-                           N, 4 * C, C, stream_);
+            matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
+            fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w, b.ln2b,
+                                             N, C, stream_);
+            matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+            matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
             // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
             // runs in the same pass.
             if (l + 1 < L) {
-                fused_residual_layernorm_forward(residual3(l), ln1(l + 1), ln1_mean(l + 1), ln1_rstd(l + 1),
-                                                 residual2(l), proj_, P(kLn1w) + int64_t(l + 1) * C,
-                                                 P(kLn1b) + int64_t(l + 1) * C, N, C, stream_);
+                const BlockActivations next = acts(l + 1);
+                const BlockTensors<const floatX> nb = block(p, l + 1);
+                fused_residual_layernorm_forward(a.residual3, next.ln1, next.ln1_mean, next.ln1_rstd, a.residual2, proj_,
+                                                 nb.ln1w, nb.ln1b, N, C, stream_);
             } else {
-                fused_residual_layernorm_forward(residual3(l), lnf_, lnf_mean_, lnf_rstd_, residual2(l), proj_, P(kLnfw),
-                                                 P(kLnfb), N, C, stream_);
+                fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
+                                                 w.lnfb, N, C, stream_);
             }
         }
-        matmul_forward(lt_, logits_, lnf_, P(kWte), nullptr, N, C, Vp, stream_);
+        matmul_forward(lt_, logits_, lnf_, w.wte, nullptr, N, C, Vp, stream_);
         if (targets == nullptr) return;
         fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
@@ -210,43 +237,43 @@ public:
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         floatX* g = grads_.get();
-        auto P = [&](int i) { return p + tensors_[size_t(i)].offset; };
-        auto G = [&](int i) { return g + tensors_[size_t(i)].offset; };
+        const OuterTensors<const floatX> w = outer(p);
+        const OuterTensors<floatX> gw = outer(g);
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        matmul_backward(lt_, d_ln_, G(kWte), nullptr, logits_, lnf_, P(kWte), N, C, Vp, fscratch, sbytes, stream_);
+        matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
         // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
         // adds into it, so it starts from zero.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
-        layernorm_backward(d_residual_, G(kLnfw), G(kLnfb), d_ln_, residual3(L - 1), P(kLnfw), lnf_mean_, lnf_rstd_, N,
+        layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
                            C, fscratch, sbytes, stream_);
         for (int l = L - 1; l >= 0; l--) {
-            const floatX* residual = l == 0 ? encoded_ : residual3(l - 1);
-            const int64_t lc = int64_t(l) * C;
+            const BlockTensors<const floatX> b = block(p, l);
+            const BlockTensors<floatX> gb = block(g, l);
+            const BlockActivations a = acts(l);
+            const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
             // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
             // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
-            if (recompute_gelu_) gelu_forward(fch_gelu(l), fch(l), N * 4 * C, stream_);
-            matmul_backward(lt_, d_fch_, G(kFcprojw) + lc * 4 * C, G(kFcprojb) + lc, d_residual_, fch_gelu(l),
-                            P(kFcprojw) + lc * 4 * C, N, 4 * C, C, fscratch, sbytes, stream_, fch(l));
-            matmul_backward(lt_, d_ln_, G(kFcw) + lc * 4 * C, G(kFcb) + lc * 4, d_fch_, ln2(l), P(kFcw) + lc * 4 * C, N,
-                            C, 4 * C, fscratch, sbytes, stream_);
-            layernorm_backward(d_residual_, G(kLn2w) + lc, G(kLn2b) + lc, d_ln_, residual2(l), P(kLn2w) + lc,
-                               ln2_mean(l), ln2_rstd(l), N, C, fscratch, sbytes, stream_);
+            if (recompute_gelu_) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
+            matmul_backward(lt_, d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu, b.fcprojw, N, 4 * C, C,
+                            fscratch, sbytes, stream_, a.fch);
+            matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, a.ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
+                               fscratch, sbytes, stream_);
             // residual2 = residual + attproj(attention(qkv(ln1))).
-            matmul_backward(lt_, d_atty_, G(kAttprojw) + lc * C, G(kAttprojb) + lc, d_residual_, atty(l),
-                            P(kAttprojw) + lc * C, N, C, C, fscratch, sbytes, stream_);
-            attention_backward(lt_, d_qkv_, d_atty_, qkv(l), atty(l), att_saved(l), att_saved_bytes_, B, T, C, NH,
+            matmul_backward(lt_, d_atty_, gb.attprojw, gb.attprojb, d_residual_, a.atty, b.attprojw, N, C, C, fscratch,
+                            sbytes, stream_);
+            attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                scratch_.get(), sbytes, stream_);
-            matmul_backward(lt_, d_ln_, G(kQkvw) + lc * 3 * C, G(kQkvb) + lc * 3, d_qkv_, ln1(l), P(kQkvw) + lc * 3 * C,
-                            N, C, 3 * C, fscratch, sbytes, stream_);
-            layernorm_backward(d_residual_, G(kLn1w) + lc, G(kLn1b) + lc, d_ln_, residual, P(kLn1w) + lc, ln1_mean(l),
-                               ln1_rstd(l), N, C, fscratch, sbytes, stream_);
+            matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, a.ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
+            layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
+                               fscratch, sbytes, stream_);
             // Layer l's gradients are final: average them while backward goes on below.
             if (per_layer) multi_->all_reduce_mean_async(g, layer_ranges(l), stream_);
         }
-        encoder_backward(G(kWte), G(kWpe), d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+        encoder_backward(gw.wte, gw.wpe, d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
@@ -285,126 +312,7 @@ public:
         multi_->join(stream_);
     }
 
-    // The device state this rank's part of a checkpoint holds, in file order.
-    // Whole layout (one GPU, or data parallel without ZeRO-1, where rank 0 alone saves): model.bin (the
-    // master weights as an llm.c version 3 file, so llm.c and -e read it), params_bf16.bin, adam_m.bin,
-    // adam_v.bin. Sharded layout (ZeRO-1, every rank saves): rank 0 writes model.bin as an llm.c version 5
-    // file (the bf16 parameters, identical on every rank; no gather needed), and every rank r writes
-    // master_<r>.bin, adam_m_<r>.bin and adam_v_<r>.bin holding its owned range (checkpoint_meta records
-    // the ranges, so a resume with another number of ranks can re-shard; see load_checkpoint).
-    std::vector<CheckpointTensor> checkpoint_tensors() {
-        const size_t n = size_t(num_params_);
-        if (!sharded()) {
-            return {{"model.bin", model_header(kModelVersionFp32), master_.get(), n * sizeof(float)},
-                    {"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)},
-                    {"adam_m.bin", {}, adam_m_.get(), n * sizeof(float)},
-                    {"adam_v.bin", {}, adam_v_.get(), n * sizeof(float)}};
-        }
-        std::vector<CheckpointTensor> t;
-        if (multi_->rank() == 0) t.push_back(bf16_model_tensor());
-        for (CheckpointTensor& s : shard_tensors(multi_->rank())) t.push_back(std::move(s));
-        return t;
-    }
-
-    // The checkpoint settings that describe the layout of checkpoint_tensors() across the ranks.
-    std::vector<std::pair<std::string, std::string>> checkpoint_layout() const {
-        return state_layout_settings(sharded() ? &layout_ : nullptr);
-    }
-
-    // Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
-    // number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each
-    // file is streamed straight to the device (every chunk checked); otherwise (a resume on another number
-    // of ranks, or between the whole and the sharded layout) this rank's range of the master weights and
-    // moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
-    // Returns a description of what was re-sharded, empty when nothing was.
-    std::string load_checkpoint(const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
-        const std::vector<char> header = model_header(kModelVersionFp32);
-        const StateLayout saved = read_state_layout(dir, m, num_params_, header.size());
-        const size_t n = size_t(num_params_);
-        const ShardRange target = sharded() ? owned_ : ShardRange{0, num_params_};
-        // The parameters are whole in both layouts.
-        load_checkpoint_tensors(dir, m, {saved.sharded ? bf16_model_tensor()
-                                                       : CheckpointTensor{"params_bf16.bin", {}, params_.get(), n * sizeof(floatX)}},
-                                io, stream_);
-        if (!saved.sharded && !sharded()) {
-            std::vector<CheckpointTensor> t = checkpoint_tensors();
-            t.erase(t.begin() + 1);  // params_bf16.bin: done
-            load_checkpoint_tensors(dir, m, t, io, stream_);
-            return "";
-        }
-        if (saved.sharded && sharded() && int(saved.shards.size()) == layout_.world &&
-            saved.shards[size_t(multi_->rank())].begin == target.begin &&
-            saved.shards[size_t(multi_->rank())].range().end == target.end) {
-            load_checkpoint_tensors(dir, m, shard_tensors(multi_->rank()), io, stream_);
-            return "";
-        }
-        // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
-        // must be this model's before its weights are trusted.
-        if (!saved.sharded) {
-            std::vector<char> got(header.size());
-            read_array_range(dir, m, {{"model.bin", 0, 0, int64_t(header.size())}}, 1, 0, int64_t(header.size()),
-                             [&](uint64_t at, const char* p, size_t len) { std::memcpy(got.data() + at, p, len); });
-            if (got != header) fail(kExitData, "'%s/model.bin': its header differs from this model's", dir.c_str());
-        }
-        load_array_range(dir, m, saved.master, sizeof(float), target.begin, target.end, master_.get(), stream_);
-        load_array_range(dir, m, saved.adam_m, sizeof(float), target.begin, target.end, adam_m_.get(), stream_);
-        load_array_range(dir, m, saved.adam_v, sizeof(float), target.begin, target.end, adam_v_.get(), stream_);
-        return format("optimizer state of %s re-sharded to %s",
-                      saved.sharded ? format("%zu rank(s)", saved.shards.size()).c_str() : "one whole copy",
-                      sharded() ? format("rank %d of %d (parameters %lld..%lld)", multi_->rank(), layout_.world,
-                                         (long long)target.begin, (long long)target.end).c_str()
-                                : "one whole copy");
-    }
-
-    // Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a
-    // reader never sees half a file. With ZeRO-1 every rank must call it (the shards are gathered
-    // first); only a rank with `write` writes.
-    void write_model_file(const std::string& path, DeviceFileIO& io, bool write = true) {
-        if (!sharded()) {
-            if (write) write_master(path, io, master_.get());
-            return;
-        }
-        DeviceBuffer<float> full{size_t(layout_.padded_total())};
-        cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream_));
-        cudaCheck(cudaMemcpyAsync(full.get() + layout_.shard(multi_->rank()).begin, master_.get(), master_.bytes(),
-                                  cudaMemcpyDeviceToDevice, stream_));
-        multi_->all_gather_async(full.get(), layout_, stream_);
-        multi_->join(stream_);
-        cudaCheck(cudaStreamSynchronize(stream_));
-        if (write) write_master(path, io, full.get());
-    }
-
 private:
-    std::vector<char> model_header(int version) const {
-        int32_t h[kModelHeaderInts];
-        make_model_header(config_, version, h);
-        return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
-    }
-    CheckpointTensor bf16_model_tensor() {
-        return {"model.bin", model_header(kModelVersionBf16), params_.get(), size_t(num_params_) * sizeof(floatX)};
-    }
-    std::vector<CheckpointTensor> shard_tensors(int rank) {
-        const size_t k = size_t(layout_.owned(rank).size());
-        return {{state_shard_file(StateKind::Master, rank), {}, master_.get(), k * sizeof(float)},
-                {state_shard_file(StateKind::AdamM, rank), {}, adam_m_.get(), k * sizeof(float)},
-                {state_shard_file(StateKind::AdamV, rank), {}, adam_v_.get(), k * sizeof(float)}};
-    }
-
-    void write_master(const std::string& path, DeviceFileIO& io, const float* master) const {
-        int32_t h[kModelHeaderInts];
-        make_model_header(config_, kModelVersionFp32, h);
-        const std::string tmp = path + ".tmp";
-        File f(tmp, File::Mode::Write);
-        f.write_all(h, sizeof(h));
-        io.device_to_file(f, master, size_t(num_params_) * sizeof(float), stream_);
-        f.sync();
-        f.close();
-        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
-        }
-    }
-
     // Flat range of tensor i's slices [first, first + count) along its leading (layer) dimension; a
     // tensor without a layer dimension is one slice.
     ShardRange tensor_range(int i, int first, int count) const {
@@ -501,19 +409,35 @@ private:
         cudaCheck(cudaMemsetAsync(act_grads_.get(), 0xff, act_grads_.bytes(), stream_));
     }
 
-    floatX* ln1(int l) const { return ln1_ + size_t(l) * nc_; }
-    float* ln1_mean(int l) const { return ln1_mean_ + size_t(l) * n_; }
-    float* ln1_rstd(int l) const { return ln1_rstd_ + size_t(l) * n_; }
-    floatX* qkv(int l) const { return qkv_ + size_t(l) * 3 * nc_; }
-    floatX* atty(int l) const { return atty_ + size_t(l) * nc_; }
-    void* att_saved(int l) const { return att_saved_ + size_t(l) * att_saved_bytes_; }
-    floatX* residual2(int l) const { return residual2_ + size_t(l) * nc_; }
-    floatX* ln2(int l) const { return ln2_ + size_t(l) * nc_; }
-    float* ln2_mean(int l) const { return ln2_mean_ + size_t(l) * n_; }
-    float* ln2_rstd(int l) const { return ln2_rstd_ + size_t(l) * n_; }
-    floatX* fch(int l) const { return fch_ + size_t(l) * 4 * nc_; }
-    floatX* fch_gelu(int l) const { return fch_gelu_ + (recompute_gelu_ ? 0 : size_t(l) * 4 * nc_); }
-    floatX* residual3(int l) const { return residual3_ + size_t(l) * nc_; }
+    template <class T>
+    OuterTensors<T> outer(T* base) const {
+        auto at = [&](int i) { return base + tensors_[size_t(i)].offset; };
+        return {at(kWte), at(kWpe), at(kLnfw), at(kLnfb)};
+    }
+    template <class T>
+    BlockTensors<T> block(T* base, int l) const {
+        auto at = [&](int i) { return base + tensor_range(i, l, 1).begin; };
+        return {at(kLn1w), at(kLn1b), at(kQkvw),  at(kQkvb), at(kAttprojw), at(kAttprojb),
+                at(kLn2w), at(kLn2b), at(kFcw),   at(kFcb),  at(kFcprojw),  at(kFcprojb)};
+    }
+    BlockActivations acts(int l) const {
+        const size_t L = size_t(l);
+        BlockActivations a;
+        a.ln1 = ln1_ + L * nc_;
+        a.ln1_mean = ln1_mean_ + L * n_;
+        a.ln1_rstd = ln1_rstd_ + L * n_;
+        a.qkv = qkv_ + L * 3 * nc_;
+        a.atty = atty_ + L * nc_;
+        a.att_saved = att_saved_ + L * att_saved_bytes_;
+        a.residual2 = residual2_ + L * nc_;
+        a.ln2 = ln2_ + L * nc_;
+        a.ln2_mean = ln2_mean_ + L * n_;
+        a.ln2_rstd = ln2_rstd_ + L * n_;
+        a.fch = fch_ + L * 4 * nc_;
+        a.fch_gelu = fch_gelu_ + (recompute_gelu_ ? 0 : L * 4 * nc_);
+        a.residual3 = residual3_ + L * nc_;
+        return a;
+    }
 
     GPT2Config config_;
     int B_, T_;

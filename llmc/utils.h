@@ -297,4 +297,30 @@ inline void sync_directory(const std::string& dir) {
     if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", dir.c_str(), std::strerror(e));
 }
 
+inline bool is_regular_file(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+inline bool is_directory(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// mkdir -p: creates dir and its missing parents (exit code 3 naming the part that failed).
+inline void make_directories(const std::string& dir) {
+    size_t start = 0;
+    while (start <= dir.size()) {
+        size_t slash = dir.find('/', start);
+        if (slash == std::string::npos) slash = dir.size();
+        const std::string partial = dir.substr(0, slash);
+        if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+            int e = errno;
+            fail(kExitIo, "cannot create directory '%s': %s", partial.c_str(), std::strerror(e));
+        }
+        start = slash + 1;
+    }
+    if (!is_directory(dir)) fail(kExitIo, "'%s' is not a directory", dir.c_str());
+}
+
 }  // namespace llmc

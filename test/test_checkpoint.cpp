@@ -17,6 +17,7 @@ tested in test_checkpoint_gpu.cu.
 #include <vector>
 
 #include "llmc/checkpoint.h"
+#include "llmc/gpt2_checkpoint.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
 #include "test/test_util.h"

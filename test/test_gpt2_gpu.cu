@@ -1,6 +1,6 @@
 /*
-The GPU model of train_gpt2.cu, whole, against the fp32 CPU reference (llmc/gpt2_cpu.h), plus the
-trainer's host-side pieces (flag checks) that need no GPU (the sampler is tested in test_trainer_utils).
+The GPU model (llmc/gpt2.cuh), whole, against the fp32 CPU reference (llmc/gpt2_cpu.h). The trainer's
+flag and plan checks, which need no GPU, are tested by test/test_trainer_flags.sh.
 
 Both models start from identical weights: GPT-2's initialisation with LayerNorm weights and all biases
 perturbed (so that their gradients are not trivially structured), rounded to bf16 on the host, so the
@@ -32,9 +32,6 @@ the CPU side and run only with LLMC_LONG_TESTS=1 (they skip with a message other
 (HS=64) run flash attention, the C=96 model the cuBLASLt attention path; the AdamW, smaller-forward and
 determinism tests run both d2 and the C=96 model.
 */
-#define TESTING
-#include "train_gpt2.cu"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,7 +42,9 @@ determinism tests run both d2 and the C=96 model.
 #include <string>
 #include <vector>
 
+#include "llmc/gpt2.cuh"
 #include "llmc/gpt2_cpu.h"
+#include "llmc/model_file.h"
 #include "test/gpu_test.h"
 
 using namespace llmc;
@@ -381,54 +380,6 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
             << "final parameters differ";
         EXPECT_NE(a.losses.front(), a.losses.back()) << "the steps changed nothing";
     }
-}
-
-// ----------------------------------------------------------------------------------------------------
-// Host-side pieces: no GPU needed.
-
-int usage_error_code(std::vector<std::string> args) {
-    args.insert(args.begin(), "train_gpt2cu");
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    Options o;
-    Flags f = make_flags(o);
-    try {
-        f.parse(int(argv.size()), argv.data());
-        plan_run(o, resolve_model(o.model).config);
-    } catch (const Error& e) {
-        return e.exit_code();
-    }
-    return 0;
-}
-
-TEST(TrainerFlags, BadCommandLinesAreUsageErrors) {
-    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64"}), 0);
-    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64", "-d", "512"}), 0);
-    EXPECT_EQ(usage_error_code({"-e", "d2", "-b", "4", "-t", "64", "-d", "500"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-e", "d2", "-t", "1025"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"--no-such-flag", "1"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-b"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-b", "four"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-e", "d5"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-k", "exponential"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-y", "1"}), 0);
-    EXPECT_EQ(usage_error_code({"-y", "2"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-y", "1", "-o", ""}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-n", "10", "-o", ""}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-nk", "-1"}), kExitUsage);
-    EXPECT_EQ(usage_error_code({"-n", "10", "-nk", "3", "-nm", "100"}), 0);
-    EXPECT_EQ(usage_error_code({"-n", "100"}), 0);
-    EXPECT_EQ(usage_error_code({"-e", "missing/model.bin"}), kExitIo);
-}
-
-TEST(TrainerFlags, GradientAccumulationFollowsTheTotalBatch) {
-    Options o;
-    o.B = 4;
-    o.T = 64;
-    o.total_batch = 4 * 64 * 3;
-    EXPECT_EQ(plan_run(o, config_from_descriptor("d2")).grad_accum, 3);
-    o.total_batch = -1;
-    EXPECT_EQ(plan_run(o, config_from_descriptor("d2")).grad_accum, 1);
 }
 
 }  // namespace

@@ -1,0 +1,171 @@
+/*
+What a GPT-2 training checkpoint holds, the device side: the model's buffers behind the file names and
+layouts of llmc/gpt2_checkpoint.h, restoring them (re-sharding the optimizer state when the number of
+ranks or the layout changed), and the model file a run writes at the end.
+
+- checkpoint_tensors(model): this rank's part of a checkpoint, in file order, for Checkpointer::save.
+- checkpoint_layout_settings(model): the manifest settings that record the layout.
+- load_checkpoint(model, dir, manifest, io): the inverse, from a checkpoint written in either layout by
+  any number of ranks.
+- write_trained_model(model, path, io): the fp32 master weights as an llm.c version 3 file, written through a
+  temporary name so that a reader never sees half a file.
+
+Does not provide: the store (llmc/checkpoint.h, llmc/checkpoint.cuh: manifest, checksums, atomic
+publish, rotation, asynchronous saves), or the run's settings and resume policy (train_gpt2.cu).
+*/
+#pragma once
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "llmc/checkpoint.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/device_file_io.cuh"
+#include "llmc/gpt2.cuh"
+#include "llmc/gpt2_checkpoint.h"
+#include "llmc/model_file.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
+    int32_t h[kModelHeaderInts];
+    make_model_header(c, version, h);
+    return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
+}
+
+namespace gpt2_checkpoint_detail {
+
+// The sharded layout's model.bin: the bf16 parameters (identical on every rank) as an llm.c version 5 file.
+inline CheckpointTensor bf16_model_tensor(GPT2& model) {
+    return {kCkptModelFile, model_file_header(model.config(), kModelVersionBf16), model.state().params,
+            size_t(model.num_parameters()) * sizeof(floatX)};
+}
+
+// Rank `rank`'s optimizer-state files in the sharded layout.
+inline std::vector<CheckpointTensor> shard_tensors(GPT2& model, int rank) {
+    const GPT2::State s = model.state();
+    const size_t k = size_t(model.zero_layout().owned(rank).size());
+    return {{state_shard_file(StateKind::Master, rank), {}, s.master, k * sizeof(float)},
+            {state_shard_file(StateKind::AdamM, rank), {}, s.adam_m, k * sizeof(float)},
+            {state_shard_file(StateKind::AdamV, rank), {}, s.adam_v, k * sizeof(float)}};
+}
+
+inline void write_master(const GPT2& model, const std::string& path, DeviceFileIO& io, const float* master) {
+    const std::vector<char> h = model_file_header(model.config(), kModelVersionFp32);
+    const std::string tmp = path + ".tmp";
+    File f(tmp, File::Mode::Write);
+    f.write_all(h.data(), h.size());
+    io.device_to_file(f, master, size_t(model.num_parameters()) * sizeof(float), model.stream());
+    f.sync();
+    f.close();
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        int e = errno;
+        fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+    }
+}
+
+}  // namespace gpt2_checkpoint_detail
+
+// The device state this rank's part of a checkpoint holds, in file order (gpt2_checkpoint.h: the layouts).
+inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
+    using namespace gpt2_checkpoint_detail;
+    const GPT2::State s = model.state();
+    const size_t n = size_t(model.num_parameters());
+    if (!model.sharded()) {
+        return {{kCkptModelFile, model_file_header(model.config(), kModelVersionFp32), s.master, n * sizeof(float)},
+                {kCkptParamsFile, {}, s.params, n * sizeof(floatX)},
+                {kCkptAdamMFile, {}, s.adam_m, n * sizeof(float)},
+                {kCkptAdamVFile, {}, s.adam_v, n * sizeof(float)}};
+    }
+    std::vector<CheckpointTensor> t;
+    const int rank = model.multi()->rank();
+    if (rank == 0) t.push_back(bf16_model_tensor(model));
+    for (CheckpointTensor& st : shard_tensors(model, rank)) t.push_back(std::move(st));
+    return t;
+}
+
+// The manifest settings that describe the layout of checkpoint_tensors() across the ranks.
+inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settings(const GPT2& model) {
+    return state_layout_settings(model.sharded() ? &model.zero_layout() : nullptr);
+}
+
+// Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
+// number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each file
+// is streamed straight to the device (every chunk checked); otherwise (a resume on another number of
+// ranks, or between the whole and the sharded layout) this rank's range of the master weights and
+// moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
+// Returns a description of what was re-sharded, empty when nothing was.
+inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
+    using namespace gpt2_checkpoint_detail;
+    const std::vector<char> header = model_file_header(model.config(), kModelVersionFp32);
+    const int64_t num_params = model.num_parameters();
+    const StateLayout saved = read_state_layout(dir, m, num_params, header.size());
+    const GPT2::State s = model.state();
+    const ShardRange target = model.owned();
+    cudaStream_t stream = model.stream();
+    // The parameters are whole in both layouts.
+    load_checkpoint_tensors(dir, m,
+                            {saved.sharded ? bf16_model_tensor(model)
+                                           : CheckpointTensor{kCkptParamsFile, {}, s.params,
+                                                              size_t(num_params) * sizeof(floatX)}},
+                            io, stream);
+    if (!saved.sharded && !model.sharded()) {
+        std::vector<CheckpointTensor> t = checkpoint_tensors(model);
+        t.erase(t.begin() + 1);  // params_bf16.bin: done
+        load_checkpoint_tensors(dir, m, t, io, stream);
+        return "";
+    }
+    const int rank = model.multi() != nullptr ? model.multi()->rank() : 0;
+    if (saved.sharded && model.sharded() && int(saved.shards.size()) == model.zero_layout().world &&
+        saved.shards[size_t(rank)].begin == target.begin && saved.shards[size_t(rank)].range().end == target.end) {
+        load_checkpoint_tensors(dir, m, shard_tensors(model, rank), io, stream);
+        return "";
+    }
+    // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
+    // must be this model's before its weights are trusted.
+    if (!saved.sharded) {
+        std::vector<char> got(header.size());
+        read_array_range(dir, m, {{kCkptModelFile, 0, 0, int64_t(header.size())}}, 1, 0, int64_t(header.size()),
+                         [&](uint64_t at, const char* p, size_t len) { std::memcpy(got.data() + at, p, len); });
+        if (got != header) fail(kExitData, "'%s/%s': its header differs from this model's", dir.c_str(), kCkptModelFile);
+    }
+    load_array_range(dir, m, saved.master, sizeof(float), target.begin, target.end, s.master, stream);
+    load_array_range(dir, m, saved.adam_m, sizeof(float), target.begin, target.end, s.adam_m, stream);
+    load_array_range(dir, m, saved.adam_v, sizeof(float), target.begin, target.end, s.adam_v, stream);
+    return format("optimizer state of %s re-sharded to %s",
+                  saved.sharded ? format("%zu rank(s)", saved.shards.size()).c_str() : "one whole copy",
+                  model.sharded() ? format("rank %d of %d (parameters %lld..%lld)", rank, model.zero_layout().world,
+                                           (long long)target.begin, (long long)target.end).c_str()
+                                  : "one whole copy");
+}
+
+// Writes the fp32 master weights as an llm.c model file (version 3), through a temporary name so a reader
+// never sees half a file. With ZeRO-1 every rank must call it (the shards are gathered first); only a
+// rank with `write` writes.
+inline void write_trained_model(GPT2& model, const std::string& path, DeviceFileIO& io, bool write = true) {
+    using namespace gpt2_checkpoint_detail;
+    const GPT2::State s = model.state();
+    if (!model.sharded()) {
+        if (write) write_master(model, path, io, s.master);
+        return;
+    }
+    const ZeroLayout& layout = model.zero_layout();
+    MultiGpu* multi = model.multi();
+    cudaStream_t stream = model.stream();
+    DeviceBuffer<float> full{size_t(layout.padded_total())};
+    cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream));
+    cudaCheck(cudaMemcpyAsync(full.get() + layout.shard(multi->rank()).begin, s.master,
+                              size_t(layout.shard_size) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    multi->all_gather_async(full.get(), layout, stream);
+    multi->join(stream);
+    cudaCheck(cudaStreamSynchronize(stream));
+    if (write) write_master(model, path, io, full.get());
+}
+
+}  // namespace llmc
