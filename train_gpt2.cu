@@ -27,12 +27,16 @@ far), activation recomputation beyond the GELU (-r 1).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <deque>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <signal.h>
 
 #include "llmc/checkpoint.cuh"
 #include "llmc/cuda_utils.cuh"
@@ -98,6 +102,10 @@ struct Options {
     bool save_model = true;
     int log_every = 1;
     bool dry_run = false;
+    int max_bad_steps = 8;
+    float loss_spike = 0.0f;
+    std::string time_limit;
+    int nan_at_step = 0;
     // Several GPUs.
     int multi_gpu = -1;  // -1: NCCL when there are several ranks; 0: never; 1: always (also for one rank)
     std::string rendezvous;
@@ -164,6 +172,17 @@ inline Flags make_flags(Options& o) {
     f.add("", "save-model", &o.save_model, "write <output-dir>/model.bin (fp32, llm.c version 3) at the end");
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, kMax<int>);
     f.add("", "dry-run", &o.dry_run, "1: check the flags, the model and the data, print the plan, and exit without a GPU");
+    f.add("", "max-bad-steps", &o.max_bad_steps,
+          "a step whose loss or gradient norm is not finite is skipped (the model unchanged); stop with exit code 6 "
+          "after this many in a row", 1, kMax<int>);
+    f.add("", "loss-spike", &o.loss_spike,
+          "also skip an update whose loss is above this many times the mean of the last 50 applied steps (0: off)",
+          0.0f, kMax<float>);
+    f.add("", "time-limit", &o.time_limit,
+          "checkpoint and stop (exit code 7) before this much wall-clock time has passed: seconds, 90m, 23.5h or "
+          "H:MM:SS (\"\": no limit)");
+    f.add("", "nan-at-step", &o.nan_at_step, "for tests: make step N's first micro-batch loss NaN (0: never)", 0,
+          kMax<int>);
     f.add("", "multi-gpu", &o.multi_gpu,
           "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank", -1, 1);
     f.add("", "rendezvous", &o.rendezvous,
@@ -267,6 +286,32 @@ inline DataLoaderConfig loader_config(const std::string& pattern, const Options&
     return d;
 }
 
+// "3600", "90m", "23.5h", "1:30:00" -> seconds; "" -> 0 (none).
+inline double parse_duration(const std::string& text, const char* flag) {
+    if (text.empty()) return 0;
+    double seconds = 0;
+    const char* p = text.c_str();
+    char* end = nullptr;
+    if (text.find(':') != std::string::npos) {
+        for (int field = 0; field < 3 && *p; field++) {
+            const long v = std::strtol(p, &end, 10);
+            if (end == p || v < 0 || (*end != ':' && *end != '\0')) break;
+            seconds = seconds * 60 + double(v);
+            p = *end == ':' ? end + 1 : end;
+        }
+    } else {
+        seconds = std::strtod(p, &end);
+        const double unit = *end == 'h' ? 3600 : *end == 'm' ? 60 : 1;
+        if (end != p && (*end == 'h' || *end == 'm' || *end == 's')) end++;
+        p = end;
+        seconds *= unit;
+    }
+    if (*p != '\0' || !(seconds > 0) || !std::isfinite(seconds)) {
+        fail(kExitUsage, "%s '%s': expected seconds, a number with a unit (90m, 23.5h) or H:MM:SS", flag, text.c_str());
+    }
+    return seconds;
+}
+
 struct Plan {
     GPT2Config config;
     Parallel parallel;
@@ -278,6 +323,7 @@ struct Plan {
     int gen_tokens = 0;
     DataLoaderConfig train, val;
     std::vector<std::string> train_shards, val_shards;
+    double time_limit_s = 0;  // 0: none
     uint64_t train_tokens = 0, epoch_batches = 0;  // of the training data (for the start-up lines)
     bool validate() const { return val_steps > 0; }
 };
@@ -298,6 +344,9 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     if (!(o.beta2 < 1.0f)) fail(kExitUsage, "--beta2 %g: must be below 1", double(o.beta2));
     if (!(o.eps > 0.0f)) fail(kExitUsage, "--eps %g: must be positive", double(o.eps));
     if (o.train_pattern.empty()) fail(kExitUsage, "-i/--train: no training shards named");
+    if (o.loss_spike != 0.0f && !(o.loss_spike > 1.0f)) {
+        fail(kExitUsage, "--loss-spike %g: must be 0 (off) or above 1", double(o.loss_spike));
+    }
 
     Plan p;
     p.config = c;
@@ -323,6 +372,7 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.final_fraction = o.final_lr_fraction;
     p.schedule.decay_fraction = o.decay_fraction;
     p.gen_tokens = std::min(o.gen_tokens, o.T - 1);
+    p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
 
     // The data: its headers are read here (the GPU loaders read them again), so a missing or short
     // split fails before CUDA, and the step counts are known.
@@ -563,7 +613,6 @@ struct Outputs {
 
     Outputs(const Options& o, bool root, bool append_log) {
         if (root && !o.output_dir.empty()) {
-            make_directories(o.output_dir);
             log = JsonlLog(o.output_dir + "/log.jsonl", append_log);
         }
         if (o.sample_every > 0) {
@@ -585,8 +634,10 @@ struct Outputs {
 
 // The device and pinned buffers the loop reads results back through, allocated once.
 struct LoopBuffers {
-    DeviceBuffer<float> step_stats;   // grad norm, then one mean loss per micro-step
+    DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, then the update's scale
     PinnedBuffer step_stats_host;
+    DeviceBuffer<float> stop_flag;    // several ranks: the sum of the ranks' "stop now" votes
+    PinnedBuffer stop_flag_host;
     DeviceBuffer<float> val_losses;   // one mean loss per validation batch
     PinnedBuffer val_losses_host;
     DeviceBuffer<int> sample_tokens;  // the tokens generated so far
@@ -594,7 +645,8 @@ struct LoopBuffers {
     Event step_done;
 
     LoopBuffers(const Plan& plan, int T)
-        : step_stats(size_t(1 + plan.grad_accum)), step_stats_host(size_t(1 + plan.grad_accum) * sizeof(float)),
+        : step_stats(size_t(2 + plan.grad_accum)), step_stats_host(size_t(2 + plan.grad_accum) * sizeof(float)),
+          stop_flag(1), stop_flag_host(sizeof(float)),
           val_losses(size_t(std::max(1, plan.val_steps))),
           val_losses_host(size_t(std::max(1, plan.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
           logit_row(size_t(plan.config.vocab_size) * sizeof(floatX)) {}
@@ -662,19 +714,25 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Output
 
 struct StepStats {
     double loss = 0, norm = 0, seconds = 0;
+    std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
 // One optimizer step: grad_accum micro-batches forward and backward (gradients accumulate, each loss
 // weighted 1/grad_accum), then norm, clip and AdamW on the device. The only wait: the losses and the norm
 // copied back together.
+// The step guard (GPT2::update) skips the update when a loss or the norm is not finite, or the loss is
+// above loss_limit; the stats say so.
 inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o, int grad_accum, int step, float lr,
-                            LoopBuffers& buf) {
+                            float loss_limit, LoopBuffers& buf) {
     const auto t0 = std::chrono::steady_clock::now();
     const float dloss = 1.0f / (float(o.B) * float(o.T) * float(grad_accum));
     model.zero_grad();
     for (int micro = 0; micro < grad_accum; micro++) {
         DeviceBatch batch = train.next_batch();
         model.forward(batch.inputs, batch.targets, o.B, o.T, buf.step_stats.get() + 1 + micro, dloss);
+        if (micro == 0 && step + 1 == o.nan_at_step) {
+            cudaCheck(cudaMemsetAsync(buf.step_stats.get() + 1, 0xff, sizeof(float), model.stream()));  // a NaN
+        }
         model.backward(batch.inputs, o.B, o.T, micro + 1 == grad_accum);
     }
     // The logged loss is the mean over ranks (update() waits for it with the gradients).
@@ -686,16 +744,28 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     settings.eps = o.eps;
     settings.stochastic_rounding = o.stochastic_rounding;
     settings.weight_decay = o.weight_decay;
-    model.update(settings, o.grad_clip, step + 1, uint64_t(o.seed), buf.step_stats.get());
-    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), buf.step_stats.get(), size_t(1 + grad_accum) * sizeof(float),
+    float* stats = buf.step_stats.get();
+    model.update(settings, o.grad_clip, step + 1, uint64_t(o.seed), stats, stats + 1, grad_accum, loss_limit);
+    cudaCheck(cudaMemcpyAsync(stats + 1 + grad_accum, model.grad_scale(), sizeof(float), cudaMemcpyDeviceToDevice,
+                              model.stream()));
+    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(2 + grad_accum) * sizeof(float),
                               cudaMemcpyDeviceToHost, model.stream()));
     cudaCheck(cudaEventRecord(buf.step_done, model.stream()));
     cudaCheck(cudaEventSynchronize(buf.step_done));
     const float* h = reinterpret_cast<const float*>(buf.step_stats_host.get());
     StepStats s;
     s.norm = h[0];
-    for (int micro = 0; micro < grad_accum; micro++) s.loss += double(h[1 + micro]);
+    bool finite_losses = true;
+    for (int micro = 0; micro < grad_accum; micro++) {
+        s.loss += double(h[1 + micro]);
+        finite_losses = finite_losses && std::isfinite(h[1 + micro]);
+    }
     s.loss /= grad_accum;
+    if (std::isnan(h[1 + grad_accum])) {
+        s.skipped = !std::isfinite(s.norm) ? format("the gradient norm is %g", s.norm)
+                    : !finite_losses       ? std::string("a loss is not finite")
+                                           : format("the loss %.4f is a spike (limit %.4f)", s.loss, double(loss_limit));
+    }
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return s;
 }
@@ -740,16 +810,117 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
     const double tok_per_s = double(tp.tokens_per_step) / s.seconds;
     const double m = mfu(tp.flops_per_token, tok_per_s, tp.peak_flops);
     if (print) {
-        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.2f ms | %.0f tok/s | MFU %s | ETA %s\n", step + 1,
-                    max_steps, s.loss, double(lr), s.norm, s.seconds * 1e3, tok_per_s,
+        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.2f ms | %.0f tok/s | MFU %s | ETA %s%s\n",
+                    step + 1, max_steps, s.loss, double(lr), s.norm, s.seconds * 1e3, tok_per_s,
                     tp.mfu_text(tok_per_s, "%.1f%%").c_str(),
-                    duration_text(tp.seconds_per_step(s.seconds) * (max_steps - step - 1)).c_str());
+                    duration_text(tp.seconds_per_step(s.seconds) * (max_steps - step - 1)).c_str(),
+                    s.skipped.empty() ? "" : format(" | update skipped: %s", s.skipped.c_str()).c_str());
         std::fflush(stdout);
     }
     out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
                          step + 1, json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
                          m >= 0 ? format("%.4f", m).c_str() : "null"));
+    if (!s.skipped.empty()) out.log.write(format("{\"step\":%d,\"skipped\":\"%s\"}", step + 1, s.skipped.c_str()));
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Stopping early: divergence, signals (SIGTERM, SIGINT, SIGUSR1: what Slurm, Kubernetes and cloud
+// preemption send first), the time limit.
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" inline void on_stop_signal(int sig) {
+    if (g_stop_signal != 0) {  // the second signal ends the run at once
+        std::signal(sig, SIG_DFL);
+        std::raise(sig);
+    }
+    g_stop_signal = sig;
+}
+
+inline void install_stop_signals() {
+    struct sigaction sa = {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    for (int sig : {SIGTERM, SIGINT, SIGUSR1}) {
+        if (sigaction(sig, &sa, nullptr) != 0) fail(kExitError, "cannot install the handler of signal %d", sig);
+    }
+}
+
+// After each step: whether the run goes on.
+class RunControl {
+public:
+    // started: when the process started (--time-limit counts from there, as a scheduler does).
+    RunControl(const Options& o, const Plan& plan, int64_t num_params, std::chrono::steady_clock::time_point started)
+        : o_(o), limit_s_(plan.time_limit_s), t0_(started),
+          save_s_(double(num_params) * 14.0 / 0.5e9) {}  // a whole checkpoint (14 bytes per parameter) at 0.5 GB/s
+
+    // The step guard's spike limit for the next step: --loss-spike times the mean loss of the last 50
+    // applied steps, once there are 10 of them.
+    float loss_limit() const {
+        if (o_.loss_spike == 0.0f || recent_.size() < 10) return INFINITY;
+        double sum = 0;
+        for (double l : recent_) sum += l;
+        return float(double(o_.loss_spike) * sum / double(recent_.size()));
+    }
+    // Counts skipped steps; too many in a row end the run (every rank decides alike: the norm and the
+    // losses the guard reads are averaged over the ranks).
+    void after_step(int step, const StepStats& s) {
+        if (s.skipped.empty()) {
+            bad_run_ = 0;
+            recent_.push_back(s.loss);
+            if (recent_.size() > 50) recent_.pop_front();
+            return;
+        }
+        if (++bad_run_ >= o_.max_bad_steps) {
+            fail(kExitDiverged,
+                 "step %d: %d steps in a row were skipped (the last because %s); stopping. The model is as it was "
+                 "before them, and so is every checkpoint written since: resume with -y 1 and a lower learning rate, "
+                 "a longer warmup or a smaller --grad-clip", step, bad_run_, s.skipped.c_str());
+        }
+    }
+    void saved(double seconds) { save_s_ = seconds; }
+    // Why this rank wants to stop now ("" to go on): a signal, or the time limit within reach of the next
+    // two steps and a checkpoint.
+    std::string reason(double step_seconds) const {
+        if (g_stop_signal != 0) return format("signal %s", strsignal(g_stop_signal));
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+        if (limit_s_ > 0 && elapsed + 2 * step_seconds + save_s_ >= limit_s_) {
+            return format("--time-limit %s is near (%s elapsed)", o_.time_limit.c_str(), duration_text(elapsed).c_str());
+        }
+        return "";
+    }
+
+private:
+    const Options& o_;
+    double limit_s_;
+    std::chrono::steady_clock::time_point t0_;
+    double save_s_;
+    int bad_run_ = 0;
+    std::deque<double> recent_;
+};
+
+// Whether any rank wants to stop: one all-reduce of the votes on the NCCL path, so that every rank stops
+// after the same step and the checkpoint is complete.
+inline bool agree_to_stop(bool mine, MultiGpu* multi, LoopBuffers& buf, cudaStream_t stream) {
+    if (multi == nullptr) return mine;
+    float* vote = reinterpret_cast<float*>(buf.stop_flag_host.get());
+    *vote = mine ? 1.0f : 0.0f;
+    cudaCheck(cudaMemcpyAsync(buf.stop_flag.get(), vote, sizeof(float), cudaMemcpyHostToDevice, stream));
+    multi->all_reduce_sum_async(buf.stop_flag.get(), 1, stream);
+    multi->join(stream);
+    cudaCheck(cudaMemcpyAsync(vote, buf.stop_flag.get(), sizeof(float), cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    return *vote > 0.0f;
+}
+
+// Every rank checks (the parameters are the same everywhere), so that all of them stop together.
+inline void require_finite_parameters(GPT2& model, int step, const char* what) {
+    if (!model.parameters_finite()) {
+        fail(kExitDiverged, "step %d: the parameters are not finite; %s not written (the newest checkpoint on disk "
+             "holds the last good state)", step, what);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -779,14 +950,14 @@ inline void print_checkpoint_report(const CheckpointReport& r, bool async) {
 
 // The checkpointer, when this rank writes checkpoints: with ZeRO-1 on several ranks every rank writes its
 // shard into the shared directory; otherwise rank 0 alone writes the whole state.
-inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& model, MultiGpu* multi) {
-    if (o.checkpoint_every == 0) return nullptr;
+// `async` false: a synchronous one (made on demand when a run without -n must save before it stops).
+inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& model, MultiGpu* multi, bool async) {
     std::unique_ptr<Checkpointer> ckpt;
     if (model.sharded() && multi->world() > 1) {
-        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), o.checkpoint_async, multi->rank(),
-                                              multi->world(), [multi] { multi->barrier(); }, o.nccl_timeout);
+        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), async, multi->rank(), multi->world(),
+                                              [multi] { multi->barrier(); }, o.nccl_timeout);
     } else if (multi == nullptr || multi->is_root()) {
-        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), o.checkpoint_async);
+        ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), async);
     }
     if (ckpt && ckpt->async()) {
         std::printf("checkpoint snapshot buffers: %s of device memory\n",
@@ -889,6 +1060,7 @@ inline void print_summary(const Throughput& tp, const Plan& plan, double first_v
 using namespace llmc;
 
 int main(int argc, char** argv) {
+    const auto started = std::chrono::steady_clock::now();
     return run_main([&]() -> int {
         // Flags, the model's shape, the ranks and the data, checked before anything touches CUDA.
         Options opt;
@@ -903,6 +1075,10 @@ int main(int argc, char** argv) {
         }
         const std::vector<CheckpointEntry> candidates =
             opt.resume == 1 ? list_checkpoints(opt.output_dir) : std::vector<CheckpointEntry>();
+        install_stop_signals();
+        if (plan.parallel.ranks.rank == 0 && !opt.output_dir.empty()) {
+            require_writable_directory(opt.output_dir, "-o/--output-dir");
+        }
 
         // Several GPUs: meet the other ranks (this picks the GPU); rank 0 alone prints and writes files.
         std::unique_ptr<MultiGpu> multi = meet_ranks(opt, plan);
@@ -925,11 +1101,19 @@ int main(int argc, char** argv) {
         // Every rank must have resumed from the same checkpoint (each validated it on its own).
         if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
-        std::unique_ptr<Checkpointer> ckpt = make_checkpointer(opt, model, multi.get());
+        std::unique_ptr<Checkpointer> ckpt =
+            opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
         LoopBuffers buf(plan, opt.T);
         Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
                       plan.tokens_per_step};
         CheckpointReport report;
+        RunControl control(opt, plan, model.num_parameters(), started);
+        auto report_saves = [&] {
+            if (ckpt && ckpt->poll(&report)) {
+                print_checkpoint_report(report, ckpt->async());
+                control.saved(report.write_seconds);
+            }
+        };
 
         // The loop: evaluate and sample between steps (and after the last), train in between.
         double first_val = NAN, last_val = NAN;
@@ -948,25 +1132,50 @@ int main(int argc, char** argv) {
             }
             if (last) break;
             const float lr = float(plan.schedule.at(step));
-            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, buf);
+            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf);
             if (multi) multi->heartbeat();
             tp.add(step, plan.max_steps, s.seconds);
             if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
-            log_step(out, tp, step, plan.max_steps, lr, s, (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps);
-            if (ckpt && ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
-            if (ckpt && ((step + 1) % opt.checkpoint_every == 0 || step + 1 == plan.max_steps)) {
-                ckpt->save(opt.output_dir, step + 1, checkpoint_tensors(model),
-                           checkpoint_meta(settings, model, plan, data, step + 1), stream, opt.keep_last, opt.keep_every);
-                if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
+            log_step(out, tp, step, plan.max_steps, lr, s,
+                     (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps || !s.skipped.empty());
+            control.after_step(step + 1, s);
+            const std::string why = control.reason(tp.seconds_per_step(s.seconds));
+            const bool stop = agree_to_stop(!why.empty(), multi.get(), buf, stream);
+            report_saves();
+            const bool due = opt.checkpoint_every > 0 &&
+                             ((step + 1) % opt.checkpoint_every == 0 || step + 1 == plan.max_steps);
+            if (stop && !ckpt && opt.checkpoint_every == 0 && !opt.output_dir.empty()) {
+                ckpt = make_checkpointer(opt, model, multi.get(), /*async=*/false);
+            }
+            if (due || (stop && !opt.output_dir.empty())) {
+                require_finite_parameters(model, step + 1, "the checkpoint");
+                if (ckpt) {
+                    ckpt->save(opt.output_dir, step + 1, checkpoint_tensors(model),
+                               checkpoint_meta(settings, model, plan, data, step + 1), stream, opt.keep_last,
+                               opt.keep_every);
+                }
+                report_saves();
+            }
+            if (stop) {
+                if (ckpt) ckpt->wait();
+                report_saves();
+                std::printf("stopped after step %d: %s; %s\n", step + 1, why.empty() ? "another rank asked to" : why.c_str(),
+                            opt.output_dir.empty() ? "no output directory, nothing saved"
+                                                   : format("resume with -y 1 -o %s", opt.output_dir.c_str()).c_str());
+                std::fflush(stdout);
+                out.log.write(format("{\"step\":%d,\"stopped\":\"%s\"}", step + 1, why.c_str()));
+                if (multi) multi->barrier();
+                return int(kExitStopped);
             }
         }
         if (ckpt) {
             ckpt->wait();
-            if (ckpt->poll(&report)) print_checkpoint_report(report, ckpt->async());
+            report_saves();
         }
 
         // The summary and the trained model.
         print_summary(tp, plan, first_val, last_val);
+        if (!opt.output_dir.empty() && opt.save_model) require_finite_parameters(model, plan.max_steps, "model.bin");
         if (!opt.output_dir.empty() && opt.save_model && (root || model.sharded())) {
             DeviceFileIO io;
             const std::string path = opt.output_dir + "/model.bin";

@@ -12,7 +12,8 @@ master -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter i
 stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
 in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
 shape. grad_scale is a device pointer (e.g. global_norm's scale), read by the kernel, so clipping needs
-no host synchronisation; null means 1.
+no host synchronisation; null means 1, and NaN skips the update (adamw_guard: a step whose norm or loss
+is not finite leaves the model as it was).
 
 For ZeRO-1, adamw_update() takes a state_offset: master, m and v then hold only the elements from
 that flat index on (a rank's shard), while params, grads and the table keep their flat-buffer
@@ -112,6 +113,7 @@ static __global__ void __launch_bounds__(kAdamWBlock)
     const int64_t offset = tensors.offset[t], n = tensors.numel[t];
     const float wd = tensors.decayed[t] ? weight_decay : 0.0f;
     const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
+    if (scale != scale) return;  // NaN: the step guard skips this update (adamw_guard)
     const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
     if (vec) {
         for (int64_t q = first; q < n / 4; q += stride) {
@@ -142,6 +144,28 @@ static __global__ void __launch_bounds__(kAdamWBlock)
         v[sidx] = vi;
         master[sidx] = w;
     }
+}
+
+// The step guard: a step whose gradient norm or any of whose losses is not finite, or whose mean loss is
+// above loss_limit (a spike), must not change the model. It sets the scale adamw_kernel reads to NaN,
+// which the kernel takes as "leave every parameter and moment as it is"; the decision stays on the
+// device, so it costs no synchronisation, and every rank (whose norm and losses are already averaged)
+// takes the same one.
+static __global__ void adamw_guard_kernel(float* grad_scale, const float* norm, const float* losses, int n,
+                                          float loss_limit) {
+    bool bad = !isfinite(*norm);
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        bad = bad || !isfinite(losses[i]);
+        sum += losses[i];
+    }
+    if (bad || (n > 0 && sum / float(n) > loss_limit)) *grad_scale = NAN;
+}
+
+inline void adamw_guard(float* grad_scale, const float* norm, const float* losses, int n, float loss_limit,
+                        cudaStream_t stream) {
+    adamw_guard_kernel<<<1, 1, 0, stream>>>(grad_scale, norm, losses, n, loss_limit);
+    cudaCheckLaunch();
 }
 
 // Whether adamw_update() takes 4 elements per thread for these buffers and table (else one; same bits).

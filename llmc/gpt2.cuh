@@ -152,6 +152,20 @@ public:
     const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
     const float* mean_loss() const { return scalars_.get(); }
     const float* grad_norm() const { return scalars_.get() + 1; }
+    // The last update's gradient scale (clipping), NaN when the step guard skipped it.
+    const float* grad_scale() const { return scalars_.get() + 2; }
+
+    // Whether every bf16 parameter is finite (their sum of squares is; the master weights round to these,
+    // so they are too). Synchronises: it runs before a checkpoint or model file is written, not in a step.
+    bool parameters_finite() {
+        float* sumsq = scalars_.get() + 3;
+        global_norm_sumsq(sumsq, params_.get(), num_params_, reinterpret_cast<float*>(scratch_.get()), scratch_.bytes(),
+                          stream_);
+        float host = 0.0f;
+        cudaCheck(cudaMemcpyAsync(&host, sumsq, sizeof(float), cudaMemcpyDeviceToHost, stream_));
+        cudaCheck(cudaStreamSynchronize(stream_));
+        return std::isfinite(host);
+    }
 
     // The fp32 parameters (file order) become the master weights, and rounded to nearest the bf16 ones;
     // the optimizer state starts from zero.
@@ -289,13 +303,18 @@ public:
     // With several ranks it first waits for backward's gradient averaging; with ZeRO-1 the norm is the
     // sum of the ranks' sums of squares over their shards, each rank updates its shard, and the bf16
     // parameters are all-gathered before anything later on the stream (the next forward) reads them.
-    void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr) {
+    // The step guard (adamw_guard): the update is skipped, leaving parameters, master weights and moments
+    // as they were, when the norm or any of the n_losses losses (device floats, the step's micro-batch
+    // means) is not finite, or their mean is above loss_limit.
+    void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr,
+                const float* losses = nullptr, int n_losses = 0, float loss_limit = INFINITY) {
         float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
         float* scale = scalars_.get() + 2;
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         if (multi_ != nullptr) multi_->join(stream_);
         if (!sharded()) {
             global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_);
+            adamw_guard(scale, norm, losses, n_losses, loss_limit, stream_);
             adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_,
                          settings, step, seed, scale, stream_);
             return;
@@ -306,6 +325,7 @@ public:
         multi_->all_reduce_sum_async(sumsq, 1, stream_);
         multi_->join(stream_);
         global_norm_finish(norm, scale, sumsq, grad_clip, stream_);
+        adamw_guard(scale, norm, losses, n_losses, loss_limit, stream_);
         adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), shard_table_, settings,
                      step, seed, scale, stream_, owned_.begin);
         multi_->all_gather_async(params_.get(), layout_, stream_);

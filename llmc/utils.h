@@ -35,6 +35,9 @@ enum ExitCode : int {
     kExitIo = 3,     // a file could not be opened, read, written, synced or closed
     kExitData = 4,   // a file was read but its contents are invalid
     kExitCuda = 5,   // a CUDA, cuBLAS or NCCL call failed
+    kExitDiverged = 6,  // training stopped: too many steps in a row had a non-finite loss or gradient norm
+    kExitStopped = 7,   // training stopped early on request (a signal, --time-limit) after saving a checkpoint:
+                        // requeue the job and resume it with -y 1
 };
 
 class Error : public std::runtime_error {
@@ -321,6 +324,24 @@ inline void make_directories(const std::string& dir) {
         start = slash + 1;
     }
     if (!is_directory(dir)) fail(kExitIo, "'%s' is not a directory", dir.c_str());
+}
+
+// Creates dir (and its parents) and proves it writable by writing, syncing and removing a small file, so
+// that a run finds out at start-up, not after hours of training, that its results cannot be saved.
+inline void require_writable_directory(const std::string& dir, const char* what) {
+    make_directories(dir);
+    const std::string probe = dir + "/.write_probe_" + std::to_string(::getpid());
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int e = errno;
+    bool ok = fd >= 0 && ::write(fd, "x", 1) == 1;
+    if (fd >= 0) {
+        e = errno;
+        ok = ::fsync(fd) == 0 && ok;
+        if (!ok && e == 0) e = errno;
+        ::close(fd);
+        ::unlink(probe.c_str());
+    }
+    if (!ok) fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), std::strerror(e));
 }
 
 }  // namespace llmc

@@ -28,8 +28,8 @@ trainer() { timeout -k 10 180 ./train_gpt2cu "$@"; }
 source test/script_lib.sh
 expect_bin=(trainer)
 expect_exit 2 "needs an output directory (-o)" -y 1 -o ""
-expect_exit 2 "-nk/--keep-last -1: must not be negative" -nk -1
-expect_exit 2 "-nm/--keep-every -2: must not be negative" -nm -2
+expect_exit 2 "flag -nk: '-1' is not an integer at least 0" -nk -1
+expect_exit 2 "flag -nm: '-2' is not an integer at least 0" -nm -2
 echo "checkpoint flags: ok"
 
 if ! nvidia-smi -L >/dev/null 2>&1; then

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Long runs that survive (train_gpt2cu): the step guard, stopping on a signal or a time limit, resume.
+# Without a GPU: the flags' command-line errors, then exit 77. With a GPU, on synthetic shards:
+#   - divergence: -l 1e4 drives d2 to non-finite losses; the run stops with exit code 6 within
+#     --max-bad-steps + 1 steps of the first skipped step, every checkpoint on disk is whole and finite
+#     (build/inspect_checkpoint), and -y 1 from the newest one reproduces the diverging run's step records
+#     bitwise (the checkpoint holds exactly the state the run had);
+#   - one injected bad step (--nan-at-step 7): the update is skipped, logged as skipped, the run goes on to
+#     the end, and two such runs give bitwise equal step records;
+#   - SIGTERM at random moments, SURVIVAL_TRIALS trials (default 10) on the single-GPU path and 4 through
+#     NCCL with one rank (ZeRO-1): each run exits with code 7 within one step plus a checkpoint save (the
+#     limit: 20 s), and -y 1 then finishes the run with every step record and the final model.bin bitwise
+#     equal to an uninterrupted run's; the trials alternate async and sync saves, and validation and
+#     checkpoints are frequent, so signals land in steps, saves and validations alike;
+#   - --time-limit 6s: the run stops by itself with exit code 7 before 6 s, and -y 1 finishes it bitwise;
+#   - a second signal ends the run at once.
+# Exit 0 pass, 1 fail, 77 skip (no GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make -s train_gpt2cu build/inspect_checkpoint
+dir=$(mktemp -d /tmp/test_survival_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+trainer() { timeout -k 10 180 ./train_gpt2cu "$@"; }
+
+source test/script_lib.sh
+expect_bin=(trainer)
+expect_exit 2 "--time-limit 'soon': expected seconds" --time-limit soon
+expect_exit 2 "--time-limit '1:xx': expected seconds" --time-limit 1:xx
+expect_exit 2 "--loss-spike 0.5: must be 0 (off) or above 1" --loss-spike 0.5
+expect_exit 2 "flag --max-bad-steps: '0' is not an integer at least 1" --max-bad-steps 0
+echo "flags: ok"
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: no NVIDIA GPU (the command-line checks above passed)"
+    exit 77
+fi
+
+python3 test/make_synthetic_shards.py "$dir" syn_train=60000,60000 syn_val=8000
+base=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -d 512 -u 5 -c 0.1 --seed 5 -s 0)
+
+# The per-step records of a log, one line each (step, loss, norm), for bitwise comparison.
+steps() { python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line) if line.strip() else {}
+    if "loss" in r: print(r["step"], repr(r["loss"]), repr(r["norm"]))' "$1/log.jsonl" | sort -n -u; }
+
+# --- divergence ---------------------------------------------------------------------------------------
+rc=0
+trainer "${base[@]}" -l 1e4 -x 200 -n 2 -v 0 --max-bad-steps 4 -o "$dir/nan" >"$dir/nan.log" 2>&1 || rc=$?
+[ $rc -eq 6 ] || { echo "FAIL: a diverging run exited $rc, not 6"; tail "$dir/nan.log"; exit 1; }
+first_bad=$(python3 -c '
+import json, sys
+print(min(r["step"] for r in map(json.loads, open(sys.argv[1])) if "skipped" in r))' "$dir/nan/log.jsonl")
+last_step=$(steps "$dir/nan" | tail -n 1 | cut -d" " -f1)
+[ $((last_step - first_bad)) -le 4 ] || { echo "FAIL: first skipped step $first_bad, stopped at $last_step"; exit 1; }
+grep -q "4 steps in a row were skipped" "$dir/nan.log" || { echo "FAIL: no divergence message"; cat "$dir/nan.log"; exit 1; }
+./build/inspect_checkpoint --all -q "$dir/nan" >"$dir/inspect.log" || { echo "FAIL: a checkpoint is bad"; cat "$dir/inspect.log"; exit 1; }
+n_ckpt=$(grep -c ': ok$' "$dir/inspect.log")
+[ "$n_ckpt" -ge 1 ] || { echo "FAIL: the diverging run left no checkpoint"; exit 1; }
+# Resume from the oldest checkpoint: its steps up to where the run stopped must repeat bitwise.
+cp -r "$dir/nan" "$dir/nan_resumed"
+oldest=$(ls -d "$dir/nan_resumed"/ckpt_* | sort | head -n 1)
+for c in "$dir/nan_resumed"/ckpt_*; do [ "$c" = "$oldest" ] || rm -rf "$c"; done
+from=$((10#${oldest##*ckpt_}))
+[ "$from" -lt "$last_step" ] || { echo "FAIL: no checkpoint before the last step ($from, $last_step)"; exit 1; }
+rc=0
+trainer "${base[@]}" -l 1e4 -x 200 -n 2 -v 0 --max-bad-steps 4 -o "$dir/nan_resumed" -y 1 >"$dir/nan2.log" 2>&1 || rc=$?
+[ $rc -eq 6 ] || { echo "FAIL: the resumed diverging run exited $rc, not 6"; tail "$dir/nan2.log"; exit 1; }
+upto() { steps "$1" | awk -v n="$2" '$1 <= n'; }
+cmp -s <(upto "$dir/nan" "$last_step") <(upto "$dir/nan_resumed" "$last_step") ||
+    { echo "FAIL: resuming the diverged run's step-$from checkpoint did not reproduce its steps"; exit 1; }
+echo "divergence: exit 6 at step $last_step (first skipped $first_bad), $n_ckpt checkpoints whole and finite, resume from step $from bitwise: ok"
+
+# --- one bad step -------------------------------------------------------------------------------------
+for r in 1 2; do
+    trainer "${base[@]}" -l 3e-3 -x 20 -v 10 -m 2 --nan-at-step 7 -o "$dir/bad$r" >"$dir/bad$r.log" 2>&1 ||
+        { echo "FAIL: the run with one bad step failed"; tail "$dir/bad$r.log"; exit 1; }
+done
+grep -q '"step":7,"skipped"' "$dir/bad1/log.jsonl" || { echo "FAIL: step 7 not logged as skipped"; exit 1; }
+[ "$(grep -c '"skipped"' "$dir/bad1/log.jsonl")" -eq 1 ] || { echo "FAIL: more than one step skipped"; exit 1; }
+[ "$(steps "$dir/bad1" | wc -l)" -eq 20 ] || { echo "FAIL: the run did not go on to step 20"; exit 1; }
+cmp -s <(steps "$dir/bad1") <(steps "$dir/bad2") || { echo "FAIL: two runs with the bad step differ"; exit 1; }
+echo "one bad step: skipped, logged, run finished, reproducible: ok"
+
+# --- SIGTERM at random moments ------------------------------------------------------------------------
+sig_common=(-l 3e-3 -x 60 -n 4 -v 3 -m 40 -nk 3)
+trainer "${base[@]}" "${sig_common[@]}" -o "$dir/straight" >"$dir/straight.log" 2>&1 ||
+    { echo "FAIL: the straight run failed"; tail "$dir/straight.log"; exit 1; }
+trainer "${base[@]}" "${sig_common[@]}" -o "$dir/straight_nccl" --multi-gpu 1 -z 1 >"$dir/straight_nccl.log" 2>&1 ||
+    { echo "FAIL: the straight NCCL run failed"; tail "$dir/straight_nccl.log"; exit 1; }
+run_s=$(python3 -c '
+import json, sys
+print(sum(r["ms"] for r in map(json.loads, open(sys.argv[1])) if "ms" in r) / 1000)' "$dir/straight/log.jsonl")
+trials=${SURVIVAL_TRIALS:-10}
+nccl_trials=$(( trials < 4 ? trials : 4 ))
+for t in $(seq 1 $((trials + nccl_trials))); do
+    extra=()
+    ref=$dir/straight
+    if [ "$t" -gt "$trials" ]; then extra=(--multi-gpu 1 -z 1); ref=$dir/straight_nccl; fi
+    [ $((t % 2)) -eq 0 ] && extra+=(--checkpoint-async 0)
+    out=$dir/sig$t
+    ./train_gpt2cu "${base[@]}" "${sig_common[@]}" "${extra[@]}" -o "$out" >"$out.log" 2>&1 &
+    pid=$!
+    # Start-up (CUDA, NCCL) takes a few seconds; then a moment within the training.
+    sleep "$(python3 -c "import random; print(round(random.Random($t).uniform(3.0, 3.0 + $run_s), 2))")"
+    t0=$(date +%s.%N)
+    kill -TERM "$pid" 2>/dev/null || true
+    rc=0
+    wait "$pid" || rc=$?
+    took=$(python3 -c "import time; print(round(time.time() - $t0, 2))")
+    if [ $rc -eq 0 ]; then
+        echo "  trial $t: the run had finished before the signal"
+    else
+        [ $rc -eq 7 ] || { echo "FAIL: trial $t exited $rc after SIGTERM, not 7"; tail "$out.log"; exit 1; }
+        python3 -c "import sys; sys.exit(0 if $took < 20 else 1)" || { echo "FAIL: trial $t took $took s to stop"; exit 1; }
+        trainer "${base[@]}" "${sig_common[@]}" "${extra[@]}" -o "$out" -y 1 >"$out.resume.log" 2>&1 ||
+            { echo "FAIL: trial $t's resume failed"; tail "$out.resume.log"; exit 1; }
+        echo "  trial $t: stopped after step $(grep -o 'stopped after step [0-9]*' "$out.log" | grep -o '[0-9]*$') in $took s, resumed"
+    fi
+    cmp -s <(steps "$ref") <(steps "$out") || { echo "FAIL: trial $t's step records differ from the straight run"; exit 1; }
+    cmp -s "$ref/model.bin" "$out/model.bin" || { echo "FAIL: trial $t's model.bin differs"; exit 1; }
+done
+echo "SIGTERM: $trials single-GPU and $nccl_trials NCCL trials exit 7 and resume bitwise: ok"
+
+# --- time limit ---------------------------------------------------------------------------------------
+rc=0
+start=$(date +%s.%N)
+trainer "${base[@]}" -k constant -l 3e-3 -x 100000 -v 0 --time-limit 6s -o "$dir/limit" >"$dir/limit.log" 2>&1 || rc=$?
+took=$(python3 -c "import time; print(round(time.time() - $start, 2))")
+[ $rc -eq 7 ] || { echo "FAIL: --time-limit run exited $rc, not 7"; tail "$dir/limit.log"; exit 1; }
+python3 -c "import sys; sys.exit(0 if $took < 6 else 1)" || { echo "FAIL: --time-limit 6s took $took s"; exit 1; }
+stopped=$(grep -o 'stopped after step [0-9]*' "$dir/limit.log" | grep -o '[0-9]*$')
+limit_more=(-k constant -l 3e-3 -x $((stopped + 20)) -v 0)
+trainer "${base[@]}" "${limit_more[@]}" -o "$dir/limit" -y 1 >"$dir/limit2.log" 2>&1 || { echo "FAIL: resume after the time limit"; exit 1; }
+trainer "${base[@]}" "${limit_more[@]}" -o "$dir/limit_straight" >"$dir/limit3.log" 2>&1 || { echo "FAIL: straight run"; exit 1; }
+cmp -s "$dir/limit/model.bin" "$dir/limit_straight/model.bin" || { echo "FAIL: time-limited + resumed model differs"; exit 1; }
+echo "time limit: stopped after step $stopped in $took s (limit 6 s), resumed bitwise: ok"
+
+# --- a second signal ends the run at once ---------------------------------------------------------------
+./train_gpt2cu "${base[@]}" -l 3e-3 -x 100000 -v 0 -o "$dir/twice" >"$dir/twice.log" 2>&1 &
+pid=$!
+sleep 4
+kill -INT "$pid"
+sleep 0.5
+kill -INT "$pid"
+rc=0
+wait "$pid" || rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 7 ] || { echo "FAIL: two signals gave exit code $rc (expected death by the signal)"; exit 1; }
+echo "second signal: exit code $rc at once: ok"
