@@ -412,6 +412,10 @@ TEST(HfModel, FolderRoundTripIsExactAndPadsTheVocabulary) {
     std::vector<float> q = load_model_params(dir / "m", info);
     ASSERT_EQ(q.size(), p.size());
     EXPECT_EQ(std::memcmp(q.data(), p.data(), p.size() * 4), 0);
+    // Into a buffer that held something else: every element is written, the padded rows with zeros.
+    std::vector<float> poisoned(p.size(), NAN);
+    read_hf_params(info.folder, poisoned.data());
+    EXPECT_EQ(std::memcmp(poisoned.data(), p.data(), p.size() * 4), 0);
 }
 
 TEST(HfModel, LlmcV3ThroughHfFolderIsByteIdentical) {
