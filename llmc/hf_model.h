@@ -8,10 +8,10 @@ scaled by layer index, no cross-attention, n_inner absent or 4 x n_embd, tied wo
 else is refused with the key and value named. Weights come from model.safetensors, or from the shards
 model.safetensors.index.json's weight_map names; F32, F16 or BF16, names with or without the
 "transformer." prefix. The attention masks GPT-2 once stored as buffers (h.N.attn.bias, .masked_bias)
-are ignored; lm_head.weight, where present, must equal wte (a tied head) and is otherwise refused; any
-other tensor is refused, so nothing in the file is silently dropped. Conv1D weights are stored (in,
-out) and are transposed into our (out, in); the vocabulary is padded to Vp = padded_vocab(V) with zero
-rows.
+are ignored; lm_head.weight, where present, must equal wte (a tied head) and is otherwise refused, or
+stands for wte where the folder holds only the head's name of the tied pair; any other tensor is
+refused, so nothing in the file is silently dropped. Conv1D weights are stored (in, out) and are
+transposed into our (out, in); the vocabulary is padded to Vp = padded_vocab(V) with zero rows.
 
 Writing: config.json (GPT2LMHeadModel, the unpadded vocabulary, no dropout, as the model was trained
 here), model.safetensors in F32 or BF16 with "transformer."-prefixed names and no lm_head (tied, as
@@ -147,7 +147,7 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
         fail(kExitData, "Hugging Face config '%s': %s", where.c_str(), what.c_str());
     };
     if (!j.is_object()) bad("not a JSON object");
-    auto value_of = [&](const char* key) { return j.contains(key) ? j[key].dump() : std::string("(absent)"); };
+    auto value_of = [&](const char* key) { return j.contains(key) ? json_excerpt(j[key]) : std::string("(absent)"); };
     if (!j.contains("model_type") || j["model_type"] != "gpt2") {
         bad(format("model_type is %s; only \"gpt2\" models can be read", value_of("model_type").c_str()));
     }
@@ -155,7 +155,7 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
         if (!j.contains(key)) bad(format("'%s' is missing", key));
         const nlohmann::json& v = j[key];
         if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (int64_t(1) << 30)) {
-            bad(format("'%s' is %s, not a positive integer", key, v.dump().c_str()));
+            bad(format("'%s' is %s, not a positive integer", key, json_excerpt(v).c_str()));
         }
         return int(v.get<int64_t>());
     };
@@ -172,7 +172,8 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
     using Check = std::function<bool(const nlohmann::json&)>;
     auto refuse_unless = [&](const char* key, const Check& ok, const char* we_compute) {
         if (j.contains(key) && !ok(j[key])) {
-            bad(format("%s is %s, but this program's GPT-2 computes %s", key, j[key].dump().c_str(), we_compute));
+            bad(format("%s is %s, but this program's GPT-2 computes %s", key, json_excerpt(j[key]).c_str(),
+                       we_compute));
         }
     };
     auto is_bool = [](bool want) {
@@ -305,10 +306,10 @@ inline std::vector<std::string> hf_shard_files(const std::string& dir, const std
     for (auto& [tensor, file] : index["weight_map"].items()) {
         if (!file.is_string()) {
             fail(kExitData, "'%s': weight_map entry for tensor '%s' is %s, not a file name", index_path.c_str(),
-                 tensor.c_str(), file.dump().c_str());
+                 tensor.c_str(), json_excerpt(file).c_str());
         }
         const std::string f = file.get<std::string>();
-        if (f.empty() || f[0] == '/' || f.find("..") != std::string::npos) {
+        if (f.empty() || f.find('/') != std::string::npos) {
             fail(kExitData, "'%s': weight_map sends tensor '%s' to '%s', which is not a file in the folder",
                  index_path.c_str(), tensor.c_str(), f.c_str());
         }
@@ -384,11 +385,13 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
             fail(kExitData, "Hugging Face model '%s' holds both '%s' and '%s'; which one is the model's is ambiguous",
                  dir.c_str(), prefixed.c_str(), m.name.c_str());
         }
-        if (!with && !without) {
+        // A serializer that keeps one name of tied tensors may keep the head's: then it holds the embedding.
+        const bool head_only = !with && !without && m.ours == kWte && stored.count("lm_head.weight") > 0;
+        if (!with && !without && !head_only) {
             fail(kExitData, "Hugging Face model '%s': tensor '%s' (or '%s') is missing from %s", dir.c_str(),
                  prefixed.c_str(), m.name.c_str(), files_named.c_str());
         }
-        const std::string name = with ? prefixed : m.name;
+        const std::string name = with ? prefixed : without ? m.name : "lm_head.weight";
         const size_t fi = stored[name];
         const SafetensorsTensor& t = files[fi]->require(name);
         if (!safetensors_float_dtype(t.dtype)) {
@@ -406,7 +409,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
         used.insert(name);
         dtypes.insert(t.dtype);
     }
-    if (auto it = stored.find("lm_head.weight"); it != stored.end()) {
+    if (auto it = stored.find("lm_head.weight"); it != stored.end() && used.count(it->first) == 0) {
         const SafetensorsTensor& t = files[it->second]->require(it->first);
         const std::vector<int64_t> wte_shape = {h.config.vocab_size, h.config.channels};
         if (t.shape != wte_shape || !safetensors_float_dtype(t.dtype)) {

@@ -84,6 +84,12 @@ inline float fp16_to_float(uint16_t h) {
     return f;
 }
 
+// A JSON value as a message shows it: its text, cut short when long (a corrupt header may hold anything).
+inline std::string json_excerpt(const nlohmann::json& v) {
+    std::string s = v.dump();
+    return s.size() <= 80 ? s : s.substr(0, 77) + "...";
+}
+
 struct SafetensorsTensor {
     std::string name;
     std::string dtype;  // as in the header: "F32", "BF16", ...
@@ -216,7 +222,8 @@ private:
     int64_t header_int(const json& v, const std::string& name, const char* field) const {
         if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(INT64_MAX)
                                                                : v.get<int64_t>() < 0)) {
-            bad(format("tensor '%s': %s holds %s, not a non-negative integer", name.c_str(), field, v.dump().c_str()));
+            bad(format("tensor '%s': %s holds %s, not a non-negative integer", name.c_str(), field,
+                       json_excerpt(v).c_str()));
         }
         return v.get<int64_t>();
     }
@@ -230,27 +237,31 @@ private:
         t.name = name;
         const json& dtype = entry["dtype"];
         if (!dtype.is_string()) {
-            bad(format("tensor '%s': dtype %s is not a string", name.c_str(), dtype.dump().c_str()));
+            bad(format("tensor '%s': dtype %s is not a string", name.c_str(), json_excerpt(dtype).c_str()));
         }
         t.dtype = dtype.get<std::string>();
         const int item = safetensors_item_size(t.dtype);
-        if (item == 0) bad(format("tensor '%s' has unknown dtype '%s'", name.c_str(), t.dtype.c_str()));
+        if (item == 0) bad(format("tensor '%s' has unknown dtype %s", name.c_str(), json_excerpt(dtype).c_str()));
 
         const json& shape = entry["shape"];
-        if (!shape.is_array()) bad(format("tensor '%s': shape %s is not an array", name.c_str(), shape.dump().c_str()));
+        if (!shape.is_array()) {
+            bad(format("tensor '%s': shape %s is not an array", name.c_str(), json_excerpt(shape).c_str()));
+        }
         t.numel = 1;
+        // Elements x item size must stay below 2^62, far above any file, so no product below can overflow.
+        const int64_t max_numel = (int64_t(1) << 62) / item;
         for (const json& d : shape) {
             int64_t dim = header_int(d, name, "shape");
-            // Elements x item size must stay below 2^62, far above any file, so the product cannot overflow.
-            if (dim > 0 && t.numel > (int64_t(1) << 62) / (dim * item)) {
-                bad(format("tensor '%s': shape %s is too large", name.c_str(), shape.dump().c_str()));
+            if (dim > 0 && t.numel > max_numel / dim) {
+                bad(format("tensor '%s': shape %s is too large", name.c_str(), json_excerpt(shape).c_str()));
             }
             t.numel *= dim;
             t.shape.push_back(dim);
         }
         const json& offsets = entry["data_offsets"];
         if (!offsets.is_array() || offsets.size() != 2) {
-            bad(format("tensor '%s': data_offsets %s is not [begin, end]", name.c_str(), offsets.dump().c_str()));
+            bad(format("tensor '%s': data_offsets %s is not [begin, end]", name.c_str(),
+                       json_excerpt(offsets).c_str()));
         }
         t.begin = header_int(offsets[0], name, "data_offsets");
         t.end = header_int(offsets[1], name, "data_offsets");
@@ -265,8 +276,8 @@ private:
         }
         if (t.end > data_size) {
             bad(format("tensor '%s': data_offsets [%lld, %lld] run past the end of the %lld-byte data section "
-                       "(file offset %lld; truncated?)", name.c_str(), (long long)t.begin, (long long)t.end,
-                       (long long)data_size, (long long)(data_offset_ + t.end)));
+                       "(file offset %llu; truncated?)", name.c_str(), (long long)t.begin, (long long)t.end,
+                       (long long)data_size, (unsigned long long)data_offset_ + (unsigned long long)t.end));
         }
         return t;
     }

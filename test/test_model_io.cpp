@@ -262,11 +262,21 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingFileAndTensor) {
         {"entry not an object", R"({"w":[1]})", "", {"tensor 'w'", "not an object"}},
         {"no dtype", R"({"w":{"shape":[1],"data_offsets":[0,4]}})", d16, {"tensor 'w'", "no 'dtype'"}},
         {"unknown dtype", R"({"w":{"dtype":"F12","shape":[2],"data_offsets":[0,4]}})", d16,
-         {"tensor 'w'", "unknown dtype 'F12'"}},
+         {"tensor 'w'", "unknown dtype \"F12\""}},
+        {"long unknown dtype",
+         R"({"w":{"dtype":")" + std::string(5000, 'A') + R"(","shape":[2],"data_offsets":[0,4]}})", d16,
+         {"tensor 'w'", "unknown dtype \"AAAA", "AAA..."}},
         {"negative dimension", R"({"w":{"dtype":"F32","shape":[-2,2],"data_offsets":[0,16]}})", d16,
          {"tensor 'w'", "shape holds -2"}},
         {"fractional dimension", R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,10]}})", d16,
          {"tensor 'w'", "shape holds 2.5"}},
+        {"huge shape", R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,16]}})", d16,
+         {"tensor 'w'", "too large"}},
+        {"offset beyond int64", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,18446744073709551615]}})", d16,
+         {"tensor 'w'", "data_offsets holds 18446744073709551615"}},
+        {"offset at int64's end",
+         R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[9223372036854775807,9223372036854775807]}})", d16,
+         {"tensor 'w'", "past the end"}},
         {"shape vs offsets", R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", d16,
          {"tensor 'w'", "needs 24 bytes", "span 16"}},
         {"offsets reversed", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", d16,
@@ -637,6 +647,17 @@ TEST(HfModel, TensorsThatDoNotFitAreRefusedByName) {
         head.values[size_t(5 * 24 + 7)] += 1.0f;
         t.push_back(head);
         attempt(t, kExitData, {"lm_head.weight", "row 5, column 7", "not tied"});
+    }
+    {
+        SCOPED_TRACE("the embedding stored under the head's name only");
+        std::vector<NamedTensor> t = good;
+        t[0].name = "lm_head.weight";
+        std::filesystem::remove_all(dir / "m");
+        write_folder(dir / "m", c, t);
+        EXPECT_EQ(load(dir / "m"), p);
+        t[0].shape = {67, 23};
+        t[0].values.resize(67 * 23);
+        attempt(t, kExitData, {"'lm_head.weight' has shape [67, 23]", "[67, 24]"});
     }
     {
         SCOPED_TRACE("lm_head of another shape");
