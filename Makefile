@@ -2,6 +2,7 @@
 #   make            build everything (trainer, tools, tests)
 #   make test       build, then run every test this machine can run (GPU tests skip without a GPU)
 #   make GPU_ARCH=80  build for another GPU generation (default: read from nvidia-smi, else sm_90 + PTX)
+#   make CPPFLAGS=-I/path/to/include  find headers elsewhere (e.g. nlohmann/json.hpp without the Debian package)
 #
 # Sources are found by name, so adding a file needs no edit here:
 #   test/test_*.cpp  CPU unit tests (GoogleTest)         -> build/test_*
@@ -73,31 +74,31 @@ ifneq ($(SKIPPED_PCRE2),)
 endif
 
 train_gpt2cu: train_gpt2.cu
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
 
 # The trainer built with extra compile-time options, for dev/compare_builds.sh:
 #   make -B build/cmp_NAME NVCC_EXTRA="-DLLMC_GELU_EPILOGUE=0"
 $(BUILD)/cmp_%: train_gpt2.cu | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) $(NVCC_EXTRA) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $(NVCC_EXTRA) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
 
 # The CPU trainer (fp32 reference model, OpenMP): the quick start without a GPU.
 train_gpt2: train_gpt2_cpu.cpp
-	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)
 
 $(BUILD)/%: test/%.cpp | $(BUILD)
-	$(CXX) $(CXXFLAGS) $< -o $@ $(GTEST_LIBS) $(HOST_LIBS) $(LDLIBS_$*)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(GTEST_LIBS) $(HOST_LIBS) $(LDLIBS_$*)
 
 $(BUILD)/%: test/%.cu | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(GTEST_LIBS) $(CUDA_LIBS) $(LDLIBS_$*)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(GTEST_LIBS) $(CUDA_LIBS) $(LDLIBS_$*)
 
 $(BUILD)/%: dev/%.cu | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_$*)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_$*)
 
 $(BUILD)/%: dev/%.cpp | $(BUILD)
-	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
 $(BUILD)/%: dev/data/%.cpp | $(BUILD)
-	$(CXX) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
 $(BUILD):
 	mkdir -p $@

@@ -1,0 +1,140 @@
+/*
+One entry point for every model format, for both trainers and the converter: a path that is a file is
+an llm.c model file (version 3 = fp32 or 5 = bf16, model_file.h), a path that is a directory is a
+Hugging Face folder (config.json + safetensors, hf_model.h).
+
+    ModelInfo info = probe_model(path);                   // shape, format, dtype; no weights read
+    std::vector<float> p = load_model_params(path, info); // fp32, param_tensors() order, Vp rows
+    save_model(out, ModelFormat::Hf, info.config, p.data(), SaveOptions{".deps/gpt2"});
+
+probe_model() validates everything it can without reading the weights (headers, config.json, tensor
+names, dtypes and shapes), so a trainer can check the shape before it allocates anything.
+load_model_params() reads the weights and checks that the files still match what probe saw. Save
+formats, by the names the trainers' --save-model and the converter take: llmc (version 3, fp32),
+llmc-bf16 (version 5), hf (F32 safetensors), hf-bf16 (BF16 safetensors); bf16 is fp32 rounded to
+nearest even. Errors name the path: "does not exist" and "is a directory" / "is not a directory" are
+kExitIo, contents kExitData, a bad format name kExitUsage.
+
+Does not provide: optimizer state or training progress (checkpoints), streaming from or to a GPU
+(device_file_io), or a padded vocabulary other than padded_vocab(V) for Hugging Face folders (their
+config.json holds V only).
+*/
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "llmc/gpt2_config.h"
+#include "llmc/hf_model.h"
+#include "llmc/model_file.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+enum class ModelFormat { Llmc, LlmcBf16, Hf, HfBf16 };
+
+inline const char* model_format_name(ModelFormat f) {
+    switch (f) {
+        case ModelFormat::Llmc: return "llmc";
+        case ModelFormat::LlmcBf16: return "llmc-bf16";
+        case ModelFormat::Hf: return "hf";
+        case ModelFormat::HfBf16: return "hf-bf16";
+    }
+    return "?";
+}
+
+inline ModelFormat parse_model_format(const std::string& name) {
+    for (ModelFormat f : {ModelFormat::Llmc, ModelFormat::LlmcBf16, ModelFormat::Hf, ModelFormat::HfBf16}) {
+        if (name == model_format_name(f)) return f;
+    }
+    fail(kExitUsage, "unknown model format '%s' (expected llmc, llmc-bf16, hf or hf-bf16)", name.c_str());
+}
+
+inline bool is_hf_format(ModelFormat f) { return f == ModelFormat::Hf || f == ModelFormat::HfBf16; }
+
+struct ModelInfo {
+    std::string path;
+    GPT2Config config;
+    bool hf = false;       // a Hugging Face folder; else an llm.c model file
+    int llmc_version = 0;  // 3 or 5 for an llm.c file
+    std::string dtype;     // how the weights are stored: "fp32", "bf16", "fp16" or "mixed (...)"
+    HfFolder folder;       // for a Hugging Face folder: its files and where each tensor is
+
+    std::string describe() const {
+        return hf ? format("Hugging Face folder '%s' (%s, %zu safetensors file%s)", path.c_str(), dtype.c_str(),
+                           folder.files.size(), folder.files.size() == 1 ? "" : "s")
+                  : format("llm.c model file '%s' (version %d, %s)", path.c_str(), llmc_version, dtype.c_str());
+    }
+};
+
+// True when path names something a model could be loaded from (a file or a directory), so a trainer
+// can tell a path from a descriptor such as "d12".
+inline bool model_path_exists(const std::string& path) { return hf_path_is_file(path) || hf_path_is_dir(path); }
+
+inline ModelInfo probe_model(const std::string& path) {
+    ModelInfo info;
+    info.path = path;
+    if (hf_path_is_dir(path)) {
+        info.hf = true;
+        info.folder = probe_hf_folder(path);
+        info.config = info.folder.config;
+        info.dtype = info.folder.dtype;
+        return info;
+    }
+    if (!hf_path_is_file(path)) {
+        std::error_code ec;
+        fail(kExitIo, "model '%s' %s", path.c_str(),
+             std::filesystem::exists(path, ec)
+                 ? "is neither a file nor a directory"
+                 : "does not exist (expected an llm.c model file or a Hugging Face folder)");
+    }
+    File f(path, File::Mode::Read);
+    ModelFileInfo m = read_model_header(f);
+    info.config = m.config;
+    info.llmc_version = m.version;
+    info.dtype = m.version == kModelVersionFp32 ? "fp32" : "bf16";
+    return info;
+}
+
+// The parameters of the model probe_model(path) described: fp32, in param_tensors() order, with the
+// padded vocabulary rows zero.
+inline std::vector<float> load_model_params(const std::string& path, const ModelInfo& info,
+                                            const ModelIoProgress& progress = nullptr) {
+    std::vector<float> params;
+    if (!info.hf) {
+        read_model_file(path, &params, &info.config);
+        return params;
+    }
+    if (!hf_path_is_dir(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
+    HfFolder now = probe_hf_folder(path);
+    if (now.config != info.config || now.files != info.folder.files || now.where != info.folder.where) {
+        fail(kExitData, "Hugging Face model '%s' changed since it was first read (now %s, was %s)", path.c_str(),
+             describe(now.config).c_str(), describe(info.config).c_str());
+    }
+    params.assign(size_t(num_parameters(now.config)), 0.0f);
+    read_hf_params(now, params.data(), progress);
+    return params;
+}
+
+struct SaveOptions {
+    std::string tokenizer_dir;  // Hugging Face formats: copy GPT-2's tokenizer from here ("" writes none)
+    ModelIoProgress progress;
+};
+
+// Writes params (num_parameters(c) floats, param_tensors() order) as `format` at path: a file for the
+// llm.c formats, a directory (created if missing) for the Hugging Face ones.
+inline void save_model(const std::string& path, ModelFormat fmt, const GPT2Config& c, const float* params,
+                       const SaveOptions& options = {}) {
+    if (is_hf_format(fmt)) {
+        write_hf_folder(path, c, params, fmt == ModelFormat::HfBf16, options.tokenizer_dir, options.progress);
+        return;
+    }
+    if (hf_path_is_dir(path)) {
+        fail(kExitIo, "cannot write an llm.c model file to '%s': it is a directory (name a file, e.g. %s/model.bin)",
+             path.c_str(), path.c_str());
+    }
+    write_model_file(path, c, params, fmt == ModelFormat::Llmc ? kModelVersionFp32 : kModelVersionBf16);
+}
+
+}  // namespace llmc
