@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Compares the per-step train losses (and the final validation loss) of two JSONL logs in train_gpt2cu's
-format (dev/train_gpt2_torch.py --log writes the same keys), as issue 6's check does:
+format (dev/train_gpt2_torch.py --log writes the same keys), as the training-dynamics check
+against PyTorch does (docs/performance.md):
 
     python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The multi-GPU runs of issue 10 on one node of N GPUs (N >= 2), in one call:
 #   bash dev/multi_gpu_runs.sh N          (data/ from `make data` must be present; train_gpt2cu built)
-# Logs go to $OUT (default build/multi-gpu-logs); a table is printed last. Every run has a time limit.
+# Logs go to $LOGS (default build/multi-gpu-logs); a table is printed last. Every run has a time limit.
 #  1. Correctness: d12, the same global batch (32K tokens: 2 micro-steps of B=16 on one GPU, one per rank
 #     on two), 100 steps from the same model file: per-step losses of 2 ranks (ZeRO-1 and plain data
 #     parallel) against 1 GPU, at most 0.02 apart; ZeRO-1 against plain data parallel, at most 0.02.
@@ -14,11 +14,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:?usage: bash dev/multi_gpu_runs.sh N_GPUS}
-OUT=${OUT:-build/multi-gpu-logs}
-mkdir -p "$OUT"
+LOGS=${LOGS:-build/multi-gpu-logs}
+mkdir -p "$LOGS"
 export NCCL_NVLS_ENABLE=0
 work=$(mktemp -d /tmp/multi_gpu_runs_XXXXXX)
-summary="$OUT/summary.txt"
+summary="$LOGS/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 trainer=${TRAINER:-./train_gpt2cu}  # TRAINER=...: another binary (a stand-in, to try this script without GPUs)
@@ -27,14 +27,14 @@ ls data/quickstart_train_*.bin >/dev/null || { echo "data/ is missing: run make 
 
 single() {  # single LOG LIMIT ARGS...: one GPU, no NCCL
     local log=$1 limit=$2; shift 2
-    timeout -k 10 "$limit" "$trainer" "$@" >"$OUT/$log" 2>&1
+    timeout -k 10 "$limit" "$trainer" "$@" >"$LOGS/$log" 2>&1
 }
 ranks() {  # ranks WORLD LOG LIMIT ARGS...: WORLD local ranks; rank 0's output to LOG, the others' to LOG.rR
     local world=$1 log=$2 limit=$3 rdv pids=() rc=0 r
     shift 3
     rdv=$(mktemp -d "$work/rdv_XXXXXX")
     for ((r = 0; r < world; r++)); do
-        local dest="$OUT/$log"; [ $r -gt 0 ] && dest="$work/$log.r$r"
+        local dest="$LOGS/$log"; [ $r -gt 0 ] && dest="$work/$log.r$r"
         timeout -k 10 "$limit" "$trainer" --rank $r --world-size "$world" --local-rank $r --rendezvous "$rdv" \
             --rendezvous-job "$log" "$@" >"$dest" 2>&1 &
         pids+=($!)
@@ -42,7 +42,7 @@ ranks() {  # ranks WORLD LOG LIMIT ARGS...: WORLD local ranks; rank 0's output t
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     return $rc
 }
-tok_s() { sed -n 's/^average over .* ms\/step, \([0-9]*\) tok\/s.*/\1/p' "$OUT/$1" | tail -n 1; }
+tok_s() { sed -n 's/^average over .* ms\/step, \([0-9]*\) tok\/s.*/\1/p' "$LOGS/$1" | tail -n 1; }
 
 # A common start: the same d12 model file for every correctness run.
 single init.log 120 -e d12 -x 0 -v 0 -s 0 -o "$work/init" || { note "d12 init failed"; exit 1; }
@@ -85,7 +85,7 @@ for spec in "d12 64" "d48 8"; do
         if [ -n "$t" ] && [ -n "$base" ]; then
             note "$(python3 -c "import sys; t,b,n=float(sys.argv[1]),float(sys.argv[2]),int(sys.argv[3]); e=t/(n*b); print(f'{sys.argv[4]} B={sys.argv[5]} on {n} GPU(s): {t:.0f} tok/s, weak-scaling efficiency {e:.3f} (target >= 0.95) {\"PASS\" if e >= 0.95 or n == 1 else \"FAIL\"}')" "$t" "$base" "$n" "$model" "$B")"
         else
-            note "$model B=$B on $n GPU(s): no throughput line (see $OUT/scale_${model}_$n.log)"
+            note "$model B=$B on $n GPU(s): no throughput line (see $LOGS/scale_${model}_$n.log)"
         fi
     done
 done
@@ -94,7 +94,7 @@ done
 ck=(-e "$init" -b 16 -t 1024 -d $((16 * 1024 * N)) -x 20 -l 6e-4 -u 5 -c 0.1 -v 0 -s 0 --save-model 0 -z 1)
 ranks "$N" ck_straight.log 300 "${ck[@]}" -o "$work/ck_straight" ; note "checkpoint run, $N GPUs straight: rc=$?"
 ranks "$N" ck_first.log 300 "${ck[@]}" -x 10 -n 10 -o "$work/ck_n" ; note "$N GPUs to step 10 with a checkpoint: rc=$?"
-ls "$work/ck_n/ckpt_00000010" >"$OUT/ck_files.txt" 2>&1
+ls "$work/ck_n/ckpt_00000010" >"$LOGS/ck_files.txt" 2>&1
 cp -r "$work/ck_n" "$work/ck_1"
 ranks "$N" ck_resume_n.log 300 "${ck[@]}" -n 10 -y 1 -o "$work/ck_n" ; note "resume on $N GPUs: rc=$?"
 single ck_resume_1.log 300 "${ck[@]}" -z 0 -n 10 -y 1 -o "$work/ck_1" ; note "resume on 1 GPU: rc=$?"
@@ -116,7 +116,7 @@ if all(s in one and s in ref for s in tail):
 else:
     print("resume on 1 GPU: steps missing: FAIL")
 PY
-grep -E "re-sharded|written by" "$OUT/ck_resume_1.log" | tee -a "$summary"
+grep -E "re-sharded|written by" "$LOGS/ck_resume_1.log" | tee -a "$summary"
 
 # 4. A peer killed mid-run.
 kill_args=(-e "$init" -b 16 -t 1024 -d $((16 * 1024 * N)) -x 200 -l 6e-4 -u 5 -v 0 -s 0 --save-model 0 -z 1 -n 10
@@ -125,21 +125,21 @@ rdv=$(mktemp -d "$work/rdv_XXXXXX")
 pids=()
 start=$(date +%s)
 for ((r = 0; r < N; r++)); do
-    dest="$OUT/kill_r0.log"; [ $r -gt 0 ] && dest="$work/kill_r$r.log"
+    dest="$LOGS/kill_r0.log"; [ $r -gt 0 ] && dest="$work/kill_r$r.log"
     timeout -k 10 400 "$trainer" --rank $r --world-size "$N" --local-rank $r --rendezvous "$rdv" --rendezvous-job kill \
         "${kill_args[@]}" -o "$work/kill" >"$dest" 2>&1 &
     pids+=($!)
 done
-for _ in $(seq 1 600); do grep -qE '^step +1[5-9]/' "$OUT/kill_r0.log" 2>/dev/null && break; sleep 0.5; done
+for _ in $(seq 1 600); do grep -qE '^step +1[5-9]/' "$LOGS/kill_r0.log" 2>/dev/null && break; sleep 0.5; done
 kill -9 "${pids[1]}"
 killed=$(date +%s)
 rc0=0; wait "${pids[0]}" || rc0=$?
 for p in "${pids[@]:2}"; do wait "$p" 2>/dev/null || true; done
 secs=$(( $(date +%s) - killed ))
-note "peer killed: rank 0 exited $rc0 after ${secs}s (hang timeout 60 s): $(grep -m1 -iE 'error' "$OUT/kill_r0.log" || echo 'no error line')"
+note "peer killed: rank 0 exited $rc0 after ${secs}s (hang timeout 60 s): $(grep -m1 -iE 'error' "$LOGS/kill_r0.log" || echo 'no error line')"
 if [ "$rc0" -ne 0 ] && [ "$rc0" -ne 124 ] && [ "$rc0" -ne 137 ] && [ "$secs" -le 120 ]; then note "peer killed: PASS"; else note "peer killed: FAIL"; fi
 ranks "$N" kill_resume.log 400 "${kill_args[@]}" -x 30 -y 1 -o "$work/kill"; rc=$?
-note "resume after the kill: rc=$rc, $(grep -m1 'resume: restored' "$OUT/kill_resume.log" || echo 'no resume line')"
+note "resume after the kill: rc=$rc, $(grep -m1 'resume: restored' "$LOGS/kill_resume.log" || echo 'no resume line')"
 rm -rf "$work"
 echo
 echo "==== summary"

@@ -180,9 +180,9 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
 // the bytes are on the device. A file shorter than the request is an error before anything is copied.
 //
 // With readers = 2 (the default), two threads read, each into its own staging buffer, taking the next chunk
-// of the file in turn, and each buffer's copy to the device overlaps the other buffer's read. From the page
-// cache this nearly doubles the rate (8.2 against 4.5 GB/s for 4 GiB on the H200 machine, where one thread's
-// memcpy out of the page cache is the limit); from a cold disk it made no difference there (dev/NOTES.md).
+// of the file in turn, and each buffer's copy to the device overlaps the other buffer's read. Two readers
+// because, reading from the page cache, one thread's memcpy out of it is the limit; from a cold disk the
+// second changes nothing (docs/lab-notes.md).
 inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, File& file, uint64_t n,
                                      size_t direct_alignment = 0, int readers = 2, const ChunkHook& hook = nullptr) {
     const int64_t start = file.tell();

@@ -314,7 +314,7 @@ public:
         return p;
     }
 
-    // The state blob: little-endian fields, a magic, a version and a checksum; see the README.
+    // The state blob: little-endian fields, a magic, a version and a checksum; docs/formats.md lists them.
     std::vector<uint8_t> encode_state(uint64_t batches) const {
         StreamPosition p = position(batches);
         std::vector<uint8_t> out(kStateMagic, kStateMagic + 8);

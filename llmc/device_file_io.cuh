@@ -8,7 +8,7 @@ copies run on the caller's stream, so they are ordered after the work already qu
 that produced the data, say); the call returns once the bytes are in the file (written, not fsynced:
 call File::sync when durability matters) or on the device.
 
-Optional direct I/O (O_DIRECT) bypasses the page cache for the aligned part of a transfer; see the README
+Optional direct I/O (O_DIRECT) bypasses the page cache for the aligned part of a transfer; see docs/design.md
 for when it pays.
 
 Does not provide: the schedule itself (chunk_pipeline.h) or checksums and atomic renames (the checkpoint

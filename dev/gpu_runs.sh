@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# Everything this project measures on the GPU machine, in one call: build, GPU tests, sanitizer,
-# benchmarks. Logs go to $OUT (the device tool brings that folder back; at most 8 files), and a summary
-# table is printed last. Only 8 files come back from $OUT: about six sections a call.
-#   bash dev/run_h200.sh SECTION...     sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-#             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
-#             throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab
-#             matmul-sustain matmul-sustain-each gemm-tune-compare
-# The tokenizer section needs build/prepare_data, .deps/gpt2 and data/corpus carried from a machine with
-# PCRE2 headers (the GPU machine has the library but not the headers).
+# The project's GPU measurements in named sections, for any machine with an NVIDIA GPU: build, GPU tests,
+# sanitizer, benchmarks, the trainer against PyTorch, kernel labs and profiles. Each section's log goes to
+# $LOGS (default build/gpu-logs) and a summary (date, commit, GPU, then one line per step and the figures
+# each section reports) is printed last and kept in $LOGS/summary.txt. docs/performance.md says which
+# sections made which figures.
+#   bash dev/gpu_runs.sh SECTION...
+#   sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
+#             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
+#             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
+#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare
+#   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
+# Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
+# past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
+# default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
+# ATTN_KERNELS, COMPARE).
+# Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
+# the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
-OUT=${OUT:-build/h200-logs}
-DEADLINE=${DEADLINE:-570}  # seconds: no step runs past this, so the summary always comes back
-mkdir -p "$OUT"
-summary="$OUT/summary.txt"
+cd "$(dirname "$0")/.."
+LOGS=${LOGS:-build/gpu-logs}
+TIME_BUDGET=${TIME_BUDGET:-0}
+mkdir -p "$LOGS"
+summary="$LOGS/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 
@@ -20,21 +29,23 @@ step() {  # step NAME LOGFILE TIMEOUT_S CMD...
     local name=$1 log=$2 limit=$3
     shift 3
     local t0=$SECONDS
-    local left=$((DEADLINE - SECONDS))
-    if [ "$left" -lt 10 ]; then note "$(printf '%-28s not run: out of time' "$name")"; return 1; fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "=== $name: $*" >>"$OUT/$log"
-    timeout "$limit" "$@" >>"$OUT/$log" 2>&1
+    if [ "$TIME_BUDGET" -gt 0 ]; then
+        local left=$((TIME_BUDGET - SECONDS))
+        if [ "$left" -lt 10 ]; then note "$(printf '%-28s not run: TIME_BUDGET spent' "$name")"; return 1; fi
+        [ "$limit" -gt "$left" ] && limit=$left
+    fi
+    echo "=== $name: $*" >>"$LOGS/$log"
+    timeout "$limit" "$@" >>"$LOGS/$log" 2>&1
     local rc=$?
     note "$(printf '%-28s rc=%-3s %4ss  (log %s)' "$name" "$rc" "$((SECONDS - t0))" "$log")"
     return $rc
 }
 
 # nvidia-smi's SM clock, power and clock-event reasons (0x4: the software power cap) every 250 ms while
-# something runs (smi_start; ...; smi_stop; smi_summary NAME, or smi_run below); the samples stay in $OUT/NAME.
+# something runs (smi_start; ...; smi_stop; smi_summary NAME, or smi_run below); the samples stay in $LOGS/NAME.
 smi_start() {
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-        --format=csv,noheader -lms 250 >"$OUT/smi.tmp" 2>&1 &
+        --format=csv,noheader -lms 250 >"$LOGS/smi.tmp" 2>&1 &
     smi_pid=$!
 }
 smi_stop() { kill "$smi_pid" 2>/dev/null; wait "$smi_pid" 2>/dev/null; }
@@ -50,8 +61,8 @@ smi_run() {
     return $rc
 }
 smi_summary() {
-    mv "$OUT/smi.tmp" "$OUT/$1"
-    python3 - "$OUT/$1" <<'PY' | tee -a "$summary"
+    mv "$LOGS/smi.tmp" "$LOGS/$1"
+    python3 - "$LOGS/$1" <<'PY' | tee -a "$summary"
 import statistics, sys
 rows = [[f.strip() for f in l.split(",")] for l in open(sys.argv[1]) if l.count(",") >= 5]
 busy = [r for r in rows if float(r[3].split()[0]) > 200]  # samples while the GPU works hard
@@ -63,30 +74,39 @@ if busy:
 PY
 }
 
+# What the figures were measured on: every one of them is quoted with its date, commit and GPU.
+commit=unknown
+if git rev-parse --short HEAD >/dev/null 2>&1; then
+    commit=$(git rev-parse --short HEAD)
+    git diff --quiet HEAD || commit="$commit (with local changes)"
+fi
+note "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $commit"
+gpu=$(nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader 2>/dev/null | head -n 1)
+note "GPU: ${gpu:-none found (nvidia-smi)}"
 for section in "$@"; do
     case $section in
         build)
             nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
-            step build build.log 400 make -k -j16 ${BUILD_TARGETS:-all} ;;
+            step build build.log 400 make -k -j"$(nproc)" ${BUILD_TARGETS:-all} ;;
         tests)
             step "make test" tests.log 400 make test
-            tail -n 1 "$OUT/tests.log" | tee -a "$summary" ;;
+            tail -n 1 "$LOGS/tests.log" | tee -a "$summary" ;;
         io-tests)
             step test_device_file_io tests.log 120 ./build/test_device_file_io ;;
         sanitizer)
             step "sanitizer test_device_file_io" sanitizer.log 400 \
                 compute-sanitizer --tool memcheck --target-processes application-only ./build/test_device_file_io
-            grep -h "ERROR SUMMARY" "$OUT/sanitizer.log" | tee -a "$summary" ;;
+            grep -h "ERROR SUMMARY" "$LOGS/sanitizer.log" | tee -a "$summary" ;;
         bench-io)
             step bench_device_file_io bench_io.log 500 ./build/bench_device_file_io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
-            grep -E "target|peak extra" "$OUT/bench_io.log" | tee -a "$summary" ;;
+            grep -E "target|peak extra" "$LOGS/bench_io.log" | tee -a "$summary" ;;
         dataloader)
             step test_dataloader_gpu tests.log 200 ./build/test_dataloader_gpu
             step bench_dataloader bench_dataloader.log 300 ./build/bench_dataloader
-            tail -n 12 "$OUT/bench_dataloader.log" >>"$summary" ;;
+            tail -n 12 "$LOGS/bench_dataloader.log" >>"$summary" ;;
         tokenizer)
             step bench_tokenizer bench_tokenizer.log 300 python3 dev/bench_tokenizer.py --threads 16
-            tail -n 8 "$OUT/bench_tokenizer.log" >>"$summary" ;;
+            tail -n 8 "$LOGS/bench_tokenizer.log" >>"$summary" ;;
         kernels)
             step test_kernels kernels.log 300 ./build/test_kernels ;;
         trainer)
@@ -94,22 +114,22 @@ for section in "$@"; do
             step test_train_gpt2cu.sh trainer.log 150 bash test/test_train_gpt2cu.sh ;;
         throughput)
             for B in 16 64; do
-                smi=()  # the clock sampled at B=64 only: at most 8 files come back
+                smi=()  # the clock is sampled in the B=64 run, the one docs/performance.md reports it for
                 [ $B = 64 ] && smi=(smi_run smi_ours_b64.log)
                 "${smi[@]}" step "train_gpt2cu d12 B=$B" throughput.log 120 ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o ""
-                tail -n 6 "$OUT/throughput.log" >>"$summary"
+                tail -n 6 "$LOGS/throughput.log" >>"$summary"
                 grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
-                    "$OUT/throughput.log" | tail -n 5 >>"$summary"
+                    "$LOGS/throughput.log" | tail -n 5 >>"$summary"
             done ;;
         throughput-large)
-            # Issue 8's report: d24 and d48 at T=1024, the largest of these B that fits, without and with
+            # The larger models: d24 and d48 at T=1024, the largest of these B that fits, without and with
             # recompute (-r 1). A B that does not fit fails at start-up (allocation), in about a second.
             for model in d24 d48; do
                 for r in 0 1; do
                     for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
                         if step "train_gpt2cu $model B=$B -r $r" throughput_large.log 150 \
                             ./train_gpt2cu -e $model -b $B -t 1024 -r $r -x 12 -v 0 -s 0 -o ""; then
-                            grep -E "^average|^peak" "$OUT/throughput_large.log" | tail -n 2 >>"$summary"
+                            grep -E "^average|^peak" "$LOGS/throughput_large.log" | tail -n 2 >>"$summary"
                             break
                         fi
                     done
@@ -119,35 +139,35 @@ for section in "$@"; do
             # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised), from
             # the last step only: the first also runs the gemm tuner's trial matmuls.
             step "ncu d12 B=64" profile.log 500 ncu --target-processes application-only --csv --print-units base \
-                --metrics gpu__time_duration.sum --log-file "$OUT/ncu.csv" \
+                --metrics gpu__time_duration.sum --log-file "$LOGS/ncu.csv" \
                 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
-            python3 dev/ncu_summary.py "$OUT/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
+            python3 dev/ncu_summary.py "$LOGS/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
         profile-real)
             # The same per-kernel table with ncu leaving clocks and caches alone. The kernels still run one by
             # one with ncu's pauses between them, so the GPU draws less power and may hold higher clocks than
             # in a plain run (an H200 at d12 B=64 sits at its 700 W cap, ~1.5 GHz): the total is not the plain
             # run's kernel time. nvidia-smi samples the SM clock, power and clock-event reasons in a plain run.
             step "ncu d12 B=64 (real clocks)" profile_real.log 500 ncu --target-processes application-only --csv --print-units base \
-                --clock-control none --cache-control none --metrics gpu__time_duration.sum --log-file "$OUT/ncu_real.csv" \
+                --clock-control none --cache-control none --metrics gpu__time_duration.sum --log-file "$LOGS/ncu_real.csv" \
                 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
-            python3 dev/ncu_summary.py "$OUT/ncu_real.csv" --last-step adamw_kernel | tee -a "$summary"
+            python3 dev/ncu_summary.py "$LOGS/ncu_real.csv" --last-step adamw_kernel | tee -a "$summary"
             smi_run smi.log step "train_gpt2cu d12 B=64 (smi)" profile_real.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 \
                 -v 0 -s 0 -o ""
-            tail -n 3 "$OUT/profile_real.log" >>"$summary" ;;
+            tail -n 3 "$LOGS/profile_real.log" >>"$summary" ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)
             step test_resume.sh trainer.log 500 bash test/test_resume.sh ;;
         bench-checkpoint)
             step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
-            tail -n 12 "$OUT/bench_checkpoint.log" >>"$summary" ;;
+            tail -n 12 "$LOGS/bench_checkpoint.log" >>"$summary" ;;
         torch)
-            # Issue 6's training-dynamics check: the same d12 start and batches, 300 steps each. The batches are
+            # The training-dynamics check against PyTorch: the same d12 start and batches, 300 steps each. The batches are
             # shuffled (the same --shuffle 1 --seed for both; dev/train_gpt2_torch.py ports the DataLoader's order,
             # test/test_torch_ref_order.sh checks it), since in file order the loss jumps at the corpus's shard boundaries.
             # "hot": B=16 (16K tokens per step) at lr 6e-4 after 30 warmup steps; "calm": 4 micro-steps
             # (64K tokens per step) and 100 warmup steps. torch fp32 (no autocast, no TF32) on the hot setting gives
-            # the noise floor: how far bf16 itself moves PyTorch's own losses. The JSONL logs come back in $OUT/dynamics.tgz.
+            # the noise floor: how far bf16 itself moves PyTorch's own losses. The JSONL logs are kept in $LOGS/dynamics.tgz.
             hot=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             calm=(-b 16 -t 1024 -d 65536 -x 300 -l 6e-4 -u 100 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             order=(--shuffle 1 --seed 1337)
@@ -158,24 +178,24 @@ for section in "$@"; do
                 mkdir -p out/dynamics && cp out/ours_$cfg/log.jsonl out/dynamics/ours_$cfg.jsonl
                 step "torch 300 steps ($cfg) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
                     --compare out/ours_$cfg/log.jsonl --log out/dynamics/torch_$cfg.jsonl
-                grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/$cfg: /" >>"$summary"
+                grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/$cfg: /" >>"$summary"
                 unset -n hp
             done
             step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hot[@]}" \
                 --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
-            grep -E "PASS|FAIL" "$OUT/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
+            grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
             # Ours with the bf16 parameters rounded to nearest (as autocast does) against the same torch run:
             # what stochastic rounding contributes to the difference.
             step "ours 300 steps (hot, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
                 "${hot[@]}" --stochastic-rounding 0 -s 0 -o out/ours_hot_rn
             cp out/ours_hot_rn/log.jsonl out/dynamics/ours_hot_rn.jsonl
-            python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$OUT/torch.log" |
+            python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$LOGS/torch.log" |
                 sed "s/^/ours round-to-nearest vs torch bf16 (hot): /" >>"$summary"
-            tar czf "$OUT/dynamics.tgz" -C out dynamics ;;
+            tar czf "$LOGS/dynamics.tgz" -C out dynamics ;;
         torch-mild|torch-hot)
             # The training-dynamics check in one setting, quickly: ours with stochastic rounding (the default)
-            # and with round to nearest, against one torch bf16 run, and torch fp32 against torch bf16. hot: issue 6's setting of the torch section
-            # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $OUT/dynamics_NAME.tgz.
+            # and with round to nearest, against one torch bf16 run, and torch fp32 against torch bf16. hot: the setting of the torch section
+            # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $LOGS/dynamics_NAME.tgz.
             name=${section#torch-}
             lr=6e-4
             [ "$name" = mild ] && lr=3e-4
@@ -198,61 +218,61 @@ for section in "$@"; do
                 # The noise floor of this setting: PyTorch in fp32 (no autocast, no TF32) against its own bf16 run.
                 step "torch fp32 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
                     --precision fp32 --log out/dynamics/torch_fp32_$name.jsonl
-                python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
+                python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$LOGS/torch.log" |
                     sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
             fi
             for v in "${variants[@]}"; do
                 cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
-                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$OUT/torch.log" |
+                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$LOGS/torch.log" |
                     sed "s/^/ours ($v) vs torch bf16 ($name): /" >>"$summary"
             done
-            tar czf "$OUT/dynamics_$name.tgz" -C out dynamics ;;
+            tar czf "$LOGS/dynamics_$name.tgz" -C out dynamics ;;
         torch-throughput)
-            # PyTorch's throughput at B=16 and B=64 with torch.compile, for the README table (run it in the
-            # same call as the throughput section).
+            # PyTorch's throughput at B=16 and B=64 with torch.compile, for the table in docs/performance.md
+            # (run it together with the throughput section, so both see the same GPU state).
             for B in 16 64; do
                 smi=()
                 [ $B = 64 ] && smi=(smi_run smi_torch_b64.log)
                 "${smi[@]}" step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
-                grep -E "^average|^peak" "$OUT/torch_throughput.log" | tail -n 2 >>"$summary"
+                grep -E "^average|^peak" "$LOGS/torch_throughput.log" | tail -n 2 >>"$summary"
             done ;;
         matmul-sustain)
             # The step's matmuls alone, back to back for 20 s: their time at the clock the power cap leaves.
             smi_run smi_matmul.log step "matmul_lab --sustain" matmul_sustain.log 120 ./build/matmul_lab --sustain ${SUSTAIN_S:-20}
-            tail -n 19 "$OUT/matmul_sustain.log" >>"$summary" ;;
+            tail -n 19 "$LOGS/matmul_sustain.log" >>"$summary" ;;
         matmul-sustain-each)
             # Every heuristic result of each matmul, each back to back for SUSTAIN_EACH_S seconds: the ranking
             # at the power cap (where energy per run decides speed) against the sweep's short bursts.
             smi_run smi_matmul_each.log step "matmul_lab --sustain-each" matmul_sustain_each.log 300 ./build/matmul_lab \
                 --algos 8 --sustain-each ${SUSTAIN_EACH_S:-0.4}
-            grep -E "rank 0 .* best rank|rank 0 skipped" "$OUT/matmul_sustain_each.log" >>"$summary" ;;
+            grep -E "rank 0 .* best rank|rank 0 skipped" "$LOGS/matmul_sustain_each.log" >>"$summary" ;;
         gemm-tune-compare)
             # The trainer with and without its gemm tuner (which picks by short timed bursts), interleaved.
             for r in 1 2 3; do
                 for t in 1 0; do
                     step "train_gpt2cu --gemm-tune $t" gemm_tune.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 \
                         -o "" --gemm-tune $t
-                    echo "round $r --gemm-tune $t: $(grep '^average' "$OUT/gemm_tune.log" | tail -n 1)" | tee -a "$summary"
+                    echo "round $r --gemm-tune $t: $(grep '^average' "$LOGS/gemm_tune.log" | tail -n 1)" | tee -a "$summary"
                 done
             done ;;
         matmul-lab)
             # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
             step matmul_lab matmul_lab.log 200 ./build/matmul_lab
-            tail -n 40 "$OUT/matmul_lab.log" >>"$summary" ;;
+            tail -n 40 "$LOGS/matmul_lab.log" >>"$summary" ;;
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab
-            tail -n 20 "$OUT/attention.log" >>"$summary" ;;
+            tail -n 20 "$LOGS/attention.log" >>"$summary" ;;
         attention-ncu)
             # The lab's flash kernels under Nsight Compute, which holds the clocks fixed: median time per
             # launch of each variant (template arguments) and grid, free of clock drift between variants.
             step "ncu attention_lab" attention_ncu.log 400 ncu --target-processes application-only --csv --print-units base \
-                --metrics gpu__time_duration.sum --kernel-name regex:flash --log-file "$OUT/attention_ncu.csv" ./build/attention_lab
-            python3 dev/ncu_summary.py "$OUT/attention_ncu.csv" --variants | grep -E "kernel \||, (192|768), 1\)" |
+                --metrics gpu__time_duration.sum --kernel-name regex:flash --log-file "$LOGS/attention_ncu.csv" ./build/attention_lab
+            python3 dev/ncu_summary.py "$LOGS/attention_ncu.csv" --variants | grep -E "kernel \||, (192|768), 1\)" |
                 tee -a "$summary" ;;
         attention-detail)
             # One d12 B=64 launch of each flash kernel in the trainer (the second step's first), with Nsight
             # Compute's throughput, occupancy, warp-stall and instruction sections, to see what bounds them.
-            # The trainer runs the wgmma kernels on an H200 (flash90_*); elsewhere the mma.sync ones (flash_*).
+            # The trainer runs the wgmma kernels on Hopper GPUs (flash90_*); elsewhere the mma.sync ones (flash_*).
             for k in ${ATTN_KERNELS:-flash90_fwd_kernel flash90_dkdv_kernel flash90_dq_kernel}; do
                 step "ncu detail $k" attention_detail.log 150 ncu --target-processes application-only \
                     --kernel-name "regex:$k" --launch-skip 12 --launch-count 1 --section SpeedOfLight \
@@ -261,17 +281,17 @@ for section in "$@"; do
                     ./train_gpt2cu -e d12 -b 64 -t 1024 -x 2 -v 0 -s 0 -o ""
             done
             grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
-                "$OUT/attention_detail.log" | tee -a "$summary" ;;
+                "$LOGS/attention_detail.log" | tee -a "$summary" ;;
         compare)
             # Trainers built with other compile-time choices, timed against each other in one run:
             # COMPARE="base= q2=-DLLMC_FLASH64_Q=2 ..." (see dev/compare_builds.sh).
             # shellcheck disable=SC2086
             step compare_builds compare.log 550 bash dev/compare_builds.sh ${COMPARE:-base=}
-            tail -n $(( $(echo ${COMPARE:-base=} | wc -w) + 1 )) "$OUT/compare.log" >>"$summary" ;;
+            tail -n $(( $(echo ${COMPARE:-base=} | wc -w) + 1 )) "$LOGS/compare.log" >>"$summary" ;;
         quickstart)
             step quickstart quickstart.log 300 bash scripts/quickstart.sh
-            grep -E "val loss|^step .*(/| 1500)" "$OUT/quickstart.log" | tail -n 12 >>"$summary"
-            tail -n 25 "$OUT/quickstart.log" >>"$summary" ;;
+            grep -E "val loss|^step .*(/| 1500)" "$LOGS/quickstart.log" | tail -n 12 >>"$summary"
+            tail -n 25 "$LOGS/quickstart.log" >>"$summary" ;;
         *) note "unknown section $section" ;;
     esac
 done
