@@ -48,6 +48,7 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/model_file.h"
+#include "llmc/model_io.h"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/rendezvous.h"
 #include "llmc/run_log.h"
@@ -99,7 +100,10 @@ struct Options {
     std::string tokenizer = "data/gpt2_tokenizer.bin";
     int64_t data_on_gpu_mib = 1024;
     bool shuffle = true;
-    bool save_model = true;
+    std::string save_model = "llmc";
+    std::string vocab_dir = ".deps/gpt2";
+    std::string prompt;
+    std::string prompt_ids;
     int log_every = 1;
     bool dry_run = false;
     int max_bad_steps = 8;
@@ -124,7 +128,9 @@ inline Flags make_flags(Options& o) {
                             "activations; fp32 master weights, AdamW moments, LayerNorm statistics and losses.");
     f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
     f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
-    f.add("e", "model", &o.model, "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
+    f.add("e", "model", &o.model,
+          "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder (config.json + safetensors), "
+          "or a new model d2 d6 d12 d24 d36 d48");
     f.add("o", "output-dir", &o.output_dir, "directory for log.jsonl, checkpoints and model.bin (created if missing); \"\" writes nothing");
     f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)", 1, kMax<int>);
     f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)", 1, kMax<int>);
@@ -169,7 +175,13 @@ inline Flags make_flags(Options& o) {
     f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib, "keep the token shards in GPU memory when they fit in this many MiB (0: stream)",
           0, kMax<int64_t>);
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
-    f.add("", "save-model", &o.save_model, "write <output-dir>/model.bin (fp32, llm.c version 3) at the end");
+    f.add("", "save-model", &o.save_model,
+          "formats of the trained model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c "
+          "v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none");
+    f.add("", "vocab-dir", &o.vocab_dir,
+          "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, and used to encode --prompt");
+    f.add("", "prompt", &o.prompt, "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
+    f.add("", "prompt-ids", &o.prompt_ids, "samples continue these comma-separated token ids (default: <|endoftext|>)");
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, kMax<int>);
     f.add("", "dry-run", &o.dry_run, "1: check the flags, the model and the data, print the plan, and exit without a GPU");
     f.add("", "max-bad-steps", &o.max_bad_steps,
@@ -205,32 +217,31 @@ inline Flags make_flags(Options& o) {
 // The plan: everything derived from the flags, the model's shape, the ranks and the data, checked
 // against each other before the GPU is touched. The Options stay as the user gave them.
 
-// Where the model comes from: a file (its header read and checked now, its weights later) or a descriptor.
+// Where the model comes from: a file or a Hugging Face folder (probed now, its weights read later) or a
+// descriptor of a new model.
 struct ModelSource {
     GPT2Config config;
-    std::string file;  // empty for a new model
-    int file_version = 0;
+    std::string path;  // empty for a new model
+    ModelInfo info;
 };
 
 inline ModelSource resolve_model(const std::string& model) {
     ModelSource src;
-    if (is_regular_file(model)) {
-        File f(model, File::Mode::Read);
-        ModelFileInfo info = read_model_header(f);
-        src.config = info.config;
-        src.file = model;
-        src.file_version = info.version;
+    if (model_path_exists(model)) {
+        src.info = probe_model(model);
+        src.config = src.info.config;
+        src.path = model;
     } else if (model.size() >= 2 && model[0] == 'd' && model.find_first_not_of("0123456789", 1) == std::string::npos) {
         src.config = config_from_descriptor(model);
     } else if (model.find('/') != std::string::npos || model.find('.') != std::string::npos) {
-        fail(kExitIo, "-e/--model: model file '%s' does not exist", model.c_str());
+        fail(kExitIo, "-e/--model: '%s' does not exist", model.c_str());
     } else {
-        fail(kExitUsage, "-e/--model '%s' is neither a model file nor a descriptor (d2, d6, d12, d24, d36, d48)",
+        fail(kExitUsage, "-e/--model '%s' is neither a model file or folder nor a descriptor (d2, d6, d12, d24, d36, d48)",
              model.c_str());
     }
     std::string problem = gpu_config_problem(src.config);
     if (!problem.empty()) {
-        fail(src.file.empty() ? kExitUsage : kExitData, "model '%s': the GPU kernels need %s", model.c_str(),
+        fail(src.path.empty() ? kExitUsage : kExitData, "model '%s': the GPU kernels need %s", model.c_str(),
              problem.c_str());
     }
     return src;
@@ -312,6 +323,62 @@ inline double parse_duration(const std::string& text, const char* flag) {
     return seconds;
 }
 
+// --save-model: "llmc,hf" -> formats; "none" (or "0") -> none; "1" -> llmc, as the flag once was a switch.
+inline std::vector<ModelFormat> parse_save_formats(const std::string& list) {
+    std::vector<ModelFormat> formats;
+    if (list == "none" || list == "0" || list.empty()) return formats;
+    if (list == "1") return {ModelFormat::Llmc};
+    size_t start = 0;
+    while (start <= list.size()) {
+        const size_t comma = std::min(list.find(',', start), list.size());
+        const ModelFormat f = parse_model_format(list.substr(start, comma - start));
+        if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
+        start = comma + 1;
+    }
+    return formats;
+}
+
+// Where a format goes in the output directory.
+inline std::string saved_model_path(const std::string& dir, ModelFormat f) {
+    switch (f) {
+        case ModelFormat::Llmc: return dir + "/model.bin";
+        case ModelFormat::LlmcBf16: return dir + "/model_bf16.bin";
+        case ModelFormat::Hf: return dir + "/hf";
+        case ModelFormat::HfBf16: return dir + "/hf_bf16";
+    }
+    return dir;
+}
+
+// --prompt-ids "1,2,3" or --prompt "text" (encoded with GPT-2's tokenizer when this build has one).
+inline std::vector<uint32_t> resolve_prompt(const Options& o, const GPT2Config& c) {
+    std::vector<uint32_t> ids;
+    if (!o.prompt.empty() && !o.prompt_ids.empty()) fail(kExitUsage, "give --prompt or --prompt-ids, not both");
+    if (!o.prompt.empty()) {
+#ifdef LLMC_TOKENIZER_ENCODER
+        const std::string dir = o.vocab_dir;
+        const Gpt2Encoder encoder(load_gpt2_vocab_files(dir + "/encoder.json", dir + "/vocab.bpe"));
+        Gpt2Encoder::Context ctx(encoder);
+        ids = encoder.encode_ordinary(ctx, o.prompt);
+#else
+        fail(kExitUsage, "--prompt: this build has no text encoder (it needs PCRE2); give --prompt-ids instead");
+#endif
+    }
+    size_t start = 0;
+    while (!o.prompt_ids.empty() && start <= o.prompt_ids.size()) {
+        const size_t comma = std::min(o.prompt_ids.find(',', start), o.prompt_ids.size());
+        const std::string item = o.prompt_ids.substr(start, comma - start);
+        char* end = nullptr;
+        const long long v = std::strtoll(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || v < 0 || v >= c.vocab_size) {
+            fail(kExitUsage, "--prompt-ids: '%s' is not a token id below the vocabulary size %d", item.c_str(),
+                 c.vocab_size);
+        }
+        ids.push_back(uint32_t(v));
+        start = comma + 1;
+    }
+    return ids;
+}
+
 struct Plan {
     GPT2Config config;
     Parallel parallel;
@@ -324,6 +391,8 @@ struct Plan {
     DataLoaderConfig train, val;
     std::vector<std::string> train_shards, val_shards;
     double time_limit_s = 0;  // 0: none
+    std::vector<ModelFormat> save_formats;
+    std::vector<uint32_t> prompt;  // what samples continue (default: end-of-text)
     uint64_t train_tokens = 0, epoch_batches = 0;  // of the training data (for the start-up lines)
     bool validate() const { return val_steps > 0; }
 };
@@ -371,8 +440,13 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.warmup = o.warmup;
     p.schedule.final_fraction = o.final_lr_fraction;
     p.schedule.decay_fraction = o.decay_fraction;
-    p.gen_tokens = std::min(o.gen_tokens, o.T - 1);
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
+    p.save_formats = parse_save_formats(o.save_model);
+    p.prompt = resolve_prompt(o, c);
+    if (p.prompt.size() >= size_t(o.T)) {
+        fail(kExitUsage, "the prompt has %zu tokens; samples need it shorter than -t/--seq-len %d", p.prompt.size(), o.T);
+    }
+    p.gen_tokens = std::min(o.gen_tokens, o.T - std::max(1, int(p.prompt.size())));
 
     // The data: its headers are read here (the GPU loaders read them again), so a missing or short
     // split fails before CUDA, and the step counts are known.
@@ -451,7 +525,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"checkpoint_async", o.checkpoint_async ? "1" : "0", R::Ranks},
         {"resume", format("%d", o.resume), R::Ranks},
         {"output_dir", o.output_dir, R::Ranks},
-        {"save_model", o.save_model ? "1" : "0", R::Ranks},
+        {"save_model", o.save_model, R::Ranks},
         {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
         {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
@@ -518,8 +592,8 @@ inline std::unique_ptr<MultiGpu> meet_ranks(const Options& o, const Plan& plan) 
 
 inline std::vector<float> initial_parameters(const ModelSource& src, uint64_t seed) {
     std::vector<float> params;
-    if (!src.file.empty()) {
-        read_model_file(src.file, &params, &src.config);
+    if (!src.path.empty()) {
+        params = load_model_params(src.path, src.info);
     } else {
         params.resize(size_t(num_parameters(src.config)));
         init_parameters(src.config, seed, params.data());
@@ -552,8 +626,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                     plan.grad_accum * o.B * o.T, (long long)plan.tokens_per_step);
     }
     std::printf("model: %s, %s, %lld parameters, %.2f GFLOP per token (6N + 6LCT)\n",
-                source.file.empty() ? format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed).c_str()
-                                    : format("%s (version %d)", source.file.c_str(), source.file_version).c_str(),
+                source.path.empty() ? format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed).c_str()
+                                    : source.info.describe().c_str(),
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
     std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
@@ -675,12 +749,12 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
     return sum / steps;
 }
 
-// Generates `n` tokens after an end-of-text token, rerunning the forward on the tokens so far for each
+// Generates `n` tokens after `start` (at least one token), rerunning the forward on the tokens so far for each
 // (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.
-inline std::vector<uint32_t> generate(GPT2& model, int n, uint32_t start, float temperature, int top_k, uint64_t seed,
-                                      int* d_tokens, PinnedBuffer& host_row) {
+inline std::vector<uint32_t> generate(GPT2& model, int n, const std::vector<uint32_t>& start, float temperature,
+                                      int top_k, uint64_t seed, int* d_tokens, PinnedBuffer& host_row) {
     const GPT2Config& c = model.config();
-    std::vector<int> tokens{int(start)};
+    std::vector<int> tokens(start.begin(), start.end());
     std::vector<uint32_t> out;
     std::vector<float> row(size_t(c.vocab_size));
     SplitMix64 rng(seed);
@@ -702,12 +776,15 @@ inline std::vector<uint32_t> generate(GPT2& model, int n, uint32_t start, float 
 }
 
 inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Outputs& out, LoopBuffers& buf, int step) {
-    const uint32_t start = out.have_tokenizer ? out.tokenizer.eot()
-                                              : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1));
+    std::vector<uint32_t> start = plan.prompt;
+    if (start.empty()) {
+        start.push_back(out.have_tokenizer ? out.tokenizer.eot()
+                                           : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1)));
+    }
     const std::vector<uint32_t> ids = generate(model, plan.gen_tokens, start, o.temperature, o.top_k,
                                                uint64_t(o.sample_seed), buf.sample_tokens.get(), buf.logit_row);
-    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
-                out.text(ids).c_str());
+    std::printf("---------- sample at step %d ----------\n%s%s\n---------------------------------------\n", step,
+                plan.prompt.empty() ? "" : format("%s|", out.text(plan.prompt).c_str()).c_str(), out.text(ids).c_str());
     std::fflush(stdout);
     out.log.write(format("{\"step\":%d,\"sample\":%s}", step, json_ids(ids).c_str()));
 }
@@ -1175,12 +1252,20 @@ int main(int argc, char** argv) {
 
         // The summary and the trained model.
         print_summary(tp, plan, first_val, last_val);
-        if (!opt.output_dir.empty() && opt.save_model) require_finite_parameters(model, plan.max_steps, "model.bin");
-        if (!opt.output_dir.empty() && opt.save_model && (root || model.sharded())) {
-            DeviceFileIO io;
-            const std::string path = opt.output_dir + "/model.bin";
-            write_trained_model(model, path, io, root);  // with ZeRO-1 every rank sends its shard
-            std::printf("wrote %s (llm.c version 3, fp32 master weights)\n", path.c_str());
+        if (!opt.output_dir.empty() && !plan.save_formats.empty()) {
+            require_finite_parameters(model, plan.max_steps, "the trained model");
+            SaveOptions save;
+            if (is_regular_file(opt.vocab_dir + "/encoder.json")) save.tokenizer_dir = opt.vocab_dir;
+            for (ModelFormat f : plan.save_formats) {
+                const std::string path = saved_model_path(opt.output_dir, f);
+                if (f == ModelFormat::Llmc) {
+                    DeviceFileIO io;
+                    if (root || model.sharded()) write_trained_model(model, path, io, root);  // ZeRO-1: all send
+                } else {
+                    export_trained_model(model, path, f, save, root);
+                }
+                std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
+            }
         }
         if (multi) multi->barrier();  // no rank tears NCCL down while another still needs it
         return int(kExitOk);

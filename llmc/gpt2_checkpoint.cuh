@@ -9,6 +9,9 @@ ranks or the layout changed), and the model file a run writes at the end.
   any number of ranks.
 - write_trained_model(model, path, io): the fp32 master weights as an llm.c version 3 file, written through a
   temporary name so that a reader never sees half a file.
+- export_trained_model(model, path, format, options): any format of llmc/model_io.h (Hugging Face folders,
+  llm.c version 5): the fp32 formats hold the master weights, the bf16 ones the bf16 parameters the model
+  computes with (so their loss is the model's own).
 
 Does not provide: the store (llmc/checkpoint.h, llmc/checkpoint.cuh: manifest, checksums, atomic
 publish, rotation, asynchronous saves), or the run's settings and resume policy (train_gpt2.cu).
@@ -29,6 +32,7 @@ publish, rotation, asynchronous saves), or the run's settings and resume policy 
 #include "llmc/gpt2.cuh"
 #include "llmc/gpt2_checkpoint.h"
 #include "llmc/model_file.h"
+#include "llmc/model_io.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -166,6 +170,47 @@ inline void write_trained_model(GPT2& model, const std::string& path, DeviceFile
     multi->join(stream);
     cudaCheck(cudaStreamSynchronize(stream));
     if (write) write_master(model, path, io, full.get());
+}
+
+// The fp32 master weights (master = true; gathered from the ranks with ZeRO-1, where every rank must
+// call) or the bf16 parameters, as host floats in file order.
+inline std::vector<float> host_parameters(GPT2& model, bool master) {
+    const size_t n = size_t(model.num_parameters());
+    const GPT2::State s = model.state();
+    cudaStream_t stream = model.stream();
+    std::vector<float> out(n);
+    if (master) {
+        if (!model.sharded()) {
+            cudaCheck(cudaMemcpyAsync(out.data(), s.master, n * sizeof(float), cudaMemcpyDeviceToHost, stream));
+        } else {
+            const ZeroLayout& layout = model.zero_layout();
+            MultiGpu* multi = model.multi();
+            DeviceBuffer<float> full{size_t(layout.padded_total())};
+            cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream));
+            cudaCheck(cudaMemcpyAsync(full.get() + layout.shard(multi->rank()).begin, s.master,
+                                      size_t(layout.shard_size) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+            multi->all_gather_async(full.get(), layout, stream);
+            multi->join(stream);
+            cudaCheck(cudaMemcpyAsync(out.data(), full.get(), n * sizeof(float), cudaMemcpyDeviceToHost, stream));
+        }
+        cudaCheck(cudaStreamSynchronize(stream));
+        return out;
+    }
+    std::vector<floatX> bf16(n);
+    cudaCheck(cudaMemcpyAsync(bf16.data(), s.params, n * sizeof(floatX), cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaStreamSynchronize(stream));
+    for (size_t i = 0; i < n; i++) out[i] = __bfloat162float(bf16[i]);
+    return out;
+}
+
+// Writes the trained model in `format` (llmc/model_io.h) at path. With ZeRO-1 every rank must call it for
+// the fp32 formats (the master weights are gathered); only a rank with `write` writes.
+inline void export_trained_model(GPT2& model, const std::string& path, ModelFormat format, const SaveOptions& options,
+                                 bool write = true) {
+    const bool fp32 = format == ModelFormat::Llmc || format == ModelFormat::Hf;
+    if (!fp32 && !write) return;
+    const std::vector<float> params = host_parameters(model, fp32);
+    if (write) save_model(path, format, model.config(), params.data(), options);
 }
 
 }  // namespace llmc
