@@ -98,7 +98,8 @@ ranks() {  # ranks WORLD LOG LIMIT ARGS...: one several-rank run to its end (or 
 checksums() {
     local log=$1 world=$2 r sum
     for ((r = 0; r < world; r++)); do
-        sum=$(sed -n "s/^rank $r parameter checksum \([0-9a-fA-F]*\)\$/\1/p" "$(rank_log "$log" $r)" 2>/dev/null | tail -n 1)
+        sum=$(sed -n "s/^rank $r parameter checksum \([0-9a-fA-F]*\)\$/\1/p" "$(rank_log "$log" $r)" 2>/dev/null |
+              tail -n 1)
         echo "${sum:-missing}"
     done
 }
@@ -125,11 +126,15 @@ ranks 2 two_z1.log 300 "${hp[@]}" -z 1 -o "$work/z1" ; note "2 GPUs -z 1: rc=$?"
 agree "2 GPUs -z 1" two_z1.log 2
 ranks 2 two_z0.log 300 "${hp[@]}" -z 0 -o "$work/z0" ; note "2 GPUs -z 0: rc=$?"
 agree "2 GPUs -z 0" two_z0.log 2
-VISIBLE_PER_RANK=1 ranks 2 two_z1_own_gpu.log 300 "${hp[@]}" -z 1 -o "$work/z1_own" ; note "2 GPUs -z 1, one visible GPU per rank: rc=$?"
+VISIBLE_PER_RANK=1 ranks 2 two_z1_own_gpu.log 300 "${hp[@]}" -z 1 -o "$work/z1_own"
+note "2 GPUs -z 1, one visible GPU per rank: rc=$?"
 agree "2 GPUs -z 1, one visible GPU per rank" two_z1_own_gpu.log 2
 a=$(checksums two_z1.log 1) b=$(checksums two_z1_own_gpu.log 1)
-if [ "$a" != missing ] && [ "$a" = "$b" ]; then note "one visible GPU per rank: the same parameters as the plain 2-GPU run ($a): PASS"
-else note "one visible GPU per rank: checksum $b, the plain 2-GPU run's $a: FAIL"; fi
+if [ "$a" != missing ] && [ "$a" = "$b" ]; then
+    note "one visible GPU per rank: the same parameters as the plain 2-GPU run ($a): PASS"
+else
+    note "one visible GPU per rank: checksum $b, the plain 2-GPU run's $a: FAIL"
+fi
 python3 - "$work" <<'PY' | tee -a "$summary"
 import json, sys
 w = sys.argv[1]
@@ -139,13 +144,15 @@ def losses(run):
     except OSError:
         return {}
 one, z1, z0, own = losses("one"), losses("z1"), losses("z0"), losses("z1_own")
-for name, a, b in (("2 GPUs ZeRO-1 vs 1 GPU", z1, one), ("2 GPUs plain DP vs 1 GPU", z0, one), ("ZeRO-1 vs plain DP", z1, z0),
-                   ("one visible GPU per rank vs the plain 2-GPU ZeRO-1 run", own, z1)):
+for name, a, b in (("2 GPUs ZeRO-1 vs 1 GPU", z1, one), ("2 GPUs plain DP vs 1 GPU", z0, one),
+                   ("ZeRO-1 vs plain DP", z1, z0), ("one visible GPU per rank vs the plain 2-GPU ZeRO-1 run", own, z1)):
     common = sorted(set(a) & set(b))
     if len(common) < 100:
         print(f"{name}: only {len(common)} common steps: FAIL"); continue
     worst = max(abs(a[s] - b[s]) for s in common)
-    print(f"{name}: max |loss diff| {worst:.4f} over {len(common)} steps (limit 0.02){' (bitwise)' if worst == 0 else ''} {'PASS' if worst <= 0.02 else 'FAIL'}")
+    bitwise = " (bitwise)" if worst == 0 else ""
+    print(f"{name}: max |loss diff| {worst:.4f} over {len(common)} steps (limit 0.02){bitwise} "
+          f"{'PASS' if worst <= 0.02 else 'FAIL'}")
 PY
 
 # 2. Weak scaling.
@@ -178,8 +185,11 @@ cp -r "$work/ck_n" "$work/ck_1"
 ranks "$N" ck_resume_n.log 300 "${ck[@]}" -n 10 -y 1 -o "$work/ck_n" ; note "resume on $N GPUs: rc=$?"
 agree "resume on $N GPUs" ck_resume_n.log "$N"
 a=$(checksums ck_straight.log 1) b=$(checksums ck_resume_n.log 1)
-if [ "$a" != missing ] && [ "$a" = "$b" ]; then note "resume on $N GPUs: the straight run's parameters at step 20 ($a): PASS"
-else note "resume on $N GPUs: checksum $b, the straight run's $a: FAIL"; fi
+if [ "$a" != missing ] && [ "$a" = "$b" ]; then
+    note "resume on $N GPUs: the straight run's parameters at step 20 ($a): PASS"
+else
+    note "resume on $N GPUs: checksum $b, the straight run's $a: FAIL"
+fi
 single ck_resume_1.log 300 "${ck[@]}" -z 0 -n 10 -y 1 -o "$work/ck_1" ; note "resume on 1 GPU: rc=$?"
 python3 - "$work" "$N" <<'PY' | tee -a "$summary"
 import json, sys
@@ -216,8 +226,11 @@ stopped() {
         note "$name: rank $r exited ${rank_rc[$i]} ($line)"
         case "${rank_rc[$i]}" in 0 | 124 | 137) ok=0 ;; esac
     done
-    if [ $ok = 1 ] && [ $secs -le "$limit" ]; then note "$name: the other ranks stopped with an error within ${secs}s: PASS"
-    else note "$name: the other ranks did not all stop with an error within ${limit}s (took ${secs}s): FAIL"; fi
+    if [ $ok = 1 ] && [ $secs -le "$limit" ]; then
+        note "$name: the other ranks stopped with an error within ${secs}s: PASS"
+    else
+        note "$name: the other ranks did not all stop with an error within ${limit}s (took ${secs}s): FAIL"
+    fi
 }
 
 # 4. A peer killed mid-run. The rank-1 pid is the trainer itself, so kill -9 reaches it.
@@ -262,8 +275,11 @@ bad_args=(-e "$init" -b "$B" -t "$T" -d $((B * T * N)) -x 30 -l 6e-4 -u 5 -v 0 -
 start_ranks "$N" bad_token.log "${bad_args[@]}" -o "$work/bad_out"
 wait_ranks 300 "${rank_pids[1]}"
 rc1=${rank_rc[0]}
-if [ "$rc1" = 4 ] && grep -q "has id 65535" "$OUT/bad_token.log.r1"; then note "bad token: rank 1 exited 4 naming it: PASS"
-else note "bad token: rank 1 exited $rc1: $(grep -m1 -E '^error' "$OUT/bad_token.log.r1" || echo 'no error line'): FAIL"; fi
+if [ "$rc1" = 4 ] && grep -q "has id 65535" "$OUT/bad_token.log.r1"; then
+    note "bad token: rank 1 exited 4 naming it: PASS"
+else
+    note "bad token: rank 1 exited $rc1: $(grep -m1 -E '^error' "$OUT/bad_token.log.r1" || echo 'no error line'): FAIL"
+fi
 stopped "bad token on rank 1" bad_token.log 120 "${others[@]}"
 
 rm -rf "$work"

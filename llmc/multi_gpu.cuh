@@ -426,7 +426,9 @@ class MultiGpuAbortOnError {
 public:
     explicit MultiGpuAbortOnError(MultiGpu* multi) noexcept : multi_(multi) {}
     ~MultiGpuAbortOnError() {
-        if (multi_ != nullptr && std::uncaught_exceptions() > uncaught_at_start_) multi_->abort("an error ends this rank");
+        if (multi_ != nullptr && std::uncaught_exceptions() > uncaught_at_start_) {
+            multi_->abort("an error ends this rank");
+        }
     }
     MultiGpuAbortOnError(const MultiGpuAbortOnError&) = delete;
     MultiGpuAbortOnError& operator=(const MultiGpuAbortOnError&) = delete;

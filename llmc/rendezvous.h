@@ -684,8 +684,8 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
         if (d::Clock::now() >= deadline) {
             if (acked) std::remove(ack.c_str());
             if (acked && read.world != world) {
-                fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
-                     read.world, rank, world);
+                fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
+                     path.c_str(), read.world, rank, world);
             }
             if (acked) {
                 fail(kExitError,
@@ -693,12 +693,12 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
                      "by an earlier launch whose rank 0 is gone? Start rank 0 with the same --rendezvous and job name",
                      rank, d::seconds_since(t0), path.c_str(), read.writer().c_str());
             }
+            const std::string found =
+                unreadable.empty() ? "it did not appear" : "found only an unreadable file (" + unreadable + ")";
             fail(kExitError,
                  "rendezvous: rank %d waited %.1f s for '%s' (written by rank 0) and %s: is rank 0 running, and is "
                  "'%s' the same shared directory on every node?",
-                 rank, d::seconds_since(t0), path.c_str(),
-                 unreadable.empty() ? "it did not appear" : ("found only an unreadable file (" + unreadable + ")").c_str(),
-                 dir.c_str());
+                 rank, d::seconds_since(t0), path.c_str(), found.c_str(), dir.c_str());
         }
         std::this_thread::sleep_for(d::kPoll);
     }

@@ -488,7 +488,8 @@ int role_collectives(MultiGpu& mg, cudaStream_t s) {
         const std::vector<float> got = to_host(d);
         size_t bad = 0;
         for (float x : got) bad += std::fabs(x - mean) > 1e-6f * mean;  // W roundings of the 1/W products and sums
-        c.expect(bad == 0, format("fp32 all-reduce mean of r+1 is (W+1)/2 = %g (%zu of %zu elements off)", mean, bad, n));
+        c.expect(bad == 0,
+                 format("fp32 all-reduce mean of r+1 is (W+1)/2 = %g (%zu of %zu elements off)", mean, bad, n));
     }
     // bf16 sum over ranges (a layer's gradient slices): W(W+1)/2 exactly inside, untouched outside.
     {
@@ -525,8 +526,8 @@ int role_collectives(MultiGpu& mg, cudaStream_t s) {
         const std::vector<float> ns = to_host(out);
         const double want = std::sqrt(double(n)) * mean;
         c.expect(std::fabs(ns[0] - want) <= 1e-5 * want && ns[1] == 1.0f / float(W),
-                 format("global_norm of the summed gradients: %.6f (the mean's norm: %.6f), scale %g (1/W)", ns[0], want,
-                        ns[1]));
+                 format("global_norm of the summed gradients: %.6f (the mean's norm: %.6f), scale %g (1/W)", ns[0],
+                        want, ns[1]));
     }
     // ZeRO-1: reduce-scatter sum and all-gather.
     {
@@ -566,7 +567,9 @@ int role_collectives(MultiGpu& mg, cudaStream_t s) {
         bad = 0;
         for (int q = 0; q < W; q++) {
             const ShardRange o = z.shard(q);
-            for (int64_t i = o.begin; i < o.end; i++) bad += __bfloat162float(gathered[size_t(i)]) != float((q + 1) * (1 + i % 3));
+            for (int64_t i = o.begin; i < o.end; i++) {
+                bad += __bfloat162float(gathered[size_t(i)]) != float((q + 1) * (1 + i % 3));
+            }
         }
         c.expect(bad == 0, format("all-gather: every rank's slice everywhere (%zu off)", bad));
     }

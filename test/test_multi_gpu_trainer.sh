@@ -188,19 +188,25 @@ two_ranks() {
         pids+=($!)
     done
     for r in 0 1; do wait "${pids[$r]}" || rc=$?; done
-    if [ $rc -ne 0 ]; then echo "FAIL: two ranks ($name) exited $rc:"; tail -n 20 "$dir/log_${name}_r0" "$dir/log_${name}_r1"; exit 1; fi
+    if [ $rc -ne 0 ]; then
+        echo "FAIL: two ranks ($name) exited $rc:"; tail -n 20 "$dir/log_${name}_r0" "$dir/log_${name}_r1"; exit 1
+    fi
     local a b
     a=$(sed -n 's/^rank 0 parameter checksum \([0-9a-fA-F]*\)$/\1/p' "$dir/log_${name}_r0")
     b=$(sed -n 's/^rank 1 parameter checksum \([0-9a-fA-F]*\)$/\1/p' "$dir/log_${name}_r1")
-    if [ -z "$a" ] || [ "$a" != "$b" ]; then echo "FAIL: two ranks ($name): parameter checksums '$a' and '$b'"; exit 1; fi
+    if [ -z "$a" ] || [ "$a" != "$b" ]; then
+        echo "FAIL: two ranks ($name): parameter checksums '$a' and '$b'"; exit 1
+    fi
     echo "$a" >"$dir/sum_$name"
 }
 train "$dir/log_one_512" "${common[@]}" -x 10 -d 512 -o "$dir/one_512" --save-model 0
 two_ranks z0 "${common[@]}" -x 10 -d 512 -o "$dir/two_z0" --save-model 0 -z 0
 two_ranks z1 "${common[@]}" -x 10 -d 512 -o "$dir/two_z1" --save-model 0 -z 1
 OWN_GPU=1 two_ranks z1_own "${common[@]}" -x 10 -d 512 -o "$dir/two_z1_own" --save-model 0 -z 1
-cmp -s "$dir/sum_z1" "$dir/sum_z1_own" ||
-    { echo "FAIL: one visible GPU per rank changed the parameters ($(cat "$dir/sum_z1") vs $(cat "$dir/sum_z1_own"))"; exit 1; }
+cmp -s "$dir/sum_z1" "$dir/sum_z1_own" || {
+    echo "FAIL: one visible GPU per rank changed the parameters ($(cat "$dir/sum_z1") vs $(cat "$dir/sum_z1_own"))"
+    exit 1
+}
 python3 - "$dir" <<'PY'
 import json, sys
 d = sys.argv[1]

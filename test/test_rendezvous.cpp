@@ -359,7 +359,8 @@ TEST(DetectRanks, LocalRankAloneChoosesTheGpu) {
     EXPECT_EQ(one.rank, 0);
     EXPECT_EQ(one.world, 1);
     EXPECT_EQ(one.local_rank, 3);
-    const RankInfo slurm = detect_ranks(f, env_of({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}}));
+    const RankInfo slurm =
+        detect_ranks(f, env_of({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}}));
     EXPECT_EQ(slurm.rank, 1);
     EXPECT_EQ(slurm.local_rank, 3) << "the flag overrides the launcher's local rank";
 }
