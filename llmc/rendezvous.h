@@ -848,20 +848,17 @@ public:
         sockaddr_storage bound{};
         socklen_t len = sizeof(bound);
         ::getsockname(sock_.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
-        family_ = bound.ss_family;
         port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
                                             : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     }
     int port() const { return port_; }
     int fd() const { return sock_.fd(); }
-    int family() const { return family_; }  // AF_INET6 (dual stack) or AF_INET
     const std::string& host() const { return host_; }
 
 private:
     rendezvous_detail::Socket sock_;
     std::string host_;
     int port_ = 0;
-    int family_ = 0;
 };
 
 // Rank 0: gives the id to each of ranks 1..W-1 as they connect; fails naming the ranks that did not
