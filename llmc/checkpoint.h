@@ -40,6 +40,9 @@ checkpoint (llmc/gpt2_checkpoint.h says what a GPT-2 training checkpoint holds).
 #include <utility>
 #include <vector>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "llmc/chunk_pipeline.h"
 #include "llmc/utils.h"
 
@@ -648,11 +651,22 @@ private:
         f.write_all(text.data(), text.size());
         f.sync();
         f.close();
+        // The moment the part appears, rank 0 may merge it and rename the directory to its final name, so
+        // the directory is opened before the rename and synced through that descriptor, which follows it.
+        const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dir < 0) {
+            int e = errno;
+            fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(e));
+        }
         if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
             int e = errno;
+            ::close(dir);
             fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
         }
-        sync_directory(tmp_);
+        const int rc = ::fsync(dir);
+        const int e = errno;
+        ::close(dir);
+        if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", tmp_.c_str(), std::strerror(e));
         committed_ = true;
     }
 

@@ -3,9 +3,14 @@ The global L2 norm of the gradients and the clipping factor derived from it, com
 the host need not wait for them.
 
 Provides: global_norm(), which reads one flat bf16 buffer of n gradients (any n) and writes
-  norm  = sqrt(sum of squares), and
-  scale = max_norm / norm when 0 < max_norm < norm, else 1 (as clip_scale in llmc/gpt2_cpu.h),
-to device floats; the scale pointer can go straight to adamw_update as its grad_scale. Two fixed-order
+  norm  = sqrt(sum of squares) / ranks, and
+  scale = clip / ranks, clip = max_norm / norm when 0 < max_norm < norm, else 1 (as clip_scale in
+          llmc/gpt2_cpu.h),
+to device floats; the scale pointer can go straight to adamw_update as its grad_scale. `ranks` is for
+data parallel training, where the buffer holds the sum of the ranks' gradients (an all-reduce sum: a
+mean taken in bf16 would round each gradient by a 1/W that bf16 cannot hold exactly for W = 3, 5, 6,
+7, ...): the norm is then that of the mean gradient, and the update's scale divides by W in fp32. With
+ranks = 1 both divisions are by one, so the bits are those of the plain norm and clip. Two fixed-order
 stages in fp32: kGlobalNormBlocks blocks (a fixed number, not derived from the GPU, so the result is
 the same on every GPU) each sum a fixed grid-stride subset into one partial, then one block sums the
 partials. No atomics: bitwise reproducible.
@@ -62,16 +67,17 @@ __device__ inline float global_norm_sum_partials(const float* partial) {
     return block_sum(s);
 }
 
-__device__ inline void global_norm_store(float* norm, float* scale, float sumsq, float max_norm) {
-    const float nrm = sqrtf(sumsq);
+__device__ inline void global_norm_store(float* norm, float* scale, float sumsq, float max_norm, int ranks) {
+    const float nrm = sqrtf(sumsq) / float(ranks);
     if (norm != nullptr) *norm = nrm;
-    if (scale != nullptr) *scale = (max_norm > 0.0f && nrm > max_norm) ? max_norm / nrm : 1.0f;
+    const float clip = (max_norm > 0.0f && nrm > max_norm) ? max_norm / nrm : 1.0f;
+    if (scale != nullptr) *scale = clip / float(ranks);
 }
 
 static __global__ void __launch_bounds__(kGlobalNormBlock)
-    global_norm_final_kernel(float* norm, float* scale, const float* partial, float max_norm) {
+    global_norm_final_kernel(float* norm, float* scale, const float* partial, float max_norm, int ranks) {
     const float s = global_norm_sum_partials(partial);
-    if (threadIdx.x == 0) global_norm_store(norm, scale, s, max_norm);
+    if (threadIdx.x == 0) global_norm_store(norm, scale, s, max_norm, ranks);
 }
 
 static __global__ void __launch_bounds__(kGlobalNormBlock)
@@ -80,20 +86,27 @@ static __global__ void __launch_bounds__(kGlobalNormBlock)
     if (threadIdx.x == 0) *sumsq = s;
 }
 
-static __global__ void global_norm_finish_kernel(float* norm, float* scale, const float* sumsq, float max_norm) {
-    global_norm_store(norm, scale, *sumsq, max_norm);
+static __global__ void global_norm_finish_kernel(float* norm, float* scale, const float* sumsq, float max_norm,
+                                                 int ranks) {
+    global_norm_store(norm, scale, *sumsq, max_norm, ranks);
 }
 
-// norm and scale (either may be null) from grads (n bf16, 16-byte aligned). scratch: kGlobalNormScratchBytes.
+inline void check_global_norm_ranks(int ranks, const char* who) {
+    if (ranks < 1) fail(kExitUsage, "%s: ranks %d, need at least 1", who, ranks);
+}
+
+// norm and scale (either may be null) from grads (n bf16, 16-byte aligned), the sum of `ranks` ranks'
+// gradients. scratch: kGlobalNormScratchBytes.
 inline void global_norm(float* norm, float* scale, const floatX* grads, int64_t n, float max_norm, float* scratch,
-                        size_t scratch_bytes, cudaStream_t stream) {
+                        size_t scratch_bytes, cudaStream_t stream, int ranks = 1) {
     require_aligned16(grads, "global_norm: grads");
+    check_global_norm_ranks(ranks, "global_norm");
     if (scratch_bytes < kGlobalNormScratchBytes) {
         fail(kExitUsage, "global_norm: scratch of %zu bytes, needs %zu", scratch_bytes, kGlobalNormScratchBytes);
     }
     global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
     cudaCheckLaunch();
-    global_norm_final_kernel<<<1, kGlobalNormBlock, 0, stream>>>(norm, scale, scratch, max_norm);
+    global_norm_final_kernel<<<1, kGlobalNormBlock, 0, stream>>>(norm, scale, scratch, max_norm, ranks);
     cudaCheckLaunch();
 }
 
@@ -110,9 +123,12 @@ inline void global_norm_sumsq(float* sumsq, const floatX* grads, int64_t n, floa
     cudaCheckLaunch();
 }
 
-// norm and scale (either may be null) from a sum of squares on the device.
-inline void global_norm_finish(float* norm, float* scale, const float* sumsq, float max_norm, cudaStream_t stream) {
-    global_norm_finish_kernel<<<1, 1, 0, stream>>>(norm, scale, sumsq, max_norm);
+// norm and scale (either may be null) from a sum of squares on the device, of gradients summed over
+// `ranks` ranks (as for global_norm).
+inline void global_norm_finish(float* norm, float* scale, const float* sumsq, float max_norm, cudaStream_t stream,
+                               int ranks = 1) {
+    check_global_norm_ranks(ranks, "global_norm_finish");
+    global_norm_finish_kernel<<<1, 1, 0, stream>>>(norm, scale, sumsq, max_norm, ranks);
     cudaCheckLaunch();
 }
 

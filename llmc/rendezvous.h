@@ -3,19 +3,32 @@ Who this process is in a multi-GPU run, and how the ranks agree on NCCL's unique
 
 Provides:
 - detect_ranks(): rank, world size and local rank from explicit flags, else from the launcher's
-  environment: OpenMPI's mpirun (OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK / _LOCAL_SIZE), else
+  environment, in this order: OpenMPI's mpirun (OMPI_COMM_WORLD_*), MVAPICH (MV2_COMM_WORLD_*), a
+  PMI launcher such as MPICH's or Intel MPI's mpiexec (PMI_RANK / PMI_SIZE, MPI_LOCALRANKID /
+  MPI_LOCALNRANKS), torchrun and launchers like it (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE),
   Slurm's srun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_STEP_NUM_NODES), else one process.
-  The local rank picks the GPU. It also finds a job name that every rank of one launch shares.
+  The MPI launchers come before Slurm because under an allocation their processes inherit the Slurm
+  variables of the helper that srun started on each node. A launcher that says more than one rank but
+  not which GPU (no local rank) is refused unless --local-rank gives it, so no run silently becomes N
+  copies of rank 0. It also finds a job name that every rank of one launch shares.
+- device_for_rank(): the GPU a rank uses: its local rank, or the only visible GPU when the launcher
+  gives each rank its own (CUDA_VISIBLE_DEVICES per rank, Slurm's --gpus-per-task=1 or --gpu-bind).
 - parse_rendezvous() / resolve_rendezvous(): the --rendezvous value, "tcp://HOST:PORT", "file:DIR"
   or a plain DIR; with none given, a run whose ranks all sit on one node meets in /tmp, and a run
   over several nodes must name one.
-- The file-system rendezvous: rank 0 writes DIR/JOB.id (a short header and the 128 id bytes) through
-  a temporary name and an atomic rename; the others poll until it appears, read it and leave an
-  acknowledgement DIR/JOB.ack.RANK; rank 0 waits for every acknowledgement and then removes the
-  files, so a later run under the same name starts clean, and a file left by a crashed run is
-  reported rather than read as a fresh id.
-- The TCP rendezvous: rank 0 listens on HOST:PORT and hands the id to each rank that connects and
-  says who it is; the others retry the connection until the deadline.
+- The file-system rendezvous. Every launch is told apart by a random nonce, so files left by a killed
+  launch under the same job name (a relaunch, a Slurm requeue) are never taken for this one's: rank 0
+  writes DIR/JOB.id (a header with the nonce, its pid and host, then the 128 id bytes) through a
+  temporary name and an atomic rename, replacing a leftover (but refusing one whose writer still runs
+  on this host: another run under the same name), and removes leftover acknowledgements. Rank r polls
+  for the file, reads it and leaves DIR/JOB.ack.R.NONCE; rank 0 takes (removes) each acknowledgement
+  of its own nonce, and only that tells rank r the id is live: a rank that read a leftover file waits
+  until rank 0 replaces it and then acknowledges the new one. When all have come, rank 0 removes the
+  id file, so a finished launch leaves nothing behind.
+- The TCP rendezvous: rank 0 listens on PORT on every interface (HOST is where the others connect: a
+  host name that resolves to a loopback address on rank 0's own node must not decide where it
+  listens); it hands the id to each rank that connects and says who it is. The others retry, the name
+  lookup included, until the deadline.
 - exchange_unique_id(), which runs the right one. Every wait has a deadline: a peer that never comes
   ends the run with an error that names the path or address, how long it waited and which ranks were
   missing, never a hang.
@@ -32,21 +45,26 @@ the TCP peers (use it on a cluster's private network).
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <cinttypes>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -74,6 +92,8 @@ struct RankInfo {
 };
 
 // Flags a user may give instead of (or over) the launcher's environment; -1 means not given.
+// --rank and --world-size replace the environment together; --local-rank alone overrides only the
+// local rank (e.g. for a launcher that sets no local rank, or one rank on a chosen GPU).
 struct RankFlags {
     int rank = -1, world = -1, local_rank = -1;
     std::string job;
@@ -81,6 +101,11 @@ struct RankFlags {
 
 using EnvLookup = std::function<const char*(const char*)>;
 inline const char* process_env(const char* name) { return std::getenv(name); }
+
+inline bool env_set(const EnvLookup& env, const char* name) {
+    const char* v = env(name);
+    return v != nullptr && *v != '\0';
+}
 
 inline int env_int(const EnvLookup& env, const char* name, int fallback, bool required) {
     const char* v = env(name);
@@ -102,42 +127,122 @@ inline std::string env_string(const EnvLookup& env, const char* name) {
     return v != nullptr ? std::string(v) : std::string();
 }
 
+// The variables one kind of launcher sets for each process it starts.
+struct LauncherVars {
+    const char* name;        // for messages and the start-up table
+    const char* world;       // its presence says this launcher started the process
+    const char* rank;
+    const char* local_rank;  // the GPU on the node
+    const char* local_size;  // ranks on this node (== world: a one-node run)
+};
+
+// In the order they are tried (see the header comment for why Slurm comes last).
+inline const std::vector<LauncherVars>& launcher_table() {
+    static const std::vector<LauncherVars> table = {
+        {"mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"},
+        {"mvapich", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+         "MV2_COMM_WORLD_LOCAL_SIZE"},
+        {"pmi", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+        {"torchrun", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    };
+    return table;
+}
+
+// The job name a launcher gives all ranks of one launch ("" when it gives none).
+inline std::string launcher_job(const std::string& launcher, const EnvLookup& env) {
+    if (launcher == "mpirun") {
+        for (const char* name : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"}) {
+            if (env_set(env, name)) return env_string(env, name);
+        }
+    } else if (launcher == "mvapich") {
+        if (env_set(env, "MPIRUN_ID")) return "mvapich-" + env_string(env, "MPIRUN_ID");
+    } else if (launcher == "pmi") {
+        if (env_set(env, "PMI_JOBID")) return "pmi-" + env_string(env, "PMI_JOBID");
+    } else if (launcher == "torchrun") {
+        // The run id defaults to "none"; the master's address and port tell concurrent launches apart.
+        std::string job = "torchrun";
+        for (const char* name : {"TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"}) {
+            if (env_set(env, name)) job += "-" + env_string(env, name);
+        }
+        return job;
+    } else if (launcher == "slurm") {
+        const std::string job = env_string(env, "SLURM_JOB_ID"), step = env_string(env, "SLURM_STEP_ID");
+        if (!job.empty()) return "slurm-" + job + (step.empty() ? "" : "." + step);
+    }
+    return "";
+}
+
 inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = process_env) {
     RankInfo r;
-    const bool any_flag = flags.rank >= 0 || flags.world >= 0 || flags.local_rank >= 0;
-    if (any_flag) {
+    const bool explicit_ranks = flags.rank >= 0 || flags.world >= 0;
+    bool local_known = true;
+    const char* local_var = nullptr;
+    if (explicit_ranks) {
         if (flags.rank < 0 || flags.world < 1) {
             fail(kExitUsage, "--rank and --world-size go together (given: rank %d, world size %d)", flags.rank,
                  flags.world);
         }
         r.rank = flags.rank;
         r.world = flags.world;
-        r.local_rank = flags.local_rank >= 0 ? flags.local_rank : flags.rank;
+        r.local_rank = flags.rank;
         r.single_node = r.world == 1;
         r.launcher = "flags";
-    } else if (env("OMPI_COMM_WORLD_SIZE") != nullptr) {
-        r.world = env_int(env, "OMPI_COMM_WORLD_SIZE", 1, true);
-        r.rank = env_int(env, "OMPI_COMM_WORLD_RANK", 0, true);
-        r.local_rank = env_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0, true);
-        r.single_node = env_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 0, false) == r.world;
-        r.launcher = "mpirun";
-        for (const char* name : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"}) {
-            if (r.job.empty()) r.job = env_string(env, name);
+    } else {
+        bool found = false;
+        for (const LauncherVars& l : launcher_table()) {
+            if (!env_set(env, l.world)) continue;
+            // A PMI launcher that gives no local rank but runs inside a Slurm step (srun --mpi=pmi2) is
+            // Slurm's: it has the local rank.
+            if (std::string(l.name) == "pmi" && !env_set(env, l.local_rank) && env_set(env, "SLURM_LOCALID") &&
+                env_set(env, "SLURM_PROCID")) {
+                continue;
+            }
+            r.world = env_int(env, l.world, 1, true);
+            r.rank = env_int(env, l.rank, 0, true);
+            local_known = env_set(env, l.local_rank);
+            local_var = l.local_rank;
+            r.local_rank = env_int(env, l.local_rank, 0, false);
+            r.single_node = env_int(env, l.local_size, 0, false) == r.world;
+            r.launcher = l.name;
+            found = true;
+            break;
         }
-    } else if (env("SLURM_PROCID") != nullptr && env("SLURM_NTASKS") != nullptr) {
-        r.world = env_int(env, "SLURM_NTASKS", 1, true);
-        r.rank = env_int(env, "SLURM_PROCID", 0, true);
-        r.local_rank = env_int(env, "SLURM_LOCALID", 0, true);
-        const char* nodes_var = env("SLURM_STEP_NUM_NODES") != nullptr ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
-        r.single_node = env_int(env, nodes_var, 0, false) == 1;
-        r.launcher = "slurm";
-        const std::string job = env_string(env, "SLURM_JOB_ID"), step = env_string(env, "SLURM_STEP_ID");
-        if (!job.empty()) r.job = "slurm-" + job + (step.empty() ? "" : "." + step);
+        if (!found && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
+            r.world = env_int(env, "SLURM_NTASKS", 1, true);
+            r.rank = env_int(env, "SLURM_PROCID", 0, true);
+            local_known = env_set(env, "SLURM_LOCALID");
+            local_var = "SLURM_LOCALID";
+            r.local_rank = env_int(env, "SLURM_LOCALID", 0, false);
+            const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
+            r.single_node = env_int(env, nodes_var, 0, false) == 1;
+            r.launcher = "slurm";
+            found = true;
+        }
+        if (!found) {
+            // A rank variable without its world size: half a launcher's set, or one set by hand. Going on
+            // as rank 0 of 1 would make every such process write the same outputs.
+            for (const LauncherVars& l : launcher_table()) {
+                if (env_set(env, l.rank) && env_int(env, l.rank, 0, false) > 0) {
+                    fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: "
+                                     "set both (or start the ranks with --rank and --world-size)",
+                         l.rank, env_string(env, l.rank).c_str(), l.world);
+                }
+            }
+        }
+        r.job = launcher_job(r.launcher, env);
     }
     if (r.world < 1) fail(kExitUsage, "%s: world size %d, need at least 1", r.launcher.c_str(), r.world);
     if (r.rank >= r.world) {
         fail(kExitUsage, "%s: rank %d is outside 0..%d for world size %d", r.launcher.c_str(), r.rank, r.world - 1,
              r.world);
+    }
+    if (flags.local_rank >= 0) {
+        r.local_rank = flags.local_rank;
+    } else if (!local_known && r.world > 1) {
+        fail(kExitUsage, "%s says this is rank %d of %d, but %s is not set, so the GPU to use is unknown: give "
+                         "--local-rank",
+             r.launcher.c_str(), r.rank, r.world, local_var);
     }
     if (r.world == 1) r.single_node = true;
     if (!flags.job.empty()) r.job = flags.job;
@@ -148,6 +253,17 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
         if (!ok) c = '_';
     }
     return r;
+}
+
+// The device index (among the `visible` ones) this rank uses.
+inline int device_for_rank(const RankInfo& r, int visible) {
+    if (visible < 1) fail(kExitCuda, "rank %d of %d: no GPU is visible to this process", r.rank, r.world);
+    if (visible == 1) return 0;
+    if (r.local_rank < visible) return r.local_rank;
+    fail(kExitUsage,
+         "rank %d has local rank %d, but this node has %d GPUs: start at most %d ranks per node, or give each rank "
+         "one GPU (CUDA_VISIBLE_DEVICES)",
+         r.rank, r.local_rank, visible, visible);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -231,7 +347,6 @@ namespace rendezvous_detail {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x4c524456;  // "LRDV"
-constexpr size_t kHeaderBytes = 16;      // magic, world, two reserved words
 constexpr auto kPoll = std::chrono::milliseconds(20);
 
 inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
@@ -276,37 +391,208 @@ inline bool file_exists(const std::string& path) {
     return ::stat(path.c_str(), &st) == 0;
 }
 
+// Reads up to n bytes of a whole small file; false when it does not exist (or vanished meanwhile).
+inline bool read_small_file(const std::string& path, std::string* out, size_t n) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    out->assign(n, '\0');
+    size_t done = 0;
+    while (done < n) {
+        const ssize_t k = ::read(fd, &(*out)[done], n - done);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) break;
+        done += size_t(k);
+    }
+    ::close(fd);
+    out->resize(done);
+    return true;
+}
+
+inline std::string this_host() {
+    char buf[256] = {};
+    if (::gethostname(buf, sizeof(buf) - 1) != 0) return "";
+    return buf;
+}
+
+// Whether process `pid` on this host still runs (a process of another user counts as running).
+inline bool process_alive(uint32_t pid) {
+    if (pid == 0 || pid > uint32_t(INT32_MAX)) return false;
+    return ::kill(pid_t(pid), 0) == 0 || errno == EPERM;
+}
+
+// A fresh 64-bit value for each launch: the system's entropy source mixed with the time and the pid,
+// so two launches never share one even where the entropy source is weak.
+inline uint64_t new_nonce() {
+    uint64_t x = uint64_t(Clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull ^
+                 (uint64_t(::getpid()) << 32);
+    try {
+        std::random_device rd;
+        x ^= (uint64_t(rd()) << 32) ^ uint64_t(rd());
+    } catch (const std::exception&) {
+    }
+    return x;
+}
+
 }  // namespace rendezvous_detail
 
 // ------------------------------------------------------------------------------------------------
 // File-system rendezvous.
 
 inline std::string rendezvous_id_path(const std::string& dir, const std::string& job) { return dir + "/" + job + ".id"; }
-inline std::string rendezvous_ack_path(const std::string& dir, const std::string& job, int rank) {
-    return dir + "/" + job + ".ack." + std::to_string(rank);
+inline std::string rendezvous_ack_path(const std::string& dir, const std::string& job, int rank, uint64_t nonce) {
+    return dir + "/" + job + ".ack." + std::to_string(rank) + "." + format("%016" PRIx64, nonce);
 }
 
-// Rank 0: publishes the id, then waits for every other rank to acknowledge it and removes the files.
+// What rank 0 writes to JOB.id.
+struct RendezvousIdFile {
+    static constexpr uint32_t kVersion = 2;
+    static constexpr size_t kHostBytes = 64;
+    static constexpr size_t kBytes = 24 + kHostBytes + kUniqueIdBytes;  // magic, version, world, pid, nonce, host, id
+
+    int world = 0;
+    uint32_t pid = 0;
+    uint64_t nonce = 0;
+    std::string host;
+    UniqueId id{};
+
+    std::string encode() const {
+        namespace d = rendezvous_detail;
+        std::string b(kBytes, '\0');
+        d::put_u32(&b[0], d::kMagic);
+        d::put_u32(&b[4], kVersion);
+        d::put_u32(&b[8], uint32_t(world));
+        d::put_u32(&b[12], pid);
+        d::put_u32(&b[16], uint32_t(nonce >> 32));
+        d::put_u32(&b[20], uint32_t(nonce));
+        std::memcpy(&b[24], host.data(), std::min(host.size(), kHostBytes - 1));
+        std::memcpy(&b[24 + kHostBytes], id.data(), kUniqueIdBytes);
+        return b;
+    }
+
+    // Parses b; on failure returns false with the reason (naming the offset) in *why.
+    bool decode(const std::string& b, std::string* why) {
+        namespace d = rendezvous_detail;
+        if (b.size() != kBytes) {
+            *why = format("%zu bytes, expected %zu", b.size(), kBytes);
+            return false;
+        }
+        if (d::get_u32(&b[0]) != d::kMagic || d::get_u32(&b[4]) != kVersion) {
+            *why = format("magic 0x%08x version %u at offset 0, expected 0x%08x version %u", d::get_u32(&b[0]),
+                          d::get_u32(&b[4]), d::kMagic, kVersion);
+            return false;
+        }
+        world = int(d::get_u32(&b[8]));
+        pid = d::get_u32(&b[12]);
+        nonce = (uint64_t(d::get_u32(&b[16])) << 32) | d::get_u32(&b[20]);
+        host.assign(b.data() + 24, strnlen(b.data() + 24, kHostBytes));
+        std::memcpy(id.data(), b.data() + 24 + kHostBytes, kUniqueIdBytes);
+        return true;
+    }
+
+    // "process 123 on host node7" (+ ", which is no longer running" when that can be known here).
+    std::string writer() const {
+        std::string s = format("process %u on host %s", pid, host.c_str());
+        if (host == rendezvous_detail::this_host() && !rendezvous_detail::process_alive(pid)) {
+            s += ", which is no longer running";
+        }
+        return s;
+    }
+};
+
+namespace rendezvous_detail {
+
+enum class IdState { Absent, Unreadable, Valid };
+
+inline IdState read_id_file(const std::string& path, RendezvousIdFile* f, std::string* why) {
+    std::string b;
+    if (!read_small_file(path, &b, RendezvousIdFile::kBytes + 1)) return IdState::Absent;
+    return f->decode(b, why) ? IdState::Valid : IdState::Unreadable;
+}
+
+constexpr size_t kAckBytes = 12;  // magic, rank, world
+
+inline void write_ack(const std::string& path, int rank, int world) {
+    char b[kAckBytes];
+    put_u32(b, kMagic);
+    put_u32(b + 4, uint32_t(rank));
+    put_u32(b + 8, uint32_t(world));
+    // One small write: rank 0 reads it whole or, while it is being written, finds it short and retries.
+    File f(path, File::Mode::Write);
+    f.write_all(b, sizeof(b));
+    f.close();
+}
+
+// Removes what earlier launches of `job` left in dir: acknowledgements of other nonces (and of the
+// format without nonces), and temporary id files of processes that no longer run.
+inline void remove_leftovers(const std::string& dir, const std::string& job, uint64_t nonce) {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return;
+    const std::string ack = job + ".ack.", tmp = job + ".id.tmp.";
+    const std::string mine = format(".%016" PRIx64, nonce);
+    std::vector<std::string> stale;
+    while (const dirent* e = ::readdir(d)) {
+        const std::string name = e->d_name;
+        if (name.compare(0, ack.size(), ack) == 0) {
+            const std::string rest = name.substr(ack.size());  // RANK or RANK.NONCE
+            const size_t digits = rest.find_first_not_of("0123456789");
+            if (digits == 0) continue;
+            const std::string tail = digits == std::string::npos ? "" : rest.substr(digits);
+            const bool nonce_tail = tail.size() == 17 && tail[0] == '.' &&
+                                    tail.find_first_not_of("0123456789abcdef", 1) == std::string::npos;
+            if ((tail.empty() || nonce_tail) && tail != mine) stale.push_back(name);
+        } else if (name.compare(0, tmp.size(), tmp) == 0) {
+            const std::string pid = name.substr(tmp.size());
+            if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos || pid.size() > 9) continue;
+            const uint32_t p = uint32_t(std::stoul(pid));
+            if (p != uint32_t(::getpid()) && !process_alive(p)) stale.push_back(name);
+        }
+    }
+    ::closedir(d);
+    for (const std::string& name : stale) std::remove((dir + "/" + name).c_str());
+}
+
+// Removes the id file if it is still this launch's (a later launch may have replaced it).
+inline void remove_own_id(const std::string& path, uint64_t nonce) {
+    RendezvousIdFile f;
+    std::string why;
+    if (read_id_file(path, &f, &why) == IdState::Valid && f.nonce == nonce) std::remove(path.c_str());
+}
+
+}  // namespace rendezvous_detail
+
+// Rank 0: publishes the id, then takes every other rank's acknowledgement and removes the id file.
 inline void file_rendezvous_publish(const std::string& dir, const std::string& job, int world, const UniqueId& id,
                                     double timeout_s) {
     namespace d = rendezvous_detail;
     const auto t0 = d::Clock::now();
     const auto deadline = d::deadline_after(timeout_s);
     const std::string path = rendezvous_id_path(dir, job);
-    if (d::file_exists(path)) {
+    RendezvousIdFile mine;
+    mine.world = world;
+    mine.pid = uint32_t(::getpid());
+    mine.nonce = d::new_nonce();
+    mine.host = d::this_host();
+    mine.id = id;
+
+    RendezvousIdFile old;
+    std::string why;
+    const d::IdState before = d::read_id_file(path, &old, &why);
+    if (before == d::IdState::Valid && old.host == mine.host && old.pid != mine.pid && d::process_alive(old.pid)) {
         fail(kExitUsage,
-             "rendezvous file '%s' already exists: left by an earlier run that did not finish, or another run is "
-             "using the job name '%s'. Remove it (rm '%s') or choose another job name",
-             path.c_str(), job.c_str(), path.c_str());
+             "rendezvous file '%s' belongs to a run that is still going (process %u on this host): another run "
+             "uses the job name '%s' in '%s'. Give this one another name (--rendezvous-job), or remove the file if "
+             "that process is not a training run",
+             path.c_str(), old.pid, job.c_str(), dir.c_str());
     }
-    char buf[d::kHeaderBytes + kUniqueIdBytes] = {};
-    d::put_u32(buf, d::kMagic);
-    d::put_u32(buf + 4, uint32_t(world));
-    std::memcpy(buf + d::kHeaderBytes, id.data(), kUniqueIdBytes);
+    if (before != d::IdState::Absent) {
+        std::fprintf(stderr, "rendezvous: replacing '%s', left by an earlier launch (%s)\n", path.c_str(),
+                     before == d::IdState::Valid ? old.writer().c_str() : ("unreadable: " + why).c_str());
+    }
+    const std::string bytes = mine.encode();
     const std::string tmp = path + ".tmp." + std::to_string(::getpid());
     {
         File f(tmp, File::Mode::Write);
-        f.write_all(buf, sizeof(buf));
+        f.write_all(bytes.data(), bytes.size());
         f.sync();
         f.close();
     }
@@ -315,23 +601,34 @@ inline void file_rendezvous_publish(const std::string& dir, const std::string& j
         std::remove(tmp.c_str());
         fail(kExitIo, "rendezvous: cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
     }
+    // After the new id is in place, so that a rank whose acknowledgement of the old one vanishes already
+    // finds the new one.
+    d::remove_leftovers(dir, job, mine.nonce);
+
     std::vector<bool> present(size_t(world), false);
     present[0] = true;
     int arrived = 1;
     for (;;) {
         for (int r = 1; r < world; r++) {
-            if (!present[size_t(r)] && d::file_exists(rendezvous_ack_path(dir, job, r))) {
-                present[size_t(r)] = true;
-                arrived++;
+            if (present[size_t(r)]) continue;
+            const std::string ack = rendezvous_ack_path(dir, job, r, mine.nonce);
+            std::string b;
+            if (!d::read_small_file(ack, &b, d::kAckBytes) || b.size() < d::kAckBytes) continue;
+            const int their_world = int(d::get_u32(&b[8]));
+            if (their_world != world) {
+                // The acknowledgement stays: with the id file gone, it tells rank r that it was refused.
+                d::remove_own_id(path, mine.nonce);
+                fail(kExitUsage, "rendezvous '%s': rank %d was started with a world size of %d, rank 0 with %d",
+                     path.c_str(), r, their_world, world);
             }
+            std::remove(ack.c_str());
+            present[size_t(r)] = true;
+            arrived++;
         }
         if (arrived == world || d::Clock::now() >= deadline) break;
         std::this_thread::sleep_for(d::kPoll);
     }
-    std::remove(path.c_str());
-    for (int r = 1; r < world; r++) {
-        if (present[size_t(r)]) std::remove(rendezvous_ack_path(dir, job, r).c_str());
-    }
+    d::remove_own_id(path, mine.nonce);
     if (arrived != world) {
         fail(kExitError,
              "rendezvous: rank 0 waited %.1f s in '%s' (job '%s') and %s of %d never read the id: did they start, "
@@ -340,44 +637,71 @@ inline void file_rendezvous_publish(const std::string& dir, const std::string& j
     }
 }
 
-// Ranks 1..W-1: wait for rank 0's file, read the id, acknowledge it.
+// Ranks 1..W-1: wait for rank 0's file, acknowledge it, and return its id once rank 0 has taken the
+// acknowledgement (a file left by an earlier launch is never confirmed: the rank waits for the new one).
 inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string& job, int rank, int world,
                                       double timeout_s) {
     namespace d = rendezvous_detail;
     const auto t0 = d::Clock::now();
     const auto deadline = d::deadline_after(timeout_s);
     const std::string path = rendezvous_id_path(dir, job);
-    while (!d::file_exists(path)) {
+    bool acked = false;
+    std::string ack;             // the acknowledgement this rank left, while acked
+    RendezvousIdFile read;       // the id file it acknowledged (or last read)
+    std::string unreadable;      // why the last file found could not be read
+    for (;;) {
+        RendezvousIdFile now;
+        std::string why;
+        const d::IdState state = d::read_id_file(path, &now, &why);  // before looking at the acknowledgement
+        if (acked) {
+            const bool same = state == d::IdState::Valid && now.nonce == read.nonce;
+            if (!d::file_exists(ack)) {
+                if ((state == d::IdState::Absent || same) && read.world == world) return read.id;
+                acked = false;  // a new launch's rank 0 removed it as a leftover
+            } else if (state == d::IdState::Absent) {
+                std::remove(ack.c_str());
+                if (read.world != world) {
+                    fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
+                         path.c_str(), read.world, rank, world);
+                }
+                fail(kExitError,
+                     "rendezvous: rank 0 (%s) removed '%s' without taking rank %d's acknowledgement: it gave up "
+                     "(see its output)",
+                     read.writer().c_str(), path.c_str(), rank);
+            } else if (!same) {
+                std::remove(ack.c_str());
+                acked = false;
+            }
+        }
+        if (!acked && state == d::IdState::Valid) {
+            read = now;
+            ack = rendezvous_ack_path(dir, job, rank, read.nonce);
+            d::write_ack(ack, rank, world);
+            acked = true;
+        } else if (state == d::IdState::Unreadable) {
+            unreadable = why;
+        }
         if (d::Clock::now() >= deadline) {
+            if (acked) std::remove(ack.c_str());
+            if (acked && read.world != world) {
+                fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
+                     path.c_str(), read.world, rank, world);
+            }
+            if (acked) {
+                fail(kExitError,
+                     "rendezvous: rank %d waited %.1f s and the id in '%s' (from %s) was never confirmed: a file left "
+                     "by an earlier launch whose rank 0 is gone? Start rank 0 with the same --rendezvous and job name",
+                     rank, d::seconds_since(t0), path.c_str(), read.writer().c_str());
+            }
+            const std::string found =
+                unreadable.empty() ? "it did not appear" : "found only an unreadable file (" + unreadable + ")";
             fail(kExitError,
-                 "rendezvous: rank %d waited %.1f s for '%s' (written by rank 0) and it did not appear: is rank 0 "
-                 "running, and is '%s' the same shared directory on every node?",
-                 rank, d::seconds_since(t0), path.c_str(), dir.c_str());
+                 "rendezvous: rank %d waited %.1f s for '%s' (written by rank 0) and %s: is rank 0 running, and is "
+                 "'%s' the same shared directory on every node?",
+                 rank, d::seconds_since(t0), path.c_str(), found.c_str(), dir.c_str());
         }
         std::this_thread::sleep_for(d::kPoll);
     }
-    char buf[d::kHeaderBytes + kUniqueIdBytes];
-    {
-        File f(path, File::Mode::Read);
-        if (f.size() != int64_t(sizeof(buf))) {
-            fail(kExitData, "rendezvous file '%s' has %lld bytes, expected %zu", path.c_str(), (long long)f.size(),
-                 sizeof(buf));
-        }
-        f.read_exact(buf, sizeof(buf));
-    }
-    if (d::get_u32(buf) != d::kMagic) {
-        fail(kExitData, "rendezvous file '%s': bad magic 0x%08x at offset 0, expected 0x%08x", path.c_str(),
-             d::get_u32(buf), d::kMagic);
-    }
-    if (int(d::get_u32(buf + 4)) != world) {
-        fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
-             int(d::get_u32(buf + 4)), rank, world);
-    }
-    UniqueId id;
-    std::memcpy(id.data(), buf + d::kHeaderBytes, kUniqueIdBytes);
-    File ack(rendezvous_ack_path(dir, job, rank), File::Mode::Write);
-    ack.close();
-    return id;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -410,23 +734,30 @@ private:
     int fd_ = -1;
 };
 
-struct AddrInfo {
-    addrinfo* list = nullptr;
-    AddrInfo(const std::string& host, int port, bool passive) {
+// The addresses of host:port; on failure, empty, with the resolver's reason in error().
+class AddrInfo {
+public:
+    AddrInfo(const std::string& host, int port) {
         addrinfo hints{};
         hints.ai_family = AF_UNSPEC;
         hints.ai_socktype = SOCK_STREAM;
-        hints.ai_flags = passive ? AI_PASSIVE : 0;
-        const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list);
+        const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list_);
         if (rc != 0) {
-            fail(kExitUsage, "rendezvous: cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
+            list_ = nullptr;
+            error_ = format("cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
         }
     }
     ~AddrInfo() {
-        if (list) ::freeaddrinfo(list);
+        if (list_) ::freeaddrinfo(list_);
     }
     AddrInfo(const AddrInfo&) = delete;
     AddrInfo& operator=(const AddrInfo&) = delete;
+    const addrinfo* list() const { return list_; }
+    const std::string& error() const { return error_; }
+
+private:
+    addrinfo* list_ = nullptr;
+    std::string error_;
 };
 
 // Sends or receives exactly n bytes before the deadline; false on timeout, a closed peer or an error
@@ -460,41 +791,65 @@ inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_poin
     return true;
 }
 
+// A listening socket on `port` of every interface: IPv6 and IPv4 through one dual-stack socket where
+// the system has IPv6, else IPv4 only. Returns an invalid Socket with the reason in *why.
+inline Socket listen_everywhere(int port, std::string* why) {
+    for (const int family : {AF_INET6, AF_INET}) {
+        Socket s(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (s.fd() < 0) {
+            *why = std::strerror(errno);
+            continue;
+        }
+        const int one = 1, zero = 0;
+        ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        sockaddr_storage addr{};
+        socklen_t len = 0;
+        if (family == AF_INET6) {
+            ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+            auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+            a->sin6_family = AF_INET6;
+            a->sin6_addr = in6addr_any;
+            a->sin6_port = htons(uint16_t(port));
+            len = sizeof(sockaddr_in6);
+        } else {
+            auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+            a->sin_family = AF_INET;
+            a->sin_addr.s_addr = htonl(INADDR_ANY);
+            a->sin_port = htons(uint16_t(port));
+            len = sizeof(sockaddr_in);
+        }
+        if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(s.fd(), 4096) != 0) {
+            *why = std::strerror(errno);
+            continue;
+        }
+        return s;
+    }
+    return Socket();
+}
+
 constexpr size_t kHelloBytes = 12;                    // magic, rank, world
 constexpr size_t kReplyBytes = 12 + kUniqueIdBytes;   // magic, status, rank 0's world, id
 enum ReplyStatus : uint32_t { kReplyOk = 0, kReplyWrongWorld = 1, kReplyBadRank = 2 };
 
 }  // namespace rendezvous_detail
 
-// Rank 0's listening socket, bound to HOST:PORT (port 0: the system picks one, port() tells which).
+// Rank 0's listening socket on PORT of every interface (port 0: the system picks one, port() tells
+// which). host is the address the other ranks were told, for messages.
 class TcpListener {
 public:
     TcpListener(const std::string& host, int port) : host_(host) {
         namespace d = rendezvous_detail;
-        d::AddrInfo ai(host, port, true);
-        std::string last = "no address";
-        for (addrinfo* a = ai.list; a != nullptr; a = a->ai_next) {
-            d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
-            if (s.fd() < 0) {
-                last = std::strerror(errno);
-                continue;
-            }
-            const int one = 1;
-            ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-            if (::bind(s.fd(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd(), 4096) != 0) {
-                last = std::strerror(errno);
-                continue;
-            }
-            sockaddr_storage bound{};
-            socklen_t len = sizeof(bound);
-            ::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
-            port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                                : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-            sock_ = std::move(s);
-            return;
+        std::string why = "no address family";
+        sock_ = d::listen_everywhere(port, &why);
+        if (sock_.fd() < 0) {
+            fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is "
+                             "the port in use?)", port, host.c_str(), port, why.c_str());
         }
-        fail(kExitError, "rendezvous: rank 0 cannot listen on %s:%d: %s (is the port in use, or the host not this "
-                         "machine's?)", host.c_str(), port, last.c_str());
+        sockaddr_storage bound{};
+        socklen_t len = sizeof(bound);
+        ::getsockname(sock_.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
+        port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                            : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     }
     int port() const { return port_; }
     int fd() const { return sock_.fd(); }
@@ -560,15 +915,17 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
     }
 }
 
-// Ranks 1..W-1: connect to rank 0 (retrying while it is not up yet) and receive the id.
+// Ranks 1..W-1: connect to rank 0 (retrying while its name does not resolve yet or it is not up yet)
+// and receive the id.
 inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank, int world, double timeout_s) {
     namespace d = rendezvous_detail;
     const auto t0 = d::Clock::now();
     const auto deadline = d::deadline_after(timeout_s);
     std::string last = "no attempt";
     for (;;) {
-        d::AddrInfo ai(host, port, false);
-        for (addrinfo* a = ai.list; a != nullptr; a = a->ai_next) {
+        const d::AddrInfo ai(host, port);
+        if (ai.list() == nullptr) last = ai.error();
+        for (const addrinfo* a = ai.list(); a != nullptr; a = a->ai_next) {
             d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
             if (s.fd() < 0) {
                 last = std::strerror(errno);

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Launch recipes for data-parallel training with train_gpt2cu on several GPUs (NCCL). Every rank runs
-# the same command; rank 0 alone prints and writes the model file. The GPU of a rank is its local rank.
+# the same command; rank 0 alone prints and writes the model file. A rank uses the GPU of its local
+# rank, or the only GPU it sees.
 #
 #   scripts/run_multi_gpu.sh mpirun NPROC [trainer flags...]
 #       one node, NPROC ranks started by OpenMPI's mpirun; the ranks meet in /tmp (no flag needed).
+#   scripts/run_multi_gpu.sh mpiexec NPROC [trainer flags...]
+#       the same with MPICH's or Intel MPI's mpiexec (Hydra; MVAPICH's works too).
 #   scripts/run_multi_gpu.sh local NPROC [trainer flags...]
 #       one node without MPI: NPROC background processes with explicit --rank/--world-size/--local-rank,
 #       meeting in a fresh directory under /tmp; the script waits for all and fails if any fails.
@@ -19,13 +22,18 @@
 #   scripts/run_multi_gpu.sh slurm-tcp 29500 -e d12 -i 'data/fineweb_train_*.bin' -j 'data/fineweb_val_*.bin' \
 #       -b 64 -t 1024 -d 1048576 -o out/d12
 #
+# Other launchers need no recipe: torchrun-style ones (torchrun --nproc-per-node 8 --no-python
+# ./train_gpt2cu ...) set RANK/WORLD_SIZE/LOCAL_RANK, which the trainer reads; a launcher that shows each
+# rank only its own GPU (srun --gpus-per-task=1, --gpu-bind, a per-rank CUDA_VISIBLE_DEVICES) is fine.
+# Over several nodes every launcher needs --rendezvous (tcp://HOST:PORT or a shared DIR).
+#
 # Knobs (environment): TRAINER (default ./train_gpt2cu), DRY_RUN=1 prints the command instead of running it.
 # NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported to every rank, as the GPU provider requires.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -52,6 +60,9 @@ case "$mode" in
         # --bind-to none: each rank feeds its GPU from several threads (data loading, checkpoint writes).
         run mpirun "${root[@]}" -np "$arg" --bind-to none -x NCCL_NVLS_ENABLE "$trainer" "$@"
         ;;
+    mpiexec)
+        run mpiexec -n "$arg" -genv NCCL_NVLS_ENABLE "$NCCL_NVLS_ENABLE" "$trainer" "$@"
+        ;;
     local)
         rdv=$(mktemp -d /tmp/llmc_rendezvous_XXXXXX)
         if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -72,8 +83,8 @@ case "$mode" in
             fi
             rank_of[$!]=$r
         done
-        # The first rank to fail stops the others: they would otherwise wait for it in a collective forever
-        # (NCCL does not notice a dead peer on one node; --hang-timeout is off by default).
+        # The first rank to fail stops the others: they would otherwise wait for it in a collective until
+        # their hang timeout (NCCL does not notice a dead peer on one node).
         status=0
         while [ ${#rank_of[@]} -gt 0 ]; do
             done_pid="" rc=0

@@ -4,17 +4,23 @@ write/validate cycle on synthetic state, detection of truncation at many offsets
 every file, missing files, ignored .tmp directories, the choice of the newest valid checkpoint when the
 newest is damaged, rotation (keep-last, keep-every, later steps left alone), and the refusal of
 incompatible settings with a message naming what differs; several ranks writing one checkpoint
-(concurrent writers, a missing rank, a stale part of an earlier attempt) and reading any rank's range back
-on another number of ranks, with damaged chunks caught. The GPU path (snapshot, async writer) is
+(concurrent writers, a missing rank, a stale part of an earlier attempt, a rank still busy with its part
+when rank 0 publishes) and reading any rank's range back on another number of ranks, with damaged chunks
+caught. The GPU path (snapshot, async writer) is
 tested in test_checkpoint_gpu.cu.
 */
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <fcntl.h>
+#include <stdio.h>
 
 #include "llmc/checkpoint.h"
 #include "llmc/gpt2_checkpoint.h"
@@ -563,4 +569,72 @@ TEST(StateLayout, MalformedSettingsAreRefusedByName) {
     EXPECT_NE(with("state_shard_1", &overlap), "") << "ranks 1 and 2 overlap";
     const std::string ok1 = format("%lld %lld", (long long)layout.owned(1).begin, (long long)layout.owned(1).size());
     EXPECT_EQ(with("state_shard_1", &ok1), "") << "the unchanged settings parse";
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The publish race: once rank r renames its part into place, rank 0 may merge it, write the manifest and
+// rename the directory before rank r does anything more. This binary's rename() (std::rename calls it)
+// can hold the caller right after it renamed rank 1's part until the checkpoint is published: the
+// widest that window can get.
+
+namespace {
+
+std::atomic<bool> g_hold_part_1{false};
+std::atomic<bool> g_held_until_published{false};
+std::string g_published;  // the final directory; set before g_hold_part_1
+
+}  // namespace
+
+extern "C" int rename(const char* from, const char* to) noexcept {
+    const int rc = ::renameat(AT_FDCWD, from, AT_FDCWD, to);
+    const std::string dest = to;
+    const std::string part = "/" + checkpoint_part_name(1);
+    if (rc == 0 && g_hold_part_1.load() && dest.size() > part.size() &&
+        dest.compare(dest.size() - part.size(), part.size(), part) == 0) {
+        for (int i = 0; i < 1000; i++) {  // at most 10 s
+            std::error_code ec;
+            if (std::filesystem::exists(g_published, ec)) {
+                g_held_until_published = true;
+                break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+    }
+    return rc;
+}
+
+TEST(SeveralRanks, ARankStillBusyWithItsPartWhenRankZeroPublishesSucceeds) {
+    TempDir tmp;
+    const std::string out = tmp.path() + "/out";
+    const std::vector<char> state = random_bytes(size_t(kShardedElems) * 4, 81);
+    prepare_shared_checkpoint(out, 30);
+    const std::string dir = out + "/" + checkpoint_dir_name(30);
+    g_published = dir;
+    g_held_until_published = false;
+    g_hold_part_1 = true;
+    std::string errors[2];
+    // Rank 0 first, waiting for the part; then rank 1, held after its rename until rank 0 has published.
+    std::thread rank0([&] {
+        try {
+            write_rank(out, 30, 0, 2, state);
+        } catch (const Error& e) {
+            errors[0] = e.what();
+        }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::thread rank1([&] {
+        try {
+            write_rank(out, 30, 1, 2, state);
+        } catch (const Error& e) {
+            errors[1] = e.what();
+        }
+    });
+    rank0.join();
+    rank1.join();
+    g_hold_part_1 = false;
+    EXPECT_TRUE(g_held_until_published) << "rank 1 was not held until rank 0 published: the test did not test the race";
+    EXPECT_EQ(errors[0], "");
+    EXPECT_EQ(errors[1], "") << "rank 1 failed although the checkpoint is complete";
+    const CheckpointManifest m = validate_checkpoint(dir, /*deep=*/true);
+    EXPECT_TRUE(read_range(dir, m, segments_of(2), 0, kShardedElems) == state);
 }

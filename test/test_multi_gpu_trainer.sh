@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # train_gpt2cu's NCCL path (data parallel, ZeRO-1) against its single-GPU path, with one rank. Without a
-# GPU: the multi-GPU command-line errors (exit 2 with their message, before CUDA is touched); then exit
-# 77. With a GPU, on synthetic shards (a noisy Markov chain over 97 GPT-2 token ids) and d2:
+# GPU: the multi-GPU command-line errors and the launchers' environments that must be refused (exit 2
+# with their message, before CUDA is touched); then exit 77. With a GPU, on synthetic shards (a noisy
+# Markov chain over 97 GPT-2 token ids) and d2:
 #   - 10 steps with a constant schedule, with 1 and with 2 micro-steps per step: the plain run,
 #     --multi-gpu 1 -z 0 (per-layer all-reduce) and --multi-gpu 1 -z 1 (reduce-scatter, sharded AdamW,
 #     all-gather) give bitwise identical losses, norms and validation losses in log.jsonl (17
@@ -11,7 +12,12 @@
 #     and on the plain path (re-sharded into one whole copy), and a plain (whole layout) checkpoint
 #     resumes with -z 1 (re-sharded into rank 0's shard): steps 6..10 match the uninterrupted run bitwise;
 #   - a peer that never comes (--world-size 2, only rank 0 started, --nccl-timeout 5) ends in a clear
-#     error well within the timeout, not a hang.
+#     error well within the timeout, not a hang;
+#   - one visible GPU and --local-rank 1 (as under Slurm's --gpus-per-task=1): it trains on that GPU;
+#   - with two GPUs: two ranks (-z 0, -z 1, and -z 1 with one visible GPU per rank) train 10 steps within
+#     0.02 of one GPU's losses, both ranks print the same "rank R parameter checksum HEX" line, and the
+#     two -z 1 runs end with the same parameters (a sum of two ranks is one rounding in any order, so the
+#     GPUs' visibility must not change a bit; -z 0 may differ from -z 1 in the last bit of the norm).
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +43,20 @@ expect_exit 2 "--nccl-timeout 0: must be positive" -e d2 --multi-gpu 1 --nccl-ti
 expect_exit 2 "--hang-timeout -1: must not be negative" -e d2 --multi-gpu 1 --hang-timeout -1
 expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256 --rank 0 --world-size 2 \
     --rendezvous "$dir/rdv"
+# Launchers that say several ranks: their variables are read (so --multi-gpu 0 contradicts them), and an
+# incomplete set is refused rather than run as rank 0 of 1.
+expect_bin=(env RANK=1 WORLD_SIZE=2 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 ./train_gpt2cu)
+expect_exit 2 "--multi-gpu 0, but torchrun says there are 2 ranks" -e d2 --multi-gpu 0
+expect_bin=(env MV2_COMM_WORLD_RANK=0 MV2_COMM_WORLD_SIZE=4 MV2_COMM_WORLD_LOCAL_RANK=0 ./train_gpt2cu)
+expect_exit 2 "--multi-gpu 0, but mvapich says there are 4 ranks" -e d2 --multi-gpu 0
+expect_bin=(env PMI_RANK=1 PMI_SIZE=2 ./train_gpt2cu)
+expect_exit 2 "MPI_LOCALRANKID is not set" -e d2
+expect_bin=(env RANK=3 ./train_gpt2cu)
+expect_exit 2 "RANK=3 says this is one of several ranks" -e d2
+expect_bin=(./train_gpt2cu)
+out=$(DRY_RUN=1 bash scripts/run_multi_gpu.sh mpiexec 4 -e d2)
+[ "$out" = "NCCL_NVLS_ENABLE=0 mpiexec -n 4 -genv NCCL_NVLS_ENABLE 0 ./train_gpt2cu -e d2" ] ||
+    { echo "FAIL: run_multi_gpu.sh mpiexec printed: $out"; exit 1; }
 echo "command-line errors: ok"
 
 train() {  # train LOG ARGS...: a run that must succeed; a hang (e.g. in NCCL) ends after 120 s, not never
@@ -138,4 +158,69 @@ fi
 grep -q "never read the id" "$dir/log_lonely" || { echo "FAIL: no clear message:"; cat "$dir/log_lonely"; exit 1; }
 [ $secs -le 60 ] || { echo "FAIL: the lonely rank took ${secs}s to give up (timeout 5 s)"; exit 1; }
 echo "a missing peer: exit $rc after ${secs}s: $(grep -m1 'never read the id' "$dir/log_lonely")"
+
+# One visible GPU, local rank 1: the rank uses the GPU it sees.
+first_gpu=${CUDA_VISIBLE_DEVICES:-0}
+CUDA_VISIBLE_DEVICES=${first_gpu%%,*} train "$dir/log_own_gpu" "${common[@]}" -x 2 -d 256 -o "" --multi-gpu 1 \
+    --local-rank 1
+grep -q "data parallel: 1 rank(s)" "$dir/log_own_gpu" ||
+    { echo "FAIL: --local-rank 1 with one visible GPU did not train on the NCCL path"; cat "$dir/log_own_gpu"; exit 1; }
+echo "one visible GPU, --local-rank 1: trains"
+
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -lt 2 ]; then
+    echo "ok (the two-rank checks need 2 GPUs; this machine has $gpus)"
+    exit 0
+fi
+# two_ranks NAME ARGS...: ranks 0 and 1 on GPUs 0 and 1 (or, with OWN_GPU=1, each seeing only its own).
+two_ranks() {
+    local name=$1 r pids=() rc=0
+    shift
+    mkdir -p "$dir/rdv_$name"
+    for r in 0 1; do
+        if [ "${OWN_GPU:-0}" = 1 ]; then
+            CUDA_VISIBLE_DEVICES=$r timeout -k 10 120 ./train_gpt2cu "$@" --rank $r --world-size 2 --local-rank $r \
+                --rendezvous "$dir/rdv_$name" >"$dir/log_${name}_r$r" 2>&1 &
+        else
+            timeout -k 10 120 ./train_gpt2cu "$@" --rank $r --world-size 2 --local-rank $r \
+                --rendezvous "$dir/rdv_$name" >"$dir/log_${name}_r$r" 2>&1 &
+        fi
+        pids+=($!)
+    done
+    for r in 0 1; do wait "${pids[$r]}" || rc=$?; done
+    if [ $rc -ne 0 ]; then
+        echo "FAIL: two ranks ($name) exited $rc:"; tail -n 20 "$dir/log_${name}_r0" "$dir/log_${name}_r1"; exit 1
+    fi
+    local a b
+    a=$(sed -n 's/^rank 0 parameter checksum \([0-9a-fA-F]*\)$/\1/p' "$dir/log_${name}_r0")
+    b=$(sed -n 's/^rank 1 parameter checksum \([0-9a-fA-F]*\)$/\1/p' "$dir/log_${name}_r1")
+    if [ -z "$a" ] || [ "$a" != "$b" ]; then
+        echo "FAIL: two ranks ($name): parameter checksums '$a' and '$b'"; exit 1
+    fi
+    echo "$a" >"$dir/sum_$name"
+}
+train "$dir/log_one_512" "${common[@]}" -x 10 -d 512 -o "$dir/one_512" --save-model 0
+two_ranks z0 "${common[@]}" -x 10 -d 512 -o "$dir/two_z0" --save-model 0 -z 0
+two_ranks z1 "${common[@]}" -x 10 -d 512 -o "$dir/two_z1" --save-model 0 -z 1
+OWN_GPU=1 two_ranks z1_own "${common[@]}" -x 10 -d 512 -o "$dir/two_z1_own" --save-model 0 -z 1
+cmp -s "$dir/sum_z1" "$dir/sum_z1_own" || {
+    echo "FAIL: one visible GPU per rank changed the parameters ($(cat "$dir/sum_z1") vs $(cat "$dir/sum_z1_own"))"
+    exit 1
+}
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(f"{d}/{run}/log.jsonl")) if "loss" in r}
+one = losses("one_512")
+for run in ("two_z0", "two_z1", "two_z1_own"):
+    got = losses(run)
+    if sorted(got) != sorted(one):
+        print(f"FAIL: {run} logged steps {sorted(got)}, one GPU {sorted(one)}"); sys.exit(1)
+    worst = max(abs(got[s] - one[s]) for s in one)
+    if worst > 0.02:
+        print(f"FAIL: {run}: max |loss diff| {worst:.4f} against one GPU (limit 0.02)"); sys.exit(1)
+    print(f"{run}: 10 steps within {worst:.5f} of one GPU's losses")
+PY
+echo "two ranks (-z 0, -z 1, one GPU per rank): the same parameters on both ranks; one GPU per rank changes no bit"
 echo "ok"

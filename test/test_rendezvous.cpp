@@ -1,17 +1,26 @@
 /*
-CPU tests of llmc/rendezvous.h: rank detection from flags and from mpirun's and Slurm's environments,
-the parsing of --rendezvous, and the two ways of handing NCCL's unique id around, run between real
-processes (fork): the file-system rendezvous in a temporary directory and the TCP one over 127.0.0.1
-on a port the system picks. Every rank must end with rank 0's id; a rank whose peers never come must
-fail by its deadline with a message that names the path or address and the missing ranks.
+CPU tests of llmc/rendezvous.h: rank detection from flags and from the environments of mpirun
+(OpenMPI), MVAPICH, PMI launchers (MPICH, Intel MPI), torchrun-style launchers and Slurm, alone and
+nested the way clusters nest them; the GPU a rank picks; the parsing of --rendezvous; and the two ways
+of handing NCCL's unique id around, run between real processes (fork): the file-system rendezvous in a
+temporary directory and the TCP one on a port the system picks. Every rank must end with rank 0's id;
+a rank whose peers never come must fail by its deadline with a message that names the path or address
+and the missing ranks; files left by a killed launch must not stop (or slow) a relaunch under the same
+job name; rank 0 must listen on every interface, and a peer must retry a name that does not resolve.
 */
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -102,6 +111,44 @@ std::vector<Outcome> run_ranks(int world, const std::string& dir, F&& fn) {
         }
     }
     return outcomes;
+}
+
+// Starts fn() in a child process that exits when it returns or throws; the caller kills or reaps it.
+template <class F>
+pid_t spawn(F&& fn) {
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+        try {
+            fn();
+        } catch (...) {
+        }
+        ::_exit(0);
+    }
+    return pid;
+}
+
+// Waits (up to 10 s) until path exists.
+bool wait_for_file(const std::string& path) {
+    for (int i = 0; i < 1000; i++) {
+        if (std::filesystem::exists(path)) return true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+}
+
+// A launch that was killed: rank 0 published `job` for `world` ranks and died (kill -9) while it
+// waited; its id file stays behind, written by a process that no longer runs.
+void killed_launch(const std::string& dir, const std::string& job, int world) {
+    const pid_t pid = spawn([&] { file_rendezvous_publish(dir, job, world, random_id(4242), 60.0); });
+    ASSERT_TRUE(wait_for_file(rendezvous_id_path(dir, job)));
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    ASSERT_TRUE(std::filesystem::exists(rendezvous_id_path(dir, job)));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::vector<std::string> files_in(const std::string& dir) {
@@ -196,6 +243,141 @@ TEST(DetectRanks, BadValuesAreUsageErrors) {
     expect_error([&] { detect_ranks(f, env_of({})); }, kExitUsage, {"--rank and --world-size go together"});
 }
 
+TEST(DetectRanks, MvapichPmiAndTorchrun) {
+    const RankInfo mv = detect_ranks({}, env_of({{"MV2_COMM_WORLD_RANK", "6"},
+                                                 {"MV2_COMM_WORLD_SIZE", "8"},
+                                                 {"MV2_COMM_WORLD_LOCAL_RANK", "2"},
+                                                 {"MV2_COMM_WORLD_LOCAL_SIZE", "4"},
+                                                 {"MPIRUN_ID", "5150"}}));
+    EXPECT_EQ(mv.rank, 6);
+    EXPECT_EQ(mv.world, 8);
+    EXPECT_EQ(mv.local_rank, 2);
+    EXPECT_FALSE(mv.single_node);
+    EXPECT_EQ(mv.launcher, "mvapich");
+    EXPECT_EQ(mv.job, "mvapich-5150");
+
+    // MPICH's or Intel MPI's mpiexec (Hydra).
+    const RankInfo pmi = detect_ranks({}, env_of({{"PMI_RANK", "3"},
+                                                  {"PMI_SIZE", "4"},
+                                                  {"MPI_LOCALRANKID", "3"},
+                                                  {"MPI_LOCALNRANKS", "4"}}));
+    EXPECT_EQ(pmi.rank, 3);
+    EXPECT_EQ(pmi.world, 4);
+    EXPECT_EQ(pmi.local_rank, 3);
+    EXPECT_TRUE(pmi.single_node);
+    EXPECT_EQ(pmi.launcher, "pmi");
+    EXPECT_EQ(pmi.job, "llmc");
+
+    const RankInfo tr = detect_ranks({}, env_of({{"RANK", "13"},
+                                                 {"WORLD_SIZE", "16"},
+                                                 {"LOCAL_RANK", "5"},
+                                                 {"LOCAL_WORLD_SIZE", "8"},
+                                                 {"TORCHELASTIC_RUN_ID", "none"},
+                                                 {"MASTER_ADDR", "node-3"},
+                                                 {"MASTER_PORT", "29500"}}));
+    EXPECT_EQ(tr.rank, 13);
+    EXPECT_EQ(tr.world, 16);
+    EXPECT_EQ(tr.local_rank, 5);
+    EXPECT_FALSE(tr.single_node);
+    EXPECT_EQ(tr.launcher, "torchrun");
+    EXPECT_EQ(tr.job, "torchrun-none-node-3-29500");
+    const RankInfo tr1 = detect_ranks({}, env_of({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                                  {"LOCAL_WORLD_SIZE", "2"}}));
+    EXPECT_TRUE(tr1.single_node);
+    EXPECT_EQ(tr1.job, "torchrun");
+}
+
+TEST(DetectRanks, NestedLaunchersPickTheOneThatStartedTheProcess) {
+    // mpiexec (Hydra) under Slurm starts one helper per node with srun: the ranks inherit the helper's
+    // SLURM_PROCID (the node's index) and SLURM_NTASKS (the node count); PMI_RANK is the real rank.
+    const RankInfo hydra = detect_ranks({}, env_of({{"PMI_RANK", "9"},
+                                                    {"PMI_SIZE", "16"},
+                                                    {"MPI_LOCALRANKID", "1"},
+                                                    {"MPI_LOCALNRANKS", "8"},
+                                                    {"SLURM_PROCID", "1"},
+                                                    {"SLURM_NTASKS", "2"},
+                                                    {"SLURM_LOCALID", "0"},
+                                                    {"SLURM_JOB_ID", "77"}}));
+    EXPECT_EQ(hydra.launcher, "pmi");
+    EXPECT_EQ(hydra.rank, 9);
+    EXPECT_EQ(hydra.world, 16);
+    EXPECT_EQ(hydra.local_rank, 1);
+    // torchrun started by srun on each node: the same.
+    const RankInfo tr = detect_ranks({}, env_of({{"RANK", "10"},
+                                                 {"WORLD_SIZE", "16"},
+                                                 {"LOCAL_RANK", "2"},
+                                                 {"LOCAL_WORLD_SIZE", "8"},
+                                                 {"SLURM_PROCID", "1"},
+                                                 {"SLURM_NTASKS", "2"},
+                                                 {"SLURM_LOCALID", "0"}}));
+    EXPECT_EQ(tr.launcher, "torchrun");
+    EXPECT_EQ(tr.rank, 10);
+    EXPECT_EQ(tr.local_rank, 2);
+    // srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but no MPI_LOCALRANKID: Slurm's own variables give the GPU.
+    const RankInfo pmi2 = detect_ranks({}, env_of({{"PMI_RANK", "5"},
+                                                   {"PMI_SIZE", "8"},
+                                                   {"PMI_JOBID", "88.0"},
+                                                   {"SLURM_PROCID", "5"},
+                                                   {"SLURM_NTASKS", "8"},
+                                                   {"SLURM_LOCALID", "1"},
+                                                   {"SLURM_STEP_NUM_NODES", "2"},
+                                                   {"SLURM_JOB_ID", "88"},
+                                                   {"SLURM_STEP_ID", "0"}}));
+    EXPECT_EQ(pmi2.launcher, "slurm");
+    EXPECT_EQ(pmi2.rank, 5);
+    EXPECT_EQ(pmi2.local_rank, 1);
+    EXPECT_EQ(pmi2.job, "slurm-88.0");
+}
+
+TEST(DetectRanks, SeveralRanksWithoutAKnownGpuOrWorldAreRefused) {
+    // PMI without a local rank and outside Slurm: which GPU is unknown.
+    expect_error([] { detect_ranks({}, env_of({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}})); }, kExitUsage,
+                 {"pmi says this is rank 1 of 2", "MPI_LOCALRANKID is not set", "--local-rank"});
+    expect_error([] { detect_ranks({}, env_of({{"RANK", "1"}, {"WORLD_SIZE", "4"}})); }, kExitUsage,
+                 {"torchrun says this is rank 1 of 4", "LOCAL_RANK is not set"});
+    // ... unless --local-rank says it.
+    RankFlags f;
+    f.local_rank = 1;
+    const RankInfo r = detect_ranks(f, env_of({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}}));
+    EXPECT_EQ(r.rank, 1);
+    EXPECT_EQ(r.world, 2);
+    EXPECT_EQ(r.local_rank, 1);
+    // A rank without a world size would otherwise run as rank 0 of 1, writing what every other one writes.
+    for (const char* var : {"RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK"}) {
+        expect_error([&] { detect_ranks({}, env_of({{var, "2"}})); }, kExitUsage,
+                     {std::string(var) + "=2 says this is one of several ranks", "is not set"});
+    }
+    // One rank needs no local rank; rank 0 alone is harmless.
+    EXPECT_EQ(detect_ranks({}, env_of({{"WORLD_SIZE", "1"}, {"RANK", "0"}})).world, 1);
+    EXPECT_EQ(detect_ranks({}, env_of({{"RANK", "0"}})).world, 1);
+}
+
+TEST(DetectRanks, LocalRankAloneChoosesTheGpu) {
+    RankFlags f;
+    f.local_rank = 3;
+    const RankInfo one = detect_ranks(f, env_of({}));
+    EXPECT_EQ(one.rank, 0);
+    EXPECT_EQ(one.world, 1);
+    EXPECT_EQ(one.local_rank, 3);
+    const RankInfo slurm =
+        detect_ranks(f, env_of({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}}));
+    EXPECT_EQ(slurm.rank, 1);
+    EXPECT_EQ(slurm.local_rank, 3) << "the flag overrides the launcher's local rank";
+}
+
+TEST(DeviceForRank, LocalRankOrTheOnlyVisibleGpu) {
+    RankInfo r;
+    r.rank = 5;
+    r.world = 8;
+    r.local_rank = 5;
+    EXPECT_EQ(device_for_rank(r, 8), 5);
+    // A launcher that shows each rank only its own GPU (CUDA_VISIBLE_DEVICES per rank, --gpus-per-task=1).
+    EXPECT_EQ(device_for_rank(r, 1), 0);
+    expect_error([&] { device_for_rank(r, 4); }, kExitUsage,
+                 {"rank 5 has local rank 5", "this node has 4 GPUs", "CUDA_VISIBLE_DEVICES"});
+    expect_error([&] { device_for_rank(r, 0); }, kExitCuda, {"no GPU is visible"});
+}
+
 TEST(RendezvousSpec, Parsing) {
     EXPECT_EQ(parse_rendezvous("").kind, RendezvousSpec::Kind::None);
     const RendezvousSpec t = parse_rendezvous("tcp://node-01.cluster:29500");
@@ -283,28 +465,112 @@ TEST(FileRendezvous, RankZeroNamesTheRanksThatNeverCame) {
     EXPECT_TRUE(files_in(dir.path()).empty()) << "the id file is removed even after a timeout";
 }
 
-TEST(FileRendezvous, StaleAndForeignFilesAreRefused) {
-    test::TempDir dir("rdv_stale");
-    const std::string path = rendezvous_id_path(dir.path(), "old");
-    {
-        File f(path, File::Mode::Write);
+TEST(FileRendezvous, RelaunchAfterAKilledLaunchMeetsPromptly) {
+    test::TempDir dir("rdv_relaunch");
+    const std::string job = "requeued";
+    killed_launch(dir.path(), job, 3);
+    // What more a killed launch can leave: acknowledgements (with and without a nonce) and the temporary
+    // id file of a rank 0 killed while writing it.
+    pid_t dead = spawn([] {});
+    ::waitpid(dead, nullptr, 0);
+    for (const std::string& name : {job + ".ack.2", job + ".ack.1.00000000deadbeef", job + ".ack.2.0123456789abcdef",
+                                   job + ".id.tmp." + std::to_string(dead)}) {
+        File f(dir / name, File::Mode::Write);
         f.write_all("x", 1);
     }
-    expect_error([&] { file_rendezvous_publish(dir.path(), "old", 2, random_id(1), 1.0); }, kExitUsage,
-                 {path, "already exists", "rm '" + path + "'"});
-    expect_error([&] { file_rendezvous_fetch(dir.path(), "old", 1, 2, 1.0); }, kExitData, {path, "1 bytes"});
-    // An id published for 3 ranks, read by a rank started with 2.
-    std::remove(path.c_str());
+    // The relaunch: ranks 1 and 2 start first and find the leftover id (they must not take it); rank 0
+    // comes 300 ms later.
+    const UniqueId id = random_id(31);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto outcomes = run_ranks(3, dir.path(), [&](int rank) -> UniqueId {
+        RankInfo r;
+        r.rank = rank;
+        r.world = 3;
+        r.job = job;
+        if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        return exchange_unique_id(parse_rendezvous(dir.path()), r, [&] { return id; }, 20.0);
+    });
+    const double s = seconds_since(t0);
+    for (int r = 0; r < 3; r++) {
+        ASSERT_TRUE(outcomes[size_t(r)].ok) << "rank " << r << ": " << outcomes[size_t(r)].message;
+        EXPECT_EQ(outcomes[size_t(r)].id, id) << "rank " << r << " took the killed launch's id";
+    }
+    EXPECT_LT(s, 5.0) << "the relaunch waited for something";
+    EXPECT_TRUE(files_in(dir.path()).empty()) << "the leftovers are cleared";
+}
+
+TEST(FileRendezvous, LeftoversOfOtherWorldSizesAndUnreadableFilesAreReplaced) {
+    test::TempDir dir("rdv_leftover");
+    killed_launch(dir.path(), "a", 5);
+    {
+        File f(rendezvous_id_path(dir.path(), "b"), File::Mode::Write);
+        f.write_all("x", 1);  // e.g. a file of an older format
+    }
+    for (const std::string& job : {std::string("a"), std::string("b")}) {
+        const UniqueId id = random_id(job[0]);
+        auto outcomes = run_ranks(2, dir.path(), [&](int rank) -> UniqueId {
+            if (rank == 0) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 1 reads the leftover first
+                file_rendezvous_publish(dir.path(), job, 2, id, 10.0);
+                return id;
+            }
+            return file_rendezvous_fetch(dir.path(), job, 1, 2, 10.0);
+        });
+        for (int r = 0; r < 2; r++) {
+            ASSERT_TRUE(outcomes[size_t(r)].ok) << job << " rank " << r << ": " << outcomes[size_t(r)].message;
+            EXPECT_EQ(outcomes[size_t(r)].id, id) << job;
+        }
+    }
+    EXPECT_TRUE(files_in(dir.path()).empty());
+}
+
+TEST(FileRendezvous, ALeftoverWithoutItsRankZeroIsNeverConfirmed) {
+    test::TempDir dir("rdv_orphan");
+    killed_launch(dir.path(), "orphan", 2);
+    const auto t0 = std::chrono::steady_clock::now();
+    expect_error([&] { file_rendezvous_fetch(dir.path(), "orphan", 1, 2, 0.5); }, kExitError,
+                 {"rank 1 waited", "was never confirmed", "no longer running", "orphan.id"});
+    EXPECT_GE(seconds_since(t0), 0.5);
+    EXPECT_EQ(files_in(dir.path()), std::vector<std::string>{"orphan.id"}) << "the rank takes its acknowledgement back";
+}
+
+TEST(FileRendezvous, ARunThatIsStillGoingIsNotDisturbed) {
+    test::TempDir dir("rdv_live");
+    const std::string path = rendezvous_id_path(dir.path(), "busy");
+    const pid_t live = spawn([&] { file_rendezvous_publish(dir.path(), "busy", 2, random_id(8), 30.0); });
+    ASSERT_TRUE(wait_for_file(path));
+    const std::vector<char> before = [&] {
+        std::ifstream in(path, std::ios::binary);
+        return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+    }();
+    expect_error([&] { file_rendezvous_publish(dir.path(), "busy", 2, random_id(9), 5.0); }, kExitUsage,
+                 {path, "still going", "process " + std::to_string(live), "--rendezvous-job"});
+    std::ifstream in(path, std::ios::binary);
+    EXPECT_EQ(std::vector<char>(std::istreambuf_iterator<char>(in), {}), before) << "the running launch's file is kept";
+    ::kill(live, SIGKILL);
+    ::waitpid(live, nullptr, 0);
+}
+
+TEST(FileRendezvous, WorldSizeMismatchFailsPromptlyOnBothSides) {
+    test::TempDir dir("rdv_world");
+    const auto t0 = std::chrono::steady_clock::now();
     auto outcomes = run_ranks(2, dir.path(), [&](int rank) -> UniqueId {
         if (rank == 0) {
-            file_rendezvous_publish(dir.path(), "old", 3, random_id(2), 0.5);
+            file_rendezvous_publish(dir.path(), "mixed", 3, random_id(2), 20.0);
             return UniqueId{};
         }
-        return file_rendezvous_fetch(dir.path(), "old", 1, 2, 5.0);
+        return file_rendezvous_fetch(dir.path(), "mixed", 1, 2, 20.0);
     });
+    EXPECT_LT(seconds_since(t0), 5.0);
+    ASSERT_FALSE(outcomes[0].ok);
+    EXPECT_EQ(outcomes[0].exit_code, kExitUsage);
+    EXPECT_NE(outcomes[0].message.find("rank 1 was started with a world size of 2, rank 0 with 3"), std::string::npos)
+        << outcomes[0].message;
     ASSERT_FALSE(outcomes[1].ok);
+    EXPECT_EQ(outcomes[1].exit_code, kExitUsage);
     EXPECT_NE(outcomes[1].message.find("is for 3 ranks, this rank (1) was started with 2"), std::string::npos)
         << outcomes[1].message;
+    EXPECT_TRUE(files_in(dir.path()).empty());
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -385,12 +651,49 @@ TEST(TcpRendezvous, WorldSizeMismatchFailsOnBothSides) {
         << outcomes[1].message;
 }
 
+TEST(TcpRendezvous, RankZeroListensOnEveryInterface) {
+    // The host in tcp://HOST:PORT is where the others connect; rank 0 must not listen only on the address
+    // that name resolves to on its own node (127.0.1.1 for its host name on many systems).
+    TcpListener listener("127.0.0.1", 0);
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    ASSERT_EQ(::getsockname(listener.fd(), reinterpret_cast<sockaddr*>(&bound), &len), 0);
+    if (bound.ss_family == AF_INET6) {
+        const in6_addr a = reinterpret_cast<sockaddr_in6*>(&bound)->sin6_addr;
+        EXPECT_TRUE(IN6_IS_ADDR_UNSPECIFIED(&a));
+    } else {
+        ASSERT_EQ(bound.ss_family, AF_INET);
+        EXPECT_EQ(reinterpret_cast<sockaddr_in*>(&bound)->sin_addr.s_addr, htonl(INADDR_ANY));
+    }
+    // A peer that reaches rank 0's node by another of its addresses gets the id.
+    test::TempDir dir("rdv_tcp_any");
+    const int port = listener.port();
+    const UniqueId id = random_id(21);
+    auto outcomes = run_ranks(3, dir.path(), [&](int rank) -> UniqueId {
+        if (rank == 0) {
+            tcp_rendezvous_serve(listener, 3, id, 20.0);
+            return id;
+        }
+        return tcp_rendezvous_fetch(rank == 1 ? "127.0.0.2" : "localhost", port, rank, 3, 20.0);
+    });
+    for (int r = 0; r < 3; r++) {
+        ASSERT_TRUE(outcomes[size_t(r)].ok) << "rank " << r << ": " << outcomes[size_t(r)].message;
+        EXPECT_EQ(outcomes[size_t(r)].id, id);
+    }
+}
+
 TEST(TcpRendezvous, ListenErrorsAreClear) {
     TcpListener first("127.0.0.1", 0);
     expect_error([&] { TcpListener second("127.0.0.1", first.port()); }, kExitError,
-                 {"rank 0 cannot listen on 127.0.0.1:" + std::to_string(first.port())});
-    expect_error([] { tcp_rendezvous_fetch("no-such-host.invalid", 1234, 1, 2, 0.2); }, kExitUsage,
-                 {"cannot resolve host 'no-such-host.invalid'"});
+                 {"rank 0 cannot listen on port " + std::to_string(first.port()), "every interface",
+                  "tcp://127.0.0.1:" + std::to_string(first.port()), "in use"});
+}
+
+TEST(TcpRendezvous, AHostThatDoesNotResolveIsRetriedUntilTheDeadline) {
+    const auto t0 = std::chrono::steady_clock::now();
+    expect_error([] { tcp_rendezvous_fetch("no-such-host.invalid", 1234, 1, 2, 0.5); }, kExitError,
+                 {"rank 1 could not get the id", "cannot resolve host 'no-such-host.invalid'"});
+    EXPECT_GE(seconds_since(t0), 0.5) << "a failed name lookup ended the wait early";
 }
 
 TEST(Rendezvous, OneRankNeedsNoMeeting) {
