@@ -117,7 +117,7 @@ struct Options {
     int rank = -1, world_size = -1, local_rank = -1;
     int zero_stage = -1;  // -1: 1 on the NCCL path, else 0
     double nccl_timeout = kDefaultRendezvousTimeout;
-    double hang_timeout = 0;
+    double hang_timeout = kDefaultHangTimeout;
 };
 
 template <class T>
@@ -208,7 +208,9 @@ inline Flags make_flags(Options& o) {
           "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
     f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up", 0.0,
           kMax<double>);
-    f.add("", "hang-timeout", &o.hang_timeout, "end the run when a step makes no progress for this many seconds (0: never)",
+    f.add("", "hang-timeout", &o.hang_timeout,
+          "data parallel: end the run (and abort NCCL) when this rank shows no progress for this many seconds: a "
+          "step, a validation, a sample, a checkpoint save or load, start-up (0: never)",
           0.0, kMax<double>);
     return f;
 }
@@ -270,7 +272,9 @@ inline Parallel resolve_ranks(const Options& o) {
     if (o.multi_gpu == 0 && p.ranks.world > 1) {
         fail(kExitUsage, "--multi-gpu 0, but %s says there are %d ranks", p.ranks.launcher.c_str(), p.ranks.world);
     }
-    p.multi = o.multi_gpu == 1 || p.ranks.world > 1;
+    // --rank, --world-size or --local-rank ask for the NCCL path, even for one rank.
+    const bool rank_flags = o.rank >= 0 || o.world_size >= 0 || o.local_rank >= 0;
+    p.multi = o.multi_gpu == 1 || p.ranks.world > 1 || (o.multi_gpu == -1 && rank_flags);
     if (!p.multi) {
         const char* needs = "needs the NCCL path (--multi-gpu 1 or several ranks)";
         if (!o.rendezvous.empty()) fail(kExitUsage, "--rendezvous %s", needs);
@@ -978,18 +982,22 @@ private:
     std::deque<double> recent_;
 };
 
-// Whether any rank wants to stop: one all-reduce of the votes on the NCCL path, so that every rank stops
-// after the same step and the checkpoint is complete.
-inline bool agree_to_stop(bool mine, MultiGpu* multi, LoopBuffers& buf, cudaStream_t stream) {
+// Whether `mine` holds on any rank: one all-reduce of a vote (device slot, pinned host float) on the NCCL
+// path, so that the ranks take decisions (stop now, skip a checkpoint) together.
+inline bool any_rank(bool mine, MultiGpu* multi, float* device_slot, float* pinned_vote, cudaStream_t stream) {
     if (multi == nullptr) return mine;
-    float* vote = reinterpret_cast<float*>(buf.stop_flag_host.get());
-    *vote = mine ? 1.0f : 0.0f;
-    cudaCheck(cudaMemcpyAsync(buf.stop_flag.get(), vote, sizeof(float), cudaMemcpyHostToDevice, stream));
-    multi->all_reduce_sum_async(buf.stop_flag.get(), 1, stream);
+    *pinned_vote = mine ? 1.0f : 0.0f;
+    cudaCheck(cudaMemcpyAsync(device_slot, pinned_vote, sizeof(float), cudaMemcpyHostToDevice, stream));
+    multi->all_reduce_sum_async(device_slot, 1, stream);
     multi->join(stream);
-    cudaCheck(cudaMemcpyAsync(vote, buf.stop_flag.get(), sizeof(float), cudaMemcpyDeviceToHost, stream));
+    cudaCheck(cudaMemcpyAsync(pinned_vote, device_slot, sizeof(float), cudaMemcpyDeviceToHost, stream));
     cudaCheck(cudaStreamSynchronize(stream));
-    return *vote > 0.0f;
+    return *pinned_vote > 0.0f;
+}
+
+// Whether any rank wants to stop, so that every rank stops after the same step and the checkpoint is whole.
+inline bool agree_to_stop(bool mine, MultiGpu* multi, LoopBuffers& buf, cudaStream_t stream) {
+    return any_rank(mine, multi, buf.stop_flag.get(), reinterpret_cast<float*>(buf.stop_flag_host.get()), stream);
 }
 
 // Every rank checks (the parameters are the same everywhere), so that all of them stop together.
@@ -1045,8 +1053,9 @@ inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& m
 
 // Restores the newest checkpoint in the output directory that loads cleanly and returns its step (0
 // when there is none). A checkpoint that fails its checks (truncated, corrupted, missing files) is
-// skipped with the reason printed, and the next older one is tried; a configuration or data that
-// differs from the checkpoint's is an error, not a reason to skip.
+// skipped with the reason printed, and the next older one is tried; with several ranks, a checkpoint any
+// rank cannot load is skipped by all of them. A configuration or data that differs from the checkpoint's
+// is an error, not a reason to skip.
 inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
                                   GPT2& model, Data& data, Outputs& out) {
     if (candidates.empty()) {
@@ -1056,43 +1065,55 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
     const std::vector<RunSetting> settings = run_settings(o, plan);
     const int world = plan.parallel.ranks.world;
     DeviceFileIO io;
+    DeviceBuffer<float> vote_slot(1);
+    PinnedBuffer vote(sizeof(float));
     size_t skipped = 0;
     for (const CheckpointEntry& c : candidates) {
+        // Why this rank cannot use the checkpoint ("" when it can); only files that are bad count.
+        std::string bad;
+        auto check = [&](auto&& fn) {
+            if (!bad.empty()) return;
+            try {
+                fn();
+            } catch (const Error& e) {
+                if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
+                bad = e.what();
+            }
+        };
         CheckpointManifest m;
-        try {
+        check([&] {
             m = validate_checkpoint(c.path, /*deep=*/false);
             if (!m.blob("train_loader")) fail(kExitData, "'%s' has no DataLoader state", c.path.c_str());
-        } catch (const Error& e) {
-            if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
-            std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
-            skipped++;
-            continue;
-        }
+        });
         std::vector<std::string> notes;
-        const std::string diff = settings_differences(m, recorded_settings(settings), must_match_keys(settings), &notes);
-        if (!diff.empty()) {
-            fail(kExitUsage, "cannot resume from '%s': this run's configuration differs from the checkpoint's: %s",
-                 c.path.c_str(), diff.c_str());
-        }
-        if (m.step > plan.max_steps) {
-            fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
-                 (long long)m.step, plan.max_steps);
-        }
-        // A run on another number of ranks continues the same sample stream (the DataLoader converts its
-        // position; the same tokens per step make that exact) and re-shards the optimizer state.
         int saved_world = 0;
-        try {
-            saved_world = int(SampleSchedule::state_world(*m.blob("train_loader")));
-            data.train->restore(*m.blob("train_loader"), /*allow_world_change=*/true);
-        } catch (const Error& e) {
-            fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
-        }
         std::string resharded;
-        try {
-            resharded = load_checkpoint(model, c.path, m, io);
-        } catch (const Error& e) {
-            if (e.exit_code() != kExitData && e.exit_code() != kExitIo) throw;
-            std::printf("resume: skipping %s: %s\n", c.path.c_str(), e.what());
+        if (bad.empty()) {
+            const std::string diff = settings_differences(m, recorded_settings(settings), must_match_keys(settings), &notes);
+            if (!diff.empty()) {
+                fail(kExitUsage, "cannot resume from '%s': this run's configuration differs from the checkpoint's: %s",
+                     c.path.c_str(), diff.c_str());
+            }
+            if (m.step > plan.max_steps) {
+                fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
+                     (long long)m.step, plan.max_steps);
+            }
+            // A run on another number of ranks continues the same sample stream (the DataLoader converts its
+            // position; the same tokens per step make that exact) and re-shards the optimizer state.
+            try {
+                saved_world = int(SampleSchedule::state_world(*m.blob("train_loader")));
+                data.train->restore(*m.blob("train_loader"), /*allow_world_change=*/true);
+            } catch (const Error& e) {
+                fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
+            }
+            check([&] { resharded = load_checkpoint(model, c.path, m, io); });
+        }
+        if (!bad.empty() && model.multi() != nullptr && !model.multi()->is_root()) {
+            std::fprintf(stderr, "rank %d: cannot resume from %s: %s\n", model.multi()->rank(), c.path.c_str(), bad.c_str());
+        }
+        if (any_rank(!bad.empty(), model.multi(), vote_slot.get(), reinterpret_cast<float*>(vote.get()), model.stream())) {
+            std::printf("resume: skipping %s: %s\n", c.path.c_str(),
+                        bad.empty() ? "another rank cannot load it (its reason is on that rank's stderr)" : bad.c_str());
             skipped++;
             continue;
         }
@@ -1115,6 +1136,36 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
     }
     fail(kExitData, "-y 1: none of the %zu checkpoint(s) in '%s' is valid (reasons above); remove them to start over",
          candidates.size(), o.output_dir.c_str());
+}
+
+// The trained model in every format --save-model names (with ZeRO-1 every rank takes part in the gather).
+inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan, bool root) {
+    if (o.output_dir.empty() || plan.save_formats.empty()) return;
+    require_finite_parameters(model, plan.max_steps, "the trained model");
+    SaveOptions save;
+    if (is_regular_file(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
+    for (ModelFormat f : plan.save_formats) {
+        const std::string path = saved_model_path(o.output_dir, f);
+        if (f == ModelFormat::Llmc) {
+            DeviceFileIO io;
+            if (root || model.sharded()) write_trained_model(model, path, io, root);
+        } else {
+            export_trained_model(model, path, f, save, root);
+        }
+        std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
+    }
+}
+
+// Several ranks: each prints a checksum of its bf16 parameters to stderr, so replicas that drifted apart
+// show (dev/multi_gpu_runs.sh compares them).
+inline void print_parameter_checksum(GPT2& model) {
+    if (model.multi() == nullptr) return;
+    std::vector<floatX> host(size_t(model.num_parameters()));
+    cudaCheck(cudaMemcpyAsync(host.data(), model.params(), host.size() * sizeof(floatX), cudaMemcpyDeviceToHost,
+                              model.stream()));
+    cudaCheck(cudaStreamSynchronize(model.stream()));
+    std::fprintf(stderr, "rank %d parameter checksum %016llx\n", model.multi()->rank(),
+                 (unsigned long long)checksum64(host.data(), host.size() * sizeof(floatX)));
 }
 
 inline void print_summary(const Throughput& tp, const Plan& plan, double first_val, double last_val) {
@@ -1159,6 +1210,8 @@ int main(int argc, char** argv) {
 
         // Several GPUs: meet the other ranks (this picks the GPU); rank 0 alone prints and writes files.
         std::unique_ptr<MultiGpu> multi = meet_ranks(opt, plan);
+        // Start-up (allocation, the data's upload, a checkpoint's load) may take long on a big model.
+        if (multi) multi->heartbeat("starting", 3600);
         const bool root = plan.parallel.ranks.rank == 0;
         if (!root && std::freopen("/dev/null", "w", stdout) == nullptr) {
             fail(kExitIo, "rank %d: cannot silence stdout: %s", plan.parallel.ranks.rank, std::strerror(errno));
@@ -1174,6 +1227,7 @@ int main(int argc, char** argv) {
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);
+        if (multi) multi->check_same(uint64_t(candidates.size()), "the number of checkpoints found to resume from");
         const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
         // Every rank must have resumed from the same checkpoint (each validated it on its own).
         if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
@@ -1184,6 +1238,8 @@ int main(int argc, char** argv) {
         Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
                       plan.tokens_per_step};
         CheckpointReport report;
+        // On an error from here on, abort NCCL before anything waits on it, so the other ranks stop too.
+        const MultiGpuAbortOnError abort_on_error(multi.get());
         RunControl control(opt, plan, model.num_parameters(), started);
         auto report_saves = [&] {
             if (ckpt && ckpt->poll(&report)) {
@@ -1195,22 +1251,22 @@ int main(int argc, char** argv) {
         // The loop: evaluate and sample between steps (and after the last), train in between.
         double first_val = NAN, last_val = NAN;
         for (int step = start_step; step <= plan.max_steps; step++) {
-            if (multi) multi->heartbeat();
             const bool last = step == plan.max_steps;
             if (data.val && (step % opt.val_every == 0 || last)) {
+                if (multi) multi->heartbeat("evaluating");
                 last_val = evaluate(model, *data.val, plan.val_steps, opt.B, opt.T, buf);
                 if (std::isnan(first_val)) first_val = last_val;
                 std::printf("step %5d/%d | val loss %.6f\n", step, plan.max_steps, last_val);
                 out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
             }
-            if (root && opt.sample_every > 0 && plan.gen_tokens > 0 &&
-                ((step > 0 && step % opt.sample_every == 0) || last)) {
-                print_sample(model, opt, plan, out, buf, step);
+            if (opt.sample_every > 0 && plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
+                if (multi) multi->heartbeat("sampling (rank 0 alone)", 600);  // the others wait in a collective
+                if (root) print_sample(model, opt, plan, out, buf, step);
             }
             if (last) break;
             const float lr = float(plan.schedule.at(step));
+            if (multi) multi->heartbeat("training");
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf);
-            if (multi) multi->heartbeat();
             tp.add(step, plan.max_steps, s.seconds);
             if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, plan.max_steps, lr, s,
@@ -1225,6 +1281,7 @@ int main(int argc, char** argv) {
                 ckpt = make_checkpointer(opt, model, multi.get(), /*async=*/false);
             }
             if (due || (stop && !opt.output_dir.empty())) {
+                if (multi) multi->heartbeat("saving a checkpoint", 3600);
                 require_finite_parameters(model, step + 1, "the checkpoint");
                 if (ckpt) {
                     ckpt->save(opt.output_dir, step + 1, checkpoint_tensors(model),
@@ -1246,27 +1303,16 @@ int main(int argc, char** argv) {
             }
         }
         if (ckpt) {
+            if (multi) multi->heartbeat("finishing the last checkpoint", 3600);
             ckpt->wait();
             report_saves();
         }
 
         // The summary and the trained model.
         print_summary(tp, plan, first_val, last_val);
-        if (!opt.output_dir.empty() && !plan.save_formats.empty()) {
-            require_finite_parameters(model, plan.max_steps, "the trained model");
-            SaveOptions save;
-            if (is_regular_file(opt.vocab_dir + "/encoder.json")) save.tokenizer_dir = opt.vocab_dir;
-            for (ModelFormat f : plan.save_formats) {
-                const std::string path = saved_model_path(opt.output_dir, f);
-                if (f == ModelFormat::Llmc) {
-                    DeviceFileIO io;
-                    if (root || model.sharded()) write_trained_model(model, path, io, root);  // ZeRO-1: all send
-                } else {
-                    export_trained_model(model, path, f, save, root);
-                }
-                std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
-            }
-        }
+        if (multi) multi->heartbeat("writing the model", 3600);
+        save_trained_models(model, opt, plan, root);
+        print_parameter_checksum(model);
         if (multi) multi->barrier();  // no rank tears NCCL down while another still needs it
         return int(kExitOk);
     });

@@ -7,10 +7,11 @@ Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, l
 and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
 weights and rounds them stochastically into the bf16 parameters the model computes with.
 
-Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward averages the gradients over the ranks
+Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks
 (per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
-moments are sharded: llmc/zero.h) and update() all-gathers the parameters. One rank through NCCL
-computes the same bits as the single-GPU path.
+moments are sharded: llmc/zero.h); update() divides the norm and the clip scale by the number of ranks
+in fp32 (an exact 1/W, which bf16 lacks for most W) and all-gathers the parameters. One rank through
+NCCL computes the same bits as the single-GPU path.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
@@ -80,7 +81,7 @@ public:
     };
 
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
-    // With `multi` (data parallel) the gradients are averaged over its ranks; zero_stage 1 shards the
+    // With `multi` (data parallel) the gradients are summed over its ranks; zero_stage 1 shards the
     // optimizer state (ZeRO-1). Without it, one GPU and no NCCL call.
     // recompute_gelu: keep one GELU output buffer instead of one per layer and recompute it in backward
     // (llm.c's -r 1): the forward is unchanged, backward reads the recomputed values.
@@ -133,7 +134,7 @@ public:
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
     const CublasLt& cublas() const { return lt_; }
     const floatX* params() const { return params_.get(); }
-    const floatX* grads() const { return grads_.get(); }
+    const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
     const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
     MultiGpu* multi() const { return multi_; }
     bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
@@ -241,7 +242,7 @@ public:
 
     // Adds the gradient of the last training forward's loss (made with dloss > 0, on these inputs) to
     // the parameter gradients, so that micro-batches accumulate. With several ranks, `last_micro` (the
-    // step's last micro-batch) also queues the gradients' averaging: -z 0 per layer as backward leaves
+    // step's last micro-batch) also queues the gradients' sum over the ranks: -z 0 per layer as backward leaves
     // it, -z 1 one reduce-scatter at the end; update() waits for them.
     void backward(const int* inputs, int B, int T, bool last_micro = false) {
         const bool per_layer = multi_ != nullptr && last_micro && zero_stage_ == 0;
@@ -284,23 +285,23 @@ public:
             matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, a.ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_);
-            // Layer l's gradients are final: average them while backward goes on below.
-            if (per_layer) multi_->all_reduce_mean_async(g, layer_ranges(l), stream_);
+            // Layer l's gradients are final: sum them over the ranks while backward goes on below.
+            if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
         encoder_backward(gw.wte, gw.wpe, d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
-            multi_->all_reduce_mean_async(g, rest, stream_);
+            multi_->all_reduce_sum_async(g, rest, stream_);
         } else if (multi_ != nullptr && last_micro) {
-            multi_->reduce_scatter_mean_async(g, g + layout_.shard(multi_->rank()).begin, layout_, stream_);
+            multi_->reduce_scatter_sum_async(g, g + layout_.shard(multi_->rank()).begin, layout_, stream_);
         }
     }
 
     // Global gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step counts from 1),
     // all on the device. The norm lands in *norm_out (the model's slot grad_norm() when null). `seed`
     // keys the stochastic rounding of the bf16 parameters.
-    // With several ranks it first waits for backward's gradient averaging; with ZeRO-1 the norm is the
+    // With several ranks it first waits for backward's gradient sums; with ZeRO-1 the norm is the
     // sum of the ranks' sums of squares over their shards, each rank updates its shard, and the bf16
     // parameters are all-gathered before anything later on the stream (the next forward) reads them.
     // The step guard (adamw_guard): the update is skipped, leaving parameters, master weights and moments
@@ -311,9 +312,12 @@ public:
         float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
         float* scale = scalars_.get() + 2;
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
+        // The gradients are summed over the ranks (bf16 has no exact 1/W for most W); the norm and the clip
+        // scale divide by W in fp32, so AdamW sees the mean gradient.
+        const int ranks = multi_ != nullptr ? multi_->world() : 1;
         if (multi_ != nullptr) multi_->join(stream_);
         if (!sharded()) {
-            global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_);
+            global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_, ranks);
             adamw_guard(scale, norm, losses, n_losses, loss_limit, stream_);
             adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), adamw_table_,
                          settings, step, seed, scale, stream_);
@@ -324,7 +328,7 @@ public:
         global_norm_sumsq(sumsq, grads_.get() + shard.begin, owned_.size(), fscratch, scratch_.bytes(), stream_);
         multi_->all_reduce_sum_async(sumsq, 1, stream_);
         multi_->join(stream_);
-        global_norm_finish(norm, scale, sumsq, grad_clip, stream_);
+        global_norm_finish(norm, scale, sumsq, grad_clip, stream_, ranks);
         adamw_guard(scale, norm, losses, n_losses, loss_limit, stream_);
         adamw_update(params_.get(), master_.get(), adam_m_.get(), adam_v_.get(), grads_.get(), shard_table_, settings,
                      step, seed, scale, stream_, owned_.begin);
