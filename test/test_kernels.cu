@@ -1,7 +1,8 @@
 /*
 GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh with
-flash_attention.cuh, and flash_attention_sm90.cuh where it runs (Hopper), gelu.cuh, classifier.cuh, global_norm.cuh, adamw.cuh) against the fp32 CPU reference
-(llmc/gpt2_cpu.h).
+flash_attention.cuh, and flash_attention_sm90.cuh where it runs (Hopper), gelu.cuh, classifier.cuh,
+global_norm.cuh, adamw.cuh) against the fp32 CPU reference (llmc/gpt2_cpu.h): the kernels the trainer runs,
+as it runs them (variants it does not run are checked by the kernel labs in dev/).
 
 Every kernel gets random inputs rounded to bf16; the CPU reference runs in fp32 on exactly those
 values. Shapes are deliberately not multiples of the block sizes (T=37 and 97, C=48 and 96, NH=3,
@@ -741,27 +742,20 @@ TEST_F(KernelTest, AttentionRejectsBadArguments) {
 
 // ----------------------------------------------------------------------------------------------------
 
-TEST_F(KernelTest, GeluForwardBackwardMatchCpu) {
+TEST_F(KernelTest, GeluForwardMatchesCpu) {
     for (const Shape& s : kShapes) {
         SCOPED_TRACE(s.name());
         std::printf("  %s\n", s.name().c_str());
         const size_t n = size_t(s.N()) * 4 * s.C;
-        const auto inp = random_bf16(n, 60, 2.0f), dout = random_bf16(n, 61);
-        std::vector<float> out_ref(n), dinp_ref(n, 0.0f);
+        const auto inp = random_bf16(n, 60, 2.0f);
+        std::vector<float> out_ref(n);
         cpu::gelu_forward<float>(out_ref.data(), inp.data(), int64_t(n));
-        cpu::gelu_backward<float>(dinp_ref.data(), inp.data(), dout.data(), int64_t(n));
 
-        auto d_inp = upload_bf16(inp), d_dout = upload_bf16(dout);
-        DeviceBuffer<floatX> d_out(n), d_dinp(n);
+        auto d_inp = upload_bf16(inp);
+        DeviceBuffer<floatX> d_out(n);
         poison(d_out);
-        poison(d_dinp);
         gelu_forward(d_out.get(), d_inp.get(), int64_t(n), kStream);
-        gelu_backward(d_dinp.get(), d_inp.get(), d_dout.get(), int64_t(n), kStream);
         expect_close("gelu out", download_bf16(d_out.get(), n), out_ref, kTolBf16);
-        expect_close("gelu dinp", download_bf16(d_dinp.get(), n), dinp_ref, kTolBf16);
-        const auto separate = bytes_of(d_dinp.get(), n);
-        gelu_backward(d_dout.get(), d_inp.get(), d_dout.get(), int64_t(n), kStream);  // in place
-        expect_bitwise("gelu dinp in place vs separate", bytes_of(d_dout.get(), n), separate);
     }
 }
 
