@@ -76,11 +76,6 @@ endif
 train_gpt2cu: train_gpt2.cu
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
 
-# The trainer built with extra compile-time options, for dev/compare_builds.sh:
-#   make -B build/cmp_NAME NVCC_EXTRA="-DLLMC_GELU_EPILOGUE=0"
-$(BUILD)/cmp_%: train_gpt2.cu | $(BUILD)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $(NVCC_EXTRA) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
-
 # The CPU trainer (fp32 reference model, OpenMP): the quick start without a GPU.
 train_gpt2: train_gpt2_cpu.cpp
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)

@@ -1,23 +1,26 @@
 /*
-attention_lab: the flash-attention kernels of llmc/flash_attention.cuh checked against an fp32 reference
-and timed against the cuBLASLt path of llmc/attention.cuh (design, expectations and results:
+attention_lab: the flash-attention kernels of llmc/flash_attention.cuh and llmc/flash_attention_sm90.cuh,
+and the variants of them the trainer does not run, checked against an fp32 reference and against each
+other, and timed against the cuBLASLt path of llmc/attention.cuh (design, expectations and results:
 dev/ATTENTION.md).
 
   build/attention_lab
 
-The kernels themselves live in llmc/flash_attention.cuh (the trainer runs them for HS 64 and 128 through
-llmc/attention.cuh); this file holds what only the lab needs: fp32 reference kernels straight from the
-definition (one warp per row), the checks and the timing table.
+The trainer's kernels live in the headers (it runs them for HS 64 and 128 through llmc/attention.cuh,
+tiled as flash_tiling<HS>() says, or the wgmma kernels on an sm_90a build on Hopper); this file holds what
+only the lab needs: fp32 reference kernels straight from the definition (one warp per row), the wgmma
+kernels with the choices the header fixes left open (namespace lab90: warpgroups per block, tiles loaded
+by TMA or cp.async, register caps), the checks and the timing table.
 Checks (exit 1 on any failure): out, lse, dq, dk, dv against the fp32 reference (relative error norm;
 lse max abs), outputs poisoned with NaN before each launch (so an unwritten element shows), forward and
-backward run twice and compared bitwise, and every other kernel variant (Pipe: double-buffered tiles; MT:
-two row tiles of 16 per warp, HS 64; on an sm_90a build on Hopper, the wgmma kernels of
-llmc/flash_attention_sm90.cuh with their warpgroup, register and tile-loading (TMA or cp.async) choices) bitwise equal to them, after a
-selftest of the wgmma building blocks (swizzled tiles, descriptors, one and four accumulated blocks); T = 1, 37, 64, 65, 1000, 1024 and small and
-large B*NH, HS 64 and 128. Then times (CUDA events, median of 25 after warm-up) every variant and the
-cuBLASLt path at the d12 shapes, checks them against each other and prints a table. Event timings drift
-with the GPU's clocks; `bash dev/run_h200.sh attention-ncu` times the same launches under Nsight Compute
-at fixed clocks.
+backward run twice and compared bitwise, and every other variant bitwise equal to the plainest mma.sync
+tiling: the other tilings (Pipe: double-buffered tiles; MT: two row tiles of 16 per warp, HS 64) with the
+trainer's among them, and, on an sm_90a build on Hopper, the header's wgmma kernels and the lab90 ones,
+after a selftest of the wgmma building blocks (swizzled tiles, descriptors, one and four accumulated
+blocks); T = 1, 37, 64, 65, 1000, 1024 and small and large B*NH, HS 64 and 128. Then times (CUDA events,
+median of 25 after warm-up) every variant and the cuBLASLt path at the d12 shapes, checks them against
+each other and prints a table. Event timings drift with the GPU's clocks; `bash dev/run_h200.sh
+attention-ncu` times the same launches under Nsight Compute at fixed clocks.
 
 Does not provide: tests for the trainer (test/test_kernels.cu tests attention_forward/backward, both
 paths, against the CPU reference).
@@ -40,6 +43,477 @@ paths, against the CPU reference).
 #include "llmc/utils.h"
 
 using namespace llmc;
+
+// ----------------------------------------------------------------------------------------------------
+// Variants of the wgmma kernels of llmc/flash_attention_sm90.cuh that the trainer does not run: several
+// warpgroups per block (WG: 64 * WG rows, the warpgroups sharing the tiles the block loads), tiles loaded
+// with cp.async by every thread instead of TMA (Tma = false: each thread computes its 16-byte chunks'
+// swizzled addresses), and other register caps (MinKV, MinQ: blocks per SM). The kernels are the
+// header's with those three choices open; WG = 1, Tma, MinKV = 3, MinQ = 4 is what the header runs. Every
+// variant must give the header's bits (each row sees the same operations on the same tile contents).
+// Outside the anonymous namespace: only the sm_90a build's kernels call these helpers, and other builds
+// would warn about unreferenced internal functions.
+
+namespace lab90 {
+using namespace llmc::flash_common;
+using flash90_detail::acc_to_a;
+using flash90_detail::align_smem;
+using flash90_detail::kAlign;
+using flash90_detail::kHS;
+using flash90_detail::kRows;
+using flash90_detail::kTileBytes;
+using flash90_detail::kWGThreads;
+using flash90_detail::mbar_expect;
+using flash90_detail::mbar_init;
+using flash90_detail::mbar_init_fence;
+using flash90_detail::mbar_wait;
+using flash90_detail::product;
+using flash90_detail::products;
+using flash90_detail::rows_tensor_map;
+using flash90_detail::SmemA;
+using flash90_detail::tma_tile;
+using flash90_detail::zero8;
+
+// Rows row0 .. row0+63 of a (rows, 64) bf16 slice (row r at g + r * stride) into a swizzled tile; rows
+// >= T zero-filled. All nthreads threads of the block take part.
+__device__ inline void load_tile_sw(uint8_t* s, const floatX* g, int64_t stride, int row0, int T, int tid,
+                                    int nthreads) {
+    for (int i = tid; i < kRows * 8; i += nthreads) {
+        const int r = i >> 3, c = i & 7;
+        const int t = row0 + r;
+        flash_detail::cp_async16(s + r * 128 + ((c ^ (r & 7)) << 4), g + int64_t(min(t, T - 1)) * stride + c * 8,
+                                 t < T);
+    }
+}
+
+// After this thread's cp.async copies have landed: makes them visible to wgmma, which reads shared memory
+// through the async proxy. A __syncthreads() must follow before any warpgroup reads the tiles.
+__device__ inline void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// One step of a double-buffered loop over n_steps tiles (or tile sets): the barrier that lets the buffer
+// of step + 1 be refilled (every warpgroup is done with it), load_next(step + 1) issued when there is
+// such a step, then step's copies waited for, fenced for wgmma and a barrier, so every warpgroup may read
+// them. The copies of step 0 must have been issued and committed before the loop.
+template <class LoadNext>
+__device__ inline void pipeline_step(int step, int n_steps, LoadNext load_next) {
+    __syncthreads();
+    if (step + 1 < n_steps) {
+        load_next(step + 1);
+        flash_detail::cp_async_commit();
+        flash_detail::cp_async_wait<1>();
+    } else {
+        flash_detail::cp_async_wait<0>();
+    }
+    fence_async_proxy();
+    __syncthreads();
+}
+
+// A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
+// 16w..16w+15) of all four k-steps of a warpgroup's 64 x 64 swizzled tile (the selftests' register A).
+__device__ inline void load_a_frags(uint32_t (&a)[4][4], const uint8_t* tile, int warp, int lane) {
+    const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int chunk = 2 * kk + (lane >> 4);
+        flash_detail::ldsm_x4(a[kk], reinterpret_cast<const floatX*>(tile + row * 128 + ((chunk ^ (row & 7)) << 4)));
+    }
+}
+
+// Where a kernel's 64 x 64 tiles come from: columns col .. col + 63 of batch b of a (B, T, cols) tensor,
+// through its TMA map, or from g (the column's first element of batch b, rows `stride` elements apart).
+struct TileSource {
+    const CUtensorMap* map;
+    const floatX* g;
+    int64_t stride;
+    int col, b;
+};
+
+// Rows row .. row + 63 of src into the swizzled tile at dst. Tma: issued by the calling thread alone, its
+// bytes counted on bar (announced by the caller's mbar_expect); else every one of nthreads threads copies
+// its share with cp.async (committed by the caller).
+template <bool Tma>
+__device__ inline void load_tile(uint8_t* dst, const TileSource& src, int row, int T, int tid, int nthreads,
+                                 uint64_t* bar) {
+    if constexpr (Tma) {
+        tma_tile(dst, src.map, bar, src.col, row, src.b);
+    } else {
+        load_tile_sw(dst, src.g, src.stride, row, T, tid, nthreads);
+    }
+}
+
+// The tiles that stay for the whole block: WG tiles of a at dst_a and, when b is given, WG of b at dst_b,
+// rows row0 + 64 w, on bars[0] (Tma: by the calling thread alone).
+template <bool Tma, int WG>
+__device__ inline void load_fixed(uint8_t* dst_a, const TileSource& a, uint8_t* dst_b, const TileSource* b, int row0,
+                                  int T, int tid, int nthreads, uint64_t (&bars)[3]) {
+    if constexpr (Tma) mbar_expect(&bars[0], (b != nullptr ? 2 : 1) * WG * kTileBytes);
+    for (int w = 0; w < WG; w++) {
+        load_tile<Tma>(dst_a + w * kTileBytes, a, row0 + kRows * w, T, tid, nthreads, bars);
+        if (b != nullptr) load_tile<Tma>(dst_b + w * kTileBytes, *b, row0 + kRows * w, T, tid, nthreads, bars);
+    }
+}
+
+// Step n of a stream of tile pairs: rows row .. row + 63 of a and b into buffer n & 1 of `stream` (two
+// tiles per buffer), on bars[1 + (n & 1)] (Tma: by the calling thread alone).
+template <bool Tma>
+__device__ inline void load_stream_pair(uint8_t* stream, const TileSource& a, const TileSource& b, int n, int row,
+                                        int T, int tid, int nthreads, uint64_t (&bars)[3]) {
+    uint8_t* dst = stream + (n & 1) * 2 * kTileBytes;
+    uint64_t* bar = &bars[1 + (n & 1)];
+    if constexpr (Tma) mbar_expect(bar, 2 * kTileBytes);
+    load_tile<Tma>(dst, a, row, T, tid, nthreads, bar);
+    load_tile<Tma>(dst + kTileBytes, b, row, T, tid, nthreads, bar);
+}
+
+// The prologue of a kernel's loads: with Tma, thread 0 sets up the three barriers (the fixed tiles', the
+// two stream buffers') and the block waits for that; issue_first then loads the fixed tiles on bars[0]
+// and step 0 of the stream, by thread 0 (Tma) or by every thread (cp.async, one commit group each), and
+// each_first is every thread's own part of step 0. Tma: returns after the fixed tiles have arrived.
+template <bool Tma, class IssueFirst, class EachFirst>
+__device__ inline void loads_begin(uint64_t (&bars)[3], int tid, IssueFirst issue_first, EachFirst each_first) {
+    if constexpr (Tma) {
+        if (tid == 0) {
+            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+            mbar_init_fence();
+        }
+        __syncthreads();
+        if (tid == 0) issue_first();
+        each_first();
+        mbar_wait(&bars[0], 0);
+    } else {
+        issue_first();
+        each_first();
+        flash_detail::cp_async_commit();
+    }
+}
+
+// One step of a double-buffered stream of n_steps tile sets (buffer step & 1, on bars[1 + buffer] with
+// Tma): frees the other buffer (a barrier), loads step + 1 into it (issue_next by thread 0 with Tma, by
+// every thread with cp.async; each_next by every thread), then waits for this step's tiles. cp.async:
+// pipeline_step.
+template <bool Tma, class IssueNext, class EachNext>
+__device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], int tid, IssueNext issue_next,
+                                  EachNext each_next) {
+    if constexpr (Tma) {
+        __syncthreads();
+        if (step + 1 < n_steps) {
+            if (tid == 0) issue_next(step + 1);
+            each_next(step + 1);
+        }
+        mbar_wait(&bars[1 + (step & 1)], (step >> 1) & 1);
+    } else {
+        pipeline_step(step, n_steps, [&](int next) {
+            issue_next(next);
+            each_next(next);
+        });
+    }
+}
+
+// This thread's warpgroup in a block of WG warpgroups, in a form ptxas can see to be uniform across the
+// warpgroup (a shuffle from lane 0), so that branches on it do not count as divergent around wgmma (which
+// would serialize the wgmma: ptxas's C7520).
+template <int WG>
+__device__ inline int warpgroup_index() {
+    if constexpr (WG == 1) {
+        return 0;
+    } else {
+        return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWGThreads, 0);
+    }
+}
+
+// Shared memory of each kernel (plus kAlign for the alignment).
+template <int WG>
+constexpr size_t smem90_fwd() {  // Q tiles of the warpgroups, two K, V pairs
+    return size_t(WG + 4) * kTileBytes + kAlign;
+}
+template <int WG>
+constexpr size_t smem90_dq() {  // Q and dO tiles of the warpgroups, two K, V pairs
+    return size_t(2 * WG + 4) * kTileBytes + kAlign;
+}
+template <int WG>
+constexpr size_t smem90_dkdv() {  // K and V tiles of the warpgroups, two Q, dO pairs, two lse, D pairs
+    return size_t(2 * WG + 4) * kTileBytes + 2 * 2 * kRows * sizeof(float) + kAlign;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Forward: block = 64 * WG queries of one (b, h), longest first; loop over 64-key blocks up to the
+// diagonal, K and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait.
+
+template <int WG, bool Tma>
+static __global__ void __launch_bounds__(WG * kWGThreads)
+    lab90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, const __grid_constant__ CUtensorMap qkv_map, int T,
+                       int NH, float scale_log2) {
+#if FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q, K/V buffer 0, K/V buffer 1
+    uint8_t* sQ = align_smem(smem_raw);
+    uint8_t* sKV = sQ + WG * kTileBytes;  // [buffer][K, V]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
+    const int row0 = wfirst + 16 * warp;                              // this warp's
+
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    auto nothing = [](int) {};
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sQ, q_src, nullptr, nullptr, q0, T, tid, kThreads, bars);
+            load_kv(0);
+        },
+        [] {});
+
+    uint32_t pa[4][4];
+    float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    zero8(o);
+    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kRows, buf = j & 1;
+        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
+        if (k0 > wlast) continue;  // every key after every query of this warpgroup
+        const uint8_t* sK = sKV + buf * 2 * kTileBytes;
+        zero8(s[0]);
+        product<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK);
+        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+            mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
+        }
+        softmax_step<kHS>(s[0], m, l, o, scale_log2);
+        acc_to_a(pa, s[0]);
+        product<true>(o, pa, sK + kTileBytes);
+    }
+    store_forward_rows<kHS>(out + int64_t(b) * T * C + h * kHS, C, lse + int64_t(bh) * T, o, m, l, row0, T, lane);
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward, dK/dV: block = 64 * WG keys of one (b, h), longest first; loop over the 64-query blocks from
+// the block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are
+// the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end.
+
+template <int WG, int MinBlocks, bool Tma>
+static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+    lab90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
+                        const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
+                        int T, int NH, float scale_log2, float scale) {
+#if FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: K and V, Q/dO buffer 0, Q/dO buffer 1
+    uint8_t* sK = align_smem(smem_raw);
+    uint8_t* sV = sK + WG * kTileBytes;
+    uint8_t* sQdO = sV + WG * kTileBytes;                              // [buffer][Q, dO]
+    float* sLD = reinterpret_cast<float*>(sQdO + 4 * kTileBytes);  // [buffer][lse2, D]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int k0 = blockIdx.x * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const floatX* dobase = dout + int64_t(b) * T * C + h * kHS;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
+    const int row0 = wfirst + 16 * warp;
+
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b}, do_src{&dout_map, dobase, C, h * kHS, b};
+    const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
+    // Step n (query block i0 + n) into buffer n & 1: its Q and dO tiles, and (every thread, plain loads, one
+    // step ahead: the barrier that starts the step that reads them makes them visible) its lse and D.
+    auto load_tiles = [&](int n) {
+        load_stream_pair<Tma>(sQdO, q_src, do_src, n, (i0 + n) * kRows, T, tid, kThreads, bars);
+    };
+    auto load_lse_d = [&](int n) {
+        const int q0 = (i0 + n) * kRows;
+        float* bL = sLD + (n & 1) * 2 * kRows;
+        for (int t = tid; t < kRows; t += kThreads) {
+            const int qi = q0 + t;
+            bL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
+            bL[kRows + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
+        }
+    };
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sK, k_src, sV, &v_src, k0, T, tid, kThreads, bars);
+            load_tiles(0);
+        },
+        [&] { load_lse_d(0); });
+
+    uint32_t pa[4][4], da[4][4];
+    float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
+    zero8(dk);
+    zero8(dv);
+    for (int i = i0; i < n_qblocks; i++) {
+        const int q0 = i * kRows, buf = (i - i0) & 1;
+        loads_step<Tma>(i - i0, n_qblocks - i0, bars, tid, load_tiles, load_lse_d);
+        if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
+        const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
+        const uint8_t* sdO = sQ + kTileBytes;
+        const float* sL = sLD + buf * 2 * kRows;
+        const float* sD = sL + kRows;
+
+        zero8(st[0]);
+        zero8(dpt);
+        products<false>(st[0], SmemA{sK + wg * kTileBytes}, sQ, dpt, SmemA{sV + wg * kTileBytes}, sdO);
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
+            st[0][nt][e] = exp2_fast(fmaf(st[0][nt][e], scale_log2, -sL[c]));
+        });
+        // Queries before the key (above the diagonal) or past T get P = 0.
+        if (q0 < wlast || q0 + kRows > T) {
+            mask_block<1, kRows>(st, row0, q0, 0.0f, lane, [T](int r, int c) { return c >= r && c < T; });
+        }
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
+            dpt[nt][e] = st[0][nt][e] * (dpt[nt][e] - sD[c]);
+        });
+        acc_to_a(pa, st[0]);
+        acc_to_a(da, dpt);
+        products<true>(dv, pa, sdO, dk, da, sQ);
+    }
+    // A block's first query block starts at its first key, so the loop ran at least once.
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane);
+#endif
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Backward, dQ: block = 64 * WG queries of one (b, h), longest first; loop over the key blocks up to the
+// diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
+
+template <int WG, int MinBlocks, bool Tma>
+static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+    lab90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
+                      const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
+                      int NH, float scale_log2, float scale) {
+#if FLASH90_DEVICE
+    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q and dO, K/V buffer 0, K/V buffer 1
+    uint8_t* sQ = align_smem(smem_raw);
+    uint8_t* sdO = sQ + WG * kTileBytes;
+    uint8_t* sKV = sdO + WG * kTileBytes;  // [buffer][K, V]
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int C = NH * kHS;
+    const int64_t C3 = 3 * int64_t(C);
+    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
+    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int g = lane >> 2;
+    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;
+    const int row0 = wfirst + 16 * warp;
+    float lse2[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + g + 8 * r;
+        lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
+        Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
+    }
+
+    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
+        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b},
+        do_src{&dout_map, dout + int64_t(b) * T * C + h * kHS, C, h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    auto nothing = [](int) {};
+    loads_begin<Tma>(
+        bars, tid,
+        [&] {
+            load_fixed<Tma, WG>(sQ, q_src, sdO, &do_src, q0, T, tid, kThreads, bars);
+            load_kv(0);
+        },
+        [] {});
+
+    uint32_t da[4][4];
+    float dq[8][4], s[1][8][4], dp[8][4];
+    zero8(dq);
+    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    for (int j = 0; j < n_blocks; j++) {
+        const int k0 = j * kRows, buf = j & 1;
+        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
+        if (k0 > wlast) continue;
+        const uint8_t* sK = sKV + buf * 2 * kTileBytes;
+        zero8(s[0]);
+        zero8(dp);
+        products<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK, dp, SmemA{sdO + wg * kTileBytes}, sK + kTileBytes);
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
+            s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
+        });
+        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+            mask_block<1, kRows>(s, row0, k0, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
+        }
+        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
+            dp[nt][e] = s[0][nt][e] * (dp[nt][e] - Dr[e >> 1]);
+        });
+        acc_to_a(da, dp);
+        product<true>(dq, da, sK);
+    }
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
+#endif
+}
+
+
+// The maps a launch passes: real ones with Tma, zeros (unused) without.
+template <bool Tma>
+inline CUtensorMap maybe_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
+    if constexpr (Tma) {
+        return rows_tensor_map(base, cols, T, B, what);
+    } else {
+        return CUtensorMap{};
+    }
+}
+
+// As flash90_forward, with WG warpgroups per block and the tiles loaded by TMA or cp.async.
+template <int WG, bool Tma>
+void forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
+    static_assert(WG == 1 || WG == 2 || WG == 3, "1 to 3 warpgroups per block");
+    check_args("lab90::forward", B, T, NH);
+    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    allow_smem(lab90_fwd_kernel<WG, Tma>, smem90_fwd<WG>());
+    const float scale_log2 = kLog2e / sqrtf(float(kHS));
+    const dim3 grid(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
+    lab90_fwd_kernel<WG, Tma><<<grid, WG * kWGThreads, smem90_fwd<WG>(), stream>>>(out, lse, qkv, qkv_map, T, NH,
+                                                                                   scale_log2);
+    cudaCheckLaunch();
+}
+
+// As flash90_backward, with WG (dK/dV) and WGQ (dQ) warpgroups per block, the dK/dV and dQ kernels'
+// registers capped for MinKV and MinQ blocks per SM (1 leaves ptxas free), the tiles loaded by TMA or
+// cp.async.
+template <int WG, int WGQ, int MinKV, int MinQ, bool Tma>
+void backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B, int T,
+              int NH, float* D, cudaStream_t stream) {
+    static_assert(WG >= 1 && WG <= 3 && WGQ >= 1 && WGQ <= 3, "1 to 3 warpgroups per block");
+    check_args("lab90::backward", B, T, NH);
+    flash_backward_dot<kHS>(D, out, dout, B, T, NH, stream);
+    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    const CUtensorMap dout_map = maybe_map<Tma>(dout, int64_t(NH) * kHS, T, B, "dout");
+    allow_smem(lab90_dkdv_kernel<WG, MinKV, Tma>, smem90_dkdv<WG>());
+    allow_smem(lab90_dq_kernel<WGQ, MinQ, Tma>, smem90_dq<WGQ>());
+    const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
+    const dim3 grid_kv(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
+    lab90_dkdv_kernel<WG, MinKV, Tma><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(
+        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
+    cudaCheckLaunch();
+    const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
+    lab90_dq_kernel<WGQ, MinQ, Tma><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(
+        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
+    cudaCheckLaunch();
+}
+
+// A warpgroup's 64 x 64 fp32 accumulator (m64n64 D layout) into d, row-major.
+__device__ inline void store_acc64(float* d, const float (&acc)[8][4], int warp, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 8; i++) {
+        for (int e = 0; e < 4; e++) d[(16 * warp + g + 8 * (e >> 1)) * 64 + 8 * i + 2 * q + (e & 1)] = acc[i][e];
+    }
+}
+
+}  // namespace lab90
 
 namespace {
 
@@ -165,28 +639,21 @@ __global__ void fill_uniform_kernel(floatX* p, size_t n, uint64_t key, float amp
     }
 }
 
-// A warpgroup's 64 x 64 fp32 accumulator (m64n64 D layout) into d, row-major.
-__device__ inline void store_acc64(float* d, const float (&acc)[8][4], int warp, int lane) {
-    const int g = lane >> 2, q = lane & 3;
-    for (int i = 0; i < 8; i++) {
-        for (int e = 0; e < 4; e++) d[(16 * warp + g + 8 * (e >> 1)) * 64 + 8 * i + 2 * q + (e & 1)] = acc[i][e];
-    }
-}
 
 // The wgmma building blocks of llmc/flash_attention_sm90.cuh on one warpgroup: A, B (64 x 64 bf16, row-major
 // in global memory) through swizzled tiles; d_nt = A B^T (B read K-major), d_nn = A B (B read MN-major).
 // Checked on the host against a double-precision product, so a wrong descriptor shows by itself.
 __global__ void wgmma_selftest_kernel(float* d_nt, float* d_nn, const floatX* a, const floatX* b) {
-#if LLMC_FLASH90_DEVICE
-    using namespace flash90_detail;
+#if FLASH90_DEVICE
+    using namespace lab90;
     extern __shared__ uint8_t smem_raw[];
     uint8_t* sA = align_smem(smem_raw);
     uint8_t* sB = sA + kTileBytes;
     const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
     load_tile_sw(sA, a, 64, 0, 64, tid, kWGThreads);
     load_tile_sw(sB, b, 64, 0, 64, tid, kWGThreads);
-    cp_async_commit();
-    cp_async_wait<0>();
+    flash_detail::cp_async_commit();
+    flash_detail::cp_async_wait<0>();
     fence_async_proxy();
     __syncthreads();
     uint32_t af[4][4];
@@ -207,8 +674,8 @@ __global__ void wgmma_selftest_kernel(float* d_nt, float* d_nn, const floatX* a,
 // with A's fragments loaded again for every block.
 __global__ void wgmma_pipe_selftest_kernel(float* d_nt, float* d_nn, const floatX* a, const floatX* b, int nblk,
                                            int mode) {
-#if LLMC_FLASH90_DEVICE
-    using namespace flash90_detail;
+#if FLASH90_DEVICE
+    using namespace lab90;
     extern __shared__ uint8_t smem_raw[];
     uint8_t* sA = align_smem(smem_raw);
     uint8_t* sB = sA + kTileBytes;  // mode 0: 2 buffers; 1: 1; 2: nblk
@@ -219,7 +686,7 @@ __global__ void wgmma_pipe_selftest_kernel(float* d_nt, float* d_nn, const float
     if (mode >= 2) {
         for (int j = 0; j < nblk; j++) load_tile_sw(sB + j * kTileBytes, b, 64, j * 64, T, tid, kWGThreads);
     }
-    cp_async_commit();
+    flash_detail::cp_async_commit();
     uint32_t af[4][4];
     float nt[8][4], nn[8][4];
     zero8(nt);
@@ -235,11 +702,11 @@ __global__ void wgmma_pipe_selftest_kernel(float* d_nt, float* d_nn, const float
             __syncthreads();
             if (mode == 1) {
                 load_tile_sw(sB, b, 64, j * 64, T, tid, kWGThreads);
-                cp_async_commit();
+                flash_detail::cp_async_commit();
             } else {
                 tile = sB + j * kTileBytes;
             }
-            cp_async_wait<0>();
+            flash_detail::cp_async_wait<0>();
             fence_async_proxy();
             __syncthreads();
         }
@@ -415,16 +882,25 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
     fill_uniform_kernel<<<1024, 256>>>(dout.get(), n_out, rng_key(seed, 2), 1.0f);
     cudaCheckLaunch();
 
+    // "flash": the mma.sync kernels with the plainest tiling (no double buffering, one 16-row tile per
+    // warp), which every other variant must match bit for bit.
     auto fwd = [&](floatX* o) {
-        if (HS == 64) flash_forward<64>(o, lse.get(), qkv.get(), B, T, NH, stream);
-        else flash_forward<128>(o, lse.get(), qkv.get(), B, T, NH, stream);
+        if (HS == 64) flash_forward<64, false, 1>(o, lse.get(), qkv.get(), B, T, NH, stream);
+        else flash_forward<128, false, 1>(o, lse.get(), qkv.get(), B, T, NH, stream);
     };
     auto bwd = [&](floatX* g) {
-        if (HS == 64) flash_backward<64>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
-        else flash_backward<128>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream);
+        if (HS == 64) {
+            flash_backward<64, false, 1, 1, false>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(),
+                                                   stream);
+        } else {
+            flash_backward<128, false, 1, 1, false>(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(),
+                                                    stream);
+        }
     };
-    // The other kernel variants (Pipe: double-buffered tiles; MT: two row tiles per warp, HS 64 only): the
-    // same arithmetic per row, so the same bits are required.
+    // The other tilings (Pipe: double-buffered tiles; MT: two row tiles per warp, HS 64 only; the template
+    // arguments are <HS, Pipe, MT> forward and <HS, Pipe, MT, MTQ, PipeQ> backward): the same arithmetic per
+    // row, so the same bits are required. "flash_tiling" is what the trainer runs (llmc/flash_attention.cuh)
+    // where the wgmma kernels do not.
     struct Variant {
         const char* name;
         std::function<void(floatX*)> fwd, bwd;
@@ -435,13 +911,14 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
                             [&, b](floatX* g) { b(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream); }});
     };
     if (HS == 64) {
-        add("flash pipelined", flash_forward<64, true>, flash_backward<64, true>);
-        add("flash 2 tiles", flash_forward<64, false, 2>, flash_backward<64, false, 2>);
-        add("pipelined 2 tiles", flash_forward<64, true, 2>, flash_backward<64, true, 2>);
-        add("pipe 2t, dkdv 1t", flash_forward<64, true, 2>, flash_backward<64, true, 1, 2>);
-        add("trainer's (dkdv unpiped)", flash_forward<64, true, 2>, flash_backward<64, false, 2, 2, true>);
+        add("flash pipelined", flash_forward<64, true, 1>, flash_backward<64, true, 1, 1, true>);
+        add("flash 2 tiles", flash_forward<64, false, 2>, flash_backward<64, false, 2, 2, false>);
+        add("pipelined 2 tiles", flash_forward<64, true, 2>, flash_backward<64, true, 2, 2, true>);
+        add("pipe 2t, dkdv 1t", flash_forward<64, true, 2>, flash_backward<64, true, 1, 2, true>);
+        add("flash_tiling (trainer's)", flash_forward<64>, flash_backward<64>);
     } else {
-        add("flash pipelined", flash_forward<128, true>, flash_backward<128, true>);
+        add("flash pipelined", flash_forward<128, true, 1>, flash_backward<128, true, 1, 1, true>);
+        add("flash_tiling (trainer's)", flash_forward<128>, flash_backward<128>);
     }
     int failures = 0;
     auto check = [&](bool ok, const char* what, double v) {
@@ -508,11 +985,13 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
                               },
                               {}, {}, false});
         };
-        addo("wgmma WG1", flash90_forward<1, false>, flash90_backward<1, 1, 1, 1, false>);
-        addo("wgmma WG2", flash90_forward<2, false>, flash90_backward<2, 2, 1, 1, false>);
-        addo("wgmma kv3 q4, cp.async", flash90_forward<1, false>, flash90_backward<1, 1, 3, 4, false>);
-        addo("wgmma kv3 q4, TMA", flash90_forward<1, true>, flash90_backward<1, 1, 3, 4, true>);
-        addo("wgmma WG2, TMA", flash90_forward<2, true>, flash90_backward<2, 2, 1, 1, true>);
+        addo("wgmma (trainer's)", flash90_forward, flash90_backward);
+        addo("wgmma WG1, cp.async", lab90::forward<1, false>, lab90::backward<1, 1, 1, 1, false>);
+        addo("wgmma WG2, cp.async", lab90::forward<2, false>, lab90::backward<2, 2, 1, 1, false>);
+        addo("wgmma kv3 q4, cp.async", lab90::forward<1, false>, lab90::backward<1, 1, 3, 4, false>);
+        addo("wgmma kv3 q4, TMA", lab90::forward<1, true>, lab90::backward<1, 1, 3, 4, true>);
+        addo("wgmma WG1, TMA", lab90::forward<1, true>, lab90::backward<1, 1, 1, 1, true>);
+        addo("wgmma WG2, TMA", lab90::forward<2, true>, lab90::backward<2, 2, 1, 1, true>);
     }
     for (Other& v : others) {
         poison(out2.get(), out2.bytes());

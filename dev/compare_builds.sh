@@ -1,29 +1,52 @@
 #!/usr/bin/env bash
-# Times trainers built with different compile-time choices against each other, in one run on one GPU:
-# each variant is built (in parallel) as build/cmp_NAME, then all are run ROUNDS times, interleaved
-# (a b c a b c ...), so clock and thermal drift fall on every variant alike. Prints each run's average
-# ms/step (the trainer's own "average over N steps" line: CUDA events, step 1 left out), then per variant
-# the median over rounds and its ratio to the first variant.
-#   bash dev/compare_builds.sh "NAME=FLAGS" ...      e.g. "base=" "nogelu=-DLLMC_GELU_EPILOGUE=0"
+# Runs trainers built from different commits against each other, in one run on one GPU: each NAME=REV is
+# built from git revision REV (empty: the working tree as it is; the path of an executable: that trainer,
+# built elsewhere) as build/cmp_NAME, in parallel, then all are run ROUNDS times, interleaved (a b c a b
+# c ...), so clock and thermal drift fall on every variant alike. Prints each run's average ms/step (the
+# trainer's own "average over N steps" line: CUDA events, step 1 left out), then per variant the median
+# over rounds and its ratio to the first variant, and whether every run printed the same per-step losses
+# and gradient norms as the first variant's first run (same seed and flags: a change that should leave
+# the results alone must keep them).
+#   bash dev/compare_builds.sh "NAME=REV" ...      e.g. "new=" "old=HEAD~1" or "old=build/old_trainer"
 #   ROUNDS=3 ARGS="-e d12 -b 64 -t 1024 -x 30" bash dev/compare_builds.sh ...
+# A revision is built with its own Makefile (for the GPU this machine has, as `make` picks it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 ARGS=${ARGS:-"-e d12 -b 64 -t 1024 -x 30"}
 if [ $# -lt 1 ]; then
-    sed -n '2,8p' "$0" >&2
+    sed -n '2,12p' "$0" >&2
     exit 2
 fi
 names=()
 pids=()
 mkdir -p build
+build_variant() {  # build_variant NAME REV
+    local name=$1 rev=$2
+    if [ -z "$rev" ]; then
+        make -s train_gpt2cu && cp train_gpt2cu "build/cmp_$name"
+        return
+    fi
+    if [ -f "$rev" ] && [ -x "$rev" ]; then
+        cp "$rev" "build/cmp_$name"
+        return
+    fi
+    local src="build/cmp_src/$name"
+    rm -rf "$src"
+    mkdir -p "$src"
+    git archive "$rev" | tar -x -C "$src"
+    make -s -C "$src" train_gpt2cu && cp "$src/train_gpt2cu" "build/cmp_$name"
+}
 for spec in "$@"; do
     name=${spec%%=*}
-    flags=${spec#*=}
-    [ "$name" = "$spec" ] && { echo "compare_builds: '$spec' is not NAME=FLAGS" >&2; exit 2; }
+    rev=${spec#*=}
+    [ "$name" = "$spec" ] && { echo "compare_builds: '$spec' is not NAME=REV" >&2; exit 2; }
+    if [ -n "$rev" ] && ! [ -x "$rev" ] && ! git rev-parse --verify --quiet "$rev^{commit}" >/dev/null 2>&1; then
+        echo "compare_builds: '$rev' is neither an executable nor a commit of this repository" >&2
+        exit 2
+    fi
     names+=("$name")
-    # shellcheck disable=SC2086  # FLAGS is a list of compiler options
-    make -s -B "build/cmp_$name" NVCC_EXTRA="$flags" >"build/cmp_$name.log" 2>&1 &
+    build_variant "$name" "$rev" >"build/cmp_$name.log" 2>&1 &
     pids+=($!)
 done
 for i in "${!pids[@]}"; do
@@ -34,14 +57,23 @@ for i in "${!pids[@]}"; do
     fi
 done
 declare -A runs
+reference=""
+differs=()
 for r in $(seq 1 "$ROUNDS"); do
     for name in "${names[@]}"; do
         # shellcheck disable=SC2086
-        line=$("./build/cmp_$name" $ARGS -v 0 -s 0 -o "" 2>&1 | grep "^average over" || true)
+        out=$("./build/cmp_$name" $ARGS -v 0 -s 0 -o "" 2>&1 || true)
+        line=$(echo "$out" | grep "^average over" || true)
         ms=$(echo "$line" | sed -E 's/.*: ([0-9.]+) ms\/step.*/\1/')
         [ -z "$ms" ] && { echo "compare_builds: build/cmp_$name printed no average (ARGS: $ARGS)" >&2; exit 1; }
         echo "round $r  $name: $line"
         runs[$name]="${runs[$name]:-} $ms"
+        results=$(echo "$out" | grep -E "^step " | sed -E 's/ \| [0-9.]+ ms \|.*//')
+        if [ -z "$reference" ]; then
+            reference=$results
+        elif [ "$results" != "$reference" ]; then
+            differs+=("$name (round $r)")
+        fi
     done
 done
 echo
@@ -52,3 +84,8 @@ for name in "${names[@]}"; do
     [ -z "$base" ] && base=$med
     printf '%-16s %12s %8s  %s\n' "$name" "$med" "$(awk -v a="$med" -v b="$base" 'BEGIN{printf "%.3f", a / b}')" "${runs[$name]}"
 done
+if [ ${#differs[@]} -eq 0 ]; then
+    echo "losses and norms: every run printed the same as ${names[0]}'s first"
+else
+    echo "losses and norms: different from ${names[0]}'s first run in: ${differs[*]}"
+fi

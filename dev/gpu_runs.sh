@@ -283,11 +283,11 @@ for section in "$@"; do
             grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
                 "$LOGS/attention_detail.log" | tee -a "$summary" ;;
         compare)
-            # Trainers built with other compile-time choices, timed against each other in one run:
-            # COMPARE="base= q2=-DLLMC_FLASH64_Q=2 ..." (see dev/compare_builds.sh).
+            # Trainers built from other commits, timed against each other in one run:
+            # COMPARE="new= old=HEAD~1 ..." (see dev/compare_builds.sh).
             # shellcheck disable=SC2086
             step compare_builds compare.log 550 bash dev/compare_builds.sh ${COMPARE:-base=}
-            tail -n $(( $(echo ${COMPARE:-base=} | wc -w) + 1 )) "$LOGS/compare.log" >>"$summary" ;;
+            tail -n $(( $(echo ${COMPARE:-base=} | wc -w) + 2 )) "$LOGS/compare.log" >>"$summary" ;;
         quickstart)
             step quickstart quickstart.log 300 bash scripts/quickstart.sh
             grep -E "val loss|^step .*(/| 1500)" "$LOGS/quickstart.log" | tail -n 12 >>"$summary"

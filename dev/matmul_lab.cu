@@ -3,15 +3,15 @@ matmul_lab: is cuBLASLt's first heuristic choice (the algorithm gemm() runs) the
 matmuls the trainer runs, and how much of a training step would picking another one save?
 
   build/matmul_lab [--B 64] [--T 1024] [--C 768] [--Vp 50304] [--layers 12] [--algos 16]
-                   [--sustain SECONDS | --sustain-each SECONDS]
+                   [--sustain SECONDS | --sustain-each SECONDS] [--gelu-kernel]
 
 Makes the 15 distinct gemm() calls of one GPT-2 forward and backward at these sizes (d12 by default,
 N = B*T rows), each with exactly the arguments matmul_forward / matmul_backward of llmc/matmul.cuh pass
 to gemm() (through detail::GemmCall, gemm()'s own cuBLASLt setup): forward of qkv, attention projection,
-fc (GELU_AUX_BIAS epilogue, pre-GELU kept in aux; a BIAS epilogue when built with
--DLLMC_GELU_EPILOGUE=0, as the trainer is), fc projection and the LM head (padded vocabulary, no bias);
-the dinp matmul of each (DGELU epilogue for the fc projection, whose input is the GELU output); the
-dweight matmul of each (beta = 1, accumulating). The bias gradients are our own kernel, not cuBLASLt's.
+fc (GELU_AUX_BIAS epilogue, pre-GELU kept in aux), fc projection and the LM head (padded vocabulary, no
+bias); the dinp matmul of each (DGELU epilogue for the fc projection, whose input is the GELU output); the
+dweight matmul of each (beta = 1, accumulating). With --gelu-kernel, fc forward and fc projection dinp are
+the plain matmuls (BIAS epilogue; none) that GELU as a kernel of its own would follow. The bias gradients are our own kernel, not cuBLASLt's.
 For each call it asks the heuristic for up to --algos results and, for each, runs it once from a fixed
 start (D reset to its initial contents for beta = 1, else poisoned with NaNs, so that an unwritten
 element shows) and compares D (and the aux output of the GELU forward) bitwise with rank 0's, runs it a
@@ -28,6 +28,11 @@ re-timed alternately, run by run, with 3x --reps runs each (the fastest of 16 no
 low). Then a summary per call: rank 0's time, the best time and its rank, and over one forward +
 backward of a B x T micro-batch (per-layer calls --layers times, the LM head's once) the matmul time with
 rank 0 everywhere against the best rank everywhere, from the re-timed figures.
+
+Before that summary, the MLP's GELU both ways at the same sizes: the trainer's epilogues (fc forward with
+GELU_AUX_BIAS, fc projection dinp with DGELU) against plain matmuls followed by our GELU kernels
+(gelu_forward of llmc/gelu.cuh; gelu_backward, which only this lab keeps): their outputs compared (within
+bf16 rounding, exit 1 otherwise) and both timed.
 
 Inputs are uniform in [-0.5, 0.5] from a seeded generator on the host; large tensors repeat an odd-sized
 block of values (see fill_random). Operands stay in L2 between back-to-back runs where they fit (the
@@ -55,6 +60,7 @@ Does not provide: choosing algorithms in the trainer; cuBLASLt's exhaustive sear
 */
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -67,6 +73,7 @@ Does not provide: choosing algorithms in the trainer; cuBLASLt's exhaustive sear
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flags.h"
+#include "llmc/gelu.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -85,6 +92,7 @@ struct Options {
     int reps = 20;
     double sustain = 0;       // seconds; > 0: the sustained sequence instead of the sweep
     double sustain_each = 0;  // seconds per heuristic result; > 0: each call's results sustained
+    bool gelu_kernel = false;  // fc fwd and fcproj dinp as plain matmuls (GELU as its own kernel)
 };
 
 // Returns false when --help was given.
@@ -101,7 +109,10 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "sustain", &o.sustain, "seconds of the step's matmul sequence back to back (0: the sweep)", 0.0,
              3600.0)
         .add("", "sustain-each", &o.sustain_each, "seconds of each heuristic result back to back (0: the sweep)", 0.0,
-             600.0);
+             600.0)
+        .add_switch("", "gelu-kernel", &o.gelu_kernel,
+                    "fc fwd and fcproj dinp without their GELU epilogues, as plain matmuls (the GELU as its own "
+                    "kernel)");
     if (!flags.parse(argc, argv)) return false;
     if (o.sustain > 0 && o.sustain_each > 0) fail(kExitUsage, "matmul_lab: give --sustain or --sustain-each, not both");
     std::fputs(flags.settings_table().c_str(), stdout);
@@ -226,11 +237,6 @@ Case forward_case(const CublasLt& lt, cudaStream_t stream, const char* name, int
     const floatX* bias = with_bias ? c.add_tensor(size_t(OC), next_seed()) : nullptr;
     floatX* pre_gelu = with_gelu ? c.add_tensor(size_t(N) * OC, next_seed()) : nullptr;
     floatX* out = c.add_tensor(size_t(N) * OC, next_seed());
-    // Without the GELU epilogue the trainer runs a plain (bias) matmul into pre_gelu, then its own GELU.
-    if (pre_gelu != nullptr && !kGeluEpilogue) {
-        out = pre_gelu;
-        pre_gelu = nullptr;
-    }
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (pre_gelu != nullptr) {
         epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -262,12 +268,10 @@ Case dinp_case(const CublasLt& lt, cudaStream_t stream, const char* name, int pe
     const floatX* weight = c.add_tensor(size_t(OC) * C, next_seed());
     const floatX* pre_gelu = with_gelu ? c.add_tensor(size_t(N) * C, next_seed()) : nullptr;
     floatX* dinp = c.add_tensor(size_t(N) * C, next_seed());
-    const bool fused = pre_gelu != nullptr && kGeluEpilogue;
-    const cublasLtEpilogue_t epilogue = fused ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
+    const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
     c.call = std::make_unique<detail::GemmCall>(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0},
                                                 GemmOperand{weight, C, false, 0}, dinp, CUDA_R_16BF, C, 0, 1, 1.0f,
-                                                0.0f, epilogue, nullptr,
-                                                fused ? const_cast<floatX*>(pre_gelu) : nullptr, C);
+                                                0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
     c.M = N;
     c.N = C;
     c.K = OC;
@@ -600,6 +604,159 @@ void run_sustained_each(const CublasLt& lt, Case& c, cudaStream_t stream, const 
                 r0, best_rank, best, 100.0 * (1.0 - best / r0), c.per_step, (r0 - best) * c.per_step);
 }
 
+// ----------------------------------------------------------------------------------------------------
+// GELU as a kernel of its own, against the epilogues the trainer uses.
+
+// GELU'(x) of the tanh approximation (llmc/gelu.cuh's gelu() differentiated).
+__device__ inline float gelu_grad(float x) {
+    const float th = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
+    const float dth = (1.0f - th * th) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+    return 0.5f * (1.0f + th) + 0.5f * x * dth;
+}
+
+// dinp = GELU'(inp) * dout over n elements, 8 per thread; dinp may be dout itself (each element is read,
+// then written, by the same thread).
+__global__ void gelu_backward_kernel(floatX* dinp, const floatX* inp, const floatX* dout, int64_t n) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
+    if (i >= n) return;
+    const PackX x = load128(inp + i);
+    const PackX d = load128(dout + i);
+    PackX o;
+    for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(gelu_grad(float(x[k])) * float(d[k]));
+    store128(dinp + i, o);
+}
+
+void gelu_backward(floatX* dinp, const floatX* inp, const floatX* dout, int64_t n, cudaStream_t stream) {
+    require_pack_multiple(n, "gelu_backward: n");
+    const int block = 256;
+    gelu_backward_kernel<<<unsigned(ceil_div<int64_t>(n / kPackX, block)), block, 0, stream>>>(dinp, inp, dout, n);
+    cudaCheckLaunch();
+}
+
+constexpr int kDiffBlocks = 1024, kDiffThreads = 256;
+constexpr double kGeluTol = 1e-2;  // a few bf16 roundings (one is 2^-9 relative)
+
+// Per block, the sums of (x - y)^2 and of y^2 over n bf16 elements.
+__global__ void __launch_bounds__(kDiffThreads) sq_diff_kernel(const floatX* x, const floatX* y, size_t n,
+                                                               double* partial) {
+    __shared__ double sums[2][kDiffThreads];
+    double d = 0, r = 0;
+    for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+        const double a = double(float(x[i])), b = double(float(y[i]));
+        d += (a - b) * (a - b);
+        r += b * b;
+    }
+    sums[0][threadIdx.x] = d;
+    sums[1][threadIdx.x] = r;
+    __syncthreads();
+    for (int half = kDiffThreads / 2; half > 0; half /= 2) {
+        if (int(threadIdx.x) < half) {
+            sums[0][threadIdx.x] += sums[0][threadIdx.x + half];
+            sums[1][threadIdx.x] += sums[1][threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        partial[2 * blockIdx.x] = sums[0][0];
+        partial[2 * blockIdx.x + 1] = sums[1][0];
+    }
+}
+
+// ||x - y|| / ||y|| over n bf16 elements.
+double rel_diff(const floatX* x, const floatX* y, size_t n) {
+    DeviceBuffer<double> partial(2 * kDiffBlocks);
+    sq_diff_kernel<<<kDiffBlocks, kDiffThreads>>>(x, y, n, partial.get());
+    cudaCheckLaunch();
+    std::vector<double> h(2 * kDiffBlocks);
+    cudaCheck(cudaMemcpy(h.data(), partial.get(), partial.bytes(), cudaMemcpyDeviceToHost));
+    double d = 0, r = 0;
+    for (int b = 0; b < kDiffBlocks; b++) d += h[2 * b], r += h[2 * b + 1];
+    return r > 0 ? std::sqrt(d / r) : (d > 0 ? INFINITY : 0.0);
+}
+
+// Median ms of --reps runs of fn on stream after --warmup.
+template <class Fn>
+double median_ms(Fn&& fn, cudaStream_t stream, const Options& o) {
+    Event start(true), stop(true);
+    for (int i = 0; i < o.warmup; i++) fn();
+    std::vector<double> ms;
+    for (int i = 0; i < o.reps; i++) {
+        cudaCheck(cudaEventRecord(start, stream));
+        fn();
+        cudaCheck(cudaEventRecord(stop, stream));
+        cudaCheck(cudaEventSynchronize(stop));
+        float t = 0;
+        cudaCheck(cudaEventElapsedTime(&t, start, stop));
+        ms.push_back(double(t));
+    }
+    return median(ms);
+}
+
+// The MLP's two GELU places at the sweep's sizes, both ways: the trainer's (matmul_forward with pre_gelu:
+// the fc matmul with the GELU_AUX_BIAS epilogue; the fcproj dinp matmul with DGELU, as matmul_backward
+// runs it) and a plain matmul (BIAS epilogue; none) followed by our GELU kernel (gelu_forward; the
+// gelu_backward above, in place). The two must agree to within bf16 rounding (the epilogue rounds the
+// matmul's fp32 result once; the kernel path rounds it, then applies GELU), and the kernel path's
+// outputs, poisoned first, must be finite. Prints both times. Returns the number of failed checks.
+int run_gelu(const CublasLt& lt, cudaStream_t stream, int64_t N, int C, const Options& o, Counter& counter) {
+    const int C4 = 4 * C;
+    const size_t n_in = size_t(N) * C, n_out = size_t(N) * C4;
+    Case t;  // only its tensors: inputs first, then outputs
+    const floatX* inp = t.add_tensor(n_in, next_seed());
+    const floatX* w_fc = t.add_tensor(size_t(C4) * C, next_seed());
+    const floatX* b_fc = t.add_tensor(size_t(C4), next_seed());
+    const floatX* dout = t.add_tensor(n_in, next_seed());   // the fcproj output's gradient (N, C)
+    const floatX* w_proj = t.add_tensor(size_t(C) * C4, next_seed());
+    floatX* pre = t.add_tensor(n_out, next_seed());
+    floatX* out = t.add_tensor(n_out, next_seed());
+    floatX* pre2 = t.add_tensor(n_out, next_seed());
+    floatX* out2 = t.add_tensor(n_out, next_seed());
+    floatX* dinp = t.add_tensor(n_out, next_seed());
+    floatX* dinp2 = t.add_tensor(n_out, next_seed());
+
+    auto fwd_epilogue = [&] { matmul_forward(lt, out, inp, w_fc, b_fc, N, C, C4, stream, pre); };
+    auto fwd_kernel = [&] {
+        matmul_forward(lt, pre2, inp, w_fc, b_fc, N, C, C4, stream);
+        gelu_forward(out2, pre2, int64_t(n_out), stream);
+    };
+    // dinp (N, 4C) = dout (N, C) @ w_proj (C, 4C), through GELU'(pre): matmul_backward's dinp call.
+    auto dinp_gemm = [&](floatX* d, cublasLtEpilogue_t epilogue) {
+        gemm(lt, stream, N, C4, C, GemmOperand{dout, C, false, 0}, GemmOperand{w_proj, C4, false, 0}, d, CUDA_R_16BF,
+             C4, 0, 1, 1.0f, 0.0f, epilogue, nullptr, epilogue == CUBLASLT_EPILOGUE_DGELU ? pre : nullptr, C4);
+    };
+    auto bwd_epilogue = [&] { dinp_gemm(dinp, CUBLASLT_EPILOGUE_DGELU); };
+    auto bwd_kernel = [&] {
+        dinp_gemm(dinp2, CUBLASLT_EPILOGUE_DEFAULT);
+        gelu_backward(dinp2, pre, dinp2, int64_t(n_out), stream);
+    };
+
+    for (floatX* p : {pre, out, pre2, out2, dinp, dinp2}) poison(p, n_out * sizeof(floatX));
+    fwd_epilogue();
+    fwd_kernel();
+    bwd_epilogue();  // both read the epilogue's pre
+    bwd_kernel();
+    cudaCheck(cudaStreamSynchronize(stream));
+    int failures = 0;
+    auto check = [&](const char* what, const floatX* got, const floatX* ref) {
+        const unsigned long long bad = count_nonfinite(got, n_out, counter);
+        const double e = rel_diff(got, ref, n_out);
+        const bool ok = bad == 0 && e < kGeluTol;
+        std::printf("gelu check: %-44s rel diff %.2e (tol %.0e), %llu non-finite: %s\n", what, e, kGeluTol, bad,
+                    ok ? "ok" : "FAIL");
+        failures += ok ? 0 : 1;
+    };
+    check("fc pre-GELU: BIAS matmul vs GELU_AUX_BIAS aux", pre2, pre);
+    check("fc out: gelu_forward vs GELU_AUX_BIAS", out2, out);
+    check("fcproj dinp: matmul + gelu_backward vs DGELU", dinp2, dinp);
+
+    const double fe = median_ms(fwd_epilogue, stream, o), fk = median_ms(fwd_kernel, stream, o);
+    const double be = median_ms(bwd_epilogue, stream, o), bk = median_ms(bwd_kernel, stream, o);
+    std::printf("gelu timing (N=%lld, 4C=%d, median ms): fc fwd epilogue %.4f, matmul + kernel %.4f (%.3fx); "
+                "fcproj dinp epilogue %.4f, matmul + kernel %.4f (%.3fx)\n",
+                (long long)N, C4, fe, fk, fk / fe, be, bk, bk / be);
+    return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -609,25 +766,27 @@ int main(int argc, char** argv) {
         if (cuda_device_count() == 0) fail(kExitCuda, "matmul_lab needs a GPU");
         cudaDeviceProp prop{};
         cudaCheck(cudaGetDeviceProperties(&prop, 0));
-        std::printf("device: %s; cuBLASLt %zu; LLMC_GELU_EPILOGUE=%d\n", prop.name, cublasLtGetVersion(),
-                    kGeluEpilogue ? 1 : 0);
+        std::printf("device: %s; cuBLASLt %zu; GELU %s\n", prop.name, cublasLtGetVersion(),
+                    o.gelu_kernel ? "as its own kernel (fc fwd and fcproj dinp without GELU epilogues)"
+                                  : "in the matmuls' epilogues (as the trainer)");
 
         const CublasLt lt;
         const Stream stream;
         Counter counter;
         const int64_t N = int64_t(o.B) * o.T;
         const int C = o.C, Vp = o.Vp, L = o.layers;
+        const bool gelu_epilogue = !o.gelu_kernel;
         // The calls of one forward + backward, in the trainer's order; each case's tensors live only while
         // it runs.
         const std::vector<std::function<Case()>> cases = {
             [&] { return forward_case(lt, stream, "qkv fwd", L, N, C, 3 * C, true, false); },
             [&] { return forward_case(lt, stream, "attproj fwd", L, N, C, C, true, false); },
-            [&] { return forward_case(lt, stream, "fc fwd", L, N, C, 4 * C, true, true); },
+            [&] { return forward_case(lt, stream, "fc fwd", L, N, C, 4 * C, true, gelu_epilogue); },
             [&] { return forward_case(lt, stream, "fcproj fwd", L, N, 4 * C, C, true, false); },
             [&] { return forward_case(lt, stream, "lm_head fwd", 1, N, C, Vp, false, false); },
             [&] { return dinp_case(lt, stream, "lm_head dinp", 1, N, C, Vp, false); },
             [&] { return dweight_case(lt, stream, "lm_head dweight", 1, N, C, Vp); },
-            [&] { return dinp_case(lt, stream, "fcproj dinp", L, N, 4 * C, C, true); },
+            [&] { return dinp_case(lt, stream, "fcproj dinp", L, N, 4 * C, C, gelu_epilogue); },
             [&] { return dweight_case(lt, stream, "fcproj dweight", L, N, 4 * C, C); },
             [&] { return dinp_case(lt, stream, "fc dinp", L, N, C, 4 * C, false); },
             [&] { return dweight_case(lt, stream, "fc dweight", L, N, C, 4 * C); },
@@ -654,6 +813,8 @@ int main(int argc, char** argv) {
             Case c = make();
             summaries.push_back(run_case(lt, stream, c, o, counter));
         }
+        std::printf("\n");
+        const int gelu_failures = run_gelu(lt, stream, N, C, o, counter);
 
         std::printf("\nsummary (per step: one forward + backward of B=%d x T=%d, per-layer calls x%d; r0 and best "
                     "re-timed interleaved where they differ)\n",
@@ -682,6 +843,6 @@ int main(int argc, char** argv) {
         std::printf("sweep: medians of the table above; r0 ms / best ms: re-timed interleaved (%dx the runs) where the "
                     "sweep's best is not rank 0; =r0: the best's output is bitwise rank 0's\n",
                     kConfirmRounds);
-        return 0;
+        return gelu_failures == 0 ? 0 : 1;
     });
 }

@@ -6,8 +6,9 @@ puts head h at columns h*HS; scale 1/sqrt(HS).
 Provides:
   attention_forward, attention_backward: what the trainer calls. Head sizes 64 and 128 (every GPT-2
                       shape d2..d48 has HS = 64) run flash attention (llmc/flash_attention.cuh: tensor-core
-                      kernels, nothing quadratic in T stored; on Hopper, HS 64 runs the wgmma kernels of
-                      llmc/flash_attention_sm90.cuh, same bits); any other head size (model files may have
+                      kernels, nothing quadratic in T stored, tiled as flash_tiling<HS>() says; on an sm_90a
+                      build running on Hopper, HS 64 runs the wgmma kernels of llmc/flash_attention_sm90.cuh
+                      instead, tuned as kFlash90 says, same bits); any other head size (model files may have
                       other shapes) runs the cuBLASLt path below. attention_uses_flash(HS) says which.
   attention_saved_bytes(B, NH, T, HS): bytes of the state forward saves for backward, one layer: flash:
                       lse (B,NH,T) fp32; cuBLASLt: att (B,NH,T,Tp) bf16.
@@ -283,56 +284,6 @@ inline void attention_backward_cublaslt(const CublasLt& lt, floatX* dqkv, const 
     cudaCheckLaunch();
 }
 
-namespace detail {
-// The flash kernels the trainer runs for HS 64 (every GPT-2 shape): double-buffered tiles (Pipe) and the
-// row tiles of 16 per warp (1 or 2) in the forward, dK/dV and dQ kernels. Every variant gives the same
-// bits; their timings are in dev/ATTENTION.md (build/attention_lab measures them all, and
-// dev/compare_builds.sh times trainers built with -DLLMC_FLASH64_PIPE=0/1 for the forward and dQ kernels,
-// -DLLMC_FLASH64_KV_PIPE=0/1 for dK/dV, -DLLMC_FLASH64_FWD/_KV/_Q=1/2). At fixed clocks (session 5) dK/dV
-// with MT = 2 ran 3% faster without Pipe, the other two 8-9% faster with it.
-#ifndef LLMC_FLASH64_PIPE
-#define LLMC_FLASH64_PIPE 1
-#endif
-#ifndef LLMC_FLASH64_KV_PIPE
-#define LLMC_FLASH64_KV_PIPE 0
-#endif
-#ifndef LLMC_FLASH64_FWD
-#define LLMC_FLASH64_FWD 2
-#endif
-#ifndef LLMC_FLASH64_KV
-#define LLMC_FLASH64_KV 2
-#endif
-#ifndef LLMC_FLASH64_Q
-#define LLMC_FLASH64_Q 2
-#endif
-// LLMC_FLASH_WGMMA=1 (default): on an sm_90a build running on compute 9.0, HS 64 runs the wgmma kernels
-// of llmc/flash_attention_sm90.cuh (same arguments, saved state and bits) with LLMC_FLASH90_FWD / _KV / _Q
-// warpgroups per block and the dK/dV and dQ kernels' registers capped for LLMC_FLASH90_KV_MINB / _Q_MINB
-// blocks per SM; 0 keeps the mma.sync kernels everywhere. Timings of the choices: dev/ATTENTION.md
-// (build/attention_lab).
-#ifndef LLMC_FLASH_WGMMA
-#define LLMC_FLASH_WGMMA 1
-#endif
-#ifndef LLMC_FLASH90_FWD
-#define LLMC_FLASH90_FWD 1
-#endif
-#ifndef LLMC_FLASH90_KV
-#define LLMC_FLASH90_KV 1
-#endif
-#ifndef LLMC_FLASH90_Q
-#define LLMC_FLASH90_Q 1
-#endif
-#ifndef LLMC_FLASH90_KV_MINB
-#define LLMC_FLASH90_KV_MINB 3
-#endif
-#ifndef LLMC_FLASH90_Q_MINB
-#define LLMC_FLASH90_Q_MINB 4
-#endif
-inline bool use_flash90() { return LLMC_FLASH_WGMMA != 0 && flash90_available(); }
-constexpr bool kFlash64Pipe = LLMC_FLASH64_PIPE != 0, kFlash64KvPipe = LLMC_FLASH64_KV_PIPE != 0;
-constexpr int kFlash64FwdTiles = LLMC_FLASH64_FWD, kFlash64KvTiles = LLMC_FLASH64_KV, kFlash64QTiles = LLMC_FLASH64_Q;
-}  // namespace detail
-
 // out (B,T,C) from qkv (B,T,3C), saving attention_saved_bytes(B, NH, T, C/NH) bytes of state in `saved`
 // for attention_backward. scratch: attention_scratch_bytes (flash's forward uses none).
 inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size_t saved_bytes, const floatX* qkv,
@@ -344,10 +295,10 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     require_aligned16(saved, "attention_forward: saved");
     if (attention_uses_flash(HS)) {
         float* lse = static_cast<float*>(saved);
-        if (HS == 64 && detail::use_flash90()) {
-            flash90_forward<LLMC_FLASH90_FWD>(out, lse, qkv, B, T, NH, stream);
+        if (HS == 64 && flash90_available()) {
+            flash90_forward(out, lse, qkv, B, T, NH, stream);
         } else if (HS == 64) {
-            flash_forward<64, detail::kFlash64Pipe, detail::kFlash64FwdTiles>(out, lse, qkv, B, T, NH, stream);
+            flash_forward<64>(out, lse, qkv, B, T, NH, stream);
         } else {
             flash_forward<128>(out, lse, qkv, B, T, NH, stream);
         }
@@ -371,13 +322,10 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
-        if (HS == 64 && detail::use_flash90()) {
-            flash90_backward<LLMC_FLASH90_KV, LLMC_FLASH90_Q, LLMC_FLASH90_KV_MINB, LLMC_FLASH90_Q_MINB>(
-                dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+        if (HS == 64 && flash90_available()) {
+            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else if (HS == 64) {
-            flash_backward<64, detail::kFlash64KvPipe, detail::kFlash64KvTiles, detail::kFlash64QTiles,
-                           detail::kFlash64Pipe>(
-                dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else {
             flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         }

@@ -7,14 +7,16 @@ permutes: the kernels read and write these layouts directly.
 
 Provides:
   flash_forward<HS>:  out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv; lse[b,h,t] = ln sum_{k<=t}
-                      exp(scale * q_t.k_k) (natural log). Block = 64 queries of one (b,h), 4 warps of 16
-                      rows; loops over 64-key blocks up to the diagonal with an online softmax in the log2
-                      domain; query blocks are issued longest first.
+                      exp(scale * q_t.k_k) (natural log). Block = 64 * MT queries of one (b,h), 4 warps
+                      of 16 * MT rows; loops over 64-key blocks up to the diagonal with an online softmax in
+                      the log2 domain (llmc/flash_common.cuh); query blocks are issued longest first.
   flash_backward<HS>: dqkv (B,T,3C), OVERWRITTEN, from dout (B,T,C), qkv, out and lse of the forward.
                       Three kernels: D = rowsum(dout * out) into scratch D (B,NH,T) fp32; dK, dV per block
-                      of 64 keys (loop over the query blocks at or after it, P recomputed from lse); dQ per
-                      block of 64 queries (loop over the key blocks up to the diagonal, P and dP
+                      of 64 * MT keys (loop over the query blocks at or after it, P recomputed from lse); dQ
+                      per block of 64 * MT queries (loop over the key blocks up to the diagonal, P and dP
                       recomputed).
+  flash_tiling<HS>(): the tiling the launchers run by default (MT, and whether a kernel double-buffers its
+                      streamed tiles): the trainer's; every tiling gives the same bits.
   flash_lse_bytes, flash_scratch_bytes: the sizes of lse and of D.
   Products through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), operands via ldmatrix from
   shared tiles [row][HS + 8] (the pad makes every ldmatrix conflict-free), tiles loaded with cp.async,
@@ -32,8 +34,8 @@ shared memory, which the launchers request.
 
 Does not provide: other head sizes (llmc/attention.cuh keeps a cuBLASLt path for them), dropout, masks
 other than causal; the Hopper (wgmma) kernels for HS 64 are in llmc/flash_attention_sm90.cuh. Design,
-register and shared-memory budgets, checks and timings: dev/ATTENTION.md; the kernel lab (fp32 reference, timing against the cuBLASLt path):
-dev/attention_lab.cu.
+register and shared-memory budgets, checks and timings: dev/ATTENTION.md; the kernel lab (fp32 reference,
+every tiling, timing against the cuBLASLt path): dev/attention_lab.cu.
 */
 #pragma once
 
@@ -43,6 +45,7 @@ dev/attention_lab.cu.
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/flash_common.cuh"
 #include "llmc/utils.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -53,11 +56,11 @@ namespace llmc {
 
 namespace flash_detail {
 
+using namespace flash_common;
+
 // ----------------------------------------------------------------------------------------------------
 // PTX wrappers. The "memory" clobbers keep the compiler from moving shared-memory reads and the async
 // copies across the barriers that order them.
-
-__device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
 __device__ inline void cp_async16(void* dst, const void* src, bool valid) {
     const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
@@ -102,14 +105,6 @@ __device__ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats as a bf16 pair, lo in the low half (the lower column of an mma operand).
-__device__ inline uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    uint32_t r;
-    memcpy(&r, &v, sizeof(r));
-    return r;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Tiles. Fragment layouts of m16n8k16 (lane = 4 * g + q): A regs (row g, k 2q..2q+1), (row g+8, ..),
 // (row g, k 2q+8..), (row g+8, k 2q+8..); B regs (k 2q..2q+1, col g), (k 2q+8.., col g); C (row g, col
@@ -118,7 +113,6 @@ __device__ inline uint32_t pack_bf16(float lo, float hi) {
 
 constexpr int kThreads = 128;  // 4 warps, 16 * MT rows of the block's tile each
 constexpr int kWarps = kThreads / kWarpSize;
-constexpr int kBlockN = 64;    // keys per step (forward, dQ)
 
 // Rows (queries in forward and dQ, keys in dK/dV) per block: MT row tiles of 16 per warp. MT = 2 lets
 // each warp use every B fragment it loads from shared memory twice.
@@ -126,8 +120,6 @@ template <int MT>
 constexpr int block_m() {
     return kWarps * 16 * MT;
 }
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 template <int HS>
 constexpr int row_stride() {
@@ -232,121 +224,6 @@ template <int M, int N>
 __device__ inline void zero(float (&acc)[M][N][4]) {
 #pragma unroll
     for (int i = 0; i < M; i++) zero(acc[i]);
-}
-
-// 2^x on the special-function unit. exp2f is the same instruction with a fix-up for results below 2^-126,
-// which a probability never needs (they flush to 0 here).
-__device__ inline float exp2_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Calls f(mt, nt, e, r, c) for every element acc[mt][nt][e] of a warp's (16 * MT) x N accumulator block
-// (m16n8 C fragments), with r its row among the warp's 16 * MT rows and c its column (0 .. N-1).
-template <int MT, int N, class F>
-__device__ inline void for_each_element(int lane, F f) {
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-        for (int nt = 0; nt < N / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) f(mt, nt, e, 16 * mt + g + 8 * (e >> 1), nt * 8 + 2 * q + (e & 1));
-        }
-    }
-}
-
-// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
-// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
-// own, so the other blocks carry no index arithmetic.
-template <int MT, int N, class Keep>
-__device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
-    for_each_element<MT, N>(lane, [&](int mt, int nt, int e, int r, int c) {
-        if (!keep(row0 + r, col0 + c)) acc[mt][nt][e] = fill;
-    });
-}
-
-// Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
-// r) * stride, rows >= T skipped.
-template <int HS>
-__device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc)[HS / 8][4], float mul_a,
-                                  float mul_b, int row0, int T, int lane) {
-    const int g = lane >> 2, q = lane & 3;
-    const int ra = row0 + g, rb = ra + 8;
-#pragma unroll
-    for (int dt = 0; dt < HS / 8; dt++) {
-        const int col = dt * 8 + 2 * q;
-        if (ra < T) {
-            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(ra) * stride + col) =
-                __floats2bfloat162_rn(acc[dt][0] * mul_a, acc[dt][1] * mul_a);
-        }
-        if (rb < T) {
-            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(rb) * stride + col) =
-                __floats2bfloat162_rn(acc[dt][2] * mul_b, acc[dt][3] * mul_b);
-        }
-    }
-}
-
-// One key block of the online softmax for 16 query rows (an m16 row tile of a warp): s holds their raw
-// scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2 - m) with m the
-// new running max (kept scaled, log2 domain); the running sum l and the output accumulator o are
-// rescaled to the new max first. Element layout: m16n8 C fragments (rows g and g + 8 of the tile).
-template <int HS>
-__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
-                                    float scale_log2) {
-    // max(s) * scale rounds to the same float as max(s * scale).
-    float bm[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; nt++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) bm[e >> 1] = fmaxf(bm[e >> 1], s[nt][e]);
-    }
-    float sub[2], rs[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 1));
-        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
-        const float mx = fmaxf(m[r], bm[r] * scale_log2);
-        sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
-        const float corr = exp2_fast(m[r] - sub[r]);
-        m[r] = mx;
-        l[r] *= corr;
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++) {
-            o[dt][2 * r] *= corr;
-            o[dt][2 * r + 1] *= corr;
-        }
-    }
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; nt++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            s[nt][e] = exp2_fast(fmaf(s[nt][e], scale_log2, -sub[e >> 1]));
-            rs[e >> 1] += s[nt][e];
-        }
-    }
-    l[0] += rs[0];
-    l[1] += rs[1];
-}
-
-// The forward's end for 16 query rows from row0: lse (natural log) into lse_bh[row] and out rows = o / l
-// into out_bh + row * C (out_bh: this (b, h)'s first element of out); rows >= T skipped.
-template <int HS>
-__device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, const float (&o)[HS / 8][4],
-                                          const float (&m)[2], const float (&l)[2], int row0, int T, int lane) {
-    const int g = lane >> 2, q = lane & 3;
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        float lr = l[r];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        inv[r] = lr > 0.0f ? 1.0f / lr : 0.0f;
-        const int row = row0 + g + 8 * r;
-        if (q == 0 && row < T) lse_bh[row] = (m[r] + log2f(lr)) * kLn2;
-    }
-    store_rows<HS>(out_bh, C, o, inv[0], inv[1], row0, T, lane);
 }
 
 // Key block j's K and V tiles (kBlockN rows each) into dst (K) and dst + one tile (V), as async copies.
@@ -465,33 +342,6 @@ static __global__ void __launch_bounds__(kThreads)
                                wfirst + 16 * mt, T, lane);
     }
 }
-
-// ----------------------------------------------------------------------------------------------------
-// Backward, 1: D[b,h,t] = sum_d dout * out over one head's row; HS/8 lanes per row, fixed shuffle tree.
-
-template <int HS>
-static __global__ void __launch_bounds__(kThreads)
-    flash_bwd_dot_kernel(float* D, const floatX* out, const floatX* dout, int B, int T, int NH) {
-    constexpr int kLanes = HS / 8;
-    const int64_t r = int64_t(blockIdx.x) * (kThreads / kLanes) + threadIdx.x / kLanes;  // (b, t, h) order
-    const int sub = threadIdx.x % kLanes;
-    const bool valid = r < int64_t(B) * T * NH;
-    float acc = 0.0f;
-    if (valid) {
-        const PackX o = load128(out + r * HS + sub * 8), d = load128(dout + r * HS + sub * 8);
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc += float(o[i]) * float(d[i]);
-    }
-#pragma unroll
-    for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (valid && sub == 0) {
-        const int h = int(r % NH);
-        const int64_t bt = r / NH;
-        const int t = int(bt % T), b = int(bt / T);
-        D[(int64_t(b) * NH + h) * T + t] = acc;
-    }
-}
-
 // Backward, 2: dK, dV of one block of block_m<MT>() keys (16 * MT per warp, as rows), looping over the
 // query blocks at or after it, BQ queries at a time. Transposed products keep keys as the mma rows, so
 // P^T and dS^T are already A operands: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO,
@@ -698,27 +548,6 @@ static __global__ void __launch_bounds__(kThreads)
     }
 }
 
-
-// ----------------------------------------------------------------------------------------------------
-// Launcher helpers.
-
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-    if (bytes > 48 * 1024) {
-        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    }
-}
-
-constexpr int64_t kMaxGridY = 65535;
-
-inline void check_args(const char* fn, int B, int T, int NH) {
-    if (B < 1 || T < 1 || NH < 1) fail(kExitUsage, "%s: B=%d T=%d NH=%d must all be at least 1", fn, B, T, NH);
-    if (int64_t(B) * NH > kMaxGridY) {
-        fail(kExitUsage, "%s: B*NH = %lld is more than %lld (one grid row per batch row and head)", fn,
-             (long long)(int64_t(B) * NH), (long long)kMaxGridY);
-    }
-}
-
 }  // namespace flash_detail
 
 // Bytes of lse (B,NH,T) fp32, the state flash_forward saves for flash_backward.
@@ -727,10 +556,28 @@ inline size_t flash_lse_bytes(int B, int NH, int T) { return size_t(B) * size_t(
 // Bytes of flash_backward's scratch: D (B,NH,T) fp32.
 inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes(B, NH, T); }
 
-// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe (double-buffered tiles) and MT (row
-// tiles of 16 per warp, 1 or 2; 2 only for HS 64, where the registers allow it) choose between kernels
-// that give the same results bit for bit; which is fastest is measured in dev/attention_lab.cu.
-template <int HS, bool Pipe = false, int MT = 1>
+// How the trainer runs these kernels, per head size: whether a kernel double-buffers the tiles it streams
+// (pipe) and how many 16-row tiles each warp holds (tiles: 1 or 2; 2 only for HS 64, where the registers
+// allow it). Every choice gives the same bits; these are the fastest measured, and dev/attention_lab.cu
+// checks and times the others. On an sm_90a build on Hopper, HS 64 runs llmc/flash_attention_sm90.cuh
+// instead.
+struct FlashTiling {
+    bool fwd_pipe;
+    int fwd_tiles;
+    bool kv_pipe;  // dK/dV
+    int kv_tiles;
+    bool q_pipe;  // dQ
+    int q_tiles;
+};
+
+template <int HS>
+constexpr FlashTiling flash_tiling() {
+    return HS == 64 ? FlashTiling{true, 2, false, 2, true, 2} : FlashTiling{false, 1, false, 1, false, 1};
+}
+
+// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe and MT: flash_tiling's pipe and tiles
+// for the forward kernel; other values give the same results bit for bit.
+template <int HS, bool Pipe = flash_tiling<HS>().fwd_pipe, int MT = flash_tiling<HS>().fwd_tiles>
 void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
     static_assert(MT == 1 || (MT == 2 && HS == 64), "two row tiles per warp only for HS 64");
@@ -749,8 +596,9 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
 
 // dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
 // flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe, MT: as for flash_forward,
-// separately for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ).
-template <int HS, bool Pipe = false, int MT = 1, int MTQ = MT, bool PipeQ = Pipe>
+// for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ).
+template <int HS, bool Pipe = flash_tiling<HS>().kv_pipe, int MT = flash_tiling<HS>().kv_tiles,
+          int MTQ = flash_tiling<HS>().q_tiles, bool PipeQ = flash_tiling<HS>().q_pipe>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
                     int T, int NH, float* D, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
@@ -764,10 +612,7 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
     require_aligned16(out, "flash_backward: out");
     require_aligned16(lse, "flash_backward: lse");
     require_aligned16(D, "flash_backward: D");
-    const int64_t rows = int64_t(B) * T * NH;
-    flash_bwd_dot_kernel<HS><<<unsigned(ceil_div<int64_t>(rows, kThreads / (HS / 8))), kThreads, 0, stream>>>(
-        D, out, dout, B, T, NH);
-    cudaCheckLaunch();
+    flash_backward_dot<HS>(D, out, dout, B, T, NH, stream);
     allow_smem(flash_bwd_dkdv_kernel<HS, Pipe, MT>, dkdv_smem<HS, Pipe, MT>());
     allow_smem(flash_bwd_dq_kernel<HS, PipeQ, MTQ>, dq_smem<HS, PipeQ, MTQ>());
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;

@@ -1,48 +1,40 @@
 /*
 Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same three
 kernels and the same arguments, saved state (lse) and scratch (D) as flash_forward<64>/flash_backward<64>
-of llmc/flash_attention.cuh, which stays the path for every other GPU and head size.
+of llmc/flash_attention.cuh, which stays the path for every other GPU and head size, and the same bits.
 
 Provides:
-  flash90_available():       true where these kernels can run: built for sm_90a (the Makefile does so for
-                             GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
-  flash90_forward:           out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
-  flash90_backward:          dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
-  Template argument WG: warpgroups (of 128 threads, 64 rows each) per block; they share the tiles the
-  block loads. Tma: tiles loaded by the tensor memory accelerator (default, LLMC_FLASH90_TMA=1) or by
-  cp.async from every thread. Every WG, Tma (and the backward's MinKV, MinQ) gives the same bits (each row
-  sees the same sequence of operations on the same tile contents).
+  flash90_available():  true where these kernels can run: built for sm_90a (the Makefile does so for
+                        GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
+  flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
+  flash90_backward:     dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
+  kFlash90:             the blocks per SM the backward kernels' registers are capped for.
 
-How: each warpgroup owns 64 rows (queries in forward and dQ, keys in dK/dV). The operand that stays fixed
-for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory, where wgmma reads it as its A
-operand; the operand that streams (K, V or Q, dO, 64 rows per step, double-buffered) is read by wgmma from
-shared memory as B. With TMA one thread asks for a step's tiles (a 3-D tensor map over (B, T, columns), so
-rows past T arrive as zeros) and every thread waits on the buffer's mbarrier; with cp.async every thread
-copies its share of 16-byte chunks and computes their swizzled addresses (Nsight Compute: integer ALU the
-forward's busiest pipe; H200, d12 B=64: forward 0.410 -> 0.320 ms, backward 1.157 -> 1.015 ms per layer
-with TMA). Products are
-wgmma.m64n64k16 with fp32 accumulators; P and dS go from the accumulators to A fragments in registers
-without leaving them. Shared tiles are 64 rows x 128 bytes in the 128-byte swizzle wgmma reads (16-byte
-chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte aligned; the same tile serves as a K-major operand
-(S = Q K^T: keys are the columns) and as an MN-major one (O += P V: keys are the reduction), so nothing is
-transposed by hand.
+How: a block is one warpgroup (128 threads) that owns 64 rows (queries in forward and dQ, keys in dK/dV).
+The operand that stays fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory,
+where wgmma reads it as its A operand; the operand that streams (K, V or Q, dO, 64 rows per step,
+double-buffered) is read by wgmma from shared memory as B. Tiles are loaded by the tensor memory
+accelerator (TMA): one thread asks for a step's tiles (a 3-D tensor map over (B, T, columns), so rows past
+T arrive as zeros) and every thread waits on the buffer's mbarrier, so the threads spend no integer
+arithmetic on addresses. Products are wgmma.m64n64k16 with fp32 accumulators; P and dS go from the
+accumulators to A fragments in registers without leaving them. Shared tiles are 64 rows x 128 bytes in
+the 128-byte swizzle wgmma reads (16-byte chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte
+aligned; the same tile serves as a K-major operand (S = Q K^T: keys are the columns) and as an MN-major
+one (O += P V: keys are the reduction), so nothing is transposed by hand.
 
-Numerics as the mma.sync kernels (bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and
-D in fp32, dQ in its own pass without atomics, so results are bitwise reproducible), and the same bits:
-each accumulator takes the same 16-wide k-steps in the same order as there, and the H200 gives equal
-results for both instructions, which dev/attention_lab.cu requires (besides the fp32 reference);
-test/test_kernels.cu checks what the trainer runs against the CPU reference.
+Numerics as the mma.sync kernels, with the softmax, masks and stores they share (llmc/flash_common.cuh):
+bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and D in fp32, dQ in its own pass
+without atomics, so results are bitwise reproducible; and the same bits as those kernels: each
+accumulator takes the same 16-wide k-steps in the same order as there, which dev/attention_lab.cu
+requires (besides the fp32 reference); test/test_kernels.cu checks what the trainer runs against the CPU
+reference.
 
-Register note (ptxas, CUDA 13.0): the first version kept Q's fragments in registers across the key loop,
-and ptxas gave them the same registers as P's fragments, so every block after the first multiplied the
-wrong operand; it then reloaded them with ldmatrix in every step, and now the fixed operands never enter
-registers (wgmma reads them from shared memory), which also leaves ptxas no reason to serialize the wgmma
-(its C7512 / C7520 remarks; dev/ATTENTION.md step 5). A warpgroup's index comes from warpgroup_index(),
-which ptxas can see to be uniform across the warpgroup.
+The fixed operands never enter registers: held there across the key loop, ptxas serialises the wgmma
+(its C7512 / C7520 remarks) and has given them the same registers as P's fragments.
 
-Does not provide: head sizes other than 64, non-causal attention, warp specialisation, TMA multicast across
-a cluster, software pipelining inside a warpgroup (measured: no gain over several blocks per SM;
-dev/ATTENTION.md step 5), D computed inside the dQ kernel (measured slower than its own kernel: step 6).
+Does not provide: head sizes other than 64, non-causal attention, several warpgroups per block or tiles
+loaded with cp.async (both slower; dev/attention_lab.cu keeps them), warp specialisation, TMA multicast
+across a cluster, software pipelining inside a warpgroup, D computed inside the dQ kernel.
 */
 #pragma once
 
@@ -54,24 +46,32 @@ dev/ATTENTION.md step 5), D computed inside the dQ kernel (measured slower than 
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/flash_attention.cuh"
+#include "llmc/flash_common.cuh"
 #include "llmc/utils.h"
 
 // Device code for sm_90a (wgmma is an "a" feature): __CUDA_ARCH_FEAT_SM90_ALL is defined there only.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LLMC_FLASH90_DEVICE 1
+#define FLASH90_DEVICE 1
 #else
-#define LLMC_FLASH90_DEVICE 0
+#define FLASH90_DEVICE 0
 #endif
 
 namespace llmc {
 
+// The blocks per SM that the dK/dV and dQ kernels' registers are capped for (__launch_bounds__): the
+// fastest measured; the same bits for any value.
+struct Flash90Tuning {
+    int kv_min_blocks;
+    int q_min_blocks;
+};
+constexpr Flash90Tuning kFlash90{3, 4};
+
 namespace flash90_detail {
-using namespace flash_detail;
+using namespace flash_common;
 
 constexpr int kHS = 64;
-constexpr int kRows = 64;                          // rows per warpgroup and per streamed tile
-constexpr int kWGThreads = 128;
+constexpr int kRows = 64;                          // rows per block and per streamed tile
+constexpr int kWGThreads = 128;                    // one warpgroup per block
 constexpr int kTileBytes = kRows * kHS * 2;        // 8 KiB: 64 rows of 128 bytes
 constexpr int kAlign = 1024;                       // the 128-byte swizzle repeats every 8 rows
 
@@ -81,43 +81,9 @@ __device__ inline uint8_t* align_smem(uint8_t* p) {
     return p + ((kAlign - (a & (kAlign - 1))) & (kAlign - 1));
 }
 
-// Rows row0 .. row0+63 of a (rows, 64) bf16 slice (row r at g + r * stride) into a swizzled tile; rows
-// >= T zero-filled. All nthreads threads of the block take part.
-__device__ inline void load_tile_sw(uint8_t* s, const floatX* g, int64_t stride, int row0, int T, int tid,
-                                    int nthreads) {
-    for (int i = tid; i < kRows * 8; i += nthreads) {
-        const int r = i >> 3, c = i & 7;
-        const int t = row0 + r;
-        cp_async16(s + r * 128 + ((c ^ (r & 7)) << 4), g + int64_t(min(t, T - 1)) * stride + c * 8, t < T);
-    }
-}
-
-// After this thread's cp.async copies have landed: makes them visible to wgmma, which reads shared memory
-// through the async proxy. A __syncthreads() must follow before any warpgroup reads the tiles.
-__device__ inline void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// One step of a double-buffered loop over n_steps tiles (or tile sets): the barrier that lets the buffer
-// of step + 1 be refilled (every warpgroup is done with it), load_next(step + 1) issued when there is
-// such a step, then step's copies waited for, fenced for wgmma and a barrier, so every warpgroup may read
-// them. The copies of step 0 must have been issued and committed before the loop.
-template <class LoadNext>
-__device__ inline void pipeline_step(int step, int n_steps, LoadNext load_next) {
-    __syncthreads();
-    if (step + 1 < n_steps) {
-        load_next(step + 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
-    fence_async_proxy();
-    __syncthreads();
-}
-
-// Tile loads through the tensor memory accelerator (TMA), the alternative to load_tile_sw (Tma = true in
-// the kernels below): one thread asks for a whole 64 x 64 tile, which the TMA unit writes into shared
-// memory in the same 128-byte swizzle (rows past T are out of the tensor and arrive as zeros), and the
-// threads wait on an mbarrier that counts the bytes in. No per-thread address arithmetic, no cp.async.
+// Tile loads through the tensor memory accelerator: one thread asks for a whole 64 x 64 tile, which the
+// TMA unit writes into shared memory in the 128-byte swizzle (rows past T are out of the tensor and
+// arrive as zeros), and the threads wait on an mbarrier that counts the bytes in.
 __device__ inline void mbar_init(uint64_t* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -133,9 +99,9 @@ __device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
-        "LLMC_MBAR_WAIT:\n"
+        "mbar_retry:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra LLMC_MBAR_WAIT;\n"
+        "@!done bra mbar_retry;\n"
         "}\n" ::"r"(smem_addr(bar)),
         "r"(parity)
         : "memory");
@@ -151,104 +117,60 @@ __device__ inline void tma_tile(uint8_t* dst, const CUtensorMap* map, uint64_t* 
 }
 
 // Where a kernel's 64 x 64 tiles come from: columns col .. col + 63 of batch b of a (B, T, cols) tensor,
-// through its TMA map, or from g (the column's first element of batch b, rows `stride` elements apart).
+// through its TMA map.
 struct TileSource {
     const CUtensorMap* map;
-    const floatX* g;
-    int64_t stride;
     int col, b;
 };
 
-// Rows row .. row + 63 of src into the swizzled tile at dst. Tma: issued by the calling thread alone, its
-// bytes counted on bar (announced by the caller's mbar_expect); else every one of nthreads threads copies
-// its share with cp.async (committed by the caller).
-template <bool Tma>
-__device__ inline void load_tile(uint8_t* dst, const TileSource& src, int row, int T, int tid, int nthreads,
-                                 uint64_t* bar) {
-    if constexpr (Tma) {
-        tma_tile(dst, src.map, bar, src.col, row, src.b);
-    } else {
-        load_tile_sw(dst, src.g, src.stride, row, T, tid, nthreads);
-    }
-}
-
-// The tiles that stay for the whole block: WG tiles of a at dst_a and, when b is given, WG of b at dst_b,
-// rows row0 + 64 w, on bars[0] (Tma: by the calling thread alone).
-template <bool Tma, int WG>
+// The tiles that stay for the whole block: a at dst_a and, when b is given, b at dst_b, rows row0 ..
+// row0 + 63, on bars[0]. Issued by one thread.
 __device__ inline void load_fixed(uint8_t* dst_a, const TileSource& a, uint8_t* dst_b, const TileSource* b, int row0,
-                                  int T, int tid, int nthreads, uint64_t (&bars)[3]) {
-    if constexpr (Tma) mbar_expect(&bars[0], (b != nullptr ? 2 : 1) * WG * kTileBytes);
-    for (int w = 0; w < WG; w++) {
-        load_tile<Tma>(dst_a + w * kTileBytes, a, row0 + kRows * w, T, tid, nthreads, bars);
-        if (b != nullptr) load_tile<Tma>(dst_b + w * kTileBytes, *b, row0 + kRows * w, T, tid, nthreads, bars);
-    }
+                                  uint64_t (&bars)[3]) {
+    mbar_expect(&bars[0], (b != nullptr ? 2 : 1) * kTileBytes);
+    tma_tile(dst_a, a.map, bars, a.col, row0, a.b);
+    if (b != nullptr) tma_tile(dst_b, b->map, bars, b->col, row0, b->b);
 }
 
 // Step n of a stream of tile pairs: rows row .. row + 63 of a and b into buffer n & 1 of `stream` (two
-// tiles per buffer), on bars[1 + (n & 1)] (Tma: by the calling thread alone).
-template <bool Tma>
+// tiles per buffer), on bars[1 + (n & 1)]. Issued by one thread.
 __device__ inline void load_stream_pair(uint8_t* stream, const TileSource& a, const TileSource& b, int n, int row,
-                                        int T, int tid, int nthreads, uint64_t (&bars)[3]) {
+                                        uint64_t (&bars)[3]) {
     uint8_t* dst = stream + (n & 1) * 2 * kTileBytes;
     uint64_t* bar = &bars[1 + (n & 1)];
-    if constexpr (Tma) mbar_expect(bar, 2 * kTileBytes);
-    load_tile<Tma>(dst, a, row, T, tid, nthreads, bar);
-    load_tile<Tma>(dst + kTileBytes, b, row, T, tid, nthreads, bar);
+    mbar_expect(bar, 2 * kTileBytes);
+    tma_tile(dst, a.map, bar, a.col, row, a.b);
+    tma_tile(dst + kTileBytes, b.map, bar, b.col, row, b.b);
 }
 
-// The prologue of a kernel's loads: with Tma, thread 0 sets up the three barriers (the fixed tiles', the
-// two stream buffers') and the block waits for that; issue_first then loads the fixed tiles on bars[0]
-// and step 0 of the stream, by thread 0 (Tma) or by every thread (cp.async, one commit group each), and
-// each_first is every thread's own part of step 0. Tma: returns after the fixed tiles have arrived.
-template <bool Tma, class IssueFirst, class EachFirst>
+// The prologue of a kernel's loads: thread 0 sets up the three barriers (the fixed tiles', the two stream
+// buffers') and the block waits for that; thread 0 then issues the fixed tiles on bars[0] and step 0 of
+// the stream (issue_first), and each_first is every thread's own part of step 0. Returns after the fixed
+// tiles have arrived.
+template <class IssueFirst, class EachFirst>
 __device__ inline void loads_begin(uint64_t (&bars)[3], int tid, IssueFirst issue_first, EachFirst each_first) {
-    if constexpr (Tma) {
-        if (tid == 0) {
-            for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
-            mbar_init_fence();
-        }
-        __syncthreads();
-        if (tid == 0) issue_first();
-        each_first();
-        mbar_wait(&bars[0], 0);
-    } else {
-        issue_first();
-        each_first();
-        cp_async_commit();
+    if (tid == 0) {
+        for (int i = 0; i < 3; i++) mbar_init(&bars[i]);
+        mbar_init_fence();
     }
+    __syncthreads();
+    if (tid == 0) issue_first();
+    each_first();
+    mbar_wait(&bars[0], 0);
 }
 
-// One step of a double-buffered stream of n_steps tile sets (buffer step & 1, on bars[1 + buffer] with
-// Tma): frees the other buffer (a barrier), loads step + 1 into it (issue_next by thread 0 with Tma, by
-// every thread with cp.async; each_next by every thread), then waits for this step's tiles. cp.async:
-// pipeline_step.
-template <bool Tma, class IssueNext, class EachNext>
+// One step of a double-buffered stream of n_steps tile sets (buffer step & 1, on bars[1 + buffer]): frees
+// the other buffer (a barrier), loads step + 1 into it (issue_next by thread 0, each_next by every
+// thread), then waits for this step's tiles.
+template <class IssueNext, class EachNext>
 __device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], int tid, IssueNext issue_next,
                                   EachNext each_next) {
-    if constexpr (Tma) {
-        __syncthreads();
-        if (step + 1 < n_steps) {
-            if (tid == 0) issue_next(step + 1);
-            each_next(step + 1);
-        }
-        mbar_wait(&bars[1 + (step & 1)], (step >> 1) & 1);
-    } else {
-        pipeline_step(step, n_steps, [&](int next) {
-            issue_next(next);
-            each_next(next);
-        });
+    __syncthreads();
+    if (step + 1 < n_steps) {
+        if (tid == 0) issue_next(step + 1);
+        each_next(step + 1);
     }
-}
-
-// A fragments (wgmma m64k16, the mma.sync m16n8k16 layout per warp: warp w of the warpgroup holds rows
-// 16w..16w+15) of all four k-steps of a warpgroup's 64 x 64 swizzled tile.
-__device__ inline void load_a_frags(uint32_t (&a)[4][4], const uint8_t* tile, int warp, int lane) {
-    const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        const int chunk = 2 * kk + (lane >> 4);
-        ldsm_x4(a[kk], reinterpret_cast<const floatX*>(tile + row * 128 + ((chunk ^ (row & 7)) << 4)));
-    }
+    mbar_wait(&bars[1 + (step & 1)], (step >> 1) & 1);
 }
 
 // A fragments of the four k-steps from a 64 x 64 fp32 accumulator (the m64n64 D layout equals the A layout
@@ -274,18 +196,6 @@ __device__ inline uint64_t tile_desc(const uint8_t* tile, int kk) {
     return uint64_t((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// This thread's warpgroup in a block of WG warpgroups, in a form ptxas can see to be uniform across the
-// warpgroup (a shuffle from lane 0), so that branches on it do not count as divergent around wgmma (which
-// would serialize the wgmma: ptxas's C7520).
-template <int WG>
-__device__ inline int warpgroup_index() {
-    if constexpr (WG == 1) {
-        return 0;
-    } else {
-        return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWGThreads, 0);
-    }
-}
-
 // Keeps the compiler from moving accesses of an accumulator across the asynchronous wgmma that owns it.
 __device__ inline void fence_acc(float (&d)[8][4]) {
 #pragma unroll
@@ -300,7 +210,7 @@ __device__ inline void wg_commit() { asm volatile("wgmma.commit_group.sync.align
 __device__ inline void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
 // The 32 accumulator registers of an m64n64 wgmma (d[8][4]), as inline-asm operands %0..%31 read and written.
-#define LLMC_WGMMA_ACC(d)                                                                                          \
+#define FLASH90_ACC_OPERANDS(d)                                                                                    \
     "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),       \
         "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
         "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),   \
@@ -311,7 +221,7 @@ __device__ inline void wg_wait_all() { asm volatile("wgmma.wait_group.sync.align
 // B's transposed layout. Issues only: the caller fences, commits and waits.
 template <bool MNMajor>
 __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
-#if LLMC_FLASH90_DEVICE
+#if FLASH90_DEVICE
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -320,7 +230,7 @@ __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
         "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
         "}\n"
-        : LLMC_WGMMA_ACC(d)
+        : FLASH90_ACC_OPERANDS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(MNMajor ? 1 : 0));
 #endif
 }
@@ -329,7 +239,7 @@ __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64
 // descriptor): as wgmma_rs with A read from shared memory by the tensor cores themselves.
 template <bool MNMajor>
 __device__ inline void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
-#if LLMC_FLASH90_DEVICE
+#if FLASH90_DEVICE
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -338,13 +248,15 @@ __device__ inline void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
         "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n"
         "}\n"
-        : LLMC_WGMMA_ACC(d)
+        : FLASH90_ACC_OPERANDS(d)
         : "l"(desc_a), "l"(desc_b), "r"(1), "n"(MNMajor ? 1 : 0));
 #endif
 }
 
-// The A operand of a product: a warpgroup's 64 x 64 tile in shared memory (swizzled as load_tile_sw
-// leaves it), read by wgmma directly; the other form is A fragments in registers (uint32_t[4][4]).
+#undef FLASH90_ACC_OPERANDS
+
+// The A operand of a product: a 64 x 64 swizzled tile in shared memory, read by wgmma directly; the
+// other form is A fragments in registers (uint32_t[4][4]).
 struct SmemA {
     const uint8_t* tile;
 };
@@ -386,51 +298,40 @@ __device__ inline void zero8(float (&d)[8][4]) {
     for (int i = 0; i < 8; i++) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
 }
 
-// Shared memory of each kernel (plus kAlign for the alignment).
-template <int WG>
-constexpr size_t smem90_fwd() {  // Q tiles of the warpgroups, two K, V pairs
-    return size_t(WG + 4) * kTileBytes + kAlign;
-}
-template <int WG>
-constexpr size_t smem90_dq() {  // Q and dO tiles of the warpgroups, two K, V pairs
-    return size_t(2 * WG + 4) * kTileBytes + kAlign;
-}
-template <int WG>
-constexpr size_t smem90_dkdv() {  // K and V tiles of the warpgroups, two Q, dO pairs, two lse, D pairs
-    return size_t(2 * WG + 4) * kTileBytes + 2 * 2 * kRows * sizeof(float) + kAlign;
-}
+// Shared memory of each kernel (plus kAlign for the alignment). Forward: the Q tile and two K, V pairs;
+// dQ: the Q and dO tiles and two K, V pairs; dK/dV: the K and V tiles, two Q, dO pairs and two lse, D
+// pairs.
+constexpr size_t kSmemFwd = 5 * size_t(kTileBytes) + kAlign;
+constexpr size_t kSmemDq = 6 * size_t(kTileBytes) + kAlign;
+constexpr size_t kSmemDkdv = 6 * size_t(kTileBytes) + 2 * 2 * kRows * sizeof(float) + kAlign;
 
 // ----------------------------------------------------------------------------------------------------
-// Forward: block = 64 * WG queries of one (b, h), longest first; loop over 64-key blocks up to the
-// diagonal, K and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait.
+// Forward: block = 64 queries of one (b, h), longest first; loop over 64-key blocks up to the diagonal, K
+// and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait. The tiles
+// come through qkv_map (qkv itself is not read).
 
-template <int WG, bool Tma>
-static __global__ void __launch_bounds__(WG * kWGThreads)
+static __global__ void __launch_bounds__(kWGThreads)
     flash90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, const __grid_constant__ CUtensorMap qkv_map, int T,
                        int NH, float scale_log2) {
-#if LLMC_FLASH90_DEVICE
-    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+#if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
-    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q, K/V buffer 0, K/V buffer 1
+    __shared__ alignas(8) uint64_t bars[3];  // Q, K/V buffer 0, K/V buffer 1
     uint8_t* sQ = align_smem(smem_raw);
-    uint8_t* sKV = sQ + WG * kTileBytes;  // [buffer][K, V]
+    uint8_t* sKV = sQ + kTileBytes;  // [buffer][K, V]
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows;
     const int C = NH * kHS;
-    const int64_t C3 = 3 * int64_t(C);
-    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
-    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's queries
-    const int row0 = wfirst + 16 * warp;                              // this warp's
+    const int tid = threadIdx.x, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wlast = q0 + kRows - 1;  // this block's last query
+    const int row0 = q0 + 16 * warp;   // this warp's first
 
-    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
-        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b};
-    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    const TileSource q_src{&qkv_map, h * kHS, b}, k_src{&qkv_map, C + h * kHS, b}, v_src{&qkv_map, 2 * C + h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair(sKV, k_src, v_src, j, j * kRows, bars); };
     auto nothing = [](int) {};
-    loads_begin<Tma>(
+    loads_begin(
         bars, tid,
         [&] {
-            load_fixed<Tma, WG>(sQ, q_src, nullptr, nullptr, q0, T, tid, kThreads, bars);
+            load_fixed(sQ, q_src, nullptr, nullptr, q0, bars);
             load_kv(0);
         },
         [] {});
@@ -438,15 +339,15 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
     uint32_t pa[4][4];
     float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     zero8(o);
-    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
-        if (k0 > wlast) continue;  // every key after every query of this warpgroup
+        loads_step(j, n_blocks, bars, tid, load_kv, nothing);
+        if (k0 > wlast) continue;  // every key after every query of this block
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
-        product<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK);
-        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+        product<false>(s[0], SmemA{sQ}, sK);
+        if (k0 + kRows - 1 > q0 || k0 + kRows > T) {
             mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
         }
         softmax_step<kHS>(s[0], m, l, o, scale_log2);
@@ -458,55 +359,50 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Backward, dK/dV: block = 64 * WG keys of one (b, h), longest first; loop over the 64-query blocks from
-// the block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are
-// the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end.
+// Backward, dK/dV: block = 64 keys of one (b, h), longest first; loop over the 64-query blocks from the
+// block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are the
+// rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end. The tiles come through the maps (qkv
+// and dout themselves are not read).
 
-template <int WG, int MinBlocks, bool Tma>
-static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
                         int T, int NH, float scale_log2, float scale) {
-#if LLMC_FLASH90_DEVICE
-    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+#if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
-    __shared__ alignas(8) uint64_t bars[3];  // Tma: K and V, Q/dO buffer 0, Q/dO buffer 1
+    __shared__ alignas(8) uint64_t bars[3];  // K and V, Q/dO buffer 0, Q/dO buffer 1
     uint8_t* sK = align_smem(smem_raw);
-    uint8_t* sV = sK + WG * kTileBytes;
-    uint8_t* sQdO = sV + WG * kTileBytes;                              // [buffer][Q, dO]
+    uint8_t* sV = sK + kTileBytes;
+    uint8_t* sQdO = sV + kTileBytes;                               // [buffer][Q, dO]
     float* sLD = reinterpret_cast<float*>(sQdO + 4 * kTileBytes);  // [buffer][lse2, D]
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int k0 = blockIdx.x * BM;
+    const int k0 = blockIdx.x * kRows;
     const int C = NH * kHS;
     const int64_t C3 = 3 * int64_t(C);
-    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const floatX* dobase = dout + int64_t(b) * T * C + h * kHS;
-    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
-    const int wfirst = k0 + kRows * wg, wlast = wfirst + kRows - 1;  // this warpgroup's keys
-    const int row0 = wfirst + 16 * warp;
+    const int tid = threadIdx.x, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int wlast = k0 + kRows - 1;  // this block's last key
+    const int row0 = k0 + 16 * warp;   // this warp's first
 
-    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
-        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b}, do_src{&dout_map, dobase, C, h * kHS, b};
+    const TileSource q_src{&qkv_map, h * kHS, b}, k_src{&qkv_map, C + h * kHS, b},
+        v_src{&qkv_map, 2 * C + h * kHS, b}, do_src{&dout_map, h * kHS, b};
     const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
     // Step n (query block i0 + n) into buffer n & 1: its Q and dO tiles, and (every thread, plain loads, one
     // step ahead: the barrier that starts the step that reads them makes them visible) its lse and D.
-    auto load_tiles = [&](int n) {
-        load_stream_pair<Tma>(sQdO, q_src, do_src, n, (i0 + n) * kRows, T, tid, kThreads, bars);
-    };
+    auto load_tiles = [&](int n) { load_stream_pair(sQdO, q_src, do_src, n, (i0 + n) * kRows, bars); };
     auto load_lse_d = [&](int n) {
         const int q0 = (i0 + n) * kRows;
         float* bL = sLD + (n & 1) * 2 * kRows;
-        for (int t = tid; t < kRows; t += kThreads) {
+        for (int t = tid; t < kRows; t += kWGThreads) {
             const int qi = q0 + t;
             bL[t] = qi < T ? lse[int64_t(bh) * T + qi] * kLog2e : 0.0f;
             bL[kRows + t] = qi < T ? D[int64_t(bh) * T + qi] : 0.0f;
         }
     };
-    loads_begin<Tma>(
+    loads_begin(
         bars, tid,
         [&] {
-            load_fixed<Tma, WG>(sK, k_src, sV, &v_src, k0, T, tid, kThreads, bars);
+            load_fixed(sK, k_src, sV, &v_src, k0, bars);
             load_tiles(0);
         },
         [&] { load_lse_d(0); });
@@ -517,8 +413,8 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     zero8(dv);
     for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * kRows, buf = (i - i0) & 1;
-        loads_step<Tma>(i - i0, n_qblocks - i0, bars, tid, load_tiles, load_lse_d);
-        if (q0 + kRows - 1 < wfirst) continue;  // every query before every key of this warpgroup
+        loads_step(i - i0, n_qblocks - i0, bars, tid, load_tiles, load_lse_d);
+        if (q0 + kRows - 1 < k0) continue;  // every query before every key of this block
         const uint8_t* sQ = sQdO + buf * 2 * kTileBytes;
         const uint8_t* sdO = sQ + kTileBytes;
         const float* sL = sLD + buf * 2 * kRows;
@@ -526,7 +422,7 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
 
         zero8(st[0]);
         zero8(dpt);
-        products<false>(st[0], SmemA{sK + wg * kTileBytes}, sQ, dpt, SmemA{sV + wg * kTileBytes}, sdO);
+        products<false>(st[0], SmemA{sK}, sQ, dpt, SmemA{sV}, sdO);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
             st[0][nt][e] = exp2_fast(fmaf(st[0][nt][e], scale_log2, -sL[c]));
         });
@@ -548,30 +444,28 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Backward, dQ: block = 64 * WG queries of one (b, h), longest first; loop over the key blocks up to the
-// diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K.
+// Backward, dQ: block = 64 queries of one (b, h), longest first; loop over the key blocks up to the
+// diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K. The
+// tiles come through the maps (qkv and dout themselves are not read).
 
-template <int WG, int MinBlocks, bool Tma>
-static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                       const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
                       int NH, float scale_log2, float scale) {
-#if LLMC_FLASH90_DEVICE
-    constexpr int BM = kRows * WG, kThreads = WG * kWGThreads;
+#if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
-    __shared__ alignas(8) uint64_t bars[3];  // Tma: Q and dO, K/V buffer 0, K/V buffer 1
+    __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
     uint8_t* sQ = align_smem(smem_raw);
-    uint8_t* sdO = sQ + WG * kTileBytes;
-    uint8_t* sKV = sdO + WG * kTileBytes;  // [buffer][K, V]
+    uint8_t* sdO = sQ + kTileBytes;
+    uint8_t* sKV = sdO + kTileBytes;  // [buffer][K, V]
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows;
     const int C = NH * kHS;
     const int64_t C3 = 3 * int64_t(C);
-    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, wg = warpgroup_index<WG>(), warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
+    const int tid = threadIdx.x, warp = (tid / kWarpSize) % 4, lane = tid % kWarpSize;
     const int g = lane >> 2;
-    const int wfirst = q0 + kRows * wg, wlast = wfirst + kRows - 1;
-    const int row0 = wfirst + 16 * warp;
+    const int wlast = q0 + kRows - 1;
+    const int row0 = q0 + 16 * warp;
     float lse2[2], Dr[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -580,15 +474,14 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
         Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
     }
 
-    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
-        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b},
-        do_src{&dout_map, dout + int64_t(b) * T * C + h * kHS, C, h * kHS, b};
-    auto load_kv = [&](int j) { load_stream_pair<Tma>(sKV, k_src, v_src, j, j * kRows, T, tid, kThreads, bars); };
+    const TileSource q_src{&qkv_map, h * kHS, b}, k_src{&qkv_map, C + h * kHS, b},
+        v_src{&qkv_map, 2 * C + h * kHS, b}, do_src{&dout_map, h * kHS, b};
+    auto load_kv = [&](int j) { load_stream_pair(sKV, k_src, v_src, j, j * kRows, bars); };
     auto nothing = [](int) {};
-    loads_begin<Tma>(
+    loads_begin(
         bars, tid,
         [&] {
-            load_fixed<Tma, WG>(sQ, q_src, sdO, &do_src, q0, T, tid, kThreads, bars);
+            load_fixed(sQ, q_src, sdO, &do_src, q0, bars);
             load_kv(0);
         },
         [] {});
@@ -596,19 +489,19 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
     zero8(dq);
-    const int n_blocks = ceil_div(min(T, q0 + BM), kRows);
+    const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
-        loads_step<Tma>(j, n_blocks, bars, tid, load_kv, nothing);
+        loads_step(j, n_blocks, bars, tid, load_kv, nothing);
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
         zero8(s[0]);
         zero8(dp);
-        products<false>(s[0], SmemA{sQ + wg * kTileBytes}, sK, dp, SmemA{sdO + wg * kTileBytes}, sK + kTileBytes);
+        products<false>(s[0], SmemA{sQ}, sK, dp, SmemA{sdO}, sK + kTileBytes);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
             s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
         });
-        if (k0 + kRows - 1 > wfirst || k0 + kRows > T) {
+        if (k0 + kRows - 1 > q0 || k0 + kRows > T) {
             mask_block<1, kRows>(s, row0, k0, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
         }
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
@@ -620,33 +513,6 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
     store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
 #endif
 }
-
-}  // namespace flash90_detail
-
-// Whether flash90_forward/flash90_backward can run here: built for sm_90a and running on compute 9.0.
-inline bool flash90_available() {
-#if defined(LLMC_SM90A)
-    static const bool ok = [] {
-        int dev = 0, major = 0, minor = 0;
-        cudaCheck(cudaGetDevice(&dev));
-        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        return major == 9 && minor == 0;
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
-
-// Whether the launchers load tiles through TMA (tma_tile) or cp.async (load_tile_sw) by default: the
-// same bits either way (the same values land in the same swizzled places). -DLLMC_FLASH90_TMA=0 or 1.
-#ifndef LLMC_FLASH90_TMA
-#define LLMC_FLASH90_TMA 1
-#endif
-constexpr bool kFlash90Tma = LLMC_FLASH90_TMA != 0;
-
-namespace flash90_detail {
 
 // The TMA descriptor of a (B, T, cols) bf16 tensor, cols contiguous, read in 64 x 64 tiles (64 rows of one
 // batch, 64 columns) with the 128-byte swizzle; rows past T are outside the tensor (zero-filled). The
@@ -676,44 +542,43 @@ inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int 
     return map;
 }
 
-// The maps a launch passes: real ones with Tma, zeros (unused) without.
-template <bool Tma>
-inline CUtensorMap maybe_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
-    if constexpr (Tma) {
-        return rows_tensor_map(base, cols, T, B, what);
-    } else {
-        return CUtensorMap{};
-    }
-}
-
 }  // namespace flash90_detail
 
+// Whether flash90_forward/flash90_backward can run here: built for sm_90a and running on compute 9.0.
+inline bool flash90_available() {
+#if defined(LLMC_SM90A)
+    static const bool ok = [] {
+        int dev = 0, major = 0, minor = 0;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        return major == 9 && minor == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
 // As flash_forward<64> (same arguments, same lse), on wgmma. Needs flash90_available().
-template <int WG = 1, bool Tma = kFlash90Tma>
-void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
-    static_assert(WG == 1 || WG == 2 || WG == 3, "1 to 3 warpgroups per block");
+inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     using namespace flash90_detail;
     if (!flash90_available()) fail(kExitUsage, "flash90_forward: needs a build for sm_90a and a compute 9.0 GPU");
     check_args("flash90_forward", B, T, NH);
     require_aligned16(out, "flash90_forward: out");
     require_aligned16(lse, "flash90_forward: lse");
     require_aligned16(qkv, "flash90_forward: qkv");
-    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
-    allow_smem(flash90_fwd_kernel<WG, Tma>, smem90_fwd<WG>());
+    const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    allow_smem(flash90_fwd_kernel, kSmemFwd);
     const float scale_log2 = kLog2e / sqrtf(float(kHS));
-    const dim3 grid(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
-    flash90_fwd_kernel<WG, Tma><<<grid, WG * kWGThreads, smem90_fwd<WG>(), stream>>>(out, lse, qkv, qkv_map, T, NH,
-                                                                                     scale_log2);
+    const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
+    flash90_fwd_kernel<<<grid, kWGThreads, kSmemFwd, stream>>>(out, lse, qkv, qkv_map, T, NH, scale_log2);
     cudaCheckLaunch();
 }
 
 // As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes), on wgmma.
-// WG for the dK/dV kernel, WGQ for the dQ kernel; MinKV, MinQ: blocks per SM their registers are capped
-// for (__launch_bounds__; 1 leaves the compiler free).
-template <int WG = 1, int WGQ = WG, int MinKV = 1, int MinQ = 1, bool Tma = kFlash90Tma>
-void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                      int B, int T, int NH, float* D, cudaStream_t stream) {
-    static_assert(WG >= 1 && WG <= 3 && WGQ >= 1 && WGQ <= 3, "1 to 3 warpgroups per block");
+inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
+                             int B, int T, int NH, float* D, cudaStream_t stream) {
     using namespace flash90_detail;
     if (!flash90_available()) fail(kExitUsage, "flash90_backward: needs a build for sm_90a and a compute 9.0 GPU");
     check_args("flash90_backward", B, T, NH);
@@ -723,22 +588,18 @@ void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const
     require_aligned16(out, "flash90_backward: out");
     require_aligned16(lse, "flash90_backward: lse");
     require_aligned16(D, "flash90_backward: D");
-    const int64_t rows = int64_t(B) * T * NH;
-    flash_bwd_dot_kernel<kHS><<<unsigned(ceil_div<int64_t>(rows, flash_detail::kThreads / (kHS / 8))),
-                                flash_detail::kThreads, 0, stream>>>(D, out, dout, B, T, NH);
-    cudaCheckLaunch();
-    const CUtensorMap qkv_map = maybe_map<Tma>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
-    const CUtensorMap dout_map = maybe_map<Tma>(dout, int64_t(NH) * kHS, T, B, "dout");
-    allow_smem(flash90_dkdv_kernel<WG, MinKV, Tma>, smem90_dkdv<WG>());
-    allow_smem(flash90_dq_kernel<WGQ, MinQ, Tma>, smem90_dq<WGQ>());
+    flash_backward_dot<kHS>(D, out, dout, B, T, NH, stream);
+    const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
+    const CUtensorMap dout_map = rows_tensor_map(dout, int64_t(NH) * kHS, T, B, "dout");
+    allow_smem(flash90_dkdv_kernel, kSmemDkdv);
+    allow_smem(flash90_dq_kernel, kSmemDq);
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
-    const dim3 grid_kv(unsigned(ceil_div(T, kRows * WG)), unsigned(B * NH));
-    flash90_dkdv_kernel<WG, MinKV, Tma><<<grid_kv, WG * kWGThreads, smem90_dkdv<WG>(), stream>>>(
-        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
+    const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
+    flash90_dkdv_kernel<<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
+                                                                 scale_log2, scale);
     cudaCheckLaunch();
-    const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
-    flash90_dq_kernel<WGQ, MinQ, Tma><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(
-        dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
+    flash90_dq_kernel<<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
+                                                             scale_log2, scale);
     cudaCheckLaunch();
 }
 

@@ -1,13 +1,14 @@
 /*
-GPT-2's GELU (the tanh approximation) as standalone elementwise kernels, with the meanings of
-gelu_forward/gelu_backward in llmc/gpt2_cpu.h.
+GPT-2's GELU (the tanh approximation) as a standalone elementwise kernel, with the meaning of
+gelu_forward in llmc/gpt2_cpu.h.
 
-Provides: gelu_forward (out = GELU(inp)) and gelu_backward (dinp = GELU'(inp) * dout, OVERWRITTEN
-rather than added as on the CPU; dinp may be dout itself). Math in fp32 with tanhf; n a multiple of 8.
-The matmul epilogues (matmul.cuh: GELU_AUX forward, DGELU backward) do the same work fused into the
-matmuls; these kernels are for when the fusion is off and for checking it.
+Provides: gelu(x) on the device and gelu_forward (out = GELU(inp); math in fp32 with tanhf; n a multiple
+of 8), which the model runs to recompute the MLP's GELU output in the backward pass. The forward and
+backward passes themselves run GELU in the matmuls' cuBLASLt epilogues (llmc/matmul.cuh: GELU_AUX
+forward, DGELU backward).
 
-Does not provide: the exact (erf) GELU.
+Does not provide: the exact (erf) GELU; a GELU backward kernel (the DGELU epilogue does that work;
+dev/matmul_lab.cu keeps one to compare with it).
 */
 #pragma once
 
@@ -26,12 +27,6 @@ __device__ inline float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(kGeluScale * (x + kGeluCubic * x * x * x)));
 }
 
-__device__ inline float gelu_grad(float x) {
-    const float th = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
-    const float dth = (1.0f - th * th) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
-    return 0.5f * (1.0f + th) + 0.5f * x * dth;
-}
-
 static __global__ void gelu_forward_kernel(floatX* out, const floatX* inp, int64_t n) {
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
     if (i >= n) return;
@@ -41,16 +36,6 @@ static __global__ void gelu_forward_kernel(floatX* out, const floatX* inp, int64
     store128(out + i, o);
 }
 
-static __global__ void gelu_backward_kernel(floatX* dinp, const floatX* inp, const floatX* dout, int64_t n) {
-    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
-    if (i >= n) return;
-    const PackX x = load128(inp + i);
-    const PackX d = load128(dout + i);
-    PackX o;
-    for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(gelu_grad(float(x[k])) * float(d[k]));
-    store128(dinp + i, o);
-}
-
 inline void gelu_forward(floatX* out, const floatX* inp, int64_t n, cudaStream_t stream) {
     require_pack_multiple(n, "gelu_forward: n");
     require_aligned16(out, "gelu_forward: out");
@@ -58,17 +43,6 @@ inline void gelu_forward(floatX* out, const floatX* inp, int64_t n, cudaStream_t
     if (n == 0) return;
     const int block = 256;
     gelu_forward_kernel<<<unsigned(ceil_div<int64_t>(n / kPackX, block)), block, 0, stream>>>(out, inp, n);
-    cudaCheckLaunch();
-}
-
-inline void gelu_backward(floatX* dinp, const floatX* inp, const floatX* dout, int64_t n, cudaStream_t stream) {
-    require_pack_multiple(n, "gelu_backward: n");
-    require_aligned16(dinp, "gelu_backward: dinp");
-    require_aligned16(inp, "gelu_backward: inp");
-    require_aligned16(dout, "gelu_backward: dout");
-    if (n == 0) return;
-    const int block = 256;
-    gelu_backward_kernel<<<unsigned(ceil_div<int64_t>(n / kPackX, block)), block, 0, stream>>>(dinp, inp, dout, n);
     cudaCheckLaunch();
 }
 

@@ -275,14 +275,8 @@ namespace detail {
 // w taking rows w, w + 8, ... as the partial kernel does, and each row as the dinp kernel does it, so
 // dinp and the partials (hence dweight and dbias) keep their bits, and dout and inp are read once
 // instead of twice. The 8 warps' sums are added in warp order through shared memory (2 * C floats).
-// Registers: 128 at P = 3 for two blocks per SM (a cap of 80 or 64 spills 570-620 bytes); P = 4 spills,
-// so C > 768 takes the two kernels. H200, d12 B=64: 153 us per call against 98.5 + 62 for the two
-// kernels. One block per 256-row chunk gives only ~16 warps per SM (256 blocks), but a version with two
-// rows per warp in flight and its sums in shared memory measured the same (152 us), and so did reading a
-// row's dinp together with its inp and dout instead of after the row's sums (by an L1 prefetch, or into
-// registers, which spill): Nsight Compute finds it latency-bound at 24% occupancy, 57% of its stalls
-// waiting on global loads. Yet twice the warps did not help either: the sums in shared memory (64
-// registers, four blocks per SM) over 128-row chunks reached 47% occupancy and took 154 us, its L2 at 83%.
+// Registers are capped for two blocks per SM, which P = 3 fits without spilling and P = 4 does not, so
+// C > 768 takes the two kernels.
 template <int P>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     layernorm_backward_fused_kernel(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
@@ -363,44 +357,60 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
 // Packs of 8 channels per lane the fused kernel is instantiated for (C up to 768).
 constexpr int kLayerNormFusedMaxPacks = 3;
 
+// The two ways to dinp and the chunks' partials of layernorm_backward: the fused kernel's one pass, for C
+// up to 256 * kLayerNormFusedMaxPacks, and the separate row and partial kernels, for any C (the same bits
+// where both can run). layernorm_backward picks by C; test/test_kernels.cu compares the two.
+inline bool layernorm_backward_fuses(int C) {
+    return ceil_div(C, kLayerNormColumnsPerBlock) <= kLayerNormFusedMaxPacks;
+}
+
+inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
+                                          const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
+                                          cudaStream_t stream) {
+    const size_t smem = 2 * size_t(C) * sizeof(float);
+    auto launch = [&](auto kernel) {
+        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, dout, inp, weight,
+                                                                                 mean, rstd, N, C);
+    };
+    switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
+        case 1: launch(layernorm_backward_fused_kernel<1>); break;
+        case 2: launch(layernorm_backward_fused_kernel<2>); break;
+        default: launch(layernorm_backward_fused_kernel<3>); break;
+    }
+    cudaCheckLaunch();
+}
+
+inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
+                                             const floatX* weight, const float* mean, const float* rstd, int64_t N,
+                                             int C, cudaStream_t stream) {
+    layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
+                                     stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+    cudaCheckLaunch();
+    const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
+    layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
+    cudaCheckLaunch();
+}
+
 }  // namespace detail
 
 // dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
-// the mean and rstd saved by the forward. dinp must not alias dout or inp. `fused` = false takes the
-// separate row and partial kernels where the fused one would run (the same bits; for tests).
+// the mean and rstd saved by the forward. dinp must not alias dout or inp.
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                               float* scratch, size_t scratch_bytes, cudaStream_t stream, bool fused = true) {
+                               float* scratch, size_t scratch_bytes, cudaStream_t stream) {
     detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight});
     if (scratch_bytes < layernorm_backward_scratch_bytes(N, C)) {
         fail(kExitUsage, "layernorm_backward: scratch of %zu bytes, N=%lld C=%d needs %zu", scratch_bytes,
              (long long)N, C, layernorm_backward_scratch_bytes(N, C));
     }
     if (N == 0) return;
-    const int64_t chunks = layernorm_chunks(N);
-    const int packs = ceil_div(C, kLayerNormColumnsPerBlock);
-    if (fused && packs <= detail::kLayerNormFusedMaxPacks) {
-        const size_t smem = 2 * size_t(C) * sizeof(float);
-        auto launch = [&](auto kernel) {
-            kernel<<<unsigned(chunks), kLayerNormBlock, smem, stream>>>(dinp, scratch, dout, inp, weight, mean, rstd,
-                                                                       N, C);
-        };
-        switch (packs) {
-            case 1: launch(detail::layernorm_backward_fused_kernel<1>); break;
-            case 2: launch(detail::layernorm_backward_fused_kernel<2>); break;
-            default: launch(detail::layernorm_backward_fused_kernel<3>); break;
-        }
-        cudaCheckLaunch();
+    if (detail::layernorm_backward_fuses(C)) {
+        detail::layernorm_backward_rows_fused(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream);
     } else {
-        layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
-                                         stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
-        cudaCheckLaunch();
-        const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(chunks));
-        layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(scratch, dout, inp, mean, rstd, N, C);
-        cudaCheckLaunch();
+        detail::layernorm_backward_rows_separate(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream);
     }
     layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
-        dweight, dbias, scratch, chunks, C);
+        dweight, dbias, scratch, layernorm_chunks(N), C);
     cudaCheckLaunch();
 }
 

@@ -27,13 +27,13 @@ epilogue runs the heuristic's first choice and fingerprints its output (D, and t
 runs each other candidate the heuristic offers (up to kTuneCandidates), keeps those whose output has the
 same fingerprint (the same bits: same arithmetic, so runs stay reproducible whichever wins), times them
 and the first choice, and from then on runs the fastest for that key. Those first calls synchronise the
-stream. dev/matmul_lab.cu measured the candidates (dev/NOTES.md, session 5). Calls with beta != 0 (the
-weight gradients, which accumulate) always run the first choice.
+stream. dev/matmul_lab.cu times the candidates. Calls with beta != 0 (the weight gradients, which
+accumulate) always run the first choice.
 
-Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds: a probe of every algorithm
-id for the GELU epilogues found nothing faster than the heuristic's candidates, dev/NOTES.md session 8),
-cuBLASLt's bias-gradient epilogues (slower than our kernel and fp32 output refused, same place), or
-standalone GELU (gelu.cuh).
+Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds: it found nothing faster than
+the heuristic's candidates for the GELU epilogues), cuBLASLt's bias-gradient epilogues (slower than our
+kernel, and they refuse fp32 output), or GELU as a kernel of its own after a plain matmul (slower than the
+epilogues; dev/matmul_lab.cu compares the two).
 */
 #pragma once
 
@@ -47,7 +47,6 @@ standalone GELU (gelu.cuh).
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/gelu.cuh"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -496,23 +495,12 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
 // ----------------------------------------------------------------------------------------------------
 // The linear layer.
 
-// Where the MLP's GELU runs: in the matmul's cuBLASLt epilogue (GELU_AUX_BIAS forward, DGELU backward), or
-// as our own elementwise kernel after a plain (bias) matmul. cuBLASLt picks other kernels for the GELU
-// epilogues; which way is faster is measured with dev/compare_builds.sh (-DLLMC_GELU_EPILOGUE=0 or 1).
-#ifndef LLMC_GELU_EPILOGUE
-#define LLMC_GELU_EPILOGUE 1
-#endif
-constexpr bool kGeluEpilogue = LLMC_GELU_EPILOGUE != 0;
-
 // out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
-// that result and out = GELU(pre_gelu), in one cuBLASLt call.
+// that result and out = GELU(pre_gelu), in one cuBLASLt call (its GELU_AUX epilogue: one pass over the
+// 4C-wide activations fewer than a GELU kernel of our own after the matmul, which dev/matmul_lab.cu
+// compares).
 inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
                            int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr) {
-    if (pre_gelu != nullptr && !kGeluEpilogue) {
-        matmul_forward(lt, pre_gelu, inp, weight, bias, N, C, OC, stream);
-        gelu_forward(out, pre_gelu, N * OC, stream);
-        return;
-    }
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (pre_gelu != nullptr) {
         epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -523,20 +511,18 @@ inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, c
          1, 1.0f, 0.0f, epilogue, bias, pre_gelu, OC);
 }
 
-// dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when pre_gelu (N,C) is given;
-// dweight (OC,C) += dout^T @ inp (N,C); dbias (OC) += column sums of dout. dinp and dbias may be null.
-// scratch: matmul_backward_scratch_bytes(N, OC) bytes when dbias is given.
+// dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when pre_gelu (N,C) is given (the
+// DGELU epilogue, in the same cuBLASLt call); dweight (OC,C) += dout^T @ inp (N,C); dbias (OC) += column
+// sums of dout. dinp and dbias may be null. scratch: matmul_backward_scratch_bytes(N, OC) bytes when dbias
+// is given.
 inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                             const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
                             size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
     if (N == 0) return;
     if (dinp != nullptr) {
-        const bool fused = pre_gelu != nullptr && kGeluEpilogue;
-        const cublasLtEpilogue_t epilogue = fused ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
+        const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
         gemm(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0}, GemmOperand{weight, C, false, 0}, dinp,
-             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, fused ? const_cast<floatX*>(pre_gelu) : nullptr, C);
-        // In place: each element of dinp is read, then written, by the same thread.
-        if (pre_gelu != nullptr && !fused) gelu_backward(dinp, pre_gelu, dinp, N * C, stream);
+             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
     }
     gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
          0, 1, 1.0f, 1.0f);

@@ -1,0 +1,220 @@
+/*
+What the flash-attention kernels of llmc/flash_attention.cuh (mma.sync, every GPU from sm_80) and of
+llmc/flash_attention_sm90.cuh (wgmma, Hopper) share, so that each computes the same softmax, masks and
+stores with the same operations and so gives the same bits: the element-wise pieces of the online
+softmax in the log2 domain, the masking pass, the row stores of out, lse and the gradients, the kernel of
+D = rowsum(dout * out) that both backward passes start with, and the launchers' argument checks.
+
+Provides (namespace llmc::flash_common): smem_addr, pack_bf16, exp2_fast, kLog2e, kLn2, kBlockN (keys per
+step); for_each_element and mask_block over a warp's accumulators in the m16n8 C-fragment layout
+(lane = 4 * g + q: row g, columns 2q..2q+1, then row g + 8), which is also the per-warp layout of wgmma's
+m64 accumulators; store_rows, softmax_step, store_forward_rows; flash_backward_dot (D into scratch);
+allow_smem and check_args for the launchers.
+
+Does not provide: the kernels' products, tile loads or shared-memory layouts (those differ between the two
+instruction sets and live in their own headers), or anything a caller outside the flash headers needs.
+*/
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+namespace flash_common {
+
+__device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Two floats as a bf16 pair, lo in the low half (the lower column of an mma operand).
+__device__ inline uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    uint32_t r;
+    memcpy(&r, &v, sizeof(r));
+    return r;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kBlockN = 64;  // keys per step of the online softmax
+
+// 2^x on the special-function unit. exp2f is the same instruction with a fix-up for results below 2^-126,
+// which a probability never needs (they flush to 0 here).
+__device__ inline float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Calls f(mt, nt, e, r, c) for every element acc[mt][nt][e] of a warp's (16 * MT) x N accumulator block
+// (m16n8 C fragments), with r its row among the warp's 16 * MT rows and c its column (0 .. N-1).
+template <int MT, int N, class F>
+__device__ inline void for_each_element(int lane, F f) {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < N / 8; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(mt, nt, e, 16 * mt + g + 8 * (e >> 1), nt * 8 + 2 * q + (e & 1));
+        }
+    }
+}
+
+// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
+// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
+// own, so the other blocks carry no index arithmetic.
+template <int MT, int N, class Keep>
+__device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
+    for_each_element<MT, N>(lane, [&](int mt, int nt, int e, int r, int c) {
+        if (!keep(row0 + r, col0 + c)) acc[mt][nt][e] = fill;
+    });
+}
+
+// Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
+// r) * stride, rows >= T skipped.
+template <int HS>
+__device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc)[HS / 8][4], float mul_a,
+                                  float mul_b, int row0, int T, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    const int ra = row0 + g, rb = ra + 8;
+#pragma unroll
+    for (int dt = 0; dt < HS / 8; dt++) {
+        const int col = dt * 8 + 2 * q;
+        if (ra < T) {
+            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(ra) * stride + col) =
+                __floats2bfloat162_rn(acc[dt][0] * mul_a, acc[dt][1] * mul_a);
+        }
+        if (rb < T) {
+            *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(rb) * stride + col) =
+                __floats2bfloat162_rn(acc[dt][2] * mul_b, acc[dt][3] * mul_b);
+        }
+    }
+}
+
+// One key block of the online softmax for 16 query rows (an m16 row tile of a warp): s holds their raw
+// scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2 - m) with m the
+// new running max (kept scaled, log2 domain); the running sum l and the output accumulator o are
+// rescaled to the new max first. Element layout: m16n8 C fragments (rows g and g + 8 of the tile).
+template <int HS>
+__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
+                                    float scale_log2) {
+    // max(s) * scale rounds to the same float as max(s * scale).
+    float bm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) bm[e >> 1] = fmaxf(bm[e >> 1], s[nt][e]);
+    }
+    float sub[2], rs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 1));
+        bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
+        const float mx = fmaxf(m[r], bm[r] * scale_log2);
+        sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
+        const float corr = exp2_fast(m[r] - sub[r]);
+        m[r] = mx;
+        l[r] *= corr;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++) {
+            o[dt][2 * r] *= corr;
+            o[dt][2 * r + 1] *= corr;
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            s[nt][e] = exp2_fast(fmaf(s[nt][e], scale_log2, -sub[e >> 1]));
+            rs[e >> 1] += s[nt][e];
+        }
+    }
+    l[0] += rs[0];
+    l[1] += rs[1];
+}
+
+// The forward's end for 16 query rows from row0: lse (natural log) into lse_bh[row] and out rows = o / l
+// into out_bh + row * C (out_bh: this (b, h)'s first element of out); rows >= T skipped.
+template <int HS>
+__device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, const float (&o)[HS / 8][4],
+                                          const float (&m)[2], const float (&l)[2], int row0, int T, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        inv[r] = lr > 0.0f ? 1.0f / lr : 0.0f;
+        const int row = row0 + g + 8 * r;
+        if (q == 0 && row < T) lse_bh[row] = (m[r] + log2f(lr)) * kLn2;
+    }
+    store_rows<HS>(out_bh, C, o, inv[0], inv[1], row0, T, lane);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The backward's first pass: D[b,h,t] = sum_d dout * out over one head's row; HS/8 lanes per row, fixed
+// shuffle tree.
+
+constexpr int kDotThreads = 128;
+
+template <int HS>
+static __global__ void __launch_bounds__(kDotThreads)
+    flash_bwd_dot_kernel(float* D, const floatX* out, const floatX* dout, int B, int T, int NH) {
+    constexpr int kLanes = HS / 8;
+    const int64_t r = int64_t(blockIdx.x) * (kDotThreads / kLanes) + threadIdx.x / kLanes;  // (b, t, h) order
+    const int sub = threadIdx.x % kLanes;
+    const bool valid = r < int64_t(B) * T * NH;
+    float acc = 0.0f;
+    if (valid) {
+        const PackX o = load128(out + r * HS + sub * 8), d = load128(dout + r * HS + sub * 8);
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += float(o[i]) * float(d[i]);
+    }
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (valid && sub == 0) {
+        const int h = int(r % NH);
+        const int64_t bt = r / NH;
+        const int t = int(bt % T), b = int(bt / T);
+        D[(int64_t(b) * NH + h) * T + t] = acc;
+    }
+}
+
+// D (B,NH,T) fp32, the first pass of both backward paths.
+template <int HS>
+void flash_backward_dot(float* D, const floatX* out, const floatX* dout, int B, int T, int NH, cudaStream_t stream) {
+    const int64_t rows = int64_t(B) * T * NH;
+    flash_bwd_dot_kernel<HS><<<unsigned(ceil_div<int64_t>(rows, kDotThreads / (HS / 8))), kDotThreads, 0, stream>>>(
+        D, out, dout, B, T, NH);
+    cudaCheckLaunch();
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Launcher helpers.
+
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+    if (bytes > 48 * 1024) {
+        cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    }
+}
+
+constexpr int64_t kMaxGridY = 65535;
+
+inline void check_args(const char* fn, int B, int T, int NH) {
+    if (B < 1 || T < 1 || NH < 1) fail(kExitUsage, "%s: B=%d T=%d NH=%d must all be at least 1", fn, B, T, NH);
+    if (int64_t(B) * NH > kMaxGridY) {
+        fail(kExitUsage, "%s: B*NH = %lld is more than %lld (one grid row per batch row and head)", fn,
+             (long long)(int64_t(B) * NH), (long long)kMaxGridY);
+    }
+}
+
+}  // namespace flash_common
+
+}  // namespace llmc
