@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # Do two builds of train_gpt2cu compute the same bits? Runs the same training scenarios with both and
 # compares, exactly: every step's loss and gradient norm and every validation loss (log.jsonl), the
-# final model.bin, and every file of every checkpoint. Then times both on d12 B=64 T=1024, interleaved,
-# so a refactor can show it kept the speed too. Needs a GPU and the quick-start shards (make data).
-#   bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY [ROUNDS]
+# final model.bin, and every file of every checkpoint (dev/compare_builds.sh times builds against each
+# other). Needs a GPU and the quick-start shards (make data).
+#   bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY
 # Scenarios (d6 and d12, shuffled data, gradient accumulation):
 #   d6-ckpt     d6 B=8 T=256, 2 micro-steps, 20 steps, validation every 10, checkpoints at 10 and 20
 #   d6-resume   the same run stopped at step 10, then resumed with -y 1 up to 20
 #   d6-zero1    d6 as d6-ckpt on the NCCL path with one rank, ZeRO-1 (sharded checkpoint layout)
 #   d12-accum   d12 B=16 T=1024, 2 micro-steps, 12 steps, checkpoint at 12
-# Prints one PASS/FAIL line per scenario and the throughput table; exits 1 if any scenario differs.
+# Prints one PASS/FAIL line per scenario; exits 1 if any scenario differs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OLD=${1:?usage: bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY [ROUNDS]}
-NEW=${2:?usage: bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY [ROUNDS]}
-ROUNDS=${3:-3}
+OLD=${1:?usage: bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY}
+NEW=${2:?usage: bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY}
 ls data/quickstart_train_*.bin >/dev/null 2>&1 || { echo "data/ is missing: run make data first"; exit 1; }
 work=$(mktemp -d /tmp/compare_trainers_XXXXXX)
 trap 'rm -rf "$work"' EXIT
@@ -80,25 +79,4 @@ for side in old new; do
 done
 for name in d6-ckpt d6-resume d6-zero1 d12-accum; do compare "$name"; done
 
-# Throughput: d12 B=64 T=1024, 40 steps each, the two builds alternating; median ms/step of steps 11-40.
-median_ms() {
-    python3 - "$1" <<'PY'
-import json, statistics, sys
-ms = [json.loads(l)["ms"] for l in open(sys.argv[1]) if '"loss"' in l]
-print(f"{statistics.median(ms[10:]):.2f}")
-PY
-}
-echo "throughput, d12 B=64 T=1024, median ms/step of steps 11-40:"
-for r in $(seq 1 "$ROUNDS"); do
-    line="  round $r:"
-    for side in old new; do
-        bin=$OLD
-        [ $side = new ] && bin=$NEW
-        out=$work/tp_${side}_$r
-        timeout -k 10 120 "$bin" -i 'data/quickstart_train_*.bin' -e d12 -b 64 -t 1024 -x 40 -v 0 -s 0 -o "$out" \
-            --save-model 0 >"$out.log" 2>&1 || echo "  $side exited $?"
-        line="$line $side $(median_ms "$out/log.jsonl") ms"
-    done
-    echo "$line"
-done
 exit $failed
