@@ -29,7 +29,7 @@ So a file holds at most 65535 examples of at most 65534 bytes each, and token id
 read_mc_file() checks every field (magic, version, count, each delimiter, size, index, label, lengths
 within the example and the file, token ids below the vocabulary, the longest-example field, nothing
 after the last example) and names the file, the example and the byte offset of what is wrong.
-llm.c's reader assumes K = 4; ours takes any K >= 2 (prepare_eval writes 4).
+llm.c's reader assumes K = 4; ours takes any K >= 2 (prepare_eval writes 4 unless told otherwise).
 
 Also provides, where LLMC_TOKENIZER_ENCODER is defined before the first include of llmc/tokenizer.h
 (the program then links PCRE2): read_hellaswag_jsonl(), HellaSwag's own hellaswag_{train,val}.jsonl (one

@@ -256,7 +256,8 @@ TEST(McFile, WriterRefuses) {
     expect_error([&] { write_mc_file(p, s); }, kExitData, {"item 0 has an empty context"});
     s = small_set();
     s.items[1].endings[2][1] = 65535;
-    expect_error([&] { write_mc_file(p, s); }, kExitData, {"item 1, ending 2 token 1 is 65535, outside the vocabulary [0, 65535)"});
+    expect_error([&] { write_mc_file(p, s); }, kExitData,
+                 {"item 1, ending 2 token 1 is 65535, outside the vocabulary [0, 65535)"});
     s.items[1].endings[2][1] = -1;
     expect_error([&] { write_mc_file(p, s); }, kExitData, {"item 1, ending 2 token 1 is -1"});
     s = small_set();
@@ -477,7 +478,8 @@ TEST(McCpu, EqualsDirectComputation) {
         for (int cand = 0; cand < int(it.endings.size()); cand++) {
             direct.push_back(direct_sum(model, it, cand, 16));
             const double got = r.loss_sum[size_t(r.first_row[size_t(i)] + cand)];
-            EXPECT_NEAR(got, direct.back(), 1e-5 * std::max(1.0, std::abs(direct.back()))) << "item " << i << " cand " << cand;
+            EXPECT_NEAR(got, direct.back(), 1e-5 * std::max(1.0, std::abs(direct.back())))
+                << "item " << i << " cand " << cand;
         }
         const int best = int(std::min_element(direct.begin(), direct.end()) - direct.begin());
         if (r.margin(i, false) > 1e-3) {

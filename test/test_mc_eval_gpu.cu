@@ -53,7 +53,9 @@ std::vector<float> test_parameters(const GPT2Config& c, uint64_t seed) {
     const auto tensors = param_tensors(c);
     for (int i : {int(kWte), int(kWpe)}) {
         const ParamTensorInfo& t = tensors[size_t(i)];
-        for (int64_t j = 0; j < t.numel; j++) p[size_t(t.offset + j)] = float(0.3 * counter_normal(seed + 7, uint64_t(i), uint64_t(j)));
+        for (int64_t j = 0; j < t.numel; j++) {
+            p[size_t(t.offset + j)] = float(0.3 * counter_normal(seed + 7, uint64_t(i), uint64_t(j)));
+        }
     }
     for (int64_t j = int64_t(c.vocab_size) * c.channels; j < int64_t(c.padded_vocab_size) * c.channels; j++) {
         p[size_t(j)] = 0.0f;

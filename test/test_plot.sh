@@ -22,6 +22,8 @@ def step_line(s, loss, lr, norm, ms, tps, extra=""):
     n = "null" if norm is None else "%.9g" % norm
     return ('{"step":%d,"loss":%.17g,"lr":%.6g,"norm":%s,"ms":%.3f,"tok_per_s":%.1f,"mfu":%.4f%s}'
             % (s, loss, lr, n, ms, tps, 0.31 + 0.01 * math.sin(s), extra))
+def eval_line(s, acc, acc_norm):
+    return '{"step":%d,"eval_acc":%.6f,"eval_acc_norm":%.6f,"eval_items":10042}' % (s, acc, acc_norm)
 rng = random.Random(1)
 lines = []
 for s in range(1, 61):
@@ -29,13 +31,13 @@ for s in range(1, 61):
                            None if s == 7 else 1.5 / math.sqrt(s), 86.5, 605000.0 + rng.random()))
     if s % 20 == 0:
         lines.append('{"step":%d,"val_loss":%.9g}' % (s, 10 * math.exp(-s / 40) + 3.2))
-        lines.append('{"step":%d,"eval_acc":%.6f,"eval_acc_norm":%.6f,"eval_items":10042}' % (s, 0.25 + s / 2000, 0.26 + s / 1800))
+        lines.append(eval_line(s, 0.25 + s / 2000, 0.26 + s / 1800))
 lines.append('{"resume_from_step":40}')
 for s in range(41, 101):
     lines.append(step_line(s, 10.9 * math.exp(-s / 40) + 2.9, 3e-4, 1.0 / math.sqrt(s), 86.1, 606000.0))
     if s % 20 == 0:
         lines.append('{"step":%d,"val_loss":%.9g}' % (s, 10 * math.exp(-s / 40) + 3.1))
-        lines.append('{"step":%d,"eval_acc":%.6f,"eval_acc_norm":%.6f,"eval_items":10042}' % (s, 0.25 + s / 1500, 0.26 + s / 1400))
+        lines.append(eval_line(s, 0.25 + s / 1500, 0.26 + s / 1400))
 open(d + "/d6_lr3e-4/log.jsonl", "w").write("\n".join(lines) + '\n{"step":101,"loss":3.0')
 lines = []
 for s in range(1, 81):
@@ -109,7 +111,8 @@ check("one.png has no second run colour", color_pixels(d + "/one.png", "#ff7f0e"
 run = plot.read_run(d + "/d6_lr3e-4/log.jsonl", "a")
 steps = [s for s, _ in run.get("loss")]
 check("the resume leaves steps 1..100 once each", steps == list(range(1, 101)))
-check("steps after the resume come from the resumed run", abs(run.get("loss")[49][1] - (10.9 * math.exp(-50 / 40) + 2.9)) < 1e-12)
+check("steps after the resume come from the resumed run",
+      abs(run.get("loss")[49][1] - (10.9 * math.exp(-50 / 40) + 2.9)) < 1e-12)
 check("the null norm is skipped", [s for s, _ in run.get("norm")][:8] == [1, 2, 3, 4, 5, 6, 8, 9])
 check("the validation and eval lines after step 40 are the resumed run's",
       [s for s, _ in run.get("val_loss")] == [20, 40, 60, 80, 100] and run.get("eval_acc")[2][1] == 0.25 + 60 / 1500)
@@ -120,6 +123,7 @@ PY
 rc=0; /usr/bin/python3 scripts/plot.py "$dir/none" -o "$dir/x.png" >"$dir/err" 2>&1 || rc=$?
 [ $rc -eq 3 ] && grep -q "no such log" "$dir/err" || { echo "FAIL: a missing log gave exit $rc:"; cat "$dir/err"; exit 1; }
 rc=0; /usr/bin/python3 scripts/plot.py "$dir/d6_lr1e-3" --labels a,b -o "$dir/x.png" >"$dir/err" 2>&1 || rc=$?
-[ $rc -eq 2 ] && grep -q "gives 2 labels for 1 runs" "$dir/err" || { echo "FAIL: a label count mismatch gave exit $rc:"; cat "$dir/err"; exit 1; }
+[ $rc -eq 2 ] && grep -q "gives 2 labels for 1 runs" "$dir/err" ||
+    { echo "FAIL: a label count mismatch gave exit $rc:"; cat "$dir/err"; exit 1; }
 [ ! -e "$dir/x.png" ] || { echo "FAIL: an error still wrote a PNG"; exit 1; }
 echo "ok"

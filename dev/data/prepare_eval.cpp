@@ -80,7 +80,8 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "items", &o.h.items, "held-out: how many items", 1, kMcMaxExamples)
         .add("", "context", &o.h.context, "held-out: tokens of each passage", 1, 16384)
         .add("", "ending", &o.h.ending, "held-out: tokens of each ending", 1, 4096)
-        .add("", "choices", &o.h.choices, "held-out: endings per item (one true)", 2, 64)
+        .add("", "choices", &o.h.choices, "held-out: endings per item, one of them true (llm.c's trainer reads only 4)",
+             2, 64)
         .add("", "seed", &o.h.seed, "held-out: seed of every random choice", 0, INT64_MAX)
         .add_switch("", "any-start", &o.any_start, "held-out: endings may start inside a word")
         .add("", "encoder-json", &o.encoder_json, "GPT-2's encoder.json")
