@@ -39,9 +39,11 @@ GTEST_LIBS := -lgtest_main -lgtest
 
 # PCRE2 (the tokenizer's pre-tokenisation regex) is needed only by the binaries named here; where its
 # headers are missing (the GPU machine) they are skipped and can be carried from a machine that has them.
-PCRE2_BINARIES := prepare_data test_tokenizer
+PCRE2_BINARIES := prepare_data prepare_eval test_tokenizer test_mc_eval
 LDLIBS_prepare_data := -lpcre2-8
+LDLIBS_prepare_eval := -lpcre2-8
 LDLIBS_test_tokenizer := -lpcre2-8
+LDLIBS_test_mc_eval := -lpcre2-8
 
 # NCCL (multi-GPU communication) is linked only into the binaries that use llmc/multi_gpu.cuh; CUDA_LIBS'
 # -L$(CUDA_HOME)/lib64 finds it where CUDA ships it, and the system path where the distribution does.
@@ -49,6 +51,7 @@ LDLIBS_test_multi_gpu := -lnccl
 # train_gpt2.cu (data parallel) uses it, and so does every test that #includes llmc/gpt2.cuh.
 LDLIBS_train_gpt2cu := -lnccl
 LDLIBS_test_gpt2_gpu := -lnccl
+LDLIBS_test_mc_eval_gpu := -lnccl
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
 
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))

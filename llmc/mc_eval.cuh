@@ -1,0 +1,121 @@
+/*
+Multiple-choice evaluation (HellaSwag and sets like it) with the GPU model of llmc/gpt2.cuh: the items,
+rows, scores and rules of llmc/mc_eval.h, run through model.forward().
+
+McEvalGpu(model) allocates, once, what a run needs beside the model: device inputs and targets for the
+model's B x T, a device slot for the forward's mean loss (so the model's own mean_loss() is left as the
+trainer set it), and two pinned host buffers each for tokens and losses. run(set) then:
+  - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and cuts their
+    candidates into batches of at most B rows (McBatcher; each batch's T is its longest row rounded up
+    to kTMultiple positions, so that the matmuls see few distinct shapes);
+  - per batch: tokens to the GPU, forward with targets and no dloss (the logits stay logits), the
+    per-position losses back; while the GPU runs one batch, the host fills the next and sums the ending
+    losses of the one before (mc_accumulate);
+  - with several ranks (model.multi() non-null): checks that every rank holds the same items, then
+    shares the per-row loss sums with one all-reduce sum of their bit patterns (each row is summed by
+    exactly one rank and the others contribute zero bits, so the sum is an exact gather), and every rank
+    scores every item from the same numbers. The single-GPU path makes no NCCL call.
+The result (mc_score) holds the counts and every item's predictions and row scores, on every rank.
+
+The run overwrites the model's activations, logits and losses (not its parameters, gradients or
+optimizer state): call it between optimizer steps, not between a forward and its backward.
+
+Does not provide: the schedule (which steps evaluate) or logging (the trainers), loading items
+(mc_eval.h), or several evaluations in flight at once (one McEvalGpu runs one set at a time).
+*/
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "llmc/cuda_utils.cuh"
+#include "llmc/gpt2.cuh"
+#include "llmc/mc_eval.h"
+#include "llmc/multi_gpu.cuh"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+class McEvalGpu {
+public:
+    // A batch's T is rounded up to a multiple of this (at most the model's T).
+    static constexpr int kTMultiple = 64;
+
+    explicit McEvalGpu(GPT2& model)
+        : model_(model), tokens_(size_t(2) * cells()), mean_(1),
+          host_tokens_{PinnedBuffer(2 * cells() * sizeof(int), cudaHostAllocWriteCombined),
+                       PinnedBuffer(2 * cells() * sizeof(int), cudaHostAllocWriteCombined)},
+          host_losses_{PinnedBuffer(cells() * sizeof(float)), PinnedBuffer(cells() * sizeof(float))} {}
+    McEvalGpu(const McEvalGpu&) = delete;
+    McEvalGpu& operator=(const McEvalGpu&) = delete;
+
+    // Every rank calls it with the same set; every rank gets the whole result.
+    McResult run(const McSet& set) {
+        MultiGpu* multi = model_.multi();
+        const cudaStream_t stream = model_.stream();
+        const int64_t items = int64_t(set.items.size());
+        const int rank = multi != nullptr ? multi->rank() : 0, world = multi != nullptr ? multi->world() : 1;
+        const std::pair<int64_t, int64_t> range = mc_rank_items(items, rank, world);
+        McBatcher batcher(set, range.first, range.second, model_.max_B(), model_.max_T(), kTMultiple,
+                          model_.config().vocab_size);
+        if (multi != nullptr) multi->check_same(mc_fingerprint(set), "the multiple-choice items");
+        std::vector<double> loss_sum(size_t(mc_first_rows(set).back()), 0.0);
+
+        // Two slots: the host fills slot k while the GPU may still run the batch in slot 1 - k.
+        McBatch batch[2];
+        bool pending[2] = {false, false};
+        int k = 0;
+        auto finish = [&](int slot) {
+            cudaCheck(cudaEventSynchronize(done_[slot]));
+            mc_accumulate(batch[slot], reinterpret_cast<const float*>(host_losses_[slot].get()), loss_sum);
+            pending[slot] = false;
+        };
+        while (batcher.next(batch[k])) {
+            const McBatch& b = batch[k];
+            const size_t n = size_t(b.B) * size_t(b.T);
+            int* host = reinterpret_cast<int*>(host_tokens_[k].get());
+            std::memcpy(host, b.inputs.data(), n * sizeof(int));
+            std::memcpy(host + n, b.targets.data(), n * sizeof(int));
+            cudaCheck(cudaMemcpyAsync(tokens_.get(), host, 2 * n * sizeof(int), cudaMemcpyHostToDevice, stream));
+            model_.forward(tokens_.get(), tokens_.get() + n, b.B, b.T, mean_.get());
+            cudaCheck(cudaMemcpyAsync(host_losses_[k].get(), model_.losses(), n * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream));
+            cudaCheck(cudaEventRecord(done_[k], stream));
+            pending[k] = true;
+            k = 1 - k;
+            if (pending[k]) finish(k);
+            if (multi != nullptr) multi->heartbeat();
+        }
+        for (int slot = 0; slot < 2; slot++) {
+            if (pending[slot]) finish(slot);
+        }
+        if (multi != nullptr) gather_rows(*multi, loss_sum, stream);
+        return mc_score(set, std::move(loss_sum));
+    }
+
+private:
+    size_t cells() const { return size_t(model_.max_B()) * size_t(model_.max_T()); }
+
+    // Rows this rank did not run are +0.0, whose bits are zero: the sum of the bit patterns over ranks is
+    // the one rank's value, exactly.
+    void gather_rows(MultiGpu& multi, std::vector<double>& loss_sum, cudaStream_t stream) {
+        static_assert(sizeof(double) == sizeof(uint64_t), "a double travels as a uint64");
+        const size_t n = loss_sum.size(), bytes = n * sizeof(uint64_t);
+        if (rows_.size() < n) rows_.allocate(n);
+        cudaCheck(cudaMemcpyAsync(rows_.get(), loss_sum.data(), bytes, cudaMemcpyHostToDevice, stream));
+        multi.all_reduce_sum_async(rows_.get(), n, stream);
+        multi.join(stream);
+        cudaCheck(cudaMemcpyAsync(loss_sum.data(), rows_.get(), bytes, cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+    }
+
+    GPT2& model_;
+    DeviceBuffer<int> tokens_;  // inputs then targets of the batch in flight
+    DeviceBuffer<float> mean_;
+    PinnedBuffer host_tokens_[2], host_losses_[2];
+    Event done_[2];
+    DeviceBuffer<uint64_t> rows_;  // several ranks: the row sums being shared (kept for the next run)
+};
+
+}  // namespace llmc

@@ -1,0 +1,650 @@
+/*
+Multiple-choice evaluation (HellaSwag and sets like it): the items, their file format, how they are laid
+out as rows of a batch, how rows are scored, and the scoring with the CPU reference model.
+
+An item is a context, two or more candidate endings (token ids) and the index of the right one. A
+candidate is scored by the model's token losses on its ending given the context: row = context + ending,
+inputs row[0, n-1), targets row[1, n), and the losses at the ending's positions. Two predictions, as
+llm.c's dev/data/hellaswag.py and nanoGPT's hellaswag.py make them ("completion style"):
+  - acc:      the candidate with the lowest sum of its ending's token losses (highest log-likelihood);
+  - acc_norm: the candidate with the lowest mean token loss (sum / ending tokens). llm.c's trainer reports
+              this one as its HellaSwag accuracy. EleutherAI's harness normalises by the ending's length in
+              bytes instead, so its acc_norm is not this number.
+Ties go to the lowest candidate index (torch.argmin's rule, and llm.c's).
+
+Long items: a row has at most T positions (the model's allocation). An item whose context + ending does
+not fit keeps only the last context tokens, the same number for every candidate (so all are scored on
+the same context): kept = min(context, T + 1 - longest ending). An ending longer than T is an error.
+The CPU (mc_eval_cpu here) and the GPU (mc_eval.cuh) apply the same rule through McBatcher.
+
+File format: llm.c's eval .bin (written by its dev/data/data_common.py write_evalfile, read by its
+dataloader.h EvalLoader), so files made by llm.c's dev/data/hellaswag.py load unchanged:
+    header: 256 int32 (1024 bytes): [0] magic 20240522, [1] version 1, [2] number of examples,
+            [3] size in bytes of the longest example; the rest 0.
+    then each example, a run of uint16 values (little-endian):
+            65535 (delimiter), the example's size in bytes (all of its fields, these included),
+            its index (0, 1, 2, ... in file order), label, number of candidates K,
+            context length, context tokens, then K times: ending length, ending tokens.
+So a file holds at most 65535 examples of at most 65534 bytes each, and token ids below 65535.
+read_mc_file() checks every field (magic, version, count, each delimiter, size, index, label, lengths
+within the example and the file, token ids below the vocabulary, the longest-example field, nothing
+after the last example) and names the file, the example and the byte offset of what is wrong.
+llm.c's reader assumes K = 4; ours takes any K >= 2 (prepare_eval writes 4 unless told otherwise).
+
+Also provides, where LLMC_TOKENIZER_ENCODER is defined before the first include of llmc/tokenizer.h
+(the program then links PCRE2): read_hellaswag_jsonl(), HellaSwag's own hellaswag_{train,val}.jsonl (one
+object per line: "ctx", or "ctx_a" and "ctx_b" joined by a space when "ctx" is absent; "endings", a list
+of strings; "label", an integer or a string holding one), encoded with GPT-2's tokenizer as llm.c does:
+the context as it is, each ending with a space in front.
+
+Does not provide: the GPU scoring (mc_eval.cuh), the evaluation schedule or its logging (the trainers),
+making sets from text (dev/data/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
+*/
+#pragma once
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "llmc/gpt2_cpu.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+constexpr int32_t kMcMagic = 20240522;
+constexpr int32_t kMcVersion = 1;
+constexpr int kMcHeaderInts = 256;
+constexpr int64_t kMcHeaderBytes = kMcHeaderInts * int64_t(sizeof(int32_t));
+constexpr uint32_t kMcDelimiter = 65535;     // starts every example; so token ids stay below it
+constexpr int64_t kMcMaxExamples = 65535;    // the index field is uint16 (llm.c's writer keeps count < 2^16)
+constexpr int64_t kMcMaxExampleBytes = 65534;  // the size field is uint16 and sizes are even
+constexpr int kMcExampleFields = 6;          // delimiter, size, index, label, K, context length
+
+struct McItem {
+    std::vector<int32_t> context;
+    std::vector<std::vector<int32_t>> endings;
+    int label = 0;
+};
+
+// A set of items and where they came from (named in every error about them).
+struct McSet {
+    std::string source;
+    std::vector<McItem> items;
+};
+
+// The example's size in bytes in the file format.
+inline int64_t mc_example_bytes(const McItem& item) {
+    int64_t values = kMcExampleFields + int64_t(item.context.size());
+    for (const auto& e : item.endings) values += 1 + int64_t(e.size());
+    return 2 * values;
+}
+
+inline int64_t mc_longest_ending(const McItem& item) {
+    int64_t longest = 0;
+    for (const auto& e : item.endings) longest = std::max(longest, int64_t(e.size()));
+    return longest;
+}
+
+// Checks what scoring needs of every item: a context, at least two endings, none empty, a label among
+// them and token ids below vocab_size. With max_T > 0 also that every ending fits in max_T positions.
+inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) {
+    const char* src = set.source.c_str();
+    if (set.items.empty()) fail(kExitData, "'%s' holds no multiple-choice items", src);
+    for (size_t i = 0; i < set.items.size(); i++) {
+        const McItem& it = set.items[i];
+        if (it.context.empty()) fail(kExitData, "'%s': item %zu has an empty context", src, i);
+        if (it.endings.size() < 2) {
+            fail(kExitData, "'%s': item %zu has %zu candidate ending(s); a choice needs at least 2", src, i,
+                 it.endings.size());
+        }
+        if (it.label < 0 || size_t(it.label) >= it.endings.size()) {
+            fail(kExitData, "'%s': item %zu has label %d, not one of its %zu endings (0..%zu)", src, i, it.label,
+                 it.endings.size(), it.endings.size() - 1);
+        }
+        auto check_tokens = [&](const std::vector<int32_t>& t, const std::string& what) {
+            for (size_t k = 0; k < t.size(); k++) {
+                if (t[k] < 0 || t[k] >= vocab_size) {
+                    fail(kExitData, "'%s': item %zu, %s token %zu is %d, outside the vocabulary [0, %lld)", src, i,
+                         what.c_str(), k, t[k], (long long)vocab_size);
+                }
+            }
+        };
+        check_tokens(it.context, "context");
+        for (size_t e = 0; e < it.endings.size(); e++) {
+            if (it.endings[e].empty()) fail(kExitData, "'%s': item %zu, ending %zu is empty", src, i, e);
+            check_tokens(it.endings[e], format("ending %zu", e));
+        }
+        if (max_T > 0 && mc_longest_ending(it) > max_T) {
+            fail(kExitData,
+                 "'%s': item %zu has an ending of %lld tokens, more than the %d positions the model is run with; "
+                 "evaluate with a longer sequence length, or leave the item out",
+                 src, i, (long long)mc_longest_ending(it), max_T);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The .bin file.
+
+// Writes the set in llm.c's eval format. Everything is checked before the file is created.
+inline void write_mc_file(const std::string& path, const McSet& set) {
+    const std::vector<McItem>& items = set.items;
+    if (int64_t(items.size()) > kMcMaxExamples) {
+        fail(kExitUsage, "'%s': %zu items, the format holds at most %lld", path.c_str(), items.size(),
+             (long long)kMcMaxExamples);
+    }
+    // Token ids must stay below the delimiter; mc_check_items names the offending item.
+    mc_check_items(set, kMcDelimiter);
+    int64_t longest = 0;
+    for (size_t i = 0; i < items.size(); i++) {
+        const int64_t bytes = mc_example_bytes(items[i]);
+        if (bytes > kMcMaxExampleBytes) {
+            fail(kExitUsage, "'%s': item %zu takes %lld bytes (context of %zu tokens, %zu endings), more than the "
+                 "format's %lld per example", path.c_str(), i, (long long)bytes, items[i].context.size(),
+                 items[i].endings.size(), (long long)kMcMaxExampleBytes);
+        }
+        longest = std::max(longest, bytes);
+    }
+    int32_t header[kMcHeaderInts] = {};
+    header[0] = kMcMagic;
+    header[1] = kMcVersion;
+    header[2] = int32_t(items.size());
+    header[3] = int32_t(longest);
+    std::vector<uint16_t> stream;
+    for (size_t i = 0; i < items.size(); i++) {
+        const McItem& it = items[i];
+        stream.push_back(uint16_t(kMcDelimiter));
+        stream.push_back(uint16_t(mc_example_bytes(it)));
+        stream.push_back(uint16_t(i));
+        stream.push_back(uint16_t(it.label));
+        stream.push_back(uint16_t(it.endings.size()));
+        stream.push_back(uint16_t(it.context.size()));
+        for (int32_t t : it.context) stream.push_back(uint16_t(t));
+        for (const auto& e : it.endings) {
+            stream.push_back(uint16_t(e.size()));
+            for (int32_t t : e) stream.push_back(uint16_t(t));
+        }
+    }
+    File f(path, File::Mode::Write);
+    f.write_all(header, sizeof(header));
+    f.write_all(stream.data(), stream.size() * sizeof(uint16_t));
+    f.close();
+}
+
+// Reads and checks a whole eval .bin; token ids must be below vocab_size (at most 65535, the format's
+// limit). Every error names the file, the example and the byte offset.
+inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelimiter) {
+    vocab_size = std::min<int64_t>(vocab_size, kMcDelimiter);
+    const char* p = path.c_str();
+    File f(path, File::Mode::Read);
+    const int64_t size = f.size();
+    if (size < kMcHeaderBytes) {
+        fail(kExitData, "eval file '%s' is %lld bytes, shorter than its %lld-byte header (truncated, or not an eval file)",
+             p, (long long)size, (long long)kMcHeaderBytes);
+    }
+    int32_t h[kMcHeaderInts];
+    f.read_exact(h, sizeof(h));
+    if (h[0] != kMcMagic) {
+        const char* hint = h[0] == 20240520 ? " (that is a token shard's magic: evaluation needs a multiple-choice "
+                                              "file, see prepare_eval)" : "";
+        fail(kExitData, "eval file '%s': bad magic %d at offset 0 (expected %d)%s", p, h[0], kMcMagic, hint);
+    }
+    if (h[1] != kMcVersion) {
+        fail(kExitData, "eval file '%s': unsupported version %d at offset 4 (expected %d)", p, h[1], kMcVersion);
+    }
+    const int64_t count = h[2];
+    if (count < 1 || count > kMcMaxExamples) {
+        fail(kExitData, "eval file '%s': example count %lld at offset 8 is not in 1..%lld", p, (long long)count,
+             (long long)kMcMaxExamples);
+    }
+    std::vector<uint16_t> v(size_t((size - kMcHeaderBytes) / 2));
+    f.read_exact(v.data(), v.size() * sizeof(uint16_t));
+    auto offset = [](int64_t pos) { return (long long)(kMcHeaderBytes + 2 * pos); };
+
+    McSet set{path, {}};
+    set.items.resize(size_t(count));
+    int64_t pos = 0, longest = 0;
+    const int64_t n = int64_t(v.size());
+    for (int64_t i = 0; i < count; i++) {
+        const long long at = offset(pos);
+        if (pos + kMcExampleFields > n) {
+            fail(kExitData,
+                 "eval file '%s': example %lld at offset %lld: the file (%lld bytes) ends before the example's %d "
+                 "fields; the header (offset 8) promises %lld examples (truncated?)",
+                 p, (long long)i, at, (long long)size, kMcExampleFields, (long long)count);
+        }
+        if (v[size_t(pos)] != kMcDelimiter) {
+            fail(kExitData, "eval file '%s': example %lld at offset %lld: expected the delimiter %u, found %u", p,
+                 (long long)i, at, kMcDelimiter, unsigned(v[size_t(pos)]));
+        }
+        const int64_t bytes = v[size_t(pos + 1)];
+        const int64_t min_bytes = 2 * (kMcExampleFields + 1 + 2 * 2);  // one context token, two 1-token endings
+        if (bytes % 2 != 0 || bytes < min_bytes) {
+            fail(kExitData,
+                 "eval file '%s': example %lld at offset %lld: its size field (offset %lld) says %lld bytes; an "
+                 "example takes an even number of bytes, at least %lld", p, (long long)i, at, offset(pos + 1),
+                 (long long)bytes, (long long)min_bytes);
+        }
+        const int64_t end = pos + bytes / 2;
+        if (end > n) {
+            fail(kExitData,
+                 "eval file '%s': example %lld at offset %lld: its size field (offset %lld) says %lld bytes, but the "
+                 "file ends %lld bytes after the example's start (truncated?)", p, (long long)i, at, offset(pos + 1),
+                 (long long)bytes, (long long)(size - at));
+        }
+        if (v[size_t(pos + 2)] != i) {
+            fail(kExitData,
+                 "eval file '%s': example %lld at offset %lld: its index field (offset %lld) is %u; examples are "
+                 "numbered 0, 1, 2, ... in file order", p, (long long)i, at, offset(pos + 2), unsigned(v[size_t(pos + 2)]));
+        }
+        McItem& it = set.items[size_t(i)];
+        const int label = v[size_t(pos + 3)], k = v[size_t(pos + 4)], ctx = v[size_t(pos + 5)];
+        if (k < 2) {
+            fail(kExitData, "eval file '%s': example %lld at offset %lld: %d candidate ending(s) (offset %lld); a choice "
+                 "needs at least 2", p, (long long)i, at, k, offset(pos + 4));
+        }
+        if (label >= k) {
+            fail(kExitData, "eval file '%s': example %lld at offset %lld: label %d (offset %lld) is not one of its %d "
+                 "endings (0..%d)", p, (long long)i, at, label, offset(pos + 3), k, k - 1);
+        }
+        it.label = label;
+        // A run of `len` tokens starting at q: within the example, each id below the vocabulary.
+        auto take = [&](int64_t q, int64_t len, const std::string& what, std::vector<int32_t>& out) {
+            if (len < 1) {
+                fail(kExitData, "eval file '%s': example %lld at offset %lld: the %s is empty (length field at offset "
+                     "%lld)", p, (long long)i, at, what.c_str(), offset(q - 1));
+            }
+            if (q + len > end) {
+                fail(kExitData,
+                     "eval file '%s': example %lld at offset %lld: the %s's %lld tokens (length at offset %lld) run "
+                     "past the example's end at offset %lld (its size field says %lld bytes)", p, (long long)i, at,
+                     what.c_str(), (long long)len, offset(q - 1), offset(end), (long long)bytes);
+            }
+            out.resize(size_t(len));
+            for (int64_t j = 0; j < len; j++) {
+                const int64_t id = v[size_t(q + j)];
+                if (id >= vocab_size) {
+                    fail(kExitData, "eval file '%s': example %lld, %s token %lld at offset %lld is %lld, not below "
+                         "the vocabulary size %lld", p, (long long)i, what.c_str(), (long long)j, offset(q + j),
+                         (long long)id, (long long)vocab_size);
+                }
+                out[size_t(j)] = int32_t(id);
+            }
+        };
+        take(pos + kMcExampleFields, ctx, "context", it.context);
+        int64_t q = pos + kMcExampleFields + ctx;
+        it.endings.resize(size_t(k));
+        for (int e = 0; e < k; e++) {
+            if (q >= end) {
+                fail(kExitData,
+                     "eval file '%s': example %lld at offset %lld: ending %d's length field would be at offset %lld, "
+                     "past the example's end (its size field says %lld bytes)", p, (long long)i, at, e, offset(q),
+                     (long long)bytes);
+            }
+            take(q + 1, v[size_t(q)], format("ending %d", e), it.endings[size_t(e)]);
+            q += 1 + v[size_t(q)];
+        }
+        if (q != end) {
+            fail(kExitData,
+                 "eval file '%s': example %lld at offset %lld: its size field says %lld bytes, but its fields end after "
+                 "%lld", p, (long long)i, at, (long long)bytes, (long long)(2 * (q - pos)));
+        }
+        longest = std::max(longest, bytes);
+        pos = end;
+    }
+    if (offset(pos) != size) {
+        fail(kExitData, "eval file '%s': %lld unexpected bytes after the last of its %lld examples (offset %lld)", p,
+             (long long)(size - offset(pos)), (long long)count, offset(pos));
+    }
+    if (h[3] != longest) {
+        fail(kExitData, "eval file '%s': the header's longest-example field (offset 12) says %d bytes, but the longest "
+             "example takes %lld", p, h[3], (long long)longest);
+    }
+    return set;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Rows and batches.
+
+// Every candidate of every item is one row, numbered item by item: item i's candidates are rows
+// first[i] .. first[i+1]-1.
+inline std::vector<int64_t> mc_first_rows(const McSet& set) {
+    std::vector<int64_t> first(set.items.size() + 1, 0);
+    for (size_t i = 0; i < set.items.size(); i++) first[i + 1] = first[i] + int64_t(set.items[i].endings.size());
+    return first;
+}
+
+// Context tokens an item keeps in rows of T positions (the file's comment): all that fit beside its
+// longest ending, counted from the end.
+inline int64_t mc_kept_context(const McItem& item, int T) {
+    return std::min<int64_t>(int64_t(item.context.size()), int64_t(T) + 1 - mc_longest_ending(item));
+}
+
+// The items rank `rank` of `world` evaluates: a contiguous range, sizes differing by at most one.
+inline std::pair<int64_t, int64_t> mc_rank_items(int64_t items, int rank, int world) {
+    return {items * rank / world, items * (rank + 1) / world};
+}
+
+// One forward's worth of rows. Row r: inputs and targets at [r*T, (r+1)*T), padded with token 0 after the
+// row's end; the losses of its ending are at positions first[r] .. first[r] + count[r] - 1.
+struct McBatch {
+    int B = 0, T = 0;
+    std::vector<int> inputs, targets;
+    std::vector<int64_t> row;  // the set's row number (mc_first_rows) of each batch row
+    std::vector<int> first, count;
+};
+
+// Cuts the rows of items [begin, end) into batches of at most max_B rows of at most max_T positions, in
+// order (an item's candidates may straddle two batches). A batch's T is its longest row rounded up to a
+// multiple of t_multiple, at most max_T: fewer distinct shapes for a GPU, no padding for t_multiple 1.
+// Checks every item of the set (not only the range) against the vocabulary and max_T, so that every rank
+// of a multi-GPU run fails alike or not at all.
+class McBatcher {
+public:
+    McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size)
+        : set_(set), first_row_(mc_first_rows(set)), item_(begin), end_(end), max_B_(max_B), max_T_(max_T),
+          t_multiple_(std::max(1, t_multiple)) {
+        if (max_B < 1 || max_T < 1) fail(kExitUsage, "McBatcher: B=%d T=%d, need both >= 1", max_B, max_T);
+        if (begin < 0 || begin > end || end > int64_t(set.items.size())) {
+            fail(kExitUsage, "McBatcher: items [%lld, %lld) of %zu", (long long)begin, (long long)end, set.items.size());
+        }
+        mc_check_items(set, vocab_size, max_T);
+    }
+
+    // Fills b with the next batch; false when the range is done.
+    bool next(McBatch& b) {
+        b.row.clear();
+        b.first.clear();
+        b.count.clear();
+        int longest = 0;
+        while (item_ < end_ && int(b.row.size()) < max_B_) {
+            const McItem& it = set_.items[size_t(item_)];
+            const int kept = int(mc_kept_context(it, max_T_));
+            const int len = int(it.endings[size_t(cand_)].size());
+            b.row.push_back(first_row_[size_t(item_)] + cand_);
+            b.first.push_back(kept - 1);
+            b.count.push_back(len);
+            longest = std::max(longest, kept + len - 1);
+            if (++cand_ == int(it.endings.size())) {
+                cand_ = 0;
+                item_++;
+            }
+        }
+        if (b.row.empty()) return false;
+        b.B = int(b.row.size());
+        b.T = std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_);
+        b.inputs.assign(size_t(b.B) * size_t(b.T), 0);
+        b.targets.assign(size_t(b.B) * size_t(b.T), 0);
+        // Walk the rows again from their set row numbers to fill the tokens.
+        int64_t item = item_of(b.row[0]);
+        for (int r = 0; r < b.B; r++) {
+            while (first_row_[size_t(item + 1)] <= b.row[size_t(r)]) item++;
+            const McItem& it = set_.items[size_t(item)];
+            const std::vector<int32_t>& ending = it.endings[size_t(b.row[size_t(r)] - first_row_[size_t(item)])];
+            const int kept = b.first[size_t(r)] + 1;
+            const int32_t* ctx = it.context.data() + (it.context.size() - size_t(kept));
+            // row = ctx[0, kept) + ending: position t reads row[t] and predicts row[t + 1].
+            auto token = [&](int t) { return t < kept ? ctx[t] : ending[size_t(t - kept)]; };
+            int* in = b.inputs.data() + size_t(r) * size_t(b.T);
+            int* tg = b.targets.data() + size_t(r) * size_t(b.T);
+            const int n = kept + int(ending.size()) - 1;
+            for (int t = 0; t < n; t++) {
+                in[t] = token(t);
+                tg[t] = token(t + 1);
+            }
+        }
+        return true;
+    }
+
+private:
+    int64_t item_of(int64_t row) const {
+        return int64_t(std::upper_bound(first_row_.begin(), first_row_.end(), row) - first_row_.begin()) - 1;
+    }
+
+    const McSet& set_;
+    std::vector<int64_t> first_row_;
+    int64_t item_, end_;
+    int cand_ = 0;
+    int max_B_, max_T_, t_multiple_;
+};
+
+// Sums each batch row's ending losses (losses: b.B rows of b.T positions) in position order, in double,
+// into loss_sum at the row's set row number.
+template <class Loss>
+void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
+    for (int r = 0; r < b.B; r++) {
+        const Loss* l = losses + size_t(r) * size_t(b.T) + size_t(b.first[size_t(r)]);
+        double s = 0;
+        for (int j = 0; j < b.count[size_t(r)]; j++) s += double(l[j]);
+        loss_sum[size_t(b.row[size_t(r)])] = s;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Scores.
+
+struct McResult {
+    int64_t items = 0, correct = 0, correct_norm = 0;
+    std::vector<int> pred, pred_norm;  // per item: the candidate chosen by acc and by acc_norm
+    std::vector<int64_t> first_row;    // mc_first_rows
+    std::vector<double> loss_sum;      // per row: the sum of its ending's token losses
+    std::vector<int> loss_count;       // per row: its ending's tokens
+
+    double acc() const { return items > 0 ? double(correct) / double(items) : 0.0; }
+    double acc_norm() const { return items > 0 ? double(correct_norm) / double(items) : 0.0; }
+    double score(int64_t row, bool norm) const {
+        return norm ? loss_sum[size_t(row)] / loss_count[size_t(row)] : loss_sum[size_t(row)];
+    }
+    // The gap between an item's best and second-best score (sum, or mean with norm): where it is within
+    // the scores' numerical error, two implementations may rightly pick different candidates.
+    double margin(int64_t item, bool norm) const {
+        double best = std::numeric_limits<double>::infinity(), second = best;
+        for (int64_t r = first_row[size_t(item)]; r < first_row[size_t(item + 1)]; r++) {
+            const double s = score(r, norm);
+            if (s < best) {
+                second = best;
+                best = s;
+            } else if (s < second) {
+                second = s;
+            }
+        }
+        return second - best;
+    }
+};
+
+// Picks each item's candidates from the rows' loss sums and counts the right ones.
+inline McResult mc_score(const McSet& set, std::vector<double> loss_sum) {
+    McResult res;
+    res.first_row = mc_first_rows(set);
+    if (int64_t(loss_sum.size()) != res.first_row.back()) {
+        fail(kExitUsage, "mc_score: %zu row sums for the %lld rows of '%s'", loss_sum.size(),
+             (long long)res.first_row.back(), set.source.c_str());
+    }
+    res.loss_sum = std::move(loss_sum);
+    res.items = int64_t(set.items.size());
+    res.pred.resize(set.items.size());
+    res.pred_norm.resize(set.items.size());
+    res.loss_count.resize(res.loss_sum.size());
+    for (size_t i = 0; i < set.items.size(); i++) {
+        const McItem& it = set.items[i];
+        const int64_t r0 = res.first_row[i];
+        for (size_t c = 0; c < it.endings.size(); c++) res.loss_count[size_t(r0) + c] = int(it.endings[c].size());
+        int best = 0, best_norm = 0;
+        for (int c = 1; c < int(it.endings.size()); c++) {
+            if (res.score(r0 + c, false) < res.score(r0 + best, false)) best = c;
+            if (res.score(r0 + c, true) < res.score(r0 + best_norm, true)) best_norm = c;
+        }
+        res.pred[i] = best;
+        res.pred_norm[i] = best_norm;
+        res.correct += best == it.label;
+        res.correct_norm += best_norm == it.label;
+    }
+    return res;
+}
+
+// A fingerprint of a set's contents (FNV-1a over labels, lengths and tokens), so that the ranks of a
+// multi-GPU run can check they evaluate the same items.
+inline uint64_t mc_fingerprint(const McSet& set) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    auto mix = [&](int64_t x) {
+        for (int k = 0; k < 8; k++) {
+            h ^= uint64_t(x >> (8 * k)) & 0xffu;
+            h *= 0x100000001b3ull;
+        }
+    };
+    mix(int64_t(set.items.size()));
+    for (const McItem& it : set.items) {
+        mix(it.label);
+        mix(int64_t(it.context.size()));
+        for (int32_t t : it.context) mix(t);
+        mix(int64_t(it.endings.size()));
+        for (const auto& e : it.endings) {
+            mix(int64_t(e.size()));
+            for (int32_t t : e) mix(t);
+        }
+    }
+    return h;
+}
+
+// The CPU reference: every row through the fp32 (or fp64) model of llmc/gpt2_cpu.h in batches of up to
+// max_B rows of at most max_T positions (max_T <= the model's maxT). A row's losses do not depend on
+// the other rows of its batch or on the batch's T (causal attention, row-wise everything else), so the
+// result is the same for any max_B.
+template <class Real>
+McResult mc_eval_cpu(cpu::GPT2<Real>& model, const McSet& set, int max_B, int max_T) {
+    if (max_T > model.config().max_seq_len) {
+        fail(kExitUsage, "multiple-choice eval: T=%d is longer than the model's maxT=%d", max_T,
+             model.config().max_seq_len);
+    }
+    const int64_t items = int64_t(set.items.size());
+    McBatcher batcher(set, 0, items, max_B, max_T, 1, model.config().vocab_size);
+    std::vector<double> loss_sum(size_t(mc_first_rows(set).back()), 0.0);
+    McBatch b;
+    while (batcher.next(b)) {
+        model.forward(b.inputs.data(), b.targets.data(), b.B, b.T);
+        mc_accumulate(b, model.activations().losses.data(), loss_sum);
+    }
+    return mc_score(set, std::move(loss_sum));
+}
+
+}  // namespace llmc
+
+// ----------------------------------------------------------------------------------------------------
+// HellaSwag's JSONL, for programs that have the encoder.
+#ifdef LLMC_TOKENIZER_ENCODER
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "llmc/tokenizer.h"
+
+namespace llmc {
+
+// One row of HellaSwag's JSONL, as text.
+struct HellaswagRow {
+    std::string context;
+    std::vector<std::string> endings;
+    int label = 0;
+};
+
+// Parses one line (line_no counts from 1, for the messages).
+inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::string& path, int64_t line_no) {
+    const char* p = path.c_str();
+    const long long ln = (long long)line_no;
+    nlohmann::json j;
+    try {
+        j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+        fail(kExitData, "'%s' line %lld is not valid JSON: %s", p, ln, e.what());
+    }
+    if (!j.is_object()) fail(kExitData, "'%s' line %lld: expected a JSON object, found %s", p, ln, j.type_name());
+    auto string_field = [&](const char* key) {
+        const auto& v = j.at(key);
+        if (!v.is_string()) fail(kExitData, "'%s' line %lld: \"%s\" is %s, expected a string", p, ln, key, v.type_name());
+        return v.get<std::string>();
+    };
+    HellaswagRow row;
+    if (j.contains("ctx")) {
+        row.context = string_field("ctx");
+    } else if (j.contains("ctx_a")) {
+        // HellaSwag: "If ctx_b is nonempty, then ctx is the same thing as ctx_a, followed by a space, then ctx_b."
+        row.context = string_field("ctx_a");
+        const std::string b = j.contains("ctx_b") ? string_field("ctx_b") : std::string();
+        if (!b.empty()) row.context += " " + b;
+    } else {
+        fail(kExitData, "'%s' line %lld: no context: expected a \"ctx\" (or \"ctx_a\") string", p, ln);
+    }
+    if (row.context.empty()) fail(kExitData, "'%s' line %lld: the context is empty", p, ln);
+    if (!j.contains("endings")) fail(kExitData, "'%s' line %lld: no \"endings\" list", p, ln);
+    const auto& endings = j.at("endings");
+    if (!endings.is_array()) {
+        fail(kExitData, "'%s' line %lld: \"endings\" is %s, expected a list of strings", p, ln, endings.type_name());
+    }
+    if (endings.size() < 2) {
+        fail(kExitData, "'%s' line %lld: %zu ending(s); a choice needs at least 2 (HellaSwag has 4)", p, ln,
+             endings.size());
+    }
+    for (size_t e = 0; e < endings.size(); e++) {
+        if (!endings[e].is_string()) {
+            fail(kExitData, "'%s' line %lld: ending %zu is %s, expected a string", p, ln, e, endings[e].type_name());
+        }
+        row.endings.push_back(endings[e].get<std::string>());
+        if (row.endings.back().empty()) fail(kExitData, "'%s' line %lld: ending %zu is empty", p, ln, e);
+    }
+    if (!j.contains("label")) {
+        fail(kExitData, "'%s' line %lld: no \"label\" (HellaSwag's test split has none; use the val split)", p, ln);
+    }
+    const auto& label = j.at("label");
+    long long value = -1;
+    if (label.is_number_integer()) {
+        value = label.get<long long>();
+    } else if (label.is_string() && !label.get<std::string>().empty() &&
+               label.get<std::string>().find_first_not_of("0123456789") == std::string::npos &&
+               label.get<std::string>().size() < 10) {
+        value = std::stoll(label.get<std::string>());
+    } else {
+        fail(kExitData, "'%s' line %lld: \"label\" is %s, expected an integer", p, ln, label.dump().c_str());
+    }
+    if (value < 0 || value >= (long long)row.endings.size()) {
+        fail(kExitData, "'%s' line %lld: label %lld is not one of the %zu endings (0..%zu)", p, ln, value,
+             row.endings.size(), row.endings.size() - 1);
+    }
+    row.label = int(value);
+    return row;
+}
+
+// Tokens of a row, as llm.c's hellaswag.py makes them: the context as it is, each ending after a space.
+inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx) {
+    McItem item;
+    auto to_ids = [](const std::vector<uint32_t>& t) { return std::vector<int32_t>(t.begin(), t.end()); };
+    item.context = to_ids(enc.encode_ordinary(ctx, row.context));
+    for (const std::string& e : row.endings) item.endings.push_back(to_ids(enc.encode_ordinary(ctx, " " + e)));
+    item.label = row.label;
+    return item;
+}
+
+// Every non-blank line of a HellaSwag JSONL file, encoded.
+inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail(kExitIo, "cannot open '%s' for reading: %s", path.c_str(), std::strerror(errno));
+    McSet set{path, {}};
+    Gpt2Encoder::Context ctx(enc);
+    std::string line;
+    int64_t line_no = 0;
+    while (std::getline(in, line)) {
+        line_no++;
+        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+        set.items.push_back(encode_hellaswag_row(parse_hellaswag_line(line, path, line_no), enc, ctx));
+    }
+    if (in.bad()) fail(kExitIo, "read of '%s' failed after line %lld", path.c_str(), (long long)line_no);
+    if (set.items.empty()) fail(kExitData, "'%s' holds no HellaSwag rows", path.c_str());
+    return set;
+}
+
+}  // namespace llmc
+#endif  // LLMC_TOKENIZER_ENCODER

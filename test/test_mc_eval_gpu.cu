@@ -1,0 +1,247 @@
+/*
+GPU tests of multiple-choice evaluation (llmc/mc_eval.cuh) against the CPU reference (mc_eval_cpu in
+llmc/mc_eval.h) on the same model and items. Skipped without a GPU.
+
+Both models hold the same numbers: parameters drawn on the host and rounded to bf16 (so the GPU's bf16
+weights equal the CPU's fp32 ones), with wte and wpe larger than GPT-2's initialisation (N(0, 0.3)) so
+that the logits spread and the candidates of an item score apart. Items: random tokens, 2 to 5 endings
+of 1 to 12 tokens, contexts of 1 to 110 tokens, so that some items are longer than T and are cut from
+the left, batches hold rows of several items and items straddle batches.
+
+Compared:
+  - every candidate's score (sum and mean of its ending's token losses): |gpu - cpu| <= 3e-2 * max(1,
+    |cpu|). The GPU rounds activations to bf16 (test_gpt2_gpu.cu measured 5e-3..9e-3 relative on the
+    logits), so a wrong row, position, mask or batch layout gives errors of order 1, far above it;
+  - predictions: equal for every item except near ties, where the CPU's best and second-best scores are
+    closer than twice the largest GPU-CPU difference of any score (those items are listed with their
+    margins); the counts of right answers differ by at most the number of near ties; at most a quarter
+    of the items may be near ties, so the comparison says something. The worst differences are printed;
+  - runs are deterministic (two runs: the same bits) and leave the model's mean_loss() alone;
+  - the NCCL path (a MultiGpu from detect_ranks: one rank when run plainly) gives the same bits as the
+    single-GPU path with one rank; started as several ranks (mpirun, or OMPI_COMM_WORLD_* set by hand for
+    each process) it is compared with the CPU as above, and every rank must hold the same result.
+Shapes: d2's (C=128, NH=2, HS=64: flash attention) with V=1000, and L=3 C=96 NH=3 (HS=32: the cuBLASLt
+attention path), at B = 1, 3 and 7 rows.
+*/
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "llmc/dataloader.h"
+#include "llmc/gpt2_cpu.h"
+#include "llmc/mc_eval.cuh"
+#include "llmc/model_file.h"
+#include "llmc/rendezvous.h"
+#include "test/gpu_test.h"
+#include "test/test_util.h"
+
+using namespace llmc;
+
+namespace {
+
+constexpr double kTolScore = 3e-2;
+constexpr double kMaxNearTieFraction = 0.25;
+
+std::vector<float> test_parameters(const GPT2Config& c, uint64_t seed) {
+    std::vector<float> p(size_t(num_parameters(c)));
+    init_parameters(c, seed, p.data());
+    const auto tensors = param_tensors(c);
+    for (int i : {int(kWte), int(kWpe)}) {
+        const ParamTensorInfo& t = tensors[size_t(i)];
+        for (int64_t j = 0; j < t.numel; j++) {
+            p[size_t(t.offset + j)] = float(0.3 * counter_normal(seed + 7, uint64_t(i), uint64_t(j)));
+        }
+    }
+    for (int64_t j = int64_t(c.vocab_size) * c.channels; j < int64_t(c.padded_vocab_size) * c.channels; j++) {
+        p[size_t(j)] = 0.0f;
+    }
+    for (float& x : p) x = bf16_to_float(float_to_bf16(x));
+    return p;
+}
+
+McSet test_items(uint64_t seed, int items, int vocab) {
+    SplitMix64 rng(seed);
+    McSet set{"random items", {}};
+    for (int i = 0; i < items; i++) {
+        McItem it;
+        it.context = test::random_tokens<int32_t>(1 + rng.below(110), uint32_t(vocab), rng.next());
+        const int k = 2 + int(rng.below(4));
+        for (int e = 0; e < k; e++) {
+            it.endings.push_back(test::random_tokens<int32_t>(1 + rng.below(12), uint32_t(vocab), rng.next()));
+        }
+        it.label = int(rng.below(uint64_t(k)));
+        set.items.push_back(std::move(it));
+    }
+    return set;
+}
+
+double tolerance(double score) { return kTolScore * std::max(1.0, std::abs(score)); }
+
+// The comparison of the file's comment, for one metric (norm: acc_norm). A near tie is an item whose CPU
+// margin is below twice the largest GPU-CPU difference of any candidate's score: only there may the two
+// rightly disagree.
+void compare_metric(const McResult& gpu, const McResult& cpu, bool norm, const char* what) {
+    SCOPED_TRACE(what);
+    double worst_abs = 0, worst_rel = 0;
+    for (size_t r = 0; r < cpu.loss_sum.size(); r++) {
+        const double c = cpu.score(int64_t(r), norm), g = gpu.score(int64_t(r), norm);
+        worst_abs = std::max(worst_abs, std::abs(g - c));
+        worst_rel = std::max(worst_rel, std::abs(g - c) / std::max(1.0, std::abs(c)));
+        EXPECT_LE(std::abs(g - c), tolerance(c)) << "row " << r << ": gpu " << g << " cpu " << c;
+    }
+    int near_ties = 0, disagree = 0;
+    for (int64_t i = 0; i < cpu.items; i++) {
+        const double margin = cpu.margin(i, norm);
+        const int pg = norm ? gpu.pred_norm[size_t(i)] : gpu.pred[size_t(i)];
+        const int pc = norm ? cpu.pred_norm[size_t(i)] : cpu.pred[size_t(i)];
+        if (margin < 2 * worst_abs) {
+            near_ties++;
+            std::printf("  %s: item %lld is a near tie: cpu margin %.4g, gpu picks %d, cpu %d\n", what, (long long)i,
+                        margin, pg, pc);
+        } else {
+            EXPECT_EQ(pg, pc) << "item " << i << " (cpu margin " << margin << ")";
+        }
+        disagree += pg != pc;
+    }
+    const int64_t gc = norm ? gpu.correct_norm : gpu.correct, cc = norm ? cpu.correct_norm : cpu.correct;
+    std::printf("%s: gpu %lld / cpu %lld right of %lld; %d near ties (margin < %.3g), %d disagreements; worst score "
+                "error %.3g (%.3e relative, tolerance %.0e)\n", what, (long long)gc, (long long)cc, (long long)cpu.items,
+                near_ties, 2 * worst_abs, disagree, worst_abs, worst_rel, kTolScore);
+    EXPECT_LE(std::abs(gc - cc), near_ties);
+    EXPECT_LE(near_ties, int(kMaxNearTieFraction * double(cpu.items))) << "too many near ties for a meaningful test";
+}
+
+void compare(const McResult& gpu, const McResult& cpu) {
+    ASSERT_EQ(gpu.items, cpu.items);
+    ASSERT_EQ(gpu.first_row, cpu.first_row);
+    ASSERT_EQ(gpu.loss_count, cpu.loss_count);
+    compare_metric(gpu, cpu, false, "acc");
+    compare_metric(gpu, cpu, true, "acc_norm");
+}
+
+struct Case {
+    const char* name;
+    GPT2Config config;
+    int T;
+};
+
+std::vector<Case> cases() {
+    return {{"d2 shape, V=1000 (flash attention)", make_config(2, 128, 2, 1000, 128), 96},
+            {"L=3 C=96 NH=3 (cuBLASLt attention)", make_config(3, 96, 3, 1000, 80), 80}};
+}
+
+class McEvalGpuTest : public GpuTest {};
+
+TEST_F(McEvalGpuTest, MatchesCpuReference) {
+    for (const Case& cs : cases()) {
+        SCOPED_TRACE(cs.name);
+        std::printf("%s, T=%d\n", cs.name, cs.T);
+        const GPT2Config& c = cs.config;
+        const std::vector<float> params = test_parameters(c, 42);
+        const McSet set = test_items(3, 60, c.vocab_size);
+        cpu::GPT2<float> cpu_model(c, params);
+        const McResult cpu = mc_eval_cpu(cpu_model, set, 16, cs.T);
+        for (int B : {1, 3, 7}) {
+            SCOPED_TRACE(format("B=%d", B));
+            std::printf("B=%d\n", B);
+            Stream stream;
+            GPT2 model(c, B, cs.T, stream);
+            model.set_parameters(params);
+            McEvalGpu eval(model);
+            const McResult gpu = eval.run(set);
+            compare(gpu, cpu);
+        }
+    }
+}
+
+TEST_F(McEvalGpuTest, DeterministicAndLeavesTheTrainingLossAlone) {
+    const Case cs = cases()[0];
+    const GPT2Config& c = cs.config;
+    const std::vector<float> params = test_parameters(c, 43);
+    const McSet set = test_items(4, 40, c.vocab_size);
+    Stream stream;
+    GPT2 model(c, 7, cs.T, stream);
+    model.set_parameters(params);
+    // A forward with targets sets mean_loss(), as a training step does.
+    const std::vector<int> tokens = test::random_tokens<int>(size_t(7) * cs.T, uint32_t(c.vocab_size), 5);
+    DeviceBuffer<int> d_tokens(tokens.size());
+    cudaCheck(cudaMemcpy(d_tokens.get(), tokens.data(), tokens.size() * sizeof(int), cudaMemcpyHostToDevice));
+    model.forward(d_tokens.get(), d_tokens.get(), 7, cs.T);
+    float before = 0, after = 0;
+    cudaCheck(cudaStreamSynchronize(stream));
+    cudaCheck(cudaMemcpy(&before, model.mean_loss(), sizeof(float), cudaMemcpyDeviceToHost));
+    McEvalGpu eval(model);
+    const McResult a = eval.run(set);
+    const McResult b = eval.run(set);
+    cudaCheck(cudaMemcpy(&after, model.mean_loss(), sizeof(float), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(a.loss_sum.data(), b.loss_sum.data(), a.loss_sum.size() * sizeof(double)), 0);
+    EXPECT_EQ(a.pred, b.pred);
+    EXPECT_EQ(a.pred_norm, b.pred_norm);
+    EXPECT_TRUE(std::isfinite(before));
+    EXPECT_EQ(std::memcmp(&before, &after, sizeof(float)), 0) << "before " << before << " after " << after;
+}
+
+TEST_F(McEvalGpuTest, ErrorsBeforeAnyWork) {
+    const Case cs = cases()[0];
+    Stream stream;
+    GPT2 model(cs.config, 4, 16, stream);
+    McEvalGpu eval(model);
+    McSet set{"long.bin", {{{1, 2}, {{3}, std::vector<int32_t>(17, 4)}, 0}}};
+    try {
+        eval.run(set);
+        ADD_FAILURE() << "an ending longer than T must be refused";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("'long.bin': item 0 has an ending of 17 tokens, more than the 16"),
+                  std::string::npos) << e.what();
+    }
+    set.items[0].endings[1] = {1000};
+    try {
+        eval.run(set);
+        ADD_FAILURE() << "a token outside the vocabulary must be refused";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("outside the vocabulary [0, 1000)"), std::string::npos) << e.what();
+    }
+}
+
+// One rank (a plain run): the same bits as the single-GPU path. Several ranks (under a launcher): the
+// CPU comparison, and the same result on every rank.
+TEST_F(McEvalGpuTest, ThroughNccl) {
+    const RankInfo ranks = detect_ranks(RankFlags{});
+    MultiGpu multi(ranks, MultiGpuOptions{});
+    const Case cs = cases()[0];
+    const GPT2Config& c = cs.config;
+    const std::vector<float> params = test_parameters(c, 44);
+    const McSet set = test_items(5, 61, c.vocab_size);
+    Stream stream;
+    GPT2 model(c, 5, cs.T, stream, &multi);
+    model.set_parameters(params);
+    McEvalGpu eval(model);
+    const McResult nccl = eval.run(set);
+    std::printf("rank %d of %d\n", multi.rank(), multi.world());
+    if (multi.world() == 1) {
+        GPT2 plain_model(c, 5, cs.T, stream);
+        plain_model.set_parameters(params);
+        McEvalGpu plain(plain_model);
+        const McResult single = plain.run(set);
+        EXPECT_EQ(std::memcmp(nccl.loss_sum.data(), single.loss_sum.data(), single.loss_sum.size() * sizeof(double)), 0);
+        EXPECT_EQ(nccl.pred, single.pred);
+        EXPECT_EQ(nccl.correct_norm, single.correct_norm);
+    } else {
+        cpu::GPT2<float> cpu_model(c, params);
+        compare(nccl, mc_eval_cpu(cpu_model, set, 16, cs.T));
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (double x : nccl.loss_sum) {
+            uint64_t bits;
+            std::memcpy(&bits, &x, sizeof(bits));
+            h = (h ^ bits) * 0x100000001b3ull;
+        }
+        EXPECT_NO_THROW(multi.check_same(h, "the evaluation result"));
+    }
+}
+
+}  // namespace
