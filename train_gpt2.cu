@@ -48,6 +48,8 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/model_file.h"
+#include "llmc/mc_eval.cuh"
+#include "llmc/mc_eval.h"
 #include "llmc/model_io.h"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/rendezvous.h"
@@ -78,6 +80,9 @@ struct Options {
     int val_every = 20;
     int val_max_steps = 20;
     int sample_every = 20;
+    std::string eval_file;
+    int eval_every = 250;
+    int eval_max_items = -1;
     int gen_tokens = 64;
     int checkpoint_every = 0;
     int keep_last = 0;
@@ -143,6 +148,12 @@ inline Flags make_flags(Options& o) {
     f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data)", -1, kMax<int>);
     f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)", 0, kMax<int>);
     f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)", -1, kMax<int>);
+    f.add("", "eval", &o.eval_file,
+          "multiple-choice evaluation file (llm.c's eval .bin, e.g. HellaSwag from build/prepare_eval): accuracy every "
+          "--eval-every steps and at the end (\"\": none)");
+    f.add("", "eval-every", &o.eval_every, "evaluate on --eval every N steps and at the end (0: at the end only)", 0,
+          kMax<int>);
+    f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, kMax<int>);
     f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, kMax<int>);
     f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)", 0, kMax<int>);
     f.add("n", "checkpoint-every", &o.checkpoint_every,
@@ -397,6 +408,8 @@ struct Plan {
     double time_limit_s = 0;  // 0: none
     std::vector<ModelFormat> save_formats;
     std::vector<uint32_t> prompt;  // what samples continue (default: end-of-text)
+    McSet eval;                    // --eval's items (none: no evaluation)
+    bool evaluate_mc() const { return !eval.items.empty(); }
     uint64_t train_tokens = 0, epoch_batches = 0;  // of the training data (for the start-up lines)
     bool validate() const { return val_steps > 0; }
 };
@@ -446,6 +459,12 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.decay_fraction = o.decay_fraction;
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
     p.save_formats = parse_save_formats(o.save_model);
+    if (!o.eval_file.empty()) {
+        p.eval = read_mc_file(o.eval_file, c.vocab_size);
+        if (o.eval_max_items >= 0 && size_t(o.eval_max_items) < p.eval.items.size()) p.eval.items.resize(size_t(o.eval_max_items));
+        if (p.eval.items.empty()) fail(kExitData, "--eval '%s' holds no items", o.eval_file.c_str());
+        mc_check_items(p.eval, c.vocab_size, o.T);
+    }
     p.prompt = resolve_prompt(o, c);
     if (p.prompt.size() >= size_t(o.T)) {
         fail(kExitUsage, "the prompt has %zu tokens; samples need it shorter than -t/--seq-len %d", p.prompt.size(), o.T);
@@ -524,6 +543,9 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"val_every", format("%d", o.val_every), R::Ranks},
         {"val_steps", format("%d", p.val_steps), R::Ranks},
         {"sample_every", format("%d", o.sample_every), R::Ranks},
+        {"eval", o.eval_file, R::Ranks},
+        {"eval_every", format("%d", o.eval_every), R::Ranks},
+        {"eval_items", format("%zu", p.eval.items.size()), R::Ranks},
         {"gen_tokens", format("%d", p.gen_tokens), R::Ranks},
         {"checkpoint_every", format("%d", o.checkpoint_every), R::Ranks},
         {"checkpoint_async", o.checkpoint_async ? "1" : "0", R::Ranks},
@@ -642,6 +664,10 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                 plan.validate() ? format("%zu shard(s), %d batches per evaluation", plan.val_shards.size(),
                                          plan.val_steps).c_str()
                                 : "none");
+    if (plan.evaluate_mc()) {
+        std::printf("evaluation: %zu multiple-choice items from %s, %s\n", plan.eval.items.size(), o.eval_file.c_str(),
+                    o.eval_every > 0 ? format("every %d steps and at the end", o.eval_every).c_str() : "at the end");
+    }
     if (o.checkpoint_every > 0) {
         std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
                     o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",
@@ -751,6 +777,18 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
     double sum = 0.0;
     for (int i = 0; i < steps; i++) sum += double(l[i]);
     return sum / steps;
+}
+
+// Multiple-choice accuracy (llmc/mc_eval.h: acc by the sum of the ending's token losses, acc_norm by their
+// mean), printed and logged.
+inline void evaluate_choices(McEvalGpu& mc, const McSet& set, int step, int max_steps, JsonlLog& log) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const McResult r = mc.run(set);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("step %5d/%d | eval acc %.4f | acc_norm %.4f | %lld items in %.2f s\n", step, max_steps, r.acc(),
+                r.acc_norm(), (long long)r.items, seconds);
+    log.write(format("{\"step\":%d,\"eval_acc\":%.6f,\"eval_acc_norm\":%.6f,\"eval_items\":%lld,\"eval_s\":%.3f}",
+                     step, r.acc(), r.acc_norm(), (long long)r.items, seconds));
 }
 
 // Generates `n` tokens after `start` (at least one token), rerunning the forward on the tokens so far for each
@@ -1235,6 +1273,7 @@ int main(int argc, char** argv) {
         std::unique_ptr<Checkpointer> ckpt =
             opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
         LoopBuffers buf(plan, opt.T);
+        std::unique_ptr<McEvalGpu> mc = plan.evaluate_mc() ? std::make_unique<McEvalGpu>(model) : nullptr;
         Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
                       plan.tokens_per_step};
         CheckpointReport report;
@@ -1258,6 +1297,10 @@ int main(int argc, char** argv) {
                 if (std::isnan(first_val)) first_val = last_val;
                 std::printf("step %5d/%d | val loss %.6f\n", step, plan.max_steps, last_val);
                 out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
+            }
+            if (mc && ((opt.eval_every > 0 && step % opt.eval_every == 0) || last)) {
+                if (multi) multi->heartbeat("evaluating multiple choice");
+                evaluate_choices(*mc, plan.eval, step, plan.max_steps, out.log);
             }
             if (opt.sample_every > 0 && plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
                 if (multi) multi->heartbeat("sampling (rank 0 alone)", 600);  // the others wait in a collective
