@@ -27,16 +27,12 @@ far), activation recomputation beyond the GELU (-r 1).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
-#include <deque>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <signal.h>
 
 #include "llmc/checkpoint.cuh"
 #include "llmc/cuda_utils.cuh"
@@ -53,7 +49,9 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/model_io.h"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/rendezvous.h"
+#include "llmc/run_control.h"
 #include "llmc/run_log.h"
+#include "llmc/run_settings.h"
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
@@ -312,58 +310,6 @@ inline DataLoaderConfig loader_config(const std::string& pattern, const Options&
     return d;
 }
 
-// "3600", "90m", "23.5h", "1:30:00" -> seconds; "" -> 0 (none).
-inline double parse_duration(const std::string& text, const char* flag) {
-    if (text.empty()) return 0;
-    double seconds = 0;
-    const char* p = text.c_str();
-    char* end = nullptr;
-    if (text.find(':') != std::string::npos) {
-        for (int field = 0; field < 3 && *p; field++) {
-            const long v = std::strtol(p, &end, 10);
-            if (end == p || v < 0 || (*end != ':' && *end != '\0')) break;
-            seconds = seconds * 60 + double(v);
-            p = *end == ':' ? end + 1 : end;
-        }
-    } else {
-        seconds = std::strtod(p, &end);
-        const double unit = *end == 'h' ? 3600 : *end == 'm' ? 60 : 1;
-        if (end != p && (*end == 'h' || *end == 'm' || *end == 's')) end++;
-        p = end;
-        seconds *= unit;
-    }
-    if (*p != '\0' || !(seconds > 0) || !std::isfinite(seconds)) {
-        fail(kExitUsage, "%s '%s': expected seconds, a number with a unit (90m, 23.5h) or H:MM:SS", flag, text.c_str());
-    }
-    return seconds;
-}
-
-// --save-model: "llmc,hf" -> formats; "none" (or "0") -> none; "1" -> llmc, as the flag once was a switch.
-inline std::vector<ModelFormat> parse_save_formats(const std::string& list) {
-    std::vector<ModelFormat> formats;
-    if (list == "none" || list == "0" || list.empty()) return formats;
-    if (list == "1") return {ModelFormat::Llmc};
-    size_t start = 0;
-    while (start <= list.size()) {
-        const size_t comma = std::min(list.find(',', start), list.size());
-        const ModelFormat f = parse_model_format(list.substr(start, comma - start));
-        if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
-        start = comma + 1;
-    }
-    return formats;
-}
-
-// Where a format goes in the output directory.
-inline std::string saved_model_path(const std::string& dir, ModelFormat f) {
-    switch (f) {
-        case ModelFormat::Llmc: return dir + "/model.bin";
-        case ModelFormat::LlmcBf16: return dir + "/model_bf16.bin";
-        case ModelFormat::Hf: return dir + "/hf";
-        case ModelFormat::HfBf16: return dir + "/hf_bf16";
-    }
-    return dir;
-}
-
 // --prompt-ids "1,2,3" or --prompt "text" (encoded with GPT-2's tokenizer when this build has one).
 inline std::vector<uint32_t> resolve_prompt(const Options& o, const GPT2Config& c) {
     std::vector<uint32_t> ids;
@@ -500,12 +446,6 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
 // bit-exactly). The ranks of a data-parallel run must agree on every setting, the Ranks ones included:
 // those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards).
 
-struct RunSetting {
-    enum Role { MustMatch, MayChange, Ranks };
-    std::string key, value;
-    Role role;
-};
-
 inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
     auto num = [](double v) { return format("%.9g", v); };
     auto join = [](const std::vector<std::string>& v) {
@@ -556,32 +496,6 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
     };
-}
-
-// What a checkpoint's manifest records of the settings, and the keys a resume requires unchanged.
-inline std::vector<std::pair<std::string, std::string>> recorded_settings(const std::vector<RunSetting>& all) {
-    std::vector<std::pair<std::string, std::string>> kv;
-    for (const RunSetting& s : all) {
-        if (s.role != RunSetting::Ranks) kv.push_back({s.key, s.value});
-    }
-    return kv;
-}
-
-inline std::vector<std::string> must_match_keys(const std::vector<RunSetting>& all) {
-    std::vector<std::string> keys;
-    for (const RunSetting& s : all) {
-        if (s.role == RunSetting::MustMatch) keys.push_back(s.key);
-    }
-    return keys;
-}
-
-// Ranks started with different settings would train on silently or hang in a collective.
-inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
-    uint64_t hash = 1469598103934665603ull;  // FNV-1a over "key=value;" of every setting
-    for (const RunSetting& s : all) {
-        for (unsigned char ch : s.key + "=" + s.value + ";") hash = (hash ^ ch) * 1099511628211ull;
-    }
-    return hash;
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -740,8 +654,6 @@ struct Outputs {
 struct LoopBuffers {
     DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, then the update's scale
     PinnedBuffer step_stats_host;
-    DeviceBuffer<float> stop_flag;    // several ranks: the sum of the ranks' "stop now" votes
-    PinnedBuffer stop_flag_host;
     DeviceBuffer<float> val_losses;   // one mean loss per validation batch
     PinnedBuffer val_losses_host;
     DeviceBuffer<int> sample_tokens;  // the tokens generated so far
@@ -750,7 +662,6 @@ struct LoopBuffers {
 
     LoopBuffers(const Plan& plan, int T)
         : step_stats(size_t(2 + plan.grad_accum)), step_stats_host(size_t(2 + plan.grad_accum) * sizeof(float)),
-          stop_flag(1), stop_flag_host(sizeof(float)),
           val_losses(size_t(std::max(1, plan.val_steps))),
           val_losses_host(size_t(std::max(1, plan.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
           logit_row(size_t(plan.config.vocab_size) * sizeof(floatX)) {}
@@ -944,98 +855,16 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Stopping early: divergence, signals (SIGTERM, SIGINT, SIGUSR1: what Slurm, Kubernetes and cloud
-// preemption send first), the time limit.
+// Stopping early (llmc/run_control.h decides; the ranks agree here).
 
-volatile std::sig_atomic_t g_stop_signal = 0;
-
-extern "C" inline void on_stop_signal(int sig) {
-    if (g_stop_signal != 0) {  // the second signal ends the run at once
-        std::signal(sig, SIG_DFL);
-        std::raise(sig);
-    }
-    g_stop_signal = sig;
-}
-
-inline void install_stop_signals() {
-    struct sigaction sa = {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    for (int sig : {SIGTERM, SIGINT, SIGUSR1}) {
-        if (sigaction(sig, &sa, nullptr) != 0) fail(kExitError, "cannot install the handler of signal %d", sig);
-    }
-}
-
-// After each step: whether the run goes on.
-class RunControl {
-public:
-    // started: when the process started (--time-limit counts from there, as a scheduler does).
-    RunControl(const Options& o, const Plan& plan, int64_t num_params, std::chrono::steady_clock::time_point started)
-        : o_(o), limit_s_(plan.time_limit_s), t0_(started),
-          save_s_(double(num_params) * 14.0 / 0.5e9) {}  // a whole checkpoint (14 bytes per parameter) at 0.5 GB/s
-
-    // The step guard's spike limit for the next step: --loss-spike times the mean loss of the last 50
-    // applied steps, once there are 10 of them.
-    float loss_limit() const {
-        if (o_.loss_spike == 0.0f || recent_.size() < 10) return INFINITY;
-        double sum = 0;
-        for (double l : recent_) sum += l;
-        return float(double(o_.loss_spike) * sum / double(recent_.size()));
-    }
-    // Counts skipped steps; too many in a row end the run (every rank decides alike: the norm and the
-    // losses the guard reads are averaged over the ranks).
-    void after_step(int step, const StepStats& s) {
-        if (s.skipped.empty()) {
-            bad_run_ = 0;
-            recent_.push_back(s.loss);
-            if (recent_.size() > 50) recent_.pop_front();
-            return;
-        }
-        if (++bad_run_ >= o_.max_bad_steps) {
-            fail(kExitDiverged,
-                 "step %d: %d steps in a row were skipped (the last because %s); stopping. The model is as it was "
-                 "before them, and so is every checkpoint written since: resume with -y 1 and a lower learning rate, "
-                 "a longer warmup or a smaller --grad-clip", step, bad_run_, s.skipped.c_str());
-        }
-    }
-    void saved(double seconds) { save_s_ = seconds; }
-    // Why this rank wants to stop now ("" to go on): a signal, or the time limit within reach of the next
-    // two steps and a checkpoint.
-    std::string reason(double step_seconds) const {
-        if (g_stop_signal != 0) return format("signal %s", strsignal(g_stop_signal));
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
-        if (limit_s_ > 0 && elapsed + 2 * step_seconds + save_s_ >= limit_s_) {
-            return format("--time-limit %s is near (%s elapsed)", o_.time_limit.c_str(), duration_text(elapsed).c_str());
-        }
-        return "";
-    }
-
-private:
-    const Options& o_;
-    double limit_s_;
-    std::chrono::steady_clock::time_point t0_;
-    double save_s_;
-    int bad_run_ = 0;
-    std::deque<double> recent_;
-};
-
-// Whether `mine` holds on any rank: one all-reduce of a vote (device slot, pinned host float) on the NCCL
-// path, so that the ranks take decisions (stop now, skip a checkpoint) together.
-inline bool any_rank(bool mine, MultiGpu* multi, float* device_slot, float* pinned_vote, cudaStream_t stream) {
-    if (multi == nullptr) return mine;
-    *pinned_vote = mine ? 1.0f : 0.0f;
-    cudaCheck(cudaMemcpyAsync(device_slot, pinned_vote, sizeof(float), cudaMemcpyHostToDevice, stream));
-    multi->all_reduce_sum_async(device_slot, 1, stream);
-    multi->join(stream);
-    cudaCheck(cudaMemcpyAsync(pinned_vote, device_slot, sizeof(float), cudaMemcpyDeviceToHost, stream));
-    cudaCheck(cudaStreamSynchronize(stream));
-    return *pinned_vote > 0.0f;
-}
-
-// Whether any rank wants to stop, so that every rank stops after the same step and the checkpoint is whole.
-inline bool agree_to_stop(bool mine, MultiGpu* multi, LoopBuffers& buf, cudaStream_t stream) {
-    return any_rank(mine, multi, buf.stop_flag.get(), reinterpret_cast<float*>(buf.stop_flag_host.get()), stream);
+inline RunControl::Limits run_limits(const Options& o, const Plan& plan, int64_t num_params) {
+    RunControl::Limits l;
+    l.max_bad_steps = o.max_bad_steps;
+    l.loss_spike = o.loss_spike;
+    l.time_limit_s = plan.time_limit_s;
+    l.time_limit_text = o.time_limit;
+    l.checkpoint_seconds = double(num_params) * 14.0 / 0.5e9;  // 14 bytes per parameter at 0.5 GB/s, until measured
+    return l;
 }
 
 // Every rank checks (the parameters are the same everywhere), so that all of them stop together.
@@ -1103,8 +932,6 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
     const std::vector<RunSetting> settings = run_settings(o, plan);
     const int world = plan.parallel.ranks.world;
     DeviceFileIO io;
-    DeviceBuffer<float> vote_slot(1);
-    PinnedBuffer vote(sizeof(float));
     size_t skipped = 0;
     for (const CheckpointEntry& c : candidates) {
         // Why this rank cannot use the checkpoint ("" when it can); only files that are bad count.
@@ -1149,7 +976,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         if (!bad.empty() && model.multi() != nullptr && !model.multi()->is_root()) {
             std::fprintf(stderr, "rank %d: cannot resume from %s: %s\n", model.multi()->rank(), c.path.c_str(), bad.c_str());
         }
-        if (any_rank(!bad.empty(), model.multi(), vote_slot.get(), reinterpret_cast<float*>(vote.get()), model.stream())) {
+        if (model.multi() ? model.multi()->any(!bad.empty(), model.stream()) : !bad.empty()) {
             std::printf("resume: skipping %s: %s\n", c.path.c_str(),
                         bad.empty() ? "another rank cannot load it (its reason is on that rank's stderr)" : bad.c_str());
             skipped++;
@@ -1279,7 +1106,7 @@ int main(int argc, char** argv) {
         CheckpointReport report;
         // On an error from here on, abort NCCL before anything waits on it, so the other ranks stop too.
         const MultiGpuAbortOnError abort_on_error(multi.get());
-        RunControl control(opt, plan, model.num_parameters(), started);
+        RunControl control(run_limits(opt, plan, model.num_parameters()), started);
         auto report_saves = [&] {
             if (ckpt && ckpt->poll(&report)) {
                 print_checkpoint_report(report, ckpt->async());
@@ -1314,9 +1141,10 @@ int main(int argc, char** argv) {
             if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, plan.max_steps, lr, s,
                      (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps || !s.skipped.empty());
-            control.after_step(step + 1, s);
+            control.after_step(step + 1, s.loss, s.skipped);
             const std::string why = control.reason(tp.seconds_per_step(s.seconds));
-            const bool stop = agree_to_stop(!why.empty(), multi.get(), buf, stream);
+            // Every rank stops after the same step, so that the checkpoint is whole.
+            const bool stop = multi ? multi->any(!why.empty(), stream) : !why.empty();
             report_saves();
             const bool due = opt.checkpoint_every > 0 &&
                              ((step + 1) % opt.checkpoint_every == 0 || step + 1 == plan.max_steps);

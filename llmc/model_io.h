@@ -137,4 +137,30 @@ inline void save_model(const std::string& path, ModelFormat fmt, const GPT2Confi
     write_model_file(path, c, params, fmt == ModelFormat::Llmc ? kModelVersionFp32 : kModelVersionBf16);
 }
 
+// A list of formats: "llmc,hf" -> formats; "none" (or "0") -> none; "1" -> llmc, as the flag once was a switch.
+inline std::vector<ModelFormat> parse_save_formats(const std::string& list) {
+    std::vector<ModelFormat> formats;
+    if (list == "none" || list == "0" || list.empty()) return formats;
+    if (list == "1") return {ModelFormat::Llmc};
+    size_t start = 0;
+    while (start <= list.size()) {
+        const size_t comma = std::min(list.find(',', start), list.size());
+        const ModelFormat f = parse_model_format(list.substr(start, comma - start));
+        if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
+        start = comma + 1;
+    }
+    return formats;
+}
+
+// Where a format goes in the output directory.
+inline std::string saved_model_path(const std::string& dir, ModelFormat f) {
+    switch (f) {
+        case ModelFormat::Llmc: return dir + "/model.bin";
+        case ModelFormat::LlmcBf16: return dir + "/model_bf16.bin";
+        case ModelFormat::Hf: return dir + "/hf";
+        case ModelFormat::HfBf16: return dir + "/hf_bf16";
+    }
+    return dir;
+}
+
 }  // namespace llmc

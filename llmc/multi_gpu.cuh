@@ -242,6 +242,22 @@ public:
         }
     }
 
+    // Whether `mine` holds on any rank (a vote through one small all-reduce; it synchronises): for decisions
+    // the ranks must take together, e.g. stopping after this step or skipping a checkpoint one rank cannot
+    // read. Queued after the work already on `compute`.
+    bool any(bool mine, cudaStream_t compute) {
+        require_live();
+        const uint64_t vote = mine ? 1 : 0;
+        uint64_t* d = scratch_.get();
+        after(compute);
+        cudaCheck(cudaMemcpyAsync(d, &vote, sizeof(vote), cudaMemcpyHostToDevice, comm_stream_));
+        settle(ncclAllReduce(d, d, 1, ncclUint64, ncclMax, comm_, comm_stream_), "ncclAllReduce (max)");
+        uint64_t got = 0;
+        cudaCheck(cudaMemcpyAsync(&got, d, sizeof(got), cudaMemcpyDeviceToHost, comm_stream_));
+        cudaCheck(cudaStreamSynchronize(comm_stream_));
+        return got != 0;
+    }
+
     // The compute stream waits for every collective queued so far.
     void join(cudaStream_t compute) {
         cudaCheck(cudaEventRecord(comm_done_, comm_stream_));

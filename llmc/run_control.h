@@ -1,0 +1,135 @@
+/*
+When a training run stops early, decided on the host after each step, shared by the trainers:
+- the step guard's bookkeeping: an update the guard skipped (a loss or the gradient norm not finite, or a
+  loss spike) leaves the model as it was; --max-bad-steps of them in a row end the run with exit code 6
+  (kExitDiverged), and the spike limit is --loss-spike times the mean loss of the last 50 applied steps;
+- a stop request: SIGTERM, SIGINT or SIGUSR1 (what Slurm, Kubernetes and cloud preemption send first; a
+  second signal ends the process at once), or --time-limit within reach of the next two steps and a
+  checkpoint. The trainer then checkpoints and exits with code 7 (kExitStopped), so a job script can
+  requeue and resume with -y 1;
+- parse_duration(): "3600", "90m", "23.5h", "1:30:00" -> seconds.
+
+Does not provide: the device side of the guard (adamw_guard in llmc/adamw.cuh), or agreement between
+ranks (the trainer all-reduces the stop vote; the guard's inputs are already averaged over the ranks).
+*/
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <string>
+
+#include <signal.h>
+
+#include "llmc/run_log.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+// "3600", "90m", "23.5h", "1:30:00" (or "30:00") -> seconds; "" -> 0 (none). flag names it in errors.
+inline double parse_duration(const std::string& text, const char* flag) {
+    if (text.empty()) return 0;
+    double seconds = 0;
+    const char* p = text.c_str();
+    char* end = nullptr;
+    if (text.find(':') != std::string::npos) {
+        for (int field = 0; field < 3 && *p; field++) {
+            const long v = std::strtol(p, &end, 10);
+            if (end == p || v < 0 || (*end != ':' && *end != '\0')) break;
+            seconds = seconds * 60 + double(v);
+            p = *end == ':' ? end + 1 : end;
+        }
+    } else {
+        seconds = std::strtod(p, &end);
+        const double unit = *end == 'h' ? 3600 : *end == 'm' ? 60 : 1;
+        if (end != p && (*end == 'h' || *end == 'm' || *end == 's')) end++;
+        p = end;
+        seconds *= unit;
+    }
+    if (*p != '\0' || !(seconds > 0) || !std::isfinite(seconds)) {
+        fail(kExitUsage, "%s '%s': expected seconds, a number with a unit (90m, 23.5h) or H:MM:SS", flag, text.c_str());
+    }
+    return seconds;
+}
+
+inline volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" inline void llmc_on_stop_signal(int sig) {
+    if (g_stop_signal != 0) {  // the second signal ends the run at once
+        std::signal(sig, SIG_DFL);
+        std::raise(sig);
+    }
+    g_stop_signal = sig;
+}
+
+inline void install_stop_signals() {
+    struct sigaction sa = {};
+    sa.sa_handler = llmc_on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    for (int sig : {SIGTERM, SIGINT, SIGUSR1}) {
+        if (sigaction(sig, &sa, nullptr) != 0) fail(kExitError, "cannot install the handler of signal %d", sig);
+    }
+}
+
+class RunControl {
+public:
+    struct Limits {
+        int max_bad_steps = 8;
+        float loss_spike = 0.0f;      // 0: off
+        double time_limit_s = 0;      // 0: none
+        std::string time_limit_text;  // as given, for the message
+        double checkpoint_seconds = 0;  // a guess of one save's time until one has been measured
+    };
+    // started: when the process started (--time-limit counts from there, as a scheduler does).
+    RunControl(Limits limits, std::chrono::steady_clock::time_point started)
+        : lim_(std::move(limits)), t0_(started), save_s_(lim_.checkpoint_seconds) {}
+
+    // The step guard's spike limit for the next step (infinity until 10 steps were applied).
+    float loss_limit() const {
+        if (lim_.loss_spike == 0.0f || recent_.size() < 10) return INFINITY;
+        double sum = 0;
+        for (double l : recent_) sum += l;
+        return float(double(lim_.loss_spike) * sum / double(recent_.size()));
+    }
+    // After step `step` (from 1) with mean loss `loss`; `skipped` says why the guard skipped its update
+    // ("" when it was applied). Too many skipped in a row end the run.
+    void after_step(int step, double loss, const std::string& skipped) {
+        if (skipped.empty()) {
+            bad_run_ = 0;
+            recent_.push_back(loss);
+            if (recent_.size() > 50) recent_.pop_front();
+            return;
+        }
+        if (++bad_run_ >= lim_.max_bad_steps) {
+            fail(kExitDiverged,
+                 "step %d: %d steps in a row were skipped (the last because %s); stopping. The model is as it was "
+                 "before them, and so is every checkpoint written since: resume with -y 1 and a lower learning rate, "
+                 "a longer warmup or a smaller --grad-clip", step, bad_run_, skipped.c_str());
+        }
+    }
+    // A checkpoint took this long: the time limit keeps that much in reserve.
+    void saved(double seconds) { save_s_ = seconds; }
+    // Why this process wants to stop now ("" to go on), given the time a step takes.
+    std::string reason(double step_seconds) const {
+        if (g_stop_signal != 0) return format("signal %s", strsignal(g_stop_signal));
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+        if (lim_.time_limit_s > 0 && elapsed + 2 * step_seconds + save_s_ >= lim_.time_limit_s) {
+            return format("--time-limit %s is near (%s elapsed)", lim_.time_limit_text.c_str(),
+                          duration_text(elapsed).c_str());
+        }
+        return "";
+    }
+
+private:
+    Limits lim_;
+    std::chrono::steady_clock::time_point t0_;
+    double save_s_;
+    int bad_run_ = 0;
+    std::deque<double> recent_;
+};
+
+}  // namespace llmc
