@@ -17,7 +17,7 @@ assertions, or random floats (tests that need those draw them next to the distri
 
 #include <stdlib.h>
 
-#include "llmc/dataloader.h"
+#include "llmc/rand.h"
 
 namespace llmc::test {
 

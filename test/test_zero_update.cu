@@ -24,7 +24,7 @@ Does not check: the collectives (test_multi_gpu) or the trainer end to end (test
 #include "llmc/adamw.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/dataloader.h"  // SplitMix64
+#include "llmc/rand.h"
 #include "llmc/global_norm.cuh"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
