@@ -53,6 +53,7 @@ anything CUDA.
 #include <glob.h>
 #include <sys/stat.h>
 
+#include "llmc/hash.h"
 #include "llmc/rand.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"
@@ -307,7 +308,7 @@ public:
         put32(out, p.sample);
         put64(out, p.rng_state);
         for (uint32_t s : p.shard_order) put32(out, s);
-        put64(out, fnv1a(out.data(), out.size()));
+        put64(out, fnv1a64(out.data(), out.size()));
         return out;
     }
 
@@ -421,7 +422,7 @@ private:
         }
         uint64_t stored_sum = 0;
         for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
-        if (blob.size() < 20 || fnv1a(blob.data(), blob.size() - 8) != stored_sum) {
+        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != stored_sum) {
             fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
         }
         return r;
@@ -453,21 +454,17 @@ private:
     static void put64(std::vector<uint8_t>& out, uint64_t v) {
         for (int i = 0; i < 8; i++) out.push_back(uint8_t(v >> (8 * i)));
     }
-    static uint64_t fnv1a(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
-        for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-        return h;
-    }
     // File names without directories, so that moving the data keeps a saved state valid.
     uint64_t shards_hash() const {
-        uint64_t h = 0xcbf29ce484222325ull;
+        uint64_t h = kFnv1a64Basis;
         for (const ShardInfo& s : shards_) {
             size_t slash = s.path.find_last_of('/');
             std::string name = slash == std::string::npos ? s.path : s.path.substr(slash + 1);
-            h = fnv1a(reinterpret_cast<const uint8_t*>(name.c_str()), name.size() + 1, h);
+            h = fnv1a64(name.c_str(), name.size() + 1, h);
             uint64_t n = uint64_t(s.num_tokens);
             uint8_t bytes[8];
             for (int i = 0; i < 8; i++) bytes[i] = uint8_t(n >> (8 * i));
-            h = fnv1a(bytes, 8, h);
+            h = fnv1a64(bytes, 8, h);
         }
         return h;
     }

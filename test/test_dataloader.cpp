@@ -580,8 +580,7 @@ std::vector<StreamSample> next_samples(std::vector<std::unique_ptr<DataLoader>>&
 // Rewrites a state blob's checksum (64-bit FNV-1a of every byte before it, little-endian), so that a
 // test can change a field and reach the check behind the checksum.
 void reseal(std::vector<uint8_t>& blob) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i + 8 < blob.size(); i++) h = (h ^ blob[i]) * 0x100000001b3ull;
+    const uint64_t h = fnv1a64(blob.data(), blob.size() - 8);
     for (int i = 0; i < 8; i++) blob[blob.size() - 8 + i] = uint8_t(h >> (8 * i));
 }
 

@@ -1,0 +1,112 @@
+/*
+CPU tests of the small headers everything else stands on: the random numbers (rand.h) and hashes
+(hash.h), pinned to literal values so that a change to any bit of a data order, an initialisation, a
+rounding or a stored checksum fails here; the filesystem helpers of utils.h; and the reader of llm.c's
+256-int32 file header (llmc_header.h). The literals were computed by an independent Python
+implementation of the same definitions (and, for SplitMix64 and FNV-1a, agree with published values).
+*/
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "llmc/hash.h"
+#include "llmc/rand.h"
+#include "llmc/utils.h"
+#include "test/expect_error.h"
+#include "test/test_util.h"
+
+using namespace llmc;
+using llmc::test::random_bytes;
+using llmc::test::TempDir;
+
+TEST(Rand, SplitMix64IsTheReferenceGenerator) {
+    // Seed 0 gives SplitMix64's published first outputs.
+    SplitMix64 r(0);
+    EXPECT_EQ(r.next(), 0xe220a8397b1dcdafull);
+    EXPECT_EQ(r.next(), 0x6e789e6aa1b965f4ull);
+    EXPECT_EQ(r.next(), 0x06c45d188009454full);
+    SplitMix64 s(42);
+    EXPECT_EQ(s.next(), 0xbdd732262feb6e95ull);
+    EXPECT_EQ(s.next(), 0x28efe333b266f103ull);
+    EXPECT_EQ(s.state(), 42 + 2 * kSplitMix64Gamma);
+}
+
+TEST(Rand, MixerAndCounterHashArePinned) {
+    EXPECT_EQ(splitmix64_mix(0), 0u);
+    EXPECT_EQ(splitmix64_mix(1), 0x5692161d100b05e5ull);
+    EXPECT_EQ(splitmix64_mix(0x123456789abcdef0ull), 0x9629f58e8ec5b906ull);
+    EXPECT_EQ(splitmix64_hash(0), 0xe220a8397b1dcdafull) << "the first output of a generator of state 0";
+    EXPECT_EQ(splitmix64_hash(1), 0x910a2dec89025cc1ull);
+    EXPECT_EQ(splitmix64_hash(0x123456789abcdef0ull), 0x161922c645ce50e8ull);
+    for (uint64_t z : {3ull, 99ull, ~0ull}) {
+        SplitMix64 g(z);
+        EXPECT_EQ(g.next(), splitmix64_hash(z));
+    }
+}
+
+// The words of the GPU's stochastic rounding, computed here on the host with the same functions.
+TEST(Rand, CounterGeneratorIsPinned) {
+    struct Case {
+        uint64_t seed, stream, key;
+        uint32_t words[3];  // indices 0, 1, 12345678901
+    };
+    const Case cases[] = {
+        {0, 0, 0xf2253e3606a0bf0full, {0x41ca75f8u, 0x625ff432u, 0x8d230c2eu}},
+        {0, 5, 0x72b14ede91ae95cdull, {0xe9485042u, 0x9de09bdcu, 0x6504470bu}},
+        {1, 77, 0x7954fe2c81fc8144ull, {0x49613641u, 0x47eaf1b1u, 0x6ded28d3u}},
+        {1234, 0, 0x04ee0dd96a819fe6ull, {0xbc6ad861u, 0x1d2b8b0cu, 0xc9e297feu}},
+        {1234, 77, 0x47ed19fc40837f08ull, {0x126a5f1bu, 0x01a117d8u, 0x4d8e4041u}},
+    };
+    for (const Case& c : cases) {
+        const uint64_t key = rng_key(c.seed, c.stream);
+        EXPECT_EQ(key, c.key) << "seed " << c.seed << " stream " << c.stream;
+        EXPECT_EQ(rng_u32(key, 0), c.words[0]);
+        EXPECT_EQ(rng_u32(key, 1), c.words[1]);
+        EXPECT_EQ(rng_u32(key, 12345678901ull), c.words[2]);
+    }
+}
+
+TEST(Rand, CounterNormalIsPinnedAndLooksNormal) {
+    const double want[3][3] = {{-0.1964174268771277, 1.1216932492631078, 0.7777488736662874},
+                               {-0.6094235551552644, 1.1626782663908586, -1.0056407014874253},
+                               {0.7246501710299916, -1.8377569797358868, 0.11448033589105092}};
+    const uint64_t streams[3] = {0, 1, 5}, indices[3] = {0, 1, 999};
+    for (int s = 0; s < 3; s++) {
+        for (int i = 0; i < 3; i++) {
+            EXPECT_NEAR(counter_normal(3, streams[s], indices[i]), want[s][i], 1e-15)
+                << "stream " << streams[s] << " index " << indices[i];
+        }
+    }
+    double sum = 0, sq = 0;
+    const int n = 200001;
+    for (int i = 0; i < n; i++) {
+        const double x = counter_normal(17, 4, uint64_t(i));
+        sum += x;
+        sq += x * x;
+    }
+    EXPECT_NEAR(sum / n, 0.0, 0.01);
+    EXPECT_NEAR(sq / n, 1.0, 0.01);
+}
+
+TEST(Hash, Fnv1aMatchesThePublishedValuesAndChains) {
+    EXPECT_EQ(fnv1a64("", 0), 0xcbf29ce484222325ull);
+    EXPECT_EQ(fnv1a64(std::string("a")), 0xaf63dc4c8601ec8cull);
+    EXPECT_EQ(fnv1a64(std::string("foobar")), 0x85944171f73967e8ull);
+    EXPECT_EQ(fnv1a64(std::string("bar"), fnv1a64(std::string("foo"))), 0x85944171f73967e8ull)
+        << "hashing in pieces must equal hashing the whole";
+    const std::string with_nul("a\0b", 3);
+    EXPECT_NE(fnv1a64(with_nul), fnv1a64(std::string("ab"))) << "the string overload must hash every byte";
+}
+
+// checksum64 values are stored in checkpoint manifests: they must never change.
+TEST(Hash, Checksum64IsPinned) {
+    const std::string s = "hello world, a checksum over a string of odd length!";
+    const uint64_t want[] = {0x43ea00053f62bc8bull, 0x74e11e0163510b65ull, 0x2d9e36404998e8eaull,
+                             0xbf293263a501f864ull, 0xe9fbfcc9a2d67d56ull, 0x1ca91e7208c925c7ull,
+                             0xd2cd4602a15efe44ull, 0x4b3d98233f191fa0ull};
+    for (size_t k = 0; k < 8; k++) EXPECT_EQ(checksum64(s.data(), 7 * k), want[k]) << 7 * k << " bytes";
+}
