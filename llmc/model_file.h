@@ -16,8 +16,7 @@ Provides: fp32 <-> bf16 conversion (round to nearest even), write_model_file(), 
 and read_model_file(), which validate magic, version, shapes, file length and that the padded rows
 of wte are zero before trusting a byte, and name the file, the offset and what was expected.
 
-Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code),
-or an atomic replace of an existing file (callers that need one write elsewhere and rename).
+Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code).
 */
 #pragma once
 
@@ -165,7 +164,8 @@ inline void make_model_header(const GPT2Config& c, int version, int32_t (&h)[kMo
     h[7] = c.padded_vocab_size;
 }
 
-// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16).
+// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16),
+// whole or not at all (write_file_atomically): an existing file is replaced only by a complete one.
 inline void write_model_file(const std::string& path, const GPT2Config& c, const float* params, int version) {
     if (model_bytes_per_param(version) == 0) {
         fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
@@ -174,20 +174,20 @@ inline void write_model_file(const std::string& path, const GPT2Config& c, const
     int32_t h[kModelHeaderInts];
     make_model_header(c, version, h);
     const int64_t n = num_parameters(c);
-    File f(path, File::Mode::Write);
-    f.write_all(h, sizeof(h));
-    if (version == kModelVersionFp32) {
-        f.write_all(params, size_t(n) * sizeof(float));
-    } else {
-        const int64_t chunk = int64_t(1) << 22;
-        std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
-        for (int64_t done = 0; done < n; done += chunk) {
-            int64_t m = std::min(chunk, n - done);
-            for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
-            f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(h, sizeof(h));
+        if (version == kModelVersionFp32) {
+            f.write_all(params, size_t(n) * sizeof(float));
+        } else {
+            const int64_t chunk = int64_t(1) << 22;
+            std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
+            for (int64_t done = 0; done < n; done += chunk) {
+                int64_t m = std::min(chunk, n - done);
+                for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
+                f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+            }
         }
-    }
-    f.close();
+    });
 }
 
 }  // namespace llmc

@@ -41,8 +41,9 @@ inline int64_t shard_token_byte_offset(int64_t token, int bytes_per_token) {
     return kShardHeaderBytes + token * bytes_per_token;
 }
 
-// Writes a shard of `n` tokens. Version 1 stores uint16 and refuses ids above 65535 (and more than 2^31-1
-// tokens, which llm.c could not count); version 2 stores uint32.
+// Writes a shard of `n` tokens, whole or not at all (write_file_atomically). Version 1 stores uint16 and
+// refuses ids above 65535 (and more than 2^31-1 tokens, which llm.c could not count); version 2 stores
+// uint32. A refused shard leaves no file behind.
 inline void write_token_shard(const std::string& path, const uint32_t* tokens, size_t n, int version) {
     if (version != 1 && version != 2) fail(kExitUsage, "shard '%s': unknown version %d (1 or 2)", path.c_str(), version);
     if (version == 1 && n > uint64_t(kShardV1MaxTokens)) {
@@ -54,12 +55,9 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
     header[1] = version;
     header[2] = static_cast<int32_t>(static_cast<uint32_t>(n & 0xffffffffu));
     if (version == 2) header[3] = static_cast<int32_t>(static_cast<uint32_t>(uint64_t(n) >> 32));
-    File f(path, File::Mode::Write);
-    f.write_all(header, sizeof(header));
-    if (version == 2) {
-        f.write_all(tokens, n * sizeof(uint32_t));
-    } else {
-        std::vector<uint16_t> narrow(n);
+    std::vector<uint16_t> narrow;
+    if (version == 1) {
+        narrow.resize(n);
         for (size_t i = 0; i < n; i++) {
             if (tokens[i] > 0xffffu) {
                 fail(kExitUsage, "shard '%s': token %zu has id %u, which does not fit uint16; use version 2", path.c_str(),
@@ -67,9 +65,15 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
             }
             narrow[i] = static_cast<uint16_t>(tokens[i]);
         }
-        f.write_all(narrow.data(), n * sizeof(uint16_t));
     }
-    f.close();
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        if (version == 2) {
+            f.write_all(tokens, n * sizeof(uint32_t));
+        } else {
+            f.write_all(narrow.data(), n * sizeof(uint16_t));
+        }
+    });
 }
 
 // Reads and validates a shard's header: magic, version, and token count against the file's length.

@@ -3,11 +3,14 @@ Error reporting and checked file I/O shared by every part of the program.
 
 Provides: llmc::Error (an exception that carries the process exit code), fail() to raise one with a
 printf-style message, run_main() to turn an escaped Error into "error: ..." on stderr and that exit code,
-and llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or
-raises an Error naming the file, the offset, the byte count and the system's error text.
+llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or raises
+an Error naming the file, the offset, the byte count and the system's error text, and the filesystem
+steps the programs share: regular_file_exists(), directory_exists(), make_directories() (mkdir -p),
+sync_directory() and write_file_atomically() (write path.tmp, fsync, rename over path, fsync the
+directory, so that a crash leaves the old file or the new one, never a mix).
 
-Does not provide: buffering (callers read and write in large blocks) or anything CUDA; CUDA checks
-live in cuda_utils.cuh.
+Does not provide: buffering (callers read and write in large blocks), directory listing or removal
+(std::filesystem does those), or anything CUDA; CUDA checks live in cuda_utils.cuh.
 */
 #pragma once
 
@@ -17,6 +20,7 @@ live in cuda_utils.cuh.
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -295,6 +299,71 @@ inline void sync_directory(const std::string& dir) {
     int e = errno;
     ::close(fd);
     if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", dir.c_str(), std::strerror(e));
+}
+
+// True when `path` names a regular file, or a symbolic link to one; false when it names nothing, something
+// else, or cannot be examined.
+inline bool regular_file_exists(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// True when `path` names a directory, or a symbolic link to one.
+inline bool directory_exists(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// The directory that holds `path`: "." for a bare name, "/" for a name in the root.
+inline std::string parent_directory(const std::string& path) {
+    size_t slash = path.find_last_of('/');
+    if (slash == std::string::npos) return ".";
+    while (slash > 0 && path[slash - 1] == '/') slash--;
+    return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// Creates `path` and any missing parents (mkdir -p); an existing directory is fine. Safe when several
+// processes create the same directories at once. Raises kExitIo naming the path and the system's reason,
+// and "is not a directory" when a file (or anything else) is in the way.
+inline void make_directories(const std::string& path) {
+    if (path.empty()) fail(kExitIo, "cannot create a directory with an empty name");
+    for (size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+        const std::string prefix = path.substr(0, end);
+        if (prefix.back() != '/') {
+            // An existing directory may also answer EACCES or EROFS (a parent we cannot write to).
+            const int e = ::mkdir(prefix.c_str(), 0755) == 0 ? 0 : errno;
+            if (e != 0 && !directory_exists(prefix)) {
+                if (e == EEXIST) {
+                    fail(kExitIo, "cannot create directory '%s': '%s' exists and is not a directory", path.c_str(),
+                         prefix.c_str());
+                }
+                fail(kExitIo, "cannot create directory '%s'%s: %s", prefix.c_str(),
+                     prefix == path ? "" : format(" (for '%s')", path.c_str()).c_str(), std::strerror(e));
+            }
+        }
+        if (end == std::string::npos) break;
+    }
+}
+
+// Writes `path` whole or not at all: write(file) fills path.tmp, which is then fsynced, closed and renamed
+// over `path`, and the directory is fsynced so that the rename survives a crash. On any error path.tmp is
+// removed and `path` is left as it was. One writer per path at a time (they would share path.tmp).
+inline void write_file_atomically(const std::string& path, const std::function<void(File&)>& write) {
+    const std::string tmp = path + ".tmp";
+    try {
+        File f(tmp, File::Mode::Write);
+        write(f);
+        f.sync();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            const int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+        }
+    } catch (...) {
+        ::unlink(tmp.c_str());
+        throw;
+    }
+    sync_directory(parent_directory(path));
 }
 
 }  // namespace llmc

@@ -141,6 +141,8 @@ TEST(Shard, Version1IsLlmcLayoutAndVersion2KeepsWideIds) {
 
     expect_error([&] { write_token_shard(dir.file("c.bin"), t2.data(), t2.size(), 1); }, kExitUsage, {"does not fit uint16"});
     expect_error([&] { write_token_shard(dir.file("c.bin"), t2.data(), t2.size(), 3); }, kExitUsage, {"unknown version 3"});
+    EXPECT_FALSE(std::filesystem::exists(dir.file("c.bin"))) << "a refused shard must leave no file";
+    EXPECT_FALSE(std::filesystem::exists(dir.file("c.bin.tmp")));
 }
 
 TEST(Validation, EveryBadShardIsOneClearError) {

@@ -7,10 +7,14 @@ implementation of the same definitions (and, for SplitMix64 and FNV-1a, agree wi
 */
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
-#include <set>
+#include <cstring>
+#include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "llmc/hash.h"
@@ -109,4 +113,135 @@ TEST(Hash, Checksum64IsPinned) {
                              0xbf293263a501f864ull, 0xe9fbfcc9a2d67d56ull, 0x1ca91e7208c925c7ull,
                              0xd2cd4602a15efe44ull, 0x4b3d98233f191fa0ull};
     for (size_t k = 0; k < 8; k++) EXPECT_EQ(checksum64(s.data(), 7 * k), want[k]) << 7 * k << " bytes";
+}
+
+namespace {
+
+std::string read_text(const std::string& path) {
+    File f(path, File::Mode::Read);
+    std::string s(size_t(f.size()), '\0');
+    f.read_exact(s.data(), s.size());
+    return s;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+    File f(path, File::Mode::Write);
+    f.write_all(text.data(), text.size());
+    f.close();
+}
+
+}  // namespace
+
+TEST(Filesystem, KindsOfPaths) {
+    TempDir dir("fs_kinds");
+    write_text(dir / "file", "x");
+    ASSERT_TRUE(std::filesystem::create_directory(dir / "sub"));
+    std::filesystem::create_symlink(dir / "file", dir / "to_file");
+    std::filesystem::create_symlink(dir / "sub", dir / "to_sub");
+    std::filesystem::create_symlink(dir / "missing", dir / "dangling");
+    EXPECT_TRUE(regular_file_exists(dir / "file"));
+    EXPECT_TRUE(regular_file_exists(dir / "to_file"));
+    EXPECT_FALSE(regular_file_exists(dir / "sub"));
+    EXPECT_FALSE(regular_file_exists(dir / "dangling"));
+    EXPECT_FALSE(regular_file_exists(dir / "missing"));
+    EXPECT_FALSE(regular_file_exists(""));
+    EXPECT_TRUE(directory_exists(dir / "sub"));
+    EXPECT_TRUE(directory_exists(dir / "to_sub"));
+    EXPECT_TRUE(directory_exists(dir.path()));
+    EXPECT_FALSE(directory_exists(dir / "file"));
+    EXPECT_FALSE(directory_exists(dir / "missing"));
+    EXPECT_FALSE(directory_exists(dir / "file/x"));
+
+    EXPECT_EQ(parent_directory("a"), ".");
+    EXPECT_EQ(parent_directory("a/b"), "a");
+    EXPECT_EQ(parent_directory("a//b"), "a");
+    EXPECT_EQ(parent_directory("/a"), "/");
+    EXPECT_EQ(parent_directory("/a/b/c"), "/a/b");
+}
+
+TEST(Filesystem, MakeDirectoriesCreatesParentsAndAcceptsExisting) {
+    TempDir dir("fs_mkdir");
+    const std::string deep = dir / "a/b/c/d";
+    make_directories(deep);
+    EXPECT_TRUE(directory_exists(deep));
+    make_directories(deep);  // again: nothing to do
+    make_directories(dir / "a/b");
+    make_directories(dir / "x//y/");  // doubled and trailing slashes
+    EXPECT_TRUE(directory_exists(dir / "x/y"));
+    std::filesystem::create_symlink(dir / "a", dir / "link");
+    make_directories(dir / "link/b/e");  // through a symbolic link to a directory
+    EXPECT_TRUE(directory_exists(dir / "a/b/e"));
+    make_directories("/");
+    make_directories(".");
+
+    // Several threads creating overlapping trees at once all succeed.
+    std::vector<std::thread> threads;
+    std::atomic<int> errors{0};
+    for (int t = 0; t < 8; t++) {
+        threads.emplace_back([&, t] {
+            try {
+                make_directories(dir / ("race/p/q/r" + std::to_string(t % 3)));
+            } catch (const Error&) {
+                errors++;
+            }
+        });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(errors.load(), 0);
+    for (int k = 0; k < 3; k++) EXPECT_TRUE(directory_exists(dir / ("race/p/q/r" + std::to_string(k))));
+}
+
+TEST(Filesystem, MakeDirectoriesNamesWhatIsInTheWay) {
+    TempDir dir("fs_mkdir_err");
+    write_text(dir / "file", "x");
+    expect_error([&] { make_directories(dir / "file"); }, kExitIo,
+                 {"cannot create directory '" + dir / "file" + "'", "is not a directory"});
+    expect_error([&] { make_directories(dir / "file/sub/deeper"); }, kExitIo,
+                 {dir / "file/sub/deeper", "'" + dir / "file" + "' exists and is not a directory"});
+    const std::string long_name(300, 'n');  // longer than any file system's name limit
+    expect_error([&] { make_directories(dir / (long_name + "/x")); }, kExitIo,
+                 {"cannot create directory '" + dir / long_name + "'", "(for '" + dir / (long_name + "/x") + "')",
+                  std::strerror(ENAMETOOLONG)});
+    expect_error([&] { make_directories(""); }, kExitIo, {"empty name"});
+    EXPECT_FALSE(directory_exists(dir / "file/sub"));
+}
+
+TEST(Filesystem, WriteFileAtomicallyReplacesWholeOrNotAtAll) {
+    TempDir dir("fs_atomic");
+    const std::string path = dir / "out.bin";
+    const std::vector<char> first = random_bytes(10000, 1), second = random_bytes(333, 2);
+    write_file_atomically(path, [&](File& f) { f.write_all(first.data(), first.size()); });
+    EXPECT_EQ(read_text(path), std::string(first.begin(), first.end()));
+    write_file_atomically(path, [&](File& f) { f.write_all(second.data(), second.size()); });
+    EXPECT_EQ(read_text(path), std::string(second.begin(), second.end()));
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+
+    // A writer that fails half way leaves the old file and no temporary behind.
+    expect_error(
+        [&] {
+            write_file_atomically(path, [&](File& f) {
+                f.write_all(first.data(), 100);
+                fail(kExitData, "the writer gave up");
+            });
+        },
+        kExitData, {"the writer gave up"});
+    EXPECT_EQ(read_text(path), std::string(second.begin(), second.end()));
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+
+    // The rename cannot replace a non-empty directory: an error naming both, and no temporary left.
+    make_directories(dir / "taken/inside");
+    expect_error([&] { write_file_atomically(dir / "taken", [](File& f) { f.write_all("x", 1); }); }, kExitIo,
+                 {"cannot rename '" + dir / "taken.tmp" + "' to '" + dir / "taken" + "'"});
+    EXPECT_FALSE(std::filesystem::exists(dir / "taken.tmp"));
+    EXPECT_TRUE(directory_exists(dir / "taken/inside"));
+
+    expect_error([&] { write_file_atomically(dir / "no/such/dir/f", [](File& f) { f.write_all("x", 1); }); }, kExitIo,
+                 {"cannot open '" + dir / "no/such/dir/f.tmp" + "'"});
+
+    // A bare file name lands in the working directory, whose sync must work too.
+    const std::filesystem::path cwd = std::filesystem::current_path();
+    std::filesystem::current_path(dir.path());
+    write_file_atomically("bare.txt", [](File& f) { f.write_all("bare", 4); });
+    std::filesystem::current_path(cwd);
+    EXPECT_EQ(read_text(dir / "bare.txt"), "bare");
 }
