@@ -18,6 +18,7 @@ implementation of the same definitions (and, for SplitMix64 and FNV-1a, agree wi
 #include <vector>
 
 #include "llmc/hash.h"
+#include "llmc/llmc_header.h"
 #include "llmc/rand.h"
 #include "llmc/utils.h"
 #include "test/expect_error.h"
@@ -244,4 +245,78 @@ TEST(Filesystem, WriteFileAtomicallyReplacesWholeOrNotAtAll) {
     write_file_atomically("bare.txt", [](File& f) { f.write_all("bare", 4); });
     std::filesystem::current_path(cwd);
     EXPECT_EQ(read_text(dir / "bare.txt"), "bare");
+}
+
+namespace {
+
+const LlmcFileSpec kTestSpec{"test file", "a test file", 1234567, {2, 7}, "2 or 7", {{1, "is retired; convert it"}}};
+
+// A file of the test format: the header (magic, version, then `fields`) and `payload` bytes after it.
+std::string write_llmc(const TempDir& dir, const std::string& name, int32_t magic, int32_t version, size_t payload,
+                       std::vector<int32_t> fields = {}) {
+    std::vector<int32_t> h(kLlmcHeaderInts, 0);
+    h[0] = magic;
+    h[1] = version;
+    for (size_t i = 0; i < fields.size(); i++) h[2 + i] = fields[i];
+    const std::vector<char> bytes = random_bytes(payload, uint64_t(payload) + 5);
+    File f(dir / name, File::Mode::Write);
+    f.write_all(h.data(), h.size() * 4);
+    f.write_all(bytes.data(), bytes.size());
+    f.close();
+    return dir / name;
+}
+
+}  // namespace
+
+TEST(LlmcHeader, ReadsAndChecksMagicVersionAndLength) {
+    TempDir dir("llmc_header");
+    const std::string good = write_llmc(dir, "good.bin", 1234567, 7, 3 * 333, {333, -9});
+    File f(good, File::Mode::Read);
+    const LlmcHeader h = read_llmc_header(f, kTestSpec);
+    EXPECT_EQ(h.path, good);
+    EXPECT_EQ(h.file_size, 1024 + 999);
+    EXPECT_EQ(h.version(), 7);
+    EXPECT_EQ(h.ints[2], 333);
+    EXPECT_EQ(h.ints[3], -9);
+    EXPECT_EQ(f.tell(), 1024) << "the payload is read next";
+    check_llmc_file_size(h, kTestSpec, 333, 3, "item", "count at offset 8");
+    expect_error([&] { check_llmc_file_size(h, kTestSpec, 334, 3, "item", "count at offset 8"); }, kExitData,
+                 {"test file '" + good + "' is truncated", "its header (count at offset 8) says 334 items of 3 bytes",
+                  "2026 bytes with the header", "the file is 2023 bytes", "room for 333 items"});
+    expect_error([&] { check_llmc_file_size(h, kTestSpec, 332, 3, "item", "count at offset 8"); }, kExitData,
+                 {good, "says 332 items", "3 unexpected bytes after the last item", "trailing data"});
+    expect_error([&] { check_llmc_file_size(h, kTestSpec, 0, 3, "item", "count"); }, kExitData,
+                 {"999 unexpected bytes"});
+    // A corrupt count near 2^64 must not wrap around into an accepted size.
+    for (uint64_t huge : {~0ull, ~0ull / 3, (~0ull / 3) + 1, 0x7fffffffffffffffull}) {
+        expect_error([&] { check_llmc_file_size(h, kTestSpec, huge, 3, "item", "count"); }, kExitData,
+                     {"is truncated", "room for 333 items"});
+    }
+
+    const std::string empty = write_llmc(dir, "empty.bin", 1234567, 2, 0);
+    File e(empty, File::Mode::Read);
+    check_llmc_file_size(read_llmc_header(e, kTestSpec), kTestSpec, 0, 4, "item", "count");
+
+    auto read = [&](const std::string& path) {
+        return [path] {
+            File g(path, File::Mode::Read);
+            read_llmc_header(g, kTestSpec);
+        };
+    };
+    expect_error(read(write_llmc(dir, "magic.bin", 7654321, 2, 10)), kExitData,
+                 {"test file '" + dir / "magic.bin" + "'", "bad magic 7654321 at offset 0", "expected 1234567",
+                  "is this a test file?"});
+    for (int32_t v : {0, 3, 6, 8, -2, INT32_MAX}) {
+        expect_error(read(write_llmc(dir, "version.bin", 1234567, v, 10)), kExitData,
+                     {"version.bin", format("unsupported version %d at offset 4", v), "expected 2 or 7"});
+    }
+    expect_error(read(write_llmc(dir, "retired.bin", 1234567, 1, 10)), kExitData,
+                 {"retired.bin", "version 1 at offset 4 is retired; convert it"});
+    {
+        File s(dir / "short.bin", File::Mode::Write);
+        s.write_all(random_bytes(1023, 3).data(), 1023);
+    }
+    expect_error(read(dir / "short.bin"), kExitData,
+                 {"short.bin", "is 1023 bytes, shorter than its 1024-byte header", "not a test file"});
+    expect_error(read(dir / "missing.bin"), kExitIo, {"missing.bin"});
 }
