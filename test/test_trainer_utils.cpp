@@ -232,6 +232,55 @@ TEST(LRSchedule, LinearConstantAndWSD) {
     EXPECT_EQ(LRSchedule::parse_kind("wsd"), LRSchedule::Kind::WSD);
 }
 
+// A decay fraction that reaches into the warmup starts the decay where the warmup ends, not before.
+TEST(LRSchedule, WSDDecayStartsNoEarlierThanTheWarmupEnds) {
+    LRSchedule s;
+    s.kind = LRSchedule::Kind::WSD;
+    s.lr = 2e-3;
+    s.warmup = 10;
+    s.total = 20;
+    s.decay_fraction = 0.8;
+    s.final_fraction = 0.25;
+    EXPECT_DOUBLE_EQ(s.at(9), 2e-3);
+    EXPECT_EQ(s.at(10), 2e-3) << "the full lr at the first step after the warmup";
+    EXPECT_DOUBLE_EQ(s.at(15), 2e-3 + (5e-4 - 2e-3) * 0.5);
+    EXPECT_DOUBLE_EQ(s.at(19), 2e-3 + (5e-4 - 2e-3) * 0.9);
+}
+
+// From the planned end on, every schedule stays exactly at its floor (lr * final_fraction; lr for
+// constant), for any learning rate, floor and warmup, including a warmup longer than the run.
+TEST(LRSchedule, PastTheEndEverySchedulesStaysAtItsFloor) {
+    using Kind = LRSchedule::Kind;
+    int checked = 0;
+    for (Kind kind : {Kind::Cosine, Kind::Linear, Kind::Constant, Kind::WSD}) {
+        for (double lr : {6e-4, 1e-3, 3e-4, 0.1, 7e-5}) {
+            for (double fraction : {0.0, 0.1, 0.3, 1.0 / 3.0, 0.5}) {
+                for (int warmup : {0, 1, 7, 20, 150}) {
+                    for (int total : {1, 2, 20, 97, 1000}) {
+                        LRSchedule s;
+                        s.kind = kind;
+                        s.lr = lr;
+                        s.final_fraction = fraction;
+                        s.warmup = warmup;
+                        s.total = total;
+                        s.decay_fraction = 0.3;
+                        const double floor = kind == Kind::Constant ? lr : lr * fraction;
+                        for (int k : {0, 1, 2, 10, 1000000}) {
+                            ASSERT_EQ(s.at(total + k), floor) << "kind " << int(kind) << " lr " << lr << " fraction "
+                                                              << fraction << " warmup " << warmup << " total " << total
+                                                              << " k " << k;
+                            checked++;
+                        }
+                        // Before the end the schedule does not undercut the floor either once the warmup is over.
+                        for (int step = std::min(warmup, total); step < total; step++) ASSERT_GE(s.at(step), floor);
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_EQ(checked, 4 * 5 * 5 * 5 * 5 * 5);
+}
+
 TEST(MFU, KnownAndUnknownGPUs) {
     EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA H200"), 989e12);
     EXPECT_DOUBLE_EQ(peak_bf16_flops("NVIDIA H100 80GB HBM3"), 989e12);
