@@ -125,6 +125,40 @@ TEST(Flags, ErrorsNameTheFlag) {
     EXPECT_EQ(m, "flag -y: 'yes' is not 0, 1, true or false");
 }
 
+// An integer flag takes exactly the whole numbers it is given: nothing is truncated, rounded or wrapped.
+TEST(Flags, IntegersAreExactOrRefused) {
+    const std::vector<std::pair<std::string, int64_t>> good = {
+        {"0", 0},        {"-0", 0},        {"+7", 7},         {"-4", -4},         {"2.0", 2},
+        {"1e6", 1000000}, {"1E3", 1000},   {"2.5e3", 2500},   {"2.50e1", 25},     {"100000e-5", 1},
+        {"3k", 3000},    {"2.5k", 2500},   {"1.5M", 1500000}, {"7m", 7000000},    {"0e99999999", 0},
+        {"9223372036854775807", INT64_MAX}, {"-9223372036854775808", INT64_MIN},
+        {"9.223372036854775807e18", INT64_MAX}};
+    for (const auto& [text, want] : good) {
+        Settings s;
+        Flags f = make_flags(s);
+        ASSERT_TRUE(parse(f, {"-x", text})) << text;
+        EXPECT_EQ(s.steps, want) << text;
+    }
+    for (const std::string text : {"2.5", "-2.5", "0.5", "2.5e0", "25e-1", "1.0000000000000001", "1.2345k", "1e-1",
+                                   "9223372036854775808", "-9223372036854775809", "9223372036854775807k", "1e19",
+                                   "1e999999999", "0x10", " 5", "5 ", "", "+", ".", "-", "1e", "e5", "3kk", "k",
+                                   "nan", "inf", "1,000", "12x"}) {
+        std::string m;
+        EXPECT_EQ(usage_error({"--max-steps", text}, &m), kExitUsage) << "'" << text << "' was accepted";
+        EXPECT_EQ(m, "flag --max-steps: '" + text + "' is not an integer");
+    }
+    // A 32-bit flag gets the same parsing and then its own range.
+    std::string m;
+    EXPECT_EQ(usage_error({"-b", "2.5"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '2.5' is not an integer");
+    EXPECT_EQ(usage_error({"-b", "2.5k"}, &m), 0);
+    EXPECT_EQ(usage_error({"-b", "2147483648"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '2147483648' is not a 32-bit integer");
+    EXPECT_EQ(usage_error({"-b", "-2147483648"}, &m), 0);
+    EXPECT_EQ(tool_usage_error({"--threads", "1.5"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --threads: '1.5' is not an integer");
+}
+
 TEST(Flags, UsageAndSettingsComeFromTheTable) {
     Settings s;
     Flags f = make_flags(s);
