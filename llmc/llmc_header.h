@@ -61,7 +61,9 @@ inline LlmcHeader read_llmc_header(File& f, const LlmcFileSpec& spec) {
              spec.magic, spec.a_kind);
     }
     for (const auto& [version, hint] : spec.retired) {
-        if (h.version() == version) fail(kExitData, "%s '%s': version %d at offset 4 %s", spec.kind, path, version, hint);
+        if (h.version() == version) {
+            fail(kExitData, "%s '%s': version %d at offset 4 %s", spec.kind, path, version, hint);
+        }
     }
     for (int v : spec.versions) {
         if (h.version() == v) return h;

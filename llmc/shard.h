@@ -80,7 +80,8 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
 
 // The shard format for llmc_header.h's reader.
 inline const LlmcFileSpec& shard_file_spec() {
-    static const LlmcFileSpec spec{"shard", "a token shard", kShardMagic, {1, 2}, "1 = uint16 tokens or 2 = uint32 tokens", {}};
+    static const LlmcFileSpec spec{
+        "shard", "a token shard", kShardMagic, {1, 2}, "1 = uint16 tokens or 2 = uint32 tokens", {}};
     return spec;
 }
 
