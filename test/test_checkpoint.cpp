@@ -23,6 +23,8 @@ tested in test_checkpoint_gpu.cu.
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::read_bytes;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -62,18 +64,6 @@ std::string write_checkpoint(const std::string& out, int64_t step, const Synthet
     m.settings = base_settings();
     m.blobs = {{"train_loader", s.loader}, {"empty", {}}};
     return w.commit(m);
-}
-
-std::vector<char> read_all(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(size_t(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
-void write_all(const std::string& path, const std::vector<char>& bytes) {
-    File f(path, File::Mode::Write);
-    f.write_all(bytes.data(), bytes.size());
 }
 
 std::string error_of(const std::function<void()>& fn) {
@@ -180,11 +170,11 @@ TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
     const std::string path = write_checkpoint(out, 3, make_state(20));
     for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
         const std::string file = path + "/" + name;
-        const std::vector<char> whole = read_all(file);
+        const std::vector<char> whole = read_bytes(file);
         for (size_t cut : {size_t(0), size_t(1), size_t(7), size_t(999), size_t(1000), size_t(1024), whole.size() / 2,
                            whole.size() - 1}) {
             if (cut >= whole.size()) continue;
-            write_all(file, std::vector<char>(whole.begin(), whole.begin() + long(cut)));
+            write_bytes(file, std::vector<char>(whole.begin(), whole.begin() + long(cut)));
             const std::string err = error_of([&] { validate_checkpoint(path, false); });
             EXPECT_FALSE(err.empty()) << name << " cut at " << cut;
             if (std::string(name) != "manifest.txt") {
@@ -192,7 +182,7 @@ TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
                 EXPECT_NE(err.find(name), std::string::npos) << err;
             }
         }
-        write_all(file, whole);
+        write_bytes(file, whole);
         EXPECT_NO_THROW(validate_checkpoint(path, true));
     }
 }
@@ -203,17 +193,17 @@ TEST(CheckpointFiles, FlippedBitInEveryFileIsDetected) {
     const std::string path = write_checkpoint(out, 5, make_state(30));
     for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
         const std::string file = path + "/" + name;
-        const std::vector<char> whole = read_all(file);
+        const std::vector<char> whole = read_bytes(file);
         for (size_t at : {size_t(0), size_t(1023), size_t(1024), whole.size() / 3, whole.size() - 1}) {
             for (int bit : {0, 7}) {
                 std::vector<char> bad = whole;
                 bad[at] ^= char(1 << bit);
-                write_all(file, bad);
+                write_bytes(file, bad);
                 const std::string err = error_of([&] { validate_checkpoint(path, true); });
                 EXPECT_NE(err.find("corrupted"), std::string::npos) << name << " byte " << at << ": " << err;
             }
         }
-        write_all(file, whole);
+        write_bytes(file, whole);
     }
     EXPECT_NO_THROW(validate_checkpoint(path, true));
 }
@@ -237,9 +227,9 @@ TEST(CheckpointDiscovery, NewestValidIsChosenAndTmpIgnored) {
     const std::string newest = write_checkpoint(out, 30, make_state(3));
     // An interrupted save of a later step, and unrelated entries, are not checkpoints.
     std::filesystem::create_directories(out + "/ckpt_00000040.tmp");
-    write_all(out + "/ckpt_00000040.tmp/model.bin", random_bytes(100, 1));
+    write_bytes(out + "/ckpt_00000040.tmp/model.bin", random_bytes(100, 1));
     std::filesystem::create_directories(out + "/ckpt_junk");
-    write_all(out + "/log.jsonl", random_bytes(10, 2));
+    write_bytes(out + "/log.jsonl", random_bytes(10, 2));
 
     FoundCheckpoint f = find_newest_valid(out, true);
     EXPECT_EQ(f.path, newest);
@@ -247,9 +237,9 @@ TEST(CheckpointDiscovery, NewestValidIsChosenAndTmpIgnored) {
     EXPECT_TRUE(f.skipped.empty());
 
     // Damage the newest: the one before is chosen, and the skip says why.
-    std::vector<char> m = read_all(newest + "/moments.bin");
+    std::vector<char> m = read_bytes(newest + "/moments.bin");
     m[m.size() / 2] ^= 0x10;
-    write_all(newest + "/moments.bin", m);
+    write_bytes(newest + "/moments.bin", m);
     f = find_newest_valid(out, true);
     EXPECT_EQ(f.manifest.step, 20);
     ASSERT_EQ(f.skipped.size(), 1u);
@@ -443,9 +433,9 @@ TEST(SeveralRanks, OneCheckpointFromConcurrentWritersReadBackOnOtherRankCounts) 
     partial.pop_back();
     EXPECT_NE(error_of([&] { read_range(dir, m, partial, 0, kShardedElems); }).find("hold"), std::string::npos);
     const std::string victim = dir + "/master_00001.bin";
-    std::vector<char> bytes = read_all(victim);
+    std::vector<char> bytes = read_bytes(victim);
     bytes[bytes.size() / 2] ^= 0x10;
-    write_all(victim, bytes);
+    write_bytes(victim, bytes);
     const ShardRange own1 = zero_layout(kShardedElems, world).owned(1);
     EXPECT_NE(error_of([&] { read_range(dir, m, segments_of(world), own1.begin, own1.end); }).find("corrupted"),
               std::string::npos);

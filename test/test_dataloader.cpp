@@ -22,6 +22,7 @@ are checked against the bytes of the files, read here independently of the loade
 using namespace llmc;
 using llmc::test::random_tokens;
 using llmc::test::TempDir;
+using llmc::test::write_random_shards;
 
 namespace {
 
@@ -82,14 +83,9 @@ struct DataSet {
     std::vector<std::string> paths;
     std::vector<std::vector<uint32_t>> tokens;
     uint32_t vocab;
-    DataSet(const std::vector<size_t>& sizes, uint32_t vocab_size, uint64_t seed = 1) : vocab(vocab_size) {
-        for (size_t i = 0; i < sizes.size(); i++) {
-            std::string p = dir.file(format("shard_%03zu.bin", i));
-            tokens.push_back(random_tokens(sizes[i], vocab, seed * 1000 + i));
-            int version = (vocab > 65536 || i % 2 == 1) ? 2 : 1;
-            write_token_shard(p, tokens.back().data(), sizes[i], version);
-            paths.push_back(p);
-        }
+    DataSet(const std::vector<size_t>& sizes, uint32_t vocab_size, uint64_t seed = 1)
+        : tokens(write_random_shards(dir.path(), sizes, vocab_size, seed)), vocab(vocab_size) {
+        for (size_t i = 0; i < sizes.size(); i++) paths.push_back(dir.file(format("shard_%03zu.bin", i)));
     }
     std::string pattern() const { return dir.path() + "/shard_*.bin"; }
 };

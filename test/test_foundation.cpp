@@ -26,6 +26,8 @@ implementation of the same definitions (and, for SplitMix64 and FNV-1a, agree wi
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::read_text;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 TEST(Rand, SplitMix64IsTheReferenceGenerator) {
@@ -116,26 +118,9 @@ TEST(Hash, Checksum64IsPinned) {
     for (size_t k = 0; k < 8; k++) EXPECT_EQ(checksum64(s.data(), 7 * k), want[k]) << 7 * k << " bytes";
 }
 
-namespace {
-
-std::string read_text(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string s(size_t(f.size()), '\0');
-    f.read_exact(s.data(), s.size());
-    return s;
-}
-
-void write_text(const std::string& path, const std::string& text) {
-    File f(path, File::Mode::Write);
-    f.write_all(text.data(), text.size());
-    f.close();
-}
-
-}  // namespace
-
 TEST(Filesystem, KindsOfPaths) {
     TempDir dir("fs_kinds");
-    write_text(dir / "file", "x");
+    write_bytes(dir / "file", "x");
     ASSERT_TRUE(std::filesystem::create_directory(dir / "sub"));
     std::filesystem::create_symlink(dir / "file", dir / "to_file");
     std::filesystem::create_symlink(dir / "sub", dir / "to_sub");
@@ -194,7 +179,7 @@ TEST(Filesystem, MakeDirectoriesCreatesParentsAndAcceptsExisting) {
 
 TEST(Filesystem, MakeDirectoriesNamesWhatIsInTheWay) {
     TempDir dir("fs_mkdir_err");
-    write_text(dir / "file", "x");
+    write_bytes(dir / "file", "x");
     expect_error([&] { make_directories(dir / "file"); }, kExitIo,
                  {"cannot create directory '" + dir / "file" + "'", "is not a directory"});
     expect_error([&] { make_directories(dir / "file/sub/deeper"); }, kExitIo,

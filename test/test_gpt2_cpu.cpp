@@ -27,6 +27,8 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 
 using namespace llmc;
 using llmc::test::random_tokens;
+using llmc::test::read_bytes;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -82,24 +84,10 @@ private:
     int saved_;
 };
 
-std::vector<char> read_bytes(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(size_t(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
-void write_bytes(const std::string& path, const std::vector<char>& bytes) {
-    File f(path, File::Mode::Write);
-    f.write_all(bytes.data(), bytes.size());
-    f.close();
-}
-
 void set_header_int(std::vector<char>& bytes, int index, int32_t value) {
     std::memcpy(bytes.data() + 4 * index, &value, 4);
 }
 
-// Runs fn, expects an llmc::Error with this exit code whose message contains every fragment.
 uint32_t float_bits(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
