@@ -14,6 +14,7 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -581,6 +582,36 @@ TEST(ModelFile, ValidationErrorsNameTheFileAndTheProblem) {
     expect_error([&] { read_model_file(good, &out, &other); }, kExitData, {"good.bin", "L=2", "L=3", "expected"});
     EXPECT_NO_THROW(read_model_file(good, &out, &c));
     expect_error([&] { write_model_file(dir.file("v4.bin"), c, p.data(), 4); }, kExitUsage, {"version 4"});
+}
+
+// Only versions 3 and 5 are model files. Every other version is refused, on reading even when the file
+// has exactly the length of a bf16 (or fp32) payload, and on writing before a file appears.
+TEST(ModelFile, OnlyVersions3And5AreReadOrWritten) {
+    TempDir dir;
+    const GPT2Config c = tiny_config();
+    std::vector<float> p = random_params(c, 121);
+    write_model_file(dir.file("v5.bin"), c, p.data(), kModelVersionBf16);
+    write_model_file(dir.file("v3.bin"), c, p.data(), kModelVersionFp32);
+    const std::vector<char> v5 = read_bytes(dir.file("v5.bin")), v3 = read_bytes(dir.file("v3.bin"));
+    std::vector<float> out;
+    for (int32_t version : {6, 7, 4, 0, -5, 1000, INT32_MAX}) {
+        SCOPED_TRACE("version " + std::to_string(version));
+        for (const std::vector<char>* payload : {&v5, &v3}) {
+            std::vector<char> b = *payload;
+            set_header_int(b, 1, version);
+            write_bytes(dir.file("other.bin"), b);
+            expect_error([&] { read_model_file(dir.file("other.bin"), &out); }, kExitData,
+                         {"other.bin", format("unsupported version %d at offset 4", version), "3 = fp32 or 5 = bf16"});
+            File f(dir.file("other.bin"), File::Mode::Read);
+            expect_error([&] { read_model_header(f); }, kExitData, {format("unsupported version %d", version)});
+        }
+        expect_error([&] { write_model_file(dir.file("w.bin"), c, p.data(), version); }, kExitUsage,
+                     {"w.bin", format("cannot write version %d", version)});
+        EXPECT_FALSE(std::filesystem::exists(dir.file("w.bin")));
+        EXPECT_EQ(model_bytes_per_param(version), 0);
+    }
+    EXPECT_EQ(model_bytes_per_param(3), 4);
+    EXPECT_EQ(model_bytes_per_param(5), 2);
 }
 
 // header[7] == 0 (no padded size recorded) means an unpadded vocabulary: Vp = V rows of wte.
