@@ -19,6 +19,7 @@ tested in test_checkpoint_gpu.cu.
 #include "llmc/checkpoint.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
+#include "test/expect_error.h"
 #include "test/test_util.h"
 
 using namespace llmc;
@@ -125,6 +126,42 @@ TEST(Manifest, RoundTripsAndRejectsDamage) {
     CheckpointManifest multi_line = m;
     multi_line.settings.push_back({"bad", "two\nlines"});
     EXPECT_THROW(encode_manifest(multi_line), Error);
+}
+
+// Chunks must tile the file: from offset 0, each starting where the previous one ended, none empty,
+// none past the end. Each manifest here is sealed with its own checksum (encode_manifest does not check
+// the chunks), so the tiling check is the only thing that can refuse it.
+TEST(Manifest, ChunksThatDoNotTileTheFileAreRefused) {
+    auto manifest = [](std::vector<ChunkSum> chunks) {
+        CheckpointManifest m;
+        m.step = 3;
+        FileRecord f;
+        f.name = "w.bin";
+        f.size = 30;
+        f.chunks = std::move(chunks);
+        m.files = {f};
+        return encode_manifest(m);
+    };
+    const CheckpointManifest good = parse_manifest(manifest({{0, 10, 1}, {10, 12, 2}, {22, 8, 3}}), "good");
+    ASSERT_EQ(good.files.size(), 1u);
+    EXPECT_EQ(good.files[0].chunks.size(), 3u);
+    const std::vector<std::pair<const char*, std::vector<ChunkSum>>> bad = {
+        {"a gap between chunks", {{0, 10, 1}, {12, 18, 2}}},
+        {"a gap at the start", {{2, 28, 1}}},
+        {"a gap at the start and between", {{1, 9, 1}, {11, 19, 2}}},
+        {"overlapping chunks", {{0, 10, 1}, {8, 22, 2}}},
+        {"chunks out of order", {{10, 20, 1}, {0, 10, 2}}},
+        {"an empty chunk", {{0, 10, 1}, {10, 0, 2}, {10, 20, 3}}},
+        {"a chunk past the end", {{0, 10, 1}, {10, 21, 2}}},
+    };
+    for (const auto& [what, chunks] : bad) {
+        SCOPED_TRACE(what);
+        const std::string text = manifest(chunks);
+        expect_error([&] { parse_manifest(text, "bad.txt"); }, kExitData,
+                     {"manifest 'bad.txt' line", "chunks must cover the file in order without gaps"});
+    }
+    expect_error([&] { parse_manifest(manifest({{0, 10, 1}, {10, 10, 2}}), "short.txt"); }, kExitData,
+                 {"short.txt", "the chunks of 'w.bin' cover 20 of its 30 bytes"});
 }
 
 TEST(CheckpointFiles, WriteValidateAndReadBack) {
