@@ -548,6 +548,31 @@ TEST(State, BlobsForOtherDataOrGeometryAreRefused) {
     EXPECT_EQ(same.position(), 7u);
 }
 
+// Shards with the same names and the same sample count as when the state was saved, but another
+// token count: the data changed (a sample's last tokens, at least), so the state must not be restored.
+TEST(State, BlobForDataWithOtherTokenCountsIsRefused) {
+    DataSet ds({300, 200, 250}, 1000);
+    const int B = 2, T = 8;
+    DataLoader dl(config(ds.pattern(), B, T, 1000, true, 5, 0, 2));
+    for (int k = 0; k < 7; k++) dl.next();
+    const std::vector<uint8_t> blob = dl.state();
+    const uint64_t samples = dl.schedule().samples_per_epoch();
+    // 300 tokens hold (300 - 1) / 8 = 37 samples; so do 297 to 304.
+    for (size_t tokens : {297, 301, 304}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens in shard_000.bin");
+        const std::vector<uint32_t> t = random_tokens(tokens, 1000, 77);
+        write_token_shard(ds.paths[0], t.data(), t.size(), 1);
+        DataLoader other(config(ds.pattern(), B, T, 1000, true, 5, 1, 2));
+        ASSERT_EQ(other.schedule().samples_per_epoch(), samples);
+        expect_error([&] { other.restore(blob); }, kExitData,
+                     {"3 shard(s) holding 92 samples", "gives 3 shard(s) holding 92 samples", "not the same"});
+    }
+    write_token_shard(ds.paths[0], ds.tokens[0].data(), ds.tokens[0].size(), 1);
+    DataLoader same(config(ds.pattern(), B, T, 1000, true, 5, 1, 2));
+    same.restore(blob);
+    EXPECT_EQ(same.position(), 7u);
+}
+
 namespace {
 
 // One sample as a run hands it out: where it lies (epoch, shard, offset) and its T+1 tokens.
