@@ -272,9 +272,11 @@ TEST(Geometry, UnpackShiftsTargetsByOne) {
     }
 }
 
-// For every world size: run all ranks over more than two epochs; within each global batch the ranks'
-// samples are disjoint; each epoch's samples, over all ranks, are every sample position exactly once;
-// the rows hold the file's tokens; and the concatenated stream carries an epoch's tail into the next.
+// For every world size and many seeds: run all ranks over more than two epochs; within each global
+// batch the ranks' samples are disjoint (a batch that straddles an epoch boundary may hold one position
+// twice, once from each epoch, so a sample is its epoch, shard and offset); each epoch's samples, over
+// all ranks, are every sample position exactly once; the rows hold the file's tokens; and the
+// concatenated stream carries an epoch's tail into the next.
 TEST(Geometry, RankSlicesAreDisjointAndCoverEachEpochExactlyOnce) {
     DataSet ds({211, 500, 96, 333, 1000, 157}, 3000);
     const int B = 3, T = 7;
@@ -282,51 +284,63 @@ TEST(Geometry, RankSlicesAreDisjointAndCoverEachEpochExactlyOnce) {
     for (size_t s = 0; s < ds.tokens.size(); s++) {
         for (int64_t p = 0; p + T + 1 <= int64_t(ds.tokens[s].size()); p += T) all_positions.insert({uint32_t(s), p});
     }
-    for (int W : {1, 2, 3, 8}) {
-        SCOPED_TRACE("W = " + std::to_string(W));
-        std::vector<std::unique_ptr<DataLoader>> ranks;
-        for (int r = 0; r < W; r++) ranks.push_back(std::make_unique<DataLoader>(config(ds.pattern(), B, T, 3000, true, 42, r, W, r % 2 ? 2 : 0)));
-        const SampleSchedule& s = ranks[0]->schedule();
-        ASSERT_EQ(s.samples_per_epoch(), all_positions.size());
-        ASSERT_NE(s.samples_per_epoch() % (B * W), 0u) << "this test wants an epoch tail that is carried over";
-        uint64_t batches = (3 * s.samples_per_epoch()) / (B * W) + 1;
-        std::map<Key, int> seen;
-        std::vector<Key> stream;
-        for (uint64_t k = 0; k < batches; k++) {
-            std::set<std::pair<uint32_t, int64_t>> in_batch;
+    std::vector<uint64_t> seeds = {42};
+    for (uint64_t seed = 1; seed <= 20; seed++) seeds.push_back(seed);
+    int repeated_positions = 0;  // batches holding one position from two epochs: the case the key must allow
+    for (uint64_t seed : seeds) {
+        for (int W : {1, 2, 3, 8}) {
+            SCOPED_TRACE("seed " + std::to_string(seed) + ", W = " + std::to_string(W));
+            std::vector<std::unique_ptr<DataLoader>> ranks;
             for (int r = 0; r < W; r++) {
-                const HostBatch& b = ranks[r]->next();
-                ASSERT_EQ(b.index, k);
-                ASSERT_EQ(b.epoch, b.samples[0].epoch);
-                expect_rows_match_files(b, s, ds.tokens);
-                for (int i = 0; i < B; i++) {
-                    const SampleRef& ref = b.samples[i];
-                    EXPECT_TRUE(in_batch.insert({ref.shard, ref.token_offset}).second) << "two ranks share a sample";
-                    seen[{ref.epoch, ref.shard, ref.token_offset}]++;
-                    stream.push_back({ref.epoch, ref.shard, ref.token_offset});
+                const DataLoaderConfig c = config(ds.pattern(), B, T, 3000, true, seed, r, W, r % 2 ? 2 : 0);
+                ranks.push_back(std::make_unique<DataLoader>(c));
+            }
+            const SampleSchedule& s = ranks[0]->schedule();
+            ASSERT_EQ(s.samples_per_epoch(), all_positions.size());
+            ASSERT_NE(s.samples_per_epoch() % (B * W), 0u) << "this test wants an epoch tail that is carried over";
+            uint64_t batches = (3 * s.samples_per_epoch()) / (B * W) + 1;
+            std::map<Key, int> seen;
+            std::vector<Key> stream;
+            for (uint64_t k = 0; k < batches; k++) {
+                std::set<Key> in_batch;
+                std::set<std::pair<uint32_t, int64_t>> positions;
+                for (int r = 0; r < W; r++) {
+                    const HostBatch& b = ranks[r]->next();
+                    ASSERT_EQ(b.index, k);
+                    ASSERT_EQ(b.epoch, b.samples[0].epoch);
+                    expect_rows_match_files(b, s, ds.tokens);
+                    for (int i = 0; i < B; i++) {
+                        const SampleRef& ref = b.samples[i];
+                        EXPECT_TRUE(in_batch.insert({ref.epoch, ref.shard, ref.token_offset}).second)
+                            << "two ranks share a sample in batch " << k;
+                        if (!positions.insert({ref.shard, ref.token_offset}).second) repeated_positions++;
+                        seen[{ref.epoch, ref.shard, ref.token_offset}]++;
+                        stream.push_back({ref.epoch, ref.shard, ref.token_offset});
+                    }
                 }
             }
-        }
-        for (uint64_t e = 0; e < 3; e++) {
-            size_t count = 0;
-            for (const auto& [pos, n] : seen) {
-                if (std::get<0>(pos) != e) continue;
-                EXPECT_EQ(n, 1) << "epoch " << e << " shard " << std::get<1>(pos) << " offset " << std::get<2>(pos);
-                EXPECT_TRUE(all_positions.count({std::get<1>(pos), std::get<2>(pos)}));
-                count++;
+            for (uint64_t e = 0; e < 3; e++) {
+                size_t count = 0;
+                for (const auto& [pos, n] : seen) {
+                    if (std::get<0>(pos) != e) continue;
+                    EXPECT_EQ(n, 1) << "epoch " << e << " shard " << std::get<1>(pos) << " offset " << std::get<2>(pos);
+                    EXPECT_TRUE(all_positions.count({std::get<1>(pos), std::get<2>(pos)}));
+                    count++;
+                }
+                EXPECT_EQ(count, all_positions.size()) << "epoch " << e << " is not covered";
             }
-            EXPECT_EQ(count, all_positions.size()) << "epoch " << e << " is not covered";
+            // The stream is epoch 0, then epoch 1, ... with no gap: an epoch's tail is followed directly by
+            // the next epoch's first samples, inside one global batch.
+            for (size_t i = 0; i < stream.size(); i++) EXPECT_EQ(std::get<0>(stream[i]), i / s.samples_per_epoch());
+            uint64_t straddle = s.samples_per_epoch() / (B * W);
+            EXPECT_EQ(s.epoch_of_batch(straddle), 0u);
+            EXPECT_EQ(s.epoch_of_batch(straddle + 1), 1u);
+            EXPECT_EQ(std::get<0>(stream[straddle * B * W]), 0u);
+            EXPECT_EQ(std::get<0>(stream[(straddle + 1) * B * W - 1]), 1u);
+            EXPECT_EQ(ranks[0]->epoch(), stream.size() / s.samples_per_epoch());
         }
-        // The stream is epoch 0, then epoch 1, ... with no gap: an epoch's tail is followed directly by
-        // the next epoch's first samples, inside one global batch.
-        for (size_t i = 0; i < stream.size(); i++) EXPECT_EQ(std::get<0>(stream[i]), i / s.samples_per_epoch());
-        uint64_t straddle = s.samples_per_epoch() / (B * W);
-        EXPECT_EQ(s.epoch_of_batch(straddle), 0u);
-        EXPECT_EQ(s.epoch_of_batch(straddle + 1), 1u);
-        EXPECT_EQ(std::get<0>(stream[straddle * B * W]), 0u);
-        EXPECT_EQ(std::get<0>(stream[(straddle + 1) * B * W - 1]), 1u);
-        EXPECT_EQ(ranks[0]->epoch(), stream.size() / s.samples_per_epoch());
     }
+    EXPECT_GT(repeated_positions, 0) << "no seed put one position of two epochs into one batch";
 }
 
 // The per-epoch sample lists that the GPU-resident mode uploads (visit_epoch), indexed the way its
