@@ -470,6 +470,78 @@ TEST(Shuffle, GeneratorIsPinned) {
     }
 }
 
+// The data order itself, as literal numbers, so that any change to the shuffle (the generator, the
+// Fisher-Yates walk, the seed derivation per epoch and shard, the cut into batches) fails here and not
+// only in the PyTorch comparison. The same numbers come out of dev/train_gpt2_torch.py's port.
+TEST(Shuffle, PermutationsArePinned) {
+    struct Case {
+        uint64_t seed;
+        size_t n;
+        std::vector<uint32_t> first;
+    };
+    const std::vector<Case> cases = {
+        {1, 4, {2, 0, 3, 1}},
+        {1337, 4, {1, 0, 2, 3}},
+        {0, 10, {6, 3, 2, 9, 8, 1, 4, 7, 0, 5}},
+        {1337, 10, {7, 9, 3, 6, 4, 0, 1, 8, 2, 5}},
+        {~0ull, 7, {5, 4, 6, 2, 1, 3, 0}},
+        {42, 1000, {650, 152, 78, 670, 854, 316, 525, 677, 361, 796}},
+        {7, 1000003, {133439, 825032, 899590, 615508, 152549, 893959, 703711, 697378, 418767, 560718}},
+    };
+    for (const Case& c : cases) {
+        std::vector<uint32_t> p(c.n);
+        seeded_permutation(c.seed, p.data(), c.n);
+        EXPECT_EQ(std::vector<uint32_t>(p.begin(), p.begin() + c.first.size()), c.first)
+            << "seed " << c.seed << " n " << c.n;
+    }
+    uint32_t one = 99;
+    seeded_permutation(5, &one, 1);
+    EXPECT_EQ(one, 0u);
+}
+
+TEST(Shuffle, DataLoaderOrderIsPinned) {
+    DataSet ds({211, 500, 96, 333, 1000, 157}, 3000);
+    SampleSchedule s(config(ds.pattern(), 3, 7, 3000, true, 1337));
+    ASSERT_EQ(s.samples_per_epoch(), 325u);
+    EXPECT_EQ(s.shard_order(0), (std::vector<uint32_t>{3, 0, 1, 4, 5, 2}));
+    EXPECT_EQ(s.shard_order(1), (std::vector<uint32_t>{1, 0, 4, 2, 3, 5}));
+    EXPECT_EQ(s.shard_order(2), (std::vector<uint32_t>{1, 5, 2, 3, 4, 0}));
+    EXPECT_EQ(s.shard_order(3), (std::vector<uint32_t>{1, 0, 4, 5, 3, 2}));
+    EXPECT_EQ(s.shard_order(4), (std::vector<uint32_t>{3, 4, 1, 5, 2, 0}));
+    EXPECT_EQ(s.shard_order(5), (std::vector<uint32_t>{2, 1, 5, 3, 0, 4}));
+    EXPECT_EQ(s.shard_rng_seed(0, 0), 0xa7049b37d6e38dd2ull);
+    EXPECT_EQ(s.shard_rng_seed(0, 5), 0x4ad6f1599b21e656ull);
+    EXPECT_EQ(s.shard_rng_seed(1, 2), 0x7540a999afcd2057ull);
+    EXPECT_EQ(s.shard_rng_seed(2, 0), 0x8d72c388f193eeb9ull);
+    EXPECT_EQ(s.shard_rng_seed(3, 4), 0x2ae6502790987a88ull);
+    const std::vector<std::pair<uint32_t, int64_t>> first = {{3, 119}, {3, 112}, {3, 224}, {3, 210}, {3, 308}, {3, 189},
+                                                             {3, 238}, {3, 42},  {3, 301}, {3, 294}, {3, 91},  {3, 147}};
+    // The global batch that holds the last sample of epoch 0 and the first ones of epoch 1, and the next.
+    const std::vector<Key> boundary = {{0, 2, 42}, {1, 1, 469}, {1, 1, 413}, {1, 1, 476}, {1, 1, 196}, {1, 1, 63}};
+    for (int W : {1, 2}) {
+        for (int r = 0; r < W; r++) {
+            SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(W));
+            DataLoader dl(config(ds.pattern(), 3, 7, 3000, true, 1337, r, W, r));
+            for (size_t k = 0; k < first.size() / (3 * W); k++) {
+                const HostBatch& b = dl.next();
+                for (int i = 0; i < 3; i++) {
+                    const auto& want = first[k * 3 * W + r * 3 + i];
+                    EXPECT_EQ(b.samples[i].shard, want.first) << "batch " << k << " row " << i;
+                    EXPECT_EQ(b.samples[i].token_offset, want.second) << "batch " << k << " row " << i;
+                }
+            }
+            dl.seek(324 / (3 * W));
+            const HostBatch& b = dl.next();
+            for (int i = 0; i < 3; i++) {
+                const Key& want = boundary[r * 3 + i];
+                EXPECT_EQ(b.samples[i].epoch, std::get<0>(want)) << "row " << i;
+                EXPECT_EQ(b.samples[i].shard, std::get<1>(want)) << "row " << i;
+                EXPECT_EQ(b.samples[i].token_offset, std::get<2>(want)) << "row " << i;
+            }
+        }
+    }
+}
+
 // A loader restored from a state blob yields the batches of an uninterrupted one, at cut points inside
 // a shard, across a shard boundary and across the epoch boundary, with and without prefetch, and on
 // another rank.
