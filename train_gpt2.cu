@@ -634,7 +634,7 @@ struct Outputs {
             log = JsonlLog(o.output_dir + "/log.jsonl", append_log);
         }
         if (o.sample_every > 0) {
-            if (is_regular_file(o.tokenizer)) {
+            if (regular_file_exists(o.tokenizer)) {
                 tokenizer = read_tokenizer_bin(o.tokenizer);
                 have_tokenizer = true;
             } else {
@@ -1008,7 +1008,7 @@ inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan,
     if (o.output_dir.empty() || plan.save_formats.empty()) return;
     require_finite_parameters(model, plan.max_steps, "the trained model");
     SaveOptions save;
-    if (is_regular_file(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
+    if (regular_file_exists(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
     for (ModelFormat f : plan.save_formats) {
         const std::string path = saved_model_path(o.output_dir, f);
         if (f == ModelFormat::Llmc) {

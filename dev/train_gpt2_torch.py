@@ -20,7 +20,8 @@ Prints one line per step (loss, lr, norm, ms, tok/s), the validation loss every 
 throughput (steps after the first) and the peak GPU memory; with --compare LOG.jsonl (train_gpt2cu's
 log) it also prints both losses per step and the largest relative difference.
 
-Not provided: sampling, checkpoints, several GPUs.
+The model itself is dev/gpt2_torch.py's, which the check of the CPU reference model
+(test/gpt2_torch_ref.py) uses too. Not provided: sampling, checkpoints, several GPUs.
 
 Example (the same start and data for both):
   ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init              # writes out/init/model.bin
@@ -33,73 +34,20 @@ import contextlib
 import glob
 import json
 import math
-import struct
 import sys
 import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-NAMES = ["wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-         "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb"]
-DECAYED = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
-DESCRIPTORS = {"d2": (2, 128, 2), "d6": (6, 384, 6), "d12": (12, 768, 12), "d24": (24, 1024, 16),
-               "d36": (36, 1280, 20), "d48": (48, 1600, 25)}
-
-
-def shapes(c):
-    L, C, Vp, maxT = c["L"], c["C"], c["Vp"], c["maxT"]
-    return {"wte": (Vp, C), "wpe": (maxT, C), "ln1w": (L, C), "ln1b": (L, C),
-            "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C), "attprojw": (L, C, C), "attprojb": (L, C),
-            "ln2w": (L, C), "ln2b": (L, C), "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
-            "fcprojw": (L, C, 4 * C), "fcprojb": (L, C), "lnfw": (C,), "lnfb": (C,)}
-
-
-def load_model(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    h = struct.unpack("<256i", raw[:1024])
-    if h[0] != 20240326 or h[1] not in (3, 5):
-        sys.exit(f"{path}: not an llm.c model file of version 3 or 5 (magic {h[0]}, version {h[1]})")
-    c = dict(maxT=h[2], V=h[3], L=h[4], NH=h[5], C=h[6], Vp=h[7] or h[3])
-    dtype = np.float32 if h[1] == 3 else np.uint16
-    data = np.frombuffer(raw, dtype=dtype, offset=1024)
-    if h[1] == 5:  # bf16 bits are the top half of fp32
-        data = (data.astype(np.uint32) << 16).view(np.float32)
-    P, pos = {}, 0
-    for name, shape in shapes(c).items():
-        n = int(np.prod(shape))
-        P[name] = torch.from_numpy(data[pos:pos + n].copy()).view(shape)
-        pos += n
-    if pos != data.size:
-        sys.exit(f"{path}: {data.size} parameters, the header's shape needs {pos}")
-    return c, P
-
-
-def new_model(descriptor, seed):
-    L, C, NH = DESCRIPTORS[descriptor]
-    c = dict(maxT=1024, V=50257, L=L, NH=NH, C=C, Vp=50304)
-    g = torch.Generator().manual_seed(seed)
-    P = {}
-    for name, shape in shapes(c).items():
-        if name in ("ln1w", "ln2w", "lnfw"):
-            P[name] = torch.ones(shape)
-        elif name not in DECAYED:
-            P[name] = torch.zeros(shape)
-        else:
-            std = 0.02 / math.sqrt(2 * L) if name in ("attprojw", "fcprojw") else 0.02
-            P[name] = torch.randn(shape, generator=g) * std
-    P["wte"][c["V"]:] = 0
-    return c, P
-
+from gpt2_torch import DECAYED, DESCRIPTORS, NAMES, forward, load_model, new_model
 
 MASK64 = (1 << 64) - 1
 GOLDEN64 = 0x9e3779b97f4a7c15  # splitmix64's increment, also the stream multiplier of stream_seed()
 
 
 def splitmix64_mix(z):
-    """SplitMix64::mix of llmc/dataloader.h, on a Python int (or, elementwise, a numpy uint64 array)."""
+    """llmc/rand.h's splitmix64_mix, on a Python int (or, elementwise, a numpy uint64 array)."""
     if isinstance(z, np.ndarray):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xbf58476d1ce4e5b9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94d049bb133111eb)
@@ -210,38 +158,26 @@ class Shards:
 
 def lr_at(a, step, total):
     """llmc/schedule.h's LRSchedule::at."""
+    lo = a.lr if a.schedule == "constant" else a.lr * a.final_lr_fraction
+    if step >= total:
+        return lo
     if step < a.warmup:
         return a.lr * (step + 1) / a.warmup
     if a.schedule == "constant":
         return a.lr
-    lo = a.lr * a.final_lr_fraction
     start = a.warmup
     if a.schedule == "wsd":
         start = max(a.warmup, total - int(math.floor(a.decay_fraction * total + 0.5)))
         if step < start:
             return a.lr
-    progress = min(1.0, (step - start) / max(1, total - start))
+    progress = (step - start) / (total - start)
     if a.schedule == "cosine":
         return lo + 0.5 * (a.lr - lo) * (1.0 + math.cos(math.pi * progress))
     return a.lr + (lo - a.lr) * progress
 
 
-def forward(P, c, idx, targets):
-    L, NH, C, V = c["L"], c["NH"], c["C"], c["V"]
-    B, T = idx.shape
-    x = F.embedding(idx, P["wte"]) + P["wpe"][:T]
-    for l in range(L):
-        h = F.layer_norm(x, (C,), P["ln1w"][l], P["ln1b"][l], 1e-5)
-        q, k, v = F.linear(h, P["qkvw"][l], P["qkvb"][l]).split(C, dim=2)
-        q, k, v = (t.view(B, T, NH, C // NH).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + F.linear(y, P["attprojw"][l], P["attprojb"][l])
-        h = F.layer_norm(x, (C,), P["ln2w"][l], P["ln2b"][l], 1e-5)
-        h = F.gelu(F.linear(h, P["fcw"][l], P["fcb"][l]), approximate="tanh")
-        x = x + F.linear(h, P["fcprojw"][l], P["fcprojb"][l])
-    x = F.layer_norm(x, (C,), P["lnfw"], P["lnfb"], 1e-5)
-    logits = F.linear(x, P["wte"])
-    return F.cross_entropy(logits[..., :V].float().reshape(-1, V), targets.reshape(-1))
+def loss_of(P, c, idx, targets):
+    return forward(P, c, idx, targets)[1]
 
 
 def main():
@@ -308,7 +244,7 @@ def main():
         [{"params": [P[n] for n in NAMES if n in DECAYED], "weight_decay": a.weight_decay},
          {"params": [P[n] for n in NAMES if n not in DECAYED], "weight_decay": 0.0}],
         lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps, fused=True)
-    fwd = torch.compile(forward) if a.compile else forward
+    fwd = torch.compile(loss_of) if a.compile else loss_of
     if a.precision == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -44,6 +44,7 @@ checkpoint (llmc/gpt2_checkpoint.h says what a GPT-2 training checkpoint holds).
 #include <unistd.h>
 
 #include "llmc/chunk_pipeline.h"
+#include "llmc/hash.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -51,55 +52,6 @@ namespace llmc {
 constexpr int kCheckpointVersion = 1;
 constexpr const char* kManifestName = "manifest.txt";
 constexpr const char* kManifestMagic = "llmc-checkpoint";
-
-// ----------------------------------------------------------------------------------------------------
-// The checksum: 64 bits over four interleaved lanes of 8-byte words, so the loop runs at memory speed.
-// Each lane step is a bijection of the word for a fixed state and of the state for a fixed word, and the
-// final mix is a bijection of each lane for fixed others, so any change confined to one 8-byte word (every
-// flipped bit, in particular) always changes the result.
-
-namespace detail {
-inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t fmix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 29;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 32;
-    return x;
-}
-inline uint64_t load64(const unsigned char* p) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    return v;
-}
-constexpr uint64_t kLaneMul = 0x9e3779b97f4a7c15ull;
-constexpr uint64_t kWordMul = 0xd6e8feb86659fd93ull;
-inline uint64_t lane_step(uint64_t v, uint64_t w) { return rotl64(v ^ (w * kWordMul), 29) * kLaneMul; }
-}  // namespace detail
-
-inline uint64_t checksum64(const void* data, size_t n) {
-    using namespace detail;
-    const unsigned char* p = static_cast<const unsigned char*>(data);
-    uint64_t v[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull, 0x082efa98ec4e6c89ull};
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        v[0] = lane_step(v[0], load64(p + i));
-        v[1] = lane_step(v[1], load64(p + i + 8));
-        v[2] = lane_step(v[2], load64(p + i + 16));
-        v[3] = lane_step(v[3], load64(p + i + 24));
-    }
-    int lane = 0;
-    for (; i + 8 <= n; i += 8) v[lane] = lane_step(v[lane], load64(p + i)), lane++;
-    if (i < n) {
-        unsigned char tail[8] = {0};
-        std::memcpy(tail, p + i, n - i);
-        v[lane] = lane_step(v[lane], load64(tail));
-    }
-    uint64_t h = uint64_t(n) * kLaneMul;
-    for (int k = 0; k < 4; k++) h = rotl64(h ^ fmix64(v[k] + uint64_t(k)), 23) * kWordMul;
-    return fmix64(h);
-}
 
 // ----------------------------------------------------------------------------------------------------
 // The manifest.

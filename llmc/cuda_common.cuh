@@ -6,12 +6,10 @@ Provides: floatX (= __nv_bfloat16, the type of parameters, gradients and activat
 Pack128<T> with load128/store128 (and cache-streaming variants) for 16-byte loads and stores; warp sums
 and maxima and a block sum whose result depends only on the inputs and the block size (fixed shuffle
 and shared-memory trees, no atomics); ceil_div and round_up; checks that a launcher's arguments suit its
-vectorised kernel (count multiple of 8, pointers 16-byte aligned); the counter-based RNG (a random
-32-bit word is a hash of a key, made from (seed, stream), and an element index, so any element's
-random number can be recomputed alone and a run is reproducible whatever the launch configuration);
-stochastic_round_bf16, which rounds away from zero with probability equal to x's distance from its
-neighbour toward zero (in units of their spacing), so the expected result is x; and a kernel
-converting fp32 to bf16 with round-to-nearest.
+vectorised kernel (count multiple of 8, pointers 16-byte aligned); rand.h's counter-based RNG
+(rng_key, rng_u32), included for the kernels; stochastic_round_bf16, which rounds away from zero with
+probability equal to x's distance from its neighbour toward zero (in units of their spacing), so the
+expected result is x; and a kernel converting fp32 to bf16 with round-to-nearest.
 Kernels in these headers are `static`, so several translation units may include the same header.
 
 Does not provide: any layer (one .cuh per layer family) or error checks (cuda_utils.cuh).
@@ -25,6 +23,7 @@ Does not provide: any layer (one .cuh per layer family) or error checks (cuda_ut
 #include <cuda_runtime.h>
 
 #include "llmc/cuda_utils.cuh"
+#include "llmc/rand.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -120,24 +119,7 @@ inline void require_aligned16(const void* p, const char* what) {
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Counter-based random numbers. SplitMix64's finaliser is a bijection with good avalanche, so hashing
-// (key + index * odd constant) gives independent-looking words for consecutive indices.
-
-__host__ __device__ inline uint64_t mix64(uint64_t z) {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-// One key per (seed, stream), e.g. stream = optimizer step; computed on the host once per launch.
-__host__ __device__ inline uint64_t rng_key(uint64_t seed, uint64_t stream) {
-    return mix64(mix64(seed) ^ mix64(stream + 0x632be59bd9b4e019ull));
-}
-
-__host__ __device__ inline uint32_t rng_u32(uint64_t key, uint64_t index) {
-    return uint32_t(mix64(key + index * 0xd1b54a32d192ed03ull) >> 32);
-}
+// Stochastic rounding, fed by rand.h's counter-based generator (rng_key, rng_u32).
 
 // x rounded to one of its two bf16 neighbours: away from zero with probability (dropped bits) / 2^16,
 // so the expected result is x. Adding 16 random bits to the 16 bits that are dropped carries into the

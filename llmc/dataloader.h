@@ -28,11 +28,12 @@ new global batches of B*W' samples (else the blob is refused, since no batch of 
 there); B, T, shuffling, seed and data must still match. state_world() reads the W a blob was saved
 with, without restoring it.
 
-Provides: SplitMix64 (the seeded RNG), DataLoaderConfig, SampleSchedule (the shard list and the
-sample-to-file mapping), BatchReader (synchronous reads of one rank's batch), DataLoader (a ring of
-host buffers filled by a background thread, or read on the caller's thread when prefetch is 0), and
-unpack_batch() (packed tokens to int32 inputs and targets). Host buffers come from a HostAllocator so
-that the CUDA side (dataloader_gpu.cuh) can supply pinned memory. Does not provide: anything CUDA.
+Provides: seeded_permutation() (Fisher-Yates on rand.h's SplitMix64), DataLoaderConfig, SampleSchedule
+(the shard list and the sample-to-file mapping), BatchReader (synchronous reads of one rank's batch),
+DataLoader (a ring of host buffers filled by a background thread, or read on the caller's thread when
+prefetch is 0), and unpack_batch() (packed tokens to int32 inputs and targets). Host buffers come from
+a HostAllocator so that the CUDA side (dataloader_gpu.cuh) can supply pinned memory. Does not provide:
+anything CUDA.
 */
 #pragma once
 
@@ -52,38 +53,12 @@ that the CUDA side (dataloader_gpu.cuh) can supply pinned memory. Does not provi
 #include <glob.h>
 #include <sys/stat.h>
 
+#include "llmc/hash.h"
+#include "llmc/rand.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"
 
 namespace llmc {
-
-// splitmix64: a 64-bit counter passed through a bijective mixer. Small, seedable, and its output is
-// fully specified here, so a permutation is the same on every machine, compiler and library.
-class SplitMix64 {
-public:
-    explicit SplitMix64(uint64_t state) : state_(state) {}
-    static uint64_t mix(uint64_t z) {
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        return z ^ (z >> 31);
-    }
-    uint64_t next() {
-        state_ += 0x9e3779b97f4a7c15ull;
-        return mix(state_);
-    }
-    // Uniform in [0, n): rejection keeps it unbiased (the modulo alone would favour small values).
-    uint64_t below(uint64_t n) {
-        uint64_t threshold = (0 - n) % n;
-        for (;;) {
-            uint64_t r = next();
-            if (r >= threshold) return r % n;
-        }
-    }
-    uint64_t state() const { return state_; }
-
-private:
-    uint64_t state_;
-};
 
 // Fills out[0..n) with a permutation of 0..n-1 drawn from a generator seeded with `seed`.
 inline void seeded_permutation(uint64_t seed, uint32_t* out, size_t n) {
@@ -333,7 +308,7 @@ public:
         put32(out, p.sample);
         put64(out, p.rng_state);
         for (uint32_t s : p.shard_order) put32(out, s);
-        put64(out, fnv1a(out.data(), out.size()));
+        put64(out, fnv1a64(out.data(), out.size()));
         return out;
     }
 
@@ -447,7 +422,7 @@ private:
         }
         uint64_t stored_sum = 0;
         for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
-        if (blob.size() < 20 || fnv1a(blob.data(), blob.size() - 8) != stored_sum) {
+        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != stored_sum) {
             fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
         }
         return r;
@@ -479,28 +454,24 @@ private:
     static void put64(std::vector<uint8_t>& out, uint64_t v) {
         for (int i = 0; i < 8; i++) out.push_back(uint8_t(v >> (8 * i)));
     }
-    static uint64_t fnv1a(const uint8_t* p, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
-        for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-        return h;
-    }
     // File names without directories, so that moving the data keeps a saved state valid.
     uint64_t shards_hash() const {
-        uint64_t h = 0xcbf29ce484222325ull;
+        uint64_t h = kFnv1a64Basis;
         for (const ShardInfo& s : shards_) {
             size_t slash = s.path.find_last_of('/');
             std::string name = slash == std::string::npos ? s.path : s.path.substr(slash + 1);
-            h = fnv1a(reinterpret_cast<const uint8_t*>(name.c_str()), name.size() + 1, h);
+            h = fnv1a64(name.c_str(), name.size() + 1, h);
             uint64_t n = uint64_t(s.num_tokens);
             uint8_t bytes[8];
             for (int i = 0; i < 8; i++) bytes[i] = uint8_t(n >> (8 * i));
-            h = fnv1a(bytes, 8, h);
+            h = fnv1a64(bytes, 8, h);
         }
         return h;
     }
     // One independent generator per (epoch, stream): stream 0 orders the shards, stream slot+1 orders
-    // the samples of the shard at that slot. mix() is a bijection, so distinct inputs never collide.
+    // the samples of the shard at that slot. The mixer is a bijection, so distinct inputs never collide.
     uint64_t stream_seed(uint64_t epoch, uint64_t stream) const {
-        return SplitMix64::mix(SplitMix64::mix(SplitMix64::mix(cfg_.seed) ^ epoch) ^ (stream * 0x9e3779b97f4a7c15ull));
+        return splitmix64_mix(splitmix64_mix(splitmix64_mix(cfg_.seed) ^ epoch) ^ (stream * kSplitMix64Gamma));
     }
     void check_config() const {
         if (cfg_.B < 1 || cfg_.T < 1) fail(kExitUsage, "DataLoader needs B >= 1 and T >= 1 (got B=%d, T=%d)", cfg_.B, cfg_.T);

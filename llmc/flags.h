@@ -6,16 +6,18 @@ Each flag has an optional short name (llm.c's letters, e.g. -b) and a long name 
 target variable, a default (the variable's value when the flag is added) and a help line. Both
 "-b 16" and "--batch-size 16" / "--batch-size=16" work. Booleans take 0/1/true/false; a switch
 (add_switch) takes no value and sets its bool. A std::vector<std::string> target collects every
-occurrence of a repeatable flag. Numeric flags may carry an inclusive range. A program that takes
-positional arguments (file names) names a vector for them with positional(); elsewhere a positional
-argument is an error. Unknown flags, missing, malformed or out-of-range values are usage errors (exit
-code 2) that name the flag.
+occurrence of a repeatable flag. Integer flags take whole numbers only, also written 1e6, 2.5k or 3M;
+a fraction ("2.5"), hexadecimal or a value past 64 bits is refused, never truncated or wrapped. Numeric
+flags may carry an inclusive range. A program that takes positional arguments (file names) names a
+vector for them with positional(); elsewhere a positional argument is an error. Unknown flags, missing,
+malformed or out-of-range values are usage errors (exit code 2) that name the flag.
 
 Does not provide: cross-flag validation or enumerated values (the program checks those after parsing,
 with its own messages), a "--" end of flags.
 */
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -229,25 +231,66 @@ private:
         return std::visit(V{}, t);
     }
 
+    // A decimal integer, exactly: digits with an optional sign, fraction and exponent ("1e6", "2.5e3") and
+    // an optional k/K (10^3) or m/M (10^6) suffix ("2k", "1.5M"). False for anything else: a value that is
+    // not a whole number ("2.5"), hexadecimal, blanks, or a value outside the 64-bit range, so nothing is
+    // truncated or wrapped.
+    static bool parse_integer(const std::string& text, long long* out) {
+        size_t i = 0;
+        const bool negative = i < text.size() && text[i] == '-';
+        if (i < text.size() && (text[i] == '-' || text[i] == '+')) i++;
+        std::string digits;  // the significand's digits, the decimal point removed
+        int fraction = 0;
+        for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; i++) digits += text[i];
+        if (i < text.size() && text[i] == '.') {
+            for (i++; i < text.size() && text[i] >= '0' && text[i] <= '9'; i++, fraction++) digits += text[i];
+        }
+        if (digits.empty()) return false;
+        long long exponent = 0;
+        if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+            i++;
+            const bool minus = i < text.size() && text[i] == '-';
+            if (i < text.size() && (text[i] == '-' || text[i] == '+')) i++;
+            if (i == text.size() || text[i] < '0' || text[i] > '9') return false;
+            for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; i++) {
+                exponent = std::min(exponent * 10 + (text[i] - '0'), 1000000LL);
+            }
+            if (minus) exponent = -exponent;
+        }
+        if (i + 1 == text.size() && (text[i] == 'k' || text[i] == 'K')) exponent += 3, i++;
+        else if (i + 1 == text.size() && (text[i] == 'm' || text[i] == 'M')) exponent += 6, i++;
+        if (i != text.size()) return false;
+        // value = digits * 10^(exponent - fraction): whole when the digits it drops are zeros.
+        long long shift = exponent - fraction;
+        while (shift < 0) {
+            if (digits.back() != '0') return false;
+            digits.pop_back();
+            shift++;
+            if (digits.empty()) digits = "0";
+        }
+        unsigned long long magnitude = 0;
+        for (char c : digits) {
+            if (__builtin_mul_overflow(magnitude, 10ull, &magnitude) ||
+                __builtin_add_overflow(magnitude, (unsigned long long)(c - '0'), &magnitude)) {
+                return false;
+            }
+        }
+        for (; shift > 0 && magnitude != 0; shift--) {
+            if (__builtin_mul_overflow(magnitude, 10ull, &magnitude)) return false;
+        }
+        const unsigned long long limit = negative ? 9223372036854775808ull : 9223372036854775807ull;
+        if (magnitude > limit) return false;
+        *out = negative ? (long long)(0 - magnitude) : (long long)magnitude;
+        return true;
+    }
+
     void set(Spec& s, const std::string& flag, const std::string& value) {
         auto bad = [&](const std::string& expected) {
             fail(kExitUsage, "flag %s: '%s' is not %s", flag.c_str(), value.c_str(), expected.c_str());
         };
         auto parse_int = [&]() -> long long {
-            errno = 0;
-            char* end = nullptr;
-            long long v = std::strtoll(value.c_str(), &end, 10);
-            // Accept 1e6-style and K/M suffixes, common for batch and step counts.
-            if (end && (*end == 'k' || *end == 'K') && end[1] == '\0') v *= 1000;
-            else if (end && (*end == 'm' || *end == 'M') && end[1] == '\0') v *= 1000000;
-            else if (value.empty() || errno != 0 || *end != '\0') {
-                double d = std::strtod(value.c_str(), &end);
-                // The bounds keep the cast defined; 9.2e18 is just below 2^63.
-                if (value.empty() || *end != '\0' || !(d > -9.2e18 && d < 9.2e18) || d != double((long long)d)) {
-                    bad("an integer");
-                }
-                v = (long long)d;
-            }
+            long long v = 0;
+            if (!parse_integer(value, &v)) bad("an integer");
             if (s.range.on && (v < s.range.ilo || v > s.range.ihi)) {
                 bad("an integer " + range_text(s));
             }

@@ -21,6 +21,7 @@ Does not provide: the model's math (gpt2_cpu.h on the CPU, the GPU trainer on th
 #include <cstdint>
 #include <string>
 
+#include "llmc/rand.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -173,26 +174,10 @@ inline double flops_per_token(const GPT2Config& c, int seq_len) {
     return 6.0 * double(num_parameters(c)) + 6.0 * c.num_layers * double(c.channels) * seq_len;
 }
 
-// A standard normal sample that depends only on (seed, stream, index), so initialisation is the same
-// whatever the thread count and any tensor can be regenerated alone. SplitMix64 mixing feeds Box-Muller.
-inline double counter_normal(uint64_t seed, uint64_t stream, uint64_t index) {
-    auto mix = [](uint64_t z) {
-        z += 0x9e3779b97f4a7c15ull;
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        return z ^ (z >> 31);
-    };
-    uint64_t key = mix(mix(seed) ^ (stream * 0xd1b54a32d192ed03ull));
-    uint64_t a = mix(key ^ mix(2 * index));
-    uint64_t b = mix(key ^ mix(2 * index + 1));
-    double u1 = double((a >> 11) + 1) * 0x1.0p-53;  // (0, 1], so the log is finite
-    double u2 = double(b >> 11) * 0x1.0p-53;        // [0, 1)
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-}
-
 // GPT-2 / nanoGPT initialisation into the flat array `params` (num_parameters(c) floats): weight
 // matrices N(0, 0.02), the two projections back into the residual stream (attprojw, fcprojw) N(0,
-// 0.02/sqrt(2L)), LayerNorm weights 1, all biases 0, padded rows of wte 0. Deterministic for a seed.
+// 0.02/sqrt(2L)), LayerNorm weights 1, all biases 0, padded rows of wte 0. Deterministic for a seed:
+// element j of tensor i is counter_normal(seed, i, j) (rand.h), whatever the thread count.
 inline void init_parameters(const GPT2Config& c, uint64_t seed, float* params) {
     auto tensors = param_tensors(c);
     const double residual_std = 0.02 / std::sqrt(2.0 * c.num_layers);

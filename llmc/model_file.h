@@ -13,11 +13,11 @@ read as unpadded (Vp = V), and the file length then decides: it must hold exactl
 llm.c's older versions 1 and 2 (unpadded vocabulary) are rejected with a hint to re-export.
 
 Provides: fp32 <-> bf16 conversion (round to nearest even), write_model_file(), read_model_header()
-and read_model_file(), which validate magic, version, shapes, file length and that the padded rows
-of wte are zero before trusting a byte, and name the file, the offset and what was expected.
+and read_model_file(), which validate magic, version, shapes, file length (with llmc_header.h's reader)
+and that the padded rows of wte are zero before trusting a byte, and name the file, the offset and what
+was expected.
 
-Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code),
-or an atomic replace of an existing file (callers that need one write elsewhere and rename).
+Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code).
 */
 #pragma once
 
@@ -29,6 +29,7 @@ or an atomic replace of an existing file (callers that need one write elsewhere 
 #include <vector>
 
 #include "llmc/gpt2_config.h"
+#include "llmc/llmc_header.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -36,8 +37,8 @@ namespace llmc {
 constexpr int32_t kModelMagic = 20240326;
 constexpr int kModelVersionFp32 = 3;
 constexpr int kModelVersionBf16 = 5;
-constexpr int kModelHeaderInts = 256;
-constexpr int64_t kModelHeaderBytes = kModelHeaderInts * int64_t(sizeof(int32_t));
+constexpr int kModelHeaderInts = kLlmcHeaderInts;
+constexpr int64_t kModelHeaderBytes = kLlmcHeaderBytes;
 
 inline int model_bytes_per_param(int version) {
     return version == kModelVersionFp32 ? 4 : version == kModelVersionBf16 ? 2 : 0;
@@ -64,48 +65,33 @@ struct ModelFileInfo {
     int version = 0;
 };
 
+// The model file format for llmc_header.h's reader.
+inline const LlmcFileSpec& model_file_spec() {
+    static const LlmcFileSpec spec{
+        "model file", "a model file", kModelMagic, {kModelVersionFp32, kModelVersionBf16}, "3 = fp32 or 5 = bf16",
+        {{1, "is llm.c's old unpadded-vocabulary format; re-export it with a current train_gpt2.py (version 3 = fp32 "
+             "or 5 = bf16)"},
+         {2, "is llm.c's old unpadded-vocabulary format; re-export it with a current train_gpt2.py (version 3 = fp32 "
+             "or 5 = bf16)"}}};
+    return spec;
+}
+
 // Reads and validates the header of an open model file against its length.
 inline ModelFileInfo read_model_header(File& f) {
-    const char* path = f.path().c_str();
-    int64_t file_size = f.size();
-    if (file_size < kModelHeaderBytes) {
-        fail(kExitData, "model file '%s' is %lld bytes, shorter than its %lld-byte header", path,
-             (long long)file_size, (long long)kModelHeaderBytes);
-    }
-    int32_t h[kModelHeaderInts];
-    f.seek(0);
-    f.read_exact(h, sizeof(h));
-    if (h[0] != kModelMagic) {
-        fail(kExitData, "model file '%s': bad magic %d at offset 0 (expected %d); is this a model file?", path, h[0],
-             kModelMagic);
-    }
+    const LlmcHeader h = read_llmc_header(f, model_file_spec());
+    const char* path = h.path.c_str();
     ModelFileInfo info;
-    info.version = h[1];
-    if (info.version == 1 || info.version == 2) {
-        fail(kExitData,
-             "model file '%s': version %d at offset 4 is llm.c's old unpadded-vocabulary format; re-export it with a "
-             "current train_gpt2.py (version 3 = fp32 or 5 = bf16)", path, info.version);
-    }
-    if (model_bytes_per_param(info.version) == 0) {
-        fail(kExitData, "model file '%s': unsupported version %d at offset 4 (expected 3 = fp32 or 5 = bf16)", path,
-             info.version);
-    }
+    info.version = h.version();
     GPT2Config& c = info.config;
-    c.max_seq_len = h[2];
-    c.vocab_size = h[3];
-    c.num_layers = h[4];
-    c.num_heads = h[5];
-    c.channels = h[6];
-    c.padded_vocab_size = h[7] == 0 ? h[3] : h[7];
+    c.max_seq_len = h.ints[2];
+    c.vocab_size = h.ints[3];
+    c.num_layers = h.ints[4];
+    c.num_heads = h.ints[5];
+    c.channels = h.ints[6];
+    c.padded_vocab_size = h.ints[7] == 0 ? h.ints[3] : h.ints[7];
     validate_config(c, kExitData, format("model file '%s': the header (offsets 8..31) holds an invalid shape", path));
-    int64_t expected = kModelHeaderBytes + num_parameters(c) * model_bytes_per_param(info.version);
-    if (file_size != expected) {
-        fail(kExitData,
-             "model file '%s': a version %d model of shape %s needs %lld bytes (%lld parameters after the header) "
-             "but the file is %lld bytes%s", path, info.version, describe(c).c_str(), (long long)expected,
-             (long long)num_parameters(c), (long long)file_size,
-             file_size < expected ? " (truncated?)" : " (trailing data, or a header that does not match the data)");
-    }
+    check_llmc_file_size(h, model_file_spec(), uint64_t(num_parameters(c)), model_bytes_per_param(info.version),
+                         "parameter", format("version %d, shape %s", info.version, describe(c).c_str()));
     return info;
 }
 
@@ -165,7 +151,8 @@ inline void make_model_header(const GPT2Config& c, int version, int32_t (&h)[kMo
     h[7] = c.padded_vocab_size;
 }
 
-// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16).
+// Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16),
+// whole or not at all (write_file_atomically): an existing file is replaced only by a complete one.
 inline void write_model_file(const std::string& path, const GPT2Config& c, const float* params, int version) {
     if (model_bytes_per_param(version) == 0) {
         fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
@@ -174,20 +161,20 @@ inline void write_model_file(const std::string& path, const GPT2Config& c, const
     int32_t h[kModelHeaderInts];
     make_model_header(c, version, h);
     const int64_t n = num_parameters(c);
-    File f(path, File::Mode::Write);
-    f.write_all(h, sizeof(h));
-    if (version == kModelVersionFp32) {
-        f.write_all(params, size_t(n) * sizeof(float));
-    } else {
-        const int64_t chunk = int64_t(1) << 22;
-        std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
-        for (int64_t done = 0; done < n; done += chunk) {
-            int64_t m = std::min(chunk, n - done);
-            for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
-            f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(h, sizeof(h));
+        if (version == kModelVersionFp32) {
+            f.write_all(params, size_t(n) * sizeof(float));
+        } else {
+            const int64_t chunk = int64_t(1) << 22;
+            std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
+            for (int64_t done = 0; done < n; done += chunk) {
+                int64_t m = std::min(chunk, n - done);
+                for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
+                f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+            }
         }
-    }
-    f.close();
+    });
 }
 
 }  // namespace llmc

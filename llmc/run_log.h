@@ -29,7 +29,7 @@ public:
     JsonlLog() = default;
     // append: continue an existing log (a resumed run) rather than start a new one.
     JsonlLog(const std::string& path, bool append) {
-        if (append && is_regular_file(path)) {
+        if (append && regular_file_exists(path)) {
             file_.open(path, File::Mode::ReadWrite);
             const int64_t size = file_.size();
             file_.seek(size);

@@ -17,7 +17,7 @@ Does not provide: nucleus (top-p) sampling, repetition penalties, batched sampli
 #include <cstdint>
 #include <vector>
 
-#include "llmc/dataloader.h"  // SplitMix64
+#include "llmc/rand.h"
 
 namespace llmc {
 

@@ -41,17 +41,20 @@ struct LRSchedule {
     }
 
     // step counts from 0. Decay progress is (step - start) / (total - start), as in llm.c: the last step
-    // (total - 1) sits one step short of the floor, and no step divides by zero.
+    // (total - 1) sits one step short of the floor, and no step divides by zero. From step `total` on
+    // every schedule is at its floor exactly (lr for constant), whatever the warmup, so a run continued
+    // past its planned end never goes below it (the linear formula would, by rounding).
     double at(int step) const {
+        const double lo = kind == Kind::Constant ? lr : lr * final_fraction;
+        if (step >= total) return lo;
         if (step < warmup) return lr * double(step + 1) / double(warmup);
         if (kind == Kind::Constant) return lr;
-        double lo = lr * final_fraction;
         int start = warmup;
         if (kind == Kind::WSD) {
             start = std::max(warmup, total - int(std::lround(decay_fraction * total)));
             if (step < start) return lr;
         }
-        double progress = std::min(1.0, double(step - start) / double(std::max(1, total - start)));
+        const double progress = double(step - start) / double(total - start);  // start <= step < total
         if (kind == Kind::Cosine) return lo + 0.5 * (lr - lo) * (1.0 + std::cos(M_PI * progress));
         return lr + (lo - lr) * progress;  // linear, and the decay phase of wsd
     }

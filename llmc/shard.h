@@ -11,7 +11,8 @@ The rest of the header is zero. Token i sits at byte 1024 + i * bytes_per_token,
 exactly 1024 + count * bytes_per_token bytes; offsets are 64-bit throughout.
 
 Provides: the constants, write_token_shard() and read_shard_header(), which validates a shard's header
-against its file length. Does not provide: token id checks or reading tokens in batches (dataloader.h).
+against its file length with llmc_header.h's reader. Does not provide: token id checks or reading tokens
+in batches (dataloader.h).
 */
 #pragma once
 
@@ -19,13 +20,14 @@ against its file length. Does not provide: token id checks or reading tokens in 
 #include <string>
 #include <vector>
 
+#include "llmc/llmc_header.h"
 #include "llmc/utils.h"
 
 namespace llmc {
 
 constexpr int32_t kShardMagic = 20240520;
-constexpr int kShardHeaderInts = 256;
-constexpr int64_t kShardHeaderBytes = kShardHeaderInts * (int64_t)sizeof(int32_t);
+constexpr int kShardHeaderInts = kLlmcHeaderInts;
+constexpr int64_t kShardHeaderBytes = kLlmcHeaderBytes;
 constexpr int64_t kShardV1MaxTokens = INT32_MAX;
 
 struct ShardHeader {
@@ -41,8 +43,9 @@ inline int64_t shard_token_byte_offset(int64_t token, int bytes_per_token) {
     return kShardHeaderBytes + token * bytes_per_token;
 }
 
-// Writes a shard of `n` tokens. Version 1 stores uint16 and refuses ids above 65535 (and more than 2^31-1
-// tokens, which llm.c could not count); version 2 stores uint32.
+// Writes a shard of `n` tokens, whole or not at all (write_file_atomically). Version 1 stores uint16 and
+// refuses ids above 65535 (and more than 2^31-1 tokens, which llm.c could not count); version 2 stores
+// uint32. A refused shard leaves no file behind.
 inline void write_token_shard(const std::string& path, const uint32_t* tokens, size_t n, int version) {
     if (version != 1 && version != 2) fail(kExitUsage, "shard '%s': unknown version %d (1 or 2)", path.c_str(), version);
     if (version == 1 && n > uint64_t(kShardV1MaxTokens)) {
@@ -54,12 +57,9 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
     header[1] = version;
     header[2] = static_cast<int32_t>(static_cast<uint32_t>(n & 0xffffffffu));
     if (version == 2) header[3] = static_cast<int32_t>(static_cast<uint32_t>(uint64_t(n) >> 32));
-    File f(path, File::Mode::Write);
-    f.write_all(header, sizeof(header));
-    if (version == 2) {
-        f.write_all(tokens, n * sizeof(uint32_t));
-    } else {
-        std::vector<uint16_t> narrow(n);
+    std::vector<uint16_t> narrow;
+    if (version == 1) {
+        narrow.resize(n);
         for (size_t i = 0; i < n; i++) {
             if (tokens[i] > 0xffffu) {
                 fail(kExitUsage, "shard '%s': token %zu has id %u, which does not fit uint16; use version 2", path.c_str(),
@@ -67,58 +67,39 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
             }
             narrow[i] = static_cast<uint16_t>(tokens[i]);
         }
-        f.write_all(narrow.data(), n * sizeof(uint16_t));
     }
-    f.close();
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        if (version == 2) {
+            f.write_all(tokens, n * sizeof(uint32_t));
+        } else {
+            f.write_all(narrow.data(), n * sizeof(uint16_t));
+        }
+    });
+}
+
+// The shard format for llmc_header.h's reader.
+inline const LlmcFileSpec& shard_file_spec() {
+    static const LlmcFileSpec spec{
+        "shard", "a token shard", kShardMagic, {1, 2}, "1 = uint16 tokens or 2 = uint32 tokens", {}};
+    return spec;
 }
 
 // Reads and validates a shard's header: magic, version, and token count against the file's length.
 inline ShardHeader read_shard_header(File& f) {
-    const char* path = f.path().c_str();
-    int64_t file_size = f.size();
-    if (file_size < kShardHeaderBytes) {
-        fail(kExitData, "shard '%s' is %lld bytes, shorter than its %lld-byte header (truncated, or not a token shard)",
-             path, (long long)file_size, (long long)kShardHeaderBytes);
-    }
-    int32_t header[kShardHeaderInts];
-    f.seek(0);
-    f.read_exact(header, sizeof(header));
-    if (header[0] != kShardMagic) {
-        fail(kExitData, "shard '%s': bad magic %d at offset 0 (expected %d); is this a token shard?", path, header[0],
-             kShardMagic);
-    }
+    const LlmcHeader header = read_llmc_header(f, shard_file_spec());
     ShardHeader h;
-    h.version = header[1];
+    h.version = header.version();
     h.bytes_per_token = shard_bytes_per_token(h.version);
-    if (h.bytes_per_token == 0) {
-        fail(kExitData, "shard '%s': unsupported version %d at offset 4 (expected 1 = uint16 tokens or 2 = uint32 tokens)",
-             path, h.version);
+    if (h.version == 1 && header.ints[2] < 0) {
+        fail(kExitData, "shard '%s': version 1 token count %d at offset 8 is negative (expected 0..%lld)",
+             header.path.c_str(), header.ints[2], (long long)kShardV1MaxTokens);
     }
-    if (h.version == 1 && header[2] < 0) {
-        fail(kExitData, "shard '%s': version 1 token count %d at offset 8 is negative (expected 0..%lld)", path, header[2],
-             (long long)kShardV1MaxTokens);
-    }
-    uint64_t count = static_cast<uint32_t>(header[2]);
-    if (h.version == 2) count |= uint64_t(static_cast<uint32_t>(header[3])) << 32;
-    // Compared as a token count first so that a huge corrupt count cannot overflow the byte arithmetic.
-    uint64_t payload_bytes = uint64_t(file_size - kShardHeaderBytes);
-    uint64_t tokens_in_file = payload_bytes / uint64_t(h.bytes_per_token);
-    if (count > tokens_in_file) {
-        fail(kExitData,
-             "shard '%s' is truncated: its header (offset 8) says %llu tokens of %d bytes, but the file is %lld bytes, "
-             "room for %llu tokens",
-             path, (unsigned long long)count, h.bytes_per_token, (long long)file_size,
-             (unsigned long long)tokens_in_file);
-    }
+    uint64_t count = static_cast<uint32_t>(header.ints[2]);
+    if (h.version == 2) count |= uint64_t(static_cast<uint32_t>(header.ints[3])) << 32;
+    check_llmc_file_size(header, shard_file_spec(), count, h.bytes_per_token, "token",
+                         h.version == 1 ? "version 1, count at offset 8" : "version 2, count at offsets 8 and 12");
     h.num_tokens = static_cast<int64_t>(count);
-    int64_t expected = shard_token_byte_offset(h.num_tokens, h.bytes_per_token);
-    if (expected != file_size) {
-        fail(kExitData,
-             "shard '%s': its header (offset 8) says %lld tokens, %lld bytes in all, but the file is %lld bytes "
-             "(%lld unexpected bytes after the last token)",
-             path, (long long)h.num_tokens, (long long)expected, (long long)file_size,
-             (long long)(file_size - expected));
-    }
     return h;
 }
 

@@ -3,11 +3,14 @@ Error reporting and checked file I/O shared by every part of the program.
 
 Provides: llmc::Error (an exception that carries the process exit code), fail() to raise one with a
 printf-style message, run_main() to turn an escaped Error into "error: ..." on stderr and that exit code,
-and llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or
-raises an Error naming the file, the offset, the byte count and the system's error text.
+llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or raises
+an Error naming the file, the offset, the byte count and the system's error text, and the filesystem
+steps the programs share: regular_file_exists(), directory_exists(), make_directories() (mkdir -p),
+sync_directory() and write_file_atomically() (write path.tmp, fsync, rename over path, fsync the
+directory, so that a crash leaves the old file or the new one, never a mix).
 
-Does not provide: buffering (callers read and write in large blocks) or anything CUDA; CUDA checks
-live in cuda_utils.cuh.
+Does not provide: buffering (callers read and write in large blocks), directory listing or removal
+(std::filesystem does those), or anything CUDA; CUDA checks live in cuda_utils.cuh.
 */
 #pragma once
 
@@ -17,6 +20,7 @@ live in cuda_utils.cuh.
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -300,30 +304,69 @@ inline void sync_directory(const std::string& dir) {
     if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", dir.c_str(), std::strerror(e));
 }
 
-inline bool is_regular_file(const std::string& path) {
+// True when `path` names a regular file, or a symbolic link to one; false when it names nothing, something
+// else, or cannot be examined.
+inline bool regular_file_exists(const std::string& path) {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
-inline bool is_directory(const std::string& path) {
+// True when `path` names a directory, or a symbolic link to one.
+inline bool directory_exists(const std::string& path) {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// mkdir -p: creates dir and its missing parents (exit code 3 naming the part that failed).
-inline void make_directories(const std::string& dir) {
-    size_t start = 0;
-    while (start <= dir.size()) {
-        size_t slash = dir.find('/', start);
-        if (slash == std::string::npos) slash = dir.size();
-        const std::string partial = dir.substr(0, slash);
-        if (!partial.empty() && ::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-            int e = errno;
-            fail(kExitIo, "cannot create directory '%s': %s", partial.c_str(), std::strerror(e));
+// The directory that holds `path`: "." for a bare name, "/" for a name in the root.
+inline std::string parent_directory(const std::string& path) {
+    size_t slash = path.find_last_of('/');
+    if (slash == std::string::npos) return ".";
+    while (slash > 0 && path[slash - 1] == '/') slash--;
+    return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+// Creates `path` and any missing parents (mkdir -p); an existing directory is fine. Safe when several
+// processes create the same directories at once. Raises kExitIo naming the path and the system's reason,
+// and "is not a directory" when a file (or anything else) is in the way.
+inline void make_directories(const std::string& path) {
+    if (path.empty()) fail(kExitIo, "cannot create a directory with an empty name");
+    for (size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+        const std::string prefix = path.substr(0, end);
+        if (prefix.back() != '/') {
+            // An existing directory may also answer EACCES or EROFS (a parent we cannot write to).
+            const int e = ::mkdir(prefix.c_str(), 0755) == 0 ? 0 : errno;
+            if (e != 0 && !directory_exists(prefix)) {
+                if (e == EEXIST) {
+                    fail(kExitIo, "cannot create directory '%s': '%s' exists and is not a directory", path.c_str(),
+                         prefix.c_str());
+                }
+                fail(kExitIo, "cannot create directory '%s'%s: %s", prefix.c_str(),
+                     prefix == path ? "" : format(" (for '%s')", path.c_str()).c_str(), std::strerror(e));
+            }
         }
-        start = slash + 1;
+        if (end == std::string::npos) break;
     }
-    if (!is_directory(dir)) fail(kExitIo, "'%s' is not a directory", dir.c_str());
+}
+
+// Writes `path` whole or not at all: write(file) fills path.tmp, which is then fsynced, closed and renamed
+// over `path`, and the directory is fsynced so that the rename survives a crash. On any error path.tmp is
+// removed and `path` is left as it was. One writer per path at a time (they would share path.tmp).
+inline void write_file_atomically(const std::string& path, const std::function<void(File&)>& write) {
+    const std::string tmp = path + ".tmp";
+    try {
+        File f(tmp, File::Mode::Write);
+        write(f);
+        f.sync();
+        f.close();
+        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+            const int e = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+        }
+    } catch (...) {
+        ::unlink(tmp.c_str());
+        throw;
+    }
+    sync_directory(parent_directory(path));
 }
 
 // Creates dir (and its parents) and proves it writable by writing, syncing and removing a small file, so
@@ -332,15 +375,13 @@ inline void require_writable_directory(const std::string& dir, const char* what)
     make_directories(dir);
     const std::string probe = dir + "/.write_probe_" + std::to_string(::getpid());
     const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    int e = errno;
-    bool ok = fd >= 0 && ::write(fd, "x", 1) == 1;
+    int e = fd < 0 ? errno : 0;
     if (fd >= 0) {
-        e = errno;
-        ok = ::fsync(fd) == 0 && ok;
-        if (!ok && e == 0) e = errno;
+        if (::write(fd, "x", 1) != 1 || ::fsync(fd) != 0) e = errno != 0 ? errno : EIO;
         ::close(fd);
         ::unlink(probe.c_str());
     }
+    const bool ok = e == 0;
     if (!ok) fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), std::strerror(e));
 }
 

@@ -1,10 +1,10 @@
 #!/usr/bin/python3
 """PyTorch check of the CPU reference GPT-2 (llmc/gpt2_cpu.h) and of the model file format.
 
-Builds a tiny GPT-2 in PyTorch (attention written out: Debian's torch 1.13 has no
-scaled_dot_product_attention), writes it as llm.c model files (fp32 version 3 and bf16 version 5),
-has build/gpt2_cpu_dump load them and run forward, backward and 10 AdamW steps in fp32 and in fp64,
-runs the same in PyTorch, and compares:
+Builds a tiny GPT-2 in PyTorch (dev/gpt2_torch.py's model, the one the PyTorch reference trainer uses
+too), writes it as llm.c model files (fp32 version 3 and bf16 version 5), has build/gpt2_cpu_dump load
+them and run forward, backward and 10 AdamW steps in fp32 and in fp64, runs the same in PyTorch, and
+compares:
   - logits, loss, the gradient of every parameter tensor, the losses of 11 forwards around 10 AdamW
     steps and the gradient norms: ours fp32 vs PyTorch fp32 within 1e-5, ours fp64 vs PyTorch fp64
     within 1e-12 (relative: max |ours - torch| / max |torch| per quantity);
@@ -23,11 +23,9 @@ import tempfile
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-NAMES = ["wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-         "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb"]
-DECAYED = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
+from gpt2_torch import DECAYED, NAMES, forward, model_header, shapes, write_model  # noqa: E402
 
 # A tiny model with an odd vocabulary (67, padded to 128) and T < maxT, so that padded rows and unused
 # position rows exist; B and T are not powers of two.
@@ -35,14 +33,6 @@ CFG = dict(maxT=16, V=67, Vp=128, L=2, NH=4, C=32)
 B, T, STEPS = 3, 11, 10
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1, clip=1.0)
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-
-
-def shapes(c):
-    L, C, Vp, maxT = c["L"], c["C"], c["Vp"], c["maxT"]
-    return {"wte": (Vp, C), "wpe": (maxT, C), "ln1w": (L, C), "ln1b": (L, C),
-            "qkvw": (L, 3 * C, C), "qkvb": (L, 3 * C), "attprojw": (L, C, C), "attprojb": (L, C),
-            "ln2w": (L, C), "ln2b": (L, C), "fcw": (L, 4 * C, C), "fcb": (L, 4 * C),
-            "fcprojw": (L, C, 4 * C), "fcprojb": (L, C), "lnfw": (C,), "lnfb": (C,)}
 
 
 def init_params(c, seed):
@@ -64,51 +54,6 @@ def init_params(c, seed):
     for i, bits in enumerate(ties):
         P["lnfb"][i] = struct.unpack("<f", struct.pack("<I", bits))[0]
     return P
-
-
-def header(c, version):
-    h = np.zeros(256, dtype=np.int32)
-    h[:8] = [20240326, version, c["maxT"], c["V"], c["L"], c["NH"], c["C"], c["Vp"]]
-    return h.tobytes()
-
-
-def write_model(path, c, P, version):
-    with open(path, "wb") as f:
-        f.write(header(c, version))
-        for name in NAMES:
-            t = P[name].detach().to(torch.float32).contiguous()
-            if version == 3:
-                f.write(t.numpy().tobytes())
-            else:
-                f.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-
-
-def forward(P, c, idx, targets):
-    """GPT-2 forward: pre-LayerNorm blocks, causal attention written out, tanh GELU, tied classifier;
-    the loss sees the first V of the Vp logits."""
-    L, NH, C, V = c["L"], c["NH"], c["C"], c["V"]
-    Bn, Tn = idx.shape
-    HS = C // NH
-    x = P["wte"][idx] + P["wpe"][:Tn]
-    mask = torch.tril(torch.ones(Tn, Tn, dtype=torch.bool))
-    for l in range(L):
-        h = F.layer_norm(x, (C,), P["ln1w"][l], P["ln1b"][l], 1e-5)
-        qkv = F.linear(h, P["qkvw"][l], P["qkvb"][l])
-        q, k, v = qkv.split(C, dim=2)
-        q = q.view(Bn, Tn, NH, HS).transpose(1, 2)
-        k = k.view(Bn, Tn, NH, HS).transpose(1, 2)
-        v = v.view(Bn, Tn, NH, HS).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / HS ** 0.5)
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(Bn, Tn, C)
-        x = x + F.linear(y, P["attprojw"][l], P["attprojb"][l])
-        h = F.layer_norm(x, (C,), P["ln2w"][l], P["ln2b"][l], 1e-5)
-        h = F.gelu(F.linear(h, P["fcw"][l], P["fcb"][l]), approximate="tanh")
-        x = x + F.linear(h, P["fcprojw"][l], P["fcprojb"][l])
-    x = F.layer_norm(x, (C,), P["lnfw"], P["lnfb"], 1e-5)
-    logits = F.linear(x, P["wte"])
-    loss = F.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))
-    return logits, loss
 
 
 def run_torch(c, P0, batches, dtype):
@@ -218,7 +163,7 @@ def main():
           read(f("ours_v3.bin")) == read(f("model_fp32.bin")))
     check("our fp32 -> bf16 conversion reproduces PyTorch's (version 5 file byte for byte, ties included)",
           read(f("ours_v5.bin")) == read(f("model_bf16.bin")))
-    expected = header(c, 3) + b"".join(
+    expected = model_header(c, 3) + b"".join(
         P0[n].to(torch.bfloat16).to(torch.float32).numpy().tobytes() for n in NAMES)
     check("a bf16 file read by us and written as fp32 holds PyTorch's bf16 -> fp32 values",
           read(f("ours_from_bf16.bin")) == expected)

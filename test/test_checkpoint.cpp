@@ -26,10 +26,13 @@ tested in test_checkpoint_gpu.cu.
 #include "llmc/gpt2_checkpoint.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
+#include "test/expect_error.h"
 #include "test/test_util.h"
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::read_bytes;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -69,18 +72,6 @@ std::string write_checkpoint(const std::string& out, int64_t step, const Synthet
     m.settings = base_settings();
     m.blobs = {{"train_loader", s.loader}, {"empty", {}}};
     return w.commit(m);
-}
-
-std::vector<char> read_all(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(size_t(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
-void write_all(const std::string& path, const std::vector<char>& bytes) {
-    File f(path, File::Mode::Write);
-    f.write_all(bytes.data(), bytes.size());
 }
 
 std::string error_of(const std::function<void()>& fn) {
@@ -144,6 +135,42 @@ TEST(Manifest, RoundTripsAndRejectsDamage) {
     EXPECT_THROW(encode_manifest(multi_line), Error);
 }
 
+// Chunks must tile the file: from offset 0, each starting where the previous one ended, none empty,
+// none past the end. Each manifest here is sealed with its own checksum (encode_manifest does not check
+// the chunks), so the tiling check is the only thing that can refuse it.
+TEST(Manifest, ChunksThatDoNotTileTheFileAreRefused) {
+    auto manifest = [](std::vector<ChunkSum> chunks) {
+        CheckpointManifest m;
+        m.step = 3;
+        FileRecord f;
+        f.name = "w.bin";
+        f.size = 30;
+        f.chunks = std::move(chunks);
+        m.files = {f};
+        return encode_manifest(m);
+    };
+    const CheckpointManifest good = parse_manifest(manifest({{0, 10, 1}, {10, 12, 2}, {22, 8, 3}}), "good");
+    ASSERT_EQ(good.files.size(), 1u);
+    EXPECT_EQ(good.files[0].chunks.size(), 3u);
+    const std::vector<std::pair<const char*, std::vector<ChunkSum>>> bad = {
+        {"a gap between chunks", {{0, 10, 1}, {12, 18, 2}}},
+        {"a gap at the start", {{2, 28, 1}}},
+        {"a gap at the start and between", {{1, 9, 1}, {11, 19, 2}}},
+        {"overlapping chunks", {{0, 10, 1}, {8, 22, 2}}},
+        {"chunks out of order", {{10, 20, 1}, {0, 10, 2}}},
+        {"an empty chunk", {{0, 10, 1}, {10, 0, 2}, {10, 20, 3}}},
+        {"a chunk past the end", {{0, 10, 1}, {10, 21, 2}}},
+    };
+    for (const auto& [what, chunks] : bad) {
+        SCOPED_TRACE(what);
+        const std::string text = manifest(chunks);
+        expect_error([&] { parse_manifest(text, "bad.txt"); }, kExitData,
+                     {"manifest 'bad.txt' line", "chunks must cover the file in order without gaps"});
+    }
+    expect_error([&] { parse_manifest(manifest({{0, 10, 1}, {10, 10, 2}}), "short.txt"); }, kExitData,
+                 {"short.txt", "the chunks of 'w.bin' cover 20 of its 30 bytes"});
+}
+
 TEST(CheckpointFiles, WriteValidateAndReadBack) {
     TempDir dir("ckpt_rt");
     const std::string out = dir / "out";
@@ -187,11 +214,11 @@ TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
     const std::string path = write_checkpoint(out, 3, make_state(20));
     for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
         const std::string file = path + "/" + name;
-        const std::vector<char> whole = read_all(file);
+        const std::vector<char> whole = read_bytes(file);
         for (size_t cut : {size_t(0), size_t(1), size_t(7), size_t(999), size_t(1000), size_t(1024), whole.size() / 2,
                            whole.size() - 1}) {
             if (cut >= whole.size()) continue;
-            write_all(file, std::vector<char>(whole.begin(), whole.begin() + long(cut)));
+            write_bytes(file, std::vector<char>(whole.begin(), whole.begin() + long(cut)));
             const std::string err = error_of([&] { validate_checkpoint(path, false); });
             EXPECT_FALSE(err.empty()) << name << " cut at " << cut;
             if (std::string(name) != "manifest.txt") {
@@ -199,7 +226,7 @@ TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
                 EXPECT_NE(err.find(name), std::string::npos) << err;
             }
         }
-        write_all(file, whole);
+        write_bytes(file, whole);
         EXPECT_NO_THROW(validate_checkpoint(path, true));
     }
 }
@@ -210,17 +237,17 @@ TEST(CheckpointFiles, FlippedBitInEveryFileIsDetected) {
     const std::string path = write_checkpoint(out, 5, make_state(30));
     for (const char* name : {"model.bin", "moments.bin", "manifest.txt"}) {
         const std::string file = path + "/" + name;
-        const std::vector<char> whole = read_all(file);
+        const std::vector<char> whole = read_bytes(file);
         for (size_t at : {size_t(0), size_t(1023), size_t(1024), whole.size() / 3, whole.size() - 1}) {
             for (int bit : {0, 7}) {
                 std::vector<char> bad = whole;
                 bad[at] ^= char(1 << bit);
-                write_all(file, bad);
+                write_bytes(file, bad);
                 const std::string err = error_of([&] { validate_checkpoint(path, true); });
                 EXPECT_NE(err.find("corrupted"), std::string::npos) << name << " byte " << at << ": " << err;
             }
         }
-        write_all(file, whole);
+        write_bytes(file, whole);
     }
     EXPECT_NO_THROW(validate_checkpoint(path, true));
 }
@@ -244,9 +271,9 @@ TEST(CheckpointDiscovery, NewestValidIsChosenAndTmpIgnored) {
     const std::string newest = write_checkpoint(out, 30, make_state(3));
     // An interrupted save of a later step, and unrelated entries, are not checkpoints.
     std::filesystem::create_directories(out + "/ckpt_00000040.tmp");
-    write_all(out + "/ckpt_00000040.tmp/model.bin", random_bytes(100, 1));
+    write_bytes(out + "/ckpt_00000040.tmp/model.bin", random_bytes(100, 1));
     std::filesystem::create_directories(out + "/ckpt_junk");
-    write_all(out + "/log.jsonl", random_bytes(10, 2));
+    write_bytes(out + "/log.jsonl", random_bytes(10, 2));
 
     FoundCheckpoint f = find_newest_valid(out, true);
     EXPECT_EQ(f.path, newest);
@@ -254,9 +281,9 @@ TEST(CheckpointDiscovery, NewestValidIsChosenAndTmpIgnored) {
     EXPECT_TRUE(f.skipped.empty());
 
     // Damage the newest: the one before is chosen, and the skip says why.
-    std::vector<char> m = read_all(newest + "/moments.bin");
+    std::vector<char> m = read_bytes(newest + "/moments.bin");
     m[m.size() / 2] ^= 0x10;
-    write_all(newest + "/moments.bin", m);
+    write_bytes(newest + "/moments.bin", m);
     f = find_newest_valid(out, true);
     EXPECT_EQ(f.manifest.step, 20);
     ASSERT_EQ(f.skipped.size(), 1u);
@@ -450,9 +477,9 @@ TEST(SeveralRanks, OneCheckpointFromConcurrentWritersReadBackOnOtherRankCounts) 
     partial.pop_back();
     EXPECT_NE(error_of([&] { read_range(dir, m, partial, 0, kShardedElems); }).find("hold"), std::string::npos);
     const std::string victim = dir + "/master_00001.bin";
-    std::vector<char> bytes = read_all(victim);
+    std::vector<char> bytes = read_bytes(victim);
     bytes[bytes.size() / 2] ^= 0x10;
-    write_all(victim, bytes);
+    write_bytes(victim, bytes);
     const ShardRange own1 = zero_layout(kShardedElems, world).owned(1);
     EXPECT_NE(error_of([&] { read_range(dir, m, segments_of(world), own1.begin, own1.end); }).find("corrupted"),
               std::string::npos);

@@ -19,6 +19,7 @@ main thread and leaves the previous checkpoint valid.
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::read_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -61,13 +62,6 @@ struct DeviceState {
 
 const std::vector<size_t> kSizes = {3 * kChunk + 17, 5 * kChunk - 3, 1001, kChunk};
 
-std::vector<char> read_all(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(size_t(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
 }  // namespace
 
 class CheckpointGpu : public GpuTest {};
@@ -105,7 +99,7 @@ TEST_F(CheckpointGpu, AsyncSaveHoldsTheStateAtTheCallAndMatchesSync) {
     ASSERT_TRUE(async.poll(&r));
     EXPECT_LE(r.stall_seconds, r.write_seconds);
     for (const CheckpointTensor& t : s.tensors) {
-        EXPECT_TRUE(read_all(dir / ("sync/ckpt_00000009/" + t.file)) == read_all(dir / ("async/ckpt_00000009/" + t.file)))
+        EXPECT_TRUE(read_bytes(dir / ("sync/ckpt_00000009/" + t.file)) == read_bytes(dir / ("async/ckpt_00000009/" + t.file)))
             << t.file;
     }
     s.load_and_compare(r.path, s.host);
@@ -132,7 +126,7 @@ TEST_F(CheckpointGpu, FlippedBitIsRefusedByTheLoad) {
     CheckpointManifest m = validate_checkpoint(path, true);
     for (size_t i = 0; i < s.tensors.size(); i++) {
         const std::string file = path + "/" + s.tensors[i].file;
-        std::vector<char> bytes = read_all(file);
+        std::vector<char> bytes = read_bytes(file);
         std::vector<char> bad = bytes;
         bad[(bytes.size() * 2) / 3] ^= 0x04;
         {

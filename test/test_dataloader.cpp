@@ -22,6 +22,7 @@ are checked against the bytes of the files, read here independently of the loade
 using namespace llmc;
 using llmc::test::random_tokens;
 using llmc::test::TempDir;
+using llmc::test::write_random_shards;
 
 namespace {
 
@@ -82,14 +83,9 @@ struct DataSet {
     std::vector<std::string> paths;
     std::vector<std::vector<uint32_t>> tokens;
     uint32_t vocab;
-    DataSet(const std::vector<size_t>& sizes, uint32_t vocab_size, uint64_t seed = 1) : vocab(vocab_size) {
-        for (size_t i = 0; i < sizes.size(); i++) {
-            std::string p = dir.file(format("shard_%03zu.bin", i));
-            tokens.push_back(random_tokens(sizes[i], vocab, seed * 1000 + i));
-            int version = (vocab > 65536 || i % 2 == 1) ? 2 : 1;
-            write_token_shard(p, tokens.back().data(), sizes[i], version);
-            paths.push_back(p);
-        }
+    DataSet(const std::vector<size_t>& sizes, uint32_t vocab_size, uint64_t seed = 1)
+        : tokens(write_random_shards(dir.path(), sizes, vocab_size, seed)), vocab(vocab_size) {
+        for (size_t i = 0; i < sizes.size(); i++) paths.push_back(dir.file(format("shard_%03zu.bin", i)));
     }
     std::string pattern() const { return dir.path() + "/shard_*.bin"; }
 };
@@ -141,6 +137,8 @@ TEST(Shard, Version1IsLlmcLayoutAndVersion2KeepsWideIds) {
 
     expect_error([&] { write_token_shard(dir.file("c.bin"), t2.data(), t2.size(), 1); }, kExitUsage, {"does not fit uint16"});
     expect_error([&] { write_token_shard(dir.file("c.bin"), t2.data(), t2.size(), 3); }, kExitUsage, {"unknown version 3"});
+    EXPECT_FALSE(std::filesystem::exists(dir.file("c.bin"))) << "a refused shard must leave no file";
+    EXPECT_FALSE(std::filesystem::exists(dir.file("c.bin.tmp")));
 }
 
 TEST(Validation, EveryBadShardIsOneClearError) {
@@ -274,9 +272,11 @@ TEST(Geometry, UnpackShiftsTargetsByOne) {
     }
 }
 
-// For every world size: run all ranks over more than two epochs; within each global batch the ranks'
-// samples are disjoint; each epoch's samples, over all ranks, are every sample position exactly once;
-// the rows hold the file's tokens; and the concatenated stream carries an epoch's tail into the next.
+// For every world size and many seeds: run all ranks over more than two epochs; within each global
+// batch the ranks' samples are disjoint (a batch that straddles an epoch boundary may hold one position
+// twice, once from each epoch, so a sample is its epoch, shard and offset); each epoch's samples, over
+// all ranks, are every sample position exactly once; the rows hold the file's tokens; and the
+// concatenated stream carries an epoch's tail into the next.
 TEST(Geometry, RankSlicesAreDisjointAndCoverEachEpochExactlyOnce) {
     DataSet ds({211, 500, 96, 333, 1000, 157}, 3000);
     const int B = 3, T = 7;
@@ -284,51 +284,63 @@ TEST(Geometry, RankSlicesAreDisjointAndCoverEachEpochExactlyOnce) {
     for (size_t s = 0; s < ds.tokens.size(); s++) {
         for (int64_t p = 0; p + T + 1 <= int64_t(ds.tokens[s].size()); p += T) all_positions.insert({uint32_t(s), p});
     }
-    for (int W : {1, 2, 3, 8}) {
-        SCOPED_TRACE("W = " + std::to_string(W));
-        std::vector<std::unique_ptr<DataLoader>> ranks;
-        for (int r = 0; r < W; r++) ranks.push_back(std::make_unique<DataLoader>(config(ds.pattern(), B, T, 3000, true, 42, r, W, r % 2 ? 2 : 0)));
-        const SampleSchedule& s = ranks[0]->schedule();
-        ASSERT_EQ(s.samples_per_epoch(), all_positions.size());
-        ASSERT_NE(s.samples_per_epoch() % (B * W), 0u) << "this test wants an epoch tail that is carried over";
-        uint64_t batches = (3 * s.samples_per_epoch()) / (B * W) + 1;
-        std::map<Key, int> seen;
-        std::vector<Key> stream;
-        for (uint64_t k = 0; k < batches; k++) {
-            std::set<std::pair<uint32_t, int64_t>> in_batch;
+    std::vector<uint64_t> seeds = {42};
+    for (uint64_t seed = 1; seed <= 20; seed++) seeds.push_back(seed);
+    int repeated_positions = 0;  // batches holding one position from two epochs: the case the key must allow
+    for (uint64_t seed : seeds) {
+        for (int W : {1, 2, 3, 8}) {
+            SCOPED_TRACE("seed " + std::to_string(seed) + ", W = " + std::to_string(W));
+            std::vector<std::unique_ptr<DataLoader>> ranks;
             for (int r = 0; r < W; r++) {
-                const HostBatch& b = ranks[r]->next();
-                ASSERT_EQ(b.index, k);
-                ASSERT_EQ(b.epoch, b.samples[0].epoch);
-                expect_rows_match_files(b, s, ds.tokens);
-                for (int i = 0; i < B; i++) {
-                    const SampleRef& ref = b.samples[i];
-                    EXPECT_TRUE(in_batch.insert({ref.shard, ref.token_offset}).second) << "two ranks share a sample";
-                    seen[{ref.epoch, ref.shard, ref.token_offset}]++;
-                    stream.push_back({ref.epoch, ref.shard, ref.token_offset});
+                const DataLoaderConfig c = config(ds.pattern(), B, T, 3000, true, seed, r, W, r % 2 ? 2 : 0);
+                ranks.push_back(std::make_unique<DataLoader>(c));
+            }
+            const SampleSchedule& s = ranks[0]->schedule();
+            ASSERT_EQ(s.samples_per_epoch(), all_positions.size());
+            ASSERT_NE(s.samples_per_epoch() % (B * W), 0u) << "this test wants an epoch tail that is carried over";
+            uint64_t batches = (3 * s.samples_per_epoch()) / (B * W) + 1;
+            std::map<Key, int> seen;
+            std::vector<Key> stream;
+            for (uint64_t k = 0; k < batches; k++) {
+                std::set<Key> in_batch;
+                std::set<std::pair<uint32_t, int64_t>> positions;
+                for (int r = 0; r < W; r++) {
+                    const HostBatch& b = ranks[r]->next();
+                    ASSERT_EQ(b.index, k);
+                    ASSERT_EQ(b.epoch, b.samples[0].epoch);
+                    expect_rows_match_files(b, s, ds.tokens);
+                    for (int i = 0; i < B; i++) {
+                        const SampleRef& ref = b.samples[i];
+                        EXPECT_TRUE(in_batch.insert({ref.epoch, ref.shard, ref.token_offset}).second)
+                            << "two ranks share a sample in batch " << k;
+                        if (!positions.insert({ref.shard, ref.token_offset}).second) repeated_positions++;
+                        seen[{ref.epoch, ref.shard, ref.token_offset}]++;
+                        stream.push_back({ref.epoch, ref.shard, ref.token_offset});
+                    }
                 }
             }
-        }
-        for (uint64_t e = 0; e < 3; e++) {
-            size_t count = 0;
-            for (const auto& [pos, n] : seen) {
-                if (std::get<0>(pos) != e) continue;
-                EXPECT_EQ(n, 1) << "epoch " << e << " shard " << std::get<1>(pos) << " offset " << std::get<2>(pos);
-                EXPECT_TRUE(all_positions.count({std::get<1>(pos), std::get<2>(pos)}));
-                count++;
+            for (uint64_t e = 0; e < 3; e++) {
+                size_t count = 0;
+                for (const auto& [pos, n] : seen) {
+                    if (std::get<0>(pos) != e) continue;
+                    EXPECT_EQ(n, 1) << "epoch " << e << " shard " << std::get<1>(pos) << " offset " << std::get<2>(pos);
+                    EXPECT_TRUE(all_positions.count({std::get<1>(pos), std::get<2>(pos)}));
+                    count++;
+                }
+                EXPECT_EQ(count, all_positions.size()) << "epoch " << e << " is not covered";
             }
-            EXPECT_EQ(count, all_positions.size()) << "epoch " << e << " is not covered";
+            // The stream is epoch 0, then epoch 1, ... with no gap: an epoch's tail is followed directly by
+            // the next epoch's first samples, inside one global batch.
+            for (size_t i = 0; i < stream.size(); i++) EXPECT_EQ(std::get<0>(stream[i]), i / s.samples_per_epoch());
+            uint64_t straddle = s.samples_per_epoch() / (B * W);
+            EXPECT_EQ(s.epoch_of_batch(straddle), 0u);
+            EXPECT_EQ(s.epoch_of_batch(straddle + 1), 1u);
+            EXPECT_EQ(std::get<0>(stream[straddle * B * W]), 0u);
+            EXPECT_EQ(std::get<0>(stream[(straddle + 1) * B * W - 1]), 1u);
+            EXPECT_EQ(ranks[0]->epoch(), stream.size() / s.samples_per_epoch());
         }
-        // The stream is epoch 0, then epoch 1, ... with no gap: an epoch's tail is followed directly by
-        // the next epoch's first samples, inside one global batch.
-        for (size_t i = 0; i < stream.size(); i++) EXPECT_EQ(std::get<0>(stream[i]), i / s.samples_per_epoch());
-        uint64_t straddle = s.samples_per_epoch() / (B * W);
-        EXPECT_EQ(s.epoch_of_batch(straddle), 0u);
-        EXPECT_EQ(s.epoch_of_batch(straddle + 1), 1u);
-        EXPECT_EQ(std::get<0>(stream[straddle * B * W]), 0u);
-        EXPECT_EQ(std::get<0>(stream[(straddle + 1) * B * W - 1]), 1u);
-        EXPECT_EQ(ranks[0]->epoch(), stream.size() / s.samples_per_epoch());
     }
+    EXPECT_GT(repeated_positions, 0) << "no seed put one position of two epochs into one batch";
 }
 
 // The per-epoch sample lists that the GPU-resident mode uploads (visit_epoch), indexed the way its
@@ -458,6 +470,78 @@ TEST(Shuffle, GeneratorIsPinned) {
     }
 }
 
+// The data order itself, as literal numbers, so that any change to the shuffle (the generator, the
+// Fisher-Yates walk, the seed derivation per epoch and shard, the cut into batches) fails here and not
+// only in the PyTorch comparison. The same numbers come out of dev/train_gpt2_torch.py's port.
+TEST(Shuffle, PermutationsArePinned) {
+    struct Case {
+        uint64_t seed;
+        size_t n;
+        std::vector<uint32_t> first;
+    };
+    const std::vector<Case> cases = {
+        {1, 4, {2, 0, 3, 1}},
+        {1337, 4, {1, 0, 2, 3}},
+        {0, 10, {6, 3, 2, 9, 8, 1, 4, 7, 0, 5}},
+        {1337, 10, {7, 9, 3, 6, 4, 0, 1, 8, 2, 5}},
+        {~0ull, 7, {5, 4, 6, 2, 1, 3, 0}},
+        {42, 1000, {650, 152, 78, 670, 854, 316, 525, 677, 361, 796}},
+        {7, 1000003, {133439, 825032, 899590, 615508, 152549, 893959, 703711, 697378, 418767, 560718}},
+    };
+    for (const Case& c : cases) {
+        std::vector<uint32_t> p(c.n);
+        seeded_permutation(c.seed, p.data(), c.n);
+        EXPECT_EQ(std::vector<uint32_t>(p.begin(), p.begin() + c.first.size()), c.first)
+            << "seed " << c.seed << " n " << c.n;
+    }
+    uint32_t one = 99;
+    seeded_permutation(5, &one, 1);
+    EXPECT_EQ(one, 0u);
+}
+
+TEST(Shuffle, DataLoaderOrderIsPinned) {
+    DataSet ds({211, 500, 96, 333, 1000, 157}, 3000);
+    SampleSchedule s(config(ds.pattern(), 3, 7, 3000, true, 1337));
+    ASSERT_EQ(s.samples_per_epoch(), 325u);
+    EXPECT_EQ(s.shard_order(0), (std::vector<uint32_t>{3, 0, 1, 4, 5, 2}));
+    EXPECT_EQ(s.shard_order(1), (std::vector<uint32_t>{1, 0, 4, 2, 3, 5}));
+    EXPECT_EQ(s.shard_order(2), (std::vector<uint32_t>{1, 5, 2, 3, 4, 0}));
+    EXPECT_EQ(s.shard_order(3), (std::vector<uint32_t>{1, 0, 4, 5, 3, 2}));
+    EXPECT_EQ(s.shard_order(4), (std::vector<uint32_t>{3, 4, 1, 5, 2, 0}));
+    EXPECT_EQ(s.shard_order(5), (std::vector<uint32_t>{2, 1, 5, 3, 0, 4}));
+    EXPECT_EQ(s.shard_rng_seed(0, 0), 0xa7049b37d6e38dd2ull);
+    EXPECT_EQ(s.shard_rng_seed(0, 5), 0x4ad6f1599b21e656ull);
+    EXPECT_EQ(s.shard_rng_seed(1, 2), 0x7540a999afcd2057ull);
+    EXPECT_EQ(s.shard_rng_seed(2, 0), 0x8d72c388f193eeb9ull);
+    EXPECT_EQ(s.shard_rng_seed(3, 4), 0x2ae6502790987a88ull);
+    const std::vector<std::pair<uint32_t, int64_t>> first = {{3, 119}, {3, 112}, {3, 224}, {3, 210}, {3, 308}, {3, 189},
+                                                             {3, 238}, {3, 42},  {3, 301}, {3, 294}, {3, 91},  {3, 147}};
+    // The global batch that holds the last sample of epoch 0 and the first ones of epoch 1, and the next.
+    const std::vector<Key> boundary = {{0, 2, 42}, {1, 1, 469}, {1, 1, 413}, {1, 1, 476}, {1, 1, 196}, {1, 1, 63}};
+    for (int W : {1, 2}) {
+        for (int r = 0; r < W; r++) {
+            SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(W));
+            DataLoader dl(config(ds.pattern(), 3, 7, 3000, true, 1337, r, W, r));
+            for (size_t k = 0; k < first.size() / (3 * W); k++) {
+                const HostBatch& b = dl.next();
+                for (int i = 0; i < 3; i++) {
+                    const auto& want = first[k * 3 * W + r * 3 + i];
+                    EXPECT_EQ(b.samples[i].shard, want.first) << "batch " << k << " row " << i;
+                    EXPECT_EQ(b.samples[i].token_offset, want.second) << "batch " << k << " row " << i;
+                }
+            }
+            dl.seek(324 / (3 * W));
+            const HostBatch& b = dl.next();
+            for (int i = 0; i < 3; i++) {
+                const Key& want = boundary[r * 3 + i];
+                EXPECT_EQ(b.samples[i].epoch, std::get<0>(want)) << "row " << i;
+                EXPECT_EQ(b.samples[i].shard, std::get<1>(want)) << "row " << i;
+                EXPECT_EQ(b.samples[i].token_offset, std::get<2>(want)) << "row " << i;
+            }
+        }
+    }
+}
+
 // A loader restored from a state blob yields the batches of an uninterrupted one, at cut points inside
 // a shard, across a shard boundary and across the epoch boundary, with and without prefetch, and on
 // another rank.
@@ -550,6 +634,31 @@ TEST(State, BlobsForOtherDataOrGeometryAreRefused) {
     EXPECT_EQ(same.position(), 7u);
 }
 
+// Shards with the same names and the same sample count as when the state was saved, but another
+// token count: the data changed (a sample's last tokens, at least), so the state must not be restored.
+TEST(State, BlobForDataWithOtherTokenCountsIsRefused) {
+    DataSet ds({300, 200, 250}, 1000);
+    const int B = 2, T = 8;
+    DataLoader dl(config(ds.pattern(), B, T, 1000, true, 5, 0, 2));
+    for (int k = 0; k < 7; k++) dl.next();
+    const std::vector<uint8_t> blob = dl.state();
+    const uint64_t samples = dl.schedule().samples_per_epoch();
+    // 300 tokens hold (300 - 1) / 8 = 37 samples; so do 297 to 304.
+    for (size_t tokens : {297, 301, 304}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens in shard_000.bin");
+        const std::vector<uint32_t> t = random_tokens(tokens, 1000, 77);
+        write_token_shard(ds.paths[0], t.data(), t.size(), 1);
+        DataLoader other(config(ds.pattern(), B, T, 1000, true, 5, 1, 2));
+        ASSERT_EQ(other.schedule().samples_per_epoch(), samples);
+        expect_error([&] { other.restore(blob); }, kExitData,
+                     {"3 shard(s) holding 92 samples", "gives 3 shard(s) holding 92 samples", "not the same"});
+    }
+    write_token_shard(ds.paths[0], ds.tokens[0].data(), ds.tokens[0].size(), 1);
+    DataLoader same(config(ds.pattern(), B, T, 1000, true, 5, 1, 2));
+    same.restore(blob);
+    EXPECT_EQ(same.position(), 7u);
+}
+
 namespace {
 
 // One sample as a run hands it out: where it lies (epoch, shard, offset) and its T+1 tokens.
@@ -580,8 +689,7 @@ std::vector<StreamSample> next_samples(std::vector<std::unique_ptr<DataLoader>>&
 // Rewrites a state blob's checksum (64-bit FNV-1a of every byte before it, little-endian), so that a
 // test can change a field and reach the check behind the checksum.
 void reseal(std::vector<uint8_t>& blob) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i + 8 < blob.size(); i++) h = (h ^ blob[i]) * 0x100000001b3ull;
+    const uint64_t h = fnv1a64(blob.data(), blob.size() - 8);
     for (int i = 0; i < 8; i++) blob[blob.size() - 8 + i] = uint8_t(h >> (8 * i));
 }
 

@@ -19,17 +19,14 @@ compute stream was still reading, or a batch never copied, shows up as a mismatc
 using namespace llmc;
 using llmc::test::random_tokens;
 using llmc::test::TempDir;
+using llmc::test::write_random_shards;
 
 namespace {
 
 // Shards of odd sizes; versions alternate when the vocabulary allows 16-bit files.
 std::string write_shards(const TempDir& dir, const std::vector<size_t>& sizes, uint32_t vocab, uint64_t seed) {
-    for (size_t i = 0; i < sizes.size(); i++) {
-        auto t = random_tokens(sizes[i], vocab, seed * 100 + i);
-        int version = (vocab > 65536 || i % 2 == 1) ? 2 : 1;
-        write_token_shard(dir.file(format("s%02zu.bin", i)), t.data(), t.size(), version);
-    }
-    return dir.file("s*.bin");
+    write_random_shards(dir.path(), sizes, vocab, seed);
+    return dir.file("shard_*.bin");
 }
 
 DataLoaderConfig config(const std::string& pattern, int B, int T, uint32_t vocab, int rank, int world, bool shuffle,

@@ -12,6 +12,7 @@ Device destinations are poisoned before every read and guarded on both sides.
 #include <mutex>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,47 +22,20 @@ Device destinations are poisoned before every read and guarded on both sides.
 
 #include "llmc/device_file_io.cuh"
 #include "test/gpu_test.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_bytes;
 
 namespace {
-
-void fill_random(std::vector<char>& v, uint64_t seed) {
-    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 12345;
-    size_t i = 0;
-    for (; i + 8 <= v.size(); i += 8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        std::memcpy(v.data() + i, &x, 8);
-    }
-    for (; i < v.size(); i++) v[i] = static_cast<char>(x >> (8 * (i % 8)));
-}
-
-std::vector<char> random_bytes(size_t n, uint64_t seed) {
-    std::vector<char> v(n);
-    fill_random(v, seed);
-    return v;
-}
-
-std::string temp_dir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/llmc_dfio_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed");
-    return buf.data();
-}
 
 class DeviceFileIOTest : public GpuTest {
 protected:
     void SetUp() override {
         GpuTest::SetUp();
         if (IsSkipped()) return;
-        dir_ = temp_dir();
-    }
-    void TearDown() override {
-        if (!dir_.empty() && std::system(("rm -rf '" + dir_ + "'").c_str()) != 0) ADD_FAILURE() << "cannot remove " << dir_;
+        tmp_ = std::make_unique<test::TempDir>("llmc_dfio");
+        dir_ = tmp_->path();
     }
     std::string file(const std::string& name) const { return dir_ + "/" + name; }
 
@@ -119,6 +93,7 @@ protected:
         }
     }
 
+    std::unique_ptr<test::TempDir> tmp_;
     std::string dir_;
 };
 

@@ -25,6 +25,7 @@ reuses a buffer still in flight, produces wrong bytes or a recorded violation.
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::read_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -96,13 +97,6 @@ private:
     std::mutex mu_;
 };
 
-std::vector<char> read_whole(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(static_cast<size_t>(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
 bool direct_io_supported(const std::string& dir) {
     std::string p = dir + "/direct_probe";
     int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_DIRECT, 0644);
@@ -140,7 +134,7 @@ void round_trip(const TempDir& dir, size_t n, size_t write_chunk, size_t read_ch
         f.write_all(trailer.data(), trailer.size());
         f.close();
     }
-    std::vector<char> whole = read_whole(path);
+    std::vector<char> whole = read_bytes(path);
     ASSERT_EQ(whole.size(), header_bytes + n + trailer.size());
     EXPECT_EQ(0, std::memcmp(whole.data(), header.data(), header_bytes));
     EXPECT_EQ(0, std::memcmp(whole.data() + header_bytes, payload.data(), n));

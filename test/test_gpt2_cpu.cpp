@@ -14,6 +14,7 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 
 using namespace llmc;
 using llmc::test::random_tokens;
+using llmc::test::read_bytes;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -82,24 +85,10 @@ private:
     int saved_;
 };
 
-std::vector<char> read_bytes(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::vector<char> v(size_t(f.size()));
-    f.read_exact(v.data(), v.size());
-    return v;
-}
-
-void write_bytes(const std::string& path, const std::vector<char>& bytes) {
-    File f(path, File::Mode::Write);
-    f.write_all(bytes.data(), bytes.size());
-    f.close();
-}
-
 void set_header_int(std::vector<char>& bytes, int index, int32_t value) {
     std::memcpy(bytes.data() + 4 * index, &value, 4);
 }
 
-// Runs fn, expects an llmc::Error with this exit code whose message contains every fragment.
 uint32_t float_bits(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -277,6 +266,66 @@ TEST(GPT2Cpu, GradientsMatchFiniteDifferences) {
         EXPECT_GT(largest_fd, 1e-5) << t.name << ": the sampled gradients are all ~0, the check would be vacuous";
     }
     std::printf("gradient check: worst |analytic - finite difference| / max(|fd|, 1e-3) = %.3g\n", worst);
+}
+
+// A tiny model whose parameters and tokens are closed-form expressions (so another implementation can
+// build it without this code) has a loss, logit and gradients known as literal numbers, so that a
+// constant changed consistently in forward and backward (LayerNorm's epsilon, the GELU, the attention
+// scale) fails here without PyTorch. The literals are the double model's; PyTorch 1.13 in float64 on
+// the same parameters (dev/gpt2_torch.py's forward) gives the same 12 significant digits.
+TEST(GPT2Cpu, FixedModelMatchesLiteralValues) {
+    const GPT2Config c = tiny_config();
+    std::vector<float> p(size_t(num_parameters(c)));
+    for (int i = 0; i < kNumParamTensors; i++) {
+        const ParamTensorInfo t = param_tensors(c)[size_t(i)];
+        for (int64_t j = 0; j < t.numel; j++) {
+            const double u = std::sin(0.7 * double(j) + 1.9 * i + 0.3);
+            double v = t.decayed ? 0.2 * u : (i == kLn1w || i == kLn2w || i == kLnfw) ? 1.0 + 0.1 * u : 0.05 * u;
+            if (i == kWte && j >= int64_t(c.vocab_size) * c.channels) v = 0;
+            p[size_t(t.offset + j)] = float(v);
+        }
+    }
+    const int B = 2, T = 5;
+    std::vector<int> inputs(B * T), targets(B * T);
+    for (int k = 0; k < B * T; k++) {
+        inputs[size_t(k)] = (7 * k + 3) % c.vocab_size;
+        targets[size_t(k)] = (5 * k + 1) % c.vocab_size;
+    }
+    struct Entry {
+        int tensor;
+        int64_t index;
+        double grad;
+    };
+    const Entry entries[] = {
+        {kWte, 101, -1.738726442316e-02},      {kWte, 2143, -3.114950867729e-03},   {kWpe, 39, -5.523303767426e-02},
+        {kLn1w, 35, 3.851817237872e-04},       {kLn1b, 9, 3.447633135651e-04},      {kQkvw, 1234, 2.563575098467e-03},
+        {kQkvb, 70, 1.084833912342e-02},       {kAttprojw, 1524, -5.237661854147e-02},
+        {kAttprojb, 17, 6.365497958376e-03},   {kLn2w, 30, 1.510414749768e-02},     {kFcw, 4000, 2.378351516359e-02},
+        {kFcb, 205, -1.221883056324e-02},      {kFcprojw, 6318, 2.715831274001e-02},
+        {kFcprojb, 33, -6.108283584285e-02},   {kLnfw, 0, 4.739655986906e-02},      {kLnfb, 31, 5.535301246572e-02},
+    };
+    const double loss = 4.543671761264, logit0 = -0.635079281633, norm = 7.017814690368;
+
+    cpu::GPT2<double> d(c, p);
+    EXPECT_NEAR(d.forward(inputs.data(), targets.data(), B, T), loss, 1e-11);
+    EXPECT_NEAR(d.activations().logits[0], logit0, 1e-11);
+    d.zero_grad();
+    d.backward();
+    for (const Entry& e : entries) {
+        EXPECT_NEAR(d.grad(e.tensor)[e.index], e.grad, 1e-13) << d.tensor(e.tensor).name << "[" << e.index << "]";
+    }
+    EXPECT_NEAR(d.grad_norm(), norm, 1e-11);
+
+    // The float model, the oracle of the GPU kernels, to 1e-6 (relative for the norm, a sum of squares).
+    cpu::GPT2<float> f(c, p);
+    EXPECT_NEAR(f.forward(inputs.data(), targets.data(), B, T), loss, 1e-6);
+    EXPECT_NEAR(f.activations().logits[0], logit0, 1e-6);
+    f.zero_grad();
+    f.backward();
+    for (const Entry& e : entries) {
+        EXPECT_NEAR(f.grad(e.tensor)[e.index], e.grad, 1e-6) << f.tensor(e.tensor).name << "[" << e.index << "]";
+    }
+    EXPECT_NEAR(f.grad_norm(), norm, 1e-6 * norm);
 }
 
 // The float model (what the GPU is compared with) agrees with the double one.
@@ -593,6 +642,36 @@ TEST(ModelFile, ValidationErrorsNameTheFileAndTheProblem) {
     expect_error([&] { read_model_file(good, &out, &other); }, kExitData, {"good.bin", "L=2", "L=3", "expected"});
     EXPECT_NO_THROW(read_model_file(good, &out, &c));
     expect_error([&] { write_model_file(dir.file("v4.bin"), c, p.data(), 4); }, kExitUsage, {"version 4"});
+}
+
+// Only versions 3 and 5 are model files. Every other version is refused, on reading even when the file
+// has exactly the length of a bf16 (or fp32) payload, and on writing before a file appears.
+TEST(ModelFile, OnlyVersions3And5AreReadOrWritten) {
+    TempDir dir;
+    const GPT2Config c = tiny_config();
+    std::vector<float> p = random_params(c, 121);
+    write_model_file(dir.file("v5.bin"), c, p.data(), kModelVersionBf16);
+    write_model_file(dir.file("v3.bin"), c, p.data(), kModelVersionFp32);
+    const std::vector<char> v5 = read_bytes(dir.file("v5.bin")), v3 = read_bytes(dir.file("v3.bin"));
+    std::vector<float> out;
+    for (int32_t version : {6, 7, 4, 0, -5, 1000, INT32_MAX}) {
+        SCOPED_TRACE("version " + std::to_string(version));
+        for (const std::vector<char>* payload : {&v5, &v3}) {
+            std::vector<char> b = *payload;
+            set_header_int(b, 1, version);
+            write_bytes(dir.file("other.bin"), b);
+            expect_error([&] { read_model_file(dir.file("other.bin"), &out); }, kExitData,
+                         {"other.bin", format("unsupported version %d at offset 4", version), "3 = fp32 or 5 = bf16"});
+            File f(dir.file("other.bin"), File::Mode::Read);
+            expect_error([&] { read_model_header(f); }, kExitData, {format("unsupported version %d", version)});
+        }
+        expect_error([&] { write_model_file(dir.file("w.bin"), c, p.data(), version); }, kExitUsage,
+                     {"w.bin", format("cannot write version %d", version)});
+        EXPECT_FALSE(std::filesystem::exists(dir.file("w.bin")));
+        EXPECT_EQ(model_bytes_per_param(version), 0);
+    }
+    EXPECT_EQ(model_bytes_per_param(3), 4);
+    EXPECT_EQ(model_bytes_per_param(5), 2);
 }
 
 // header[7] == 0 (no padded size recorded) means an unpadded vocabulary: Vp = V rows of wte.

@@ -38,7 +38,6 @@ determinism tests run both d2 and the C=96 model.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -46,8 +45,10 @@ determinism tests run both d2 and the C=96 model.
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "test/gpu_test.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_tokens;
 
 namespace {
 
@@ -75,14 +76,6 @@ std::vector<float> test_parameters(const GPT2Config& c, uint64_t seed) {
     }
     for (float& x : p) x = bf16_round(x);
     return p;
-}
-
-std::vector<int> random_tokens(size_t n, int vocab, uint64_t seed) {
-    std::mt19937_64 gen(seed);
-    std::uniform_int_distribution<int> dist(0, vocab - 1);
-    std::vector<int> v(n);
-    for (int& x : v) x = dist(gen);
-    return v;
 }
 
 template <class T>
@@ -166,7 +159,7 @@ TEST_P(GPT2GpuTest, ForwardAndBackwardMatchCpu) {
     const size_t N = size_t(B) * T;
     std::printf("  %s: %s\n", k.name.c_str(), describe(c).c_str());
     const std::vector<float> params = test_parameters(c, 11);
-    const std::vector<int> inputs = random_tokens(N, V, 12), targets = random_tokens(N, V, 13);
+    const std::vector<int> inputs = random_tokens<int>(N, V, 12), targets = random_tokens<int>(N, V, 13);
 
     cpu::GPT2<float> ref(c, params);
     const double ref_loss = ref.forward(inputs.data(), targets.data(), B, T);
@@ -228,7 +221,8 @@ TEST_F(GPT2TrainingTest, TenAdamWStepsMatchCpu) {
         const int B = k.B, T = k.T;
         const size_t N = size_t(B) * T;
         const std::vector<float> params = test_parameters(c, 21);
-        const std::vector<int> inputs = random_tokens(N, c.vocab_size, 22), targets = random_tokens(N, c.vocab_size, 23);
+        const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 22);
+        const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 23);
         const float lr = 3e-3f, clip = 1.0f, wd = 0.1f;
 
         cpu::GPT2<float> ref(c, params);
@@ -287,7 +281,8 @@ TEST_F(GPT2TrainingTest, GradientAccumulationMatchesOneBigBatch) {
     const int B = 4, T = 64, half = B / 2;
     const size_t N = size_t(B) * T, Nh = size_t(half) * T;
     const std::vector<float> params = test_parameters(c, 31);
-    const std::vector<int> inputs = random_tokens(N, c.vocab_size, 32), targets = random_tokens(N, c.vocab_size, 33);
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 32);
+    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 33);
 
     cpu::GPT2<float> ref(c, params);
     ref.forward(inputs.data(), targets.data(), B, T);
@@ -319,7 +314,7 @@ TEST_F(GPT2TrainingTest, SmallerForwardThanAllocatedMatchesCpu) {
         const GPT2Config& c = k.config;
         const int B = 1, T = 10;
         const std::vector<float> params = test_parameters(c, 41);
-        const std::vector<int> inputs = random_tokens(size_t(B) * T, c.vocab_size, 42);
+        const std::vector<int> inputs = random_tokens<int>(size_t(B) * T, c.vocab_size, 42);
         cpu::GPT2<float> ref(c, params);
         ref.forward(inputs.data(), nullptr, B, T);
 
@@ -343,7 +338,7 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
         const size_t N = size_t(B) * T;
         const std::vector<float> params = test_parameters(c, 51);
         std::vector<std::vector<int>> batches;
-        for (int s = 0; s < 2 * steps; s++) batches.push_back(random_tokens(N, c.vocab_size, 52 + uint64_t(s)));
+        for (int s = 0; s < 2 * steps; s++) batches.push_back(random_tokens<int>(N, c.vocab_size, 52 + uint64_t(s)));
 
         struct Run {
             std::vector<float> losses, norms;

@@ -47,7 +47,7 @@ pattern = sys.argv[1]
 
 
 def unmix(z):
-    """The inverse of SplitMix64::mix: undo each xor-shift, multiply by each constant's inverse mod 2^64."""
+    """The inverse of llmc/rand.h's splitmix64_mix: undo each xor-shift, multiply by each inverse mod 2^64."""
     def unshift(z, k):
         x = z
         for _ in range(64 // k + 1):

@@ -125,6 +125,40 @@ TEST(Flags, ErrorsNameTheFlag) {
     EXPECT_EQ(m, "flag -y: 'yes' is not 0, 1, true or false");
 }
 
+// An integer flag takes exactly the whole numbers it is given: nothing is truncated, rounded or wrapped.
+TEST(Flags, IntegersAreExactOrRefused) {
+    const std::vector<std::pair<std::string, int64_t>> good = {
+        {"0", 0},        {"-0", 0},        {"+7", 7},         {"-4", -4},         {"2.0", 2},
+        {"1e6", 1000000}, {"1E3", 1000},   {"2.5e3", 2500},   {"2.50e1", 25},     {"100000e-5", 1},
+        {"3k", 3000},    {"2.5k", 2500},   {"1.5M", 1500000}, {"7m", 7000000},    {"0e99999999", 0},
+        {"9223372036854775807", INT64_MAX}, {"-9223372036854775808", INT64_MIN},
+        {"9.223372036854775807e18", INT64_MAX}};
+    for (const auto& [text, want] : good) {
+        Settings s;
+        Flags f = make_flags(s);
+        ASSERT_TRUE(parse(f, {"-x", text})) << text;
+        EXPECT_EQ(s.steps, want) << text;
+    }
+    for (const std::string text : {"2.5", "-2.5", "0.5", "2.5e0", "25e-1", "1.0000000000000001", "1.2345k", "1e-1",
+                                   "9223372036854775808", "-9223372036854775809", "9223372036854775807k", "1e19",
+                                   "1e999999999", "0x10", " 5", "5 ", "", "+", ".", "-", "1e", "e5", "3kk", "k",
+                                   "nan", "inf", "1,000", "12x"}) {
+        std::string m;
+        EXPECT_EQ(usage_error({"--max-steps", text}, &m), kExitUsage) << "'" << text << "' was accepted";
+        EXPECT_EQ(m, "flag --max-steps: '" + text + "' is not an integer");
+    }
+    // A 32-bit flag gets the same parsing and then its own range.
+    std::string m;
+    EXPECT_EQ(usage_error({"-b", "2.5"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '2.5' is not an integer");
+    EXPECT_EQ(usage_error({"-b", "2.5k"}, &m), 0);
+    EXPECT_EQ(usage_error({"-b", "2147483648"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag -b: '2147483648' is not a 32-bit integer");
+    EXPECT_EQ(usage_error({"-b", "-2147483648"}, &m), 0);
+    EXPECT_EQ(tool_usage_error({"--threads", "1.5"}, &m), kExitUsage);
+    EXPECT_EQ(m, "flag --threads: '1.5' is not an integer");
+}
+
 TEST(Flags, UsageAndSettingsComeFromTheTable) {
     Settings s;
     Flags f = make_flags(s);
@@ -230,6 +264,55 @@ TEST(LRSchedule, LinearConstantAndWSD) {
     EXPECT_NEAR(s.at(99), 0.05, 1e-12);
     EXPECT_THROW(LRSchedule::parse_kind("step"), Error);
     EXPECT_EQ(LRSchedule::parse_kind("wsd"), LRSchedule::Kind::WSD);
+}
+
+// A decay fraction that reaches into the warmup starts the decay where the warmup ends, not before.
+TEST(LRSchedule, WSDDecayStartsNoEarlierThanTheWarmupEnds) {
+    LRSchedule s;
+    s.kind = LRSchedule::Kind::WSD;
+    s.lr = 2e-3;
+    s.warmup = 10;
+    s.total = 20;
+    s.decay_fraction = 0.8;
+    s.final_fraction = 0.25;
+    EXPECT_DOUBLE_EQ(s.at(9), 2e-3);
+    EXPECT_EQ(s.at(10), 2e-3) << "the full lr at the first step after the warmup";
+    EXPECT_DOUBLE_EQ(s.at(15), 2e-3 + (5e-4 - 2e-3) * 0.5);
+    EXPECT_DOUBLE_EQ(s.at(19), 2e-3 + (5e-4 - 2e-3) * 0.9);
+}
+
+// From the planned end on, every schedule stays exactly at its floor (lr * final_fraction; lr for
+// constant), for any learning rate, floor and warmup, including a warmup longer than the run.
+TEST(LRSchedule, PastTheEndEverySchedulesStaysAtItsFloor) {
+    using Kind = LRSchedule::Kind;
+    int checked = 0;
+    for (Kind kind : {Kind::Cosine, Kind::Linear, Kind::Constant, Kind::WSD}) {
+        for (double lr : {6e-4, 1e-3, 3e-4, 0.1, 7e-5}) {
+            for (double fraction : {0.0, 0.1, 0.3, 1.0 / 3.0, 0.5}) {
+                for (int warmup : {0, 1, 7, 20, 150}) {
+                    for (int total : {1, 2, 20, 97, 1000}) {
+                        LRSchedule s;
+                        s.kind = kind;
+                        s.lr = lr;
+                        s.final_fraction = fraction;
+                        s.warmup = warmup;
+                        s.total = total;
+                        s.decay_fraction = 0.3;
+                        const double floor = kind == Kind::Constant ? lr : lr * fraction;
+                        for (int k : {0, 1, 2, 10, 1000000}) {
+                            ASSERT_EQ(s.at(total + k), floor) << "kind " << int(kind) << " lr " << lr << " fraction "
+                                                              << fraction << " warmup " << warmup << " total " << total
+                                                              << " k " << k;
+                            checked++;
+                        }
+                        // Before the end the schedule does not undercut the floor either once the warmup is over.
+                        for (int step = std::min(warmup, total); step < total; step++) ASSERT_GE(s.at(step), floor);
+                    }
+                }
+            }
+        }
+    }
+    EXPECT_EQ(checked, 4 * 5 * 5 * 5 * 5 * 5);
 }
 
 TEST(MFU, KnownAndUnknownGPUs) {

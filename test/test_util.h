@@ -1,14 +1,17 @@
 /*
-Helpers shared by the tests: a temporary directory that removes itself, and deterministic random data
-(bytes and token ids) from llmc's SplitMix64, so that a failing case replays exactly from its seed.
+Helpers shared by the tests: a temporary directory that removes itself; deterministic random data (bytes,
+token ids, floats) from llmc's SplitMix64, so that a failing case replays exactly from its seed; whole-file
+reads and writes; and directories of token shards filled with random tokens.
 
-CPU-only (no CUDA, no GoogleTest), usable from .cpp and .cu tests alike. Does not provide: fixtures,
-assertions, or random floats (tests that need those draw them next to the distribution they test).
+CPU-only (no CUDA, no GoogleTest), usable from .cpp and .cu tests alike. Does not provide: fixtures or
+assertions (expect_error.h, gpu_test.h).
 */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <string>
@@ -17,7 +20,9 @@ assertions, or random floats (tests that need those draw them next to the distri
 
 #include <stdlib.h>
 
-#include "llmc/dataloader.h"
+#include "llmc/rand.h"
+#include "llmc/shard.h"
+#include "llmc/utils.h"
 
 namespace llmc::test {
 
@@ -46,11 +51,15 @@ private:
     std::string path_;
 };
 
-// n bytes, the same for the same seed and different for different seeds.
+// n bytes, the same for the same seed and different for different seeds; eight per generator step, so
+// that gigabytes take a moment.
 inline std::vector<char> random_bytes(size_t n, uint64_t seed) {
     SplitMix64 rng(seed);
     std::vector<char> v(n);
-    for (char& b : v) b = static_cast<char>(rng.next() >> 56);
+    for (size_t i = 0; i < n; i += 8) {
+        const uint64_t r = rng.next();
+        std::memcpy(v.data() + i, &r, std::min<size_t>(8, n - i));
+    }
     return v;
 }
 
@@ -61,6 +70,51 @@ std::vector<T> random_tokens(size_t n, uint32_t vocab, uint64_t seed) {
     std::vector<T> t(n);
     for (T& x : t) x = static_cast<T>(rng.below(vocab));
     return t;
+}
+
+// n floats uniform in [-scale, scale).
+inline std::vector<float> random_floats(size_t n, uint64_t seed, float scale) {
+    SplitMix64 rng(seed);
+    std::vector<float> v(n);
+    for (float& x : v) x = scale * (2.0f * float(double(rng.next() >> 11) * 0x1.0p-53) - 1.0f);
+    return v;
+}
+
+inline std::vector<char> read_bytes(const std::string& path) {
+    File f(path, File::Mode::Read);
+    std::vector<char> v(size_t(f.size()));
+    f.read_exact(v.data(), v.size());
+    return v;
+}
+
+inline std::string read_text(const std::string& path) {
+    const std::vector<char> v = read_bytes(path);
+    return std::string(v.begin(), v.end());
+}
+
+// Creates or replaces `path` with exactly these bytes.
+inline void write_bytes(const std::string& path, const void* data, size_t n) {
+    File f(path, File::Mode::Write);
+    f.write_all(data, n);
+    f.close();
+}
+inline void write_bytes(const std::string& path, const std::vector<char>& bytes) {
+    write_bytes(path, bytes.data(), bytes.size());
+}
+inline void write_bytes(const std::string& path, const std::string& text) { write_bytes(path, text.data(), text.size()); }
+
+// Writes dir/shard_000.bin, shard_001.bin, ... with sizes[i] random tokens below `vocab` each (seeded by
+// seed * 1000 + i), alternating versions 1 and 2 where the vocabulary fits 16 bits, else all version 2.
+// Returns every shard's tokens; the shards match dir + "/shard_*.bin".
+inline std::vector<std::vector<uint32_t>> write_random_shards(const std::string& dir, const std::vector<size_t>& sizes,
+                                                              uint32_t vocab, uint64_t seed) {
+    std::vector<std::vector<uint32_t>> tokens;
+    for (size_t i = 0; i < sizes.size(); i++) {
+        tokens.push_back(random_tokens(sizes[i], vocab, seed * 1000 + i));
+        const int version = (vocab > 65536 || i % 2 == 1) ? 2 : 1;
+        write_token_shard(dir + "/" + format("shard_%03zu.bin", i), tokens.back().data(), sizes[i], version);
+    }
+    return tokens;
 }
 
 }  // namespace llmc::test

@@ -24,22 +24,16 @@ Does not check: the collectives (test_multi_gpu) or the trainer end to end (test
 #include "llmc/adamw.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/dataloader.h"  // SplitMix64
 #include "llmc/global_norm.cuh"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
 #include "test/gpu_test.h"
+#include "test/test_util.h"
 
 using namespace llmc;
+using llmc::test::random_floats;
 
 namespace {
-
-std::vector<float> random_floats(size_t n, uint64_t seed, float scale) {
-    SplitMix64 rng(seed);
-    std::vector<float> v(n);
-    for (float& x : v) x = scale * (2.0f * float(double(rng.next() >> 11) * 0x1.0p-53) - 1.0f);
-    return v;
-}
 
 template <class T>
 DeviceBuffer<T> upload(const std::vector<T>& v) {

@@ -1,0 +1,104 @@
+// llmc/run_control.h: durations, the step guard's bookkeeping, stop requests (signals, the time limit), and
+// llmc/run_settings.h: which settings a checkpoint records, a resume requires, and the ranks compare.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <string>
+#include <thread>
+
+#include "llmc/run_control.h"
+#include "llmc/run_settings.h"
+#include "test/expect_error.h"
+
+using namespace llmc;
+
+TEST(Duration, AcceptsSecondsUnitsAndClockTimes) {
+    EXPECT_DOUBLE_EQ(parse_duration("", "--t"), 0.0);
+    EXPECT_DOUBLE_EQ(parse_duration("3600", "--t"), 3600.0);
+    EXPECT_DOUBLE_EQ(parse_duration("2.5", "--t"), 2.5);
+    EXPECT_DOUBLE_EQ(parse_duration("45s", "--t"), 45.0);
+    EXPECT_DOUBLE_EQ(parse_duration("90m", "--t"), 5400.0);
+    EXPECT_DOUBLE_EQ(parse_duration("23.5h", "--t"), 84600.0);
+    EXPECT_DOUBLE_EQ(parse_duration("1:30:05", "--t"), 5405.0);
+    EXPECT_DOUBLE_EQ(parse_duration("30:00", "--t"), 1800.0);
+}
+
+TEST(Duration, RefusesWhatIsNotADuration) {
+    for (const char* bad : {"soon", "1:xx", "10q", "-5", "0", "1h30", ":", "1::2", "nan", "inf"}) {
+        expect_error([&] { parse_duration(bad, "--time-limit"); }, kExitUsage, {"--time-limit", bad, "H:MM:SS"});
+    }
+}
+
+TEST(RunControl, TooManySkippedStepsInARowEndTheRun) {
+    RunControl::Limits l;
+    l.max_bad_steps = 3;
+    RunControl c(l, std::chrono::steady_clock::now());
+    c.after_step(1, 5.0, "");
+    c.after_step(2, NAN, "the gradient norm is nan");
+    c.after_step(3, NAN, "a loss is not finite");
+    c.after_step(4, 4.9, "");  // an applied step resets the count
+    c.after_step(5, NAN, "a loss is not finite");
+    c.after_step(6, NAN, "a loss is not finite");
+    expect_error([&] { c.after_step(7, NAN, "the gradient norm is inf"); }, kExitDiverged,
+                 {"step 7", "3 steps in a row", "the gradient norm is inf"});
+}
+
+TEST(RunControl, SpikeLimitIsAMultipleOfTheRecentMeanOnceThereAreTen) {
+    RunControl::Limits l;
+    l.loss_spike = 3.0f;
+    RunControl c(l, std::chrono::steady_clock::now());
+    for (int i = 0; i < 9; i++) c.after_step(i + 1, 2.0, "");
+    EXPECT_TRUE(std::isinf(c.loss_limit()));
+    c.after_step(10, 4.0, "");  // mean (9 * 2 + 4) / 10 = 2.2
+    EXPECT_FLOAT_EQ(c.loss_limit(), 6.6f);
+    c.after_step(11, 100.0, "the loss is a spike");  // skipped steps do not enter the mean
+    EXPECT_FLOAT_EQ(c.loss_limit(), 6.6f);
+    for (int i = 0; i < 60; i++) c.after_step(12 + i, 1.0, "");  // only the last 50 count
+    EXPECT_FLOAT_EQ(c.loss_limit(), 3.0f);
+    RunControl off(RunControl::Limits{}, std::chrono::steady_clock::now());
+    for (int i = 0; i < 20; i++) off.after_step(i + 1, 1.0, "");
+    EXPECT_TRUE(std::isinf(off.loss_limit()));
+}
+
+TEST(RunControl, TimeLimitKeepsTwoStepsAndACheckpointInReserve) {
+    RunControl::Limits l;
+    l.time_limit_s = 10;
+    l.time_limit_text = "10s";
+    l.checkpoint_seconds = 3;
+    const auto now = std::chrono::steady_clock::now();
+    RunControl c(l, now - std::chrono::seconds(4));
+    EXPECT_EQ(c.reason(1.0), "");                          // 4 + 2 + 3 < 10
+    EXPECT_NE(c.reason(2.0).find("--time-limit 10s"), std::string::npos);  // 4 + 4 + 3 >= 10
+    c.saved(1.0);                                          // a measured save replaces the guess
+    EXPECT_EQ(c.reason(2.0), "");                          // 4 + 4 + 1 < 10
+    RunControl none(RunControl::Limits{}, now - std::chrono::hours(100));
+    EXPECT_EQ(none.reason(1e6), "");
+}
+
+TEST(RunControl, ASignalAsksToStop) {
+    install_stop_signals();
+    RunControl c(RunControl::Limits{}, std::chrono::steady_clock::now());
+    EXPECT_EQ(c.reason(0.1), "");
+    std::raise(SIGUSR1);
+    EXPECT_NE(c.reason(0.1).find("signal"), std::string::npos);
+    g_stop_signal = 0;
+}
+
+TEST(RunSettings, RolesDecideWhatIsRecordedRequiredAndHashed) {
+    using R = RunSetting;
+    const std::vector<R> a = {{"model", "d12", R::MustMatch}, {"lr", "0.001", R::MayChange}, {"val_every", "20", R::Ranks}};
+    const auto rec = recorded_settings(a);
+    ASSERT_EQ(rec.size(), 2u);
+    EXPECT_EQ(rec[0].first, "model");
+    EXPECT_EQ(rec[1].first, "lr");
+    EXPECT_EQ(must_match_keys(a), std::vector<std::string>{"model"});
+    std::vector<R> b = a;
+    EXPECT_EQ(settings_hash(a), settings_hash(b));
+    for (size_t i = 0; i < a.size(); i++) {  // any value, Ranks ones included, changes the hash
+        b = a;
+        b[i].value += "0";
+        EXPECT_NE(settings_hash(a), settings_hash(b)) << a[i].key;
+    }
+}
