@@ -165,7 +165,7 @@ McSet make_heldout_set(const std::vector<uint32_t>& tokens, const Tokenizer& tok
         if (q >= C && clean(q - C, q)) passages.push_back(q);
     }
 
-    SplitMix64 rng(SplitMix64::mix(uint64_t(o.seed)));
+    SplitMix64 rng(splitmix64_mix(uint64_t(o.seed)));
     for (size_t i = passages.size(); i > 1; i--) std::swap(passages[i - 1], passages[rng.below(i)]);
     std::vector<char> used(size_t(n), 0);
     std::vector<int64_t> chosen;
