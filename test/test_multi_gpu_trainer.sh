@@ -30,8 +30,8 @@ source test/script_lib.sh
 expect_bin=(./train_gpt2cu)
 expect_exit 0 "--zero-stage" --help
 expect_exit 0 "--rendezvous-job" --help
-expect_exit 2 "--multi-gpu 2: must be -1, 0 or 1" -e d2 --multi-gpu 2
-expect_exit 2 "-z/--zero-stage 3: must be 0 or 1" -e d2 -z 3
+expect_exit 2 "flag --multi-gpu: '2' is not an integer from -1 to 1" -e d2 --multi-gpu 2
+expect_exit 2 "flag -z: '3' is not an integer from -1 to 1" -e d2 -z 3
 expect_exit 2 "zero-stage 1 needs the NCCL path" -e d2 -z 1
 expect_exit 2 "--rendezvous needs the NCCL path" -e d2 --rendezvous "$dir/rdv"
 expect_exit 2 "drop --multi-gpu 0" -e d2 --multi-gpu 0 --rank 0 --world-size 2
@@ -40,7 +40,7 @@ expect_exit 2 "rank 2 is outside 0..1" -e d2 --rank 2 --world-size 2
 expect_exit 2 "need a meeting point" -e d2 --rank 0 --world-size 2
 expect_exit 2 "expected tcp://HOST:PORT" -e d2 --rank 0 --world-size 2 --rendezvous tcp://nohost
 expect_exit 2 "--nccl-timeout 0: must be positive" -e d2 --multi-gpu 1 --nccl-timeout 0
-expect_exit 2 "--hang-timeout -1: must not be negative" -e d2 --multi-gpu 1 --hang-timeout -1
+expect_exit 2 "flag --hang-timeout: '-1' is not a number at least 0" -e d2 --multi-gpu 1 --hang-timeout -1
 expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256 --rank 0 --world-size 2 \
     --rendezvous "$dir/rdv"
 # Launchers that say several ranks: their variables are read (so --multi-gpu 0 contradicts them), and an
