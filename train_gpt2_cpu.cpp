@@ -134,7 +134,8 @@ Flags make_flags(Options& o) {
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model,
           "model files written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c version 3), "
-          "llmc-bf16 (<output-dir>/model_bf16.bin, version 5) or none; with -x 0 only when given");
+          "llmc-bf16 (<output-dir>/model_bf16.bin, version 5) or none (1 and 0, train_gpt2cu's boolean form, are llmc "
+          "and none); with -x 0 only when given");
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, INT32_MAX);
     return f;
 }
@@ -162,7 +163,9 @@ struct SaveFormat {
     int version;
 };
 
-std::vector<SaveFormat> save_formats(const std::string& list) {
+std::vector<SaveFormat> save_formats(std::string list) {
+    if (list == "1") list = "llmc";
+    if (list == "0") list = "none";
     static const SaveFormat known[] = {{"llmc", "model.bin", kModelVersionFp32},
                                        {"llmc-bf16", "model_bf16.bin", kModelVersionBf16}};
     std::vector<SaveFormat> out;
@@ -223,7 +226,9 @@ void make_directory(const std::string& dir) {
         const std::string partial = dir.substr(0, slash);
         if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
             const int e = errno;
-            fail(kExitIo, "cannot create output directory '%s': %s", partial.c_str(), std::strerror(e));
+            if (partial == dir) fail(kExitIo, "cannot create output directory '%s': %s", dir.c_str(), std::strerror(e));
+            fail(kExitIo, "cannot create output directory '%s': cannot create '%s': %s", dir.c_str(), partial.c_str(),
+                 std::strerror(e));
         }
         if (slash == std::string::npos) break;
     }
