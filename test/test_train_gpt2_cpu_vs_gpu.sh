@@ -2,7 +2,7 @@
 # The two trainers read the same batches for the same flags (the shared DataLoader, shuffled by --seed)
 # and start from the same weights for the same seed: with the learning rate at 0 each step's loss is
 # the model's loss on that step's batch, so train_gpt2cu's (bf16) and train_gpt2's (fp32) per-step
-# losses must agree to bf16 accuracy. A model trained a little on the CPU first makes the losses of
+# losses must agree to bf16 accuracy (1%). A model trained a little on the CPU first makes the losses of
 # different batches differ by much more than that accuracy, so a different batch order would show: a
 # CPU run with another --seed must not agree. Also the first loss of a fresh d2 (same initialisation),
 # and the validation loss of the same model.
@@ -39,13 +39,15 @@ gpu, cpu, other = losses("gpu"), losses("cpu"), losses("cpu_other")
 ok = True
 for name, l in (("gpu", gpu), ("cpu", cpu), ("cpu_other", other)):
     if len(l) != 12: print("FAIL: %s logged %d steps, expected 12" % (name, len(l))); sys.exit(1)
-tol = 0.02  # bf16 activations: the GPU model's losses are within ~0.5% of the fp32 reference
+# bf16 weights and activations: the GPU model's losses lie within 1% of the fp32 reference's (the model
+# tests measure 0.15-0.6% on d2).
+tol = 0.01 * max(cpu)
 spread = max(cpu) - min(cpu)
 print("per-step losses (lr 0), CPU: %s" % " ".join("%.4f" % x for x in cpu))
 print("                         GPU: %s" % " ".join("%.4f" % x for x in gpu))
 print("      CPU with another seed: %s" % " ".join("%.4f" % x for x in other))
 worst = max(abs(a - b) for a, b in zip(cpu, gpu))
-print("largest CPU-GPU difference %.4f (bound %.2f); spread of the batch losses %.3f" % (worst, tol, spread))
+print("largest CPU-GPU difference %.4f (bound %.3f); spread of the batch losses %.3f" % (worst, tol, spread))
 if spread < 5 * tol: print("FAIL: the batches' losses differ too little (%.3f) to tell batches apart" % spread); ok = False
 if worst > tol: print("FAIL: the trainers' per-step losses differ: not the same batches, or not the same model"); ok = False
 if max(abs(a - b) for a, b in zip(cpu, other)) <= tol:
