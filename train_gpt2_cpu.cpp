@@ -2,37 +2,49 @@
 train_gpt2: GPT-2 training on the CPU with the fp32 reference model (llmc/gpt2_cpu.h), the quick start
 for a machine without a GPU and a way to train tiny models.
 
-It builds a model from a descriptor (d2, d6, d12, ...), from explicit --layers/--channels/--heads, or
-loads an llm.c model file; reads token shards (llmc/shard.h, uint16 or uint32 tokens) in order, B*T+1
-consecutive tokens per batch, wrapping around at the end; trains with AdamW (decay on matrices only)
-and global-norm clipping at a constant learning rate; prints the train loss every step and the
-validation loss (over the first --val-batches batches of the validation shards) every --val-every
-steps and at the end; can write the result as a model file; and with --gen-tokens N prints N tokens
-sampled from the trained model after an end-of-text token (llmc/sampler.h, the GPU trainer's sampler;
-decoded with --tokenizer, or printed as ids where that file is missing).
+It speaks the GPU trainer's language: the same flags with the same letters and meanings (-i -j -e -o -b
+-t -d -l -u -q -k -c -x -v -m -s -g and the long-only ones; --help lists them with their ranges), the
+same DataLoader (llmc/dataloader.h: comma-separated globs, training samples shuffled by --seed, so the
+same flags give the same batches as train_gpt2cu), the same learning-rate schedules (llmc/schedule.h),
+the same initialisation for a seed, the same sampler (llmc/sampler.h) and the same log.jsonl lines
+({"step":S,"loss":..,"lr":..,"norm":..,"ms":..,"tok_per_s":..}, {"step":S,"val_loss":..} and
+{"step":S,"sample":[ids]}), so one script plots or compares the runs of both. Besides the GPU trainer's
+descriptors (d2 ... d48) and model files, a model can have an explicit shape (--layers, --channels,
+--heads, --vocab, --max-seq-len), for tiny models on tiny vocabularies.
 
-Does not provide: learning-rate schedules, gradient accumulation, shuffling, checkpoints with
-optimizer state, a KV cache for sampling (each token reruns the forward over the tokens so far) or a
-GPU; the GPU trainer (train_gpt2.cu) has those.
+A run: check the flags; create the output directory and prove it writable (a missing one is created; an
+unwritable one fails at once, before any work); build or load the model; open the data; then loop
+{evaluate, sample, train one step} and write the model. -x 0 trains nothing: it evaluates and samples a
+model, e.g. `./train_gpt2 -e model.bin -x 0 -g 20 --temperature 0 --prompt-ids 464,3290`.
+
+Numbers do not depend on OMP_NUM_THREADS (gpt2_cpu.h reduces in a fixed order).
+
+Does not provide: checkpoints with optimizer state or resume, several processes, a KV cache for sampling
+(each token reruns the forward over the tokens so far), or a GPU; the GPU trainer (train_gpt2.cu) has
+those.
 */
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include <glob.h>
 #include <omp.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include "llmc/dataloader.h"
 #include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "llmc/sampler.h"
-#include "llmc/shard.h"
+#include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
 
@@ -40,305 +52,584 @@ using namespace llmc;
 
 namespace {
 
+// ----------------------------------------------------------------------------------------------------
+// The command line. Defaults follow train_gpt2cu except where a CPU wants smaller numbers: the model
+// (d2), the batch (4 x 64), the steps (50), the learning rate and weight decay for tiny models, and no
+// sample unless -g asks for one (each sampled token reruns the whole forward).
+
 struct Options {
     std::string train_pattern = "data/quickstart_train_*.bin";
     std::string val_pattern = "data/quickstart_val_*.bin";
-    std::string model;  // descriptor or model file; d2 when neither this nor an explicit shape is given
+    std::string model = "d2";
     int layers = 0, channels = 0, heads = 0;
     int vocab = kGPT2VocabSize;
     int max_seq_len = kGPT2MaxSeqLen;
-    int batch = 4, seq = 64, steps = 50;
-    cpu::AdamW adamw{1e-3, 0.9, 0.95, 1e-8, 0.1};
-    double clip = 1.0;
-    int val_every = 10, val_batches = 8;
+    std::string output_dir = "out";
+    int B = 4;
+    int T = 64;
+    int64_t total_batch = -1;
+    double lr = 1e-3;
+    int warmup = 0;
+    double final_lr_fraction = 1.0;
+    std::string schedule = "cosine";
+    double decay_fraction = 0.2;
+    double weight_decay = 0.1;
+    int max_steps = 50;
+    int val_every = 20;
+    int val_max_steps = 20;
+    int sample_every = 20;
+    int gen_tokens = 0;
+    double grad_clip = 1.0;
+    double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
     int64_t seed = 1337;
-    std::string out;
-    int out_version = kModelVersionFp32;
-    int gen_tokens = 0;  // 0: no sample
     float temperature = 1.0f;
     int top_k = 0;
     int64_t sample_seed = 42;
+    std::string prompt_ids;
     std::string tokenizer = "data/gpt2_tokenizer.bin";
+    bool shuffle = true;
+    std::string save_model = "llmc";
+    int log_every = 1;
 };
 
-// Returns false when --help was given. Checks what one flag's type and range cannot say.
-bool parse_args(int argc, char** argv, Options& o) {
-    Flags flags("train_gpt2", "Trains GPT-2 on the CPU (fp32 reference implementation; threads: OMP_NUM_THREADS).");
-    flags.add("", "train", &o.train_pattern, "training shards (a glob)")
-        .add("", "val", &o.val_pattern, "validation shards (a glob), or 'none'")
-        .add("", "model", &o.model, "d2, d6, d12, d24, d36, d48, or a model file to start from (d2 when empty)")
-        .add("", "layers", &o.layers, "explicit shape: layers (with --channels and --heads, instead of a descriptor)", 1, 4096)
-        .add("", "channels", &o.channels, "explicit shape: channels", 1, 65536)
-        .add("", "heads", &o.heads, "explicit shape: attention heads", 1, 65536)
-        .add("", "vocab", &o.vocab, "explicit shape: vocabulary size", 1, 1 << 24)
-        .add("", "max-seq-len", &o.max_seq_len, "explicit shape: position embeddings", 1, 1 << 20)
-        .add("", "batch", &o.batch, "sequences per batch", 1, 1 << 16)
-        .add("", "seq", &o.seq, "tokens per sequence", 1, 1 << 20)
-        .add("", "steps", &o.steps, "optimizer steps", 0, 1 << 30)
-        .add("", "lr", &o.adamw.learning_rate, "learning rate", 0, 10)
-        .add("", "wd", &o.adamw.weight_decay, "AdamW weight decay on the matrices", 0, 10)
-        .add("", "beta1", &o.adamw.beta1, "AdamW beta1", 0, 0.999999)
-        .add("", "beta2", &o.adamw.beta2, "AdamW beta2", 0, 0.999999)
-        .add("", "eps", &o.adamw.eps, "AdamW epsilon", 0, 1)
-        .add("", "clip", &o.clip, "clip the global gradient norm to this; 0 = off", 0, 1e30)
-        .add("", "val-every", &o.val_every, "validation loss every N steps", 1, 1 << 30)
-        .add("", "val-batches", &o.val_batches, "batches in one validation pass", 1, 1 << 30)
-        .add("", "seed", &o.seed, "initialisation seed for a new model", 0, INT64_MAX)
-        .add("", "out", &o.out, "write the trained model here at the end")
-        .add("", "out-version", &o.out_version, "model file precision: 3 = fp32, 5 = bf16", 3, 5)
-        .add("", "gen-tokens", &o.gen_tokens, "at the end, sample this many tokens (0: no sample)", 0, 1 << 20)
-        .add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0, 1e6)
-        .add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, 1 << 30)
-        .add("", "sample-seed", &o.sample_seed, "seed of the sampler", 0, INT64_MAX)
-        .add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding the sample (ids are printed without it)");
-    if (!flags.parse(argc, argv)) return false;
-
-    if (o.val_pattern == "none") o.val_pattern.clear();
-    if (o.out_version == 4) fail(kExitUsage, "--out-version expects 3 (fp32) or 5 (bf16), got 4");
-    int explicit_shape = (o.layers > 0) + (o.channels > 0) + (o.heads > 0);
-    if (explicit_shape != 0 && explicit_shape != 3) {
-        fail(kExitUsage, "an explicit shape needs all of --layers, --channels and --heads");
-    }
-    if (explicit_shape == 3 && !o.model.empty()) {
-        fail(kExitUsage, "give either --model or an explicit shape (--layers, --channels, --heads), not both");
-    }
-    if (o.model.empty()) o.model = "d2";
-    std::fputs(flags.settings_table().c_str(), stdout);
-    return true;
+Flags make_flags(Options& o) {
+    Flags f("train_gpt2", "Trains GPT-2 on the CPU (fp32 reference model; threads: OMP_NUM_THREADS). Flags as train_gpt2cu's.");
+    f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
+    f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
+    f.add("e", "model", &o.model, "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
+    f.add("", "layers", &o.layers, "explicit shape instead of -e: layers (with --channels and --heads)", 1, 4096);
+    f.add("", "channels", &o.channels, "explicit shape: channels", 1, 65536);
+    f.add("", "heads", &o.heads, "explicit shape: attention heads", 1, 65536);
+    f.add("", "vocab", &o.vocab, "explicit shape: vocabulary size", 1, 1 << 24);
+    f.add("", "max-seq-len", &o.max_seq_len, "explicit shape: position embeddings", 1, 1 << 20);
+    f.add("o", "output-dir", &o.output_dir,
+          "directory for log.jsonl and model.bin (created if missing, checked at start-up); \"\" writes nothing");
+    f.add("b", "batch-size", &o.B, "batch size B (sequences per forward/backward)", 1, 1 << 16);
+    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)", 1, 1 << 20);
+    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step, a multiple of B*T (-1: B*T)", int64_t(-1),
+          int64_t(1) << 40);
+    f.add("l", "lr", &o.lr, "peak learning rate", 0.0, 10.0);
+    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps", 0, 1 << 30);
+    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak", 0.0, 1.0);
+    f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
+    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end", 0.0, 1.0);
+    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)", 0.0, 10.0);
+    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data; 0: evaluate and sample only)",
+          -1, INT32_MAX);
+    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)", 0, INT32_MAX);
+    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)", -1, INT32_MAX);
+    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, INT32_MAX);
+    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (0: no sample; at most maxT minus the prompt)", 0, 1 << 20);
+    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)", 0.0, 1e30);
+    f.add("", "beta1", &o.beta1, "AdamW beta1", 0.0, 0.999999);
+    f.add("", "beta2", &o.beta2, "AdamW beta2", 0.0, 0.999999);
+    f.add("", "eps", &o.eps, "AdamW epsilon", 1e-30, 1.0);
+    f.add("", "seed", &o.seed, "seed of initialisation and data order", int64_t(0), INT64_MAX);
+    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0.0f, 1e6f);
+    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, INT32_MAX);
+    f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)", int64_t(0),
+          INT64_MAX);
+    f.add("", "prompt-ids", &o.prompt_ids, "comma-separated token ids each sample continues (\"\": <|endoftext|>)");
+    f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
+    f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
+    f.add("", "save-model", &o.save_model,
+          "model files written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c version 3), "
+          "llmc-bf16 (<output-dir>/model_bf16.bin, version 5) or none (1 and 0, train_gpt2cu's boolean form, are llmc "
+          "and none); with -x 0 only when given");
+    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, INT32_MAX);
+    return f;
 }
 
-bool is_file(const std::string& path) {
+// What the flag table's ranges cannot say, checked before any work.
+void check_options(const Flags& flags, const Options& o) {
+    const int shape = (o.layers > 0) + (o.channels > 0) + (o.heads > 0);
+    if (shape != 0 && shape != 3) fail(kExitUsage, "an explicit shape needs all of --layers, --channels and --heads");
+    if (shape == 3 && flags.was_set("model")) {
+        fail(kExitUsage, "give either -e/--model or an explicit shape (--layers, --channels, --heads), not both");
+    }
+    if (shape == 0 && (flags.was_set("vocab") || flags.was_set("max-seq-len"))) {
+        fail(kExitUsage, "--vocab and --max-seq-len belong to an explicit shape (--layers, --channels, --heads)");
+    }
+    if (o.val_max_steps == 0) fail(kExitUsage, "-m/--val-max-steps 0: must be -1 (all) or at least 1");
+    if (o.total_batch == 0) fail(kExitUsage, "-d/--total-batch 0: must be -1 (B*T) or positive");
+    if (o.train_pattern.empty() && o.max_steps != 0) fail(kExitUsage, "-i/--train: no training shards named");
+    LRSchedule::parse_kind(o.schedule);
+}
+
+// Model files to write at the end, from --save-model.
+struct SaveFormat {
+    const char* name;
+    const char* file;
+    int version;
+};
+
+std::vector<SaveFormat> save_formats(std::string list) {
+    if (list == "1") list = "llmc";
+    if (list == "0") list = "none";
+    static const SaveFormat known[] = {{"llmc", "model.bin", kModelVersionFp32},
+                                       {"llmc-bf16", "model_bf16.bin", kModelVersionBf16}};
+    std::vector<SaveFormat> out;
+    size_t start = 0;
+    for (;;) {
+        const size_t comma = list.find(',', start);
+        const std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        if (item == "none") {
+            if (list != "none") fail(kExitUsage, "--save-model '%s': none cannot be combined with a format", list.c_str());
+        } else {
+            const SaveFormat* f = std::find_if(std::begin(known), std::end(known),
+                                               [&](const SaveFormat& k) { return item == k.name; });
+            if (f == std::end(known)) {
+                fail(kExitUsage, "--save-model: unknown format '%s' (llmc, llmc-bf16 or none)", item.c_str());
+            }
+            out.push_back(*f);
+        }
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    return out;
+}
+
+// --prompt-ids as token ids, each checked against the model's vocabulary.
+std::vector<int> parse_prompt(const std::string& text, int vocab_size) {
+    std::vector<int> ids;
+    if (text.empty()) return ids;
+    size_t start = 0;
+    for (;;) {
+        const size_t comma = text.find(',', start);
+        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        char* end = nullptr;
+        errno = 0;
+        const long long v = item.empty() ? -1 : std::strtoll(item.c_str(), &end, 10);
+        if (item.empty() || errno != 0 || *end != '\0' || v < 0) {
+            fail(kExitUsage, "--prompt-ids '%s': '%s' is not a token id (a non-negative integer)", text.c_str(), item.c_str());
+        }
+        if (v >= vocab_size) {
+            fail(kExitUsage, "--prompt-ids: token %lld is outside the model's vocabulary [0, %d)", v, vocab_size);
+        }
+        ids.push_back(int(v));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    return ids;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The output directory and log.jsonl.
+
+bool is_regular_file(const std::string& path) {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
-// Training data in file order, as a flat stream of B*T+1-token windows that advance by B*T. A shard's
-// leftover shorter than a window is skipped, and after the last shard the stream starts over.
-class TokenStream {
-public:
-    TokenStream(const std::string& pattern, int vocab_size, int B, int T)
-        : vocab_(vocab_size), window_(int64_t(B) * T + 1), step_(int64_t(B) * T) {
-        glob_t g{};
-        int rc = ::glob(pattern.c_str(), 0, nullptr, &g);
-        if (rc == 0) {
-            for (size_t i = 0; i < g.gl_pathc; i++) paths_.push_back(g.gl_pathv[i]);
+void make_directory(const std::string& dir) {
+    for (size_t slash = dir.find('/', 1);; slash = dir.find('/', slash + 1)) {
+        const std::string partial = dir.substr(0, slash);
+        if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+            const int e = errno;
+            if (partial == dir) fail(kExitIo, "cannot create output directory '%s': %s", dir.c_str(), std::strerror(e));
+            fail(kExitIo, "cannot create output directory '%s': cannot create '%s': %s", dir.c_str(), partial.c_str(),
+                 std::strerror(e));
         }
-        ::globfree(&g);
-        if (paths_.empty()) {
-            fail(kExitIo, "no token shards match '%s' (prepare them with `make data`, or name them with --train/--val)",
-                 pattern.c_str());
-        }
-        std::sort(paths_.begin(), paths_.end());
-        for (const std::string& p : paths_) {
-            File f(p, File::Mode::Read);
-            ShardHeader h = read_shard_header(f);
-            counts_.push_back(h.num_tokens);
-            if (h.num_tokens >= window_) windows_ += (h.num_tokens - 1) / step_;
-            total_tokens_ += h.num_tokens;
-        }
-        if (windows_ == 0) {
-            fail(kExitData, "the shards matching '%s' hold %lld tokens, none of them %lld in one shard as a batch of "
-                 "B=%d x T=%d needs", pattern.c_str(), (long long)total_tokens_, (long long)window_, B, T);
-        }
-        reset();
+        if (slash == std::string::npos) break;
     }
-
-    int64_t batches_per_pass() const { return windows_; }
-    int64_t total_tokens() const { return total_tokens_; }
-    size_t num_shards() const { return paths_.size(); }
-
-    void reset() {
-        shard_ = 0;
-        pos_ = 0;
-        open_current();
+    struct stat st;
+    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fail(kExitIo, "output directory '%s' is not a directory", dir.c_str());
     }
+}
 
-    void next(std::vector<int>& inputs, std::vector<int>& targets) {
-        while (pos_ + window_ > counts_[shard_]) {
-            shard_ = (shard_ + 1) % paths_.size();
-            pos_ = 0;
-            open_current();
+// Writes, syncs and removes a small file, so that a read-only file system, missing permissions or a
+// full disk stop the run now rather than when the first log line or the model is written.
+void prove_writable(const std::string& dir) {
+    const std::string probe = format("%s/.write_test_%d", dir.c_str(), int(::getpid()));
+    try {
+        File f(probe, File::Mode::Write);
+        const std::vector<char> block(4096, 0);
+        f.write_all(block.data(), block.size());
+        f.sync();
+        f.close();
+    } catch (const Error& e) {
+        ::unlink(probe.c_str());
+        fail(kExitIo, "output directory '%s' is not writable: %s", dir.c_str(), e.what());
+    }
+    if (::unlink(probe.c_str()) != 0) {
+        const int e = errno;
+        fail(kExitIo, "output directory '%s': cannot remove the test file '%s': %s", dir.c_str(), probe.c_str(),
+             std::strerror(e));
+    }
+}
+
+// JSON has no NaN or infinity; such values go out as null.
+std::string json_number(double v, const char* fmt) { return std::isfinite(v) ? format(fmt, v) : std::string("null"); }
+
+// log.jsonl in the output directory (one JSON object per line, written as it happens), and the
+// tokenizer that turns samples into text.
+struct Outputs {
+    std::string dir;
+    File log;
+    Tokenizer tokenizer;
+    bool have_tokenizer = false;
+
+    explicit Outputs(const std::string& output_dir) : dir(output_dir) {
+        if (dir.empty()) return;
+        make_directory(dir);
+        prove_writable(dir);
+        log.open(dir + "/log.jsonl", File::Mode::Write);
+    }
+    void write(const std::string& line) {
+        if (!log.is_open()) return;
+        const std::string l = line + "\n";
+        log.write_all(l.data(), l.size());
+    }
+    void load_tokenizer(const std::string& path) {
+        if (is_regular_file(path)) {
+            tokenizer = read_tokenizer_bin(path);
+            have_tokenizer = true;
+        } else {
+            std::printf("note: tokenizer '%s' not found; samples are printed as token ids\n", path.c_str());
         }
-        const int bpt = shard_bytes_per_token(header_.version);
-        raw_.resize(size_t(window_ * bpt));
-        file_.seek(kShardHeaderBytes + pos_ * bpt);
-        file_.read_exact(raw_.data(), raw_.size());
-        tokens_.resize(size_t(window_));
-        for (int64_t i = 0; i < window_; i++) {
-            uint32_t id;
-            if (bpt == 2) {
-                uint16_t v;
-                std::memcpy(&v, raw_.data() + 2 * i, 2);
-                id = v;
-            } else {
-                std::memcpy(&id, raw_.data() + 4 * i, 4);
-            }
-            if (id >= uint32_t(vocab_)) {
-                fail(kExitData, "shard '%s': token %lld (offset %lld) is %u, outside the model's vocabulary [0, %d)",
-                     paths_[shard_].c_str(), (long long)(pos_ + i), (long long)(kShardHeaderBytes + (pos_ + i) * bpt),
-                     id, vocab_);
-            }
-            tokens_[size_t(i)] = int(id);
-        }
-        inputs.assign(tokens_.begin(), tokens_.end() - 1);
-        targets.assign(tokens_.begin() + 1, tokens_.end());
-        pos_ += step_;
     }
-
-private:
-    void open_current() {
-        file_.open(paths_[shard_], File::Mode::Read);
-        header_ = read_shard_header(file_);
-        counts_[shard_] = header_.num_tokens;
+    std::string text(const std::vector<uint32_t>& ids) const {
+        const bool decodable = std::all_of(ids.begin(), ids.end(), [&](uint32_t id) { return id < tokenizer.size(); });
+        if (have_tokenizer && decodable) return tokenizer.decode(ids);
+        std::string out;
+        for (uint32_t id : ids) out += format("%u ", id);
+        return out;
     }
-
-    int vocab_;
-    int64_t window_, step_;
-    std::vector<std::string> paths_;
-    std::vector<int64_t> counts_;
-    int64_t windows_ = 0, total_tokens_ = 0;
-    size_t shard_ = 0;
-    int64_t pos_ = 0;
-    File file_;
-    ShardHeader header_;
-    std::vector<char> raw_;
-    std::vector<int> tokens_;
 };
 
-// The model to start from: a model file, an explicit shape or a descriptor, the latter two initialised.
-cpu::GPT2<float> build_model(const Options& o) {
-    if (o.layers > 0) {
-        GPT2Config c = make_config(o.layers, o.channels, o.heads, o.vocab, o.max_seq_len);
-        std::vector<float> p(size_t(num_parameters(c)));
-        init_parameters(c, o.seed, p.data());
-        std::printf("model: new, explicit shape, seed %llu\n", (unsigned long long)o.seed);
-        return cpu::GPT2<float>(c, p);
-    }
-    if (is_file(o.model)) {
-        std::vector<float> p;
-        ModelFileInfo info = read_model_file(o.model, &p);
-        std::printf("model: loaded from %s (version %d)\n", o.model.c_str(), info.version);
-        return cpu::GPT2<float>(info.config, p);
-    }
-    if (o.model.find('/') != std::string::npos || o.model.find(".bin") != std::string::npos) {
-        fail(kExitIo, "model file '%s' does not exist", o.model.c_str());
-    }
-    GPT2Config c = config_from_descriptor(o.model);
-    std::vector<float> p(size_t(num_parameters(c)));
-    init_parameters(c, o.seed, p.data());
-    std::printf("model: new %s, seed %llu\n", o.model.c_str(), (unsigned long long)o.seed);
-    return cpu::GPT2<float>(c, p);
+// ----------------------------------------------------------------------------------------------------
+// The model.
+
+struct StartingModel {
+    GPT2Config config;
+    std::vector<float> params;  // fp32, in param_tensors() order, padded vocabulary rows included
+    std::string origin;         // for the start-up line
+};
+
+// The one place that reads a model from a -e path: its shape and fp32 parameters.
+StartingModel load_model(const std::string& path) {
+    StartingModel m;
+    const ModelFileInfo info = read_model_file(path, &m.params);
+    m.config = info.config;
+    m.origin = format("%s (llm.c version %d)", path.c_str(), info.version);
+    return m;
 }
 
-double validation_loss(cpu::GPT2<float>& model, TokenStream& val, int batches, int B, int T) {
-    std::vector<int> inputs, targets;
+StartingModel starting_model(const Options& o) {
+    if (is_regular_file(o.model) && o.layers == 0) return load_model(o.model);
+    StartingModel m;
+    if (o.layers > 0) {
+        m.config = make_config(o.layers, o.channels, o.heads, o.vocab, o.max_seq_len);
+        m.origin = format("new, explicit shape (seed %lld)", (long long)o.seed);
+    } else if (o.model.size() >= 2 && o.model[0] == 'd' && o.model.find_first_not_of("0123456789", 1) == std::string::npos) {
+        m.config = config_from_descriptor(o.model);
+        m.origin = format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed);
+    } else if (o.model.find('/') != std::string::npos || o.model.find('.') != std::string::npos) {
+        fail(kExitIo, "-e/--model: model file '%s' does not exist", o.model.c_str());
+    } else {
+        fail(kExitUsage, "-e/--model '%s' is neither a model file nor a descriptor (d2, d6, d12, d24, d36, d48)",
+             o.model.c_str());
+    }
+    m.params.resize(size_t(num_parameters(m.config)));
+    init_parameters(m.config, uint64_t(o.seed), m.params.data());
+    return m;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The plan: the settings checked against the model, and the data.
+
+struct Plan {
+    int grad_accum = 1;
+    int64_t tokens_per_step = 0;
+    LRSchedule schedule;
+    std::vector<int> prompt;
+    int gen_tokens = 0;  // 0: no samples
+    std::vector<SaveFormat> save;
+};
+
+Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
+    if (o.T > c.max_seq_len) {
+        fail(kExitUsage, "-t/--seq-len %d is longer than the model's maximum sequence length %d", o.T, c.max_seq_len);
+    }
+    Plan p;
+    const int64_t micro = int64_t(o.B) * o.T;
+    p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
+    if (p.tokens_per_step % micro != 0) {
+        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens",
+             (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
+    }
+    p.grad_accum = int(std::min<int64_t>(p.tokens_per_step / micro, INT32_MAX));
+    p.schedule.kind = LRSchedule::parse_kind(o.schedule);
+    p.schedule.lr = o.lr;
+    p.schedule.warmup = o.warmup;
+    p.schedule.final_fraction = o.final_lr_fraction;
+    p.schedule.decay_fraction = o.decay_fraction;
+    p.prompt = parse_prompt(o.prompt_ids, c.vocab_size);
+    if (int(p.prompt.size()) >= c.max_seq_len) {
+        fail(kExitUsage, "--prompt-ids: %zu tokens leave no room to generate within the model's maximum sequence "
+             "length %d", p.prompt.size(), c.max_seq_len);
+    }
+    if (o.sample_every > 0 && o.gen_tokens > 0) {
+        const int room = c.max_seq_len - std::max<int>(1, int(p.prompt.size()));
+        p.gen_tokens = std::min(o.gen_tokens, room);
+        if (p.gen_tokens < o.gen_tokens) {
+            std::printf("note: -g/--gen-tokens %d: the model's maximum sequence length %d leaves room for %d after the "
+                        "prompt\n", o.gen_tokens, c.max_seq_len, p.gen_tokens);
+        }
+    }
+    p.save = save_formats(o.save_model);
+    if (o.output_dir.empty() || (o.max_steps == 0 && !flags.was_set("save-model"))) p.save.clear();
+    return p;
+}
+
+DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle) {
+    DataLoaderConfig d;
+    d.pattern = pattern;
+    d.B = o.B;
+    d.T = o.T;
+    d.vocab_size = uint32_t(c.vocab_size);
+    d.shuffle = shuffle;
+    d.seed = uint64_t(o.seed);
+    d.prefetch = 2;
+    return d;
+}
+
+// The training and validation loaders, and the step counts that follow from the data.
+struct Data {
+    std::unique_ptr<DataLoader> train, val;
+    int max_steps = 0;
+    int val_steps = 0;
+
+    Data(const Options& o, const GPT2Config& c, Plan& plan) {
+        if (o.max_steps != 0) {
+            train = std::make_unique<DataLoader>(loader_config(o.train_pattern, o, c, o.shuffle));
+            const uint64_t epoch = std::max<uint64_t>(1, train->schedule().batches_per_epoch() / uint64_t(plan.grad_accum));
+            max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
+        }
+        plan.schedule.total = std::max(1, max_steps);
+        if (!o.val_pattern.empty() && o.val_every > 0) {
+            val = std::make_unique<DataLoader>(loader_config(o.val_pattern, o, c, false));
+            const uint64_t all = std::max<uint64_t>(1, val->schedule().batches_per_epoch());
+            val_steps = int(o.val_max_steps == -1 ? std::min<uint64_t>(all, INT32_MAX)
+                                                  : std::min<uint64_t>(all, uint64_t(o.val_max_steps)));
+        }
+    }
+};
+
+void print_startup(const Flags& flags, const Options& o, const Plan& plan, const StartingModel& start, const Data& data) {
+    std::fputs(flags.settings_table().c_str(), stdout);
+    std::printf("model: %s, %s, %lld parameters, %.1f MFLOP per token (6N + 6LCT)\n", start.origin.c_str(),
+                describe(start.config).c_str(), (long long)num_parameters(start.config),
+                flops_per_token(start.config, o.T) / 1e6);
+    if (data.train) {
+        const uint64_t epoch_batches = std::max<uint64_t>(1, data.train->schedule().batches_per_epoch());
+        std::printf("batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
+                    "tokens; train data: %zu shard(s)\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum,
+                    data.max_steps, double(data.max_steps) * plan.grad_accum / double(epoch_batches),
+                    (unsigned long long)data.train->schedule().total_tokens(), data.train->schedule().shards().size());
+    } else {
+        std::printf("no training (-x 0)\n");
+    }
+    if (data.val) {
+        std::printf("val data: %zu shard(s), %llu tokens; %d batches per evaluation\n",
+                    data.val->schedule().shards().size(), (unsigned long long)data.val->schedule().total_tokens(),
+                    data.val_steps);
+    } else {
+        std::printf("val data: none\n");
+    }
+    std::printf("threads: %d\n", omp_get_max_threads());
+    std::fflush(stdout);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The loop's pieces.
+
+struct Batch {
+    std::vector<int32_t> inputs, targets;
+    void next(DataLoader& loader) {
+        const HostBatch& b = loader.next();
+        inputs.resize(size_t(b.B) * b.T);
+        targets.resize(inputs.size());
+        unpack_batch(b, inputs.data(), targets.data());
+    }
+};
+
+// The mean validation loss over `steps` batches from the start of the validation set.
+double evaluate(cpu::GPT2<float>& model, DataLoader& val, int steps, int B, int T, Batch& batch) {
     val.reset();
     double sum = 0;
-    for (int i = 0; i < batches; i++) {
-        val.next(inputs, targets);
-        sum += model.forward(inputs.data(), targets.data(), B, T);
+    for (int i = 0; i < steps; i++) {
+        batch.next(val);
+        sum += model.forward(batch.inputs.data(), batch.targets.data(), B, T);
     }
-    return sum / batches;
+    return sum / steps;
 }
 
-// --gen-tokens tokens after an end-of-text token (B = 1, the forward rerun over the tokens so far for each),
-// printed as text when the tokenizer file is there, else as ids.
-void print_sample(cpu::GPT2<float>& model, const Options& o) {
-    const GPT2Config& c = model.config();
-    Tokenizer tok;
-    const bool have_tokenizer = is_file(o.tokenizer);
-    if (have_tokenizer) {
-        tok = read_tokenizer_bin(o.tokenizer);
-    } else {
-        std::printf("note: tokenizer '%s' not found; the sample is printed as token ids\n", o.tokenizer.c_str());
+struct StepStats {
+    double loss = 0, norm = 0, seconds = 0;
+};
+
+// One optimizer step over grad_accum batches. backward() adds each batch's mean-loss gradient, so the
+// sum is divided by grad_accum (in the norm and, with the clip factor, in the update) to give the
+// gradient of the mean over all of them.
+StepStats train_step(cpu::GPT2<float>& model, DataLoader& train, const Options& o, int grad_accum, int step, double lr,
+                     Batch& batch) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepStats s;
+    model.zero_grad();
+    for (int micro = 0; micro < grad_accum; micro++) {
+        batch.next(train);
+        s.loss += model.forward(batch.inputs.data(), batch.targets.data(), o.B, o.T);
+        model.backward();
     }
-    const uint32_t start = have_tokenizer ? tok.eot() : std::min(kGpt2EotToken, uint32_t(c.vocab_size - 1));
-    std::vector<int> tokens{int(start)};
+    s.loss /= grad_accum;
+    s.norm = model.grad_norm() / grad_accum;
+    const cpu::AdamW adamw{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
+    model.update(adamw, step + 1, cpu::clip_scale(s.norm, o.grad_clip) / grad_accum);
+    s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return s;
+}
+
+std::string duration_text(double seconds) {
+    if (!(seconds >= 0) || !std::isfinite(seconds)) return "?";
+    const long s = long(seconds + 0.5);
+    if (s >= 3600) return format("%ldh%02ldm", s / 3600, (s / 60) % 60);
+    if (s >= 60) return format("%ldm%02lds", s / 60, s % 60);
+    return format("%lds", s);
+}
+
+// Seconds per step for the ETA and the summary; the first step (cold caches, allocations) is left out
+// when there are others.
+struct Throughput {
+    double seconds = 0;
+    int steps = 0;
+    void add(int step, int max_steps, double s) {
+        if (step > 0 || max_steps == 1) {
+            seconds += s;
+            steps++;
+        }
+    }
+    double per_step(double fallback) const { return steps > 0 ? seconds / steps : fallback; }
+};
+
+void log_step(Outputs& out, const Throughput& tp, const Plan& plan, int step, int max_steps, double lr,
+              const StepStats& s, bool print) {
+    const double tok_per_s = double(plan.tokens_per_step) / s.seconds;
+    if (print) {
+        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.0f ms | %.0f tok/s | ETA %s\n", step + 1, max_steps,
+                    s.loss, lr, s.norm, s.seconds * 1e3, tok_per_s,
+                    duration_text(tp.per_step(s.seconds) * (max_steps - step - 1)).c_str());
+        std::fflush(stdout);
+    }
+    // 17 digits: the loss reads back as the same double, so logs compare bitwise.
+    out.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f}", step + 1,
+                     json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
+                     json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s));
+}
+
+// n tokens after the prompt (or an end-of-text token), the forward rerun over the tokens so far for each.
+std::vector<uint32_t> generate(cpu::GPT2<float>& model, std::vector<int> tokens, int n, float temperature, int top_k,
+                               uint64_t seed) {
+    const GPT2Config& c = model.config();
     std::vector<uint32_t> out;
     std::vector<float> row(size_t(c.vocab_size));
-    SplitMix64 rng(uint64_t(o.sample_seed));
-    for (int i = 0; i < o.gen_tokens; i++) {
+    SplitMix64 rng(seed);
+    for (int i = 0; i < n; i++) {
         const int t = int(tokens.size());
         model.forward(tokens.data(), nullptr, 1, t);
         const float* logits = model.activations().logits.data() + size_t(t - 1) * c.padded_vocab_size;
         std::copy(logits, logits + c.vocab_size, row.begin());
-        const uint32_t next = sample_token(row, o.temperature, o.top_k, rng);
+        const uint32_t next = sample_token(row, temperature, top_k, rng);
         tokens.push_back(int(next));
         out.push_back(next);
     }
-    std::string text;
-    if (have_tokenizer) {
-        text = tok.decode(out);
-    } else {
-        for (uint32_t id : out) text += std::to_string(id) + " ";
-    }
-    std::printf("---------- sample ----------\n%s\n----------------------------\n", text.c_str());
+    return out;
 }
 
-int train(const Options& o) {
-    cpu::GPT2<float> model = build_model(o);
-    const GPT2Config& c = model.config();
-    const int B = o.batch, T = o.seq;
-    if (T > c.max_seq_len) fail(kExitUsage, "--seq %d is longer than the model's max_seq_len %d", T, c.max_seq_len);
-    if (o.gen_tokens > c.max_seq_len - 1) {
-        fail(kExitUsage, "--gen-tokens %d: at most the model's max_seq_len - 1 = %d", o.gen_tokens, c.max_seq_len - 1);
+void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, Outputs& out, int step) {
+    std::vector<int> start = plan.prompt;
+    if (start.empty()) {
+        const uint32_t eot = out.have_tokenizer ? out.tokenizer.eot() : kGpt2EotToken;
+        start.push_back(int(std::min(eot, uint32_t(model.config().vocab_size - 1))));
     }
-    std::printf("config: %s, %lld parameters, %.1f MFLOP/token\n", describe(c).c_str(),
-                (long long)num_parameters(c), flops_per_token(c, T) / 1e6);
-    std::printf("optimizer: AdamW lr %g, betas (%g, %g), eps %g, weight decay %g on matrices, clip %g\n",
-                o.adamw.learning_rate, o.adamw.beta1, o.adamw.beta2, o.adamw.eps, o.adamw.weight_decay, o.clip);
+    const std::vector<uint32_t> ids =
+        generate(model, start, plan.gen_tokens, o.temperature, o.top_k, uint64_t(o.sample_seed));
+    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
+                out.text(ids).c_str());
+    std::fflush(stdout);
+    std::string list;
+    for (uint32_t id : ids) list += (list.empty() ? "" : ",") + std::to_string(id);
+    out.write(format("{\"step\":%d,\"sample\":[%s]}", step, list.c_str()));
+}
 
-    TokenStream train(o.train_pattern, c.vocab_size, B, T);
-    std::printf("train data: %s, %zu shards, %lld tokens, %lld batches of B=%d x T=%d per pass\n",
-                o.train_pattern.c_str(), train.num_shards(), (long long)train.total_tokens(),
-                (long long)train.batches_per_pass(), B, T);
-    std::unique_ptr<TokenStream> val;
-    int val_batches = 0;
-    if (!o.val_pattern.empty()) {
-        val = std::make_unique<TokenStream>(o.val_pattern, c.vocab_size, B, T);
-        val_batches = int(std::min<int64_t>(o.val_batches, val->batches_per_pass()));
-        std::printf("val data: %s, %zu shards, %lld tokens; %d batches per evaluation\n", o.val_pattern.c_str(),
-                    val->num_shards(), (long long)val->total_tokens(), val_batches);
+// Written to a temporary name, synced and renamed, so that an interrupted write never leaves a torn
+// model where a good one was (e.g. when -e and the output are the same file).
+void save_model(const cpu::GPT2<float>& model, const std::string& dir, const SaveFormat& f) {
+    const std::string path = dir + "/" + f.file, tmp = path + ".tmp";
+    const std::vector<float> p = model.params_as_float();
+    write_model_file(tmp, model.config(), p.data(), f.version);
+    File(tmp, File::Mode::ReadWrite).sync();
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        const int e = errno;
+        fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
     }
-    std::printf("threads: %d\n", omp_get_max_threads());
-
-    std::vector<int> inputs, targets;
-    double first_val = -1, last_val = -1;
-    for (int step = 0; step <= o.steps; step++) {
-        const bool last = step == o.steps;
-        if (val && (step % o.val_every == 0 || last)) {
-            last_val = validation_loss(model, *val, val_batches, B, T);
-            if (first_val < 0) first_val = last_val;
-            std::printf("step %5d | val loss %.6f\n", step, last_val);
-        }
-        if (last) break;
-        auto t0 = std::chrono::steady_clock::now();
-        train.next(inputs, targets);
-        double loss = model.forward(inputs.data(), targets.data(), B, T);
-        model.zero_grad();
-        model.backward();
-        double norm = model.grad_norm();
-        model.update(o.adamw, step + 1, cpu::clip_scale(norm, o.clip));
-        double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::printf("step %5d/%d | train loss %.6f | norm %.4f | %.0f ms | %.0f tok/s\n", step + 1, o.steps, loss, norm,
-                    secs * 1e3, B * T / secs);
-        std::fflush(stdout);
-    }
-    if (val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
-    if (o.gen_tokens > 0) print_sample(model, o);
-    if (!o.out.empty()) {
-        std::vector<float> p = model.params_as_float();
-        write_model_file(o.out, c, p.data(), o.out_version);
-        std::printf("wrote %s (version %d)\n", o.out.c_str(), o.out_version);
-    }
-    return kExitOk;
+    sync_directory(dir);
+    std::printf("wrote %s (llm.c version %d, %s)\n", path.c_str(), f.version,
+                f.version == kModelVersionFp32 ? "fp32" : "bf16");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    return run_main([&] {
-        Options o;
-        return parse_args(argc, argv, o) ? train(o) : kExitOk;
+    return run_main([&]() -> int {
+        // Flags, then the output directory: a mistake in either ends the run before any work.
+        Options opt;
+        Flags flags = make_flags(opt);
+        if (!flags.parse(argc, argv)) return kExitOk;
+        check_options(flags, opt);
+        Outputs out(opt.output_dir);
+
+        // The model, the plan and the data.
+        StartingModel start = starting_model(opt);
+        Plan plan = plan_run(flags, opt, start.config);
+        Data data(opt, start.config, plan);
+        if (plan.gen_tokens > 0) out.load_tokenizer(opt.tokenizer);
+        print_startup(flags, opt, plan, start, data);
+        cpu::GPT2<float> model(start.config, start.params);
+        start.params = std::vector<float>();
+
+        // The loop: evaluate and sample between steps (and after the last), train in between.
+        Batch batch;
+        Throughput tp;
+        double first_val = NAN, last_val = NAN;
+        for (int step = 0; step <= data.max_steps; step++) {
+            const bool last = step == data.max_steps;
+            if (data.val && (step % opt.val_every == 0 || last)) {
+                last_val = evaluate(model, *data.val, data.val_steps, opt.B, opt.T, batch);
+                if (std::isnan(first_val)) first_val = last_val;
+                std::printf("step %5d/%d | val loss %.6f\n", step, data.max_steps, last_val);
+                std::fflush(stdout);
+                out.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
+            }
+            if (plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
+                print_sample(model, opt, plan, out, step);
+            }
+            if (last) break;
+            const double lr = plan.schedule.at(step);
+            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, batch);
+            tp.add(step, data.max_steps, s.seconds);
+            log_step(out, tp, plan, step, data.max_steps, lr, s,
+                     (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
+        }
+
+        // The summary and the trained model.
+        if (tp.steps > 0) {
+            std::printf("average over %d steps: %.0f ms/step, %.0f tok/s\n", tp.steps, 1e3 * tp.per_step(0),
+                        double(plan.tokens_per_step) / tp.per_step(0));
+        }
+        if (data.val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
+        for (const SaveFormat& f : plan.save) save_model(model, opt.output_dir, f);
+        return int(kExitOk);
     });
 }

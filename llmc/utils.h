@@ -81,18 +81,22 @@ __attribute__((format(printf, 1, 2))) inline std::string format(const char* fmt,
 }
 
 // Runs fn and converts an escaping exception into a message on stderr and an exit code, so that user
-// errors never end in an abort or a core dump.
+// errors never end in an abort or a core dump. stdout is flushed first: when it is a pipe it is fully
+// buffered, and the error would otherwise appear before the lines that led to it.
 template <class Fn>
 int run_main(Fn&& fn) {
     try {
         return fn();
     } catch (const Error& e) {
+        std::fflush(stdout);
         std::fprintf(stderr, "error: %s\n", e.what());
         return e.exit_code();
     } catch (const std::bad_alloc&) {
+        std::fflush(stdout);
         std::fprintf(stderr, "error: out of host memory\n");
         return kExitError;
     } catch (const std::exception& e) {
+        std::fflush(stdout);
         std::fprintf(stderr, "error: %s\n", e.what());
         return kExitError;
     }

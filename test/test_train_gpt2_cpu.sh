@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# The CPU trainer (train_gpt2) end to end on synthetic shards: a tiny model learns a noisy Markov chain
-# (the validation loss must fall by a third), reads both shard versions (uint16 and uint32 tokens),
-# writes a model file that loads back to the same validation loss, samples greedily along the learned
-# chain, and fails cleanly on bad input and bad flags (exit 2, the flag named).
+# The CPU trainer (train_gpt2) end to end on synthetic shards it writes itself (a noisy Markov chain
+# over 97 ids, in both shard versions: uint16 and uint32 tokens), with a tiny model (L=2, C=32, V=97):
+#   - numbers pinned as literals (so a change to the model, the initialisation, the data order, the
+#     schedule or the optimizer fails here): the first train losses, the gradient norm, the learning
+#     rate of warmup and cosine decay, the validation loss at steps 0, 50 and 150, and the tokens of a
+#     greedy sample; the validation loss must also fall by a third;
+#   - the same log.jsonl numbers with OMP_NUM_THREADS=1 and 2;
+#   - the written model loads back (-e FILE -x 0) to the same validation loss, and a greedy sample from
+#     --prompt-ids follows the chain the model learned; -x 0 writes no model unless asked;
+#   - -d (gradient accumulation over two batches) gives the losses and norm of one batch twice as big;
+#   - errors: bad data (exit 4), bad flags (exit 2, the flag named), and an error printed after the
+#     stdout lines that came before it when both go to one pipe.
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,53 +33,139 @@ def chain(n, seed):
         out.append(t)
     return out
 shard(d + "/syn_train_000000.bin", chain(20000, 1), 1)
-shard(d + "/syn_train_000001.bin", chain(20000, 2), 2)
+shard(d + "/syn_train_000001.bin", chain(20001, 2), 2)
 shard(d + "/syn_val_000000.bin", chain(5000, 3), 1)
-shard(d + "/bad_val_000000.bin", chain(2000, 4) + [97], 1)
+shard(d + "/bad_train_000000.bin", chain(2000, 4) + [97], 1)
 PY
 
-common=(--train "$dir/syn_train_*.bin" --val "$dir/syn_val_*.bin" --batch 4 --seq 16 --val-batches 16)
-OMP_NUM_THREADS=2 ./train_gpt2 "${common[@]}" --layers 2 --channels 32 --heads 2 --vocab 97 --max-seq-len 32 \
-    --steps 150 --lr 3e-3 --val-every 50 --out "$dir/model.bin" | tee "$dir/log"
-read -r first last < <(sed -n 's/^val loss: \([0-9.]*\) -> \([0-9.]*\)$/\1 \2/p' "$dir/log")
-echo "val loss $first -> $last"
-python3 -c "import sys; f, l = float(sys.argv[1]), float(sys.argv[2]); sys.exit(0 if l < f * 2 / 3 else 1)" "$first" "$last" \
-    || { echo "FAIL: the validation loss did not fall by a third"; exit 1; }
+tiny=(--layers 2 --channels 32 --heads 2 --vocab 97 --max-seq-len 32)
+common=(-i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 16 -m 16 --seed 7 --tokenizer "$dir/none.bin")
+run=("${common[@]}" "${tiny[@]}" -x 150 -l 3e-3 -u 10 -k cosine -q 0.1 -v 50 -s 150 -g 12 --temperature 0
+     --log-every 50)
+OMP_NUM_THREADS=2 ./train_gpt2 "${run[@]}" -o "$dir/a" | tee "$dir/log_a"
+OMP_NUM_THREADS=1 ./train_gpt2 "${run[@]}" -o "$dir/b" >"$dir/log_b"
+grep -q "note: tokenizer '$dir/none.bin' not found" "$dir/log_a" || { echo "FAIL: no note about the tokenizer"; exit 1; }
 
-./train_gpt2 "${common[@]}" --model "$dir/model.bin" --steps 0 | tee "$dir/log2"
-reloaded=$(sed -n 's/^step     0 | val loss \([0-9.]*\)$/\1/p' "$dir/log2")
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def fail(msg):
+    print("FAIL:", msg); sys.exit(1)
+def records(run):
+    return [json.loads(l) for l in open("%s/%s/log.jsonl" % (d, run))]
+a, b = records("a"), records("b")
+numbers = lambda recs: [{k: v for k, v in r.items() if k not in ("ms", "tok_per_s")} for r in recs]
+if numbers(a) != numbers(b): fail("log.jsonl differs between OMP_NUM_THREADS=2 and 1")
+print("OMP_NUM_THREADS=1 and 2: identical losses, norms, learning rates, validation losses and sample")
+
+train = {r["step"]: r for r in a if "loss" in r}
+val = {r["step"]: r["val_loss"] for r in a if "val_loss" in r}
+samples = {r["step"]: r["sample"] for r in a if "sample" in r}
+if sorted(train) != list(range(1, 151)): fail("train records at steps %s" % sorted(train))
+if sorted(val) != [0, 50, 100, 150]: fail("val records at steps %s" % sorted(val))
+if sorted(samples) != [150]: fail("sample records at steps %s" % sorted(samples))
+
+def near(what, got, want, tol):
+    if abs(got - want) > tol: fail("%s is %.9g, expected %.9g (tolerance %g)" % (what, got, want, tol))
+# Literal values from this model, data and seed (gpt2_cpu.h in fp32 gives them bitwise with any thread
+# count). Later steps get a looser bound, for a compiler that contracts multiply-adds differently.
+EXPECTED_LOSS = {1: (4.55288558, 1e-5), 2: (4.58568125, 1e-5), 3: (4.58536808, 1e-5), 50: (2.91661376, 1e-4),
+                 150: (1.45450066, 1e-4)}
+EXPECTED_NORM1 = 1.66129318
+EXPECTED_VAL = {0: (4.58335059, 1e-5), 50: (2.96767974, 1e-4), 150: (1.66158581, 1e-4)}
+EXPECTED_SAMPLE = [93, 72, 22, 60, 35, 54, 90, 51, 69, 1, 10, 73]
+for step, (want, tol) in EXPECTED_LOSS.items(): near("train loss at step %d" % step, train[step]["loss"], want, tol)
+near("gradient norm at step 1", train[1]["norm"], EXPECTED_NORM1, 1e-5)
+for step, (want, tol) in EXPECTED_VAL.items(): near("val loss at step %d" % step, val[step], want, tol)
+if samples[150] != EXPECTED_SAMPLE: fail("greedy sample %s, expected %s" % (samples[150], EXPECTED_SAMPLE))
+# Warmup 10 steps to 3e-3, then cosine to 3e-4 at step 150 (schedule.h counts steps from 0).
+import math
+def lr(s):
+    if s < 10: return 3e-3 * (s + 1) / 10
+    return 3e-4 + 0.5 * (3e-3 - 3e-4) * (1 + math.cos(math.pi * (s - 10) / 140))
+for step in (1, 5, 10, 11, 80, 150): near("lr at step %d" % step, train[step]["lr"], lr(step - 1), 1e-6 * lr(step - 1))
+if not val[150] < val[0] * 2 / 3: fail("the validation loss did not fall by a third: %g -> %g" % (val[0], val[150]))
+print("pinned losses, norm, learning rates, validation losses and greedy sample: ok")
+PY
+grep -q '^---------- sample at step 150' "$dir/log_a" || { echo "FAIL: no sample printed at step 150"; exit 1; }
+[ -f "$dir/a/model.bin" ] || { echo "FAIL: no model.bin"; exit 1; }
+grep -q '^val loss: 4.583351 -> 1.661586$' "$dir/log_a" || { echo "FAIL: no summary line 'val loss: 4.583351 -> 1.661586'"; exit 1; }
+last=1.661586
+
+# The written model: the same validation loss, a greedy sample along the chain from a prompt, and no
+# model.bin written by -x 0 unless --save-model asks.
+./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -g 12 --temperature 0 --prompt-ids 5,38 -o "$dir/c" \
+    | tee "$dir/log_c"
+reloaded=$(sed -n 's/^step     0\/0 | val loss \([0-9.]*\)$/\1/p' "$dir/log_c")
 [ "$reloaded" = "$last" ] || { echo "FAIL: the written model gives val loss $reloaded, expected $last"; exit 1; }
-
-# Sampling: greedy from the trained model must follow the chain it learned (t -> 7t + 3 mod 97 nine times
-# in ten); without a tokenizer file the tokens are printed as ids, after a note.
-./train_gpt2 "${common[@]}" --model "$dir/model.bin" --steps 0 --gen-tokens 12 --temperature 0 \
-    --tokenizer "$dir/none.bin" | tee "$dir/log3"
-grep -q "note: tokenizer '$dir/none.bin' not found" "$dir/log3" || { echo "FAIL: no note about the tokenizer"; exit 1; }
-ids=$(sed -n '/^---------- sample/{n;p;}' "$dir/log3")
-python3 - "$ids" <<'PY' || { echo "FAIL: the greedy sample does not follow the learned chain: $ids"; exit 1; }
-import sys
-ids = [int(x) for x in sys.argv[1].split()]
-assert len(ids) == 12, ids
-prev = [96] + ids[:-1]  # the start token: the end-of-text id, clamped to the vocabulary
+[ ! -e "$dir/c/model.bin" ] || { echo "FAIL: -x 0 wrote a model without --save-model"; exit 1; }
+python3 - "$dir" <<'PY' || exit 1
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1] + "/c/log.jsonl")]
+ids = [r["sample"] for r in recs if "sample" in r][0]
+prev = [38] + ids[:-1]
 follow = sum(1 for a, b in zip(prev, ids) if b == (7 * a + 3) % 97)
-print("greedy sample follows the chain in %d of 12 steps" % follow)
-sys.exit(0 if follow >= 9 else 1)
+print("greedy sample after the prompt 5,38 follows the chain in %d of %d steps: %s" % (follow, len(ids), ids))
+if ids != [75, 43, 13, 94, 79, 71, 15, 11, 80, 78, 64, 63] or follow < 10:
+    print("FAIL: the greedy sample does not continue the prompt along the learned chain"); sys.exit(1)
+PY
+./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -v 0 --save-model llmc,llmc-bf16 -o "$dir/d" >/dev/null
+cmp -s "$dir/a/model.bin" "$dir/d/model.bin" || { echo "FAIL: -x 0 --save-model llmc changed the model file"; exit 1; }
+[ -f "$dir/d/model_bf16.bin" ] || { echo "FAIL: no model_bf16.bin"; exit 1; }
+
+# Gradient accumulation: two batches of 4 per step see the samples one batch of 8 sees, so the first
+# loss and norm agree to rounding, and the runs stay together. A large epsilon makes AdamW's update
+# depend on the gradient's scale (it is otherwise nearly blind to it), so a wrong 1/2 shows.
+short=("${common[@]}" "${tiny[@]}" -x 5 -v 0 -l 3e-3 --eps 0.01 -o)
+./train_gpt2 "${short[@]}" "$dir/e" -b 8 >/dev/null
+./train_gpt2 "${short[@]}" "$dir/f" -b 4 -d 128 >"$dir/log_f"
+grep -q "2 micro-step(s) per step" "$dir/log_f" || { echo "FAIL: -d 128 with B*T = 64 does not run two micro-steps"; exit 1; }
+python3 - "$dir" <<'PY' || exit 1
+import json, sys
+d = sys.argv[1]
+e, f = ([json.loads(l) for l in open("%s/%s/log.jsonl" % (d, r))] for r in ("e", "f"))
+for x, y in zip(e, f):
+    for k, tol in (("loss", 1e-5), ("norm", 1e-4 * x["norm"])):
+        if abs(x[k] - y[k]) > tol:
+            print("FAIL: step %d: %s %.9g with B=8, %.9g with B=4 -d 128" % (x["step"], k, x[k], y[k])); sys.exit(1)
+print("-d 128 (two batches of 4) matches one batch of 8 over 5 steps")
+PY
+
+# The error comes after the lines printed before it, also when stdout and stderr share a pipe (where
+# stdout is fully buffered): here a note on -g, then a data error.
+./train_gpt2 -i "$dir/none_*.bin" -j "" "${tiny[@]}" -b 2 -t 8 -g 40 -o "" 2>&1 | cat >"$dir/log_order" || true
+python3 - "$dir/log_order" <<'PY' || exit 1
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+note = [i for i, l in enumerate(lines) if l.startswith("note: -g/--gen-tokens 40")]
+err = [i for i, l in enumerate(lines) if l.startswith("error: no shard file matches")]
+if len(note) != 1 or len(err) != 1 or err[0] < note[0]:
+    print("FAIL: expected the note, then the error:"); print("\n".join(lines)); sys.exit(1)
+print("the error follows the note printed before it in a shared pipe: ok")
 PY
 
 source test/script_lib.sh
 expect_bin=(./train_gpt2)
-tiny=(--layers 1 --channels 8 --heads 2 --vocab 97 --max-seq-len 32 --batch 2 --seq 8 --steps 1)
-expect_exit 3 "no token shards match" --train "$dir/none_*.bin" --val none "${tiny[@]}"
-expect_exit 4 "outside the model's vocabulary" --train "$dir/bad_val_*.bin" --val none "${tiny[@]}" --steps 300
-expect_exit 2 "needs all of --layers" --train "$dir/syn_train_*.bin" --layers 2
+flags=(-i "$dir/syn_train_*.bin" -j "" "${tiny[@]}" -b 2 -t 8 -x 1 -o "")
+expect_exit 4 "not below the vocabulary size 97" -i "$dir/bad_train_*.bin" -j "" "${tiny[@]}" -b 2 -t 8 -x 300 -o ""
+expect_exit 2 "no shard file matches '$dir/none_\*.bin'" "${flags[@]}" -i "$dir/none_*.bin"
+expect_exit 2 "needs all of --layers" --layers 2 -o ""
+expect_exit 2 "not both" "${flags[@]}" -e d2
 expect_exit 2 "unknown flag '--bogus'" --bogus 1
-expect_exit 2 "flag --batch: '0' is not an integer from 1 to 65536" --batch 0
-expect_exit 2 "flag --lr: 'fast' is not a number" --lr fast
-expect_exit 2 "flag --seq needs a value" --seq
-expect_exit 2 "--out-version expects 3 (fp32) or 5 (bf16), got 4" --out-version 4
+expect_exit 2 "flag --batch-size: '0' is not an integer from 1 to 65536" --batch-size 0
+expect_exit 2 "flag -l: 'fast' is not a number" -l fast
+expect_exit 2 "flag -t needs a value" -t
+expect_exit 2 "flag --final-lr-fraction: '2' is not a number from 0 to 1" --final-lr-fraction 2
+expect_exit 2 "-m/--val-max-steps 0" -m 0
+expect_exit 2 "unknown learning rate schedule 'step'" -k step
+expect_exit 2 "--save-model: unknown format 'hf'" "${flags[@]}" --save-model hf
 expect_exit 2 "unexpected argument 'stray'" stray
 expect_exit 0 "usage: train_gpt2 \[flags\]" --help
-expect_exit 2 "longer than the model's max_seq_len" --train "$dir/syn_train_*.bin" --val none "${tiny[@]}" --seq 33
-expect_exit 2 "--gen-tokens 32: at most the model's max_seq_len - 1 = 31" --train "$dir/syn_train_*.bin" --val none \
-    "${tiny[@]}" --gen-tokens 32
+expect_exit 0 "-q, --final-lr-fraction <float> .* from 0 to 1" --help
+expect_exit 2 "longer than the model's maximum sequence length 32" "${flags[@]}" -t 33
+expect_exit 2 "not a multiple of B\*T = 2\*8 = 16" "${flags[@]}" -d 24
+expect_exit 2 "--prompt-ids: token 97 is outside the model's vocabulary \[0, 97)" "${flags[@]}" -g 4 --prompt-ids 1,97
+expect_exit 2 "'x' is not a token id" "${flags[@]}" -g 4 --prompt-ids 1,x
+expect_exit 3 "model file '$dir/missing.bin' does not exist" -e "$dir/missing.bin" -o ""
+expect_exit 2 "unknown model descriptor 'd5'" -e d5 -o ""
 echo "ok"

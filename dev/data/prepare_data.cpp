@@ -21,6 +21,13 @@ Chunks do not depend on the thread count, so the shards are byte-identical whate
 
 Also writes llm.c's tokenizer file (--write-tokenizer), which the trainer loads for decoding.
 
+Before any work the output folder is created if missing and proven writable (a small file written,
+synced and removed), and so is the folder of --write-tokenizer, so that a read-only or full disk fails
+at once, not after the encoding. Warns (stderr) about an input that yields no document (an empty text
+file, a JSONL file of blank lines) and about a text input whose bytes are mostly not UTF-8 text (more
+than a quarter invalid UTF-8 or control characters: a binary file, or text in another encoding); it
+encodes them all the same.
+
 Errors name the file (and line, for JSONL) and exit with utils.h's codes: 2 usage, 3 unreadable input
 or unwritable output, 4 bad JSON or vocabulary files. Does not: deduplicate, filter, shuffle, or
 know any special token but <|endoftext|>; --shuffle-files moves whole files, not the lines of a JSONL
@@ -217,6 +224,7 @@ struct DocPart {
     size_t token_end = 0;
     uint32_t input = 0;
     bool starts_document = false;
+    int64_t not_text_bytes = 0;  // text inputs: bytes of invalid UTF-8 or control characters
 };
 
 struct EncodedChunk {
@@ -320,6 +328,46 @@ private:
     uint64_t seq_ = 0;
 };
 
+// Bytes of `s` that are not UTF-8 text: bytes outside a well-formed UTF-8 sequence (overlong forms and
+// surrogates included), and control characters other than tab, line feed, form feed and carriage return.
+int64_t count_not_text(std::string_view s) {
+    int64_t bad = 0;
+    const size_t n = s.size();
+    for (size_t i = 0; i < n;) {
+        const unsigned char c = static_cast<unsigned char>(s[i]);
+        if (c < 0x80) {
+            if ((c < 0x20 && c != '\t' && c != '\n' && c != '\f' && c != '\r') || c == 0x7F) bad++;
+            i++;
+            continue;
+        }
+        // The allowed range of the second byte depends on the first (RFC 3629's table).
+        int more = 0;
+        unsigned char lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) more = 1;
+        else if (c == 0xE0) more = 2, lo = 0xA0;
+        else if (c == 0xED) more = 2, hi = 0x9F;
+        else if (c >= 0xE1 && c <= 0xEF) more = 2;
+        else if (c == 0xF0) more = 3, lo = 0x90;
+        else if (c == 0xF4) more = 3, hi = 0x8F;
+        else if (c >= 0xF1 && c <= 0xF3) more = 3;
+        int ok = 0;
+        if (more > 0 && i + 1 < n) {
+            const unsigned char c1 = static_cast<unsigned char>(s[i + 1]);
+            if (c1 >= lo && c1 <= hi) {
+                ok = 1;
+                while (ok < more && i + 1 + ok < n && (static_cast<unsigned char>(s[i + 1 + ok]) & 0xC0) == 0x80) ok++;
+            }
+        }
+        if (more > 0 && ok == more) {
+            i += 1 + more;
+        } else {
+            bad++;  // the lead byte; its stray continuation bytes are counted as they come
+            i++;
+        }
+    }
+    return bad;
+}
+
 // nlohmann's message starts "[json.exception.parse_error.101] parse error at line 1, column 5: ";
 // the line is ours to give, so keep only what follows the column.
 std::string json_error_text(const std::string& what) {
@@ -340,7 +388,7 @@ void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::
         if (!in.jsonl) {
             if (s.starts_document) out.tokens.push_back(enc.eot());
             enc.encode_ordinary(ctx, seg, out.tokens);
-            out.parts.push_back({out.tokens.size(), s.input, s.starts_document});
+            out.parts.push_back({out.tokens.size(), s.input, s.starts_document, count_not_text(seg)});
             continue;
         }
         int64_t line_no = s.first_line;
@@ -368,7 +416,7 @@ void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::
             }
             out.tokens.push_back(enc.eot());
             enc.encode_ordinary(ctx, field->get_ref<const std::string&>(), out.tokens);
-            out.parts.push_back({out.tokens.size(), s.input, true});
+            out.parts.push_back({out.tokens.size(), s.input, true, 0});
         }
     }
 }
@@ -446,6 +494,34 @@ void make_dir(const std::string& dir) {
     if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) fail(kExitIo, "'%s' is not a folder", dir.c_str());
 }
 
+// Writes, syncs and removes a small file in `dir`, so that a read-only file system, missing permissions
+// or a full disk fail now rather than after the encoding. `what` names the folder's role.
+void prove_writable(const std::string& dir, const char* what) {
+    const std::string probe = format("%s/.write_test_%d", dir.c_str(), int(::getpid()));
+    try {
+        File f(probe, File::Mode::Write);
+        const std::vector<char> block(4096, 0);
+        f.write_all(block.data(), block.size());
+        f.sync();
+        f.close();
+    } catch (const Error& e) {
+        ::unlink(probe.c_str());
+        fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), e.what());
+    }
+    ::unlink(probe.c_str());
+}
+
+// The folder of --write-tokenizer must exist already (it is not created) and be writable.
+void check_tokenizer_folder(const std::string& path) {
+    const size_t slash = path.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    struct stat st;
+    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fail(kExitIo, "--write-tokenizer '%s': the folder '%s' does not exist", path.c_str(), dir.c_str());
+    }
+    prove_writable(dir, "the folder of --write-tokenizer");
+}
+
 // ---- progress ----
 
 class Progress {
@@ -490,6 +566,7 @@ struct RunStats {
     int64_t documents[2] = {0, 0};
     int64_t bytes = 0;
     double encode_seconds = 0;
+    std::vector<int64_t> input_documents, input_not_text;  // per input
 };
 
 // The main thread reads chunks and writes results in order; `threads` workers encode. At most
@@ -549,6 +626,8 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
     for (const Input& in : inputs) total_bytes += in.bytes;
     Progress progress(total_bytes, o.quiet);
     RunStats stats;
+    stats.input_documents.assign(inputs.size(), 0);
+    stats.input_not_text.assign(inputs.size(), 0);
     int64_t tokens_written = 0;
     uint64_t next_to_write = 0;
     int current_split = kTrain;
@@ -568,7 +647,9 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
                 }
                 doc_index++;
                 stats.documents[current_split]++;
+                stats.input_documents[part.input]++;
             }
+            stats.input_not_text[part.input] += part.not_text_bytes;
             writers[current_split]->append(r.tokens.data() + begin, part.token_end - begin);
             begin = part.token_end;
         }
@@ -644,6 +725,27 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
     return stats;
 }
 
+// One line per input that yields no document or is mostly not UTF-8 text (at most kMaxLines of each,
+// then a count), on stderr.
+void warn_about_inputs(const std::vector<Input>& inputs, const RunStats& stats) {
+    constexpr int kMaxLines = 10;
+    int empty = 0, binary = 0;
+    for (size_t i = 0; i < inputs.size(); i++) {
+        const Input& in = inputs[i];
+        if (stats.input_documents[i] == 0 && ++empty <= kMaxLines) {
+            std::fprintf(stderr, "warning: input '%s' yields no documents (%s)\n", in.path.c_str(),
+                         in.jsonl ? "no JSON lines, only blank ones" : "an empty file");
+        }
+        if (!in.jsonl && in.bytes > 0 && stats.input_not_text[i] * 4 > in.bytes && ++binary <= kMaxLines) {
+            std::fprintf(stderr, "warning: input '%s': %.0f%% of its %lld bytes are not UTF-8 text (invalid UTF-8 or "
+                         "control characters); is it a binary file, or text in another encoding?\n", in.path.c_str(),
+                         100.0 * double(stats.input_not_text[i]) / double(in.bytes), (long long)in.bytes);
+        }
+    }
+    if (empty > kMaxLines) std::fprintf(stderr, "warning: %d more inputs yield no documents\n", empty - kMaxLines);
+    if (binary > kMaxLines) std::fprintf(stderr, "warning: %d more inputs are mostly not UTF-8 text\n", binary - kMaxLines);
+}
+
 }  // namespace
 
 // The whole tool, callable in-process: test/test_tokenizer.cpp includes this file with
@@ -653,6 +755,11 @@ int prepare_data_main(int argc, char** argv) {
         Options o;
         if (!parse_args(argc, argv, o)) return kExitOk;
         std::vector<Input> inputs = resolve_inputs(o);
+        if (!inputs.empty()) {
+            make_dir(o.out_dir);
+            prove_writable(o.out_dir, "output folder");
+        }
+        if (!o.write_tokenizer.empty()) check_tokenizer_folder(o.write_tokenizer);
 
         auto t0 = std::chrono::steady_clock::now();
         for (const std::string& f : {o.encoder_json, o.vocab_bpe}) {
@@ -679,7 +786,6 @@ int prepare_data_main(int argc, char** argv) {
                         inputs.size(), total_bytes / 1e6, o.threads, tok.size(), load_seconds,
                         enc.jit() ? "" : " (PCRE2 without JIT: slower)");
         }
-        make_dir(o.out_dir);
         int version = tok.size() <= 65536 ? 1 : 2;
         ShardWriter train(o, kTrain, version), val(o, kVal, version);
         ShardWriter* writers[2] = {&train, &val};
@@ -688,6 +794,7 @@ int prepare_data_main(int argc, char** argv) {
         val.finish();
 
         int removed = remove_stale_shards(o, kTrain, train.shards()) + remove_stale_shards(o, kVal, val.shards());
+        warn_about_inputs(inputs, stats);
         if (!o.quiet) {
             for (int s : {kTrain, kVal}) {
                 const ShardWriter& w = *writers[s];

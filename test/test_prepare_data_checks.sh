@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# build/prepare_data's start-up checks and input warnings:
+#   - the output folder is created (parents included), or refused at once with exit 3 naming it (below a
+#     regular file; a read-only or full tmpfs in a user namespace where the system allows one), before
+#     the vocabulary is loaded; the folder of --write-tokenizer likewise (it must exist);
+#   - a warning for each input that yields no document (an empty text file, a JSONL file of blank lines)
+#     and for each text input of which more than a quarter of the bytes are not UTF-8 text (invalid
+#     UTF-8, surrogates, overlong forms, control characters), and none for the others (UTF-8 text with
+#     a BOM, emoji and tabs; a little Latin-1), which are encoded all the same.
+# Exit 0 pass, 1 fail, 77 skip (no PCRE2 headers to build the tool, or no GPT-2 vocabulary in .deps/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -f /usr/include/pcre2.h ]; then echo "skipped: no PCRE2 headers (libpcre2-dev) to build prepare_data"; exit 77; fi
+if [ ! -f .deps/gpt2/encoder.json ] || [ ! -f .deps/gpt2/vocab.bpe ]; then
+    echo "skipped: GPT-2's vocabulary is not in .deps/gpt2 (scripts/setup.sh)"; exit 77
+fi
+make -s build/prepare_data
+dir=$(mktemp -d /tmp/prepare_data_checks_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+chmod 755 "$dir"
+
+# Inputs: name -> bytes, from Python so the byte values are exact.
+mkdir "$dir/in"
+python3 - "$dir/in" <<'PY'
+import sys
+d = sys.argv[1]
+files = {
+    "empty.txt": b"",
+    "blank.jsonl": b"\n  \n\n",
+    "ok.jsonl": b'{"text": "a document"}\n\n',
+    "utf8.txt": b"\xef\xbb\xbfcaf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\tand\r\nmore\x0c text\n" * 3,
+    "latin1.txt": b"caf\xe9, na\xefve, r\xe9sum\xe9: mostly plain text with a few Latin-1 bytes in it.\n",
+    "invalid30.txt": b"a" * 70 + b"\xff" * 30,
+    "invalid20.txt": b"a" * 80 + b"\xff" * 20,
+    "surrogates.txt": b"a" * 60 + b"\xed\xa0\x80" * 10,
+    "overlong.txt": b"a" * 60 + b"\xc0\xaf" * 15,
+    "controls.txt": b"a" * 70 + b"\x01\x00\x1b" * 10,
+    "truncated.txt": b"a" * 60 + b"\xe2\x82" * 15,
+    "whitespace.txt": b"a" * 50 + b"\t\n\r\x0c" * 12,
+}
+for name, data in files.items():
+    open("%s/%s" % (d, name), "wb").write(data)
+PY
+build/prepare_data --out "$dir/out/a/b" "$dir/in" >"$dir/stdout" 2>"$dir/stderr" ||
+    { echo "FAIL: prepare_data failed:"; cat "$dir/stderr"; exit 1; }
+cat "$dir/stderr"
+python3 - "$dir" <<'PY'
+import re, sys
+d = sys.argv[1]
+err = open(d + "/stderr").read().splitlines()
+no_docs = sorted(re.search(r"in/([^']+)'", l).group(1) for l in err if "yields no documents" in l)
+not_text = sorted(re.search(r"in/([^']+)'", l).group(1) for l in err if "are not UTF-8 text" in l)
+ok = True
+if no_docs != ["blank.jsonl", "empty.txt"]:
+    print("FAIL: 'yields no documents' warnings for %s, expected blank.jsonl and empty.txt" % no_docs); ok = False
+want = ["controls.txt", "invalid30.txt", "overlong.txt", "surrogates.txt", "truncated.txt"]
+if not_text != want: print("FAIL: 'not UTF-8 text' warnings for %s, expected %s" % (not_text, want)); ok = False
+if not any("invalid30.txt': 30% of its 100 bytes" in l for l in err): print("FAIL: no '30% of its 100 bytes'"); ok = False
+if not re.search(r"train +10 documents", open(d + "/stdout").read()):
+    print("FAIL: expected the 10 non-empty inputs encoded as 10 documents:"); print(open(d + "/stdout").read()); ok = False
+sys.exit(0 if ok else 1)
+PY
+[ -f "$dir/out/a/b/corpus_train_000000.bin" ] || { echo "FAIL: no shard in the created folder"; exit 1; }
+[ -z "$(ls -A "$dir/out/a/b" | grep -v '^corpus_')" ] || { echo "FAIL: files left in the output folder"; exit 1; }
+echo "warnings: ok"
+
+# expect_refused LABEL FRAGMENT [PREFIX...] -- ARGS...: prepare_data ARGS exits 3 within a second with
+# FRAGMENT, before it loads the vocabulary (which prints the "prepare_data: N files" line).
+expect_refused() {
+    local label=$1 fragment=$2 rc=0
+    shift 2
+    local prefix=()
+    while [ "$1" != "--" ]; do prefix+=("$1"); shift; done
+    shift
+    local t0 t1
+    t0=$(date +%s%N)
+    "${prefix[@]}" build/prepare_data "$@" >"$dir/out.log" 2>&1 || rc=$?
+    t1=$(date +%s%N)
+    local ms=$(( (t1 - t0) / 1000000 ))
+    if [ $rc -ne 3 ] || ! grep -qF -- "$fragment" "$dir/out.log" || grep -q '^prepare_data: ' "$dir/out.log" ||
+        [ $ms -ge 1000 ]; then
+        echo "FAIL: $label: exited $rc after $ms ms (expected 3 within 1000 ms with '$fragment', before the vocabulary):"
+        cat "$dir/out.log"
+        exit 1
+    fi
+    echo "$label: exit 3 after $ms ms: $(tail -n 1 "$dir/out.log")"
+}
+touch "$dir/file"
+expect_refused "output below a regular file" "cannot create folder '$dir/file/out': Not a directory" -- \
+    --out "$dir/file/out" "$dir/in/ok.jsonl"
+expect_refused "tokenizer in a missing folder" "--write-tokenizer '$dir/none/tok.bin': the folder '$dir/none' does not exist" -- \
+    --out "$dir/out2" --write-tokenizer "$dir/none/tok.bin" "$dir/in/ok.jsonl"
+mkdir "$dir/ro" "$dir/full"
+if unshare -rm true 2>/dev/null; then
+    export -f expect_refused
+    export dir
+    unshare -rm bash -c "
+        set -euo pipefail
+        mount -t tmpfs -o ro,size=64k tmpfs '$dir/ro'
+        mount -t tmpfs -o size=64k tmpfs '$dir/full'
+        dd if=/dev/zero of='$dir/full/fill' bs=4k count=64 2>/dev/null || true
+        expect_refused 'read-only output folder' \"output folder '$dir/ro' is not writable\" -- --out '$dir/ro' '$dir/in/ok.jsonl'
+        expect_refused 'new folder on a read-only file system' \"cannot create folder '$dir/ro/x': Read-only file system\" -- \
+            --out '$dir/ro/x' '$dir/in/ok.jsonl'
+        expect_refused 'full output folder' 'No space left on device' -- --out '$dir/full' '$dir/in/ok.jsonl'
+        expect_refused 'tokenizer on a full file system' \"the folder of --write-tokenizer '$dir/full' is not writable\" -- \
+            --write-tokenizer '$dir/full/tok.bin'
+    "
+else
+    echo "note: no user namespaces here (unshare -rm): the read-only and full file system cases are left out"
+fi
+echo "ok"
