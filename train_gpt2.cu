@@ -324,19 +324,7 @@ inline std::vector<uint32_t> resolve_prompt(const Options& o, const GPT2Config& 
         fail(kExitUsage, "--prompt: this build has no text encoder (it needs PCRE2); give --prompt-ids instead");
 #endif
     }
-    size_t start = 0;
-    while (!o.prompt_ids.empty() && start <= o.prompt_ids.size()) {
-        const size_t comma = std::min(o.prompt_ids.find(',', start), o.prompt_ids.size());
-        const std::string item = o.prompt_ids.substr(start, comma - start);
-        char* end = nullptr;
-        const long long v = std::strtoll(item.c_str(), &end, 10);
-        if (item.empty() || *end != '\0' || v < 0 || v >= c.vocab_size) {
-            fail(kExitUsage, "--prompt-ids: '%s' is not a token id below the vocabulary size %d", item.c_str(),
-                 c.vocab_size);
-        }
-        ids.push_back(uint32_t(v));
-        start = comma + 1;
-    }
+    for (uint32_t id : parse_token_ids(o.prompt_ids, c.vocab_size, "--prompt-ids")) ids.push_back(id);
     return ids;
 }
 

@@ -35,15 +35,16 @@ those.
 #include <vector>
 
 #include <omp.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "llmc/dataloader.h"
 #include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
+#include "llmc/mc_eval.h"
 #include "llmc/model_file.h"
+#include "llmc/model_io.h"
 #include "llmc/sampler.h"
+#include "llmc/run_log.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
@@ -89,6 +90,10 @@ struct Options {
     std::string tokenizer = "data/gpt2_tokenizer.bin";
     bool shuffle = true;
     std::string save_model = "llmc";
+    std::string vocab_dir = ".deps/gpt2";
+    std::string eval_file;
+    int eval_every = 250;
+    int eval_max_items = -1;
     int log_every = 1;
 };
 
@@ -96,7 +101,8 @@ Flags make_flags(Options& o) {
     Flags f("train_gpt2", "Trains GPT-2 on the CPU (fp32 reference model; threads: OMP_NUM_THREADS). Flags as train_gpt2cu's.");
     f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
     f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
-    f.add("e", "model", &o.model, "model to start from: a model file (llm.c v3/v5) or a descriptor d2 d6 d12 d24 d36 d48");
+    f.add("e", "model", &o.model,
+          "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder, or a new model d2 ... d48");
     f.add("", "layers", &o.layers, "explicit shape instead of -e: layers (with --channels and --heads)", 1, 4096);
     f.add("", "channels", &o.channels, "explicit shape: channels", 1, 65536);
     f.add("", "heads", &o.heads, "explicit shape: attention heads", 1, 65536);
@@ -133,9 +139,15 @@ Flags make_flags(Options& o) {
     f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model,
-          "model files written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c version 3), "
-          "llmc-bf16 (<output-dir>/model_bf16.bin, version 5) or none (1 and 0, train_gpt2cu's boolean form, are llmc "
-          "and none); with -x 0 only when given");
+          "formats of the model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c v3), "
+          "llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; with -x 0 "
+          "only when given");
+    f.add("", "vocab-dir", &o.vocab_dir, "GPT-2's encoder.json and vocab.bpe, copied into Hugging Face exports");
+    f.add("", "eval", &o.eval_file,
+          "multiple-choice evaluation file (llm.c's eval .bin): accuracy every --eval-every steps and at the end");
+    f.add("", "eval-every", &o.eval_every, "evaluate on --eval every N steps and at the end (0: at the end only)", 0,
+          INT32_MAX);
+    f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, INT32_MAX);
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, INT32_MAX);
     return f;
 }
@@ -156,133 +168,24 @@ void check_options(const Flags& flags, const Options& o) {
     LRSchedule::parse_kind(o.schedule);
 }
 
-// Model files to write at the end, from --save-model.
-struct SaveFormat {
-    const char* name;
-    const char* file;
-    int version;
-};
-
-std::vector<SaveFormat> save_formats(std::string list) {
-    if (list == "1") list = "llmc";
-    if (list == "0") list = "none";
-    static const SaveFormat known[] = {{"llmc", "model.bin", kModelVersionFp32},
-                                       {"llmc-bf16", "model_bf16.bin", kModelVersionBf16}};
-    std::vector<SaveFormat> out;
-    size_t start = 0;
-    for (;;) {
-        const size_t comma = list.find(',', start);
-        const std::string item = list.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        if (item == "none") {
-            if (list != "none") fail(kExitUsage, "--save-model '%s': none cannot be combined with a format", list.c_str());
-        } else {
-            const SaveFormat* f = std::find_if(std::begin(known), std::end(known),
-                                               [&](const SaveFormat& k) { return item == k.name; });
-            if (f == std::end(known)) {
-                fail(kExitUsage, "--save-model: unknown format '%s' (llmc, llmc-bf16 or none)", item.c_str());
-            }
-            out.push_back(*f);
-        }
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-    }
-    return out;
-}
-
-// --prompt-ids as token ids, each checked against the model's vocabulary.
-std::vector<int> parse_prompt(const std::string& text, int vocab_size) {
-    std::vector<int> ids;
-    if (text.empty()) return ids;
-    size_t start = 0;
-    for (;;) {
-        const size_t comma = text.find(',', start);
-        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        char* end = nullptr;
-        errno = 0;
-        const long long v = item.empty() ? -1 : std::strtoll(item.c_str(), &end, 10);
-        if (item.empty() || errno != 0 || *end != '\0' || v < 0) {
-            fail(kExitUsage, "--prompt-ids '%s': '%s' is not a token id (a non-negative integer)", text.c_str(), item.c_str());
-        }
-        if (v >= vocab_size) {
-            fail(kExitUsage, "--prompt-ids: token %lld is outside the model's vocabulary [0, %d)", v, vocab_size);
-        }
-        ids.push_back(int(v));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-    }
-    return ids;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // The output directory and log.jsonl.
 
-bool is_regular_file(const std::string& path) {
-    struct stat st;
-    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-void make_directory(const std::string& dir) {
-    for (size_t slash = dir.find('/', 1);; slash = dir.find('/', slash + 1)) {
-        const std::string partial = dir.substr(0, slash);
-        if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-            const int e = errno;
-            if (partial == dir) fail(kExitIo, "cannot create output directory '%s': %s", dir.c_str(), std::strerror(e));
-            fail(kExitIo, "cannot create output directory '%s': cannot create '%s': %s", dir.c_str(), partial.c_str(),
-                 std::strerror(e));
-        }
-        if (slash == std::string::npos) break;
-    }
-    struct stat st;
-    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-        fail(kExitIo, "output directory '%s' is not a directory", dir.c_str());
-    }
-}
-
-// Writes, syncs and removes a small file, so that a read-only file system, missing permissions or a
-// full disk stop the run now rather than when the first log line or the model is written.
-void prove_writable(const std::string& dir) {
-    const std::string probe = format("%s/.write_test_%d", dir.c_str(), int(::getpid()));
-    try {
-        File f(probe, File::Mode::Write);
-        const std::vector<char> block(4096, 0);
-        f.write_all(block.data(), block.size());
-        f.sync();
-        f.close();
-    } catch (const Error& e) {
-        ::unlink(probe.c_str());
-        fail(kExitIo, "output directory '%s' is not writable: %s", dir.c_str(), e.what());
-    }
-    if (::unlink(probe.c_str()) != 0) {
-        const int e = errno;
-        fail(kExitIo, "output directory '%s': cannot remove the test file '%s': %s", dir.c_str(), probe.c_str(),
-             std::strerror(e));
-    }
-}
-
-// JSON has no NaN or infinity; such values go out as null.
-std::string json_number(double v, const char* fmt) { return std::isfinite(v) ? format(fmt, v) : std::string("null"); }
-
-// log.jsonl in the output directory (one JSON object per line, written as it happens), and the
-// tokenizer that turns samples into text.
+// log.jsonl in the output directory (llmc/run_log.h), and the tokenizer that turns samples into text.
 struct Outputs {
     std::string dir;
-    File log;
+    JsonlLog log;
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
     explicit Outputs(const std::string& output_dir) : dir(output_dir) {
         if (dir.empty()) return;
-        make_directory(dir);
-        prove_writable(dir);
-        log.open(dir + "/log.jsonl", File::Mode::Write);
+        require_writable_directory(dir, "-o/--output-dir");
+        log = JsonlLog(dir + "/log.jsonl", /*append=*/false);
     }
-    void write(const std::string& line) {
-        if (!log.is_open()) return;
-        const std::string l = line + "\n";
-        log.write_all(l.data(), l.size());
-    }
+    void write(const std::string& line) { log.write(line); }
     void load_tokenizer(const std::string& path) {
-        if (is_regular_file(path)) {
+        if (regular_file_exists(path)) {
             tokenizer = read_tokenizer_bin(path);
             have_tokenizer = true;
         } else {
@@ -307,17 +210,19 @@ struct StartingModel {
     std::string origin;         // for the start-up line
 };
 
-// The one place that reads a model from a -e path: its shape and fp32 parameters.
+// The one place that reads a model from a -e path (an llm.c model file or a Hugging Face folder,
+// llmc/model_io.h): its shape and fp32 parameters.
 StartingModel load_model(const std::string& path) {
     StartingModel m;
-    const ModelFileInfo info = read_model_file(path, &m.params);
+    const ModelInfo info = probe_model(path);
+    m.params = load_model_params(path, info);
     m.config = info.config;
-    m.origin = format("%s (llm.c version %d)", path.c_str(), info.version);
+    m.origin = info.describe();
     return m;
 }
 
 StartingModel starting_model(const Options& o) {
-    if (is_regular_file(o.model) && o.layers == 0) return load_model(o.model);
+    if (model_path_exists(o.model) && o.layers == 0) return load_model(o.model);
     StartingModel m;
     if (o.layers > 0) {
         m.config = make_config(o.layers, o.channels, o.heads, o.vocab, o.max_seq_len);
@@ -345,7 +250,8 @@ struct Plan {
     LRSchedule schedule;
     std::vector<int> prompt;
     int gen_tokens = 0;  // 0: no samples
-    std::vector<SaveFormat> save;
+    std::vector<ModelFormat> save;
+    McSet eval;  // --eval's items (none: no evaluation)
 };
 
 Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
@@ -365,7 +271,7 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
     p.schedule.warmup = o.warmup;
     p.schedule.final_fraction = o.final_lr_fraction;
     p.schedule.decay_fraction = o.decay_fraction;
-    p.prompt = parse_prompt(o.prompt_ids, c.vocab_size);
+    for (uint32_t id : parse_token_ids(o.prompt_ids, c.vocab_size, "--prompt-ids")) p.prompt.push_back(int(id));
     if (int(p.prompt.size()) >= c.max_seq_len) {
         fail(kExitUsage, "--prompt-ids: %zu tokens leave no room to generate within the model's maximum sequence "
              "length %d", p.prompt.size(), c.max_seq_len);
@@ -378,8 +284,16 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
                         "prompt\n", o.gen_tokens, c.max_seq_len, p.gen_tokens);
         }
     }
-    p.save = save_formats(o.save_model);
+    p.save = parse_save_formats(o.save_model);
     if (o.output_dir.empty() || (o.max_steps == 0 && !flags.was_set("save-model"))) p.save.clear();
+    if (!o.eval_file.empty()) {
+        p.eval = read_mc_file(o.eval_file, c.vocab_size);
+        if (o.eval_max_items >= 0 && size_t(o.eval_max_items) < p.eval.items.size()) {
+            p.eval.items.resize(size_t(o.eval_max_items));
+        }
+        if (p.eval.items.empty()) fail(kExitData, "--eval '%s' holds no items", o.eval_file.c_str());
+        mc_check_items(p.eval, c.vocab_size, o.T);
+    }
     return p;
 }
 
@@ -491,14 +405,6 @@ StepStats train_step(cpu::GPT2<float>& model, DataLoader& train, const Options& 
     return s;
 }
 
-std::string duration_text(double seconds) {
-    if (!(seconds >= 0) || !std::isfinite(seconds)) return "?";
-    const long s = long(seconds + 0.5);
-    if (s >= 3600) return format("%ldh%02ldm", s / 3600, (s / 60) % 60);
-    if (s >= 60) return format("%ldm%02lds", s / 60, s % 60);
-    return format("%lds", s);
-}
-
 // Seconds per step for the ETA and the summary; the first step (cold caches, allocations) is left out
 // when there are others.
 struct Throughput {
@@ -558,25 +464,34 @@ void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, O
     std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
                 out.text(ids).c_str());
     std::fflush(stdout);
-    std::string list;
-    for (uint32_t id : ids) list += (list.empty() ? "" : ",") + std::to_string(id);
-    out.write(format("{\"step\":%d,\"sample\":[%s]}", step, list.c_str()));
+    out.write(format("{\"step\":%d,\"sample\":%s}", step, json_ids(ids).c_str()));
 }
 
-// Written to a temporary name, synced and renamed, so that an interrupted write never leaves a torn
-// model where a good one was (e.g. when -e and the output are the same file).
-void save_model(const cpu::GPT2<float>& model, const std::string& dir, const SaveFormat& f) {
-    const std::string path = dir + "/" + f.file, tmp = path + ".tmp";
+// Each format --save-model names (llmc/model_io.h writes through a temporary name, so an interrupted
+// write never leaves a torn model where a good one was, e.g. when -e and the output are the same file).
+void save_models(const cpu::GPT2<float>& model, const Options& o, const Plan& plan) {
+    if (plan.save.empty()) return;
+    SaveOptions save;
+    if (regular_file_exists(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
     const std::vector<float> p = model.params_as_float();
-    write_model_file(tmp, model.config(), p.data(), f.version);
-    File(tmp, File::Mode::ReadWrite).sync();
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        const int e = errno;
-        fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+    for (ModelFormat f : plan.save) {
+        const std::string path = saved_model_path(o.output_dir, f);
+        save_model(path, f, model.config(), p.data(), save);
+        std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
     }
-    sync_directory(dir);
-    std::printf("wrote %s (llm.c version %d, %s)\n", path.c_str(), f.version,
-                f.version == kModelVersionFp32 ? "fp32" : "bf16");
+}
+
+// Multiple-choice accuracy with the fp32 model (llmc/mc_eval.h's CPU reference), printed and logged.
+void evaluate_choices(cpu::GPT2<float>& model, const Options& o, const Plan& plan, Outputs& out, int step,
+                      int max_steps) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const McResult r = mc_eval_cpu(model, plan.eval, o.B, o.T);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("step %5d/%d | eval acc %.4f | acc_norm %.4f | %lld items in %.2f s\n", step, max_steps, r.acc(),
+                r.acc_norm(), (long long)r.items, seconds);
+    std::fflush(stdout);
+    out.write(format("{\"step\":%d,\"eval_acc\":%.6f,\"eval_acc_norm\":%.6f,\"eval_items\":%lld,\"eval_s\":%.3f}",
+                     step, r.acc(), r.acc_norm(), (long long)r.items, seconds));
 }
 
 }  // namespace
@@ -612,6 +527,9 @@ int main(int argc, char** argv) {
                 std::fflush(stdout);
                 out.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
             }
+            if (!plan.eval.items.empty() && ((opt.eval_every > 0 && step % opt.eval_every == 0) || last)) {
+                evaluate_choices(model, opt, plan, out, step, data.max_steps);
+            }
             if (plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
                 print_sample(model, opt, plan, out, step);
             }
@@ -629,7 +547,7 @@ int main(int argc, char** argv) {
                         double(plan.tokens_per_step) / tp.per_step(0));
         }
         if (data.val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
-        for (const SaveFormat& f : plan.save) save_model(model, opt.output_dir, f);
+        save_models(model, opt, plan);
         return int(kExitOk);
     });
 }

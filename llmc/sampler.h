@@ -8,16 +8,23 @@ Provides:
       logits (all of them when top_k is 0 or at least the row's length), computed in double from the
       largest, with one SplitMix64 number per draw, so a seed gives the same tokens on every machine.
 
+  parse_token_ids(text, vocab_size, flag): "464,3290" -> ids, each checked against the vocabulary (what
+      --prompt-ids takes in both trainers).
+
 Does not provide: nucleus (top-p) sampling, repetition penalties, batched sampling.
 */
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "llmc/rand.h"
+#include "llmc/utils.h"
 
 namespace llmc {
 
@@ -45,6 +52,31 @@ inline uint32_t sample_token(const std::vector<float>& logits, float temperature
         if (u < acc) return uint32_t(ids[size_t(i)]);
     }
     return uint32_t(ids[size_t(k - 1)]);
+}
+
+// "a,b,c" -> token ids (empty text: none), each a non-negative integer below vocab_size; `flag` names
+// the option in errors.
+inline std::vector<uint32_t> parse_token_ids(const std::string& text, int vocab_size, const char* flag) {
+    std::vector<uint32_t> ids;
+    if (text.empty()) return ids;
+    size_t start = 0;
+    for (;;) {
+        const size_t comma = text.find(',', start);
+        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        char* end = nullptr;
+        errno = 0;
+        const long long v = item.empty() ? -1 : std::strtoll(item.c_str(), &end, 10);
+        if (item.empty() || errno != 0 || *end != '\0' || v < 0) {
+            fail(kExitUsage, "%s '%s': '%s' is not a token id (a non-negative integer)", flag, text.c_str(), item.c_str());
+        }
+        if (v >= vocab_size) {
+            fail(kExitUsage, "%s: token %lld is outside the model's vocabulary [0, %d)", flag, v, vocab_size);
+        }
+        ids.push_back(uint32_t(v));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+    }
+    return ids;
 }
 
 }  // namespace llmc

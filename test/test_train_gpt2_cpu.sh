@@ -158,7 +158,7 @@ expect_exit 2 "flag -t needs a value" -t
 expect_exit 2 "flag --final-lr-fraction: '2' is not a number from 0 to 1" --final-lr-fraction 2
 expect_exit 2 "-m/--val-max-steps 0" -m 0
 expect_exit 2 "unknown learning rate schedule 'step'" -k step
-expect_exit 2 "--save-model: unknown format 'hf'" "${flags[@]}" --save-model hf
+expect_exit 2 "unknown model format 'gguf'" "${flags[@]}" --save-model gguf
 expect_exit 2 "unexpected argument 'stray'" stray
 expect_exit 0 "usage: train_gpt2 \[flags\]" --help
 expect_exit 0 "-q, --final-lr-fraction <float> .* from 0 to 1" --help

@@ -38,7 +38,7 @@ expect_refused() {
     echo "$label: exit 3 after $ms ms: $(tail -n 1 "$dir/out")"
 }
 
-expect_refused "below a regular file" "$dir/file/out" "Not a directory"
+expect_refused "below a regular file" "$dir/file/out" "is not a directory"
 expect_refused "/dev/full" /dev/full "is not a directory"
 if [ "$(id -u)" -eq 0 ]; then
     if command -v setpriv >/dev/null; then

@@ -479,47 +479,13 @@ int remove_stale_shards(const Options& o, int split, int64_t keep) {
     return removed;
 }
 
-void make_dir(const std::string& dir) {
-    std::string partial;
-    for (size_t i = 0; i <= dir.size(); i++) {
-        if (i == dir.size() || (dir[i] == '/' && i > 0)) {
-            partial = dir.substr(0, i);
-            if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-                int e = errno;
-                fail(kExitIo, "cannot create folder '%s': %s", partial.c_str(), std::strerror(e));
-            }
-        }
-    }
-    struct stat st;
-    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) fail(kExitIo, "'%s' is not a folder", dir.c_str());
-}
-
-// Writes, syncs and removes a small file in `dir`, so that a read-only file system, missing permissions
-// or a full disk fail now rather than after the encoding. `what` names the folder's role.
-void prove_writable(const std::string& dir, const char* what) {
-    const std::string probe = format("%s/.write_test_%d", dir.c_str(), int(::getpid()));
-    try {
-        File f(probe, File::Mode::Write);
-        const std::vector<char> block(4096, 0);
-        f.write_all(block.data(), block.size());
-        f.sync();
-        f.close();
-    } catch (const Error& e) {
-        ::unlink(probe.c_str());
-        fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), e.what());
-    }
-    ::unlink(probe.c_str());
-}
-
 // The folder of --write-tokenizer must exist already (it is not created) and be writable.
 void check_tokenizer_folder(const std::string& path) {
-    const size_t slash = path.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-    struct stat st;
-    if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    const std::string dir = parent_directory(path);
+    if (!directory_exists(dir)) {
         fail(kExitIo, "--write-tokenizer '%s': the folder '%s' does not exist", path.c_str(), dir.c_str());
     }
-    prove_writable(dir, "the folder of --write-tokenizer");
+    require_writable_directory(dir, "the folder of --write-tokenizer");
 }
 
 // ---- progress ----
@@ -756,8 +722,7 @@ int prepare_data_main(int argc, char** argv) {
         if (!parse_args(argc, argv, o)) return kExitOk;
         std::vector<Input> inputs = resolve_inputs(o);
         if (!inputs.empty()) {
-            make_dir(o.out_dir);
-            prove_writable(o.out_dir, "output folder");
+            require_writable_directory(o.out_dir, "output folder");
         }
         if (!o.write_tokenizer.empty()) check_tokenizer_folder(o.write_tokenizer);
 
