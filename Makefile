@@ -107,8 +107,9 @@ test: $(ALL)
 clean:
 	rm -rf $(BUILD) $(TRAINERS)
 
-# The quick-start corpus: train/val shards and the tokenizer file in data/ (scripts/prepare_corpus.sh).
-data: $(BUILD)/prepare_data
+# The quick-start corpus: train/val shards, the tokenizer file and a held-out multiple-choice set in data/
+# (scripts/prepare_corpus.sh).
+data: $(BUILD)/prepare_data $(BUILD)/prepare_eval
 	bash scripts/prepare_corpus.sh
 
 -include $(wildcard $(BUILD)/*.d) $(wildcard *.d)

@@ -102,4 +102,6 @@ say "Moby Dick (validation): $(wc -c <"$CORPUS/val/moby_dick.txt") bytes"
 say "encoding with build/prepare_data"
 build/prepare_data --out data --name quickstart --shard-tokens "$SHARD_TOKENS" --shuffle-files 1 \
     --write-tokenizer data/gpt2_tokenizer.bin --val "$CORPUS/val" "$CORPUS/train"
-say "done: data/quickstart_train_*.bin, data/quickstart_val_*.bin, data/gpt2_tokenizer.bin"
+say "a held-out multiple-choice evaluation from the validation text (build/prepare_eval)"
+build/prepare_eval --heldout data/quickstart_val_000000.bin --out data/quickstart_mc.bin --quiet
+say "done: data/quickstart_train_*.bin, data/quickstart_val_*.bin, data/gpt2_tokenizer.bin, data/quickstart_mc.bin"

