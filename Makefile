@@ -53,6 +53,12 @@ LDLIBS_train_gpt2cu := -lnccl
 LDLIBS_test_gpt2_gpu := -lnccl
 LDLIBS_test_mc_eval_gpu := -lnccl
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
+# The trainers encode --prompt "text" when PCRE2 is there; without it they take --prompt-ids only.
+ifneq ($(HAVE_PCRE2),)
+TRAINER_TEXT := -DLLMC_TOKENIZER_ENCODER
+LDLIBS_train_gpt2cu += -lpcre2-8
+LDLIBS_train_gpt2 += -lpcre2-8
+endif
 
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))
 GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
@@ -77,11 +83,11 @@ ifneq ($(SKIPPED_PCRE2),)
 endif
 
 train_gpt2cu: train_gpt2.cu
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $(TRAINER_TEXT) $< -o $@ $(CUDA_LIBS) $(LDLIBS_train_gpt2cu)
 
 # The CPU trainer (fp32 reference model, OpenMP): the quick start without a GPU.
 train_gpt2: train_gpt2_cpu.cpp
-	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $(TRAINER_TEXT) $< -o $@ $(HOST_LIBS) $(LDLIBS_train_gpt2)
 
 $(BUILD)/%: test/%.cpp | $(BUILD)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(GTEST_LIBS) $(HOST_LIBS) $(LDLIBS_$*)

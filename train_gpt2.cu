@@ -52,6 +52,7 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/run_control.h"
 #include "llmc/run_log.h"
 #include "llmc/run_settings.h"
+#include "llmc/prompt.h"
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
@@ -312,20 +313,7 @@ inline DataLoaderConfig loader_config(const std::string& pattern, const Options&
 
 // --prompt-ids "1,2,3" or --prompt "text" (encoded with GPT-2's tokenizer when this build has one).
 inline std::vector<uint32_t> resolve_prompt(const Options& o, const GPT2Config& c) {
-    std::vector<uint32_t> ids;
-    if (!o.prompt.empty() && !o.prompt_ids.empty()) fail(kExitUsage, "give --prompt or --prompt-ids, not both");
-    if (!o.prompt.empty()) {
-#ifdef LLMC_TOKENIZER_ENCODER
-        const std::string dir = o.vocab_dir;
-        const Gpt2Encoder encoder(load_gpt2_vocab_files(dir + "/encoder.json", dir + "/vocab.bpe"));
-        Gpt2Encoder::Context ctx(encoder);
-        ids = encoder.encode_ordinary(ctx, o.prompt);
-#else
-        fail(kExitUsage, "--prompt: this build has no text encoder (it needs PCRE2); give --prompt-ids instead");
-#endif
-    }
-    for (uint32_t id : parse_token_ids(o.prompt_ids, c.vocab_size, "--prompt-ids")) ids.push_back(id);
-    return ids;
+    return prompt_tokens(o.prompt, o.prompt_ids, o.vocab_dir, c.vocab_size);
 }
 
 struct Plan {
@@ -570,6 +558,7 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
         std::printf("evaluation: %zu multiple-choice items from %s, %s\n", plan.eval.items.size(), o.eval_file.c_str(),
                     o.eval_every > 0 ? format("every %d steps and at the end", o.eval_every).c_str() : "at the end");
     }
+    if (!plan.prompt.empty()) std::printf("prompt: %zu token(s) %s\n", plan.prompt.size(), json_ids(plan.prompt).c_str());
     if (o.checkpoint_every > 0) {
         std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
                     o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",

@@ -43,6 +43,7 @@ those.
 #include "llmc/mc_eval.h"
 #include "llmc/model_file.h"
 #include "llmc/model_io.h"
+#include "llmc/prompt.h"
 #include "llmc/sampler.h"
 #include "llmc/run_log.h"
 #include "llmc/schedule.h"
@@ -86,6 +87,7 @@ struct Options {
     float temperature = 1.0f;
     int top_k = 0;
     int64_t sample_seed = 42;
+    std::string prompt;
     std::string prompt_ids;
     std::string tokenizer = "data/gpt2_tokenizer.bin";
     bool shuffle = true;
@@ -135,6 +137,7 @@ Flags make_flags(Options& o) {
     f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, INT32_MAX);
     f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)", int64_t(0),
           INT64_MAX);
+    f.add("", "prompt", &o.prompt, "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
     f.add("", "prompt-ids", &o.prompt_ids, "comma-separated token ids each sample continues (\"\": <|endoftext|>)");
     f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
@@ -142,7 +145,7 @@ Flags make_flags(Options& o) {
           "formats of the model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c v3), "
           "llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; with -x 0 "
           "only when given");
-    f.add("", "vocab-dir", &o.vocab_dir, "GPT-2's encoder.json and vocab.bpe, copied into Hugging Face exports");
+    f.add("", "vocab-dir", &o.vocab_dir, "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, used by --prompt");
     f.add("", "eval", &o.eval_file,
           "multiple-choice evaluation file (llm.c's eval .bin): accuracy every --eval-every steps and at the end");
     f.add("", "eval-every", &o.eval_every, "evaluate on --eval every N steps and at the end (0: at the end only)", 0,
@@ -271,9 +274,9 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
     p.schedule.warmup = o.warmup;
     p.schedule.final_fraction = o.final_lr_fraction;
     p.schedule.decay_fraction = o.decay_fraction;
-    for (uint32_t id : parse_token_ids(o.prompt_ids, c.vocab_size, "--prompt-ids")) p.prompt.push_back(int(id));
+    for (uint32_t id : prompt_tokens(o.prompt, o.prompt_ids, o.vocab_dir, c.vocab_size)) p.prompt.push_back(int(id));
     if (int(p.prompt.size()) >= c.max_seq_len) {
-        fail(kExitUsage, "--prompt-ids: %zu tokens leave no room to generate within the model's maximum sequence "
+        fail(kExitUsage, "--prompt/--prompt-ids: %zu tokens leave no room to generate within the model's maximum sequence "
              "length %d", p.prompt.size(), c.max_seq_len);
     }
     if (o.sample_every > 0 && o.gen_tokens > 0) {
@@ -351,6 +354,10 @@ void print_startup(const Flags& flags, const Options& o, const Plan& plan, const
                     data.val_steps);
     } else {
         std::printf("val data: none\n");
+    }
+    if (!plan.prompt.empty()) {
+        std::printf("prompt: %zu token(s) %s\n", plan.prompt.size(),
+                    json_ids(std::vector<uint32_t>(plan.prompt.begin(), plan.prompt.end())).c_str());
     }
     std::printf("threads: %d\n", omp_get_max_threads());
     std::fflush(stdout);
@@ -461,8 +468,9 @@ void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, O
     }
     const std::vector<uint32_t> ids =
         generate(model, start, plan.gen_tokens, o.temperature, o.top_k, uint64_t(o.sample_seed));
-    std::printf("---------- sample at step %d ----------\n%s\n---------------------------------------\n", step,
-                out.text(ids).c_str());
+    const std::vector<uint32_t> prompt(plan.prompt.begin(), plan.prompt.end());
+    std::printf("---------- sample at step %d ----------\n%s%s\n---------------------------------------\n", step,
+                prompt.empty() ? "" : format("%s|", out.text(prompt).c_str()).c_str(), out.text(ids).c_str());
     std::fflush(stdout);
     out.write(format("{\"step\":%d,\"sample\":%s}", step, json_ids(ids).c_str()));
 }

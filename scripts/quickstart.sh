@@ -10,7 +10,13 @@
 #     minutes on two cores; validation loss every 100 steps, a text sample halfway and at the end, the
 #     multiple-choice accuracy on 100 items at the end; the log, the model and a plot go to
 #     out/quickstart_cpu/.
-# Knobs (environment): QUICKSTART_STEPS (GPU: 1500, CPU: 250), QUICKSTART_MODEL (GPU: d6).
+#   QUICKSTART_FROM=DIR_OR_FILE fine-tunes a released model instead of training from scratch: a Hugging
+#     Face GPT-2 folder (e.g. `huggingface-cli download gpt2 --local-dir gpt2` on a machine with internet)
+#     or an llm.c model file, at learning rate 1e-4 with a sample (and on the GPU, the accuracy) before
+#     and after: GPU B=16 x T=1024 for 300 steps, CPU B=4 x T=64 for 40 steps (GPT-2 124M: ~6 s a step
+#     on two cores); the output goes to out/finetune/ or out/finetune_cpu/.
+# Knobs (environment): QUICKSTART_STEPS (GPU: 1500, CPU: 250; fine-tuning: 300, 40), QUICKSTART_MODEL
+# (GPU: d6), QUICKSTART_FROM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +30,25 @@ if [ ! -f data/gpt2_tokenizer.bin ] || [ ! -f data/quickstart_mc.bin ] || ! ls d
     make -j"$(nproc)" data
 fi
 
-if [ $gpu -eq 1 ]; then
+from=${QUICKSTART_FROM:-}
+if [ -n "$from" ] && [ ! -e "$from" ]; then
+    echo "quickstart: QUICKSTART_FROM=$from does not exist (a Hugging Face GPT-2 folder or an llm.c model file)" >&2
+    exit 2
+fi
+if [ -n "$from" ] && [ $gpu -eq 1 ]; then
+    echo "quickstart: fine-tuning $from on the GPU with train_gpt2cu"
+    ./train_gpt2cu -e "$from" -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 16 -t 1024 \
+        -l 1e-4 -u 20 -k cosine -q 0.1 -c 0.0 -x "${QUICKSTART_STEPS:-300}" -v 50 -m 20 -s 150 -g 128 \
+        --temperature 0.8 --top-k 40 --log-every 10 -o out/finetune --eval data/quickstart_mc.bin --eval-every 150
+    out=out/finetune
+elif [ -n "$from" ]; then
+    echo "quickstart: fine-tuning $from on the CPU with train_gpt2 (no NVIDIA GPU found)"
+    steps=${QUICKSTART_STEPS:-40}
+    ./train_gpt2 -e "$from" -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 4 -t 64 \
+        -l 1e-4 -u 0 -c 0.0 -x "$steps" -v 20 -m 5 -s 20 -g 64 --temperature 0.8 --top-k 40 \
+        --log-every 1 -o out/finetune_cpu
+    out=out/finetune_cpu
+elif [ $gpu -eq 1 ]; then
     echo "quickstart: GPU found ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)): training with train_gpt2cu"
     ./train_gpt2cu -e "${QUICKSTART_MODEL:-d6}" -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' \
         -b 32 -t 512 -d 16384 -l 1.5e-3 -u 100 -k cosine -q 0.1 -c 0.1 -x "${QUICKSTART_STEPS:-1500}" \

@@ -1,0 +1,62 @@
+/*
+What a sample continues: the tokens of --prompt "text" and/or --prompt-ids "464,3290", for both trainers.
+
+Provides:
+  prompt_tokens(text, ids, vocab_dir, vocab_size): the text encoded with GPT-2's tokenizer (OpenAI's
+      encoder.json and vocab.bpe in vocab_dir), or the listed ids, each checked against the vocabulary.
+      Giving both is a usage error. The text needs a build with LLMC_TOKENIZER_ENCODER (the Makefile
+      defines it, and links PCRE2, where PCRE2's headers are installed); without it --prompt is refused
+      with a message that points to --prompt-ids.
+
+Does not provide: special tokens inside the text (it is encoded as ordinary text).
+*/
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "llmc/sampler.h"
+#include "llmc/tokenizer.h"
+#include "llmc/utils.h"
+
+namespace llmc {
+
+inline bool prompt_text_supported() {
+#ifdef LLMC_TOKENIZER_ENCODER
+    return true;
+#else
+    return false;
+#endif
+}
+
+inline std::vector<uint32_t> prompt_tokens(const std::string& text, const std::string& ids_csv,
+                                           const std::string& vocab_dir, int vocab_size) {
+    if (!text.empty() && !ids_csv.empty()) fail(kExitUsage, "give --prompt or --prompt-ids, not both");
+    if (text.empty()) return parse_token_ids(ids_csv, vocab_size, "--prompt-ids");
+#ifdef LLMC_TOKENIZER_ENCODER
+    const std::string encoder_json = vocab_dir + "/encoder.json";
+    const std::string vocab_bpe = vocab_dir + "/vocab.bpe";
+    if (!regular_file_exists(encoder_json) || !regular_file_exists(vocab_bpe)) {
+        fail(kExitUsage, "--prompt: GPT-2's vocabulary files %s and %s are missing (give --vocab-dir, or "
+             "--prompt-ids)", encoder_json.c_str(), vocab_bpe.c_str());
+    }
+    const Gpt2Encoder encoder(load_gpt2_vocab_files(encoder_json, vocab_bpe));
+    Gpt2Encoder::Context ctx(encoder);
+    std::vector<uint32_t> ids = encoder.encode_ordinary(ctx, text);
+    for (uint32_t id : ids) {
+        if (int64_t(id) >= vocab_size) {
+            fail(kExitUsage, "--prompt: token %u is outside the model's vocabulary [0, %d)", id, vocab_size);
+        }
+    }
+    return ids;
+#else
+    (void)vocab_dir;
+    (void)vocab_size;
+    fail(kExitUsage, "--prompt: this build has no text encoder (PCRE2's headers were missing when it was "
+         "built: apt-get install libpcre2-dev, then rebuild); give --prompt-ids instead");
+    return {};
+#endif
+}
+
+}  // namespace llmc
