@@ -7,11 +7,12 @@
 #     bitwise (the checkpoint holds exactly the state the run had);
 #   - one injected bad step (--nan-at-step 7): the update is skipped, logged as skipped, the run goes on to
 #     the end, and two such runs give bitwise equal step records;
-#   - SIGTERM at random moments, SURVIVAL_TRIALS trials (default 10) on the single-GPU path and 4 through
-#     NCCL with one rank (ZeRO-1): each run exits with code 7 within one step plus a checkpoint save (the
-#     limit: 20 s), and -y 1 then finishes the run with every step record and the final model.bin bitwise
-#     equal to an uninterrupted run's; the trials alternate async and sync saves, and validation and
-#     checkpoints are frequent, so signals land in steps, saves and validations alike;
+#   - SIGTERM at random moments after start-up (the first log record), SURVIVAL_TRIALS trials (default 10)
+#     on the single-GPU path and 4 through NCCL with one rank (ZeRO-1): each run exits with code 7 within
+#     one step plus a checkpoint save (the limit: 20 s), and -y 1 then finishes the run with every step
+#     record and the final model.bin bitwise equal to an uninterrupted run's; the trials alternate async
+#     and sync saves, and validation and checkpoints are frequent, so signals land in steps, saves and
+#     validations alike; at least half the trials must have been stopped by their signal;
 #   - --time-limit 6s: the run stops by itself with exit code 7 before 6 s, and -y 1 finishes it bitwise;
 #   - a second signal ends the run at once.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
@@ -84,26 +85,41 @@ cmp -s <(steps "$dir/bad1") <(steps "$dir/bad2") || { echo "FAIL: two runs with 
 echo "one bad step: skipped, logged, run finished, reproducible: ok"
 
 # --- SIGTERM at random moments ------------------------------------------------------------------------
-sig_common=(-l 3e-3 -x 60 -n 4 -v 3 -m 40 -nk 3)
-trainer "${base[@]}" "${sig_common[@]}" -o "$dir/straight" >"$dir/straight.log" 2>&1 ||
-    { echo "FAIL: the straight run failed"; tail "$dir/straight.log"; exit 1; }
-trainer "${base[@]}" "${sig_common[@]}" -o "$dir/straight_nccl" --multi-gpu 1 -z 1 >"$dir/straight_nccl.log" 2>&1 ||
-    { echo "FAIL: the straight NCCL run failed"; tail "$dir/straight_nccl.log"; exit 1; }
-run_s=$(python3 -c '
-import json, sys
-print(sum(r["ms"] for r in map(json.loads, open(sys.argv[1])) if "ms" in r) / 1000)' "$dir/straight/log.jsonl")
+sig_common=(-l 3e-3 -x 150 -n 4 -v 3 -m 40 -nk 3)
+# Starts the trainer in the background (its pid in $pid) and returns once its first log record is written
+# (start-up is over: CUDA, NCCL, data) or it has ended.
+start_trainer() {  # start_trainer OUT_DIR LOG args...
+    local out=$1 log=$2; shift 2
+    ./train_gpt2cu "$@" -o "$out" >"$log" 2>&1 &
+    pid=$!
+    local i
+    for i in $(seq 1 3000); do
+        [ -s "$out/log.jsonl" ] && return 0
+        kill -0 "$pid" 2>/dev/null || return 0
+        sleep 0.01
+    done
+}
+# The straight runs, timed from the first log record to the end: the window the signals land in.
+t0=$(date +%s.%N)
+start_trainer "$dir/straight" "$dir/straight.log" "${base[@]}" "${sig_common[@]}"
+t1=$(date +%s.%N)
+wait "$pid" || { echo "FAIL: the straight run failed"; tail "$dir/straight.log"; exit 1; }
+run_s=$(python3 -c "import time; print(round(time.time() - $t1, 3))")
+start_trainer "$dir/straight_nccl" "$dir/straight_nccl.log" "${base[@]}" "${sig_common[@]}" --multi-gpu 1 -z 1
+wait "$pid" || { echo "FAIL: the straight NCCL run failed"; tail "$dir/straight_nccl.log"; exit 1; }
+echo "straight run: $run_s s from the first log record to the end"
 trials=${SURVIVAL_TRIALS:-10}
 nccl_trials=$(( trials < 4 ? trials : 4 ))
+signalled=0
 for t in $(seq 1 $((trials + nccl_trials))); do
     extra=()
     ref=$dir/straight
     if [ "$t" -gt "$trials" ]; then extra=(--multi-gpu 1 -z 1); ref=$dir/straight_nccl; fi
     [ $((t % 2)) -eq 0 ] && extra+=(--checkpoint-async 0)
     out=$dir/sig$t
-    ./train_gpt2cu "${base[@]}" "${sig_common[@]}" "${extra[@]}" -o "$out" >"$out.log" 2>&1 &
-    pid=$!
-    # Start-up (CUDA, NCCL) takes a few seconds; then a moment within the training.
-    sleep "$(python3 -c "import random; print(round(random.Random($t).uniform(3.0, 3.0 + $run_s), 2))")"
+    start_trainer "$out" "$out.log" "${base[@]}" "${sig_common[@]}" "${extra[@]}"
+    # A moment within the training: steps, validations and checkpoint saves alike.
+    sleep "$(python3 -c "import random; print(round(random.Random($t).uniform(0.0, 0.9 * $run_s), 3))")"
     t0=$(date +%s.%N)
     kill -TERM "$pid" 2>/dev/null || true
     rc=0
@@ -116,12 +132,16 @@ for t in $(seq 1 $((trials + nccl_trials))); do
         python3 -c "import sys; sys.exit(0 if $took < 20 else 1)" || { echo "FAIL: trial $t took $took s to stop"; exit 1; }
         trainer "${base[@]}" "${sig_common[@]}" "${extra[@]}" -o "$out" -y 1 >"$out.resume.log" 2>&1 ||
             { echo "FAIL: trial $t's resume failed"; tail "$out.resume.log"; exit 1; }
+        signalled=$((signalled + 1))
         echo "  trial $t: stopped after step $(grep -o 'stopped after step [0-9]*' "$out.log" | grep -o '[0-9]*$') in $took s, resumed"
     fi
     cmp -s <(steps "$ref") <(steps "$out") || { echo "FAIL: trial $t's step records differ from the straight run"; exit 1; }
     cmp -s "$ref/model.bin" "$out/model.bin" || { echo "FAIL: trial $t's model.bin differs"; exit 1; }
 done
-echo "SIGTERM: $trials single-GPU and $nccl_trials NCCL trials exit 7 and resume bitwise: ok"
+# A trial whose run ended before its signal tests nothing; most must have been stopped by it.
+[ $((2 * signalled)) -ge $((trials + nccl_trials)) ] ||
+    { echo "FAIL: only $signalled of $((trials + nccl_trials)) trials were stopped by their signal"; exit 1; }
+echo "SIGTERM: $signalled of $trials single-GPU and $nccl_trials NCCL trials stopped with exit 7 and resumed bitwise: ok"
 
 # --- time limit ---------------------------------------------------------------------------------------
 rc=0
