@@ -14,7 +14,8 @@
 #     and sync saves, and validation and checkpoints are frequent, so signals land in steps, saves and
 #     validations alike; at least half the trials must have been stopped by their signal;
 #   - --time-limit 6s: the run stops by itself with exit code 7 before 6 s, and -y 1 finishes it bitwise;
-#   - a second signal ends the run at once.
+#   - a second signal ends the run at once (d12, while the first one's checkpoint is being written), and
+#     the checkpoint it cut short is not published.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -158,13 +159,16 @@ cmp -s "$dir/limit/model.bin" "$dir/limit_straight/model.bin" || { echo "FAIL: t
 echo "time limit: stopped after step $stopped in $took s (limit 6 s), resumed bitwise: ok"
 
 # --- a second signal ends the run at once ---------------------------------------------------------------
-./train_gpt2cu "${base[@]}" -l 3e-3 -x 100000 -v 0 -o "$dir/twice" >"$dir/twice.log" 2>&1 &
-pid=$!
-sleep 4
-kill -INT "$pid"
+# d12, so that the checkpoint the first signal starts (1.7 GB of state) is still being written when the
+# second arrives; the half-written checkpoint must not be published.
+start_trainer "$dir/twice" "$dir/twice.log" -e d12 -i "$dir/syn_train_*.bin" -j "" -b 4 -t 64 -l 3e-4 -x 100000 -v 0 -s 0
 sleep 0.5
-kill -INT "$pid"
+kill -INT "$pid" 2>/dev/null || true
+sleep 0.1
+kill -INT "$pid" 2>/dev/null || true
 rc=0
 wait "$pid" || rc=$?
-[ $rc -ne 0 ] && [ $rc -ne 7 ] || { echo "FAIL: two signals gave exit code $rc (expected death by the signal)"; exit 1; }
-echo "second signal: exit code $rc at once: ok"
+grep -q "stopped after step" "$dir/twice.log" && { echo "FAIL: the first signal's checkpoint finished before the second signal"; tail -3 "$dir/twice.log"; exit 1; }
+[ $rc -ne 0 ] && [ $rc -ne 7 ] || { echo "FAIL: two signals gave exit code $rc (expected death by the signal)"; tail -5 "$dir/twice.log"; exit 1; }
+if ls "$dir/twice" | grep -q '^ckpt_[0-9]*$'; then echo "FAIL: a checkpoint cut short was published:"; ls "$dir/twice"; exit 1; fi
+echo "second signal during the checkpoint: exit code $rc at once, nothing half-written published: ok"
