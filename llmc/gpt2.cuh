@@ -352,8 +352,11 @@ private:
     }
 
     void check_batch(int B, int T, const char* what) const {
-        if (B < 1 || T < 1 || B > B_ || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
-            fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B <= %d, T <= %d", what, B, T, B_, T_);
+        // Every activation and scratch buffer is sized by B x T tokens (attention's also by T), so a batch of
+        // more, shorter rows fits too (the multiple-choice evaluation packs its rows this way).
+        if (B < 1 || T < 1 || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
+            fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B x T <= %d x %d tokens and T <= %d",
+                 what, B, T, B_, T_, T_);
         }
     }
 

@@ -6,8 +6,9 @@ McEvalGpu(model) allocates, once, what a run needs beside the model: device inpu
 model's B x T, a device slot for the forward's mean loss (so the model's own mean_loss() is left as the
 trainer set it), and two pinned host buffers each for tokens and losses. run(set) then:
   - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and cuts their
-    candidates into batches of at most B rows (McBatcher; each batch's T is its longest row rounded up
-    to kTMultiple positions, so that the matmuls see few distinct shapes);
+    candidates into batches of at most the model's B x T positions (McBatcher; each batch's T is its
+    longest row rounded up to kTMultiple positions, and it holds as many rows as fit, often more than B:
+    the model's forward takes any B' x T' <= B x T);
   - per batch: tokens to the GPU, forward with targets and no dloss (the logits stay logits), the
     per-position losses back; while the GPU runs one batch, the host fills the next and sums the ending
     losses of the one before (mc_accumulate);
@@ -25,6 +26,7 @@ Does not provide: the schedule (which steps evaluate) or logging (the trainers),
 */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,7 +42,7 @@ namespace llmc {
 class McEvalGpu {
 public:
     // A batch's T is rounded up to a multiple of this (at most the model's T).
-    static constexpr int kTMultiple = 64;
+    static constexpr int kTMultiple = 16;
 
     explicit McEvalGpu(GPT2& model)
         : model_(model), tokens_(size_t(2) * cells()), mean_(1),
@@ -57,8 +59,9 @@ public:
         const int64_t items = int64_t(set.items.size());
         const int rank = multi != nullptr ? multi->rank() : 0, world = multi != nullptr ? multi->world() : 1;
         const std::pair<int64_t, int64_t> range = mc_rank_items(items, rank, world);
-        McBatcher batcher(set, range.first, range.second, model_.max_B(), model_.max_T(), kTMultiple,
-                          model_.config().vocab_size);
+        // As many rows as the model's B x T tokens hold: short items fill a batch of more than B rows.
+        McBatcher batcher(set, range.first, range.second, int(std::min<size_t>(cells(), INT32_MAX)), model_.max_T(),
+                          kTMultiple, model_.config().vocab_size, int64_t(cells()));
         if (multi != nullptr) multi->check_same(mc_fingerprint(set), "the multiple-choice items");
         std::vector<double> loss_sum(size_t(mc_first_rows(set).back()), 0.0);
 

@@ -342,14 +342,20 @@ struct McBatch {
 // Cuts the rows of items [begin, end) into batches of at most max_B rows of at most max_T positions, in
 // order (an item's candidates may straddle two batches). A batch's T is its longest row rounded up to a
 // multiple of t_multiple, at most max_T: fewer distinct shapes for a GPU, no padding for t_multiple 1.
+// With max_cells > 0 a batch also holds at most max_cells positions (B x T): a GPU model allocated for
+// B x T tokens then takes as many short rows as fit, not only B of them.
 // Checks every item of the set (not only the range) against the vocabulary and max_T, so that every rank
 // of a multi-GPU run fails alike or not at all.
 class McBatcher {
 public:
-    McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size)
+    McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size,
+              int64_t max_cells = 0)
         : set_(set), first_row_(mc_first_rows(set)), item_(begin), end_(end), max_B_(max_B), max_T_(max_T),
-          t_multiple_(std::max(1, t_multiple)) {
+          t_multiple_(std::max(1, t_multiple)), max_cells_(max_cells) {
         if (max_B < 1 || max_T < 1) fail(kExitUsage, "McBatcher: B=%d T=%d, need both >= 1", max_B, max_T);
+        if (max_cells != 0 && max_cells < max_T) {
+            fail(kExitUsage, "McBatcher: max_cells %lld is below max_T %d", (long long)max_cells, max_T);
+        }
         if (begin < 0 || begin > end || end > int64_t(set.items.size())) {
             fail(kExitUsage, "McBatcher: items [%lld, %lld) of %zu", (long long)begin, (long long)end, set.items.size());
         }
@@ -366,6 +372,10 @@ public:
             const McItem& it = set_.items[size_t(item_)];
             const int kept = int(mc_kept_context(it, max_T_));
             const int len = int(it.endings[size_t(cand_)].size());
+            if (max_cells_ > 0 && !b.row.empty() &&
+                int64_t(b.row.size() + 1) * rounded_T(std::max(longest, kept + len - 1)) > max_cells_) {
+                break;
+            }
             b.row.push_back(first_row_[size_t(item_)] + cand_);
             b.first.push_back(kept - 1);
             b.count.push_back(len);
@@ -377,7 +387,7 @@ public:
         }
         if (b.row.empty()) return false;
         b.B = int(b.row.size());
-        b.T = std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_);
+        b.T = rounded_T(longest);
         b.inputs.assign(size_t(b.B) * size_t(b.T), 0);
         b.targets.assign(size_t(b.B) * size_t(b.T), 0);
         // Walk the rows again from their set row numbers to fill the tokens.
@@ -402,6 +412,7 @@ public:
     }
 
 private:
+    int rounded_T(int longest) const { return std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_); }
     int64_t item_of(int64_t row) const {
         return int64_t(std::upper_bound(first_row_.begin(), first_row_.end(), row) - first_row_.begin()) - 1;
     }
@@ -411,6 +422,7 @@ private:
     int64_t item_, end_;
     int cand_ = 0;
     int max_B_, max_T_, t_multiple_;
+    int64_t max_cells_;
 };
 
 // Sums each batch row's ending losses (losses: b.B rows of b.T positions) in position order, in double,

@@ -288,19 +288,34 @@ ExpectedRow expected_row(const McItem& it, int cand, int T) {
 }
 
 // Runs a batcher over items [begin, end) and checks every batch against expected_row.
-void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple) {
-    SCOPED_TRACE(format("items [%lld, %lld) B=%d T=%d multiple %d", (long long)begin, (long long)end, max_B, max_T,
-                        t_multiple));
+// With max_cells > 0: every batch holds at most max_cells positions, and every batch but the last is full
+// (its next row would not have fitted); *most_rows gets the most rows any batch had.
+void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple,
+                   int64_t max_cells = 0, int* most_rows_out = nullptr) {
+    SCOPED_TRACE(format("items [%lld, %lld) B=%d T=%d multiple %d cells %lld", (long long)begin, (long long)end, max_B,
+                        max_T, t_multiple, (long long)max_cells));
     const std::vector<int64_t> first_row = mc_first_rows(set);
-    McBatcher batcher(set, begin, end, max_B, max_T, t_multiple, 1000);
+    McBatcher batcher(set, begin, end, max_B, max_T, t_multiple, 1000, max_cells);
     McBatch b;
     int64_t next_row = first_row[size_t(begin)];
-    int batches = 0;
+    int batches = 0, most_rows = 0;
     while (batcher.next(b)) {
         batches++;
-        ASSERT_GE(b.B, 1);
-        ASSERT_LE(b.B, max_B);
-        ASSERT_LE(b.T, max_T);
+        most_rows = std::max(most_rows, b.B);
+        EXPECT_GE(b.B, 1);
+        EXPECT_LE(b.B, max_B);
+        EXPECT_LE(b.T, max_T);
+        if (max_cells > 0) {
+            EXPECT_LE(int64_t(b.B) * b.T, max_cells);
+            const int64_t following = b.row.back() + 1;
+            if (following < first_row[size_t(end)] && b.B < max_B) {
+                const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), following) - first_row.begin() - 1;
+                const int n = int(expected_row(set.items[size_t(item)], int(following - first_row[size_t(item)]), max_T)
+                                      .inputs.size());
+                const int t = std::min(max_T, (std::max(b.T, n) + t_multiple - 1) / t_multiple * t_multiple);
+                EXPECT_GT(int64_t(b.B + 1) * t, max_cells) << "batch " << batches << " could have taken row " << following;
+            }
+        }
         ASSERT_EQ(b.inputs.size(), size_t(b.B) * b.T);
         ASSERT_EQ(b.targets.size(), size_t(b.B) * b.T);
         int longest = 0;
@@ -328,6 +343,19 @@ void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int 
     EXPECT_FALSE(batcher.next(b));
     if (end > begin) {
         EXPECT_GE(batches, 1);
+    }
+    if (most_rows_out != nullptr) *most_rows_out = most_rows;
+}
+
+TEST(McBatcher, PacksShortRowsUpToTheCells) {
+    // What the GPU evaluator does: a model allocated for 4 x 200 positions takes more than 4 short rows.
+    const McSet set = random_set(7, 23, 1000, 70, 13);
+    for (int m : {1, 16}) {
+        int most_rows = 0;
+        check_batches(set, 0, int64_t(set.items.size()), 4 * 200, 200, m, 4 * 200, &most_rows);
+        EXPECT_GT(most_rows, 4);
+        check_batches(set, 0, int64_t(set.items.size()), 4 * 37, 37, m, 4 * 37);
+        check_batches(set, 3, 17, 1 * 13, 13, m, 13);
     }
 }
 
