@@ -62,17 +62,19 @@ TEST(RunControl, SpikeLimitIsAMultipleOfTheRecentMeanOnceThereAreTen) {
     EXPECT_TRUE(std::isinf(off.loss_limit()));
 }
 
-TEST(RunControl, TimeLimitKeepsTwoStepsAndACheckpointInReserve) {
+TEST(RunControl, TimeLimitKeepsTwoStepsACheckpointAndTheExitInReserve) {
+    static_assert(RunControl::kExitReserveSeconds == 1.0, "the sums below assume a 1 s exit reserve");
     RunControl::Limits l;
     l.time_limit_s = 10;
     l.time_limit_text = "10s";
     l.checkpoint_seconds = 3;
     const auto now = std::chrono::steady_clock::now();
     RunControl c(l, now - std::chrono::seconds(4));
-    EXPECT_EQ(c.reason(1.0), "");                          // 4 + 2 + 3 < 10
-    EXPECT_NE(c.reason(2.0).find("--time-limit 10s"), std::string::npos);  // 4 + 4 + 3 >= 10
+    EXPECT_EQ(c.reason(0.9), "");                          // 4 + 1.8 + 3 + 1 < 10
+    EXPECT_NE(c.reason(1.1).find("--time-limit 10s"), std::string::npos);  // 4 + 2.2 + 3 + 1 >= 10
     c.saved(1.0);                                          // a measured save replaces the guess
-    EXPECT_EQ(c.reason(2.0), "");                          // 4 + 4 + 1 < 10
+    EXPECT_EQ(c.reason(1.9), "");                          // 4 + 3.8 + 1 + 1 < 10
+    EXPECT_NE(c.reason(2.1).find("--time-limit 10s"), std::string::npos);  // 4 + 4.2 + 1 + 1 >= 10
     RunControl none(RunControl::Limits{}, now - std::chrono::hours(100));
     EXPECT_EQ(none.reason(1e6), "");
 }
