@@ -400,8 +400,8 @@ Summary run_case(const CublasLt& lt, cudaStream_t stream, Case& c, const Options
         }
         if (c.aux_out != nullptr) poison(c.aux_out, c.aux_count * sizeof(floatX));
         // cudaMemset and device-to-device cudaMemcpy may return before they finish, and the matmuls run on a
-        // non-blocking stream: without this the next run could start before D is reset (session 5 call 3
-        // reported every forward as not repeating its own bits).
+        // non-blocking stream: without this the next run could start before D is reset (and every forward
+        // then reads as not repeating its own bits).
         cudaCheck(cudaDeviceSynchronize());
     };
     auto differing = [&](const floatX* d_other, const floatX* aux_other) {
