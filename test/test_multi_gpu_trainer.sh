@@ -14,6 +14,9 @@
 #   - a peer that never comes (--world-size 2, only rank 0 started, --nccl-timeout 5) ends in a clear
 #     error well within the timeout, not a hang;
 #   - one visible GPU and --local-rank 1 (as under Slurm's --gpus-per-task=1): it trains on that GPU;
+#   - --hang-timeout 1 with a d12 validation and sample that each outlast it: the run finishes;
+#   - a flipped bit in a ZeRO-1 shard file of the newest checkpoint: -y 1 names the file, falls back to
+#     the checkpoint before and continues bitwise;
 #   - with two GPUs: two ranks (-z 0, -z 1, and -z 1 with one visible GPU per rank) train 10 steps within
 #     0.02 of one GPU's losses, both ranks print the same "rank R parameter checksum HEX" line, and the
 #     two -z 1 runs end with the same parameters (a sum of two ranks is one rounding in any order, so the
@@ -166,6 +169,45 @@ CUDA_VISIBLE_DEVICES=${first_gpu%%,*} train "$dir/log_own_gpu" "${common[@]}" -x
 grep -q "data parallel: 1 rank(s)" "$dir/log_own_gpu" ||
     { echo "FAIL: --local-rank 1 with one visible GPU did not train on the NCCL path"; cat "$dir/log_own_gpu"; exit 1; }
 echo "one visible GPU, --local-rank 1: trains"
+
+# --hang-timeout watches every phase, not only steps: with a 1 s timeout, a d12 validation over 2M tokens
+# and a 600-token sample (each several seconds on one GPU, heartbeating as they go) finish.
+python3 test/make_synthetic_shards.py "$dir" long_val=2000000
+t0=$(date +%s.%N)
+train "$dir/log_hang" -e d12 -i "$dir/syn_train_*.bin" -j "$dir/long_val_*.bin" -b 4 -t 1024 -x 1 -v 1 -m -1 \
+    -s 1 -g 600 -o "" "${nccl[@]}" --rendezvous-job hang --hang-timeout 1
+secs=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+python3 -c "import sys; sys.exit(0 if $secs > 3 else 1)" ||
+    { echo "FAIL: the --hang-timeout run took only $secs s: its phases did not outlast the timeout"; exit 1; }
+echo "--hang-timeout 1 with a long validation and a long sample: finished in $secs s"
+
+# A damaged shard file in the newest ZeRO-1 checkpoint: -y 1 says so and falls back to the one before,
+# and the run continues bitwise.
+train "$dir/log_dmg" "${common[@]}" -x 10 -n 5 -o "$dir/dmg" "${nccl[@]}" -z 1 --save-model 0
+python3 - "$dir/dmg/ckpt_00000010/adam_m_00000.bin" <<'PY'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(100)
+    b = f.read(1)
+    f.seek(100)
+    f.write(bytes([b[0] ^ 0x10]))
+PY
+rm "$dir/dmg/log.jsonl"
+train "$dir/log_dmg2" "${common[@]}" -x 10 -n 5 -y 1 -o "$dir/dmg" "${nccl[@]}" -z 1 --save-model 0
+grep -q "resume: skipping .*ckpt_00000010: .*adam_m_00000.bin" "$dir/log_dmg2" ||
+    { echo "FAIL: the damaged shard file was not reported"; cat "$dir/log_dmg2"; exit 1; }
+grep -q "resume: restored .*ckpt_00000005 (after skipping 1 newer): step 5" "$dir/log_dmg2" ||
+    { echo "FAIL: no fallback to step 5"; cat "$dir/log_dmg2"; exit 1; }
+python3 - "$dir/ck/log.jsonl" "$dir/dmg/log.jsonl" <<'PY'
+import json, sys
+def steps(path):
+    return {r["step"]: (r["loss"], r["norm"]) for r in map(json.loads, open(path)) if "loss" in r}
+a, b = steps(sys.argv[1]), steps(sys.argv[2])
+bad = [s for s in range(6, 11) if s not in b or a.get(s) != b[s]]
+if bad:
+    print("FAIL: after the fallback, steps %s differ from the uninterrupted -z 1 run" % bad); sys.exit(1)
+PY
+echo "a damaged ZeRO-1 shard file: skipped with its name, resumed from step 5, steps 6..10 bitwise: ok"
 
 gpus=$(nvidia-smi -L | wc -l)
 if [ "$gpus" -lt 2 ]; then
