@@ -8,7 +8,7 @@
 #   sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
 #             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
-#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare
+#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare fp8-lab
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -259,6 +259,12 @@ for section in "$@"; do
             # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
             step matmul_lab matmul_lab.log 200 ./build/matmul_lab
             tail -n 40 "$LOGS/matmul_lab.log" >>"$summary" ;;
+        fp8-lab)
+            # The forward matmuls of a d12 B=64 step with E4M3 operands against bf16, without and with fast
+            # accumulation: speed, the casts' cost, and the error.
+            step fp8_lab fp8_lab.log 120 ./build/fp8_lab
+            step fp8_lab_fast fp8_lab.log 120 ./build/fp8_lab --fast-accum 1
+            grep -A 12 "^matmul" "$LOGS/fp8_lab.log" >>"$summary" ;;
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab
             tail -n 20 "$LOGS/attention.log" >>"$summary" ;;
