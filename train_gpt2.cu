@@ -166,8 +166,9 @@ inline Flags make_flags(Options& o) {
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,
-          "1: each matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise the "
-          "heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises); 0: the heuristic's choice");
+          "1: each training matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise "
+          "the heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises; the "
+          "multiple-choice evaluation always runs the heuristic's choice); 0: the heuristic's choice");
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);

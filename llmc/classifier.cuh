@@ -11,6 +11,10 @@ Provides:
                     are left untouched (evaluation). No probabilities are stored.
   mean_loss:        the mean of N per-row losses, summed by one block in a fixed order (fp64 partial
                     sums), written to a device float; deterministic.
+  gather_positions: out (M,C) = the rows positions[i] of inp (N,C), bf16, copied exactly: the
+                    classifier's input at the positions an evaluation scores (GPT2::forward_scored), so
+                    that the matmul and the softmax run on M rows instead of N. Positions are trusted
+                    (the caller checks them where it builds them).
 
 How fused_classifier works. It is bound by memory traffic and by the exponentials (the special-function
 unit does 16 per clock per SM), so both are kept to the minimum:
@@ -296,6 +300,31 @@ static __global__ void __launch_bounds__(kMeanLossBlock) mean_loss_kernel(float*
 inline void mean_loss(float* mean, const float* losses, int64_t N, cudaStream_t stream) {
     if (N < 1) fail(kExitUsage, "mean_loss: N=%lld", (long long)N);
     mean_loss_kernel<<<1, kMeanLossBlock, 0, stream>>>(mean, losses, N);
+    cudaCheckLaunch();
+}
+
+// ----------------------------------------------------------------------------------------------------
+
+static __global__ void gather_positions_kernel(floatX* out, const floatX* inp, const int* positions, int64_t M,
+                                               int C) {
+    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
+    if (i >= M * C) return;
+    const int64_t row = i / C;
+    const int c = int(i % C);
+    store128(out + i, load128(inp + int64_t(positions[row]) * C + c));
+}
+
+// out (M,C) row i = inp (N,C) row positions[i] (device int32, each in [0, N): not checked here). C must be
+// a multiple of 8 and both buffers 16-byte aligned; out must not overlap inp.
+inline void gather_positions(floatX* out, const floatX* inp, const int* positions, int64_t M, int C,
+                             cudaStream_t stream) {
+    require_pack_multiple(C, "gather_positions: C");
+    require_aligned16(out, "gather_positions: out");
+    require_aligned16(inp, "gather_positions: inp");
+    if (M == 0) return;
+    const int block = 256;
+    gather_positions_kernel<<<unsigned(ceil_div<int64_t>(M * C / kPackX, block)), block, 0, stream>>>(
+        out, inp, positions, M, C);
     cudaCheckLaunch();
 }
 

@@ -132,6 +132,7 @@ public:
     cudaStream_t stream() const { return stream_; }
     // cuBLASLt algorithm tuning (llmc/matmul.cuh): the same bits either way, faster matmuls with it.
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
+    bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
@@ -149,8 +150,9 @@ public:
         float *master, *adam_m, *adam_v;
     };
     State state() { return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()}; }
-    const floatX* logits() const { return logits_; }     // (B,T,Vp) of the last forward (dlogits after a training one)
-    const float* losses() const { return losses_; }      // (B,T) of the last forward with targets
+    // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
+    const floatX* logits() const { return logits_; }
+    const float* losses() const { return losses_; }  // (B,T) of the last forward with targets; (M) after forward_scored
     const float* mean_loss() const { return scalars_.get(); }
     const float* grad_norm() const { return scalars_.get() + 1; }
     // The last update's gradient scale (clipping), NaN when the step guard skipped it.
@@ -199,42 +201,42 @@ public:
     void forward(const int* inputs, const int* targets, int B, int T, float* mean_out = nullptr, float dloss = 0.0f) {
         check_batch(B, T, "forward");
         const GPT2Config& c = config_;
-        const int L = c.num_layers, C = c.channels, NH = c.num_heads, Vp = c.padded_vocab_size;
+        const int C = c.channels, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
-        const floatX* p = params_.get();
-        const OuterTensors<const floatX> w = outer(p);
-        encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_);
-        const BlockActivations first = acts(0);
-        layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
-                          C, stream_);
-        for (int l = 0; l < L; l++) {
-            const BlockTensors<const floatX> b = block(p, l);
-            const BlockActivations a = acts(l);
-            const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
-            attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
-                              scratch_.bytes(), stream_);
-            matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
-            fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w, b.ln2b,
-                                             N, C, stream_);
-            matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
-            matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
-            // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
-            // runs in the same pass.
-            if (l + 1 < L) {
-                const BlockActivations next = acts(l + 1);
-                const BlockTensors<const floatX> nb = block(p, l + 1);
-                fused_residual_layernorm_forward(a.residual3, next.ln1, next.ln1_mean, next.ln1_rstd, a.residual2, proj_,
-                                                 nb.ln1w, nb.ln1b, N, C, stream_);
-            } else {
-                fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
-                                                 w.lnfb, N, C, stream_);
-            }
-        }
-        matmul_forward(lt_, logits_, lnf_, w.wte, nullptr, N, C, Vp, stream_);
+        forward_to_lnf(inputs, B, T);
+        matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
         if (targets == nullptr) return;
         fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
+    }
+
+    // Runs the model on inputs (B,T) as forward() does up to the final LayerNorm, then the classifier at M
+    // of the B*T positions only (evaluation, where only some positions are scored: the multiple-choice
+    // endings). positions (M, device int32) are indices into the B*T positions, each in [0, B*T) (not
+    // checked here: the caller builds and checks them), in any order, repeats allowed; targets (M, device
+    // int32) are their next tokens. The final LayerNorm's rows at those positions are gathered into a
+    // compact (M,C) buffer, so logits() holds their (M,Vp) logits (left as logits), losses() their M losses
+    // in the order given, and *mean_out (a device float; mean_loss() when null) the mean of those M. The
+    // classifier (the lm_head matmul and the softmax over Vp columns) then costs M / (B*T) of forward()'s.
+    // The losses equal forward()'s at the same positions up to the lm_head matmul: cuBLASLt may choose
+    // another algorithm for M rows than for B*T, which may round a logit to its other bf16 neighbour, so
+    // they are close, not always bitwise equal. No backward() may follow (the logits are no gradient).
+    void forward_scored(const int* inputs, int B, int T, const int* positions, const int* targets, int64_t M,
+                        float* mean_out = nullptr) {
+        check_batch(B, T, "forward_scored");
+        const int64_t N = int64_t(B) * T;
+        if (M < 1 || M > N) {
+            fail(kExitUsage, "GPT2 forward_scored: M=%lld scored positions for B=%d T=%d, need 1 <= M <= B*T = %lld",
+                 (long long)M, B, T, (long long)N);
+        }
+        const GPT2Config& c = config_;
+        const int C = c.channels, Vp = c.padded_vocab_size;
+        forward_to_lnf(inputs, B, T);
+        // proj_ (rows for the allocated B x T, so at least M) was last read by the final residual add.
+        gather_positions(proj_, lnf_, positions, M, C, stream_);
+        matmul_forward(lt_, logits_, proj_, outer(params_.get()).wte, nullptr, M, C, Vp, stream_);
+        fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);
+        llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, M, stream_);
     }
 
     // Sets every parameter gradient to zero (the start of an optimizer step).
@@ -357,6 +359,45 @@ private:
         if (B < 1 || T < 1 || T > T_ || int64_t(B) * T > int64_t(B_) * T_) {
             fail(kExitUsage, "GPT2 %s: B=%d T=%d, the model was allocated for B x T <= %d x %d tokens and T <= %d",
                  what, B, T, B_, T_, T_);
+        }
+    }
+
+    // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
+    // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
+    // reads.
+    void forward_to_lnf(const int* inputs, int B, int T) {
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels, NH = c.num_heads;
+        const int64_t N = int64_t(B) * T;
+        const floatX* p = params_.get();
+        const OuterTensors<const floatX> w = outer(p);
+        encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_);
+        const BlockActivations first = acts(0);
+        layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
+                          C, stream_);
+        for (int l = 0; l < L; l++) {
+            const BlockTensors<const floatX> b = block(p, l);
+            const BlockActivations a = acts(l);
+            const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
+            matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
+            attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
+                              scratch_.bytes(), stream_);
+            matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
+            fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
+                                             b.ln2b, N, C, stream_);
+            matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+            matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
+            // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
+            // runs in the same pass.
+            if (l + 1 < L) {
+                const BlockActivations next = acts(l + 1);
+                const BlockTensors<const floatX> nb = block(p, l + 1);
+                fused_residual_layernorm_forward(a.residual3, next.ln1, next.ln1_mean, next.ln1_rstd, a.residual2,
+                                                 proj_, nb.ln1w, nb.ln1b, N, C, stream_);
+            } else {
+                fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
+                                                 w.lnfb, N, C, stream_);
+            }
         }
     }
 
@@ -490,7 +531,8 @@ private:
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;
     char* att_saved_ = nullptr;  // attention's saved state, att_saved_bytes_ per layer
-    floatX *proj_ = nullptr;  // attproj, then fcproj: only the residual adds read them
+    // attproj, then fcproj: only the residual adds read them; then forward_scored's gathered lnf rows.
+    floatX *proj_ = nullptr;
     floatX *residual2_ = nullptr, *ln2_ = nullptr, *fch_ = nullptr, *fch_gelu_ = nullptr, *residual3_ = nullptr;
     floatX *lnf_ = nullptr, *logits_ = nullptr;
     float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;

@@ -1,22 +1,33 @@
 /*
 Multiple-choice evaluation (HellaSwag and sets like it) with the GPU model of llmc/gpt2.cuh: the items,
-rows, scores and rules of llmc/mc_eval.h, run through model.forward().
+rows, scores and rules of llmc/mc_eval.h, run through model.forward_scored().
 
-McEvalGpu(model) allocates, once, what a run needs beside the model: device inputs and targets for the
-model's B x T, a device slot for the forward's mean loss (so the model's own mean_loss() is left as the
-trainer set it), and two pinned host buffers each for tokens and losses. run(set) then:
+McEvalGpu(model) allocates, once, what a run needs beside the model: a device buffer for a batch's inputs
+and its scored positions and their targets, a device slot for the forward's mean loss (so the model's own
+mean_loss() is left as the trainer set it), and two pinned host buffers each for tokens and losses.
+run(set) then:
   - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and cuts their
     candidates into batches of at most the model's B x T positions (McBatcher; each batch's T is its
     longest row rounded up to kTMultiple positions, and it holds as many rows as fit, often more than B:
     the model's forward takes any B' x T' <= B x T);
-  - per batch: tokens to the GPU, forward with targets and no dloss (the logits stay logits), the
-    per-position losses back; while the GPU runs one batch, the host fills the next and sums the ending
-    losses of the one before (mc_accumulate);
+  - per batch: the inputs (n = B' x T' tokens) and the M scored positions (every row's ending, listed by
+    mc_scored_positions) with their targets to the GPU in one copy; forward_scored, which runs the
+    transformer on all n positions but the classifier (the lm_head matmul over Vp columns and the softmax)
+    on the M scored ones only (the quick start's held-out set has contexts of ~64 tokens and endings of
+    ~16: ~80% of the positions are context, and the classifier is ~30% of the forward); the M losses
+    back. While the GPU runs one batch, the host fills the next and sums the ending losses of the one
+    before (mc_accumulate_compact: the same sums, in the same order, as mc_accumulate over all n losses);
   - with several ranks (model.multi() non-null): checks that every rank holds the same items, then
     shares the per-row loss sums with one all-reduce sum of their bit patterns (each row is summed by
     exactly one rank and the others contribute zero bits, so the sum is an exact gather), and every rank
     scores every item from the same numbers. The single-GPU path makes no NCCL call.
 The result (mc_score) holds the counts and every item's predictions and row scores, on every rank.
+
+The model's cuBLASLt tuning (--gemm-tune) is off during a run and restored after it: the evaluation's
+shapes (B' x T' and M differ from training's) are run a few dozen times per evaluation and a run has few
+evaluations, so tuning them at their first call (timing up to 8 candidates several times each) costs more
+than it could save. The heuristic's first choice, run instead, is deterministic for a given shape, GPU and
+library, so runs stay reproducible.
 
 The run overwrites the model's activations, logits and losses (not its parameters, gradients or
 optimizer state): call it between optimizer steps, not between a forward and its backward.
@@ -44,10 +55,11 @@ public:
     // A batch's T is rounded up to a multiple of this (at most the model's T).
     static constexpr int kTMultiple = 16;
 
+    // A batch's n inputs, M <= n positions and M targets: at most 3 x the model's B x T ints.
     explicit McEvalGpu(GPT2& model)
-        : model_(model), tokens_(size_t(2) * cells()), mean_(1),
-          host_tokens_{PinnedBuffer(2 * cells() * sizeof(int), cudaHostAllocWriteCombined),
-                       PinnedBuffer(2 * cells() * sizeof(int), cudaHostAllocWriteCombined)},
+        : model_(model), tokens_(size_t(3) * cells()), mean_(1),
+          host_tokens_{PinnedBuffer(3 * cells() * sizeof(int), cudaHostAllocWriteCombined),
+                       PinnedBuffer(3 * cells() * sizeof(int), cudaHostAllocWriteCombined)},
           host_losses_{PinnedBuffer(cells() * sizeof(float)), PinnedBuffer(cells() * sizeof(float))} {}
     McEvalGpu(const McEvalGpu&) = delete;
     McEvalGpu& operator=(const McEvalGpu&) = delete;
@@ -56,6 +68,7 @@ public:
     McResult run(const McSet& set) {
         MultiGpu* multi = model_.multi();
         const cudaStream_t stream = model_.stream();
+        const GemmTuningOff no_tuning(model_);  // the file's comment
         const int64_t items = int64_t(set.items.size());
         const int rank = multi != nullptr ? multi->rank() : 0, world = multi != nullptr ? multi->world() : 1;
         const std::pair<int64_t, int64_t> range = mc_rank_items(items, rank, world);
@@ -71,18 +84,28 @@ public:
         int k = 0;
         auto finish = [&](int slot) {
             cudaCheck(cudaEventSynchronize(done_[slot]));
-            mc_accumulate(batch[slot], reinterpret_cast<const float*>(host_losses_[slot].get()), loss_sum);
+            mc_accumulate_compact(batch[slot], reinterpret_cast<const float*>(host_losses_[slot].get()), loss_sum);
             pending[slot] = false;
         };
+        std::vector<int> positions, targets;
         while (batcher.next(batch[k])) {
             const McBatch& b = batch[k];
             const size_t n = size_t(b.B) * size_t(b.T);
+            mc_scored_positions(b, positions, targets);
+            const size_t m = positions.size();  // at most n: every position lies in its row
+            if (n > cells() || n + 2 * m > 3 * cells()) {
+                fail(kExitUsage, "McEvalGpu: a batch of %zu positions, %zu of them scored, exceeds the buffers for %zu",
+                     n, m, cells());
+            }
+            // inputs (n), positions (m), targets (m): one copy.
             int* host = reinterpret_cast<int*>(host_tokens_[k].get());
             std::memcpy(host, b.inputs.data(), n * sizeof(int));
-            std::memcpy(host + n, b.targets.data(), n * sizeof(int));
-            cudaCheck(cudaMemcpyAsync(tokens_.get(), host, 2 * n * sizeof(int), cudaMemcpyHostToDevice, stream));
-            model_.forward(tokens_.get(), tokens_.get() + n, b.B, b.T, mean_.get());
-            cudaCheck(cudaMemcpyAsync(host_losses_[k].get(), model_.losses(), n * sizeof(float),
+            std::memcpy(host + n, positions.data(), m * sizeof(int));
+            std::memcpy(host + n + m, targets.data(), m * sizeof(int));
+            cudaCheck(cudaMemcpyAsync(tokens_.get(), host, (n + 2 * m) * sizeof(int), cudaMemcpyHostToDevice, stream));
+            model_.forward_scored(tokens_.get(), b.B, b.T, tokens_.get() + n, tokens_.get() + n + m, int64_t(m),
+                                  mean_.get());
+            cudaCheck(cudaMemcpyAsync(host_losses_[k].get(), model_.losses(), m * sizeof(float),
                                       cudaMemcpyDeviceToHost, stream));
             cudaCheck(cudaEventRecord(done_[k], stream));
             pending[k] = true;
@@ -98,6 +121,22 @@ public:
     }
 
 private:
+    // Turns the model's cuBLASLt tuning off for its lifetime and then restores the setting it found, also
+    // when the run ends with an exception.
+    class GemmTuningOff {
+    public:
+        explicit GemmTuningOff(GPT2& model) : model_(model), was_(model.gemm_tuning()) {
+            model_.set_gemm_tuning(false);
+        }
+        ~GemmTuningOff() { model_.set_gemm_tuning(was_); }
+        GemmTuningOff(const GemmTuningOff&) = delete;
+        GemmTuningOff& operator=(const GemmTuningOff&) = delete;
+
+    private:
+        GPT2& model_;
+        bool was_;
+    };
+
     size_t cells() const { return size_t(model_.max_B()) * size_t(model_.max_T()); }
 
     // Rows this rank did not run are +0.0, whose bits are zero: the sum of the bit patterns over ranks is
@@ -114,7 +153,7 @@ private:
     }
 
     GPT2& model_;
-    DeviceBuffer<int> tokens_;  // inputs then targets of the batch in flight
+    DeviceBuffer<int> tokens_;  // inputs, scored positions, their targets: the batch in flight
     DeviceBuffer<float> mean_;
     PinnedBuffer host_tokens_[2], host_losses_[2];
     Event done_[2];

@@ -437,6 +437,49 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
     }
 }
 
+// The batch's scored positions, compactly, for a forward that computes losses only there
+// (GPT2::forward_scored): for each row r in order, r*T + first[r] + j for j < count[r] (indices into the
+// batch's B x T positions) into pos, and the targets at those positions into tgt. Checks every row's
+// ending against its T positions (and that B x T fits an int32), so that a device kernel can trust pos.
+inline void mc_scored_positions(const McBatch& b, std::vector<int>& pos, std::vector<int>& tgt) {
+    const int64_t cells = int64_t(b.B) * int64_t(b.T);
+    if (b.B < 1 || b.T < 1 || cells > std::numeric_limits<int32_t>::max()) {
+        fail(kExitUsage, "mc_scored_positions: a batch of B=%d T=%d; need B, T >= 1 and B x T < 2^31", b.B, b.T);
+    }
+    if (b.first.size() != size_t(b.B) || b.count.size() != size_t(b.B) || b.row.size() != size_t(b.B) ||
+        b.targets.size() != size_t(cells)) {
+        fail(kExitUsage, "mc_scored_positions: a batch of %d rows of %d positions has %zu firsts, %zu counts, %zu row "
+             "numbers and %zu targets", b.B, b.T, b.first.size(), b.count.size(), b.row.size(), b.targets.size());
+    }
+    pos.clear();
+    tgt.clear();
+    for (int r = 0; r < b.B; r++) {
+        const int first = b.first[size_t(r)], count = b.count[size_t(r)];
+        if (first < 0 || count < 1 || int64_t(first) + count > b.T) {
+            fail(kExitUsage, "mc_scored_positions: row %d's ending (first %d, %d positions) is not within its %d "
+                 "positions", r, first, count, b.T);
+        }
+        for (int j = 0; j < count; j++) {
+            const int p = r * b.T + first + j;
+            pos.push_back(p);
+            tgt.push_back(b.targets[size_t(p)]);
+        }
+    }
+}
+
+// mc_accumulate for losses at mc_scored_positions' positions only (losses[i] is the loss at pos[i]):
+// each row's ending losses summed in position order, in double, so the sums are bit for bit those of
+// mc_accumulate over B x T losses holding the same values at those positions.
+template <class Loss>
+void mc_accumulate_compact(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
+    size_t i = 0;
+    for (int r = 0; r < b.B; r++) {
+        double s = 0;
+        for (int j = 0; j < b.count[size_t(r)]; j++) s += double(losses[i++]);
+        loss_sum[size_t(b.row[size_t(r)])] = s;
+    }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Scores.
 

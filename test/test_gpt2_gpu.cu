@@ -26,6 +26,19 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
   - a forward smaller than the allocation (B=1, T=10, as sampling does) matches the CPU.
   - determinism: two fresh models, same weights and batches, 5 training steps: losses, norms and the
     final bf16 parameters bitwise identical.
+  - forward_scored (the classifier at some positions only) against forward() at the same positions, for
+    a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
+    row, in no particular order, including the first and the last of the batch: each loss within
+    2e-3 + 2^-7 |target logit|, and the mean equal to the mean of the M losses (1e-6 relative: both sum
+    in double and round once to float). The transformer's kernels are the same, so the final LayerNorm
+    is bitwise the same and the gather copies it exactly; only the lm_head matmul differs: cuBLASLt may
+    pick another algorithm for M rows than for B*T, whose fp32 sums over C differ in their last bits and
+    may round a logit to the other bf16 neighbour. That moves a loss by at most one bf16 ulp of the
+    target logit (at most 2^-7 of it; the other logits enter through the softmax, weighted by their
+    probabilities, which are ~1/V here), so 2e-3 covers the rest with a wide margin on losses of ~7-11,
+    while a wrong row, target or offset gives errors of order 1. forward_scored refuses M = 0, M above
+    this batch's B*T and a batch the model was not allocated for (a position outside the batch is
+    refused where positions are built, mc_scored_positions: test_mc_eval.cpp).
 Shapes: d2 (C=128, NH=2) and a small explicit model (L=3, C=96, NH=3, HS=32, V=1000 padded to 1024,
 maxT=80) at B=4, T=64; d6 and d12 at B=4, T=64; d2 at B=4, T=1024. d6 and d12 at T=1024 take minutes on
 the CPU side and run only with LLMC_LONG_TESTS=1 (they skip with a message otherwise). The GPT-2 shapes
@@ -39,11 +52,13 @@ determinism tests run both d2 and the C=96 model.
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "llmc/gpt2.cuh"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
+#include "test/expect_error.h"
 #include "test/gpu_test.h"
 #include "test/test_util.h"
 
@@ -326,6 +341,92 @@ TEST_F(GPT2TrainingTest, SmallerForwardThanAllocatedMatchesCpu) {
         const std::vector<float> logits = download_bf16(gpu.logits(), size_t(T) * c.padded_vocab_size, stream);
         expect_close("logits B=1 T=10", logits.data(), ref.activations().logits.data(), logits.size(), kTolLogits);
     }
+}
+
+// Both attention paths, as above; the file's comment says why the tolerance.
+TEST_F(GPT2TrainingTest, ScoredForwardMatchesForwardAtThosePositions) {
+    constexpr double kTolScoredLoss = 2e-3;
+    for (const Case& k : {cases()[0], cases()[1]}) {
+        SCOPED_TRACE(k.name);
+        std::printf("  %s\n", k.name.c_str());
+        const GPT2Config& c = k.config;
+        const int V = c.vocab_size, Vp = c.padded_vocab_size;
+        const std::vector<float> params = test_parameters(c, 61);
+        Stream stream;
+        GPT2 gpu(c, 4, 64, stream);
+        gpu.set_parameters(params);
+        // The allocated batch, and a packed one of more, shorter rows (as the multiple-choice evaluation runs).
+        for (const std::pair<int, int>& shape : {std::pair<int, int>{4, 64}, std::pair<int, int>{6, 32}}) {
+            const int B = shape.first, T = shape.second, N = B * T;
+            SCOPED_TRACE(format("B=%d T=%d", B, T));
+            const std::vector<int> inputs = random_tokens<int>(size_t(N), V, 62 + uint64_t(B));
+            const std::vector<int> targets = random_tokens<int>(size_t(N), V, 63 + uint64_t(B));
+            auto d_in = upload(inputs), d_tg = upload(targets);
+            gpu.forward(d_in.get(), d_tg.get(), B, T);
+            const std::vector<float> full = download(gpu.losses(), size_t(N), stream);
+            const std::vector<float> logits = download_bf16(gpu.logits(), size_t(N) * Vp, stream);
+
+            // The last position first, the first position, both ends of every row, and a scattered few.
+            std::vector<int> pos = {N - 1, 0};
+            for (int r = 0; r < B; r++) {
+                pos.push_back(r * T + T - 1);
+                pos.push_back(r * T + (r == 0 ? 1 : 0));
+                pos.push_back(r * T + (5 * r + 3) % T);
+            }
+            SplitMix64 rng(64);
+            for (int i = 0; i < 12; i++) pos.push_back(int(rng.below(uint64_t(N))));
+            pos.push_back(pos[5]);  // a repeat is allowed
+            const int64_t M = int64_t(pos.size());
+            std::vector<int> tgt;
+            for (int p : pos) tgt.push_back(targets[size_t(p)]);
+            auto d_pos = upload(pos), d_tgt = upload(tgt);
+            gpu.forward_scored(d_in.get(), B, T, d_pos.get(), d_tgt.get(), M);
+            const std::vector<float> scored = download(gpu.losses(), size_t(M), stream);
+            const float mean = download_scalar(gpu.mean_loss(), stream);
+
+            double worst = 0, sum = 0;
+            int bitwise = 0;
+            for (int64_t i = 0; i < M; i++) {
+                const size_t p = size_t(pos[size_t(i)]);
+                const double target_logit = logits[p * size_t(Vp) + size_t(tgt[size_t(i)])];
+                const double d = std::fabs(double(scored[size_t(i)]) - double(full[p]));
+                worst = std::max(worst, d);
+                bitwise += std::memcmp(&scored[size_t(i)], &full[p], sizeof(float)) == 0;
+                EXPECT_TRUE(std::isfinite(scored[size_t(i)])) << "scored loss " << i << " at position " << p;
+                EXPECT_LE(d, kTolScoredLoss + std::ldexp(std::fabs(target_logit), -7))
+                    << "scored loss " << i << " at position " << p << ": " << scored[size_t(i)] << ", forward() "
+                    << full[p];
+                sum += double(scored[size_t(i)]);
+            }
+            const double want_mean = sum / double(M);
+            std::printf("    B=%d T=%d: %lld positions, %d bitwise equal to forward()'s, worst difference %.3g; "
+                        "mean %.7f (of the M losses %.7f)\n", B, T, (long long)M, bitwise, worst, double(mean),
+                        want_mean);
+            EXPECT_NEAR(double(mean), want_mean, 1e-6 * want_mean);
+        }
+    }
+}
+
+TEST_F(GPT2TrainingTest, ScoredForwardRefusesBadCounts) {
+    const GPT2Config c = config_from_descriptor("d2");
+    Stream stream;
+    GPT2 gpu(c, 2, 16, stream);
+    DeviceBuffer<int> d_in(64), d_pos(64), d_tgt(64);
+    cudaCheck(cudaMemset(d_in.get(), 0, d_in.bytes()));
+    cudaCheck(cudaMemset(d_pos.get(), 0, d_pos.bytes()));
+    cudaCheck(cudaMemset(d_tgt.get(), 0, d_tgt.bytes()));
+    auto scored = [&](int B, int T, int64_t M) {
+        return [&gpu, &d_in, &d_pos, &d_tgt, B, T, M] {
+            gpu.forward_scored(d_in.get(), B, T, d_pos.get(), d_tgt.get(), M);
+        };
+    };
+    expect_error(scored(2, 16, 0), kExitUsage, {"GPT2 forward_scored: M=0 scored positions for B=2 T=16",
+                                                "1 <= M <= B*T = 32"});
+    expect_error(scored(2, 16, 33), kExitUsage, {"M=33", "B*T = 32"});
+    expect_error(scored(1, 16, 17), kExitUsage, {"M=17 scored positions for B=1 T=16", "B*T = 16"});
+    expect_error(scored(3, 16, 4), kExitUsage, {"GPT2 forward_scored: B=3 T=16"});
+    expect_error(scored(1, 17, 4), kExitUsage, {"GPT2 forward_scored: B=1 T=17"});
+    cudaCheck(cudaStreamSynchronize(stream));
 }
 
 // Both attention paths, as above.

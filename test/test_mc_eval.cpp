@@ -12,7 +12,9 @@ Checks:
   - rows and batches: every row exactly once, in order, inputs/targets equal to a direct construction
     (context cut from the left by the same number of tokens for all candidates when an item is longer
     than T), B and T bounds and T's rounding, ranges of items, the rank split, the errors for an ending
-    longer than T and for out-of-vocabulary tokens;
+    longer than T and for out-of-vocabulary tokens; the compact list of scored positions (every row's
+    ending, in row order, with the ending's tokens as targets; endings outside their row refused) and
+    sums over compact losses bitwise equal to mc_accumulate's over the whole B x T losses;
   - scores: acc by sum, acc_norm by mean, ties to the lowest index, margins;
   - the CPU reference: per-candidate sums equal a direct computation from the model's logits (one
     candidate per forward, log-softmax in double) within 1e-5, the batched runs identical bit for bit
@@ -31,8 +33,10 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 
 #include "llmc/gpt2_config.h"
@@ -413,6 +417,101 @@ TEST(McBatcher, RankSplit) {
             EXPECT_LE(hi - lo, 1);
         }
     }
+}
+
+// The compact list of scored positions (the GPU's forward_scored path) and the sums over it, for Loss =
+// float (what the GPU returns) and double (whose sums depend on the order, so the order is pinned too).
+template <class Loss>
+void check_scored_positions(const McSet& set, int max_B, int max_T, int t_multiple, int64_t max_cells,
+                            uint64_t seed) {
+    SCOPED_TRACE(format("B=%d T=%d multiple %d cells %lld, %zu-byte losses", max_B, max_T, t_multiple,
+                        (long long)max_cells, sizeof(Loss)));
+    const std::vector<int64_t> first_row = mc_first_rows(set);
+    const int64_t rows = first_row.back();
+    McBatcher batcher(set, 0, int64_t(set.items.size()), max_B, max_T, t_multiple, 1000, max_cells);
+    const double unset = std::numeric_limits<double>::quiet_NaN();
+    std::vector<double> full_sum(size_t(rows), unset), compact_sum(size_t(rows), unset);
+    SplitMix64 rng(seed);
+    McBatch b;
+    std::vector<int> pos, tgt;
+    int batches = 0;
+    bool padded = false;
+    while (batcher.next(b)) {
+        batches++;
+        mc_scored_positions(b, pos, tgt);
+        std::vector<int> want_pos, want_tgt;
+        for (int r = 0; r < b.B; r++) {
+            const int64_t row = b.row[size_t(r)];
+            const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), row) - first_row.begin() - 1;
+            const std::vector<int32_t>& ending = set.items[size_t(item)].endings[size_t(row - first_row[size_t(item)])];
+            ASSERT_EQ(b.count[size_t(r)], int(ending.size())) << "row " << row;
+            for (int j = 0; j < b.count[size_t(r)]; j++) {
+                want_pos.push_back(r * b.T + b.first[size_t(r)] + j);
+                want_tgt.push_back(ending[size_t(j)]);  // the ending's tokens are the targets there
+            }
+            padded |= b.first[size_t(r)] + b.count[size_t(r)] < b.T;
+        }
+        EXPECT_EQ(pos, want_pos) << "batch " << batches;
+        EXPECT_EQ(tgt, want_tgt) << "batch " << batches;
+        // B x T losses, NaN wherever nothing is scored (a sum that reads one shows it), and their compact copy.
+        std::vector<Loss> full(size_t(b.B) * size_t(b.T), std::numeric_limits<Loss>::quiet_NaN());
+        std::vector<Loss> compact(pos.size());
+        for (size_t i = 0; i < pos.size(); i++) {
+            const double u = double(rng.next() >> 11) * 0x1p-53;  // 53 random bits
+            compact[i] = full[size_t(pos[i])] = Loss(20.0 * u * u);
+        }
+        mc_accumulate(b, full.data(), full_sum);
+        mc_accumulate_compact(b, compact.data(), compact_sum);
+    }
+    EXPECT_GE(batches, 2);
+    EXPECT_TRUE(padded) << "no row shorter than its batch: the test would not see a wrong stride";
+    for (int64_t r = 0; r < rows; r++) {
+        EXPECT_FALSE(std::isnan(compact_sum[size_t(r)])) << "row " << r;
+        uint64_t a, c;
+        std::memcpy(&a, &full_sum[size_t(r)], sizeof(a));
+        std::memcpy(&c, &compact_sum[size_t(r)], sizeof(c));
+        EXPECT_EQ(c, a) << "row " << r << ": compact " << compact_sum[size_t(r)] << ", full " << full_sum[size_t(r)];
+    }
+}
+
+TEST(McBatcher, ScoredPositionsAndCompactSumsEqualTheFullOnes) {
+    // Contexts up to 70 and endings up to 13 tokens: rows of many lengths; T=37 cuts contexts.
+    const McSet set = random_set(11, 23, 1000, 70, 13);
+    for (int m : {1, 16}) {
+        check_scored_positions<float>(set, 3, 37, m, 0, 1);
+        check_scored_positions<float>(set, 4 * 200, 200, m, 4 * 200, 2);  // packed: many short rows a batch
+        check_scored_positions<double>(set, 4 * 37, 37, m, 4 * 37, 3);
+        check_scored_positions<double>(set, 64, 200, m, 0, 4);
+    }
+}
+
+TEST(McBatcher, ScoredPositionsRefuseEndingsOutsideTheirRow) {
+    McBatch b;
+    b.B = 2;
+    b.T = 4;
+    b.inputs.assign(8, 1);
+    b.targets.assign(8, 2);
+    b.row = {0, 1};
+    b.first = {1, 2};
+    b.count = {3, 2};
+    std::vector<int> pos, tgt;
+    mc_scored_positions(b, pos, tgt);
+    EXPECT_EQ(pos, (std::vector<int>{1, 2, 3, 6, 7}));
+    b.count = {3, 3};  // row 1's ending would run into the next row (or past the batch)
+    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage,
+                 {"row 1's ending (first 2, 3 positions) is not within its 4 positions"});
+    b.count = {3, 2};
+    b.first = {-1, 2};
+    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"row 0's ending (first -1, 3 positions)"});
+    b.first = {1, 2};
+    b.count = {0, 2};
+    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"row 0's ending (first 1, 0 positions)"});
+    b.count = {3, 2};
+    b.targets.assign(7, 2);
+    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"7 targets"});
+    b.targets.assign(8, 2);
+    b.B = 0;
+    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"B=0 T=4"});
 }
 
 // ---- scores ----
