@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
 # A mutation pass over the GPU code: does `make test` on a GPU catch plausible bugs in the kernels and the
 # trainer's GPU paths? The mutations are listed in dev/gpu_mutations.txt (ID, file, exact text, its
-# replacement, the bug it stands for). For each one: the text is replaced in place (FILE@N picks the N-th
-# of several occurrences), everything is rebuilt, the GPU tests run in order, fastest first, until one
-# fails (the mutant is killed by it; a test that times out kills it too) or all pass (it survived); then
-# the file is restored, also when the script is interrupted.
+# replacement, the bug it stands for; FILE@N picks the N-th of several occurrences).
 #   bash dev/gpu_mutation_runs.sh [--check] [--only ID,ID,...] [--from N] [--count K] [--out FILE]
+#                                 [--jobs J] [--test-jobs P] [--no-baseline | --baseline-only]
 #                                 [--time-budget SECONDS]
-#   --check         without a GPU: only apply each mutation, check that it builds (train_gpt2cu), restore
-#   --from/--count  the K mutations from the N-th (1-based), for passes split over several sessions
+#   --check         without a GPU: only make each mutant's tree and check that its trainer builds
+#   --only/--from/--count  which mutations (IDs; or the K from the N-th, 1-based), for passes split in parts
 #   --out           the table, appended to (default build/gpu-mutations.tsv): id, file:line, the bug, result
-#                   (killed, survived, no-build), the test that killed it, seconds
-#   --time-budget   start no mutation after this many seconds (0: none)
-# Before the first mutation the unmutated tree must build and pass every test below, or nothing is run.
-# Tests (make test's GPU programs; script tests with fewer random trials to keep a mutant to ~1-2 min):
-#   build/test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu
-#   test_device_file_io test_mc_eval_gpu test_multi_gpu, then test/test_train_gpt2cu.sh test_resume.sh
-#   (RESUME_KILL_TRIALS=2) test_train_gpt2_cpu_vs_gpu.sh test_multi_gpu_trainer.sh test_hf_trainer.sh
-#   test_run_survival.sh (SURVIVAL_TRIALS=2). A test that exits 77 (skip) kills nothing.
+#                   (killed, survived, no-build), the test that killed it, seconds of its tests
+#   --jobs          builds at once (default: the cores)
+#   --test-jobs     unit-test programs at once on the GPU (default 4); script tests always run one at a time,
+#                   some of them time signals and deadlines
+#   --no-baseline   skip the run of every test on the unmutated tree (only when it ran at the same commit
+#                   on the same machine; the script says so in its summary)
+#   --baseline-only only build the unmutated tree and run every test on it (then --no-baseline in a later run)
+#   --time-budget   start no stage after this many seconds (0: none); mutants left are reported unfinished
+#
+# How: the repository is built once (make all) and, unless --no-baseline, every test below must pass on it.
+# Each mutant is a copy of the built tree (data/ and .deps/ linked, not copied) with its one edit, so the
+# repository itself is never changed. The tests run in stages, fastest first; at each stage the mutants
+# still alive rebuild, in parallel, only what the edit touches (make's dependency files decide); a stage
+# whose programs the edit does not touch cannot fail differently from the unmutated tree and is skipped
+# for that mutant. A mutant is killed by the first test that fails (or times out) and survives when all
+# pass. A test that exits 77 (skipped) kills nothing.
+# Stages: build/test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu
+#   test_device_file_io test_mc_eval_gpu test_multi_gpu (make test's GPU programs), then the GPU script
+#   tests test_train_gpt2cu.sh test_resume.sh test_train_gpt2_cpu_vs_gpu.sh test_multi_gpu_trainer.sh
+#   test_hf_trainer.sh test_run_survival.sh, with fewer random kill and signal trials (RESUME_KILL_TRIALS=2,
+#   SURVIVAL_TRIALS=2) to keep a surviving mutant to a few minutes.
 set -u
 cd "$(dirname "$0")/.."
+root=$(pwd)
 list=dev/gpu_mutations.txt
-check=0 only="" from=1 count=100000 out=build/gpu-mutations.tsv budget=0
+check=0 only="" from=1 count=100000 out=build/gpu-mutations.tsv budget=0 jobs=$(nproc) test_jobs=4 baseline=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --check) check=1; shift ;;
@@ -29,8 +41,12 @@ while [ $# -gt 0 ]; do
         --from) from=$2; shift 2 ;;
         --count) count=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
+        --jobs) jobs=$2; shift 2 ;;
+        --test-jobs) test_jobs=$2; shift 2 ;;
+        --no-baseline) baseline=0; shift ;;
+        --baseline-only) baseline=2; shift ;;
         --time-budget) budget=$2; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         *) echo "gpu_mutation_runs: unknown argument '$1' (--help)" >&2; exit 2 ;;
     esac
 done
@@ -39,20 +55,82 @@ if [ $check -eq 0 ] && ! nvidia-smi -L >/dev/null 2>&1; then
     exit 2
 fi
 work=$(mktemp -d /tmp/gpu_mutations_XXXXXX)
-restore() {
-    if [ -n "${mutated:-}" ] && [ -f "$work/orig" ]; then cp "$work/orig" "$mutated"; fi
-    mutated=""
-}
-trap 'restore; rm -rf "$work"' EXIT
+trap 'rm -rf "$work"' EXIT
 trap 'exit 130' INT TERM
+start=$SECONDS
 
-# apply FILE[@N] TEXT REPLACEMENT: replaces the N-th occurrence (default: the only one); prints its line.
-apply() {
-    python3 - "$1" "$2" "$3" <<'PY'
+# Stages: "unit NAME" (build/NAME) or "script NAME [VAR=VALUE ...]" (test/NAME; what it runs, built first).
+stages=("unit test_kernels" "unit test_gpt2_gpu" "unit test_zero_update" "unit test_dataloader_gpu"
+        "unit test_checkpoint_gpu" "unit test_device_file_io" "unit test_mc_eval_gpu" "unit test_multi_gpu"
+        "script test_train_gpt2cu.sh" "script test_resume.sh RESUME_KILL_TRIALS=2"
+        "script test_train_gpt2_cpu_vs_gpu.sh" "script test_multi_gpu_trainer.sh" "script test_hf_trainer.sh"
+        "script test_run_survival.sh SURVIVAL_TRIALS=2")
+script_targets="train_gpt2cu train_gpt2 build/convert_model build/inspect_checkpoint"
+stage_targets() {  # stage_targets KIND NAME
+    if [ "$1" = unit ]; then echo "build/$2"; else echo "$script_targets"; fi
+}
+# run_stage DIR KIND NAME [VAR=VALUE ...] >>LOG: the test's exit code (124: timed out).
+run_stage() {
+    local dir=$1 kind=$2 name=$3
+    shift 3
+    if [ "$kind" = unit ]; then
+        (cd "$dir" && timeout -k 10 300 "build/$name")
+    else
+        (cd "$dir" && env "$@" timeout -k 10 400 bash "test/$name")
+    fi
+}
+
+# The mutations: index, id, file spec, text, replacement, the bug (fields split by \x1f).
+python3 - "$list" >"$work/mutations" <<'PY' || exit 1
 import sys
-spec, text, repl = sys.argv[1], sys.argv[2], sys.argv[3]
+n = 0
+for line in open(sys.argv[1]):
+    line = line.rstrip("\n")
+    if not line.strip() or line.startswith("#"):
+        continue
+    f = [x.strip() for x in line.split(" ||| ")]
+    if len(f) != 5:
+        sys.exit("gpu_mutations.txt: a line without 5 fields: " + line[:120])
+    n += 1
+    print("\x1f".join([str(n)] + f))
+PY
+selected=()
+while IFS=$'\x1f' read -r idx mid spec text repl what; do
+    [ "$idx" -lt "$from" ] && continue
+    [ ${#selected[@]} -ge "$count" ] && break
+    if [ -n "$only" ] && [[ ",$only," != *",$mid,"* ]]; then continue; fi
+    selected+=("$mid")
+    printf '%s\x1f%s\x1f%s\x1f%s\n' "$spec" "$text" "$repl" "$what" >"$work/$mid.mutation"
+done <"$work/mutations"
+[ ${#selected[@]} -gt 0 ] || { echo "gpu_mutation_runs: no mutation selected" >&2; exit 2; }
+
+echo "building the unmutated tree (make all)"
+if ! make -j"$jobs" all >"$work/baseline-build.log" 2>&1; then
+    echo "FAIL: the unmutated tree does not build"; tail -20 "$work/baseline-build.log"; exit 1
+fi
+if [ $check -eq 0 ] && [ $baseline -ge 1 ]; then
+    for s in "${stages[@]}"; do
+        set -- $s
+        t0=$SECONDS
+        run_stage "$root" "$@" >>"$work/baseline.log" 2>&1; rc=$?
+        if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then
+            echo "FAIL: the unmutated tree fails $2 (exit $rc); no mutation run"; tail -30 "$work/baseline.log"; exit 1
+        fi
+        echo "baseline: $2 $([ $rc -eq 77 ] && echo skipped || echo passes) ($((SECONDS - t0)) s)"
+    done
+    if [ $baseline -eq 2 ]; then
+        echo "baseline: every test passes on the unmutated tree ($((SECONDS - start)) s)"; exit 0
+    fi
+fi
+
+# apply DIR SPEC TEXT REPLACEMENT: edits DIR/FILE (the N-th occurrence for FILE@N, else the only one);
+# prints the line number.
+apply() {
+    python3 - "$1" "$2" "$3" "$4" <<'PY'
+import sys
+d, spec, text, repl = sys.argv[1:5]
 path, _, nth = spec.partition("@")
-src = open(path).read()
+src = open(f"{d}/{path}").read()
 n = src.count(text)
 if nth:
     k = int(nth)
@@ -65,90 +143,129 @@ else:
 pos = -1
 for _ in range(k):
     pos = src.index(text, pos + 1)
-open(path, "w").write(src[:pos] + repl + src[pos + len(text):])
+open(f"{d}/{path}", "w").write(src[:pos] + repl + src[pos + len(text):])
 print(src.count("\n", 0, pos) + 1)
 PY
 }
 
-units=(test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu test_device_file_io
-       test_mc_eval_gpu test_multi_gpu)
-scripts=("test_train_gpt2cu.sh" "test_resume.sh RESUME_KILL_TRIALS=2" "test_train_gpt2_cpu_vs_gpu.sh"
-         "test_multi_gpu_trainer.sh" "test_hf_trainer.sh" "test_run_survival.sh SURVIVAL_TRIALS=2")
-# run_tests LOG: the first failing test's name on stdout ("" when all pass).
-run_tests() {
-    local log=$1 t rc
-    for t in "${units[@]}"; do
-        timeout -k 10 300 "build/$t" >>"$log" 2>&1; rc=$?
-        if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then echo "$t$([ $rc -eq 124 ] && echo ' (timeout)')"; return; fi
+# Each mutant's tree: the built repository (timestamps kept, so make rebuilds only what the edit touches),
+# with the edit applied after the copy.
+declare -A status killer line seconds
+alive=()
+for mid in "${selected[@]}"; do
+    d=$work/m/$mid
+    mkdir -p "$d"
+    for e in "$root"/* "$root"/.ci; do
+        b=$(basename "$e")
+        case "$b" in data|out|carry) continue ;; esac
+        cp -a "$e" "$d/"
     done
-    for t in "${scripts[@]}"; do
-        set -- $t
-        local name=$1; shift
-        env "$@" timeout -k 10 400 bash "test/$name" >>"$log" 2>&1; rc=$?
-        if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then echo "$name$([ $rc -eq 124 ] && echo ' (timeout)')"; return; fi
+    rm -rf "$d/build/test-logs"
+    [ -e "$root/data" ] && ln -s "$root/data" "$d/data"
+    [ -e "$root/.deps" ] && ln -s "$root/.deps" "$d/.deps"
+    IFS=$'\x1f' read -r spec text repl what <"$work/$mid.mutation"
+    sleep 0.01  # the edit's time stamp is after every copied build output's
+    if ! line[$mid]=$(apply "$d" "$spec" "$text" "$repl" 2>"$work/$mid.apply"); then
+        echo "FAIL: mutation $mid does not apply: $(cat "$work/$mid.apply")"; exit 1
+    fi
+    status[$mid]=alive killer[$mid]="" seconds[$mid]=0
+    alive+=("$mid")
+done
+echo "mutant trees: ${#alive[@]} ($((SECONDS - start)) s)"
+
+# build_all TARGETS MUTANTS...: builds TARGETS in each mutant's tree, $jobs at once; a failed build marks
+# the mutant no-build.
+build_all() {
+    local targets=$1
+    shift
+    printf '%s\n' "$@" | xargs -P "$jobs" -I{} bash -c \
+        'make -C "$1/m/$2" -s $3 >"$1/$2.build.log" 2>&1 || touch "$1/$2.nobuild"' _ "$work" {} "$targets"
+    local mid
+    for mid in "$@"; do
+        if [ -e "$work/$mid.nobuild" ]; then status[$mid]=no-build; fi
     done
-    echo ""
 }
 
-build() {  # build LOG
-    if [ $check -eq 1 ]; then make -j"$(nproc)" train_gpt2cu >>"$1" 2>&1; else make -j"$(nproc)" all >>"$1" 2>&1; fi
-}
+if [ $check -eq 1 ]; then
+    build_all train_gpt2cu "${alive[@]}"
+    nobuild=0
+    for mid in "${alive[@]}"; do
+        [ "${status[$mid]}" = no-build ] && { nobuild=$((nobuild + 1)); echo "$mid: does not build"; }
+    done
+    echo "mutants checked: ${#alive[@]}; did not build: $nobuild"
+    [ $nobuild -eq 0 ]
+    exit
+fi
+
+stopped=0
+for s in "${stages[@]}"; do
+    if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then
+        echo "time budget spent before stage '$s'"; stopped=1; break
+    fi
+    set -- $s
+    kind=$1 name=$2
+    targets=$(stage_targets "$kind" "$name")
+    # Mutants this stage can tell apart from the unmutated tree: those whose edit reaches its programs.
+    touched=()
+    for mid in "${alive[@]}"; do
+        [ "${status[$mid]}" = alive ] || continue
+        if ! make -C "$work/m/$mid" -q $targets >/dev/null 2>&1; then touched+=("$mid"); fi
+    done
+    [ ${#touched[@]} -eq 0 ] && continue
+    t0=$SECONDS
+    build_all "$targets" "${touched[@]}"
+    echo "stage $name: ${#touched[@]} mutants built in $((SECONDS - t0)) s"
+    runnable=()
+    for mid in "${touched[@]}"; do [ "${status[$mid]}" = alive ] && runnable+=("$mid"); done
+    [ ${#runnable[@]} -eq 0 ] && continue
+    # run_one MID: the test in the mutant's tree; writes the exit code and seconds to files.
+    export -f run_stage
+    P=$([ "$kind" = unit ] && echo "$test_jobs" || echo 1)
+    printf '%s\n' "${runnable[@]}" | xargs -P "$P" -I{} bash -c '
+        t0=$(date +%s.%N)
+        run_stage "$1/m/$2" "${@:3}" >>"$1/$2.log" 2>&1
+        echo $? >"$1/$2.rc"
+        python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$(date +%s.%N)" \
+            >"$1/$2.secs"' _ "$work" {} $s
+    for mid in "${runnable[@]}"; do
+        rc=$(cat "$work/$mid.rc") secs=$(cat "$work/$mid.secs")
+        seconds[$mid]=$((${seconds[$mid]} + secs))
+        if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; then
+            status[$mid]=killed killer[$mid]="$name$([ "$rc" -eq 124 ] && echo ' (timeout)')"
+        fi
+    done
+    echo "stage $name: ran ${#runnable[@]}, killed $(for m in "${runnable[@]}"; do [ "${status[$m]}" = killed ] &&
+        echo; done | wc -l) ($((SECONDS - start)) s since the start)"
+    still=()
+    for mid in "${alive[@]}"; do [ "${status[$mid]}" = alive ] && still+=("$mid"); done
+    alive=("${still[@]}")
+    [ ${#alive[@]} -eq 0 ] && break
+done
 
 mkdir -p "$(dirname "$out")"
 [ -s "$out" ] || printf 'id\tfile:line\tthe bug\tresult\tkilled by\tseconds\n' >"$out"
-if [ $check -eq 0 ]; then
-    t0=$SECONDS
-    echo "baseline: building and running every test on the unmutated tree"
-    build "$work/baseline.log" || { echo "FAIL: the unmutated tree does not build (log $work/baseline.log)"; tail -20 "$work/baseline.log"; exit 1; }
-    killer=$(run_tests "$work/baseline.log")
-    if [ -n "$killer" ]; then
-        echo "FAIL: the unmutated tree fails $killer; no mutation run"; tail -30 "$work/baseline.log"; exit 1
+killed=0 survived=0 nobuild=0 unfinished=0
+for mid in "${selected[@]}"; do
+    IFS=$'\x1f' read -r spec text repl what <"$work/$mid.mutation"
+    result=${status[$mid]}
+    if [ "$result" = alive ]; then
+        if [ $stopped -eq 0 ]; then result=survived; else result=unfinished; fi
     fi
-    echo "baseline: all tests pass ($((SECONDS - t0)) s)"
-fi
-
-index=0 done_count=0 killed=0 survived=0 nobuild=0
-start=$SECONDS
-while IFS= read -r line; do
-    case "$line" in '#'*|'') continue ;; esac
-    index=$((index + 1))
-    [ $index -lt "$from" ] && continue
-    [ $done_count -ge "$count" ] && break
-    mid=$(awk -F' \\|\\|\\| ' '{print $1}' <<<"$line")
-    if [ -n "$only" ] && [[ ",$only," != *",$mid,"* ]]; then continue; fi
-    if [ "$budget" -gt 0 ] && [ $((SECONDS - start)) -ge "$budget" ]; then echo "time budget spent before mutation $index ($mid)"; break; fi
-    IFS=$'\x1f' read -r mid spec text repl what < <(python3 -c '
-import sys
-f = [x.strip() for x in sys.argv[1].split(" ||| ")]
-if len(f) != 5: sys.exit("bad line: " + sys.argv[1])
-print("\x1f".join(f))' "$line")
-    file=${spec%@*}
-    cp "$file" "$work/orig"
-    mutated=$file
-    if ! lineno=$(apply "$spec" "$text" "$repl" 2>"$work/apply.err"); then
-        restore
-        echo "FAIL: mutation $mid does not apply: $(cat "$work/apply.err")"; exit 1
+    case $result in
+        killed) killed=$((killed + 1)) ;; survived) survived=$((survived + 1)) ;;
+        no-build) nobuild=$((nobuild + 1)) ;; unfinished) unfinished=$((unfinished + 1)) ;;
+    esac
+    row=$(printf '%s\t%s:%s\t%s\t%s\t%s\t%s' "$mid" "${spec%@*}" "${line[$mid]}" "$what" "$result" "${killer[$mid]}" \
+        "${seconds[$mid]}")
+    echo "$row"
+    [ "$result" != unfinished ] && echo "$row" >>"$out"
+    if [ "$result" = survived ] || [ "$result" = no-build ]; then
+        tail -5 "$work/$mid.log" 2>/dev/null | sed "s/^/  $mid: /"
+        [ "$result" = no-build ] && tail -5 "$work/$mid.build.log" | sed "s/^/  $mid: /"
     fi
-    t0=$SECONDS
-    log="$work/$mid.log"
-    if ! build "$log"; then
-        result=no-build killer="" nobuild=$((nobuild + 1))
-    elif [ $check -eq 1 ]; then
-        result=builds killer=""
-    else
-        killer=$(run_tests "$log")
-        if [ -n "$killer" ]; then result=killed killed=$((killed + 1)); else result=survived survived=$((survived + 1)); fi
-    fi
-    restore
-    done_count=$((done_count + 1))
-    printf '%s\t%s:%s\t%s\t%s\t%s\t%s\n' "$mid" "$file" "$lineno" "$what" "$result" "$killer" "$((SECONDS - t0))" |
-        tee -a "$out"
-done <"$list"
-if [ $check -eq 0 ]; then
-    total=$((killed + survived))
-    echo "mutations run: $done_count; killed $killed, survived $survived, did not build $nobuild$([ $total -gt 0 ] &&
-        echo "; $((100 * killed / total))% of those that built killed") (table: $out)"
-else
-    echo "mutants checked: $done_count; did not build: $nobuild (table: $out)"
-    [ $nobuild -eq 0 ]
-fi
+done
+total=$((killed + survived))
+echo "mutations: ${#selected[@]}; killed $killed, survived $survived, did not build $nobuild, unfinished $unfinished$(
+    [ $total -gt 0 ] && echo "; $((100 * killed / total))% of those run to the end killed")" \
+    "(table: $out; baseline $([ $baseline -eq 1 ] && echo 'passed in this run' || echo 'not run here');" \
+    "$((SECONDS - start)) s)"
