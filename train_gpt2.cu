@@ -651,13 +651,17 @@ struct LoopBuffers {
 // The mean validation loss over `steps` batches from the start of the validation set: one copy back.
 inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T, LoopBuffers& buf) {
     val.reset();
+    MultiGpu* multi = model.multi();
     for (int i = 0; i < steps; i++) {
         DeviceBatch batch = val.next_batch();
         model.forward(batch.inputs, batch.targets, B, T, buf.val_losses.get() + i);
+        // A long validation is progress too: the host runs at most a launch queue ahead of the GPU, so
+        // a stuck GPU stops these beats.
+        if (multi) multi->heartbeat();
     }
-    if (MultiGpu* mg = model.multi()) {
-        mg->all_reduce_mean_async(buf.val_losses.get(), size_t(steps), model.stream());
-        mg->join(model.stream());
+    if (multi) {
+        multi->all_reduce_mean_async(buf.val_losses.get(), size_t(steps), model.stream());
+        multi->join(model.stream());
     }
     cudaCheck(cudaMemcpyAsync(buf.val_losses_host.get(), buf.val_losses.get(), size_t(steps) * sizeof(float),
                               cudaMemcpyDeviceToHost, model.stream()));
