@@ -183,6 +183,21 @@ for mid in "${selected[@]}"; do
 done
 echo "mutant trees: ${#alive[@]} ($((SECONDS - start)) s)"
 
+# record MID RESULT: the mutant's row, printed and appended to the table at once (a pass cut short keeps
+# what it found).
+mkdir -p "$(dirname "$out")"
+[ -s "$out" ] || printf 'id\tfile:line\tthe bug\tresult\tkilled by\tseconds\n' >"$out"
+declare -A recorded
+record() {
+    local mid=$1 result=$2 spec text repl what row
+    IFS=$'\x1f' read -r spec text repl what <"$work/$mid.mutation"
+    row=$(printf '%s\t%s:%s\t%s\t%s\t%s\t%s' "$mid" "${spec%@*}" "${line[$mid]}" "$what" "$result" "${killer[$mid]}" \
+        "${seconds[$mid]}")
+    echo "$row"
+    if [ "$result" != unfinished ]; then echo "$row" >>"$out"; fi
+    recorded[$mid]=1
+}
+
 # build_all TARGETS MUTANTS...: builds TARGETS in each mutant's tree, $jobs at once; a failed build marks
 # the mutant no-build.
 build_all() {
@@ -192,7 +207,10 @@ build_all() {
         'make -C "$1/m/$2" -s $3 >"$1/$2.build.log" 2>&1 || touch "$1/$2.nobuild"' _ "$work" {} "$targets"
     local mid
     for mid in "$@"; do
-        if [ -e "$work/$mid.nobuild" ]; then status[$mid]=no-build; fi
+        if [ -e "$work/$mid.nobuild" ] && [ "${status[$mid]}" != no-build ]; then
+            status[$mid]=no-build
+            [ $check -eq 0 ] && record "$mid" no-build
+        fi
     done
 }
 
@@ -242,6 +260,7 @@ for s in "${stages[@]}"; do
         seconds[$mid]=$((${seconds[$mid]} + secs))
         if [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ]; then
             status[$mid]=killed killer[$mid]="$name$([ "$rc" -eq 124 ] && echo ' (timeout)')"
+            record "$mid" killed
         fi
     done
     echo "stage $name: ran ${#runnable[@]}, killed $(for m in "${runnable[@]}"; do [ "${status[$m]}" = killed ] &&
@@ -252,11 +271,9 @@ for s in "${stages[@]}"; do
     [ ${#alive[@]} -eq 0 ] && break
 done
 
-mkdir -p "$(dirname "$out")"
-[ -s "$out" ] || printf 'id\tfile:line\tthe bug\tresult\tkilled by\tseconds\n' >"$out"
 killed=0 survived=0 nobuild=0 unfinished=0
+echo "the table:"
 for mid in "${selected[@]}"; do
-    IFS=$'\x1f' read -r spec text repl what <"$work/$mid.mutation"
     result=${status[$mid]}
     if [ "$result" = alive ]; then
         if [ $stopped -eq 0 ]; then result=survived; else result=unfinished; fi
@@ -265,10 +282,11 @@ for mid in "${selected[@]}"; do
         killed) killed=$((killed + 1)) ;; survived) survived=$((survived + 1)) ;;
         no-build) nobuild=$((nobuild + 1)) ;; unfinished) unfinished=$((unfinished + 1)) ;;
     esac
-    row=$(printf '%s\t%s:%s\t%s\t%s\t%s\t%s' "$mid" "${spec%@*}" "${line[$mid]}" "$what" "$result" "${killer[$mid]}" \
-        "${seconds[$mid]}")
-    echo "$row"
-    [ "$result" != unfinished ] && echo "$row" >>"$out"
+    if [ -n "${recorded[$mid]:-}" ]; then
+        printf '%s\t%s\t%s\n' "$mid" "$result" "${killer[$mid]}"
+    else
+        record "$mid" "$result"
+    fi
     if [ "$result" = survived ] || [ "$result" = no-build ]; then
         tail -5 "$work/$mid.log" 2>/dev/null | sed "s/^/  $mid: /"
         [ "$result" = no-build ] && tail -5 "$work/$mid.build.log" | sed "s/^/  $mid: /"
