@@ -222,8 +222,11 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     const int64_t N = int64_t(o.B) * o.T;
     DeviceBuffer<floatX> x{size_t(N * K)}, w{size_t(OC * K)}, bias{size_t(OC)}, d16{size_t(N * OC)}, d8{size_t(N * OC)};
     DeviceBuffer<__nv_fp8_e4m3> x8{size_t(N * K)}, w8{size_t(OC * K)};
-    DeviceBuffer<unsigned int> amax(2);
-    DeviceBuffer<float> descale(2);
+    // Slots 0 (the input) and kScaleSlot (the weight): each scale 16-byte aligned, as cuBLASLt wants its
+    // scale pointers.
+    constexpr int kScaleSlot = 4;
+    DeviceBuffer<unsigned int> amax(2 * kScaleSlot);
+    DeviceBuffer<float> descale(2 * kScaleSlot);
     DeviceBuffer<double> sums(2);
     DeviceBuffer<unsigned int> maxima(2);
     fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(x.get(), N * K, seed, 1.0f);
@@ -245,9 +248,9 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     r.bf16_ms = median_ms(stream, o.warmup, o.reps,
                           [&] { matmul_forward(lt, d16.get(), x.get(), w.get(), b, N, int(K), int(OC), stream); });
     r.cast_x_ms = median_ms(stream, o.warmup, o.reps, [&] { cast(x.get(), x8.get(), N * K, 0); });
-    r.cast_w_ms = median_ms(stream, o.warmup, o.reps, [&] { cast(w.get(), w8.get(), OC * K, 1); });
-    const Fp8Matmul mm(lt, stream, N, K, OC, x8.get(), w8.get(), descale.get(), descale.get() + 1, b, d8.get(),
-                       o.fast_accum);
+    r.cast_w_ms = median_ms(stream, o.warmup, o.reps, [&] { cast(w.get(), w8.get(), OC * K, kScaleSlot); });
+    const Fp8Matmul mm(lt, stream, N, K, OC, x8.get(), w8.get(), descale.get(), descale.get() + kScaleSlot, b,
+                       d8.get(), o.fast_accum);
     r.fp8_ms = median_ms(stream, o.warmup, o.reps, [&] { mm.run(); });
 
     cudaCheck(cudaMemsetAsync(sums.get(), 0, 2 * sizeof(double), stream));
