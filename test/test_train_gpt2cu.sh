@@ -8,7 +8,8 @@
 #     the right size, and loading it gives back (nearly) the final validation loss;
 #   - determinism: the same run twice gives identical losses and norms in log.jsonl;
 #   - the data on the GPU and streamed from the host give identical losses;
-#   - gradient accumulation (-d 2*B*T) runs two micro-steps per step;
+#   - gradient accumulation (-d 2*B*T) runs two micro-steps per step, and two micro-steps of B=4 give the
+#     first step's loss and gradient norm of one micro-step of B=8 on the same sequences;
 #   - -r 1 (recompute the GELU output in backward) allocates fewer activation bytes, gives the same
 #     first loss bitwise (the forward is unchanged) and losses within 1% of -r 0 over 10 steps.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
@@ -164,4 +165,26 @@ PY
 ./train_gpt2cu "${common[@]}" -x 3 -d 512 -v 0 -s 0 -o "" | tee "$dir/log5"
 grep -q "512 tokens per step, 2 micro-step(s) per step" "$dir/log5" || { echo "FAIL: no gradient accumulation"; exit 1; }
 [ "$(grep -cE '^step +[0-9]+/3 \| loss' "$dir/log5")" -eq 3 ] || { echo "FAIL: accumulation run did not log 3 steps"; exit 1; }
+# The step's gradient is the mean over all its micro-batches: B=4 with -d 512 (two micro-steps) and B=8 in one
+# micro-step read the same 8 sequences first, so the first step's loss and gradient norm agree (the bf16
+# gradient sums in another order: within 1%); a micro-batch weighted 1 instead of 1/2 doubles the norm.
+acc=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -t 64 -l 3e-3 -u 5 -c 0.1 --seed 3 "${tok[@]}" -x 1
+     -v 0 -s 0 -o "")
+./train_gpt2cu "${acc[@]}" -b 8 >"$dir/log_b8"
+./train_gpt2cu "${acc[@]}" -b 4 -d 512 >"$dir/log_b4x2"
+python3 - "$dir/log_b8" "$dir/log_b4x2" <<'PY'
+import re, sys
+def first(path):
+    for line in open(path):
+        m = re.match(r"step +1/1 \| loss ([0-9.]+) \| lr [^|]+\| norm ([0-9.]+) \|", line)
+        if m:
+            return float(m.group(1)), float(m.group(2))
+    sys.exit("FAIL: no step line in " + path)
+(l8, n8), (l4, n4) = first(sys.argv[1]), first(sys.argv[2])
+if abs(l4 - l8) > 1e-3 * l8:
+    sys.exit("FAIL: two accumulated micro-steps give loss %r, one micro-step of the same data %r" % (l4, l8))
+if abs(n4 / n8 - 1) > 0.01:
+    sys.exit("FAIL: two accumulated micro-steps give gradient norm %r, one micro-step of the same data %r" % (n4, n8))
+print("accumulation: loss %r vs %r, gradient norm %r vs %r in one micro-step" % (l4, l8, n4, n8))
+PY
 echo "ok"
