@@ -425,15 +425,22 @@ private:
     int64_t max_cells_;
 };
 
-// Sums each batch row's ending losses (losses: b.B rows of b.T positions) in position order, in double,
-// into loss_sum at the row's set row number.
+// One ending's score: its count token losses summed in order, in double (the one summation every path
+// uses, so that they agree bit for bit).
+template <class Loss>
+double mc_ending_sum(const Loss* l, int count) {
+    double s = 0;
+    for (int j = 0; j < count; j++) s += double(l[j]);
+    return s;
+}
+
+// Sums each batch row's ending losses (losses: b.B rows of b.T positions) into loss_sum at the row's set
+// row number.
 template <class Loss>
 void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
     for (int r = 0; r < b.B; r++) {
         const Loss* l = losses + size_t(r) * size_t(b.T) + size_t(b.first[size_t(r)]);
-        double s = 0;
-        for (int j = 0; j < b.count[size_t(r)]; j++) s += double(l[j]);
-        loss_sum[size_t(b.row[size_t(r)])] = s;
+        loss_sum[size_t(b.row[size_t(r)])] = mc_ending_sum(l, b.count[size_t(r)]);
     }
 }
 
@@ -472,11 +479,9 @@ inline void mc_scored_positions(const McBatch& b, std::vector<int>& pos, std::ve
 // mc_accumulate over B x T losses holding the same values at those positions.
 template <class Loss>
 void mc_accumulate_compact(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
-    size_t i = 0;
     for (int r = 0; r < b.B; r++) {
-        double s = 0;
-        for (int j = 0; j < b.count[size_t(r)]; j++) s += double(losses[i++]);
-        loss_sum[size_t(b.row[size_t(r)])] = s;
+        loss_sum[size_t(b.row[size_t(r)])] = mc_ending_sum(losses, b.count[size_t(r)]);
+        losses += b.count[size_t(r)];
     }
 }
 
