@@ -25,6 +25,13 @@ Provides:
                       (so every row and every head's matrix starts on a 16-byte boundary for cuBLASLt), zero
                       above the diagonal and in the padding columns (the CPU reference keeps (B,NH,T,T)
                       fp32). Memory is quadratic in T.
+  Groups (the cuBLASLt forward only; evaluation): with groups (B,T) int32 given, position t attends to
+                      t2 <= t of its row only where groups[t2] == 0 or groups[t2] == groups[t]: group 0
+                      is a prefix every later position sees, each other group sees that prefix and itself,
+                      never another group. So one row holds a shared context followed by several
+                      continuations, each attending as if it were alone after the context (the
+                      multiple-choice evaluation's layout, llmc/mc_eval.h McPackedBatcher). The diagonal is
+                      always visible, so every row of the softmax has a term. att is 0 where masked.
 Both paths: dqkv (B,T,3C) is OVERWRITTEN (the CPU reference adds into a zeroed buffer) and must not alias
 the inputs; backward reads qkv (the layer's input) and out (the forward's output; only flash needs it),
 which the trainer keeps anyway. T may be anything >= 1. Checked, with an error naming the function: B,
@@ -32,7 +39,8 @@ T, NH >= 1, C a multiple of NH, HS = C/NH a multiple of 8, the saved and scratch
 16-byte aligned. Deterministic: no atomics in either path (cuBLAS is reproducible on one GPU model). The
 two paths agree to within bf16 rounding, not bitwise.
 
-Does not provide: dropout, masks other than causal, a KV cache.
+Does not provide: dropout, masks other than causal and the groups above (no backward through groups),
+a KV cache.
 */
 #pragma once
 
@@ -172,23 +180,32 @@ static __global__ void attention_merge_dqkv_kernel(floatX* dqkv, const floatX* d
     store128(dst + 2 * C, load128(dv + i));
 }
 
-// One warp per row (b, h, t) of the scores: att[t2] = softmax over t2 <= t, 0 for t < t2 < Tp.
+// One warp per row (b, h, t) of the scores: att[t2] = softmax over the visible t2 (t2 <= t, and with
+// groups (B,T) only those of group 0 or of t's group), 0 elsewhere up to Tp.
 static __global__ void __launch_bounds__(kAttentionBlock)
-    attention_softmax_kernel(floatX* att, const float* preatt, int64_t rows, int T, int Tp) {
+    attention_softmax_kernel(floatX* att, const float* preatt, const int* groups, int64_t rows, int T, int NH,
+                             int Tp) {
     const int64_t row = int64_t(blockIdx.x) * kAttentionRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= rows) return;
     const int lane = threadIdx.x % kWarpSize;
     const int t = int(row % T);
+    const int* g = groups != nullptr ? groups + (row / (int64_t(NH) * T)) * T : nullptr;  // this b's row
+    const int gt = g != nullptr ? g[t] : 0;
+    auto visible = [&](int t2) { return t2 <= t && (g == nullptr || g[t2] == 0 || g[t2] == gt); };
     const float* x = preatt + row * Tp;
     floatX* a = att + row * Tp;
     float m = -INFINITY;
-    for (int t2 = lane; t2 <= t; t2 += kWarpSize) m = fmaxf(m, x[t2]);
+    for (int t2 = lane; t2 <= t; t2 += kWarpSize) {
+        if (visible(t2)) m = fmaxf(m, x[t2]);
+    }
     m = warp_max(m);
     float sum = 0.0f;
-    for (int t2 = lane; t2 <= t; t2 += kWarpSize) sum += expf(x[t2] - m);
+    for (int t2 = lane; t2 <= t; t2 += kWarpSize) {
+        if (visible(t2)) sum += expf(x[t2] - m);
+    }
     sum = warp_sum(sum);
     for (int t2 = lane; t2 < Tp; t2 += kWarpSize) {
-        a[t2] = __float2bfloat16_rn(t2 <= t ? expf(x[t2] - m) / sum : 0.0f);
+        a[t2] = __float2bfloat16_rn(visible(t2) ? expf(x[t2] - m) / sum : 0.0f);
     }
 }
 
@@ -216,9 +233,11 @@ inline unsigned attention_pack_blocks(int B, int T, int C, int block) {
     return unsigned(ceil_div<int64_t>(int64_t(B) * T * C / kPackX, block));
 }
 
-// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C); scratch: attention_cublaslt_scratch_bytes.
+// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C); scratch: attention_cublaslt_scratch_bytes. groups
+// (B,T), device int32, or null for plain causal attention: the file's comment.
 inline void attention_forward_cublaslt(const CublasLt& lt, floatX* out, floatX* att, const floatX* qkv, int B, int T,
-                                       int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                                       int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream,
+                                       const int* groups = nullptr) {
     const char* fn = "attention_forward_cublaslt";
     detail::check_attention_args(fn, B, T, C, NH);
     const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
@@ -237,7 +256,7 @@ inline void attention_forward_cublaslt(const CublasLt& lt, floatX* out, floatX* 
     gemm(lt, stream, T, T, HS, GemmOperand{s.q, HS, false, head}, GemmOperand{s.k, HS, true, head}, s.scores,
          CUDA_R_32F, Tp, square, BNH, scale, 0.0f);
     attention_softmax_kernel<<<unsigned(ceil_div<int64_t>(rows, kAttentionRowsPerBlock)), kAttentionBlock, 0,
-                               stream>>>(att, s.scores, rows, T, Tp);
+                               stream>>>(att, s.scores, groups, rows, T, NH, Tp);
     cudaCheckLaunch();
     gemm(lt, stream, T, HS, T, GemmOperand{att, Tp, false, square}, GemmOperand{s.v, HS, false, head}, s.y,
          CUDA_R_16BF, HS, head, BNH, 1.0f, 0.0f);

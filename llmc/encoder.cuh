@@ -3,7 +3,10 @@ The embedding layer on the GPU: token embedding plus position embedding, forward
 argument meanings of encoder_forward/encoder_backward in llmc/gpt2_cpu.h.
 
 Provides:
-  encoder_forward:  out (B,T,C) = wte[inp[b,t]] + wpe[t], summed in fp32 and rounded once.
+  encoder_forward:  out (B,T,C) = wte[inp[b,t]] + wpe[t], summed in fp32 and rounded once. With a
+                    positions array (B,T) the position row is wpe[positions[b,t]] instead (rows that
+                    hold several sequences, as the multiple-choice evaluation's shared contexts do);
+                    each must be below the wpe table's rows (not checked here: the caller builds them).
   encoder_backward: dwte[v] += sum of dout over the positions holding token v; dwpe[t] += sum over b of
                     dout[b,t]. Deterministic without atomics: the positions are sorted by token with
                     CUB's radix sort (stable, so equal tokens keep increasing positions); the first
@@ -30,12 +33,12 @@ from matmul_backward) or stochastic rounding of the gradients (they are rounded 
 namespace llmc {
 
 static __global__ void encoder_forward_kernel(floatX* out, const int* inp, const floatX* wte, const floatX* wpe,
-                                              int64_t N, int T, int C) {
+                                              const int* positions, int64_t N, int T, int C) {
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
     if (i >= N * C) return;
     const int64_t bt = i / C;
     const int c = int(i % C);
-    const int t = int(bt % T);
+    const int t = positions != nullptr ? positions[bt] : int(bt % T);
     const PackX e = load128(wte + int64_t(inp[bt]) * C + c);
     const PackX p = load128(wpe + int64_t(t) * C + c);
     PackX o;
@@ -44,13 +47,13 @@ static __global__ void encoder_forward_kernel(floatX* out, const int* inp, const
 }
 
 inline void encoder_forward(floatX* out, const int* inp, const floatX* wte, const floatX* wpe, int B, int T, int C,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const int* positions = nullptr) {
     require_pack_multiple(C, "encoder_forward: C");
     const int64_t N = int64_t(B) * T;
     if (N == 0) return;
     const int block = 256;
-    encoder_forward_kernel<<<unsigned(ceil_div<int64_t>(N * C / kPackX, block)), block, 0, stream>>>(out, inp, wte,
-                                                                                                      wpe, N, T, C);
+    encoder_forward_kernel<<<unsigned(ceil_div<int64_t>(N * C / kPackX, block)), block, 0, stream>>>(
+        out, inp, wte, wpe, positions, N, T, C);
     cudaCheckLaunch();
 }
 

@@ -210,9 +210,19 @@ public:
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
     }
 
+    // Rows that hold several sequences sharing a prefix (the multiple-choice evaluation's packed rows,
+    // llmc/mc_eval.h McPackedBatch), for forward_scored: positions (B,T) each input's position embedding
+    // row (below the model's maxT; not checked here: the caller builds them), groups (B,T) its attention
+    // group (llmc/attention.cuh: group 0 is seen by every later position of its row, any other group only
+    // by itself). Both device int32.
+    struct PackedRows {
+        const int* positions;
+        const int* groups;
+    };
+
     // Runs the model on inputs (B,T) as forward() does up to the final LayerNorm, then the classifier at M
     // of the B*T positions only (evaluation, where only some positions are scored: the multiple-choice
-    // endings). positions (M, device int32) are indices into the B*T positions, each in [0, B*T) (not
+    // endings). scored (M, device int32) are indices into the B*T positions, each in [0, B*T) (not
     // checked here: the caller builds and checks them), in any order, repeats allowed; targets (M, device
     // int32) are their next tokens. The final LayerNorm's rows at those positions are gathered into a
     // compact (M,C) buffer, so logits() holds their (M,Vp) logits (left as logits), losses() their M losses
@@ -220,20 +230,29 @@ public:
     // classifier (the lm_head matmul and the softmax over Vp columns) then costs M / (B*T) of forward()'s.
     // The losses equal forward()'s at the same positions up to the lm_head matmul: cuBLASLt may choose
     // another algorithm for M rows than for B*T, which may round a logit to its other bf16 neighbour, so
-    // they are close, not always bitwise equal. No backward() may follow (the logits are no gradient).
-    void forward_scored(const int* inputs, int B, int T, const int* positions, const int* targets, int64_t M,
-                        float* mean_out = nullptr) {
+    // they are close, not always bitwise equal.
+    // With packed, the rows are PackedRows: the position embedding comes from packed->positions and
+    // attention runs the cuBLASLt path with packed->groups (its probabilities and scratch in buffers of
+    // the model's own, grown to the largest B x T seen; growing synchronises the stream). A sequence's
+    // losses then equal, to within bf16 rounding (the two attention paths differ in it), those of the same
+    // sequence alone in a row of its own.
+    // No backward() may follow either way (the logits are no gradient, and packed rows save nothing).
+    void forward_scored(const int* inputs, int B, int T, const int* scored, const int* targets, int64_t M,
+                        float* mean_out = nullptr, const PackedRows* packed = nullptr) {
         check_batch(B, T, "forward_scored");
         const int64_t N = int64_t(B) * T;
         if (M < 1 || M > N) {
             fail(kExitUsage, "GPT2 forward_scored: M=%lld scored positions for B=%d T=%d, need 1 <= M <= B*T = %lld",
                  (long long)M, B, T, (long long)N);
         }
+        if (packed != nullptr && (packed->positions == nullptr || packed->groups == nullptr)) {
+            fail(kExitUsage, "GPT2 forward_scored: packed rows need both positions and groups");
+        }
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
-        forward_to_lnf(inputs, B, T);
+        forward_to_lnf(inputs, B, T, packed);
         // proj_ (rows for the allocated B x T, so at least M) was last read by the final residual add.
-        gather_positions(proj_, lnf_, positions, M, C, stream_);
+        gather_positions(proj_, lnf_, scored, M, C, stream_);
         matmul_forward(lt_, logits_, proj_, outer(params_.get()).wte, nullptr, M, C, Vp, stream_);
         fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, M, stream_);
@@ -364,14 +383,23 @@ private:
 
     // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
     // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
-    // reads.
-    void forward_to_lnf(const int* inputs, int B, int T) {
+    // reads (but for packed rows: forward_scored's comment).
+    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr) {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads;
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         const OuterTensors<const floatX> w = outer(p);
-        encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_);
+        if (packed != nullptr) {
+            const size_t att = attention_cublaslt_saved_bytes(B, NH, T);
+            const size_t scratch = attention_cublaslt_scratch_bytes(B, NH, T, C / NH);
+            if (packed_att_.bytes() < att || packed_scratch_.bytes() < scratch) {
+                cudaCheck(cudaStreamSynchronize(stream_));  // an earlier forward may still read the old ones
+                packed_att_.allocate(std::max(att, packed_att_.bytes()));
+                packed_scratch_.allocate(std::max(scratch, packed_scratch_.bytes()));
+            }
+        }
+        encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
         const BlockActivations first = acts(0);
         layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
                           C, stream_);
@@ -380,8 +408,13 @@ private:
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
             matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
-            attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
-                              scratch_.bytes(), stream_);
+            if (packed != nullptr) {
+                attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
+                                           NH, packed_scratch_.get(), packed_scratch_.bytes(), stream_, packed->groups);
+            } else {
+                attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
+                                  scratch_.bytes(), stream_);
+            }
             matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
             fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
                                              b.ln2b, N, C, stream_);
@@ -527,6 +560,7 @@ private:
     DeviceBuffer<float> scalars_;  // mean loss, grad norm, clip scale, ZeRO-1's sum of squares
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
+    DeviceBuffer<char> packed_att_, packed_scratch_;  // forward_scored's packed rows: attention's, one layer at a time
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;

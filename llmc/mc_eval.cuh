@@ -2,26 +2,30 @@
 Multiple-choice evaluation (HellaSwag and sets like it) with the GPU model of llmc/gpt2.cuh: the items,
 rows, scores and rules of llmc/mc_eval.h, run through model.forward_scored().
 
-McEvalGpu(model) allocates, once, what a run needs beside the model: a device buffer for a batch's inputs
-and its scored positions and their targets, a device slot for the forward's mean loss (so the model's own
-mean_loss() is left as the trainer set it), and two pinned host buffers each for tokens and losses.
+McEvalGpu(model) allocates, once, what a run needs beside the model: a device buffer for a batch's inputs,
+positions, attention groups, scored positions and their targets, a device slot for the forward's mean
+loss (so the model's own mean_loss() is left as the trainer set it), and two pinned host buffers each for
+tokens and losses.
 run(set) then:
-  - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and cuts their
-    candidates into batches of at most the model's B x T positions (McBatcher; each batch's T is its
-    longest row rounded up to kTMultiple positions, and it holds as many rows as fit, often more than B:
-    the model's forward takes any B' x T' <= B x T);
-  - per batch: the inputs (n = B' x T' tokens) and the M scored positions (every row's ending, listed by
-    mc_scored_positions) with their targets to the GPU in one copy; forward_scored, which runs the
-    transformer on all n positions but the classifier (the lm_head matmul over Vp columns and the softmax)
-    on the M scored ones only (the quick start's held-out set has contexts of ~64 tokens and endings of
-    ~16: ~80% of the positions are context, and the classifier is ~30% of the forward); the M losses
-    back. While the GPU runs one batch, the host fills the next and sums the ending losses of the one
-    before (mc_accumulate_compact: the same sums, in the same order, as mc_accumulate over all n losses);
+  - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and lays them out
+    in packed rows (McPackedBatcher): an item's context once, then its endings, each attending to the
+    context and to itself only (attention groups) with the positions it has in a row of its own; batches
+    of at most the model's B x T positions, each batch's T its longest row rounded up to kTMultiple. The
+    quick start's held-out set has contexts of ~64 tokens and four endings of ~16: 124 positions per item
+    instead of 316 in four rows (McEvalGpu(model, false) runs those: one ending per row, plain causal
+    attention, for comparisons);
+  - per batch: the inputs, positions and groups (n = B' x T' each) and the M scored positions (every
+    ending's predictions) with their targets to the GPU in one copy; forward_scored, which runs the
+    transformer on all n positions but the classifier (the lm_head matmul and the softmax over Vp
+    columns) on the M scored ones only; the M losses back. While the GPU runs one batch, the host fills
+    the next and sums the ending losses of the one before (mc_accumulate_packed: the same sums, in the same
+    order, as mc_accumulate over the rows of McBatcher);
   - with several ranks (model.multi() non-null): checks that every rank holds the same items, then
     shares the per-row loss sums with one all-reduce sum of their bit patterns (each row is summed by
     exactly one rank and the others contribute zero bits, so the sum is an exact gather), and every rank
     scores every item from the same numbers. The single-GPU path makes no NCCL call.
-The result (mc_score) holds the counts and every item's predictions and row scores, on every rank.
+The result (mc_score) holds the counts and every item's predictions and row scores, on every rank. The
+scores equal the CPU reference's (mc_eval_cpu: one row per ending) to within the GPU's bf16 rounding.
 
 The model's cuBLASLt tuning (--gemm-tune) is off during a run and restored after it: the evaluation's
 shapes (B' x T' and M differ from training's) are run a few dozen times per evaluation and a run has few
@@ -55,14 +59,20 @@ public:
     // A batch's T is rounded up to a multiple of this (at most the model's T).
     static constexpr int kTMultiple = 16;
 
-    // A batch's n inputs, M <= n positions and M targets: at most 3 x the model's B x T ints.
-    explicit McEvalGpu(GPT2& model)
-        : model_(model), tokens_(size_t(3) * cells()), mean_(1),
-          host_tokens_{PinnedBuffer(3 * cells() * sizeof(int), cudaHostAllocWriteCombined),
-                       PinnedBuffer(3 * cells() * sizeof(int), cudaHostAllocWriteCombined)},
+    // A batch's n inputs, positions and groups, its M <= n scored positions and their M targets: at most
+    // 5 x the model's B x T ints. share: the packed layout (the file's comment); false: one ending per row.
+    explicit McEvalGpu(GPT2& model, bool share = true)
+        : model_(model), share_(share), tokens_(size_t(5) * cells()), mean_(1),
+          host_tokens_{PinnedBuffer(5 * cells() * sizeof(int), cudaHostAllocWriteCombined),
+                       PinnedBuffer(5 * cells() * sizeof(int), cudaHostAllocWriteCombined)},
           host_losses_{PinnedBuffer(cells() * sizeof(float)), PinnedBuffer(cells() * sizeof(float))} {}
     McEvalGpu(const McEvalGpu&) = delete;
     McEvalGpu& operator=(const McEvalGpu&) = delete;
+
+    // Positions the last run() put through the transformer (its batches' B x T, padding included), and
+    // of those the scored ones: what the layout saves shows here.
+    int64_t positions_run() const { return positions_run_; }
+    int64_t positions_scored() const { return positions_scored_; }
 
     // Every rank calls it with the same set; every rank gets the whole result.
     McResult run(const McSet& set) {
@@ -72,39 +82,43 @@ public:
         const int64_t items = int64_t(set.items.size());
         const int rank = multi != nullptr ? multi->rank() : 0, world = multi != nullptr ? multi->world() : 1;
         const std::pair<int64_t, int64_t> range = mc_rank_items(items, rank, world);
-        // As many rows as the model's B x T tokens hold: short items fill a batch of more than B rows.
-        McBatcher batcher(set, range.first, range.second, int(std::min<size_t>(cells(), INT32_MAX)), model_.max_T(),
-                          kTMultiple, model_.config().vocab_size, int64_t(cells()));
+        McPackedBatcher batcher(set, range.first, range.second, model_.max_T(), kTMultiple, model_.config().vocab_size,
+                                int64_t(cells()), share_);
         if (multi != nullptr) multi->check_same(mc_fingerprint(set), "the multiple-choice items");
         std::vector<double> loss_sum(size_t(mc_first_rows(set).back()), 0.0);
+        positions_run_ = positions_scored_ = 0;
 
         // Two slots: the host fills slot k while the GPU may still run the batch in slot 1 - k.
-        McBatch batch[2];
+        McPackedBatch batch[2];
         bool pending[2] = {false, false};
         int k = 0;
         auto finish = [&](int slot) {
             cudaCheck(cudaEventSynchronize(done_[slot]));
-            mc_accumulate_compact(batch[slot], reinterpret_cast<const float*>(host_losses_[slot].get()), loss_sum);
+            mc_accumulate_packed(batch[slot], reinterpret_cast<const float*>(host_losses_[slot].get()), loss_sum);
             pending[slot] = false;
         };
-        std::vector<int> positions, targets;
         while (batcher.next(batch[k])) {
-            const McBatch& b = batch[k];
-            const size_t n = size_t(b.B) * size_t(b.T);
-            mc_scored_positions(b, positions, targets);
-            const size_t m = positions.size();  // at most n: every position lies in its row
-            if (n > cells() || n + 2 * m > 3 * cells()) {
-                fail(kExitUsage, "McEvalGpu: a batch of %zu positions, %zu of them scored, exceeds the buffers for %zu",
-                     n, m, cells());
+            const McPackedBatch& b = batch[k];
+            const size_t n = size_t(b.B) * size_t(b.T), m = b.scored.size();
+            if (n > cells() || m > n || b.targets.size() != m) {
+                fail(kExitUsage, "McEvalGpu: a batch of %zu positions, %zu of them scored (%zu targets), for buffers "
+                     "of %zu", n, m, b.targets.size(), cells());
             }
-            // inputs (n), positions (m), targets (m): one copy.
+            positions_run_ += int64_t(n);
+            positions_scored_ += int64_t(m);
+            // inputs, positions, groups (n each), scored, targets (m each): one copy.
             int* host = reinterpret_cast<int*>(host_tokens_[k].get());
-            std::memcpy(host, b.inputs.data(), n * sizeof(int));
-            std::memcpy(host + n, positions.data(), m * sizeof(int));
-            std::memcpy(host + n + m, targets.data(), m * sizeof(int));
-            cudaCheck(cudaMemcpyAsync(tokens_.get(), host, (n + 2 * m) * sizeof(int), cudaMemcpyHostToDevice, stream));
-            model_.forward_scored(tokens_.get(), b.B, b.T, tokens_.get() + n, tokens_.get() + n + m, int64_t(m),
-                                  mean_.get());
+            const std::vector<int>* parts[5] = {&b.inputs, &b.positions, &b.groups, &b.scored, &b.targets};
+            size_t at = 0;
+            int* dev[5];
+            for (int i = 0; i < 5; i++) {
+                std::memcpy(host + at, parts[i]->data(), parts[i]->size() * sizeof(int));
+                dev[i] = tokens_.get() + at;
+                at += parts[i]->size();
+            }
+            cudaCheck(cudaMemcpyAsync(tokens_.get(), host, at * sizeof(int), cudaMemcpyHostToDevice, stream));
+            const GPT2::PackedRows packed{dev[1], dev[2]};
+            model_.forward_scored(dev[0], b.B, b.T, dev[3], dev[4], int64_t(m), mean_.get(), share_ ? &packed : nullptr);
             cudaCheck(cudaMemcpyAsync(host_losses_[k].get(), model_.losses(), m * sizeof(float),
                                       cudaMemcpyDeviceToHost, stream));
             cudaCheck(cudaEventRecord(done_[k], stream));
@@ -153,7 +167,9 @@ private:
     }
 
     GPT2& model_;
-    DeviceBuffer<int> tokens_;  // inputs, scored positions, their targets: the batch in flight
+    bool share_;
+    int64_t positions_run_ = 0, positions_scored_ = 0;
+    DeviceBuffer<int> tokens_;  // inputs, positions, groups, scored positions, their targets: the batch in flight
     DeviceBuffer<float> mean_;
     PinnedBuffer host_tokens_[2], host_losses_[2];
     Event done_[2];

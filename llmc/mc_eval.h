@@ -15,7 +15,8 @@ Ties go to the lowest candidate index (torch.argmin's rule, and llm.c's).
 Long items: a row has at most T positions (the model's allocation). An item whose context + ending does
 not fit keeps only the last context tokens, the same number for every candidate (so all are scored on
 the same context): kept = min(context, T + 1 - longest ending). An ending longer than T is an error.
-The CPU (mc_eval_cpu here) and the GPU (mc_eval.cuh) apply the same rule through McBatcher.
+The CPU (mc_eval_cpu here, through McBatcher) and the GPU (mc_eval.cuh, through McPackedBatcher, which
+lays out the same rows with an item's context once and its endings after it) apply the same rule.
 
 File format: llm.c's eval .bin (written by its dev/data/data_common.py write_evalfile, read by its
 dataloader.h EvalLoader), so files made by llm.c's dev/data/hellaswag.py load unchanged:
@@ -341,21 +342,15 @@ struct McBatch {
 
 // Cuts the rows of items [begin, end) into batches of at most max_B rows of at most max_T positions, in
 // order (an item's candidates may straddle two batches). A batch's T is its longest row rounded up to a
-// multiple of t_multiple, at most max_T: fewer distinct shapes for a GPU, no padding for t_multiple 1.
-// With max_cells > 0 a batch also holds at most max_cells positions (B x T): a GPU model allocated for
-// B x T tokens then takes as many short rows as fit, not only B of them.
+// multiple of t_multiple, at most max_T (no padding for t_multiple 1).
 // Checks every item of the set (not only the range) against the vocabulary and max_T, so that every rank
 // of a multi-GPU run fails alike or not at all.
 class McBatcher {
 public:
-    McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size,
-              int64_t max_cells = 0)
+    McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size)
         : set_(set), first_row_(mc_first_rows(set)), item_(begin), end_(end), max_B_(max_B), max_T_(max_T),
-          t_multiple_(std::max(1, t_multiple)), max_cells_(max_cells) {
+          t_multiple_(std::max(1, t_multiple)) {
         if (max_B < 1 || max_T < 1) fail(kExitUsage, "McBatcher: B=%d T=%d, need both >= 1", max_B, max_T);
-        if (max_cells != 0 && max_cells < max_T) {
-            fail(kExitUsage, "McBatcher: max_cells %lld is below max_T %d", (long long)max_cells, max_T);
-        }
         if (begin < 0 || begin > end || end > int64_t(set.items.size())) {
             fail(kExitUsage, "McBatcher: items [%lld, %lld) of %zu", (long long)begin, (long long)end, set.items.size());
         }
@@ -372,10 +367,6 @@ public:
             const McItem& it = set_.items[size_t(item_)];
             const int kept = int(mc_kept_context(it, max_T_));
             const int len = int(it.endings[size_t(cand_)].size());
-            if (max_cells_ > 0 && !b.row.empty() &&
-                int64_t(b.row.size() + 1) * rounded_T(std::max(longest, kept + len - 1)) > max_cells_) {
-                break;
-            }
             b.row.push_back(first_row_[size_t(item_)] + cand_);
             b.first.push_back(kept - 1);
             b.count.push_back(len);
@@ -422,7 +413,6 @@ private:
     int64_t item_, end_;
     int cand_ = 0;
     int max_B_, max_T_, t_multiple_;
-    int64_t max_cells_;
 };
 
 // One ending's score: its count token losses summed in order, in double (the one summation every path
@@ -444,44 +434,149 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
     }
 }
 
-// The batch's scored positions, compactly, for a forward that computes losses only there
-// (GPT2::forward_scored): for each row r in order, r*T + first[r] + j for j < count[r] (indices into the
-// batch's B x T positions) into pos, and the targets at those positions into tgt. Checks every row's
-// ending against its T positions (and that B x T fits an int32), so that a device kernel can trust pos.
-inline void mc_scored_positions(const McBatch& b, std::vector<int>& pos, std::vector<int>& tgt) {
-    const int64_t cells = int64_t(b.B) * int64_t(b.T);
-    if (b.B < 1 || b.T < 1 || cells > std::numeric_limits<int32_t>::max()) {
-        fail(kExitUsage, "mc_scored_positions: a batch of B=%d T=%d; need B, T >= 1 and B x T < 2^31", b.B, b.T);
-    }
-    if (b.first.size() != size_t(b.B) || b.count.size() != size_t(b.B) || b.row.size() != size_t(b.B) ||
-        b.targets.size() != size_t(cells)) {
-        fail(kExitUsage, "mc_scored_positions: a batch of %d rows of %d positions has %zu firsts, %zu counts, %zu row "
-             "numbers and %zu targets", b.B, b.T, b.first.size(), b.count.size(), b.row.size(), b.targets.size());
-    }
-    pos.clear();
-    tgt.clear();
-    for (int r = 0; r < b.B; r++) {
-        const int first = b.first[size_t(r)], count = b.count[size_t(r)];
-        if (first < 0 || count < 1 || int64_t(first) + count > b.T) {
-            fail(kExitUsage, "mc_scored_positions: row %d's ending (first %d, %d positions) is not within its %d "
-                 "positions", r, first, count, b.T);
-        }
-        for (int j = 0; j < count; j++) {
-            const int p = r * b.T + first + j;
-            pos.push_back(p);
-            tgt.push_back(b.targets[size_t(p)]);
-        }
-    }
-}
+// ----------------------------------------------------------------------------------------------------
+// The GPU's layout: packed rows, an item's context once and its endings after it.
 
-// mc_accumulate for losses at mc_scored_positions' positions only (losses[i] is the loss at pos[i]):
-// each row's ending losses summed in position order, in double, so the sums are bit for bit those of
-// mc_accumulate over B x T losses holding the same values at those positions.
+// One forward's worth of packed rows (McPackedBatcher). Row r holds, at [r*T, (r+1)*T): an item's kept
+// context (mc_kept_context: the same tokens as McBatcher's rows), then one or more of its endings, each
+// without its last token (no position predicts past an ending), then padding (token 0). For the GPU
+// model's shared-prefix forward (GPT2::forward_scored with positions and groups):
+//   positions: each input's position in its candidate's own row (context 0..kept-1, an ending's j-th
+//              token kept + j), so the position embedding is that of McBatcher's row;
+//   groups:    0 for the context, g = 1, 2, ... for the row's g-th ending, -1 for padding: a position sees
+//              the earlier positions of group 0 and of its own group (llmc/attention.cuh), so each ending
+//              attends exactly as in its own row.
+// scored / targets: per ending, in batch order, its scored positions (indices into the B*T positions)
+// and the tokens they predict: the context's last position (predicting the ending's first token; shared
+// by the row's endings, so listed once per ending), then the ending's own positions but the last. In
+// McBatcher's row the same predictions sit at first .. first + count - 1, in the same order.
+// row / count: per ending, its set row number (mc_first_rows) and its scored positions (its length).
+// With one ending per row (share off) it is McBatcher's per-candidate layout: positions t, groups 0.
+struct McPackedBatch {
+    int B = 0, T = 0;
+    std::vector<int> inputs, positions, groups;
+    std::vector<int> scored, targets;
+    std::vector<int64_t> row;
+    std::vector<int> count;
+};
+
+// Cuts the items [begin, end) into packed rows and batches of at most max_cells positions (B x T, T the
+// batch's longest row rounded up to a multiple of t_multiple, at most max_T). With share, a row takes as
+// many of an item's endings, in order, as fit in max_T positions (all of them unless the item is long;
+// the rest go to further rows, each with the context again); without, one ending per row. An item's rows
+// may straddle two batches. Checks every item of the set as McBatcher does.
+class McPackedBatcher {
+public:
+    McPackedBatcher(const McSet& set, int64_t begin, int64_t end, int max_T, int t_multiple, int64_t vocab_size,
+                    int64_t max_cells, bool share)
+        : set_(set), first_row_(mc_first_rows(set)), item_(begin), end_(end), max_T_(max_T),
+          t_multiple_(std::max(1, t_multiple)), max_cells_(max_cells), share_(share) {
+        if (max_T < 1) fail(kExitUsage, "McPackedBatcher: T=%d, need >= 1", max_T);
+        if (max_cells < max_T) {
+            fail(kExitUsage, "McPackedBatcher: max_cells %lld is below max_T %d", (long long)max_cells, max_T);
+        }
+        if (max_cells > std::numeric_limits<int32_t>::max()) {
+            fail(kExitUsage, "McPackedBatcher: max_cells %lld; positions are int32", (long long)max_cells);
+        }
+        if (begin < 0 || begin > end || end > int64_t(set.items.size())) {
+            fail(kExitUsage, "McPackedBatcher: items [%lld, %lld) of %zu", (long long)begin, (long long)end,
+                 set.items.size());
+        }
+        mc_check_items(set, vocab_size, max_T);
+    }
+
+    // Fills b with the next batch; false when the range is done.
+    bool next(McPackedBatch& b) {
+        struct Row {
+            int64_t item;
+            int kept, first_ending, endings, length;
+        };
+        std::vector<Row> rows;
+        int longest = 0;
+        while (item_ < end_) {
+            const McItem& it = set_.items[size_t(item_)];
+            const int kept = int(mc_kept_context(it, max_T_));
+            // This row: endings [cand_, last) of the item, as many as fit (at least one: kept + any ending
+            // - 1 <= max_T by mc_kept_context).
+            int length = kept, last = cand_;
+            while (last < int(it.endings.size()) && (last == cand_ || share_)) {
+                const int more = int(it.endings[size_t(last)].size()) - 1;
+                if (last > cand_ && length + more > max_T_) break;
+                length += more;
+                last++;
+            }
+            if (!rows.empty() && int64_t(rows.size() + 1) * rounded_T(std::max(longest, length)) > max_cells_) break;
+            rows.push_back({item_, kept, cand_, last - cand_, length});
+            longest = std::max(longest, length);
+            cand_ = last;
+            if (cand_ == int(it.endings.size())) {
+                cand_ = 0;
+                item_++;
+            }
+        }
+        if (rows.empty()) return false;
+        b.B = int(rows.size());
+        b.T = rounded_T(longest);
+        const size_t cells = size_t(b.B) * size_t(b.T);
+        b.inputs.assign(cells, 0);
+        b.positions.assign(cells, 0);
+        b.groups.assign(cells, -1);
+        b.scored.clear();
+        b.targets.clear();
+        b.row.clear();
+        b.count.clear();
+        for (int r = 0; r < b.B; r++) {
+            const Row& row = rows[size_t(r)];
+            const McItem& it = set_.items[size_t(row.item)];
+            const int base = r * b.T;
+            const int32_t* ctx = it.context.data() + (it.context.size() - size_t(row.kept));
+            for (int t = 0; t < row.kept; t++) {
+                b.inputs[size_t(base + t)] = ctx[t];
+                b.positions[size_t(base + t)] = t;
+                b.groups[size_t(base + t)] = 0;
+            }
+            int at = row.kept;  // where the next ending's tokens go
+            for (int g = 0; g < row.endings; g++) {
+                const int cand = row.first_ending + g;
+                const std::vector<int32_t>& e = it.endings[size_t(cand)];
+                const int n = int(e.size());
+                b.row.push_back(first_row_[size_t(row.item)] + cand);
+                b.count.push_back(n);
+                b.scored.push_back(base + row.kept - 1);
+                b.targets.push_back(e[0]);
+                for (int j = 0; j + 1 < n; j++) {
+                    b.inputs[size_t(base + at + j)] = e[size_t(j)];
+                    b.positions[size_t(base + at + j)] = row.kept + j;
+                    b.groups[size_t(base + at + j)] = share_ ? g + 1 : 0;
+                    b.scored.push_back(base + at + j);
+                    b.targets.push_back(e[size_t(j + 1)]);
+                }
+                at += n - 1;
+            }
+        }
+        return true;
+    }
+
+private:
+    int rounded_T(int longest) const { return std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_); }
+
+    const McSet& set_;
+    std::vector<int64_t> first_row_;
+    int64_t item_, end_;
+    int cand_ = 0;
+    int max_T_, t_multiple_;
+    int64_t max_cells_;
+    bool share_;
+};
+
+// Sums each ending's losses (losses[i]: the loss at b.scored[i]) into loss_sum at its set row number,
+// in scored order: the sums, bit for bit, of mc_accumulate over McBatcher's rows holding the same loss
+// values at the same predictions.
 template <class Loss>
-void mc_accumulate_compact(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
-    for (int r = 0; r < b.B; r++) {
-        loss_sum[size_t(b.row[size_t(r)])] = mc_ending_sum(losses, b.count[size_t(r)]);
-        losses += b.count[size_t(r)];
+void mc_accumulate_packed(const McPackedBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
+    for (size_t e = 0; e < b.row.size(); e++) {
+        loss_sum[size_t(b.row[e])] = mc_ending_sum(losses, b.count[e]);
+        losses += b.count[e];
     }
 }
 

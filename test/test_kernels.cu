@@ -9,7 +9,8 @@ values. Shapes are deliberately not multiples of the block sizes (T=37 and 97, C
 V=101 padded to 128, row counts around the 256-row reduction chunks) plus one realistic case (C=768,
 NH=12, T=64) and the GPT-2 vocabulary for the classifier. Attention has its own cases: both of its
 paths (flash for HS 64 and 128, cuBLASLt for HS 16, 32 and 48) at T = 1, 37, 64, 65, 97 and 200, and
-its saved state too (flash's lse against a double reference, the cuBLASLt path's probabilities).
+its saved state too (flash's lse against a double reference, the cuBLASLt path's probabilities), and
+the cuBLASLt forward's attention groups against separate rows; the encoder with explicit positions.
 Outputs that a kernel overwrites are poisoned with NaN bit patterns first, so an element that is not
 written shows up as non-finite; outputs that a kernel adds to start from random values, and their
 error is measured against the size of what was added: ||got - ref|| / ||ref - initial||. Tolerances:
@@ -29,6 +30,7 @@ function's bf16 rounding (GeluForwardRoundsLikeTheExactFunction says why).
 #include <cstring>
 #include <iterator>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -186,6 +188,27 @@ TEST_F(KernelTest, EncoderForwardMatchesCpuExactly) {
         expect_close("encoder out", got, ref, 0.0);
         EXPECT_TRUE(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0) << "not bitwise equal";
     }
+}
+
+// With explicit positions (packed rows): out[b,t] = wte[inp[b,t]] + wpe[positions[b,t]], exactly.
+TEST_F(KernelTest, EncoderForwardTakesExplicitPositions) {
+    const int B = 3, T = 37, C = 96, V = 101, maxT = 64;
+    const auto wte = random_bf16(size_t(V) * C, 11), wpe = random_bf16(size_t(maxT) * C, 12);
+    const auto tokens = random_tokens(size_t(B) * T, V, 13), positions = random_tokens(size_t(B) * T, maxT, 14);
+    std::vector<float> ref(size_t(B) * T * C);
+    for (size_t bt = 0; bt < size_t(B) * T; bt++) {
+        for (int c = 0; c < C; c++) {
+            ref[bt * C + size_t(c)] = bf16_round(wte[size_t(tokens[bt]) * C + size_t(c)] + wpe[size_t(positions[bt]) * C + size_t(c)]);
+        }
+    }
+    auto d_wte = upload_bf16(wte), d_wpe = upload_bf16(wpe);
+    auto d_tokens = upload(tokens), d_positions = upload(positions);
+    DeviceBuffer<floatX> d_out(ref.size());
+    poison(d_out);
+    encoder_forward(d_out.get(), d_tokens.get(), d_wte.get(), d_wpe.get(), B, T, C, kStream, d_positions.get());
+    const auto got = download_bf16(d_out.get(), ref.size());
+    expect_close("encoder out, explicit positions", got, ref, 0.0);
+    EXPECT_TRUE(std::memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0) << "not bitwise equal";
 }
 
 TEST_F(KernelTest, EncoderBackwardMatchesCpuAndIsDeterministic) {
@@ -718,6 +741,89 @@ TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndAreDeterministic) {
             }
             first_dqkv = bytes_of(d_dqkv.get(), n_qkv);
         }
+    }
+}
+
+// Attention groups (the cuBLASLt forward; the multiple-choice evaluation's packed rows): position t sees
+// the earlier positions of group 0 and of its own group only. The reference: for each group g, the
+// positions of group 0 and of g, gathered in order into a row of their own, through the CPU's plain
+// causal attention; its outputs at g's positions are what the grouped row must give there (group 0's
+// from a row of group 0 alone). Row 0 is laid out as the evaluation does it (a prefix, four groups of
+// 9, 17, 1 and 12 positions, padding of group -1); row 1 interleaves groups 0..3 at random, which the
+// rule covers too. Also: the probabilities are 0 wherever masked, and a run with groups null is the
+// plain causal path.
+TEST_F(KernelTest, AttentionGroupsMatchSeparateRows) {
+    CublasLt lt;
+    for (const std::pair<int, int>& shape : {std::pair<int, int>{128, 2}, std::pair<int, int>{96, 3}}) {
+        const int B = 2, T = 61, C = shape.first, NH = shape.second, HS = C / NH;
+        SCOPED_TRACE(format("C=%d NH=%d HS=%d", C, NH, HS));
+        std::printf("  B=%d T=%d C=%d NH=%d HS=%d\n", B, T, C, NH, HS);
+        std::vector<int> groups;
+        for (int t = 0; t < 13; t++) groups.push_back(0);
+        const int lengths[4] = {9, 17, 1, 12};
+        for (int g = 0; g < 4; g++) {
+            for (int j = 0; j < lengths[g]; j++) groups.push_back(g + 1);
+        }
+        while (int(groups.size()) < T) groups.push_back(-1);
+        const auto mixed = random_tokens(size_t(T), 4, 70);
+        groups.insert(groups.end(), mixed.begin(), mixed.end());
+        const size_t n_qkv = size_t(B) * T * 3 * C, n_out = size_t(B) * T * C;
+        const auto qkv = random_bf16(n_qkv, 71, 1.5f);
+        std::vector<float> out_ref(n_out, NAN);
+        for (int b = 0; b < B; b++) {
+            std::set<int> seen(groups.begin() + b * T, groups.begin() + (b + 1) * T);
+            for (int g : seen) {
+                std::vector<int> at;  // the row's positions of group 0 and g, in order
+                for (int t = 0; t < T; t++) {
+                    const int gt = groups[size_t(b * T + t)];
+                    if (gt == 0 || gt == g) at.push_back(t);
+                }
+                const int n = int(at.size());
+                std::vector<float> sub(size_t(n) * 3 * C), sub_out(size_t(n) * C), sub_att(size_t(NH) * n * n);
+                for (int i = 0; i < n; i++) {
+                    std::copy_n(qkv.begin() + (int64_t(b) * T + at[size_t(i)]) * 3 * C, 3 * C, sub.begin() + int64_t(i) * 3 * C);
+                }
+                cpu::attention_forward<float>(sub_out.data(), sub_att.data(), sub.data(), 1, n, C, NH);
+                for (int i = 0; i < n; i++) {
+                    if (groups[size_t(b * T + at[size_t(i)])] != g) continue;
+                    std::copy_n(sub_out.begin() + int64_t(i) * C, C, out_ref.begin() + (int64_t(b) * T + at[size_t(i)]) * C);
+                }
+            }
+        }
+        auto d_qkv = upload_bf16(qkv);
+        auto d_groups = upload(groups);
+        const int Tp = attention_padded_len(T);
+        const size_t att_n = size_t(B) * NH * T * Tp;
+        DeviceBuffer<floatX> d_out(n_out), d_att(att_n);
+        DeviceBuffer<char> scratch(attention_cublaslt_scratch_bytes(B, NH, T, HS));
+        poison(d_out);
+        poison(d_att);
+        attention_forward_cublaslt(lt, d_out.get(), d_att.get(), d_qkv.get(), B, T, C, NH, scratch.get(),
+                                   scratch.bytes(), kStream, d_groups.get());
+        expect_close("out with groups", download_bf16(d_out.get(), n_out), out_ref, kTolBf16);
+        const auto att = download_bf16(d_att.get(), att_n);
+        size_t nonzero_masked = 0, bad_rows = 0;
+        for (size_t row = 0; row < size_t(B) * NH * T; row++) {
+            const int t = int(row % size_t(T)), b = int(row / (size_t(NH) * T));
+            const int gt = groups[size_t(b * T + t)];
+            double sum = 0;
+            for (int t2 = 0; t2 < Tp; t2++) {
+                const float a = att[row * Tp + size_t(t2)];
+                const bool visible = t2 <= t && (groups[size_t(b * T + t2)] == 0 || groups[size_t(b * T + t2)] == gt);
+                if (!visible && a != 0.0f) nonzero_masked++;
+                sum += a;
+            }
+            bad_rows += std::fabs(sum - 1.0) > 2e-2;
+        }
+        EXPECT_EQ(nonzero_masked, 0u) << "att must be 0 wherever a group hides a key";
+        EXPECT_EQ(bad_rows, 0u) << "rows of att that do not sum to 1";
+        // Without groups: the plain causal attention of the whole rows.
+        std::vector<float> plain_ref(n_out), plain_att(size_t(B) * NH * T * T);
+        cpu::attention_forward<float>(plain_ref.data(), plain_att.data(), qkv.data(), B, T, C, NH);
+        poison(d_out);
+        attention_forward_cublaslt(lt, d_out.get(), d_att.get(), d_qkv.get(), B, T, C, NH, scratch.get(),
+                                   scratch.bytes(), kStream, nullptr);
+        expect_close("out without groups", download_bf16(d_out.get(), n_out), plain_ref, kTolBf16);
     }
 }
 

@@ -12,9 +12,12 @@ Checks:
   - rows and batches: every row exactly once, in order, inputs/targets equal to a direct construction
     (context cut from the left by the same number of tokens for all candidates when an item is longer
     than T), B and T bounds and T's rounding, ranges of items, the rank split, the errors for an ending
-    longer than T and for out-of-vocabulary tokens; the compact list of scored positions (every row's
-    ending, in row order, with the ending's tokens as targets; endings outside their row refused) and
-    sums over compact losses bitwise equal to mc_accumulate's over the whole B x T losses;
+    longer than T and for out-of-vocabulary tokens;
+  - packed rows (the GPU's layout: a context once, its endings after it): what every scored position
+    sees under the attention groups is exactly its own row's prefix (tokens, positions, target), every
+    row once and in order, batches full up to their cells, an item that fits takes one row, the sums
+    over packed losses bitwise mc_accumulate's over the per-candidate rows; 124 instead of 316 positions
+    per item of the quick start's shape;
   - scores: acc by sum, acc_norm by mean, ties to the lowest index, margins;
   - the CPU reference: per-candidate sums equal a direct computation from the model's logits (one
     candidate per forward, log-softmax in double) within 1e-5, the batched runs identical bit for bit
@@ -292,34 +295,19 @@ ExpectedRow expected_row(const McItem& it, int cand, int T) {
 }
 
 // Runs a batcher over items [begin, end) and checks every batch against expected_row.
-// With max_cells > 0: every batch holds at most max_cells positions, and every batch but the last is full
-// (its next row would not have fitted); *most_rows gets the most rows any batch had.
-void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple,
-                   int64_t max_cells = 0, int* most_rows_out = nullptr) {
-    SCOPED_TRACE(format("items [%lld, %lld) B=%d T=%d multiple %d cells %lld", (long long)begin, (long long)end, max_B,
-                        max_T, t_multiple, (long long)max_cells));
+void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple) {
+    SCOPED_TRACE(format("items [%lld, %lld) B=%d T=%d multiple %d", (long long)begin, (long long)end, max_B, max_T,
+                        t_multiple));
     const std::vector<int64_t> first_row = mc_first_rows(set);
-    McBatcher batcher(set, begin, end, max_B, max_T, t_multiple, 1000, max_cells);
+    McBatcher batcher(set, begin, end, max_B, max_T, t_multiple, 1000);
     McBatch b;
     int64_t next_row = first_row[size_t(begin)];
-    int batches = 0, most_rows = 0;
+    int batches = 0;
     while (batcher.next(b)) {
         batches++;
-        most_rows = std::max(most_rows, b.B);
         EXPECT_GE(b.B, 1);
         EXPECT_LE(b.B, max_B);
         EXPECT_LE(b.T, max_T);
-        if (max_cells > 0) {
-            EXPECT_LE(int64_t(b.B) * b.T, max_cells);
-            const int64_t following = b.row.back() + 1;
-            if (following < first_row[size_t(end)] && b.B < max_B) {
-                const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), following) - first_row.begin() - 1;
-                const int n = int(expected_row(set.items[size_t(item)], int(following - first_row[size_t(item)]), max_T)
-                                      .inputs.size());
-                const int t = std::min(max_T, (std::max(b.T, n) + t_multiple - 1) / t_multiple * t_multiple);
-                EXPECT_GT(int64_t(b.B + 1) * t, max_cells) << "batch " << batches << " could have taken row " << following;
-            }
-        }
         ASSERT_EQ(b.inputs.size(), size_t(b.B) * b.T);
         ASSERT_EQ(b.targets.size(), size_t(b.B) * b.T);
         int longest = 0;
@@ -347,19 +335,6 @@ void check_batches(const McSet& set, int64_t begin, int64_t end, int max_B, int 
     EXPECT_FALSE(batcher.next(b));
     if (end > begin) {
         EXPECT_GE(batches, 1);
-    }
-    if (most_rows_out != nullptr) *most_rows_out = most_rows;
-}
-
-TEST(McBatcher, PacksShortRowsUpToTheCells) {
-    // What the GPU evaluator does: a model allocated for 4 x 200 positions takes more than 4 short rows.
-    const McSet set = random_set(7, 23, 1000, 70, 13);
-    for (int m : {1, 16}) {
-        int most_rows = 0;
-        check_batches(set, 0, int64_t(set.items.size()), 4 * 200, 200, m, 4 * 200, &most_rows);
-        EXPECT_GT(most_rows, 4);
-        check_batches(set, 0, int64_t(set.items.size()), 4 * 37, 37, m, 4 * 37);
-        check_batches(set, 3, 17, 1 * 13, 13, m, 13);
     }
 }
 
@@ -419,99 +394,218 @@ TEST(McBatcher, RankSplit) {
     }
 }
 
-// The compact list of scored positions (the GPU's forward_scored path) and the sums over it, for Loss =
-// float (what the GPU returns) and double (whose sums depend on the order, so the order is pinned too).
+// ---- packed rows (the GPU's layout) ----
+
+// Runs McPackedBatcher over the whole set and checks, for every ending, that what each of its scored
+// positions sees under the attention groups (the earlier positions of its row in group 0 or in its own
+// group) is exactly McBatcher's row of that ending up to the same prediction: the same tokens at the
+// same positions, in order, and the same target. So the packed forward computes every ending's losses
+// as its own row would. Also: every set row once, in order; B x T <= max_cells and every batch but the
+// last full (its next row would not have fitted); T rounded; with share, an item whose endings fit in
+// max_T positions beside its context takes one row; mc_accumulate_packed's sums bit for bit
+// mc_accumulate's over McBatcher's rows holding the same loss values (Loss = float as the GPU returns,
+// and double, whose sums depend on the order). *run_out (if given): the positions run (B x T summed).
+// With several: the set must take several batches and some row must be padded (so a wrong stride shows).
 template <class Loss>
-void check_scored_positions(const McSet& set, int max_B, int max_T, int t_multiple, int64_t max_cells,
-                            uint64_t seed) {
-    SCOPED_TRACE(format("B=%d T=%d multiple %d cells %lld, %zu-byte losses", max_B, max_T, t_multiple,
-                        (long long)max_cells, sizeof(Loss)));
+void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells, bool share, uint64_t seed,
+                  bool several = true, int64_t* run_out = nullptr) {
+    SCOPED_TRACE(format("T=%d multiple %d cells %lld share %d, %zu-byte losses", max_T, t_multiple,
+                        (long long)max_cells, int(share), sizeof(Loss)));
     const std::vector<int64_t> first_row = mc_first_rows(set);
     const int64_t rows = first_row.back();
-    McBatcher batcher(set, 0, int64_t(set.items.size()), max_B, max_T, t_multiple, 1000, max_cells);
-    const double unset = std::numeric_limits<double>::quiet_NaN();
-    std::vector<double> full_sum(size_t(rows), unset), compact_sum(size_t(rows), unset);
+    // Each set row's loss at prediction j of its ending: random, shared by both layouts.
     SplitMix64 rng(seed);
-    McBatch b;
-    std::vector<int> pos, tgt;
+    std::vector<std::vector<Loss>> value{size_t(rows)};
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), r) - first_row.begin() - 1;
+        for (size_t j = 0; j < set.items[size_t(item)].endings[size_t(r - first_row[size_t(item)])].size(); j++) {
+            const double u = double(rng.next() >> 11) * 0x1p-53;  // 53 random bits
+            value[size_t(r)].push_back(Loss(20.0 * u * u));
+        }
+    }
+    const double unset = std::numeric_limits<double>::quiet_NaN();
+    std::vector<double> packed_sum(size_t(rows), unset), full_sum(size_t(rows), unset);
+    {  // McBatcher's rows, one batch of every row, with the same loss values at the ending's positions
+        McBatcher per_row(set, 0, int64_t(set.items.size()), int(rows), max_T, 1, 1000);
+        McBatch b;
+        while (per_row.next(b)) {
+            std::vector<Loss> full(size_t(b.B) * size_t(b.T), std::numeric_limits<Loss>::quiet_NaN());
+            for (int r = 0; r < b.B; r++) {
+                for (int j = 0; j < b.count[size_t(r)]; j++) {
+                    full[size_t(r) * size_t(b.T) + size_t(b.first[size_t(r)] + j)] = value[size_t(b.row[size_t(r)])][size_t(j)];
+                }
+            }
+            mc_accumulate(b, full.data(), full_sum);
+        }
+    }
+    McPackedBatcher batcher(set, 0, int64_t(set.items.size()), max_T, t_multiple, 1000, max_cells, share);
+    McPackedBatch b;
+    int64_t next_row = 0, run = 0;
     int batches = 0;
     bool padded = false;
     while (batcher.next(b)) {
         batches++;
-        mc_scored_positions(b, pos, tgt);
-        std::vector<int> want_pos, want_tgt;
-        for (int r = 0; r < b.B; r++) {
-            const int64_t row = b.row[size_t(r)];
+        SCOPED_TRACE(format("batch %d", batches));
+        const size_t cells = size_t(b.B) * size_t(b.T);
+        run += int64_t(cells);
+        EXPECT_LE(int64_t(cells), max_cells);
+        EXPECT_LE(b.T, max_T);
+        EXPECT_EQ(b.T % t_multiple == 0 || b.T == max_T, true) << "T=" << b.T;
+        ASSERT_EQ(b.inputs.size(), cells);
+        ASSERT_EQ(b.positions.size(), cells);
+        ASSERT_EQ(b.groups.size(), cells);
+        ASSERT_EQ(b.scored.size(), b.targets.size());
+        ASSERT_EQ(b.row.size(), b.count.size());
+        std::vector<Loss> losses;
+        size_t at = 0;  // into scored
+        int longest = 0;
+        std::vector<int> endings_in_row(size_t(b.B), 0);
+        for (size_t e = 0; e < b.row.size(); e++) {
+            const int64_t row = b.row[e];
+            ASSERT_EQ(row, next_row++);
             const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), row) - first_row.begin() - 1;
-            const std::vector<int32_t>& ending = set.items[size_t(item)].endings[size_t(row - first_row[size_t(item)])];
-            ASSERT_EQ(b.count[size_t(r)], int(ending.size())) << "row " << row;
-            for (int j = 0; j < b.count[size_t(r)]; j++) {
-                want_pos.push_back(r * b.T + b.first[size_t(r)] + j);
-                want_tgt.push_back(ending[size_t(j)]);  // the ending's tokens are the targets there
+            const int cand = int(row - first_row[size_t(item)]);
+            const ExpectedRow want = expected_row(set.items[size_t(item)], cand, max_T);
+            ASSERT_EQ(b.count[e], want.count) << "row " << row;
+            int batch_row = -1;
+            for (int j = 0; j < b.count[e]; j++, at++) {
+                ASSERT_LT(at, b.scored.size());
+                const int i = b.scored[at];
+                ASSERT_GE(i, 0);
+                ASSERT_LT(size_t(i), cells);
+                const int r = i / b.T, base = r * b.T;
+                if (j == 0) {
+                    batch_row = r;
+                    endings_in_row[size_t(r)]++;
+                }
+                ASSERT_EQ(r, batch_row) << "row " << row << ": an ending's predictions in two batch rows";
+                // What position i sees: (position, token) of every visible key, in order.
+                std::vector<int> seen_pos, seen_tok;
+                for (int k = base; k <= i; k++) {
+                    if (b.groups[size_t(k)] == 0 || b.groups[size_t(k)] == b.groups[size_t(i)]) {
+                        seen_pos.push_back(b.positions[size_t(k)]);
+                        seen_tok.push_back(b.inputs[size_t(k)]);
+                    }
+                }
+                const int p = want.first + j;  // the prediction's position in McBatcher's row
+                std::vector<int> want_pos(size_t(p + 1));
+                for (int t = 0; t <= p; t++) want_pos[size_t(t)] = t;
+                EXPECT_EQ(seen_pos, want_pos) << "row " << row << " prediction " << j;
+                EXPECT_EQ(seen_tok, std::vector<int>(want.inputs.begin(), want.inputs.begin() + p + 1))
+                    << "row " << row << " prediction " << j;
+                EXPECT_EQ(b.targets[at], want.targets[size_t(p)]) << "row " << row << " prediction " << j;
+                longest = std::max(longest, i - base + 1);
+                losses.push_back(value[size_t(row)][size_t(j)]);
             }
-            padded |= b.first[size_t(r)] + b.count[size_t(r)] < b.T;
         }
-        EXPECT_EQ(pos, want_pos) << "batch " << batches;
-        EXPECT_EQ(tgt, want_tgt) << "batch " << batches;
-        // B x T losses, NaN wherever nothing is scored (a sum that reads one shows it), and their compact copy.
-        std::vector<Loss> full(size_t(b.B) * size_t(b.T), std::numeric_limits<Loss>::quiet_NaN());
-        std::vector<Loss> compact(pos.size());
-        for (size_t i = 0; i < pos.size(); i++) {
-            const double u = double(rng.next() >> 11) * 0x1p-53;  // 53 random bits
-            compact[i] = full[size_t(pos[i])] = Loss(20.0 * u * u);
+        EXPECT_EQ(at, b.scored.size());
+        for (int r = 0; r < b.B; r++) {
+            EXPECT_GE(endings_in_row[size_t(r)], 1) << "batch row " << r << " holds no ending";
+            if (!share) {
+                EXPECT_EQ(endings_in_row[size_t(r)], 1) << "batch row " << r;
+            }
+            // Padding after the row's last scored position: token 0, group -1.
+            int last = b.T - 1;
+            while (last >= 0 && b.groups[size_t(r * b.T + last)] == -1) last--;
+            padded |= last + 1 < b.T;
+            for (int t = last + 1; t < b.T; t++) EXPECT_EQ(b.inputs[size_t(r * b.T + t)], 0);
         }
-        mc_accumulate(b, full.data(), full_sum);
-        mc_accumulate_compact(b, compact.data(), compact_sum);
+        EXPECT_EQ(b.T, std::min(max_T, (longest + t_multiple - 1) / t_multiple * t_multiple));
+        mc_accumulate_packed(b, losses.data(), packed_sum);
+        // Full unless it is the last: the next item's next row would not have fitted.
+        if (next_row < rows) {
+            const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), next_row) - first_row.begin() - 1;
+            const McItem& it = set.items[size_t(item)];
+            // The next batch row: the context, then endings from next_row's on while they fit (one without share).
+            int len = int(mc_kept_context(it, max_T));
+            for (size_t c = size_t(next_row - first_row[size_t(item)]), first = c; c < it.endings.size(); c++) {
+                const int more = int(it.endings[c].size()) - 1;
+                if (c > first && (!share || len + more > max_T)) break;
+                len += more;
+            }
+            const int t = std::min(max_T, (std::max(b.T, len) + t_multiple - 1) / t_multiple * t_multiple);
+            EXPECT_GT(int64_t(b.B + 1) * t, max_cells) << "batch " << batches << " could have taken row " << next_row;
+        }
     }
-    EXPECT_GE(batches, 2);
-    EXPECT_TRUE(padded) << "no row shorter than its batch: the test would not see a wrong stride";
+    EXPECT_EQ(next_row, rows);
+    EXPECT_FALSE(batcher.next(b));
+    if (several) {
+        EXPECT_GE(batches, 2);
+        EXPECT_TRUE(padded) << "no row shorter than its batch: the test would not see a wrong stride";
+    }
     for (int64_t r = 0; r < rows; r++) {
-        EXPECT_FALSE(std::isnan(compact_sum[size_t(r)])) << "row " << r;
+        EXPECT_FALSE(std::isnan(packed_sum[size_t(r)])) << "row " << r;
         uint64_t a, c;
         std::memcpy(&a, &full_sum[size_t(r)], sizeof(a));
-        std::memcpy(&c, &compact_sum[size_t(r)], sizeof(c));
-        EXPECT_EQ(c, a) << "row " << r << ": compact " << compact_sum[size_t(r)] << ", full " << full_sum[size_t(r)];
+        std::memcpy(&c, &packed_sum[size_t(r)], sizeof(c));
+        EXPECT_EQ(c, a) << "row " << r << ": packed " << packed_sum[size_t(r)] << ", per row " << full_sum[size_t(r)];
     }
+    if (share) {  // an item that fits beside its context in one row takes one row
+        McPackedBatcher again(set, 0, int64_t(set.items.size()), max_T, t_multiple, 1000, max_cells, share);
+        std::vector<std::set<int64_t>> rows_of_item(set.items.size());  // (batch, batch row) pairs, encoded
+        int batch = 0;
+        while (again.next(b)) {
+            size_t at = 0;
+            for (size_t e = 0; e < b.row.size(); e++) {
+                const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), b.row[e]) - first_row.begin() - 1;
+                rows_of_item[size_t(item)].insert(int64_t(batch) * 1000000 + b.scored[at] / b.T);
+                at += size_t(b.count[e]);
+            }
+            batch++;
+        }
+        for (size_t i = 0; i < set.items.size(); i++) {
+            const McItem& it = set.items[i];
+            int64_t need = mc_kept_context(it, max_T);
+            for (const auto& e : it.endings) need += int64_t(e.size()) - 1;
+            if (need <= max_T) {
+                EXPECT_EQ(rows_of_item[i].size(), 1u) << "item " << i << " needs " << need;
+            }
+        }
+    }
+    if (run_out != nullptr) *run_out = run;
 }
 
-TEST(McBatcher, ScoredPositionsAndCompactSumsEqualTheFullOnes) {
-    // Contexts up to 70 and endings up to 13 tokens: rows of many lengths; T=37 cuts contexts.
+TEST(McPackedBatcher, EveryEndingSeesExactlyItsOwnRow) {
+    // Contexts up to 70 and endings up to 13 tokens: rows of many lengths; T=37 cuts contexts and splits
+    // items over several rows, T=200 does neither.
     const McSet set = random_set(11, 23, 1000, 70, 13);
-    for (int m : {1, 16}) {
-        check_scored_positions<float>(set, 3, 37, m, 0, 1);
-        check_scored_positions<float>(set, 4 * 200, 200, m, 4 * 200, 2);  // packed: many short rows a batch
-        check_scored_positions<double>(set, 4 * 37, 37, m, 4 * 37, 3);
-        check_scored_positions<double>(set, 64, 200, m, 0, 4);
+    for (bool share : {true, false}) {
+        for (int m : {1, 16}) {
+            check_packed<float>(set, 37, m, 3 * 37, share, 1);
+            check_packed<float>(set, 200, m, 4 * 200, share, 2);
+            check_packed<double>(set, 37, m, 37, share, 3, m > 1);  // one row a batch
+            check_packed<double>(set, 200, m, 8 * 200, share, 4);
+        }
     }
 }
 
-TEST(McBatcher, ScoredPositionsRefuseEndingsOutsideTheirRow) {
-    McBatch b;
-    b.B = 2;
-    b.T = 4;
-    b.inputs.assign(8, 1);
-    b.targets.assign(8, 2);
-    b.row = {0, 1};
-    b.first = {1, 2};
-    b.count = {3, 2};
-    std::vector<int> pos, tgt;
-    mc_scored_positions(b, pos, tgt);
-    EXPECT_EQ(pos, (std::vector<int>{1, 2, 3, 6, 7}));
-    b.count = {3, 3};  // row 1's ending would run into the next row (or past the batch)
-    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage,
-                 {"row 1's ending (first 2, 3 positions) is not within its 4 positions"});
-    b.count = {3, 2};
-    b.first = {-1, 2};
-    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"row 0's ending (first -1, 3 positions)"});
-    b.first = {1, 2};
-    b.count = {0, 2};
-    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"row 0's ending (first 1, 0 positions)"});
-    b.count = {3, 2};
-    b.targets.assign(7, 2);
-    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"7 targets"});
-    b.targets.assign(8, 2);
-    b.B = 0;
-    expect_error([&] { mc_scored_positions(b, pos, tgt); }, kExitUsage, {"B=0 T=4"});
+TEST(McPackedBatcher, SharingRunsEachContextOnce) {
+    // The quick start's held-out set: 64-token contexts, four 16-token endings. One row per item of
+    // 64 + 4 x 15 = 124 positions instead of four of 79.
+    McSet set{"quick-start-like", {}};
+    for (int i = 0; i < 32; i++) {
+        McItem it;
+        it.context = test::random_tokens<int32_t>(64, 1000, uint64_t(i));
+        for (int e = 0; e < 4; e++) it.endings.push_back(test::random_tokens<int32_t>(16, 1000, uint64_t(100 * i + e)));
+        set.items.push_back(std::move(it));
+    }
+    int64_t shared = 0, per_row = 0;
+    check_packed<float>(set, 512, 1, 16384, true, 5, false, &shared);
+    check_packed<float>(set, 512, 1, 16384, false, 5, false, &per_row);
+    EXPECT_EQ(shared, 32 * 124);
+    EXPECT_EQ(per_row, 32 * 4 * 79);
+}
+
+TEST(McPackedBatcher, Errors) {
+    McSet set = small_set();
+    set.source = "s.bin";
+    expect_error([&] { McPackedBatcher(set, 0, 3, 2, 1, 100, 64, true); }, kExitData,
+                 {"'s.bin': item 1 has an ending of 3 tokens, more than the 2 positions"});
+    expect_error([&] { McPackedBatcher(set, 0, 3, 8, 1, 14, 64, true); }, kExitData,
+                 {"'s.bin': item 2, context token 0 is 14, outside the vocabulary [0, 14)"});
+    expect_error([&] { McPackedBatcher(set, 2, 4, 8, 1, 100, 64, true); }, kExitUsage, {"items [2, 4) of 3"});
+    expect_error([&] { McPackedBatcher(set, 0, 3, 0, 1, 100, 64, true); }, kExitUsage, {"T=0"});
+    expect_error([&] { McPackedBatcher(set, 0, 3, 8, 1, 100, 7, true); }, kExitUsage, {"max_cells 7 is below max_T 8"});
 }
 
 // ---- scores ----

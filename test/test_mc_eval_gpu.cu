@@ -8,7 +8,8 @@ that the logits spread and the candidates of an item score apart. Items: random 
 of 1 to 12 tokens, contexts of 1 to 110 tokens, so that some items are longer than T and are cut from
 the left, batches hold rows of several items and items straddle batches.
 
-Compared:
+Compared, for both layouts (packed rows: an item's context once, its endings after it with attention
+groups; and one row per ending):
   - every candidate's score (sum and mean of its ending's token losses): |gpu - cpu| <= 3e-2 * max(1,
     |cpu|). The GPU rounds activations to bf16 (test_gpt2_gpu.cu measured 5e-3..9e-3 relative on the
     logits), so a wrong row, position, mask or batch layout gives errors of order 1, far above it;
@@ -20,8 +21,9 @@ Compared:
   - the NCCL path (a MultiGpu from detect_ranks: one rank when run plainly) gives the same bits as the
     single-GPU path with one rank; started as several ranks (mpirun, or OMPI_COMM_WORLD_* set by hand for
     each process) it is compared with the CPU as above, and every rank must hold the same result.
-Shapes: d2's (C=128, NH=2, HS=64: flash attention) with V=1000, and L=3 C=96 NH=3 (HS=32: the cuBLASLt
-attention path), at B = 1, 3 and 7 rows.
+Shapes: d2's (C=128, NH=2, HS=64: flash attention, or the cuBLASLt path with groups for packed rows)
+with V=1000, and L=3 C=96 NH=3 (HS=32: the cuBLASLt attention path), at B = 1, 3 and 7 rows; at T=96
+and 80 the packed layout splits many items over several rows.
 */
 #include <gtest/gtest.h>
 
@@ -146,15 +148,24 @@ TEST_F(McEvalGpuTest, MatchesCpuReference) {
         const McSet set = test_items(3, 60, c.vocab_size);
         cpu::GPT2<float> cpu_model(c, params);
         const McResult cpu = mc_eval_cpu(cpu_model, set, 16, cs.T);
+        int64_t ending_tokens = 0;
+        for (int n : cpu.loss_count) ending_tokens += n;
         for (int B : {1, 3, 7}) {
-            SCOPED_TRACE(format("B=%d", B));
-            std::printf("B=%d\n", B);
             Stream stream;
             GPT2 model(c, B, cs.T, stream);
             model.set_parameters(params);
-            McEvalGpu eval(model);
-            const McResult gpu = eval.run(set);
-            compare(gpu, cpu);
+            int64_t run[2] = {0, 0};
+            for (bool share : {true, false}) {
+                SCOPED_TRACE(format("B=%d, %s", B, share ? "packed rows" : "a row per ending"));
+                std::printf("B=%d, %s\n", B, share ? "packed rows" : "a row per ending");
+                McEvalGpu eval(model, share);
+                const McResult gpu = eval.run(set);
+                compare(gpu, cpu);
+                run[share ? 0 : 1] = eval.positions_run();
+                EXPECT_EQ(eval.positions_scored(), ending_tokens) << "every ending token scored once";
+            }
+            std::printf("positions run: %lld packed, %lld a row per ending\n", (long long)run[0], (long long)run[1]);
+            EXPECT_LT(run[0], run[1]) << "packing the endings after their context must run fewer positions";
         }
     }
 }
