@@ -17,6 +17,9 @@ groups; and one row per ending):
     closer than twice the largest GPU-CPU difference of any score (those items are listed with their
     margins); the counts of right answers differ by at most the number of near ties; at most a quarter
     of the items may be near ties, so the comparison says something. The worst differences are printed;
+  - packed rows against a row per ending on the GPU where packing matters most (contexts of 1-4 tokens,
+    four endings of 12-23): every sum within 1.5e-2 relative, while the same batches run without the
+    attention groups must be off by 3x that somewhere (so a leak between endings would be seen);
   - runs are deterministic (two runs: the same bits) and leave the model's mean_loss() alone;
   - the NCCL path (a MultiGpu from detect_ranks: one rank when run plainly) gives the same bits as the
     single-GPU path with one rank; started as several ranks (mpirun, or OMPI_COMM_WORLD_* set by hand for
@@ -167,6 +170,94 @@ TEST_F(McEvalGpuTest, MatchesCpuReference) {
             std::printf("positions run: %lld packed, %lld a row per ending\n", (long long)run[0], (long long)run[1]);
             EXPECT_LT(run[0], run[1]) << "packing the endings after their context must run fewer positions";
         }
+    }
+}
+
+// Short contexts (1 to 4 tokens) and four long endings (12 to 23 tokens): in a packed row an ending
+// then sits mostly after the other endings, so an ending that saw them (attention without the groups)
+// would score far from its own row.
+McSet short_context_items(uint64_t seed, int items, int vocab) {
+    SplitMix64 rng(seed);
+    McSet set{"short contexts, long endings", {}};
+    for (int i = 0; i < items; i++) {
+        McItem it;
+        it.context = test::random_tokens<int32_t>(1 + rng.below(4), uint32_t(vocab), rng.next());
+        for (int e = 0; e < 4; e++) {
+            it.endings.push_back(test::random_tokens<int32_t>(12 + rng.below(12), uint32_t(vocab), rng.next()));
+        }
+        it.label = int(rng.below(4));
+        set.items.push_back(std::move(it));
+    }
+    return set;
+}
+
+// McEvalGpu's packed batches of the whole set through forward_scored, by hand: with the batcher's groups,
+// or (leak) with every ending's group set to 0, so that each ending also sees the endings before it in
+// its row. Every row's sum of losses.
+std::vector<double> packed_sums(GPT2& model, const McSet& set, bool leak) {
+    McPackedBatcher batcher(set, 0, int64_t(set.items.size()), model.max_T(), McEvalGpu::kTMultiple,
+                            model.config().vocab_size, int64_t(model.max_B()) * model.max_T(), true);
+    std::vector<double> sums(size_t(mc_first_rows(set).back()), 0.0);
+    McPackedBatch b;
+    while (batcher.next(b)) {
+        std::vector<int> groups = b.groups;
+        if (leak) {
+            for (int& g : groups) g = g > 0 ? 0 : g;
+        }
+        auto up = [](const std::vector<int>& v) {
+            DeviceBuffer<int> d(v.size());
+            cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+            return d;
+        };
+        const DeviceBuffer<int> in = up(b.inputs), pos = up(b.positions), grp = up(groups), sc = up(b.scored),
+                                tg = up(b.targets);
+        const GPT2::PackedRows rows{pos.get(), grp.get()};
+        model.forward_scored(in.get(), b.B, b.T, sc.get(), tg.get(), int64_t(b.scored.size()), nullptr, &rows);
+        std::vector<float> losses(b.scored.size());
+        cudaCheck(cudaStreamSynchronize(model.stream()));
+        cudaCheck(cudaMemcpy(losses.data(), model.losses(), losses.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        mc_accumulate_packed(b, losses.data(), sums);
+    }
+    return sums;
+}
+
+double worst_relative(const std::vector<double>& a, const std::vector<double>& b) {
+    double worst = 0;
+    for (size_t r = 0; r < a.size(); r++) worst = std::max(worst, std::abs(a[r] - b[r]) / std::max(1.0, std::abs(b[r])));
+    return worst;
+}
+
+// Packed rows against a row per ending on the same GPU model, where packing matters most (short contexts,
+// long endings): every ending's sum within kTolPacked relative (both runs round to bf16, through
+// different attention kernels and matmul shapes), while the same batches with the groups left out
+// (each ending seeing the endings before it) must land at least 3 x kTolPacked away somewhere: the
+// test can see a leak. The hand-run packed batches equal McEvalGpu's bit for bit. Both against the CPU
+// reference as in MatchesCpuReference.
+TEST_F(McEvalGpuTest, PackedRowsScoreLikeRowsOfTheirOwn) {
+    constexpr double kTolPacked = 1.5e-2;
+    for (const Case& cs : cases()) {
+        SCOPED_TRACE(cs.name);
+        std::printf("%s, T=%d\n", cs.name, cs.T);
+        const GPT2Config& c = cs.config;
+        const std::vector<float> params = test_parameters(c, 45);
+        const McSet set = short_context_items(6, 40, c.vocab_size);
+        Stream stream;
+        GPT2 model(c, 3, cs.T, stream);
+        model.set_parameters(params);
+        McEvalGpu packed_eval(model, true), row_eval(model, false);
+        const McResult packed = packed_eval.run(set), per_row = row_eval.run(set);
+        const std::vector<double> by_hand = packed_sums(model, set, false), leaked = packed_sums(model, set, true);
+        EXPECT_EQ(std::memcmp(by_hand.data(), packed.loss_sum.data(), by_hand.size() * sizeof(double)), 0)
+            << "the hand-run packed batches differ from McEvalGpu's";
+        const double packing = worst_relative(packed.loss_sum, per_row.loss_sum);
+        const double leak = worst_relative(leaked, per_row.loss_sum);
+        std::printf("worst relative difference from a row per ending: packed %.3e, packed without groups %.3e "
+                    "(positions run: %lld packed, %lld a row per ending)\n", packing, leak,
+                    (long long)packed_eval.positions_run(), (long long)row_eval.positions_run());
+        EXPECT_LE(packing, kTolPacked);
+        EXPECT_GE(leak, 3 * kTolPacked) << "leaving the groups out would go unnoticed";
+        cpu::GPT2<float> cpu_model(c, params);
+        compare(packed, mc_eval_cpu(cpu_model, set, 16, cs.T));
     }
 }
 
