@@ -223,8 +223,9 @@ public:
     // Runs the model on inputs (B,T) as forward() does up to the final LayerNorm, then the classifier at M
     // of the B*T positions only (evaluation, where only some positions are scored: the multiple-choice
     // endings). scored (M, device int32) are indices into the B*T positions, each in [0, B*T) (not
-    // checked here: the caller builds and checks them), in any order, repeats allowed; targets (M, device
-    // int32) are their next tokens. The final LayerNorm's rows at those positions are gathered into a
+    // checked here: the caller builds and checks them), in any order, repeats allowed (so M may exceed
+    // B*T, up to the allocated B x T rows of the classifier's buffers); targets (M, device int32) are
+    // their next tokens. The final LayerNorm's rows at those positions are gathered into a
     // compact (M,C) buffer, so logits() holds their (M,Vp) logits (left as logits), losses() their M losses
     // in the order given, and *mean_out (a device float; mean_loss() when null) the mean of those M. The
     // classifier (the lm_head matmul and the softmax over Vp columns) then costs M / (B*T) of forward()'s.
@@ -240,10 +241,10 @@ public:
     void forward_scored(const int* inputs, int B, int T, const int* scored, const int* targets, int64_t M,
                         float* mean_out = nullptr, const PackedRows* packed = nullptr) {
         check_batch(B, T, "forward_scored");
-        const int64_t N = int64_t(B) * T;
-        if (M < 1 || M > N) {
-            fail(kExitUsage, "GPT2 forward_scored: M=%lld scored positions for B=%d T=%d, need 1 <= M <= B*T = %lld",
-                 (long long)M, B, T, (long long)N);
+        const int64_t allocated = int64_t(B_) * T_;
+        if (M < 1 || M > allocated) {
+            fail(kExitUsage, "GPT2 forward_scored: M=%lld scored positions for B=%d T=%d, need 1 <= M <= the allocated "
+                 "B x T = %lld", (long long)M, B, T, (long long)allocated);
         }
         if (packed != nullptr && (packed->positions == nullptr || packed->groups == nullptr)) {
             fail(kExitUsage, "GPT2 forward_scored: packed rows need both positions and groups");
@@ -251,7 +252,7 @@ public:
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
         forward_to_lnf(inputs, B, T, packed);
-        // proj_ (rows for the allocated B x T, so at least M) was last read by the final residual add.
+        // proj_ (rows for the allocated B x T, at least M) was last read by the final residual add.
         gather_positions(proj_, lnf_, scored, M, C, stream_);
         matmul_forward(lt_, logits_, proj_, outer(params_.get()).wte, nullptr, M, C, Vp, stream_);
         fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);

@@ -59,8 +59,8 @@ public:
     // A batch's T is rounded up to a multiple of this (at most the model's T).
     static constexpr int kTMultiple = 16;
 
-    // A batch's n inputs, positions and groups, its M <= n scored positions and their M targets: at most
-    // 5 x the model's B x T ints. share: the packed layout (the file's comment); false: one ending per row.
+    // A batch's n inputs, positions and groups, its M scored positions and their M targets (n and M at
+    // most the model's B x T): at most 5 x B x T ints. share: the packed layout (the file's comment); false: one ending per row.
     explicit McEvalGpu(GPT2& model, bool share = true)
         : model_(model), share_(share), tokens_(size_t(5) * cells()), mean_(1),
           host_tokens_{PinnedBuffer(5 * cells() * sizeof(int), cudaHostAllocWriteCombined),
@@ -100,7 +100,7 @@ public:
         while (batcher.next(batch[k])) {
             const McPackedBatch& b = batch[k];
             const size_t n = size_t(b.B) * size_t(b.T), m = b.scored.size();
-            if (n > cells() || m > n || b.targets.size() != m) {
+            if (n > cells() || m > cells() || b.targets.size() != m) {
                 fail(kExitUsage, "McEvalGpu: a batch of %zu positions, %zu of them scored (%zu targets), for buffers "
                      "of %zu", n, m, b.targets.size(), cells());
             }

@@ -451,6 +451,8 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
 // by the row's endings, so listed once per ending), then the ending's own positions but the last. In
 // McBatcher's row the same predictions sit at first .. first + count - 1, in the same order.
 // row / count: per ending, its set row number (mc_first_rows) and its scored positions (its length).
+// The scored positions may outnumber the batch's B x T (a short context's last position is scored once
+// per ending); the batcher keeps them within its max_cells.
 // With one ending per row (share off) it is McBatcher's per-candidate layout: positions t, groups 0.
 struct McPackedBatch {
     int B = 0, T = 0;
@@ -461,10 +463,11 @@ struct McPackedBatch {
 };
 
 // Cuts the items [begin, end) into packed rows and batches of at most max_cells positions (B x T, T the
-// batch's longest row rounded up to a multiple of t_multiple, at most max_T). With share, a row takes as
-// many of an item's endings, in order, as fit in max_T positions (all of them unless the item is long;
-// the rest go to further rows, each with the context again); without, one ending per row. An item's rows
-// may straddle two batches. Checks every item of the set as McBatcher does.
+// batch's longest row rounded up to a multiple of t_multiple, at most max_T) and at most max_cells scored
+// positions. With share, a row takes as many of an item's endings, in order, as fit in max_T positions
+// with at most max_T scored (all of them unless the item is long; the rest go to further rows, each with
+// the context again); without, one ending per row. An item's rows may straddle two batches. Checks every
+// item of the set as McBatcher does.
 class McPackedBatcher {
 public:
     McPackedBatcher(const McSet& set, int64_t begin, int64_t end, int max_T, int t_multiple, int64_t vocab_size,
@@ -493,21 +496,31 @@ public:
         };
         std::vector<Row> rows;
         int longest = 0;
+        int64_t batch_scored = 0;
         while (item_ < end_) {
             const McItem& it = set_.items[size_t(item_)];
             const int kept = int(mc_kept_context(it, max_T_));
-            // This row: endings [cand_, last) of the item, as many as fit (at least one: kept + any ending
-            // - 1 <= max_T by mc_kept_context).
-            int length = kept, last = cand_;
+            // This row: endings [cand_, last) of the item, as many as fit in max_T positions with at most
+            // max_T scored (at least one: kept + any ending - 1 <= max_T by mc_kept_context, and an ending
+            // has at most max_T tokens). The context's last position is scored once per ending, so a row
+            // of short endings after a short context can score more positions than it has.
+            int length = kept, scored = 0, last = cand_;
             while (last < int(it.endings.size()) && (last == cand_ || share_)) {
-                const int more = int(it.endings[size_t(last)].size()) - 1;
-                if (last > cand_ && length + more > max_T_) break;
-                length += more;
+                const int n = int(it.endings[size_t(last)].size());
+                if (last > cand_ && (length + n - 1 > max_T_ || scored + n > max_T_)) break;
+                length += n - 1;
+                scored += n;
                 last++;
             }
-            if (!rows.empty() && int64_t(rows.size() + 1) * rounded_T(std::max(longest, length)) > max_cells_) break;
+            // The batch: at most max_cells positions (B x T) and at most max_cells scored ones (the
+            // model's classifier buffers hold its allocated B x T rows).
+            if (!rows.empty() && (int64_t(rows.size() + 1) * rounded_T(std::max(longest, length)) > max_cells_ ||
+                                  batch_scored + scored > max_cells_)) {
+                break;
+            }
             rows.push_back({item_, kept, cand_, last - cand_, length});
             longest = std::max(longest, length);
+            batch_scored += scored;
             cand_ = last;
             if (cand_ == int(it.endings.size())) {
                 cand_ = 0;

@@ -37,7 +37,7 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     target logit (at most 2^-7 of it; the other logits enter through the softmax, weighted by their
     probabilities, which are ~1/V here), so 2e-3 covers the rest with a wide margin on losses of ~7-11,
     while a wrong row, target or offset gives errors of order 1. forward_scored refuses M = 0, M above
-    this batch's B*T and a batch the model was not allocated for (a position outside the batch is
+    the allocated B x T (it takes more than the batch's B*T: repeats) and a batch the model was not allocated for (a position outside the batch is
     refused where positions are built, McPackedBatcher: test_mc_eval.cpp).
 Shapes: d2 (C=128, NH=2) and a small explicit model (L=3, C=96, NH=3, HS=32, V=1000 padded to 1024,
 maxT=80) at B=4, T=64; d6 and d12 at B=4, T=64; d2 at B=4, T=1024. d6 and d12 at T=1024 take minutes on
@@ -421,9 +421,12 @@ TEST_F(GPT2TrainingTest, ScoredForwardRefusesBadCounts) {
         };
     };
     expect_error(scored(2, 16, 0), kExitUsage, {"GPT2 forward_scored: M=0 scored positions for B=2 T=16",
-                                                "1 <= M <= B*T = 32"});
-    expect_error(scored(2, 16, 33), kExitUsage, {"M=33", "B*T = 32"});
-    expect_error(scored(1, 16, 17), kExitUsage, {"M=17 scored positions for B=1 T=16", "B*T = 16"});
+                                                "1 <= M <= the allocated B x T = 32"});
+    expect_error(scored(2, 16, 33), kExitUsage, {"M=33", "allocated B x T = 32"});
+    // Repeated positions may outnumber the batch's (a short context's last position, once per ending),
+    // up to the allocated rows.
+    scored(1, 16, 32)();
+    expect_error(scored(1, 16, 33), kExitUsage, {"M=33 scored positions for B=1 T=16", "allocated B x T = 32"});
     expect_error(scored(3, 16, 4), kExitUsage, {"GPT2 forward_scored: B=3 T=16"});
     expect_error(scored(1, 17, 4), kExitUsage, {"GPT2 forward_scored: B=1 T=17"});
     const GPT2::PackedRows half{d_pos.get(), nullptr};

@@ -401,14 +401,15 @@ TEST(McBatcher, RankSplit) {
 // group) is exactly McBatcher's row of that ending up to the same prediction: the same tokens at the
 // same positions, in order, and the same target. So the packed forward computes every ending's losses
 // as its own row would. Also: every set row once, in order; B x T <= max_cells and every batch but the
-// last full (its next row would not have fitted); T rounded; with share, an item whose endings fit in
-// max_T positions beside its context takes one row; mc_accumulate_packed's sums bit for bit
+// last full (its next row would not have fitted); at most max_cells scored positions a batch and max_T a
+// row; T rounded; with share, an item whose endings fit in max_T positions beside its context (and score
+// at most max_T) takes one row; mc_accumulate_packed's sums bit for bit
 // mc_accumulate's over McBatcher's rows holding the same loss values (Loss = float as the GPU returns,
 // and double, whose sums depend on the order). *run_out (if given): the positions run (B x T summed).
 // With several: the set must take several batches and some row must be padded (so a wrong stride shows).
 template <class Loss>
 void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells, bool share, uint64_t seed,
-                  bool several = true, int64_t* run_out = nullptr) {
+                  bool several = true, int64_t* run_out = nullptr, bool* more_scored_out = nullptr) {
     SCOPED_TRACE(format("T=%d multiple %d cells %lld share %d, %zu-byte losses", max_T, t_multiple,
                         (long long)max_cells, int(share), sizeof(Loss)));
     const std::vector<int64_t> first_row = mc_first_rows(set);
@@ -442,13 +443,15 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
     McPackedBatch b;
     int64_t next_row = 0, run = 0;
     int batches = 0;
-    bool padded = false;
+    bool padded = false, more_scored_than_run = false;
     while (batcher.next(b)) {
         batches++;
         SCOPED_TRACE(format("batch %d", batches));
         const size_t cells = size_t(b.B) * size_t(b.T);
         run += int64_t(cells);
         EXPECT_LE(int64_t(cells), max_cells);
+        EXPECT_LE(int64_t(b.scored.size()), max_cells) << "more scored positions than the classifier's rows";
+        more_scored_than_run |= b.scored.size() > cells;
         EXPECT_LE(b.T, max_T);
         EXPECT_EQ(b.T % t_multiple == 0 || b.T == max_T, true) << "T=" << b.T;
         ASSERT_EQ(b.inputs.size(), cells);
@@ -459,7 +462,7 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
         std::vector<Loss> losses;
         size_t at = 0;  // into scored
         int longest = 0;
-        std::vector<int> endings_in_row(size_t(b.B), 0);
+        std::vector<int> endings_in_row(size_t(b.B), 0), scored_in_row(size_t(b.B), 0);
         for (size_t e = 0; e < b.row.size(); e++) {
             const int64_t row = b.row[e];
             ASSERT_EQ(row, next_row++);
@@ -478,6 +481,7 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
                     batch_row = r;
                     endings_in_row[size_t(r)]++;
                 }
+                scored_in_row[size_t(r)]++;
                 ASSERT_EQ(r, batch_row) << "row " << row << ": an ending's predictions in two batch rows";
                 // What position i sees: (position, token) of every visible key, in order.
                 std::vector<int> seen_pos, seen_tok;
@@ -501,6 +505,7 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
         EXPECT_EQ(at, b.scored.size());
         for (int r = 0; r < b.B; r++) {
             EXPECT_GE(endings_in_row[size_t(r)], 1) << "batch row " << r << " holds no ending";
+            EXPECT_LE(scored_in_row[size_t(r)], max_T) << "batch row " << r;
             if (!share) {
                 EXPECT_EQ(endings_in_row[size_t(r)], 1) << "batch row " << r;
             }
@@ -516,15 +521,18 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
         if (next_row < rows) {
             const int64_t item = std::upper_bound(first_row.begin(), first_row.end(), next_row) - first_row.begin() - 1;
             const McItem& it = set.items[size_t(item)];
-            // The next batch row: the context, then endings from next_row's on while they fit (one without share).
-            int len = int(mc_kept_context(it, max_T));
+            // The next batch row: the context, then endings from next_row's on while they fit in max_T
+            // positions with at most max_T scored (one ending without share).
+            int len = int(mc_kept_context(it, max_T)), next_scored = 0;
             for (size_t c = size_t(next_row - first_row[size_t(item)]), first = c; c < it.endings.size(); c++) {
-                const int more = int(it.endings[c].size()) - 1;
-                if (c > first && (!share || len + more > max_T)) break;
-                len += more;
+                const int n = int(it.endings[c].size());
+                if (c > first && (!share || len + n - 1 > max_T || next_scored + n > max_T)) break;
+                len += n - 1;
+                next_scored += n;
             }
             const int t = std::min(max_T, (std::max(b.T, len) + t_multiple - 1) / t_multiple * t_multiple);
-            EXPECT_GT(int64_t(b.B + 1) * t, max_cells) << "batch " << batches << " could have taken row " << next_row;
+            EXPECT_TRUE(int64_t(b.B + 1) * t > max_cells || int64_t(b.scored.size()) + next_scored > max_cells)
+                << "batch " << batches << " could have taken row " << next_row;
         }
     }
     EXPECT_EQ(next_row, rows);
@@ -555,14 +563,19 @@ void check_packed(const McSet& set, int max_T, int t_multiple, int64_t max_cells
         }
         for (size_t i = 0; i < set.items.size(); i++) {
             const McItem& it = set.items[i];
-            int64_t need = mc_kept_context(it, max_T);
-            for (const auto& e : it.endings) need += int64_t(e.size()) - 1;
-            if (need <= max_T) {
-                EXPECT_EQ(rows_of_item[i].size(), 1u) << "item " << i << " needs " << need;
+            int64_t need = mc_kept_context(it, max_T), scored = 0;
+            for (const auto& e : it.endings) {
+                need += int64_t(e.size()) - 1;
+                scored += int64_t(e.size());
+            }
+            if (need <= max_T && scored <= max_T) {
+                EXPECT_EQ(rows_of_item[i].size(), 1u) << "item " << i << " needs " << need << " positions, " << scored
+                                                      << " scored";
             }
         }
     }
     if (run_out != nullptr) *run_out = run;
+    if (more_scored_out != nullptr) *more_scored_out = more_scored_than_run;
 }
 
 TEST(McPackedBatcher, EveryEndingSeesExactlyItsOwnRow) {
@@ -576,6 +589,28 @@ TEST(McPackedBatcher, EveryEndingSeesExactlyItsOwnRow) {
             check_packed<double>(set, 37, m, 37, share, 3, m > 1);  // one row a batch
             check_packed<double>(set, 200, m, 8 * 200, share, 4);
         }
+    }
+}
+
+TEST(McPackedBatcher, ShortContextsScoreMorePositionsThanTheyRun) {
+    // A 1-token context before 8 endings of 1 or 2 tokens: the context's last position is scored once
+    // per ending, so a packed row scores more positions than it has; rows and batches keep the scored
+    // ones within max_T and max_cells.
+    McSet set{"short", {}};
+    SplitMix64 rng(9);
+    for (int i = 0; i < 20; i++) {
+        McItem it;
+        it.context = test::random_tokens<int32_t>(1, 1000, rng.next());
+        for (int e = 0; e < 8; e++) it.endings.push_back(test::random_tokens<int32_t>(1 + rng.below(2), 1000, rng.next()));
+        set.items.push_back(std::move(it));
+    }
+    bool more = false;
+    check_packed<float>(set, 8, 1, 16, true, 6, true, nullptr, &more);
+    EXPECT_TRUE(more) << "no batch scored more positions than it ran: the case is not exercised";
+    for (int m : {1, 16}) {
+        check_packed<float>(set, 8, m, 16, true, 6, m > 1);
+        check_packed<double>(set, 24, m, 48, true, 7);
+        check_packed<double>(set, 8, m, 8, false, 8, false);
     }
 }
 
