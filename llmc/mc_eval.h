@@ -326,6 +326,11 @@ inline int64_t mc_kept_context(const McItem& item, int T) {
     return std::min<int64_t>(int64_t(item.context.size()), int64_t(T) + 1 - mc_longest_ending(item));
 }
 
+// A batch's T: its longest row rounded up to a multiple of t_multiple, at most max_T.
+inline int mc_rounded_T(int longest, int max_T, int t_multiple) {
+    return std::min(max_T, (longest + t_multiple - 1) / t_multiple * t_multiple);
+}
+
 // The items rank `rank` of `world` evaluates: a contiguous range, sizes differing by at most one.
 inline std::pair<int64_t, int64_t> mc_rank_items(int64_t items, int rank, int world) {
     return {items * rank / world, items * (rank + 1) / world};
@@ -403,7 +408,7 @@ public:
     }
 
 private:
-    int rounded_T(int longest) const { return std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_); }
+    int rounded_T(int longest) const { return mc_rounded_T(longest, max_T_, t_multiple_); }
     int64_t item_of(int64_t row) const {
         return int64_t(std::upper_bound(first_row_.begin(), first_row_.end(), row) - first_row_.begin()) - 1;
     }
@@ -571,7 +576,7 @@ public:
     }
 
 private:
-    int rounded_T(int longest) const { return std::min(max_T_, (longest + t_multiple_ - 1) / t_multiple_ * t_multiple_); }
+    int rounded_T(int longest) const { return mc_rounded_T(longest, max_T_, t_multiple_); }
 
     const McSet& set_;
     std::vector<int64_t> first_row_;
