@@ -69,20 +69,33 @@ std::vector<float> test_parameters(const GPT2Config& c, uint64_t seed) {
     return p;
 }
 
-McSet test_items(uint64_t seed, int items, int vocab) {
+// Items of random tokens: contexts of context_min..context_max tokens, k_min..k_max endings of
+// ending_min..ending_max tokens each.
+struct ItemShape {
+    int context_min, context_max, k_min, k_max, ending_min, ending_max;
+};
+
+McSet random_items(uint64_t seed, int items, int vocab, const char* name, const ItemShape& shape) {
     SplitMix64 rng(seed);
-    McSet set{"random items", {}};
+    McSet set{name, {}};
+    auto between = [&rng](int lo, int hi) { return lo + (hi > lo ? int(rng.below(uint64_t(hi - lo + 1))) : 0); };
     for (int i = 0; i < items; i++) {
         McItem it;
-        it.context = test::random_tokens<int32_t>(1 + rng.below(110), uint32_t(vocab), rng.next());
-        const int k = 2 + int(rng.below(4));
+        it.context = test::random_tokens<int32_t>(size_t(between(shape.context_min, shape.context_max)),
+                                                  uint32_t(vocab), rng.next());
+        const int k = between(shape.k_min, shape.k_max);
         for (int e = 0; e < k; e++) {
-            it.endings.push_back(test::random_tokens<int32_t>(1 + rng.below(12), uint32_t(vocab), rng.next()));
+            it.endings.push_back(test::random_tokens<int32_t>(size_t(between(shape.ending_min, shape.ending_max)),
+                                                              uint32_t(vocab), rng.next()));
         }
         it.label = int(rng.below(uint64_t(k)));
         set.items.push_back(std::move(it));
     }
     return set;
+}
+
+McSet test_items(uint64_t seed, int items, int vocab) {
+    return random_items(seed, items, vocab, "random items", {1, 110, 2, 5, 1, 12});
 }
 
 double tolerance(double score) { return kTolScore * std::max(1.0, std::abs(score)); }
@@ -177,18 +190,7 @@ TEST_F(McEvalGpuTest, MatchesCpuReference) {
 // then sits mostly after the other endings, so an ending that saw them (attention without the groups)
 // would score far from its own row.
 McSet short_context_items(uint64_t seed, int items, int vocab) {
-    SplitMix64 rng(seed);
-    McSet set{"short contexts, long endings", {}};
-    for (int i = 0; i < items; i++) {
-        McItem it;
-        it.context = test::random_tokens<int32_t>(1 + rng.below(4), uint32_t(vocab), rng.next());
-        for (int e = 0; e < 4; e++) {
-            it.endings.push_back(test::random_tokens<int32_t>(12 + rng.below(12), uint32_t(vocab), rng.next()));
-        }
-        it.label = int(rng.below(4));
-        set.items.push_back(std::move(it));
-    }
-    return set;
+    return random_items(seed, items, vocab, "short contexts, long endings", {1, 4, 4, 4, 12, 23});
 }
 
 // McEvalGpu's packed batches of the whole set through forward_scored, by hand: with the batcher's groups,
