@@ -1,33 +1,37 @@
 /*
-fp8_lab: how much faster, and how much less exact, would a GPT-2 step's forward matmuls be with FP8
-(E4M3) operands and per-tensor scales than with the bf16 ones the trainer runs?
+fp8_lab: how much faster, and how much less exact, would a GPT-2 step's matmuls be with FP8 operands and
+per-tensor scales than with the bf16 ones the trainer runs?
 
   build/fp8_lab [--B 64] [--T 1024] [--C 768] [--Vp 50304] [--layers 12] [--warmup 5] [--reps 20]
-                [--fast-accum 0|1] [--tol 0.08]
+                [--fast-accum 0|1] [--tol 0.08] [--tol-bwd 0.15]
 
-For each forward matmul of the model (qkv: C -> 3C, attention projection: C -> C, fc: C -> 4C, fc
-projection: 4C -> C, each with a bias; the LM head: C -> Vp without one), at N = B*T rows, with inputs
-shaped like the trainer's (activations ~ N(0, 1), weights ~ N(0, 0.02), from a seeded hash):
-  - bf16: llmc/matmul.cuh's matmul_forward, as the trainer calls it (bias epilogue);
-  - fp8: the input and the weight each cast to E4M3 with a per-tensor scale 448 / amax (current scaling:
-    one pass for the amax, one for the cast), then one cuBLASLt matmul in the "TN" layout FP8 requires
-    (the weight transposed: our row-major (OC, C) is already that), bf16 output, fp32 accumulation
-    (CUBLASLT_MATMUL_DESC_FAST_ACCUM from --fast-accum), the dequantising scales through
-    CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER and the bias in the epilogue.
-Each is timed with CUDA events (median of --reps after --warmup), the casts separately from the matmul
-(a trainer would fuse the activation's cast into the kernel that produces it, and cast weights once per
-step). The fp8 output is compared with the bf16 one: relative error ||D8 - D16|| / ||D16|| (Frobenius),
-which must be under --tol (E4M3 keeps 3 mantissa bits: a relative rounding of up to 1/16 per operand),
-and the largest |D8 - D16| over max |D16|. The summary adds the per-layer calls --layers times and the
-LM head once: the forward matmul time of one B x T micro-batch, bf16 against fp8 with and without the
-casts of the activations.
+For each matmul of the model (qkv: C -> 3C, attention projection: C -> C, fc: C -> 4C, fc projection:
+4C -> C, each with a bias; the LM head: C -> Vp without one), at N = B*T rows, with inputs shaped like
+the trainer's (activations ~ N(0, 1), weights ~ N(0, 0.02), output gradients ~ N(0, 1e-3), from a seeded
+hash):
+  - forward D (N, OC) = X (N, K) W (OC, K)^T + bias. bf16: llmc/matmul.cuh's matmul_forward, as the
+    trainer calls it (bias epilogue). fp8: X and W each cast to E4M3 with a per-tensor scale 448 / amax
+    (current scaling: one pass for the amax, one for the cast), then one cuBLASLt matmul in the "TN"
+    layout FP8 requires on Hopper (both operands K-major: our row-major X and W already are), bf16
+    output, fp32 accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM from --fast-accum), the dequantising
+    scales through CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER and the bias in the epilogue;
+  - backward dX (N, K) = dD (N, OC) W and dW (OC, K) = dD^T X. bf16: two plain gemm() calls. fp8: the
+    gradient dD in E5M2 (scale 57344 / amax: 2 mantissa bits, the range gradients need), the other
+    operand in E4M3; "TN" needs every operand K-major, so dX takes a transposed copy of W (K, OC) and dW
+    transposed copies of dD (OC, N) and X (K, N), each made by a cast that transposes through shared
+    memory (a trainer would write X's transposed copy where X is produced, and W's once per step).
+Each is timed with CUDA events (median of --reps after --warmup), the casts separately from the matmuls.
+The fp8 results are compared with the bf16 ones: relative error ||D8 - D16|| / ||D16|| (Frobenius),
+which must be under --tol forward and --tol-bwd backward, and the largest |D8 - D16| over max |D16|.
+The summaries add the per-layer calls --layers times and the LM head once: one B x T micro-batch's
+forward and backward matmul time, bf16 against fp8 with and without the casts of the activations and
+gradients (weights' casts are once per step, so listed apart).
 
-Exit 1 when an fp8 result is outside --tol. Needs a GPU with FP8 tensor cores (compute capability 8.9 or
-9.0+); elsewhere it says so and exits 0.
+Exit 1 when an fp8 result is outside its tolerance. Needs a GPU with FP8 tensor cores (compute
+capability 8.9 or 9.0+); elsewhere it says so and exits 0.
 
-Does not provide: the backward matmuls (dinp and dweight need the other operand transposed in FP8, or
-E5M2 gradients), delayed scaling from an amax history, sustained timing under a power cap
-(dev/matmul_lab.cu --sustain does that for bf16), or anything in the trainer.
+Does not provide: delayed scaling from an amax history, fused casts, the bias gradient, sustained timing
+under a power cap (dev/matmul_lab.cu --sustain does that for bf16), or anything in the trainer.
 */
 #include <cuda_fp8.h>
 
@@ -36,6 +40,7 @@ E5M2 gradients), delayed scaling from an amax history, sustained timing under a 
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "llmc/cuda_common.cuh"
@@ -51,11 +56,11 @@ namespace {
 struct Options {
     int B = 64, T = 1024, C = 768, Vp = 50304, layers = 12, warmup = 5, reps = 20;
     bool fast_accum = false;
-    double tol = 0.08;
+    double tol = 0.08, tol_bwd = 0.15;
 };
 
 bool parse_args(int argc, char** argv, Options& o) {
-    Flags flags("fp8_lab", "Times and checks a GPT-2 forward's matmuls in FP8 (E4M3) against bf16.");
+    Flags flags("fp8_lab", "Times and checks a GPT-2 step's matmuls in FP8 (E4M3, E5M2 gradients) against bf16.");
     flags.add("", "B", &o.B, "batch size", 1, 1 << 16)
         .add("", "T", &o.T, "sequence length", 1, 1 << 20)
         .add("", "C", &o.C, "channels (qkv: 3C, fc: 4C); a multiple of 16", 16, 1 << 16)
@@ -64,7 +69,8 @@ bool parse_args(int argc, char** argv, Options& o) {
         .add("", "warmup", &o.warmup, "untimed runs before timing", 0, 1000)
         .add("", "reps", &o.reps, "timed runs (median)", 1, 10000)
         .add("", "fast-accum", &o.fast_accum, "cuBLASLt's FP8 fast accumulation (less exact, faster)")
-        .add("", "tol", &o.tol, "largest relative Frobenius error of an fp8 result against bf16", 0.0, 1.0);
+        .add("", "tol", &o.tol, "largest relative Frobenius error of an fp8 forward result against bf16", 0.0, 1.0)
+        .add("", "tol-bwd", &o.tol_bwd, "the same for the backward results (E5M2 gradients)", 0.0, 1.0);
     if (!flags.parse(argc, argv)) return false;
     if ((int64_t(o.B) * o.T) % 16 != 0 || o.C % 16 != 0 || o.Vp % 16 != 0) {
         fail(kExitUsage, "fp8_lab: FP8 matmuls need B*T, C and Vp to be multiples of 16 (B*T=%lld C=%d Vp=%d)",
@@ -73,8 +79,6 @@ bool parse_args(int argc, char** argv, Options& o) {
     std::fputs(flags.settings_table().c_str(), stdout);
     return true;
 }
-
-constexpr float kE4M3Max = 448.0f;
 
 // A normal-ish value from (seed, index): the sum of four uniforms, centred and scaled to unit variance.
 __device__ float hashed_normal(uint64_t seed, int64_t i) {
@@ -105,14 +109,52 @@ __global__ void amax_kernel(const floatX* x, int64_t n, unsigned int* amax_bits)
     if (threadIdx.x % kWarpSize == 0) atomicMax(amax_bits, __float_as_uint(m));
 }
 
-// q = E4M3(x * 448 / amax) (saturating), and descale = amax / 448 for the matmul.
-__global__ void cast_e4m3_kernel(__nv_fp8_e4m3* q, const floatX* x, int64_t n, const unsigned int* amax_bits,
-                                 float* descale) {
+template <class Fp8>
+struct Fp8Format;
+template <>
+struct Fp8Format<__nv_fp8_e4m3> {
+    static constexpr float kMax = 448.0f;
+};
+template <>
+struct Fp8Format<__nv_fp8_e5m2> {
+    static constexpr float kMax = 57344.0f;
+};
+
+// The scale that maps amax to the format's largest value (1 for an all-zero tensor).
+template <class Fp8>
+__device__ float fp8_scale(const unsigned int* amax_bits) {
     const float amax = __uint_as_float(*amax_bits);
-    const float scale = amax > 0.0f ? kE4M3Max / amax : 1.0f;
+    return amax > 0.0f ? Fp8Format<Fp8>::kMax / amax : 1.0f;
+}
+
+// q = Fp8(x * kMax / amax) (saturating), and descale = amax / kMax for the matmul.
+template <class Fp8>
+__global__ void cast_kernel(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale) {
+    const float scale = fp8_scale<Fp8>(amax_bits);
     if (blockIdx.x == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        q[i] = __nv_fp8_e4m3(float(x[i]) * scale);
+        q[i] = Fp8(float(x[i]) * scale);
+    }
+}
+
+// The same cast, transposing: x (rows, cols) row-major into q (cols, rows) row-major, through a 32 x 32
+// tile in shared memory so that both the reads and the writes are coalesced. Blocks of 32 x 8 threads.
+constexpr int kTile = 32, kTileRows = 8;
+template <class Fp8>
+__global__ void cast_transpose_kernel(Fp8* q, const floatX* x, int64_t rows, int64_t cols,
+                                      const unsigned int* amax_bits, float* descale) {
+    __shared__ float tile[kTile][kTile + 1];
+    const float scale = fp8_scale<Fp8>(amax_bits);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *descale = 1.0f / scale;
+    const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+        const int64_t r = r0 + j, c = c0 + threadIdx.x;
+        if (r < rows && c < cols) tile[j][threadIdx.x] = float(x[r * cols + c]);
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+        const int64_t c = c0 + j, r = r0 + threadIdx.x;  // q's row c, column r
+        if (r < rows && c < cols) q[c * rows + r] = Fp8(tile[threadIdx.x][j] * scale);
     }
 }
 
@@ -143,20 +185,21 @@ __global__ void compare_kernel(const floatX* a, const floatX* b, int64_t n, doub
 
 constexpr int kGrid = 1056, kBlock = 256;
 
-// D (N, OC) bf16 = (descale_x * X8 (N, K)) @ (descale_w * W8 (OC, K))^T + bias, through cuBLASLt.
+// D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T (+ bias (N)), P and Q
+// row-major FP8 (E4M3 or E5M2, not both E5M2), through cuBLASLt. In its column-major terms D is (N, M):
+// A is Q, read as a column-major (K, N) and used transposed, B is P, a column-major (K, M): the "TN"
+// layout, both operands K-major, that FP8 needs on Hopper.
 class Fp8Matmul {
 public:
-    Fp8Matmul(const CublasLt& lt, cudaStream_t stream, int64_t N, int64_t K, int64_t OC, const __nv_fp8_e4m3* x8,
-              const __nv_fp8_e4m3* w8, const float* descale_x, const float* descale_w, const floatX* bias, floatX* d,
-              bool fast_accum)
-        : lt_(lt), stream_(stream), x8_(x8), w8_(w8), d_(d),
-          // In cuBLAS's column-major terms D is (OC, N): A is the weight, our row-major (OC, K) read as a
-          // column-major (K, OC) and used transposed; B is the input, row-major (N, K) = column-major (K, N).
-          a_(CUDA_R_8F_E4M3, K, OC, K, 1, 0), b_(CUDA_R_8F_E4M3, K, N, K, 1, 0), c_(CUDA_R_16BF, OC, N, OC, 1, 0) {
+    Fp8Matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, const void* p,
+              cudaDataType_t p_type, const void* q, cudaDataType_t q_type, const float* descale_p,
+              const float* descale_q, const floatX* bias, floatX* d, bool fast_accum)
+        : lt_(lt), stream_(stream), p_(p), q_(q), d_(d),
+          a_(q_type, K, N, K, 1, 0), b_(p_type, K, M, K, 1, 0), c_(CUDA_R_16BF, N, M, N, 1, 0) {
         desc_.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
         desc_.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-        desc_.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(descale_w));
-        desc_.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(descale_x));
+        desc_.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(descale_q));
+        desc_.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(descale_p));
         desc_.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum ? 1 : 0));
         if (bias != nullptr) {
             desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
@@ -169,21 +212,21 @@ public:
         cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc_.d, a_.l, b_.l, c_.l, c_.l, pref_.p, 1, &result,
                                                    &found));
         if (found == 0) {
-            fail(kExitCuda, "cuBLASLt has no FP8 algorithm for N=%lld K=%lld OC=%lld (bf16 output%s)", (long long)N,
-                 (long long)K, (long long)OC, bias != nullptr ? ", bias" : "");
+            fail(kExitCuda, "cuBLASLt has no FP8 algorithm for M=%lld N=%lld K=%lld (bf16 output%s)", (long long)M,
+                 (long long)N, (long long)K, bias != nullptr ? ", bias" : "");
         }
         algo_ = result.algo;
     }
     void run() const {
         const float alpha = 1.0f, beta = 0.0f;
-        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, w8_, a_.l, x8_, b_.l, &beta, d_, c_.l, d_, c_.l,
+        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta, d_, c_.l, d_, c_.l,
                                    &algo_, lt_.workspace(), lt_.workspace_bytes(), stream_));
     }
 
 private:
     const CublasLt& lt_;
     cudaStream_t stream_;
-    const __nv_fp8_e4m3 *x8_, *w8_;
+    const void *p_, *q_;
     floatX* d_;
     detail::LtMatmulDesc desc_;
     detail::LtLayout a_, b_, c_;
@@ -210,52 +253,17 @@ float median_ms(cudaStream_t stream, int warmup, int reps, F f) {
     return ms[ms.size() / 2];
 }
 
-struct Row {
-    std::string name;
-    int per_step;
-    float bf16_ms, fp8_ms, cast_x_ms, cast_w_ms;
-    double rel_err, max_err;
+// How far a is from the reference b: ||a - b|| / ||b|| (Frobenius), and max |a - b| / max |b|.
+struct Diff {
+    double rel = 0, max = 0;
 };
 
-Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const char* name, int per_step, int64_t K,
-             int64_t OC, bool with_bias, uint64_t seed) {
-    const int64_t N = int64_t(o.B) * o.T;
-    DeviceBuffer<floatX> x{size_t(N * K)}, w{size_t(OC * K)}, bias{size_t(OC)}, d16{size_t(N * OC)}, d8{size_t(N * OC)};
-    DeviceBuffer<__nv_fp8_e4m3> x8{size_t(N * K)}, w8{size_t(OC * K)};
-    // Slots 0 (the input) and kScaleSlot (the weight): each scale 16-byte aligned, as cuBLASLt wants its
-    // scale pointers.
-    constexpr int kScaleSlot = 4;
-    DeviceBuffer<unsigned int> amax(2 * kScaleSlot);
-    DeviceBuffer<float> descale(2 * kScaleSlot);
+Diff compare(const floatX* a, const floatX* b, int64_t n, cudaStream_t stream) {
     DeviceBuffer<double> sums(2);
     DeviceBuffer<unsigned int> maxima(2);
-    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(x.get(), N * K, seed, 1.0f);
-    cudaCheckLaunch();
-    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(w.get(), OC * K, seed + 1, 0.02f);
-    cudaCheckLaunch();
-    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(bias.get(), OC, seed + 2, 0.02f);
-    cudaCheckLaunch();
-
-    auto cast = [&](const floatX* src, __nv_fp8_e4m3* dst, int64_t n, int slot) {
-        cudaCheck(cudaMemsetAsync(amax.get() + slot, 0, sizeof(unsigned int), stream));
-        amax_kernel<<<kGrid, kBlock, 0, stream>>>(src, n, amax.get() + slot);
-        cudaCheckLaunch();
-        cast_e4m3_kernel<<<kGrid, kBlock, 0, stream>>>(dst, src, n, amax.get() + slot, descale.get() + slot);
-        cudaCheckLaunch();
-    };
-    const floatX* b = with_bias ? bias.get() : nullptr;
-    Row r{name, per_step, 0, 0, 0, 0, 0, 0};
-    r.bf16_ms = median_ms(stream, o.warmup, o.reps,
-                          [&] { matmul_forward(lt, d16.get(), x.get(), w.get(), b, N, int(K), int(OC), stream); });
-    r.cast_x_ms = median_ms(stream, o.warmup, o.reps, [&] { cast(x.get(), x8.get(), N * K, 0); });
-    r.cast_w_ms = median_ms(stream, o.warmup, o.reps, [&] { cast(w.get(), w8.get(), OC * K, kScaleSlot); });
-    const Fp8Matmul mm(lt, stream, N, K, OC, x8.get(), w8.get(), descale.get(), descale.get() + kScaleSlot, b,
-                       d8.get(), o.fast_accum);
-    r.fp8_ms = median_ms(stream, o.warmup, o.reps, [&] { mm.run(); });
-
     cudaCheck(cudaMemsetAsync(sums.get(), 0, 2 * sizeof(double), stream));
     cudaCheck(cudaMemsetAsync(maxima.get(), 0, 2 * sizeof(unsigned int), stream));
-    compare_kernel<<<kGrid, kBlock, 0, stream>>>(d8.get(), d16.get(), N * OC, sums.get(), maxima.get());
+    compare_kernel<<<kGrid, kBlock, 0, stream>>>(a, b, n, sums.get(), maxima.get());
     cudaCheckLaunch();
     double host_sums[2];
     unsigned int host_max[2];
@@ -265,8 +273,116 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     float max_diff, max_ref;
     std::memcpy(&max_diff, &host_max[0], 4);
     std::memcpy(&max_ref, &host_max[1], 4);
-    r.rel_err = host_sums[1] > 0 ? std::sqrt(host_sums[0] / host_sums[1]) : 0.0;
-    r.max_err = max_ref > 0 ? double(max_diff) / double(max_ref) : 0.0;
+    Diff e;
+    e.rel = host_sums[1] > 0 ? std::sqrt(host_sums[0] / host_sums[1]) : 0.0;
+    e.max = max_ref > 0 ? double(max_diff) / double(max_ref) : 0.0;
+    return e;
+}
+
+struct Row {
+    std::string name;
+    int per_step;
+    int64_t K, OC;
+    // forward
+    float bf16_ms, fp8_ms, cast_x_ms, cast_w_ms;
+    Diff err;
+    // backward: dX = dD W, dW = dD^T X
+    float dx16_ms, dw16_ms, dx8_ms, dw8_ms, cast_dd_ms, cast_ddt_ms, cast_xt_ms, cast_wt_ms;
+    Diff dx_err, dw_err;
+};
+
+// Per-tensor amax slots, each 16-byte aligned (cuBLASLt wants its scale pointers so).
+enum Slot { kX, kW, kDD, kDDt, kXt, kWt, kSlots };
+constexpr int kSlotStride = 4;
+
+Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const char* name, int per_step, int64_t K,
+             int64_t OC, bool with_bias, uint64_t seed) {
+    const int64_t N = int64_t(o.B) * o.T;
+    DeviceBuffer<floatX> x{size_t(N * K)}, w{size_t(OC * K)}, bias{size_t(OC)}, d16{size_t(N * OC)}, d8{size_t(N * OC)};
+    DeviceBuffer<__nv_fp8_e4m3> x8{size_t(N * K)}, w8{size_t(OC * K)};
+    DeviceBuffer<unsigned int> amax(kSlots * kSlotStride);
+    DeviceBuffer<float> descale(kSlots * kSlotStride);
+    auto slot_amax = [&](Slot k) { return amax.get() + k * kSlotStride; };
+    auto slot_descale = [&](Slot k) { return descale.get() + k * kSlotStride; };
+    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(x.get(), N * K, seed, 1.0f);
+    cudaCheckLaunch();
+    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(w.get(), OC * K, seed + 1, 0.02f);
+    cudaCheckLaunch();
+    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(bias.get(), OC, seed + 2, 0.02f);
+    cudaCheckLaunch();
+
+    auto measure_amax = [&](const floatX* src, int64_t n, Slot k) {
+        cudaCheck(cudaMemsetAsync(slot_amax(k), 0, sizeof(unsigned int), stream));
+        amax_kernel<<<kGrid, kBlock, 0, stream>>>(src, n, slot_amax(k));
+        cudaCheckLaunch();
+    };
+    auto cast = [&](auto* dst, const floatX* src, int64_t n, Slot k) {
+        using Fp8 = std::remove_pointer_t<decltype(dst)>;
+        measure_amax(src, n, k);
+        cast_kernel<Fp8><<<kGrid, kBlock, 0, stream>>>(dst, src, n, slot_amax(k), slot_descale(k));
+        cudaCheckLaunch();
+    };
+    // src (rows, cols) -> dst (cols, rows).
+    auto cast_transposed = [&](auto* dst, const floatX* src, int64_t rows, int64_t cols, Slot k) {
+        using Fp8 = std::remove_pointer_t<decltype(dst)>;
+        measure_amax(src, rows * cols, k);
+        const dim3 grid(unsigned(ceil_div<int64_t>(cols, kTile)), unsigned(ceil_div<int64_t>(rows, kTile)));
+        cast_transpose_kernel<Fp8><<<grid, dim3(kTile, kTileRows), 0, stream>>>(dst, src, rows, cols, slot_amax(k),
+                                                                                slot_descale(k));
+        cudaCheckLaunch();
+    };
+    auto time = [&](auto f) { return median_ms(stream, o.warmup, o.reps, f); };
+
+    const floatX* b = with_bias ? bias.get() : nullptr;
+    Row r{};
+    r.name = name;
+    r.per_step = per_step;
+    r.K = K;
+    r.OC = OC;
+    // Forward.
+    r.bf16_ms = time([&] { matmul_forward(lt, d16.get(), x.get(), w.get(), b, N, int(K), int(OC), stream); });
+    r.cast_x_ms = time([&] { cast(x8.get(), x.get(), N * K, kX); });
+    r.cast_w_ms = time([&] { cast(w8.get(), w.get(), OC * K, kW); });
+    {
+        const Fp8Matmul mm(lt, stream, N, OC, K, x8.get(), CUDA_R_8F_E4M3, w8.get(), CUDA_R_8F_E4M3, slot_descale(kX),
+                           slot_descale(kW), b, d8.get(), o.fast_accum);
+        r.fp8_ms = time([&] { mm.run(); });
+        r.err = compare(d8.get(), d16.get(), N * OC, stream);
+    }
+
+    // Backward: d16 becomes the output gradient dD.
+    floatX* dd = d16.get();
+    fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(dd, N * OC, seed + 3, 1e-3f);
+    cudaCheckLaunch();
+    DeviceBuffer<floatX> dx16{size_t(N * K)}, dx8{size_t(N * K)}, dw16{size_t(OC * K)}, dw8{size_t(OC * K)};
+    DeviceBuffer<__nv_fp8_e5m2> dd8{size_t(N * OC)}, ddt8{size_t(N * OC)};
+    DeviceBuffer<__nv_fp8_e4m3> xt8{size_t(N * K)}, wt8{size_t(OC * K)};
+    r.dx16_ms = time([&] {
+        gemm(lt, stream, N, K, OC, GemmOperand{dd, OC, false, 0}, GemmOperand{w.get(), K, false, 0}, dx16.get(),
+             CUDA_R_16BF, K, 0, 1, 1.0f, 0.0f);
+    });
+    r.dw16_ms = time([&] {
+        gemm(lt, stream, OC, K, N, GemmOperand{dd, OC, true, 0}, GemmOperand{x.get(), K, false, 0}, dw16.get(),
+             CUDA_R_16BF, K, 0, 1, 1.0f, 0.0f);
+    });
+    r.cast_dd_ms = time([&] { cast(dd8.get(), dd, N * OC, kDD); });
+    r.cast_ddt_ms = time([&] { cast_transposed(ddt8.get(), dd, N, OC, kDDt); });
+    r.cast_xt_ms = time([&] { cast_transposed(xt8.get(), x.get(), N, K, kXt); });
+    r.cast_wt_ms = time([&] { cast_transposed(wt8.get(), w.get(), OC, K, kWt); });
+    {
+        // dX (N, K) = dD (N, OC) @ (W^T (K, OC))^T.
+        const Fp8Matmul mm(lt, stream, N, K, OC, dd8.get(), CUDA_R_8F_E5M2, wt8.get(), CUDA_R_8F_E4M3,
+                           slot_descale(kDD), slot_descale(kWt), nullptr, dx8.get(), o.fast_accum);
+        r.dx8_ms = time([&] { mm.run(); });
+        r.dx_err = compare(dx8.get(), dx16.get(), N * K, stream);
+    }
+    {
+        // dW (OC, K) = dD^T (OC, N) @ (X^T (K, N))^T.
+        const Fp8Matmul mm(lt, stream, OC, K, N, ddt8.get(), CUDA_R_8F_E5M2, xt8.get(), CUDA_R_8F_E4M3,
+                           slot_descale(kDDt), slot_descale(kXt), nullptr, dw8.get(), o.fast_accum);
+        r.dw8_ms = time([&] { mm.run(); });
+        r.dw_err = compare(dw8.get(), dw16.get(), OC * K, stream);
+    }
     return r;
 }
 
@@ -297,27 +413,47 @@ int main(int argc, char** argv) {
         rows.push_back(run_case(lt, stream, o, "lm_head", 1, C, o.Vp, false, 55));
 
         const double N = double(o.B) * o.T;
-        std::printf("\n%-8s %8s %8s %8s %9s %9s %7s %9s %9s\n", "matmul", "bf16 ms", "fp8 ms", "speedup",
-                    "cast x ms", "cast w ms", "TF/s 8", "rel err", "max err");
-        double total16 = 0, total8 = 0, total8_cast = 0;
         bool ok = true;
-        const int64_t shapes[5][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, o.Vp}};
-        for (size_t i = 0; i < rows.size(); i++) {
-            const Row& r = rows[i];
-            const double flops = 2.0 * N * double(shapes[i][0]) * double(shapes[i][1]);
+        auto mark = [](double err, double tol) { return err <= tol ? "" : "  <- above its tolerance"; };
+        std::printf("\nforward  D = X W^T + bias (E4M3 x E4M3)\n%-8s %8s %8s %8s %9s %9s %7s %9s %9s\n", "matmul",
+                    "bf16 ms", "fp8 ms", "speedup", "cast x ms", "cast w ms", "TF/s 8", "rel err", "max err");
+        double total16 = 0, total8 = 0, total8_cast = 0, weights_cast = 0;
+        for (const Row& r : rows) {
+            const double flops = 2.0 * N * double(r.K) * double(r.OC);
             std::printf("%-8s %8.3f %8.3f %7.2fx %9.3f %9.3f %7.0f %9.2e %9.2e%s\n", r.name.c_str(), r.bf16_ms, r.fp8_ms,
-                        r.bf16_ms / r.fp8_ms, r.cast_x_ms, r.cast_w_ms, flops / (r.fp8_ms * 1e-3) / 1e12, r.rel_err,
-                        r.max_err, r.rel_err <= o.tol ? "" : "  <- above --tol");
-            ok = ok && r.rel_err <= o.tol;
+                        r.bf16_ms / r.fp8_ms, r.cast_x_ms, r.cast_w_ms, flops / (r.fp8_ms * 1e-3) / 1e12, r.err.rel,
+                        r.err.max, mark(r.err.rel, o.tol));
+            ok = ok && r.err.rel <= o.tol;
             total16 += r.per_step * r.bf16_ms;
             total8 += r.per_step * r.fp8_ms;
             total8_cast += r.per_step * (r.fp8_ms + r.cast_x_ms);
+            weights_cast += r.per_step * (r.cast_w_ms + r.cast_wt_ms);
         }
-        std::printf("\nforward matmuls of one %d x %d micro-batch (per-layer calls x %d, LM head once):\n", o.B, o.T,
-                    o.layers);
-        std::printf("  bf16 %.2f ms; fp8 %.2f ms (%.2fx); fp8 with each activation's cast %.2f ms (%.2fx)\n", total16,
-                    total8, total16 / total8, total8_cast, total16 / total8_cast);
-        std::printf("%s: every fp8 result within relative error %.3g of bf16\n", ok ? "PASS" : "FAIL", o.tol);
+        std::printf("\nbackward dX = dD W, dW = dD^T X (E5M2 gradient x E4M3)\n%-8s %8s %8s %8s %8s %8s %9s %9s %9s "
+                    "%9s %9s\n", "matmul", "dX bf16", "dX fp8", "dW bf16", "dW fp8", "speedup", "cast dD", "cast dDt",
+                    "cast Xt", "dX err", "dW err");
+        double btotal16 = 0, btotal8 = 0, btotal8_cast = 0;
+        for (const Row& r : rows) {
+            const double b16 = r.dx16_ms + r.dw16_ms, b8 = r.dx8_ms + r.dw8_ms;
+            std::printf("%-8s %8.3f %8.3f %8.3f %8.3f %7.2fx %9.3f %9.3f %9.3f %9.2e %9.2e%s%s\n", r.name.c_str(),
+                        r.dx16_ms, r.dx8_ms, r.dw16_ms, r.dw8_ms, b16 / b8, r.cast_dd_ms, r.cast_ddt_ms, r.cast_xt_ms,
+                        r.dx_err.rel, r.dw_err.rel, mark(r.dx_err.rel, o.tol_bwd), mark(r.dw_err.rel, o.tol_bwd));
+            ok = ok && r.dx_err.rel <= o.tol_bwd && r.dw_err.rel <= o.tol_bwd;
+            btotal16 += r.per_step * b16;
+            btotal8 += r.per_step * b8;
+            btotal8_cast += r.per_step * (b8 + r.cast_dd_ms + r.cast_ddt_ms + r.cast_xt_ms);
+        }
+        std::printf("\nmatmuls of one %d x %d micro-batch (per-layer calls x %d, LM head once):\n", o.B, o.T, o.layers);
+        std::printf("  forward:  bf16 %.2f ms; fp8 %.2f ms (%.2fx); fp8 with each activation's cast %.2f ms (%.2fx)\n",
+                    total16, total8, total16 / total8, total8_cast, total16 / total8_cast);
+        std::printf("  backward: bf16 %.2f ms; fp8 %.2f ms (%.2fx); fp8 with the gradients' casts and X's transposed "
+                    "copy %.2f ms (%.2fx)\n", btotal16, btotal8, btotal16 / btotal8, btotal8_cast, btotal16 / btotal8_cast);
+        std::printf("  both:     bf16 %.2f ms; fp8 %.2f ms (%.2fx); with those casts %.2f ms (%.2fx); the weights' casts "
+                    "(W and W^T, once per step) %.2f ms\n", total16 + btotal16, total8 + btotal8,
+                    (total16 + btotal16) / (total8 + btotal8), total8_cast + btotal8_cast,
+                    (total16 + btotal16) / (total8_cast + btotal8_cast), weights_cast);
+        std::printf("%s: every fp8 result within relative error %.3g (forward) and %.3g (backward) of bf16\n",
+                    ok ? "PASS" : "FAIL", o.tol, o.tol_bwd);
         return ok ? 0 : 1;
     });
 }
