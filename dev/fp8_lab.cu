@@ -81,10 +81,13 @@ bool parse_args(int argc, char** argv, Options& o) {
 }
 
 // A normal-ish value from (seed, index): the sum of four uniforms, centred and scaled to unit variance.
+// The seed is spread over the 64 bits first: tensors filled from nearby seeds (seed, seed + 3) would
+// otherwise share hash inputs at shifted indices and come out correlated.
 __device__ float hashed_normal(uint64_t seed, int64_t i) {
     float sum = 0.0f;
+    const uint64_t base = (seed + 1) * 0xd1342543de82ef95ull;
     for (int k = 0; k < 4; k++) {
-        uint64_t z = seed + uint64_t(i) * 4 + uint64_t(k) + 0x9e3779b97f4a7c15ull;
+        uint64_t z = base + uint64_t(i) * 4 + uint64_t(k) + 0x9e3779b97f4a7c15ull;
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
         z ^= z >> 31;
