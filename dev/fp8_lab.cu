@@ -33,19 +33,17 @@ capability 8.9 or 9.0+); elsewhere it says so and exits 0.
 Does not provide: delayed scaling from an amax history, fused casts, the bias gradient, sustained timing
 under a power cap (dev/matmul_lab.cu --sustain does that for bf16), or anything in the trainer.
 */
-#include <cuda_fp8.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flags.h"
+#include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -102,65 +100,6 @@ __global__ void fill_normal_kernel(floatX* x, int64_t n, uint64_t seed, float st
     }
 }
 
-// amax = max |x| (a float's bits order like the value for non-negative floats, so an unsigned atomicMax).
-__global__ void amax_kernel(const floatX* x, int64_t n, unsigned int* amax_bits) {
-    float m = 0.0f;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        m = fmaxf(m, fabsf(float(x[i])));
-    }
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x % kWarpSize == 0) atomicMax(amax_bits, __float_as_uint(m));
-}
-
-template <class Fp8>
-struct Fp8Format;
-template <>
-struct Fp8Format<__nv_fp8_e4m3> {
-    static constexpr float kMax = 448.0f;
-};
-template <>
-struct Fp8Format<__nv_fp8_e5m2> {
-    static constexpr float kMax = 57344.0f;
-};
-
-// The scale that maps amax to the format's largest value (1 for an all-zero tensor).
-template <class Fp8>
-__device__ float fp8_scale(const unsigned int* amax_bits) {
-    const float amax = __uint_as_float(*amax_bits);
-    return amax > 0.0f ? Fp8Format<Fp8>::kMax / amax : 1.0f;
-}
-
-// q = Fp8(x * kMax / amax) (saturating), and descale = amax / kMax for the matmul.
-template <class Fp8>
-__global__ void cast_kernel(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale) {
-    const float scale = fp8_scale<Fp8>(amax_bits);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        q[i] = Fp8(float(x[i]) * scale);
-    }
-}
-
-// The same cast, transposing: x (rows, cols) row-major into q (cols, rows) row-major, through a 32 x 32
-// tile in shared memory so that both the reads and the writes are coalesced. Blocks of 32 x 8 threads.
-constexpr int kTile = 32, kTileRows = 8;
-template <class Fp8>
-__global__ void cast_transpose_kernel(Fp8* q, const floatX* x, int64_t rows, int64_t cols,
-                                      const unsigned int* amax_bits, float* descale) {
-    __shared__ float tile[kTile][kTile + 1];
-    const float scale = fp8_scale<Fp8>(amax_bits);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *descale = 1.0f / scale;
-    const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
-    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
-        const int64_t r = r0 + j, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[j][threadIdx.x] = float(x[r * cols + c]);
-    }
-    __syncthreads();
-    for (int j = threadIdx.y; j < kTile; j += kTileRows) {
-        const int64_t c = c0 + j, r = r0 + threadIdx.x;  // q's row c, column r
-        if (r < rows && c < cols) q[c * rows + r] = Fp8(tile[threadIdx.x][j] * scale);
-    }
-}
-
 // sums[0] += (a - b)^2, sums[1] += b^2, sums[2] = max |a - b|, sums[3] = max |b| (the maxima as float bits).
 __global__ void compare_kernel(const floatX* a, const floatX* b, int64_t n, double* sums, unsigned int* maxima) {
     double diff2 = 0.0, ref2 = 0.0;
@@ -187,55 +126,6 @@ __global__ void compare_kernel(const floatX* a, const floatX* b, int64_t n, doub
 }
 
 constexpr int kGrid = 1056, kBlock = 256;
-
-// D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T (+ bias (N)), P and Q
-// row-major FP8 (E4M3 or E5M2, not both E5M2), through cuBLASLt. In its column-major terms D is (N, M):
-// A is Q, read as a column-major (K, N) and used transposed, B is P, a column-major (K, M): the "TN"
-// layout, both operands K-major, that FP8 needs on Hopper.
-class Fp8Matmul {
-public:
-    Fp8Matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, const void* p,
-              cudaDataType_t p_type, const void* q, cudaDataType_t q_type, const float* descale_p,
-              const float* descale_q, const floatX* bias, floatX* d, bool fast_accum)
-        : lt_(lt), stream_(stream), p_(p), q_(q), d_(d),
-          a_(q_type, K, N, K, 1, 0), b_(p_type, K, M, K, 1, 0), c_(CUDA_R_16BF, N, M, N, 1, 0) {
-        desc_.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-        desc_.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-        desc_.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(descale_q));
-        desc_.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(descale_p));
-        desc_.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum ? 1 : 0));
-        if (bias != nullptr) {
-            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_16BF);
-            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
-        }
-        pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
-        cublasLtMatmulHeuristicResult_t result{};
-        int found = 0;
-        cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc_.d, a_.l, b_.l, c_.l, c_.l, pref_.p, 1, &result,
-                                                   &found));
-        if (found == 0) {
-            fail(kExitCuda, "cuBLASLt has no FP8 algorithm for M=%lld N=%lld K=%lld (bf16 output%s)", (long long)M,
-                 (long long)N, (long long)K, bias != nullptr ? ", bias" : "");
-        }
-        algo_ = result.algo;
-    }
-    void run() const {
-        const float alpha = 1.0f, beta = 0.0f;
-        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta, d_, c_.l, d_, c_.l,
-                                   &algo_, lt_.workspace(), lt_.workspace_bytes(), stream_));
-    }
-
-private:
-    const CublasLt& lt_;
-    cudaStream_t stream_;
-    const void *p_, *q_;
-    floatX* d_;
-    detail::LtMatmulDesc desc_;
-    detail::LtLayout a_, b_, c_;
-    detail::LtPreference pref_;
-    cublasLtMatmulAlgo_t algo_{};
-};
 
 // The median of reps timed runs of f after warmup untimed ones, in ms.
 template <class F>
@@ -314,25 +204,14 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     fill_normal_kernel<<<kGrid, kBlock, 0, stream>>>(bias.get(), OC, seed + 2, 0.02f);
     cudaCheckLaunch();
 
-    auto measure_amax = [&](const floatX* src, int64_t n, Slot k) {
-        cudaCheck(cudaMemsetAsync(slot_amax(k), 0, sizeof(unsigned int), stream));
-        amax_kernel<<<kGrid, kBlock, 0, stream>>>(src, n, slot_amax(k));
-        cudaCheckLaunch();
-    };
     auto cast = [&](auto* dst, const floatX* src, int64_t n, Slot k) {
-        using Fp8 = std::remove_pointer_t<decltype(dst)>;
-        measure_amax(src, n, k);
-        cast_kernel<Fp8><<<kGrid, kBlock, 0, stream>>>(dst, src, n, slot_amax(k), slot_descale(k));
-        cudaCheckLaunch();
+        fp8_amax(src, n, slot_amax(k), stream);
+        fp8_cast(dst, src, n, slot_amax(k), slot_descale(k), stream);
     };
     // src (rows, cols) -> dst (cols, rows).
     auto cast_transposed = [&](auto* dst, const floatX* src, int64_t rows, int64_t cols, Slot k) {
-        using Fp8 = std::remove_pointer_t<decltype(dst)>;
-        measure_amax(src, rows * cols, k);
-        const dim3 grid(unsigned(ceil_div<int64_t>(cols, kTile)), unsigned(ceil_div<int64_t>(rows, kTile)));
-        cast_transpose_kernel<Fp8><<<grid, dim3(kTile, kTileRows), 0, stream>>>(dst, src, rows, cols, slot_amax(k),
-                                                                                slot_descale(k));
-        cudaCheckLaunch();
+        fp8_amax(src, rows * cols, slot_amax(k), stream);
+        fp8_cast_transposed(dst, src, rows, cols, slot_amax(k), slot_descale(k), stream);
     };
     auto time = [&](auto f) { return median_ms(stream, o.warmup, o.reps, f); };
 
@@ -347,9 +226,9 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     r.cast_x_ms = time([&] { cast(x8.get(), x.get(), N * K, kX); });
     r.cast_w_ms = time([&] { cast(w8.get(), w.get(), OC * K, kW); });
     {
-        const Fp8Matmul mm(lt, stream, N, OC, K, x8.get(), CUDA_R_8F_E4M3, w8.get(), CUDA_R_8F_E4M3, slot_descale(kX),
-                           slot_descale(kW), b, d8.get(), o.fast_accum);
-        r.fp8_ms = time([&] { mm.run(); });
+        const Fp8Gemm mm(lt, N, OC, K, x8.get(), w8.get(), slot_descale(kX), slot_descale(kW), d8.get(), b,
+                         o.fast_accum);
+        r.fp8_ms = time([&] { mm.run(stream); });
         r.err = compare(d8.get(), d16.get(), N * OC, stream);
     }
 
@@ -374,16 +253,16 @@ Row run_case(const CublasLt& lt, cudaStream_t stream, const Options& o, const ch
     r.cast_wt_ms = time([&] { cast_transposed(wt8.get(), w.get(), OC, K, kWt); });
     {
         // dX (N, K) = dD (N, OC) @ (W^T (K, OC))^T.
-        const Fp8Matmul mm(lt, stream, N, K, OC, dd8.get(), CUDA_R_8F_E5M2, wt8.get(), CUDA_R_8F_E4M3,
-                           slot_descale(kDD), slot_descale(kWt), nullptr, dx8.get(), o.fast_accum);
-        r.dx8_ms = time([&] { mm.run(); });
+        const Fp8Gemm mm(lt, N, K, OC, dd8.get(), wt8.get(), slot_descale(kDD), slot_descale(kWt), dx8.get(), nullptr,
+                         o.fast_accum);
+        r.dx8_ms = time([&] { mm.run(stream); });
         r.dx_err = compare(dx8.get(), dx16.get(), N * K, stream);
     }
     {
         // dW (OC, K) = dD^T (OC, N) @ (X^T (K, N))^T.
-        const Fp8Matmul mm(lt, stream, OC, K, N, ddt8.get(), CUDA_R_8F_E5M2, xt8.get(), CUDA_R_8F_E4M3,
-                           slot_descale(kDDt), slot_descale(kXt), nullptr, dw8.get(), o.fast_accum);
-        r.dw8_ms = time([&] { mm.run(); });
+        const Fp8Gemm mm(lt, OC, K, N, ddt8.get(), xt8.get(), slot_descale(kDDt), slot_descale(kXt), dw8.get(), nullptr,
+                         o.fast_accum);
+        r.dw8_ms = time([&] { mm.run(stream); });
         r.dw_err = compare(dw8.get(), dw16.get(), OC * K, stream);
     }
     return r;
@@ -398,7 +277,7 @@ int main(int argc, char** argv) {
         if (cuda_device_count() == 0) fail(kExitCuda, "fp8_lab needs a GPU");
         cudaDeviceProp prop{};
         cudaCheck(cudaGetDeviceProperties(&prop, 0));
-        if (prop.major * 10 + prop.minor < 89) {
+        if (!fp8_supported()) {
             std::printf("fp8_lab: %s (compute capability %d.%d) has no FP8 tensor cores; nothing to measure\n",
                         prop.name, prop.major, prop.minor);
             return 0;

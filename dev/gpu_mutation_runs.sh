@@ -63,6 +63,7 @@ start=$SECONDS
 # Stages: "unit NAME" (build/NAME) or "script NAME [VAR=VALUE ...]" (test/NAME; what it runs, built first).
 stages=("unit test_kernels" "unit test_gpt2_gpu" "unit test_zero_update" "unit test_dataloader_gpu"
         "unit test_checkpoint_gpu" "unit test_device_file_io" "unit test_mc_eval_gpu" "unit test_multi_gpu"
+        "unit test_fp8"
         "script test_train_gpt2cu.sh" "script test_resume.sh RESUME_KILL_TRIALS=2"
         "script test_train_gpt2_cpu_vs_gpu.sh" "script test_multi_gpu_trainer.sh" "script test_hf_trainer.sh"
         "script test_run_survival.sh SURVIVAL_TRIALS=2")

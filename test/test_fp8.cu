@@ -1,0 +1,296 @@
+/*
+GPU tests of the FP8 building blocks (llmc/fp8.cuh) against host computations on the same values. Skipped
+without a GPU, or on one without FP8 tensor cores (compute capability below 8.9).
+
+  - fp8_amax: the exact max |x| (its float bits) of bf16 values, zeros and negatives included;
+  - fp8_cast (E4M3 and E5M2): every byte equal to the host's conversion of x * scale (round to nearest,
+    saturating), scale = kMax / amax, the descale exactly 1 / scale; an all-zero tensor gets scale 1;
+  - fp8_cast_transposed: byte for byte the transpose of fp8_cast's result, at shapes that are not
+    multiples of its 32 x 32 tiles;
+  - Fp8Gemm: D against the product of the dequantised operands computed in double on the host, within
+    5e-3 relative (Frobenius) and 1e-2 of max |D| for any element (D is rounded to bf16, 2^-9 relative;
+    fp32 accumulation adds little): E4M3 x E4M3 with a bias, E5M2 x E4M3 without; and the backward's use,
+    dX = dD W from dD in E5M2 and a transposed E4M3 copy of W, against the same product and within 0.15
+    of the bf16 one (E5M2 keeps 2 mantissa bits);
+  - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
+*/
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "llmc/fp8.cuh"
+#include "test/expect_error.h"
+#include "test/gpu_test.h"
+
+using namespace llmc;
+
+namespace {
+
+class Fp8Test : public GpuTest {
+protected:
+    void SetUp() override {
+        GpuTest::SetUp();
+        if (IsSkipped()) return;
+        if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    }
+};
+
+const cudaStream_t kStream = nullptr;
+
+// Normal values times stddev rounded to bf16, every 17th a zero (so zeros are cast too).
+std::vector<floatX> random_bf16(size_t n, uint64_t seed, float stddev) {
+    std::mt19937_64 gen(seed);
+    std::normal_distribution<float> dist(0.0f, stddev);
+    std::vector<floatX> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = __float2bfloat16(i % 17 == 5 ? 0.0f : dist(gen));
+    return v;
+}
+
+template <class T>
+DeviceBuffer<T> upload(const std::vector<T>& v) {
+    DeviceBuffer<T> d(v.size());
+    cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <class T>
+std::vector<T> download(const T* p, size_t n) {
+    cudaCheck(cudaDeviceSynchronize());
+    std::vector<T> v(n);
+    cudaCheck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+float host_amax(const std::vector<floatX>& x) {
+    float m = 0.0f;
+    for (floatX v : x) m = std::max(m, std::fabs(__bfloat162float(v)));
+    return m;
+}
+
+template <class Fp8>
+float dequantize(Fp8 q) {
+    return float(q);
+}
+
+// A tensor cast on the GPU: its bytes, amax and descale, plus the host's view.
+template <class Fp8>
+struct Cast {
+    std::vector<Fp8> q;
+    float amax = 0, descale = 0;
+};
+
+template <class Fp8>
+Cast<Fp8> cast_on_gpu(const std::vector<floatX>& x, int64_t rows, int64_t cols, bool transposed,
+                      DeviceBuffer<Fp8>& q, DeviceBuffer<unsigned int>& amax, DeviceBuffer<float>& descale) {
+    auto d_x = upload(x);
+    cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));  // poisoned: every byte must be written
+    fp8_amax(d_x.get(), rows * cols, amax.get(), kStream);
+    if (transposed) {
+        fp8_cast_transposed(q.get(), d_x.get(), rows, cols, amax.get(), descale.get(), kStream);
+    } else {
+        fp8_cast(q.get(), d_x.get(), rows * cols, amax.get(), descale.get(), kStream);
+    }
+    Cast<Fp8> c;
+    c.q = download(q.get(), size_t(rows * cols));
+    const unsigned int bits = download(amax.get(), 1)[0];
+    std::memcpy(&c.amax, &bits, sizeof(float));
+    c.descale = download(descale.get(), 1)[0];
+    return c;
+}
+
+template <class Fp8>
+void check_cast(const char* what, size_t n, float stddev, uint64_t seed) {
+    SCOPED_TRACE(format("%s, %s, n=%zu", what, Fp8Format<Fp8>::kName, n));
+    const std::vector<floatX> x = stddev > 0 ? random_bf16(n, seed, stddev) : std::vector<floatX>(n, __float2bfloat16(0.0f));
+    DeviceBuffer<Fp8> q(n);
+    DeviceBuffer<unsigned int> amax(4);
+    DeviceBuffer<float> descale(4);
+    const Cast<Fp8> c = cast_on_gpu<Fp8>(x, 1, int64_t(n), false, q, amax, descale);
+    const float want_amax = host_amax(x);
+    EXPECT_EQ(c.amax, want_amax);
+    const float scale = fp8_scale<Fp8>(want_amax);
+    if (want_amax == 0.0f) EXPECT_EQ(scale, 1.0f);
+    EXPECT_EQ(c.descale, 1.0f / scale);
+    size_t wrong = 0, saturated = 0;
+    for (size_t i = 0; i < n; i++) {
+        const __nv_fp8_storage_t want = fp8_quantize<Fp8>(__bfloat162float(x[i]), scale);
+        wrong += std::memcmp(&c.q[i], &want, 1) != 0;
+        saturated += std::fabs(dequantize(c.q[i])) == Fp8Format<Fp8>::kMax;
+    }
+    std::printf("  %s %s: %zu values, amax %g, %zu at the format's largest\n", what, Fp8Format<Fp8>::kName, n,
+                double(want_amax), saturated);
+    EXPECT_EQ(wrong, 0u) << "bytes other than the host's conversion";
+    if (want_amax > 0.0f) EXPECT_GE(saturated, 1u) << "amax must map onto the largest value";
+}
+
+TEST_F(Fp8Test, CastsMatchTheHostConversion) {
+    for (size_t n : {size_t(1), size_t(1000), size_t(300001)}) {
+        check_cast<__nv_fp8_e4m3>("activations", n, 1.0f, 1 + n);
+        check_cast<__nv_fp8_e5m2>("gradients", n, 1e-3f, 2 + n);
+    }
+    check_cast<__nv_fp8_e4m3>("all zero", 333, 0.0f, 3);
+    check_cast<__nv_fp8_e5m2>("all zero", 333, 0.0f, 3);
+}
+
+template <class Fp8>
+void check_transposed(int64_t rows, int64_t cols, uint64_t seed) {
+    SCOPED_TRACE(format("%s, %lld x %lld", Fp8Format<Fp8>::kName, (long long)rows, (long long)cols));
+    const std::vector<floatX> x = random_bf16(size_t(rows * cols), seed, 0.5f);
+    DeviceBuffer<Fp8> q(size_t(rows * cols));
+    DeviceBuffer<unsigned int> amax(4);
+    DeviceBuffer<float> descale(4);
+    const Cast<Fp8> plain = cast_on_gpu<Fp8>(x, rows, cols, false, q, amax, descale);
+    const Cast<Fp8> t = cast_on_gpu<Fp8>(x, rows, cols, true, q, amax, descale);
+    EXPECT_EQ(t.descale, plain.descale);
+    size_t wrong = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) wrong += std::memcmp(&t.q[size_t(c * rows + r)], &plain.q[size_t(r * cols + c)], 1) != 0;
+    }
+    EXPECT_EQ(wrong, 0u) << "transposed bytes that differ from the plain cast's";
+}
+
+TEST_F(Fp8Test, TransposedCastIsTheTransposeOfTheCast) {
+    for (const std::pair<int64_t, int64_t>& shape : {std::pair<int64_t, int64_t>{77, 45}, {1, 33}, {64, 32}, {129, 1}}) {
+        check_transposed<__nv_fp8_e4m3>(shape.first, shape.second, 10);
+        check_transposed<__nv_fp8_e5m2>(shape.first, shape.second, 11);
+    }
+}
+
+// ||got - ref|| / ||ref|| and max |got - ref| / max |ref|.
+void expect_close(const char* what, const std::vector<floatX>& got, const std::vector<double>& ref, double tol_rel,
+                  double tol_max) {
+    ASSERT_EQ(got.size(), ref.size());
+    double num = 0, den = 0, max_diff = 0, max_ref = 0;
+    size_t nonfinite = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        const double g = __bfloat162float(got[i]);
+        if (!std::isfinite(g)) {
+            nonfinite++;
+            continue;
+        }
+        num += (g - ref[i]) * (g - ref[i]);
+        den += ref[i] * ref[i];
+        max_diff = std::max(max_diff, std::fabs(g - ref[i]));
+        max_ref = std::max(max_ref, std::fabs(ref[i]));
+    }
+    const double rel = std::sqrt(num / den), worst = max_diff / max_ref;
+    std::printf("    %-40s rel err %.2e (tol %.0e), worst element %.2e of max (tol %.0e)\n", what, rel, tol_rel, worst,
+                tol_max);
+    EXPECT_EQ(nonfinite, 0u) << what << ": values not finite (not written?)";
+    EXPECT_GT(den, 0.0) << what;
+    EXPECT_LE(rel, tol_rel) << what;
+    EXPECT_LE(worst, tol_max) << what;
+}
+
+// D (M, N) = P (M, K) Q (N, K)^T (+ bias) on the host, in double, from dequantised bytes times descales.
+template <class P, class Q>
+std::vector<double> host_product(const std::vector<P>& p, float dp, const std::vector<Q>& q, float dq, int64_t M,
+                                 int64_t N, int64_t K, const std::vector<floatX>* bias) {
+    std::vector<double> d(size_t(M * N));
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t n = 0; n < N; n++) {
+            double s = 0;
+            for (int64_t k = 0; k < K; k++) {
+                s += double(dequantize(p[size_t(m * K + k)])) * double(dequantize(q[size_t(n * K + k)]));
+            }
+            d[size_t(m * N + n)] = s * double(dp) * double(dq) + (bias ? double(__bfloat162float((*bias)[size_t(n)])) : 0.0);
+        }
+    }
+    return d;
+}
+
+template <class P, class Q>
+void check_gemm(int64_t M, int64_t N, int64_t K, bool with_bias, uint64_t seed) {
+    SCOPED_TRACE(format("M=%lld N=%lld K=%lld, P %s, Q %s%s", (long long)M, (long long)N, (long long)K,
+                        Fp8Format<P>::kName, Fp8Format<Q>::kName, with_bias ? ", bias" : ""));
+    std::printf("  M=%lld N=%lld K=%lld, P %s, Q %s%s\n", (long long)M, (long long)N, (long long)K, Fp8Format<P>::kName,
+                Fp8Format<Q>::kName, with_bias ? ", bias" : "");
+    const CublasLt lt;
+    const std::vector<floatX> p = random_bf16(size_t(M * K), seed, 1.0f), q = random_bf16(size_t(N * K), seed + 1, 0.02f);
+    const std::vector<floatX> bias = random_bf16(size_t(N), seed + 2, 0.02f);
+    DeviceBuffer<P> p8(size_t(M * K));
+    DeviceBuffer<Q> q8(size_t(N * K));
+    DeviceBuffer<unsigned int> amax(8);
+    DeviceBuffer<float> descale(8);  // P's at 0, Q's at 4: 16-byte aligned, as cuBLASLt wants
+    auto d_p = upload(p), d_q = upload(q), d_bias = upload(bias);
+    fp8_amax(d_p.get(), M * K, amax.get(), kStream);
+    fp8_cast(p8.get(), d_p.get(), M * K, amax.get(), descale.get(), kStream);
+    fp8_amax(d_q.get(), N * K, amax.get() + 4, kStream);
+    fp8_cast(q8.get(), d_q.get(), N * K, amax.get() + 4, descale.get() + 4, kStream);
+    DeviceBuffer<floatX> d(size_t(M * N));
+    cudaCheck(cudaMemset(d.get(), 0xff, d.bytes()));
+    const Fp8Gemm gemm(lt, M, N, K, p8.get(), q8.get(), descale.get(), descale.get() + 4, d.get(),
+                       with_bias ? d_bias.get() : nullptr);
+    gemm.run(kStream);
+    const std::vector<float> ds = download(descale.get(), 8);
+    const std::vector<double> ref = host_product(download(p8.get(), size_t(M * K)), ds[0], download(q8.get(), size_t(N * K)),
+                                                 ds[4], M, N, K, with_bias ? &bias : nullptr);
+    expect_close("D against the dequantised product", download(d.get(), size_t(M * N)), ref, 5e-3, 1e-2);
+}
+
+TEST_F(Fp8Test, GemmMatchesTheDequantizedProduct) {
+    check_gemm<__nv_fp8_e4m3, __nv_fp8_e4m3>(48, 80, 112, true, 20);
+    check_gemm<__nv_fp8_e4m3, __nv_fp8_e4m3>(256, 16, 768, false, 21);
+    check_gemm<__nv_fp8_e5m2, __nv_fp8_e4m3>(64, 32, 256, false, 22);
+    check_gemm<__nv_fp8_e4m3, __nv_fp8_e5m2>(32, 48, 144, true, 23);
+}
+
+// The backward's dX (N, K) = dD (N, OC) W (OC, K): P = dD in E5M2, Q = W^T (K, OC) in E4M3 from the
+// transposing cast.
+TEST_F(Fp8Test, BackwardThroughATransposedCopy) {
+    const int64_t N = 96, K = 64, OC = 160;
+    const CublasLt lt;
+    const std::vector<floatX> dd = random_bf16(size_t(N * OC), 30, 1e-3f), w = random_bf16(size_t(OC * K), 31, 0.02f);
+    DeviceBuffer<__nv_fp8_e5m2> dd8(size_t(N * OC));
+    DeviceBuffer<__nv_fp8_e4m3> wt8(size_t(OC * K));
+    DeviceBuffer<unsigned int> amax(8);
+    DeviceBuffer<float> descale(8);
+    auto d_dd = upload(dd), d_w = upload(w);
+    fp8_amax(d_dd.get(), N * OC, amax.get(), kStream);
+    fp8_cast(dd8.get(), d_dd.get(), N * OC, amax.get(), descale.get(), kStream);
+    fp8_amax(d_w.get(), OC * K, amax.get() + 4, kStream);
+    fp8_cast_transposed(wt8.get(), d_w.get(), OC, K, amax.get() + 4, descale.get() + 4, kStream);
+    DeviceBuffer<floatX> dx(size_t(N * K));
+    cudaCheck(cudaMemset(dx.get(), 0xff, dx.bytes()));
+    const Fp8Gemm gemm(lt, N, K, OC, dd8.get(), wt8.get(), descale.get(), descale.get() + 4, dx.get());
+    gemm.run(kStream);
+    const std::vector<floatX> got = download(dx.get(), size_t(N * K));
+    const std::vector<float> ds = download(descale.get(), 8);
+    expect_close("dX against the dequantised product", got,
+                 host_product(download(dd8.get(), size_t(N * OC)), ds[0], download(wt8.get(), size_t(OC * K)), ds[4], N,
+                              K, OC, nullptr),
+                 5e-3, 1e-2);
+    std::vector<double> exact(size_t(N * K), 0.0);  // from the bf16 values: what FP8 approximates
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t o = 0; o < OC; o++) {
+            const double g = __bfloat162float(dd[size_t(n * OC + o)]);
+            for (int64_t k = 0; k < K; k++) exact[size_t(n * K + k)] += g * double(__bfloat162float(w[size_t(o * K + k)]));
+        }
+    }
+    expect_close("dX against the bf16 operands' product", got, exact, 0.15, 0.3);
+}
+
+TEST_F(Fp8Test, GemmRefusesWhatItCannotRun) {
+    const CublasLt lt;
+    DeviceBuffer<__nv_fp8_e4m3> a(64 * 64 + 16);
+    DeviceBuffer<__nv_fp8_e5m2> g(64 * 64);
+    DeviceBuffer<float> descale(8);
+    DeviceBuffer<floatX> d(64 * 64);
+    expect_error([&] { Fp8Gemm(lt, 40, 64, 64, a.get(), a.get(), descale.get(), descale.get() + 4, d.get()); },
+                 kExitUsage, {"Fp8Gemm: M=40 N=64 K=64", "positive multiple of 16"});
+    expect_error([&] { Fp8Gemm(lt, 64, 64, 8, a.get(), a.get(), descale.get(), descale.get() + 4, d.get()); },
+                 kExitUsage, {"K=8"});
+    expect_error([&] { Fp8Gemm(lt, 64, 64, 64, g.get(), g.get(), descale.get(), descale.get() + 4, d.get()); },
+                 kExitUsage, {"both operands E5M2"});
+    expect_error([&] { Fp8Gemm(lt, 64, 64, 64, a.get() + 1, a.get(), descale.get(), descale.get() + 4, d.get()); },
+                 kExitUsage, {"Fp8Gemm: P", "16-byte aligned"});
+    expect_error([&] { Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), descale.get() + 1, descale.get() + 4, d.get()); },
+                 kExitUsage, {"descale_p"});
+}
+
+}  // namespace
