@@ -1083,6 +1083,7 @@ int main(int argc, char** argv) {
             opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
         LoopBuffers buf(plan, opt.T);
         std::unique_ptr<McEvalGpu> mc = plan.evaluate_mc() ? std::make_unique<McEvalGpu>(model) : nullptr;
+        if (mc) mc->reserve(plan.eval);  // allocated now, not at the first evaluation
         Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
                       plan.tokens_per_step};
         CheckpointReport report;

@@ -234,7 +234,7 @@ public:
     // they are close, not always bitwise equal.
     // With packed, the rows are PackedRows: the position embedding comes from packed->positions and
     // attention runs the cuBLASLt path with packed->groups (its probabilities and scratch in buffers of
-    // the model's own, grown to the largest B x T seen; growing synchronises the stream). A sequence's
+    // the model's own: reserve_packed; growing them synchronises the stream). A sequence's
     // losses then equal, to within bf16 rounding (the two attention paths differ in it), those of the same
     // sequence alone in a row of its own.
     // No backward() may follow either way (the logits are no gradient, and packed rows save nothing).
@@ -258,6 +258,25 @@ public:
         fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, M, stream_);
     }
+
+    // The device memory forward_scored's packed rows need beyond the model's own allocation, for a batch
+    // of B x T (the cuBLASLt attention's probabilities and scratch, one layer at a time), and a way to
+    // allocate it ahead (a trainer does so before its first step, so that nothing is allocated later):
+    // the buffers grow to the largest of what is reserved and what batches need, never shrink.
+    struct PackedBytes {
+        size_t att = 0, scratch = 0;
+    };
+    PackedBytes packed_bytes(int B, int T) const {
+        const int NH = config_.num_heads, HS = config_.channels / config_.num_heads;
+        return {attention_cublaslt_saved_bytes(B, NH, T), attention_cublaslt_scratch_bytes(B, NH, T, HS)};
+    }
+    void reserve_packed(PackedBytes need) {
+        if (packed_att_.bytes() >= need.att && packed_scratch_.bytes() >= need.scratch) return;
+        cudaCheck(cudaStreamSynchronize(stream_));  // an earlier forward may still read the old ones
+        if (packed_att_.bytes() < need.att) packed_att_.allocate(need.att);
+        if (packed_scratch_.bytes() < need.scratch) packed_scratch_.allocate(need.scratch);
+    }
+    size_t packed_reserved_bytes() const { return packed_att_.bytes() + packed_scratch_.bytes(); }
 
     // Sets every parameter gradient to zero (the start of an optimizer step).
     void zero_grad() { cudaCheck(cudaMemsetAsync(grads_.get(), 0, grads_.bytes(), stream_)); }
@@ -391,15 +410,7 @@ private:
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         const OuterTensors<const floatX> w = outer(p);
-        if (packed != nullptr) {
-            const size_t att = attention_cublaslt_saved_bytes(B, NH, T);
-            const size_t scratch = attention_cublaslt_scratch_bytes(B, NH, T, C / NH);
-            if (packed_att_.bytes() < att || packed_scratch_.bytes() < scratch) {
-                cudaCheck(cudaStreamSynchronize(stream_));  // an earlier forward may still read the old ones
-                packed_att_.allocate(std::max(att, packed_att_.bytes()));
-                packed_scratch_.allocate(std::max(scratch, packed_scratch_.bytes()));
-            }
-        }
+        if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
         const BlockActivations first = acts(0);
         layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,

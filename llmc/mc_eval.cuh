@@ -27,6 +27,11 @@ run(set) then:
 The result (mc_score) holds the counts and every item's predictions and row scores, on every rank. The
 scores equal the CPU reference's (mc_eval_cpu: one row per ending) to within the GPU's bf16 rounding.
 
+Memory: the packed rows' attention keeps a batch's (B', NH, T', T') probabilities and scores (the
+cuBLASLt path) one layer at a time, in buffers the model grows to the largest batch: for the quick
+start's d12 (B x T = 32 x 512, rows of 124 positions) ~0.4 GB. reserve(set) allocates them ahead (the
+trainer does, before its first step).
+
 The model's cuBLASLt tuning (--gemm-tune) is off during a run and restored after it: the evaluation's
 shapes (B' x T' and M differ from training's) are run a few dozen times per evaluation and a run has few
 evaluations, so tuning them at their first call (timing up to 8 candidates several times each) costs more
@@ -68,6 +73,28 @@ public:
           host_losses_{PinnedBuffer(cells() * sizeof(float)), PinnedBuffer(cells() * sizeof(float))} {}
     McEvalGpu(const McEvalGpu&) = delete;
     McEvalGpu& operator=(const McEvalGpu&) = delete;
+
+    // Allocates, ahead, the model's buffers for the packed rows of every batch run(set) will make on this
+    // rank (GPT2::reserve_packed: the attention's (B', NH, T', T') probabilities and scratch), so that a
+    // run allocates nothing. Returns their bytes. A no-op without sharing (one ending per row runs the
+    // model's own attention).
+    size_t reserve(const McSet& set) {
+        if (!share_) return model_.packed_reserved_bytes();
+        MultiGpu* multi = model_.multi();
+        const std::pair<int64_t, int64_t> range = mc_rank_items(int64_t(set.items.size()), multi ? multi->rank() : 0,
+                                                                multi ? multi->world() : 1);
+        McPackedBatcher batcher(set, range.first, range.second, model_.max_T(), kTMultiple, model_.config().vocab_size,
+                                int64_t(cells()), true);
+        GPT2::PackedBytes most;
+        McPackedBatch b;
+        while (batcher.next(b)) {
+            const GPT2::PackedBytes need = model_.packed_bytes(b.B, b.T);
+            most.att = std::max(most.att, need.att);
+            most.scratch = std::max(most.scratch, need.scratch);
+        }
+        model_.reserve_packed(most);
+        return model_.packed_reserved_bytes();
+    }
 
     // Positions the last run() put through the transformer (its batches' B x T, padding included), and
     // of those the scored ones: what the layout saves shows here.

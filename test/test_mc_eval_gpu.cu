@@ -20,6 +20,7 @@ groups; and one row per ending):
   - packed rows against a row per ending on the GPU where packing matters most (contexts of 1-4 tokens,
     four endings of 12-23): every sum within 1.5e-2 relative, while the same batches run without the
     attention groups must be off by 3x that somewhere (so a leak between endings would be seen);
+  - reserve(set) allocates every buffer the packed rows need: run(set) allocates nothing more;
   - runs are deterministic (two runs: the same bits) and leave the model's mean_loss() alone;
   - the NCCL path (a MultiGpu from detect_ranks: one rank when run plainly) gives the same bits as the
     single-GPU path with one rank; started as several ranks (mpirun, or OMPI_COMM_WORLD_* set by hand for
@@ -175,8 +176,13 @@ TEST_F(McEvalGpuTest, MatchesCpuReference) {
                 SCOPED_TRACE(format("B=%d, %s", B, share ? "packed rows" : "a row per ending"));
                 std::printf("B=%d, %s\n", B, share ? "packed rows" : "a row per ending");
                 McEvalGpu eval(model, share);
+                const size_t reserved = eval.reserve(set);
                 const McResult gpu = eval.run(set);
                 compare(gpu, cpu);
+                if (share) {
+                    EXPECT_GT(reserved, 0u);
+                    EXPECT_EQ(model.packed_reserved_bytes(), reserved) << "run() allocated beyond what reserve() did";
+                }
                 run[share ? 0 : 1] = eval.positions_run();
                 EXPECT_EQ(eval.positions_scored(), ending_tokens) << "every ending token scored once";
             }
