@@ -31,6 +31,9 @@ using namespace llmc;
 
 namespace {
 
+using test::download;
+using test::upload;
+
 class Fp8Test : public GpuTest {
 protected:
     void SetUp() override {
@@ -48,21 +51,6 @@ std::vector<floatX> random_bf16(size_t n, uint64_t seed, float stddev) {
     std::normal_distribution<float> dist(0.0f, stddev);
     std::vector<floatX> v(n);
     for (size_t i = 0; i < n; i++) v[i] = __float2bfloat16(i % 17 == 5 ? 0.0f : dist(gen));
-    return v;
-}
-
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& v) {
-    DeviceBuffer<T> d(v.size());
-    cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
-template <class T>
-std::vector<T> download(const T* p, size_t n) {
-    cudaCheck(cudaDeviceSynchronize());
-    std::vector<T> v(n);
-    cudaCheck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
     return v;
 }
 

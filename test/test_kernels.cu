@@ -52,6 +52,9 @@ using namespace llmc;
 
 namespace {
 
+using test::download;
+using test::upload;
+
 constexpr double kTolBf16 = 1e-2;
 constexpr double kTolFp32 = 1e-5;
 
@@ -99,27 +102,12 @@ DeviceBuffer<floatX> upload_bf16(const std::vector<float>& v) {
     return d;
 }
 
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& v) {
-    DeviceBuffer<T> d(v.size());
-    cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    return d;
-}
-
 std::vector<float> download_bf16(const floatX* p, size_t n) {
     cudaCheck(cudaDeviceSynchronize());
     std::vector<floatX> h(n);
     cudaCheck(cudaMemcpy(h.data(), p, n * sizeof(floatX), cudaMemcpyDeviceToHost));
     std::vector<float> v(n);
     for (size_t i = 0; i < n; i++) v[i] = __bfloat162float(h[i]);
-    return v;
-}
-
-template <class T>
-std::vector<T> download(const T* p, size_t n) {
-    cudaCheck(cudaDeviceSynchronize());
-    std::vector<T> v(n);
-    cudaCheck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
     return v;
 }
 
