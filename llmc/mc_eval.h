@@ -458,7 +458,8 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
 // row / count: per ending, its set row number (mc_first_rows) and its scored positions (its length).
 // The scored positions may outnumber the batch's B x T (a short context's last position is scored once
 // per ending); the batcher keeps them within its max_cells.
-// With one ending per row (share off) it is McBatcher's per-candidate layout: positions t, groups 0.
+// With one ending per row (share off) it is McBatcher's per-candidate layout: positions t, groups 0 (-1 in
+// the padding).
 struct McPackedBatch {
     int B = 0, T = 0;
     std::vector<int> inputs, positions, groups;
