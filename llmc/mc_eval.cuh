@@ -80,11 +80,7 @@ public:
     // model's own attention).
     size_t reserve(const McSet& set) {
         if (!share_) return model_.packed_reserved_bytes();
-        MultiGpu* multi = model_.multi();
-        const std::pair<int64_t, int64_t> range = mc_rank_items(int64_t(set.items.size()), multi ? multi->rank() : 0,
-                                                                multi ? multi->world() : 1);
-        McPackedBatcher batcher(set, range.first, range.second, model_.max_T(), kTMultiple, model_.config().vocab_size,
-                                int64_t(cells()), true);
+        McPackedBatcher batcher = rank_batcher(set);
         GPT2::PackedBytes most;
         McPackedBatch b;
         while (batcher.next(b)) {
@@ -106,11 +102,7 @@ public:
         MultiGpu* multi = model_.multi();
         const cudaStream_t stream = model_.stream();
         const GemmTuningOff no_tuning(model_);  // the file's comment
-        const int64_t items = int64_t(set.items.size());
-        const int rank = multi != nullptr ? multi->rank() : 0, world = multi != nullptr ? multi->world() : 1;
-        const std::pair<int64_t, int64_t> range = mc_rank_items(items, rank, world);
-        McPackedBatcher batcher(set, range.first, range.second, model_.max_T(), kTMultiple, model_.config().vocab_size,
-                                int64_t(cells()), share_);
+        McPackedBatcher batcher = rank_batcher(set);
         if (multi != nullptr) multi->check_same(mc_fingerprint(set), "the multiple-choice items");
         std::vector<double> loss_sum(size_t(mc_first_rows(set).back()), 0.0);
         positions_run_ = positions_scored_ = 0;
@@ -179,6 +171,15 @@ private:
     };
 
     size_t cells() const { return size_t(model_.max_B()) * size_t(model_.max_T()); }
+
+    // This rank's items (mc_rank_items) in the batches run() makes of them.
+    McPackedBatcher rank_batcher(const McSet& set) const {
+        const MultiGpu* multi = model_.multi();
+        const std::pair<int64_t, int64_t> range = mc_rank_items(int64_t(set.items.size()), multi ? multi->rank() : 0,
+                                                                multi ? multi->world() : 1);
+        return McPackedBatcher(set, range.first, range.second, model_.max_T(), kTMultiple, model_.config().vocab_size,
+                               int64_t(cells()), share_);
+    }
 
     // Rows this rank did not run are +0.0, whose bits are zero: the sum of the bit patterns over ranks is
     // the one rank's value, exactly.
