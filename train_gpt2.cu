@@ -90,6 +90,7 @@ struct Options {
     bool stochastic_rounding = true;
     bool gemm_tune = true;
     int recompute = 0;
+    std::string fp8 = "0";
     int resume = 0;
     std::string schedule = "cosine";
     float decay_fraction = 0.2f;
@@ -163,6 +164,10 @@ inline Flags make_flags(Options& o) {
     f.add("r", "recompute", &o.recompute,
           "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
           "slower; llm.c's default); 0: keep them all", 0, 1);
+    f.add("", "fp8", &o.fp8,
+          "FP8 matmuls (GPUs of compute capability 8.9+): 1 for all of qkv, fc, lm_head (forward) and attproj.dx, "
+          "fcproj.dx (backward input gradients), or a comma-separated list of them; 0: bf16 everywhere. Per-tensor "
+          "scales from each tensor's own max; weight gradients and attention stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,
@@ -330,6 +335,7 @@ struct Plan {
     std::vector<std::string> train_shards, val_shards;
     double time_limit_s = 0;  // 0: none
     std::vector<ModelFormat> save_formats;
+    Fp8Matmuls fp8;  // which matmuls run in FP8 (--fp8)
     std::vector<uint32_t> prompt;  // what samples continue (default: end-of-text)
     McSet eval;                    // --eval's items (none: no evaluation)
     bool evaluate_mc() const { return !eval.items.empty(); }
@@ -382,6 +388,10 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.decay_fraction = o.decay_fraction;
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
     p.save_formats = parse_save_formats(o.save_model);
+    p.fp8 = parse_fp8_matmuls(o.fp8);
+    if (p.fp8.any() && c.channels % 16 != 0) {
+        fail(kExitUsage, "--fp8 %s: FP8 matmuls need channels a multiple of 16, not %d", o.fp8.c_str(), c.channels);
+    }
     if (!o.eval_file.empty()) {
         p.eval = read_mc_file(o.eval_file, c.vocab_size);
         if (o.eval_max_items >= 0 && size_t(o.eval_max_items) < p.eval.items.size()) p.eval.items.resize(size_t(o.eval_max_items));
@@ -453,6 +463,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"eps", num(o.eps), R::MayChange},
         {"stochastic_rounding", o.stochastic_rounding ? "1" : "0", R::MayChange},
         {"recompute", format("%d", o.recompute), R::MayChange},
+        {"fp8", p.fp8.describe(), R::MayChange},
         {"sample_seed", format("%lld", (long long)o.sample_seed), R::MayChange},
         {"zero_stage", format("%d", p.parallel.zero_stage), R::Ranks},
         {"train_shards", join(p.train_shards), R::Ranks},
@@ -547,6 +558,10 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                                     : source.info.describe().c_str(),
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
+    if (plan.fp8.any()) {
+        std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients, per-tensor scales); the rest bf16\n",
+                    plan.fp8.describe().c_str());
+    }
     std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
                 "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,
                 double(plan.max_steps) * plan.grad_accum / double(plan.epoch_batches),
@@ -582,6 +597,7 @@ inline std::string memory_table(const GPT2& model, size_t data_bytes) {
     row("activations", m.activations);
     row("activation gradients", m.activation_grads);
     row("scratch + cuBLAS workspace", m.scratch);
+    if (m.fp8 > 0) row("FP8 weight copies + operand", m.fp8);
     row("model total", m.total());
     row("data loaders (device side)", data_bytes);
     return out + rule;
@@ -1071,6 +1087,7 @@ int main(int argc, char** argv) {
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
         model.set_gemm_tuning(opt.gemm_tune);
+        model.set_fp8(plan.fp8);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);

@@ -3,11 +3,11 @@
 format (dev/train_gpt2_torch.py --log writes the same keys), as the training-dynamics check
 against PyTorch does (docs/performance.md):
 
-    python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01]
+    python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01] [--from-step 1]
 
 Prints the largest |difference| and its step, the mean difference (first minus second), the rms, and the
 final validation losses; PASS when every step of the second log is in the first, the largest difference
-is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
+over the steps from --from-step on (default: all) is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
 """
 import argparse
 import json
@@ -31,9 +31,10 @@ def main():
     ap.add_argument("second")
     ap.add_argument("--max-diff", type=float, default=0.05)
     ap.add_argument("--max-val-rel", type=float, default=0.01)
+    ap.add_argument("--from-step", type=int, default=1, help="compare the train losses from this step on")
     a = ap.parse_args()
     (t1, v1), (t2, v2) = load(a.first), load(a.second)
-    steps = sorted(t2)
+    steps = sorted(s for s in t2 if s >= a.from_step)
     missing = [s for s in steps if s not in t1]
     common = [s for s in steps if s in t1]
     if not common:
@@ -44,7 +45,7 @@ def main():
     rms = (sum(d * d for _, d in diffs) / len(diffs)) ** 0.5
     ok = not missing and abs(worst[1]) <= a.max_diff
     line = (f"per-step |loss difference|: max {abs(worst[1]):.4f} at step {worst[0]}, mean {mean:+.4f}, rms {rms:.4f} "
-            f"over {len(common)}/{len(steps)} steps (limit {a.max_diff})")
+            f"over {len(common)}/{len(steps)} steps from step {a.from_step} (limit {a.max_diff})")
     last = max(set(v1) & set(v2), default=None)
     if last is not None:
         rel = abs(v1[last] - v2[last]) / abs(v2[last])

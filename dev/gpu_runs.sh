@@ -8,12 +8,13 @@
 #   sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
 #             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
-#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare fp8-lab
+#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare fp8-lab fp8-throughput
+#             fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE).
+# ATTN_KERNELS, COMPARE, FP8_SETS, LLMC_PEER).
 # Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
@@ -121,6 +122,60 @@ for section in "$@"; do
                 grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
                     "$LOGS/throughput.log" | tail -n 5 >>"$summary"
             done ;;
+        fp8-throughput)
+            # d12 T=1024 in bf16 and with every FP8 matmul (--fp8 1), B=64 (GPU clock and power sampled) and
+            # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory.
+            for round in 1 2; do
+                for B in 64 16; do
+                    for fp8 in 0 1; do
+                        smi=()
+                        [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_r$round.log")
+                        "${smi[@]}" step "d12 B=$B --fp8 $fp8 (round $round)" fp8_throughput.log 120 \
+                            ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8
+                        grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
+                    done
+                done
+            done ;;
+        fp8-matmuls)
+            # Which FP8 matmuls pay: d12 B=64 with each one alone (and FP8_SETS, comma lists separated by spaces).
+            for set in ${FP8_SETS:-0 qkv fc lm_head attproj.dx fcproj.dx 1}; do
+                step "d12 B=64 --fp8 $set" fp8_matmuls.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 "$set"
+                grep -E "^average" "$LOGS/fp8_matmuls.log" | tail -n 1 >>"$summary"
+            done ;;
+        fp8-large)
+            # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in both modes, with peak memory.
+            for model in d24 d48; do
+                for fp8 in 0 1; do
+                    for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
+                        if step "$model B=$B --fp8 $fp8" fp8_large.log 150 \
+                            ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o "" --fp8 $fp8; then
+                            grep -E "^average|^peak" "$LOGS/fp8_large.log" | tail -n 2 >>"$summary"
+                            break
+                        fi
+                    done
+                done
+            done ;;
+        fp8-loss-d12|fp8-loss-d24)
+            # Training quality with FP8: the same run in bf16 and with --fp8 1 on the quick-start corpus
+            # (data/quickstart_*), B=64 T=1024, the README's hyperparameters; d12 1000 steps, d24 500. The
+            # logs go to $LOGS/fp8_loss_<model>_<mode>/; dev/compare_losses.py compares them from step 50.
+            model=${section#fp8-loss-}
+            steps=1000
+            [ "$model" = d24 ] && steps=500
+            for fp8 in 0 1; do
+                smi_run "smi_fp8_loss_${model}_$fp8.log" step "$model $steps steps --fp8 $fp8" "fp8_loss_$model.log" 590 \
+                    ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 64 -t 1024 \
+                    -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100 --save-model none \
+                    --fp8 $fp8 -o "$LOGS/fp8_loss_${model}_$fp8"
+                grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
+            done
+            python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_1/log.jsonl" "$LOGS/fp8_loss_${model}_0/log.jsonl" \
+                --max-diff 0.03 --max-val-rel 0.01 --from-step 51 | tee -a "$summary" ;;
+        llmc)
+            # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a
+            # comparison in the same run: LLMC_PEER is the folder holding bench_llmc.sh.
+            step "llm.c (bench_llmc.sh)" llmc.log 300 bash "${LLMC_PEER:-peers}/bench_llmc.sh" 64 16
+            grep "^LLMC" "$LOGS/llmc.log" | tee -a "$summary" ;;
         throughput-large)
             # The larger models: d24 and d48 at T=1024, the largest of these B that fits, without and with
             # recompute (-r 1). A B that does not fit fails at start-up (allocation), in about a second.

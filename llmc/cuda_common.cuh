@@ -95,6 +95,16 @@ __device__ inline float warp_max(float v) {
     return v;
 }
 
+// For kernels that write a tensor whose FP8 copy follows (llmc/fp8.cuh): every lane of the warp calls it
+// (converged) with the max |value| it wrote; lane 0 folds the warp's max into *amax_bits. Floats >= 0
+// order like their bits, so an unsigned atomicMax combines them exactly, whatever the order. A warp-
+// uniform no-op when amax_bits is null.
+__device__ inline void fp8_record_amax(unsigned int* amax_bits, float lane_max) {
+    if (amax_bits == nullptr) return;
+    const float m = warp_max(lane_max);
+    if (threadIdx.x % kWarpSize == 0) atomicMax(amax_bits, __float_as_uint(m));
+}
+
 // Sum over a 1-D block whose size is a multiple of 32 (at most 1024); every thread gets the result. All
 // threads of the block must call it. The leading barrier lets it be called several times in a row.
 __device__ inline float block_sum(float v) {

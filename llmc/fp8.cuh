@@ -1,6 +1,7 @@
 /*
 FP8 building blocks (GPUs of compute capability 8.9 and 9.x: Ada, Hopper): per-tensor scaled casts from
-bf16 and the cuBLASLt FP8 matmul. The trainer does not use them yet; dev/fp8_lab.cu measures them.
+bf16 and the cuBLASLt FP8 matmul. The model's FP8 mode (llmc/gpt2.cuh, the trainer's --fp8) is built on
+them; dev/fp8_lab.cu measures them.
 
 Formats: E4M3 (3 mantissa bits, largest 448) for activations and weights, E5M2 (2 bits, largest 57344)
 for gradients. A tensor x is stored as q = fp8(x * scale) with scale = kMax / amax (amax = max |x|), so
@@ -11,28 +12,34 @@ all-zero tensor gets scale 1. Conversions round to nearest and saturate to the f
 Provides:
   Fp8Format<Fp8>:       kMax and the cuBLASLt data type of __nv_fp8_e4m3 and __nv_fp8_e5m2.
   fp8_supported():      whether device 0 has FP8 tensor cores (compute capability 8.9 or higher).
-  fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first; floats
-                        >= 0 order like their bits, so blocks combine with an unsigned atomicMax:
-                        exact, whatever the order).
-  fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's), and *descale = 1 / scale.
+  fp8_record_amax:      (llmc/cuda_common.cuh) the device helper for kernels that write a tensor: folds
+                        a warp's max |value| into *amax_bits with an unsigned atomicMax (exact, in any
+                        order). LayerNorm forward and backward take an amax pointer and use it, so the
+                        amax of their outputs costs no pass of its own.
+  fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first).
+  fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
+                        1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
                         32 x 32 tiles in shared memory (coalesced both ways): the K-major copy a
                         backward matmul needs.
   Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
-                        (+ bias (N) in the epilogue), P and Q FP8 row-major ("TN": both K-major, the only
+                        (+ bias (N) in the epilogue, or GELU keeping its input, or times GELU' of a kept
+                        input: Fp8Epilogue), P and Q FP8 row-major ("TN": both K-major, the only
                         layout Hopper's FP8 matmuls take), fp32 accumulation (fast accumulation on
                         request), descales read from device pointers at each run. Not both operands
                         E5M2 (cuBLASLt has no such kernel). M, N and K multiples of 16, pointers 16-byte
                         aligned: checked, with errors naming the operand.
+  fp8_matmul:           one Fp8Gemm built and run (the heuristic's first choice), as gemm() does for bf16.
 Every call is checked; casts on `stream`.
 
-Does not provide: delayed scaling (an amax history), casts fused into the kernels that write the
-operands, FP8 outputs, or anything about which matmuls of the model should run in FP8.
+Does not provide: delayed scaling (an amax history), FP8 outputs, or transposed copies written by the
+kernels that produce the operands.
 */
 #pragma once
 
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "llmc/cuda_common.cuh"
@@ -102,6 +109,20 @@ __global__ void fp8_cast_kernel(__nv_fp8_storage_t* q, const floatX* x, int64_t 
     }
 }
 
+// Eight values a thread: x 16-byte aligned, q 8-byte aligned, n a multiple of 8.
+template <class Fp8>
+__global__ void fp8_cast_packed_kernel(uint2* q, const floatX* x, int64_t packs, const unsigned int* amax_bits,
+                                       float* descale) {
+    const float scale = fp8_scale<Fp8>(__uint_as_float(*amax_bits));
+    if (blockIdx.x == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs; i += int64_t(gridDim.x) * blockDim.x) {
+        const PackX p = load128(x + i * kPackX);
+        uint32_t w[2] = {0, 0};
+        for (int k = 0; k < kPackX; k++) w[k / 4] |= uint32_t(fp8_quantize<Fp8>(float(p[k]), scale)) << (8 * (k % 4));
+        q[i] = make_uint2(w[0], w[1]);
+    }
+}
+
 // Blocks of 32 x 8 threads, one 32 x 32 tile each: x's rows r0.., columns c0.. into q's rows c0.., columns r0...
 template <class Fp8>
 __global__ void fp8_cast_transposed_kernel(__nv_fp8_storage_t* q, const floatX* x, int64_t rows, int64_t cols,
@@ -132,6 +153,15 @@ inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaSt
 
 template <class Fp8>
 void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
+    if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+        const int64_t packs = n / kPackX;
+        const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(packs, detail::kFp8Block),
+                                                                             int64_t(detail::kFp8Grid) * 4)));
+        detail::fp8_cast_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(reinterpret_cast<uint2*>(q), x, packs,
+                                                                                    amax_bits, descale);
+        cudaCheckLaunch();
+        return;
+    }
     detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
         reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
     cudaCheckLaunch();
@@ -150,6 +180,17 @@ void fp8_cast_transposed(Fp8* q, const floatX* x, int64_t rows, int64_t cols, co
     cudaCheckLaunch();
 }
 
+// What Fp8Gemm's epilogue adds (at most one of gelu_aux and dgelu_aux; the auxiliary matrices are (M, N)
+// row-major bf16, like D):
+//   bias       D += bias (N), broadcast over rows;
+//   gelu_aux   aux = the product (+ bias), D = GELU(aux) (tanh approximation);
+//   dgelu_aux  D = the product * GELU'(aux).
+struct Fp8Epilogue {
+    const floatX* bias = nullptr;
+    floatX* gelu_aux = nullptr;
+    const floatX* dgelu_aux = nullptr;
+};
+
 // The file's comment. The operands, descales, bias and output are fixed at construction (cuBLASLt reads
 // the descales at each run, so a cast before run() may change them).
 class Fp8Gemm {
@@ -157,6 +198,11 @@ public:
     template <class P, class Q>
     Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
             const float* descale_q, floatX* d, const floatX* bias = nullptr, bool fast_accum = false)
+        : Fp8Gemm(lt, M, N, K, p, q, descale_p, descale_q, d, Fp8Epilogue{bias, nullptr, nullptr}, fast_accum) {}
+
+    template <class P, class Q>
+    Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
+            const float* descale_q, floatX* d, const Fp8Epilogue& epilogue, bool fast_accum = false)
         : lt_(lt), p_(p), q_(q), d_(d),
           // cuBLASLt is column-major: D^T (N, M) = A^T B with A = Q read as (K, N) and B = P read as (K, M).
           a_(Fp8Format<Q>::kType, K, N, K, 1, 0), b_(Fp8Format<P>::kType, K, M, K, 1, 0),
@@ -169,31 +215,53 @@ public:
         if (Fp8Format<P>::kType == CUDA_R_8F_E5M2 && Fp8Format<Q>::kType == CUDA_R_8F_E5M2) {
             fail(kExitUsage, "%s: both operands E5M2; one must be E4M3", fn);
         }
+        if (epilogue.gelu_aux != nullptr && epilogue.dgelu_aux != nullptr) {
+            fail(kExitUsage, "%s: both a GELU and a GELU-gradient epilogue asked for", fn);
+        }
         require_aligned16(p, "Fp8Gemm: P");
         require_aligned16(q, "Fp8Gemm: Q");
         require_aligned16(d, "Fp8Gemm: D");
         require_aligned16(descale_p, "Fp8Gemm: descale_p");
         require_aligned16(descale_q, "Fp8Gemm: descale_q");
-        if (bias != nullptr) require_aligned16(bias, "Fp8Gemm: bias");
         desc_.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
         desc_.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
         desc_.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(descale_q));
         desc_.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(descale_p));
         desc_.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum ? 1 : 0));
-        if (bias != nullptr) {
-            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_16BF);
-            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias));
+        cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_DEFAULT;
+        const void* aux = nullptr;
+        if (epilogue.gelu_aux != nullptr) {
+            e = epilogue.bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+            aux = epilogue.gelu_aux;
+            require_aligned16(aux, "Fp8Gemm: GELU input (aux)");
+        } else if (epilogue.dgelu_aux != nullptr) {
+            if (epilogue.bias != nullptr) fail(kExitUsage, "%s: a bias with the GELU-gradient epilogue", fn);
+            e = CUBLASLT_EPILOGUE_DGELU;
+            aux = epilogue.dgelu_aux;
+            require_aligned16(aux, "Fp8Gemm: GELU input (aux)");
+        } else if (epilogue.bias != nullptr) {
+            e = CUBLASLT_EPILOGUE_BIAS;
         }
+        if (epilogue.bias != nullptr) {
+            require_aligned16(epilogue.bias, "Fp8Gemm: bias");
+            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_16BF);
+            desc_.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(epilogue.bias));
+        }
+        if (aux != nullptr) {
+            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, int64_t(N));
+            desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(CUDA_R_16BF));
+        }
+        desc_.set(CUBLASLT_MATMUL_DESC_EPILOGUE, e);
         pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
         cublasLtMatmulHeuristicResult_t result{};
         int found = 0;
         cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc_.d, a_.l, b_.l, c_.l, c_.l, pref_.p, 1, &result,
                                                    &found));
         if (found == 0) {
-            fail(kExitCuda, "%s: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld, P %s, Q %s, bf16 output%s", fn,
+            fail(kExitCuda, "%s: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld, P %s, Q %s, bf16 output, epilogue %s", fn,
                  (long long)M, (long long)N, (long long)K, Fp8Format<P>::kName, Fp8Format<Q>::kName,
-                 bias != nullptr ? ", bias" : "");
+                 detail::epilogue_name(e));
         }
         algo_ = result.algo;
     }
@@ -215,5 +283,13 @@ private:
     detail::LtPreference pref_;
     cublasLtMatmulAlgo_t algo_{};
 };
+
+// D = P Q^T through one Fp8Gemm (the heuristic's first choice, looked up at each call as gemm() does).
+template <class P, class Q>
+void fp8_matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, const P* p, const Q* q,
+                const float* descale_p, const float* descale_q, floatX* d, const Fp8Epilogue& epilogue = {}) {
+    const Fp8Gemm gemm(lt, M, N, K, p, q, descale_p, descale_q, d, epilogue);
+    gemm.run(stream);
+}
 
 }  // namespace llmc

@@ -13,6 +13,17 @@ moments are sharded: llmc/zero.h); update() divides the norm and the clip scale 
 in fp32 (an exact 1/W, which bf16 lacks for most W) and all-gathers the parameters. One rank through
 NCCL computes the same bits as the single-GPU path.
 
+FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 operands (llmc/fp8.cuh) with
+per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
+E4M3), the classifier's forward (the final LayerNorm's output times wte), and the backward's dX of
+attproj and fcproj (the residual stream's gradient in E5M2 times the transposed weight in E4M3, fcproj's
+with the GELU gradient in the same call). The LayerNorm kernels record the amax of what they write, so
+each FP8 activation costs one cast pass (read bf16, write FP8) and no amax pass; the weights are cast
+(both layouts where needed) once after each change of the parameters. Everything else stays bf16,
+including every weight gradient (which reads the bf16 activations) and the attention. A call whose B x T
+is not a multiple of 16 runs that call in bf16. No state: scales come from the tensors themselves, so
+FP8 changes nothing in a checkpoint and a run is as deterministic as in bf16.
+
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
 */
@@ -33,6 +44,7 @@ checkpoint holds (llmc/gpt2_checkpoint.cuh).
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/encoder.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
@@ -72,12 +84,56 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
+// Which of the model's matmuls run with FP8 operands (the file's comment); the rest stay bf16.
+struct Fp8Matmuls {
+    bool qkv = false, fc = false, lm_head = false;  // forward
+    bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
+    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx; }
+    std::string describe() const {
+        std::string s;
+        auto add = [&](bool on, const char* name) {
+            if (on) s += (s.empty() ? "" : ",") + std::string(name);
+        };
+        add(qkv, "qkv");
+        add(fc, "fc");
+        add(lm_head, "lm_head");
+        add(attproj_dx, "attproj.dx");
+        add(fcproj_dx, "fcproj.dx");
+        return s.empty() ? "none" : s;
+    }
+};
+
+// "0" or "none": no FP8; "1" or "all": every matmul Fp8Matmuls names; else a comma-separated list of
+// qkv, fc, lm_head, attproj.dx, fcproj.dx.
+inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
+    Fp8Matmuls m;
+    if (text == "0" || text == "none" || text.empty()) return m;
+    if (text == "1" || text == "all") return {true, true, true, true, true};
+    for (const std::string& name : split(text, ',')) {
+        if (name == "qkv") {
+            m.qkv = true;
+        } else if (name == "fc") {
+            m.fc = true;
+        } else if (name == "lm_head") {
+            m.lm_head = true;
+        } else if (name == "attproj.dx") {
+            m.attproj_dx = true;
+        } else if (name == "fcproj.dx") {
+            m.fcproj_dx = true;
+        } else {
+            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, or a comma-separated list of qkv, fc, lm_head, "
+                 "attproj.dx, fcproj.dx", text.c_str(), name.c_str());
+        }
+    }
+    return m;
+}
+
 class GPT2 {
 public:
     // Device memory by kind, for the start-up table.
     struct Memory {
-        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0;
-        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch; }
+        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0, fp8 = 0;
+        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch + fp8; }
     };
 
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
@@ -118,6 +174,10 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
+        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_act_slot() + 2));
+        fp8_descale_.allocate(fp8_amax_.size());
+        cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, fp8_amax_.bytes(), stream_));
+        cudaCheck(cudaMemsetAsync(fp8_descale_.get(), 0, fp8_descale_.bytes(), stream_));
         cudaCheck(cudaStreamSynchronize(stream_));
     }
     GPT2(const GPT2&) = delete;
@@ -149,7 +209,46 @@ public:
         floatX* params;
         float *master, *adam_m, *adam_v;
     };
-    State state() { return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()}; }
+    State state() {
+        fp8_weights_stale_ = true;  // the caller may write the parameters
+        return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
+    }
+
+    // FP8 matmuls (the file's comment): which ones, from now on. Allocates the weights' FP8 copies and
+    // one FP8 activation buffer (memory().fp8). Fails on a GPU without FP8 tensor cores, or for shapes
+    // the FP8 matmuls cannot take (channels and, for lm_head, the padded vocabulary multiples of 16).
+    void set_fp8(const Fp8Matmuls& m) {
+        cudaCheck(cudaStreamSynchronize(stream_));  // a step in flight may still read the old copies
+        fp8_ = m;
+        fp8_weights_.allocate(0);
+        fp8_act_.allocate(0);
+        memory_.fp8 = 0;
+        fp8_weights_stale_ = true;
+        if (!m.any()) return;
+        if (!fp8_supported()) {
+            fail(kExitUsage, "FP8 matmuls (%s) need a GPU with FP8 tensor cores (compute capability 8.9 or higher)",
+                 m.describe().c_str());
+        }
+        const GPT2Config& c = config_;
+        if (c.channels % 16 != 0) fail(kExitUsage, "FP8 matmuls need channels a multiple of 16, not %d", c.channels);
+        if (m.lm_head && c.padded_vocab_size % 16 != 0) {
+            fail(kExitUsage, "FP8 lm_head needs the padded vocabulary a multiple of 16, not %d", c.padded_vocab_size);
+        }
+        const size_t L = size_t(c.num_layers), C = size_t(c.channels);
+        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx};
+        const size_t per_layer[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
+        size_t at = 0;
+        for (int k = 0; k < kFp8WeightKinds; k++) {
+            fp8_weight_at_[k] = at;
+            if (on[k]) at += L * per_layer[k];
+        }
+        fp8_weight_at_[kFp8WeightKinds] = at;
+        if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
+        fp8_weights_.allocate(at);
+        fp8_act_.allocate(n_ * C);
+        memory_.fp8 = fp8_weights_.bytes() + fp8_act_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes();
+    }
+    const Fp8Matmuls& fp8() const { return fp8_; }
     // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
     const floatX* logits() const { return logits_; }
     const float* losses() const { return losses_; }  // (B,T) of the last forward with targets; (M) after forward_scored
@@ -191,6 +290,7 @@ public:
         }
         cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
+        fp8_weights_stale_ = true;
         cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
     }
 
@@ -203,8 +303,15 @@ public:
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
-        forward_to_lnf(inputs, B, T);
-        matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
+        const bool fp8_head = fp8_.lm_head && fp8_rows(N);
+        forward_to_lnf(inputs, B, T, nullptr, fp8_head);
+        if (fp8_head) {
+            const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
+            fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
+                       fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_);
+        } else {
+            matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
+        }
         if (targets == nullptr) return;
         fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
@@ -297,6 +404,9 @@ public:
         const OuterTensors<floatX> gw = outer(g);
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
+        // FP8 dX of attproj and fcproj: their dD is the residual stream's gradient, whose amax the
+        // LayerNorm backward that writes it records.
+        const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
         matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
@@ -304,7 +414,7 @@ public:
         // adds into it, so it starts from zero.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
-                           C, fscratch, sbytes, stream_);
+                           C, fscratch, sbytes, stream_, fp8_fcproj ? fp8_reset_amax(kFp8Grad) : nullptr);
         for (int l = L - 1; l >= 0; l--) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockTensors<floatX> gb = block(g, l);
@@ -313,19 +423,29 @@ public:
             // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
             // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
             if (recompute_gelu_) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            matmul_backward(lt_, d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu, b.fcprojw, N, 4 * C, C,
-                            fscratch, sbytes, stream_, a.fch);
+            if (fp8_fcproj) {
+                const auto* g8 = fp8_cast_activation<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
+                fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                           fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_, Fp8Epilogue{nullptr, nullptr, a.fch});
+            }
+            matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
+                            b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
             matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, a.ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
-                               fscratch, sbytes, stream_);
+                               fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr);
             // residual2 = residual + attproj(attention(qkv(ln1))).
-            matmul_backward(lt_, d_atty_, gb.attprojw, gb.attprojb, d_residual_, a.atty, b.attprojw, N, C, C, fscratch,
-                            sbytes, stream_);
+            if (fp8_attproj) {
+                const auto* g8 = fp8_cast_activation<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
+                fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
+                           fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
+            }
+            matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, gb.attprojb, d_residual_, a.atty,
+                            b.attprojw, N, C, C, fscratch, sbytes, stream_);
             attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                scratch_.get(), sbytes, stream_);
             matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, a.ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
-                               fscratch, sbytes, stream_);
+                               fscratch, sbytes, stream_, fp8_fcproj && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
@@ -356,6 +476,7 @@ public:
         // The gradients are summed over the ranks (bf16 has no exact 1/W for most W); the norm and the clip
         // scale divide by W in fp32, so AdamW sees the mean gradient.
         const int ranks = multi_ != nullptr ? multi_->world() : 1;
+        fp8_weights_stale_ = true;
         if (multi_ != nullptr) multi_->join(stream_);
         if (!sharded()) {
             global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_, ranks);
@@ -403,23 +524,32 @@ private:
 
     // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
     // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
-    // reads (but for packed rows: forward_scored's comment).
-    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr) {
+    // reads (but for packed rows: forward_scored's comment). lnf_amax: the final LayerNorm records its
+    // output's amax for the classifier's FP8 matmul.
+    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false) {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads;
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         const OuterTensors<const floatX> w = outer(p);
+        if (fp8_.any() && fp8_weights_stale_) cast_fp8_weights();
+        const bool fp8_qkv = fp8_.qkv && fp8_rows(N), fp8_fc = fp8_.fc && fp8_rows(N);
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
         const BlockActivations first = acts(0);
         layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
-                          C, stream_);
+                          C, stream_, fp8_qkv ? fp8_reset_amax(kFp8Act) : nullptr);
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
+            if (fp8_qkv) {
+                const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln1, N * C, kFp8Act);
+                fp8_matmul(lt_, stream_, N, 3 * C, C, x, fp8_weight(kFp8Qkv, l), fp8_descale(kFp8Act),
+                           fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb});
+            } else {
+                matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
+            }
             if (packed != nullptr) {
                 attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
                                            NH, packed_scratch_.get(), packed_scratch_.bytes(), stream_, packed->groups);
@@ -429,8 +559,14 @@ private:
             }
             matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
             fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
-                                             b.ln2b, N, C, stream_);
-            matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+                                             b.ln2b, N, C, stream_, fp8_fc ? fp8_reset_amax(kFp8Act) : nullptr);
+            if (fp8_fc) {
+                const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln2, N * C, kFp8Act);
+                fp8_matmul(lt_, stream_, N, 4 * C, C, x, fp8_weight(kFp8Fc, l), fp8_descale(kFp8Act),
+                           fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr});
+            } else {
+                matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+            }
             matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
             // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
             // runs in the same pass.
@@ -438,12 +574,70 @@ private:
                 const BlockActivations next = acts(l + 1);
                 const BlockTensors<const floatX> nb = block(p, l + 1);
                 fused_residual_layernorm_forward(a.residual3, next.ln1, next.ln1_mean, next.ln1_rstd, a.residual2,
-                                                 proj_, nb.ln1w, nb.ln1b, N, C, stream_);
+                                                 proj_, nb.ln1w, nb.ln1b, N, C, stream_,
+                                                 fp8_qkv ? fp8_reset_amax(kFp8Act) : nullptr);
             } else {
                 fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
-                                                 w.lnfb, N, C, stream_);
+                                                 w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
             }
         }
+    }
+
+    // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
+    // aligned): one per weight copy (kind-major, then layer; the classifier's after them), then the
+    // activation's (E4M3) and the gradient's (E5M2), each reused by one matmul after another.
+    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8WeightKinds = 4;
+    static constexpr int kFp8SlotStride = 4;
+    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 4: wte, l = 0
+    int fp8_act_slot() const { return kFp8WeightKinds * config_.num_layers + 1; }
+    static constexpr int kFp8Act = -1, kFp8Grad = -2;  // resolved by fp8_slot()
+    int fp8_slot(int slot) const { return slot == kFp8Act ? fp8_act_slot() : slot == kFp8Grad ? fp8_act_slot() + 1 : slot; }
+    unsigned int* fp8_amax_slot(int slot) const { return fp8_amax_.get() + kFp8SlotStride * fp8_slot(slot); }
+    float* fp8_descale(int slot) const { return fp8_descale_.get() + kFp8SlotStride * fp8_slot(slot); }
+    // Zeroes the slot's amax (for the kernel about to write the tensor to record it) and returns it.
+    unsigned int* fp8_reset_amax(int slot) {
+        unsigned int* a = fp8_amax_slot(slot);
+        cudaCheck(cudaMemsetAsync(a, 0, sizeof(unsigned int), stream_));
+        return a;
+    }
+    // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
+    static bool fp8_rows(int64_t N) { return N % 16 == 0; }
+    const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
+        const size_t C = size_t(config_.channels);
+        const size_t per_layer[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
+        return fp8_weights_.get() + fp8_weight_at_[kind] + (kind < kFp8WeightKinds ? size_t(l) * per_layer[kind] : 0);
+    }
+    // x (n bf16, its amax recorded in the slot) into the FP8 activation buffer; the slot's descale set.
+    template <class Fp8>
+    const Fp8* fp8_cast_activation(const floatX* x, int64_t n, int slot) {
+        Fp8* q = reinterpret_cast<Fp8*>(fp8_act_.get());
+        fp8_cast(q, x, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
+        return q;
+    }
+    // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax.
+    void cast_fp8_weights() {
+        const GPT2Config& c = config_;
+        const int L = c.num_layers, C = c.channels;
+        const floatX* p = params_.get();
+        auto cast = [&](int kind, int l, const floatX* w, int64_t rows, int64_t cols, bool transposed) {
+            const int slot = fp8_weight_slot(kind, l);
+            __nv_fp8_e4m3* q = const_cast<__nv_fp8_e4m3*>(fp8_weight(kind, l));
+            llmc::fp8_amax(w, rows * cols, fp8_amax_slot(slot), stream_);
+            if (transposed) {
+                fp8_cast_transposed(q, w, rows, cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
+            } else {
+                fp8_cast(q, w, rows * cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
+            }
+        };
+        for (int l = 0; l < L; l++) {
+            const BlockTensors<const floatX> b = block(p, l);
+            if (fp8_.qkv) cast(kFp8Qkv, l, b.qkvw, 3 * C, C, false);
+            if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
+            if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
+            if (fp8_.fcproj_dx) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
+        }
+        if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
+        fp8_weights_stale_ = false;
     }
 
     // Carves every activation, activation gradient and the shared scratch out of three allocations.
@@ -573,6 +767,15 @@ private:
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
     DeviceBuffer<char> packed_att_, packed_scratch_;  // forward_scored's packed rows: attention's, one layer at a time
+    // FP8 (set_fp8): the weights' copies (fp8_weight_at_: where each kind starts, the classifier's last),
+    // one activation or gradient at a time, and the amax and descale slots (allocated with the model: tiny).
+    Fp8Matmuls fp8_;
+    DeviceBuffer<__nv_fp8_e4m3> fp8_weights_;
+    DeviceBuffer<__nv_fp8_e4m3> fp8_act_;
+    DeviceBuffer<unsigned int> fp8_amax_;
+    DeviceBuffer<float> fp8_descale_;
+    size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
+    bool fp8_weights_stale_ = true;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;

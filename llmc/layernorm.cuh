@@ -4,7 +4,8 @@ layernorm_backward and residual_forward in llmc/gpt2_cpu.h (eps 1e-5, statistics
 
 Provides:
   layernorm_forward: out (N,C) bf16, mean and rstd (N) fp32 kept for backward (either may be null);
-                     one warp per row, statistics in fp32 with a two-pass variance.
+                     one warp per row, statistics in fp32 with a two-pass variance. Optionally also the
+                     amax of out (for its FP8 copy: llmc/fp8.cuh), here and in the two below.
   fused_residual_layernorm_forward: residual = a + b (rounded to bf16, as residual_forward) and the
                      LayerNorm of that rounded residual, in one pass over the row.
   residual_forward:  out = a + b, elementwise.
@@ -40,7 +41,7 @@ namespace detail {
 // Normalises the row x (already in memory, possibly just written by this warp's lanes at the same
 // addresses they read) and writes out, mean and rstd. Each lane touches the same packs in every pass.
 __device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, const floatX* x, const floatX* weight,
-                                     const floatX* bias, int64_t row, int C) {
+                                     const floatX* bias, int64_t row, int C, unsigned int* amax) {
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
@@ -57,14 +58,19 @@ __device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, cons
         }
     }
     const float s = 1.0f / sqrtf(warp_sum(var) / float(C) + kLayerNormEpsF);
+    float out_max = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
         const PackX p = load128(x + c);
         const PackX w = load128(weight + c);
         const PackX b = load128(bias + c);
         PackX o;
-        for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn((float(p[k]) - m) * s * float(w[k]) + float(b[k]));
+        for (int k = 0; k < kPackX; k++) {
+            o[k] = __float2bfloat16_rn((float(p[k]) - m) * s * float(w[k]) + float(b[k]));
+            out_max = fmaxf(out_max, fabsf(float(o[k])));
+        }
         store128(out + row * C + c, o);
     }
+    fp8_record_amax(amax, out_max);
     if (lane == 0) {
         if (mean != nullptr) mean[row] = m;
         if (rstd != nullptr) rstd[row] = s;
@@ -80,25 +86,26 @@ inline void check_layernorm_args(const char* fn, int C, std::initializer_list<co
 
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_forward_kernel(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
-                             const floatX* bias, int64_t N, int C) {
+                             const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= N) return;  // whole warps leave together
-    detail::layernorm_row(out, mean, rstd, inp + row * C, weight, bias, row, C);
+    detail::layernorm_row(out, mean, rstd, inp + row * C, weight, bias, row, C, amax);
 }
 
+// amax (optional): folds max |out| into it (llmc/cuda_common.cuh fp8_record_amax; the caller zeroes it).
 inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
-                              const floatX* bias, int64_t N, int C, cudaStream_t stream) {
+                              const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr) {
     detail::check_layernorm_args("layernorm_forward", C, {out, inp, weight, bias});
     if (N == 0) return;
     layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0, stream>>>(
-        out, mean, rstd, inp, weight, bias, N, C);
+        out, mean, rstd, inp, weight, bias, N, C, amax);
     cudaCheckLaunch();
 }
 
 static __global__ void __launch_bounds__(kLayerNormBlock)
     fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
                                             const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
-                                            int C) {
+                                            int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= N) return;
     const int lane = threadIdx.x % kWarpSize;
@@ -110,17 +117,18 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
         for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
         store128(r + c, o);
     }
-    detail::layernorm_row(out, mean, rstd, r, weight, bias, row, C);
+    detail::layernorm_row(out, mean, rstd, r, weight, bias, row, C, amax);
 }
 
 // residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
+// amax as layernorm_forward's (of out).
 inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
                                              const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
-                                             int C, cudaStream_t stream) {
+                                             int C, cudaStream_t stream, unsigned int* amax = nullptr) {
     detail::check_layernorm_args("fused_residual_layernorm_forward", C, {residual, out, a, b, weight, bias});
     if (N == 0) return;
     fused_residual_layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock,
-                                              0, stream>>>(residual, out, mean, rstd, a, b, weight, bias, N, C);
+                                              0, stream>>>(residual, out, mean, rstd, a, b, weight, bias, N, C, amax);
     cudaCheckLaunch();
 }
 
@@ -162,7 +170,7 @@ inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
 // dinp[row] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout.
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dout, const floatX* inp, const floatX* weight,
-                                   const float* mean, const float* rstd, int64_t N, int C) {
+                                   const float* mean, const float* rstd, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= N) return;
     const int lane = threadIdx.x % kWarpSize;
@@ -181,6 +189,7 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     const float dnorm_mean = warp_sum(dnorm_sum) / float(C);
     const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / float(C);
     floatX* dx = dinp + row * C;
+    float out_max = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
         const PackX px = load128(x + c), pd = load128(d + c), pw = load128(weight + c);
         PackX o = load128(dx + c);
@@ -188,9 +197,11 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
             const float norm = (float(px[k]) - m) * s;
             const float dnorm = float(pw[k]) * float(pd[k]);
             o[k] = __float2bfloat16_rn(float(o[k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+            out_max = fmaxf(out_max, fabsf(float(o[k])));
         }
         store128(dx + c, o);
     }
+    fp8_record_amax(amax, out_max);
 }
 
 // Block (x, chunk): channels [x * 256, x * 256 + 256) over the chunk's rows; writes partial[chunk] =
@@ -280,12 +291,14 @@ namespace detail {
 template <int P>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     layernorm_backward_fused_kernel(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
-                                    const floatX* weight, const float* mean, const float* rstd, int64_t N, int C) {
+                                    const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
+                                    unsigned int* amax) {
     extern __shared__ float red[];  // [2][C]
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int64_t chunk = blockIdx.x;
     const int64_t row_end = min(N, (chunk + 1) * kLayerNormRowsPerChunk);
     float acc_w[P][kPackX] = {}, acc_b[P][kPackX] = {};
+    float out_max = 0.0f;
     for (int64_t row = chunk * kLayerNormRowsPerChunk + warp; row < row_end; row += kLayerNormRowsPerBlock) {
         const floatX* x = inp + row * C;
         const floatX* d = dout + row * C;
@@ -324,6 +337,7 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
                 const float norm = (float(px[p][k]) - m) * s;
                 const float dnorm = float(pw[k]) * float(pd[p][k]);
                 o[k] = __float2bfloat16_rn(float(o[k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+                out_max = fmaxf(out_max, fabsf(float(o[k])));
                 const float dv = float(pd[p][k]);
                 acc_w[p][k] += (float(px[p][k]) - m) * s * dv;
                 acc_b[p][k] += dv;
@@ -331,6 +345,7 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
             store128(dx + c, o);
         }
     }
+    fp8_record_amax(amax, out_max);
     // partial[chunk] = (dweight sums, dbias sums): warp 0's sums, then warp 1's added, ...
     float* red_w = red;
     float* red_b = red + C;
@@ -366,11 +381,11 @@ inline bool layernorm_backward_fuses(int C) {
 
 inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
                                           const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                                          cudaStream_t stream) {
+                                          cudaStream_t stream, unsigned int* amax = nullptr) {
     const size_t smem = 2 * size_t(C) * sizeof(float);
     auto launch = [&](auto kernel) {
         kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, dout, inp, weight,
-                                                                                 mean, rstd, N, C);
+                                                                                 mean, rstd, N, C, amax);
     };
     switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
         case 1: launch(layernorm_backward_fused_kernel<1>); break;
@@ -382,9 +397,9 @@ inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, const fl
 
 inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
                                              const floatX* weight, const float* mean, const float* rstd, int64_t N,
-                                             int C, cudaStream_t stream) {
+                                             int C, cudaStream_t stream, unsigned int* amax = nullptr) {
     layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
-                                     stream>>>(dinp, dout, inp, weight, mean, rstd, N, C);
+                                     stream>>>(dinp, dout, inp, weight, mean, rstd, N, C, amax);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
     layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
@@ -394,10 +409,11 @@ inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, const
 }  // namespace detail
 
 // dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
-// the mean and rstd saved by the forward. dinp must not alias dout or inp.
+// the mean and rstd saved by the forward. dinp must not alias dout or inp. amax (optional): folds max
+// |dinp| (its values after the addition) into it, as layernorm_forward's.
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                               float* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                               float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr) {
     detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight});
     if (scratch_bytes < layernorm_backward_scratch_bytes(N, C)) {
         fail(kExitUsage, "layernorm_backward: scratch of %zu bytes, N=%lld C=%d needs %zu", scratch_bytes,
@@ -405,9 +421,9 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     }
     if (N == 0) return;
     if (detail::layernorm_backward_fuses(C)) {
-        detail::layernorm_backward_rows_fused(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream);
+        detail::layernorm_backward_rows_fused(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream, amax);
     } else {
-        detail::layernorm_backward_rows_separate(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream);
+        detail::layernorm_backward_rows_separate(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream, amax);
     }
     layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
         dweight, dbias, scratch, layernorm_chunks(N), C);

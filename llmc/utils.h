@@ -2,7 +2,7 @@
 Error reporting and checked file I/O shared by every part of the program.
 
 Provides: llmc::Error (an exception that carries the process exit code), fail() to raise one with a
-printf-style message, run_main() to turn an escaped Error into "error: ..." on stderr and that exit code,
+printf-style message, format() and split() for strings, run_main() to turn an escaped Error into "error: ..." on stderr and that exit code,
 llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or raises
 an Error naming the file, the offset, the byte count and the system's error text, and the filesystem
 steps the programs share: regular_file_exists(), directory_exists(), make_directories() (mkdir -p),
@@ -24,6 +24,7 @@ Does not provide: buffering (callers read and write in large blocks), directory 
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -70,6 +71,18 @@ __attribute__((format(printf, 1, 2))) inline std::string format(const char* fmt,
     std::string s = vformat(fmt, args);
     va_end(args);
     return s;
+}
+
+// "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
+inline std::vector<std::string> split(const std::string& text, char sep) {
+    std::vector<std::string> parts;
+    size_t start = 0;
+    while (true) {
+        const size_t end = text.find(sep, start);
+        parts.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+        if (end == std::string::npos) return parts;
+        start = end + 1;
+    }
 }
 
 [[noreturn]] __attribute__((format(printf, 2, 3))) inline void fail(int exit_code, const char* fmt, ...) {

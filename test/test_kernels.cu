@@ -17,7 +17,8 @@ error is measured against the size of what was added: ||got - ref|| / ||ref - in
 1e-2 for bf16 results (one bf16 rounding is 2^-9 = 2e-3 relative), 1e-5 for fp32 ones, exact where the
 math is exact (sums of two bf16 values). Every backward, attention's forward, the classifier, the norm
 and AdamW run twice and must agree bitwise, and so must LayerNorm backward's fused kernel and the
-separate kernels where both can run.
+separate kernels where both can run. The amax LayerNorm forward and backward record for an FP8 copy of
+their outputs (llmc/fp8.cuh) is exactly max |output|.
 Each comparison prints its relative error, so a run shows the margins. GELU is also held to the exact
 function's bf16 rounding (GeluForwardRoundsLikeTheExactFunction says why).
 */
@@ -264,6 +265,16 @@ TEST_F(KernelTest, EncoderBackwardMatchesCpuAndIsDeterministic) {
 
 // ----------------------------------------------------------------------------------------------------
 
+// The amax a kernel recorded for an FP8 copy of its output (fp8_record_amax's float bits): exactly max |out|.
+void expect_amax_is_max_abs(const char* what, const unsigned int* d_amax, const std::vector<float>& out) {
+    unsigned int bits = 0;
+    cudaCheck(cudaMemcpy(&bits, d_amax, sizeof(bits), cudaMemcpyDeviceToHost));
+    float amax = 0.0f, want = 0.0f;
+    std::memcpy(&amax, &bits, sizeof(amax));
+    for (float v : out) want = std::max(want, std::fabs(v));
+    EXPECT_EQ(amax, want) << what << ": recorded amax";
+}
+
 TEST_F(KernelTest, LayerNormForwardMatchesCpu) {
     for (const Shape& s : kShapes) {
         SCOPED_TRACE(s.name());
@@ -281,8 +292,13 @@ TEST_F(KernelTest, LayerNormForwardMatchesCpu) {
         poison(d_out);
         poison(d_mean);
         poison(d_rstd);
-        layernorm_forward(d_out.get(), d_mean.get(), d_rstd.get(), d_inp.get(), d_w.get(), d_b.get(), N, s.C, kStream);
-        expect_close("layernorm out", download_bf16(d_out.get(), inp.size()), out_ref, kTolBf16);
+        DeviceBuffer<unsigned int> amax(1);
+        cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
+        layernorm_forward(d_out.get(), d_mean.get(), d_rstd.get(), d_inp.get(), d_w.get(), d_b.get(), N, s.C, kStream,
+                          amax.get());
+        const auto out = download_bf16(d_out.get(), inp.size());
+        expect_close("layernorm out", out, out_ref, kTolBf16);
+        expect_amax_is_max_abs("layernorm out", amax.get(), out);
         expect_close("layernorm mean (fp32)", download(d_mean.get(), size_t(N)), mean_ref, kTolFp32);
         expect_close("layernorm rstd (fp32)", download(d_rstd.get(), size_t(N)), rstd_ref, kTolFp32);
     }
@@ -312,8 +328,11 @@ TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
         poison(d_mean);
         poison(d_rstd);
         residual_forward(d_sum.get(), d_a.get(), d_b.get(), int64_t(n), kStream);
+        DeviceBuffer<unsigned int> amax(1);
+        cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
         fused_residual_layernorm_forward(d_residual.get(), d_out.get(), d_mean.get(), d_rstd.get(), d_a.get(),
-                                         d_b.get(), d_w.get(), d_bias.get(), N, s.C, kStream);
+                                         d_b.get(), d_w.get(), d_bias.get(), N, s.C, kStream, amax.get());
+        expect_amax_is_max_abs("fused: layernorm out", amax.get(), download_bf16(d_out.get(), n));
         const auto sum = download_bf16(d_sum.get(), n), residual = download_bf16(d_residual.get(), n);
         expect_close("residual_forward", sum, residual_ref, 0.0);
         expect_close("fused: residual", residual, residual_ref, 0.0);
@@ -380,17 +399,30 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
             SCOPED_TRACE("fused kernel against the separate kernels");
             const size_t n_partial = scratch_bytes / sizeof(float);
             std::vector<unsigned char> dinp_bits[2], partial_bits[2];
+            unsigned int amax_bits[2] = {0, 0};
+            float dinp_max = 0.0f;
             for (int way = 0; way < 2; way++) {
                 auto d_dinp = upload_bf16(dinp0);
                 poison(scratch);
+                DeviceBuffer<unsigned int> amax(1);
+                cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
                 auto rows = way == 0 ? detail::layernorm_backward_rows_fused : detail::layernorm_backward_rows_separate;
                 rows(d_dinp.get(), scratch.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(), d_rstd.get(), N,
-                     s.C, kStream);
+                     s.C, kStream, amax.get());
                 dinp_bits[way] = bytes_of(d_dinp.get(), n);
                 partial_bits[way] = bytes_of(scratch.get(), n_partial);
+                cudaCheck(cudaMemcpy(&amax_bits[way], amax.get(), sizeof(unsigned int), cudaMemcpyDeviceToHost));
+                if (way == 0) {
+                    for (float v : download_bf16(d_dinp.get(), n)) dinp_max = std::max(dinp_max, std::fabs(v));
+                }
             }
             expect_bitwise("dinp", dinp_bits[1], dinp_bits[0]);
             expect_bitwise("dweight and dbias chunk partials", partial_bits[1], partial_bits[0]);
+            // The amax both ways record for an FP8 copy of dinp: exactly max |dinp|.
+            float amax_f[2];
+            std::memcpy(amax_f, amax_bits, sizeof(amax_f));
+            EXPECT_EQ(amax_f[0], dinp_max) << "fused kernel's amax of dinp";
+            EXPECT_EQ(amax_f[1], dinp_max) << "separate kernels' amax of dinp";
         }
     }
 }
