@@ -287,8 +287,9 @@ private:
 // D = P Q^T through one Fp8Gemm (the heuristic's first choice, looked up at each call as gemm() does).
 template <class P, class Q>
 void fp8_matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, const P* p, const Q* q,
-                const float* descale_p, const float* descale_q, floatX* d, const Fp8Epilogue& epilogue = {}) {
-    const Fp8Gemm gemm(lt, M, N, K, p, q, descale_p, descale_q, d, epilogue);
+                const float* descale_p, const float* descale_q, floatX* d, const Fp8Epilogue& epilogue = {},
+                bool fast_accum = false) {
+    const Fp8Gemm gemm(lt, M, N, K, p, q, descale_p, descale_q, d, epilogue, fast_accum);
     gemm.run(stream);
 }
 

@@ -15,8 +15,8 @@ NCCL computes the same bits as the single-GPU path.
 
 FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 operands (llmc/fp8.cuh) with
 per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
-E4M3), the classifier's forward (the final LayerNorm's output times wte), and the backward's dX of
-attproj and fcproj (the residual stream's gradient in E5M2 times the transposed weight in E4M3, fcproj's
+E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
+LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's gradient in E5M2 times the transposed weight in E4M3, fcproj's
 with the GELU gradient in the same call). The LayerNorm kernels record the amax of what they write, so
 each FP8 activation costs one cast pass (read bf16, write FP8) and no amax pass; the weights are cast
 (both layouts where needed) once after each change of the parameters. Everything else stays bf16,
@@ -103,12 +103,14 @@ struct Fp8Matmuls {
     }
 };
 
-// "0" or "none": no FP8; "1" or "all": every matmul Fp8Matmuls names; else a comma-separated list of
-// qkv, fc, lm_head, attproj.dx, fcproj.dx.
+// "0" or "none": no FP8; "1": qkv, fc, lm_head and attproj.dx (fcproj.dx, whose FP8 matmul with the GELU
+// gradient epilogue is slower than bf16's on the H200, is left out); "all": every matmul Fp8Matmuls
+// names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx.
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
-    if (text == "1" || text == "all") return {true, true, true, true, true};
+    if (text == "1") return {true, true, true, true, false};  // what pays at d12 (docs/performance.md)
+    if (text == "all") return {true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "qkv") {
             m.qkv = true;
@@ -121,8 +123,8 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
         } else if (name == "fcproj.dx") {
             m.fcproj_dx = true;
         } else {
-            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, or a comma-separated list of qkv, fc, lm_head, "
-                 "attproj.dx, fcproj.dx", text.c_str(), name.c_str());
+            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
+                 "lm_head, attproj.dx, fcproj.dx", text.c_str(), name.c_str());
         }
     }
     return m;
@@ -308,7 +310,7 @@ public:
         if (fp8_head) {
             const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
             fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
-                       fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_);
+                       fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_, Fp8Epilogue{}, kFp8FastAccumForward);
         } else {
             matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
         }
@@ -546,7 +548,7 @@ private:
             if (fp8_qkv) {
                 const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln1, N * C, kFp8Act);
                 fp8_matmul(lt_, stream_, N, 3 * C, C, x, fp8_weight(kFp8Qkv, l), fp8_descale(kFp8Act),
-                           fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb});
+                           fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb}, kFp8FastAccumForward);
             } else {
                 matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
             }
@@ -563,7 +565,8 @@ private:
             if (fp8_fc) {
                 const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln2, N * C, kFp8Act);
                 fp8_matmul(lt_, stream_, N, 4 * C, C, x, fp8_weight(kFp8Fc, l), fp8_descale(kFp8Act),
-                           fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr});
+                           fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
+                           kFp8FastAccumForward);
             } else {
                 matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
             }
@@ -586,6 +589,9 @@ private:
     // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
     // aligned): one per weight copy (kind-major, then layer; the classifier's after them), then the
     // activation's (E4M3) and the gradient's (E5M2), each reused by one matmul after another.
+    // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
+    // Engine does for the forward; the backward ones promote as usual.
+    static constexpr bool kFp8FastAccumForward = true;
     static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8WeightKinds = 4;
     static constexpr int kFp8SlotStride = 4;
     int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 4: wte, l = 0

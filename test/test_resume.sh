@@ -8,7 +8,7 @@
 #     synchronous save; cadence flags may change on resume;
 #   - the checkpoint directory: the files, manifest, model.bin readable as an llm.c v3 file (-e loads it),
 #     rotation (-nk 2 -nm 20 keeps 20, 30 and the newest), no .tmp left;
-#   - the same bit-exact resume with the FP8 matmuls on (--fp8 1), on GPUs that have them (compute
+#   - the same bit-exact resume with every FP8 matmul on (--fp8 all), on GPUs that have them (compute
 #     capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran);
 #   - a flipped bit in the newest checkpoint: -y 1 says it skips it and resumes from the one before, still
 #     bit-exact; a different batch size or model shape is refused naming the setting; different data is
@@ -121,8 +121,8 @@ echo "bit-exact resume (async, sync, streamed): ok"
 # The same in FP8 mode (no state of its own: the scales come from each tensor, so the checkpoint is the same).
 cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
 if python3 -c "import sys; sys.exit(0 if float('$cap') >= 8.9 else 1)"; then
-    trainer "${common[@]}" --fp8 1 -n 10 -o "$dir/fp8" >"$dir/fp8.out" 2>&1 || { echo "FAIL: the FP8 run"; cat "$dir/fp8.out"; exit 1; }
-    grep -q "FP8 matmuls: qkv,fc,lm_head,attproj.dx,fcproj.dx" "$dir/fp8.out" || { echo "FAIL: no FP8 line"; cat "$dir/fp8.out"; exit 1; }
+    trainer "${common[@]}" --fp8 all -n 10 -o "$dir/fp8" >"$dir/fp8.out" 2>&1 || { echo "FAIL: the FP8 run"; cat "$dir/fp8.out"; exit 1; }
+    grep -q "FP8 matmuls: qkv,fc,lm_head,attproj.dx,fcproj.dx " "$dir/fp8.out" || { echo "FAIL: no FP8 line"; cat "$dir/fp8.out"; exit 1; }
     python3 - "$dir/straight/log.jsonl" "$dir/fp8/log.jsonl" <<'PY' || exit 1
 import json, sys
 def losses(path): return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
@@ -132,7 +132,7 @@ if len(fp8) != 30 or bf16 == fp8:
 print("FP8 run: loss %.4f -> %.4f (bf16 %.4f -> %.4f)" % (fp8[0], fp8[-1], bf16[0], bf16[-1]))
 PY
     rm -rf "$dir/fp8_r" && mkdir -p "$dir/fp8_r" && cp -r "$dir/fp8/ckpt_00000010" "$dir/fp8_r/"
-    trainer "${common[@]}" --fp8 1 -n 7 -y 1 -o "$dir/fp8_r" >"$dir/fp8_r.out" 2>&1 ||
+    trainer "${common[@]}" --fp8 all -n 7 -y 1 -o "$dir/fp8_r" >"$dir/fp8_r.out" 2>&1 ||
         { echo "FAIL: FP8 resume"; cat "$dir/fp8_r.out"; exit 1; }
     compare_logs "$dir/fp8/log.jsonl" 11 "$dir/fp8_r/log.jsonl"
     same_file "$dir/fp8/model.bin" "$dir/fp8_r/model.bin" "final weights after FP8 resume"
