@@ -158,19 +158,23 @@ for section in "$@"; do
         fp8-loss-d12|fp8-loss-d24)
             # Training quality with FP8: the same run in bf16 and with --fp8 1 on the quick-start corpus
             # (data/quickstart_*), B=64 T=1024, the README's hyperparameters; d12 1000 steps, d24 500. The
-            # logs go to $LOGS/fp8_loss_<model>_<mode>/; dev/compare_losses.py compares them from step 50.
+            # logs go to $LOGS/fp8_loss_<model>_<mode>/; dev/compare_losses.py compares them from step 51.
+            # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 first, the others compared with it).
             model=${section#fp8-loss-}
             steps=1000
             [ "$model" = d24 ] && steps=500
-            for fp8 in 0 1; do
+            for fp8 in ${FP8_LOSS_MODES:-0 1}; do
                 smi_run "smi_fp8_loss_${model}_$fp8.log" step "$model $steps steps --fp8 $fp8" "fp8_loss_$model.log" 590 \
                     ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 64 -t 1024 \
                     -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100 --save-model none \
                     --fp8 $fp8 -o "$LOGS/fp8_loss_${model}_$fp8"
                 grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
             done
-            python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_1/log.jsonl" "$LOGS/fp8_loss_${model}_0/log.jsonl" \
-                --max-diff 0.03 --max-val-rel 0.01 --from-step 51 | tee -a "$summary" ;;
+            for fp8 in ${FP8_LOSS_MODES:-0 1}; do
+                [ "$fp8" = 0 ] || [ ! -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] ||
+                    python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
+                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 | tee -a "$summary"
+            done ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a
             # comparison in the same run: LLMC_PEER is the folder holding bench_llmc.sh.
