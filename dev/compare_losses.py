@@ -4,10 +4,12 @@ format (dev/train_gpt2_torch.py --log writes the same keys), as the training-dyn
 against PyTorch does (docs/performance.md):
 
     python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01] [--from-step 1]
+                                  [--plot diff.png [--labels A,B] [--title T]]
 
 Prints the largest |difference| and its step, the mean difference (first minus second), the rms, and the
 final validation losses; PASS when every step of the second log is in the first, the largest difference
 over the steps from --from-step on (default: all) is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
+--plot draws the per-step difference (first minus second), its 20-step mean and the +-max-diff band.
 """
 import argparse
 import json
@@ -32,6 +34,9 @@ def main():
     ap.add_argument("--max-diff", type=float, default=0.05)
     ap.add_argument("--max-val-rel", type=float, default=0.01)
     ap.add_argument("--from-step", type=int, default=1, help="compare the train losses from this step on")
+    ap.add_argument("--plot", help="a PNG of the per-step difference")
+    ap.add_argument("--labels", default="first,second", help="the two logs' names on the plot")
+    ap.add_argument("--title", help="the plot's title")
     a = ap.parse_args()
     (t1, v1), (t2, v2) = load(a.first), load(a.second)
     steps = sorted(s for s in t2 if s >= a.from_step)
@@ -52,7 +57,36 @@ def main():
         ok = ok and rel <= a.max_val_rel
         line += f"; val loss at step {last}: {v1[last]:.6f} vs {v2[last]:.6f}, rel diff {rel:.2e} (limit {a.max_val_rel})"
     print(line + (" PASS" if ok else " FAIL"))
+    if a.plot:
+        plot(a, [(s, t1[s] - t2[s]) for s in sorted(t2) if s in t1])
     sys.exit(0 if ok else 1)
+
+
+def plot(a, diffs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first, second = (a.labels.split(",") + ["second"])[:2]
+    steps = [s for s, _ in diffs]
+    values = [d for _, d in diffs]
+    window = 20
+    mean = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, values, lw=0.6, alpha=0.5, label="per step")
+    ax.plot(steps, mean, lw=1.8, label=f"{window}-step mean")
+    for y in (a.max_diff, -a.max_diff):
+        ax.axhline(y, color="gray", ls="--", lw=0.8)
+    ax.axhline(0, color="black", lw=0.5)
+    ax.axvline(a.from_step, color="gray", ls=":", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss: {first} - {second}")
+    ax.set_title(a.title or f"{first} - {second}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(a.plot, dpi=110)
+    print(f"wrote {a.plot}")
 
 
 if __name__ == "__main__":
