@@ -16,13 +16,14 @@ NCCL computes the same bits as the single-GPU path.
 FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 operands (llmc/fp8.cuh) with
 per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
 E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
-LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's gradient in E5M2 times the transposed weight in E4M3, fcproj's
-with the GELU gradient in the same call). The LayerNorm kernels record the amax of what they write, so
-each FP8 activation costs one cast pass (read bf16, write FP8) and no amax pass; the weights are cast
-(both layouts where needed) once after each change of the parameters. Everything else stays bf16,
-including every weight gradient (which reads the bf16 activations) and the attention. A call whose B x T
-is not a multiple of 16 runs that call in bf16. No state: scales come from the tensors themselves, so
-FP8 changes nothing in a checkpoint and a run is as deterministic as in bf16.
+LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's
+gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call).
+The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
+(read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
+each change of the parameters. Everything else stays bf16, including every weight gradient (which reads
+the bf16 activations) and the attention. A call whose B x T is not a multiple of 16 runs that call in
+bf16. No state: scales come from the tensors themselves, so FP8 changes nothing in a checkpoint and a
+run is as deterministic as in bf16.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
