@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# dev/compare_losses.py, the per-step loss comparison behind the FP8 and PyTorch quality checks, on
+# synthetic log.jsonl files in train_gpt2cu's line format: PASS (exit 0) when every compared step is within
+# --max-diff and the final validation losses within --max-val-rel, FAIL (exit 1) otherwise; --from-step
+# leaves the earlier steps out (a large early gap then passes); a step of the second log missing from the
+# first fails; the reported maximum, its step and the mean difference are the ones planted; --plot writes
+# a PNG. Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d /tmp/test_compare_losses_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def write(name, offsets, val, skip=()):
+    with open(f"{d}/{name}.jsonl", "w") as f:
+        for s in range(1, 101):
+            if s in skip:
+                continue
+            f.write(json.dumps({"step": s, "loss": 5.0 - 0.01 * s + offsets.get(s, 0.0), "lr": 1e-3, "norm": 1.0}) + "\n")
+            if s % 50 == 0:
+                f.write(json.dumps({"step": s, "val_loss": val if s == 100 else 6.0}) + "\n")
+write("base", {}, 6.0)
+write("close", {s: 0.01 for s in range(1, 101)}, 6.03)          # +0.01 everywhere, val +0.5%
+write("early", {**{s: 0.01 for s in range(1, 101)}, 20: 0.2}, 6.03)  # one big gap at step 20
+write("late", {**{s: 0.01 for s in range(1, 101)}, 70: -0.05}, 6.03) # a gap after step 50
+write("valoff", {}, 6.1)                                        # val 1.7% off
+write("missing", {}, 6.0, skip=(33,))
+PY
+
+run() {  # run EXPECTED_EXIT NAME ARGS...
+    local want=$1 name=$2 rc=0
+    shift 2
+    python3 dev/compare_losses.py "$@" >"$dir/$name.out" 2>&1 || rc=$?
+    if [ "$rc" != "$want" ]; then echo "FAIL: $name: exit $rc, expected $want"; cat "$dir/$name.out"; exit 1; fi
+}
+expect_out() {  # expect_out NAME TEXT
+    grep -qF -- "$2" "$dir/$1.out" || { echo "FAIL: $1: no '$2' in:"; cat "$dir/$1.out"; exit 1; }
+}
+run 0 close "$dir/close.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel 0.01
+expect_out close "max 0.0100"
+expect_out close "mean +0.0100"
+expect_out close "PASS"
+run 1 early "$dir/early.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out early "max 0.2000 at step 20"
+expect_out early "FAIL"
+run 0 early_from "$dir/early.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 51
+expect_out early_from "over 50/50 steps from step 51"
+run 1 late_from "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 51
+expect_out late_from "max 0.0500 at step 70"
+run 1 valoff "$dir/valoff.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel 0.01
+expect_out valoff "val loss at step 100: 6.100000 vs 6.000000"
+run 1 missing "$dir/missing.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out missing "over 99/100 steps"
+echo "PASS/FAIL, --from-step, missing steps: ok"
+
+if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
+    echo "skipped: /usr/bin/python3 cannot import matplotlib (the --plot check)"
+    exit 77
+fi
+rc=0
+/usr/bin/python3 dev/compare_losses.py "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 51 \
+    --plot "$dir/diff.png" --labels late,base >"$dir/plot.out" 2>&1 || rc=$?
+[ $rc = 1 ] || { echo "FAIL: --plot changed the exit code ($rc)"; cat "$dir/plot.out"; exit 1; }
+head -c 8 "$dir/diff.png" | od -An -c | grep -q "P   N   G" || { echo "FAIL: --plot wrote no PNG"; cat "$dir/plot.out"; exit 1; }
+echo "--plot: ok"
+echo "ok"
