@@ -20,9 +20,12 @@ LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the 
 gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call).
 The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
 (read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
-each change of the parameters. Everything else stays bf16, including every weight gradient (which reads
-the bf16 activations) and the attention. A call whose B x T is not a multiple of 16 runs that call in
-bf16. No state: scales come from the tensors themselves, so FP8 changes nothing in a checkpoint and a
+each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
+only (as Transformer Engine keeps its FP8 inputs): half the bytes of bf16, more than paying for the
+weights' copies; their weight gradients read them back in bf16. Everything else stays bf16, including
+the weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
+matmuls in bf16 (its forward gives bf16's bits; its backward still reads the kept FP8 LayerNorm
+outputs). No state: scales come from the tensors themselves, so FP8 changes nothing in a checkpoint and a
 run is as deterministic as in bf16.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
@@ -82,6 +85,9 @@ struct OuterTensors {
 struct BlockActivations {
     floatX *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
+    // With FP8 qkv (fc), ln1 (ln2) is kept in E4M3 only, as the FP8 matmul read it: ln1_q (ln2_q), with
+    // ln1 (ln2) null.
+    __nv_fp8_e4m3 *ln1_q, *ln2_q;
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
@@ -177,7 +183,7 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
-        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_act_slot() + 2));
+        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_slot(kFp8Grad) + 1));
         fp8_descale_.allocate(fp8_amax_.size());
         cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, fp8_amax_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(fp8_descale_.get(), 0, fp8_descale_.bytes(), stream_));
@@ -217,21 +223,27 @@ public:
         return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
     }
 
-    // FP8 matmuls (the file's comment): which ones, from now on. Allocates the weights' FP8 copies and
-    // one FP8 activation buffer (memory().fp8). Fails on a GPU without FP8 tensor cores, or for shapes
-    // the FP8 matmuls cannot take (channels and, for lm_head, the padded vocabulary multiples of 16).
+    // FP8 matmuls (the file's comment): which ones, from now on. Allocates the weights' FP8 copies
+    // (memory().fp8) and, when the qkv or fc choice changes, the activations again (the LayerNorm outputs
+    // those matmuls read are kept in FP8: memory().activations shrinks), so a backward() needs a forward()
+    // after it. Fails on a GPU without FP8 tensor cores, or for shapes the FP8 matmuls cannot take
+    // (channels and, for lm_head, the padded vocabulary multiples of 16).
     void set_fp8(const Fp8Matmuls& m) {
         cudaCheck(cudaStreamSynchronize(stream_));  // a step in flight may still read the old copies
-        fp8_ = m;
-        fp8_weights_.allocate(0);
-        fp8_act_.allocate(0);
-        memory_.fp8 = 0;
-        fp8_weights_stale_ = true;
-        if (!m.any()) return;
-        if (!fp8_supported()) {
+        if (m.any() && !fp8_supported()) {
             fail(kExitUsage, "FP8 matmuls (%s) need a GPU with FP8 tensor cores (compute capability 8.9 or higher)",
                  m.describe().c_str());
         }
+        const bool relayout = m.qkv != fp8_.qkv || m.fc != fp8_.fc;
+        fp8_ = m;
+        fp8_weights_.allocate(0);
+        memory_.fp8 = 0;
+        fp8_weights_stale_ = true;
+        if (relayout) {
+            acts_.allocate(0);
+            carve_activations();
+        }
+        if (!m.any()) return;
         const GPT2Config& c = config_;
         if (c.channels % 16 != 0) fail(kExitUsage, "FP8 matmuls need channels a multiple of 16, not %d", c.channels);
         if (m.lm_head && c.padded_vocab_size % 16 != 0) {
@@ -248,8 +260,7 @@ public:
         fp8_weight_at_[kFp8WeightKinds] = at;
         if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
         fp8_weights_.allocate(at);
-        fp8_act_.allocate(n_ * C);
-        memory_.fp8 = fp8_weights_.bytes() + fp8_act_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes();
+        memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes();
     }
     const Fp8Matmuls& fp8() const { return fp8_; }
     // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
@@ -309,7 +320,7 @@ public:
         const bool fp8_head = fp8_.lm_head && fp8_rows(N);
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
         if (fp8_head) {
-            const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
+            const auto* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
             fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
                        fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_, Fp8Epilogue{}, kFp8FastAccumForward);
         } else {
@@ -408,7 +419,9 @@ public:
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
         // FP8 dX of attproj and fcproj: their dD is the residual stream's gradient, whose amax the
-        // LayerNorm backward that writes it records.
+        // LayerNorm backward that writes it records. LayerNorm outputs kept in FP8 come back to bf16 for
+        // the weight gradients in buffers free at that point: ln2 in d_qkv_ (layer l+1's qkv gradient is
+        // spent), ln1 in d_fch_ (layer l's fc gradient is).
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
@@ -427,18 +440,19 @@ public:
             // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
             if (recompute_gelu_) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
             if (fp8_fcproj) {
-                const auto* g8 = fp8_cast_activation<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
+                const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
                 fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
                            fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_, Fp8Epilogue{nullptr, nullptr, a.fch});
             }
             matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
                             b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
-            matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, a.ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
+            const floatX* ln2 = a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_slot(l));
+            matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr);
             // residual2 = residual + attproj(attention(qkv(ln1))).
             if (fp8_attproj) {
-                const auto* g8 = fp8_cast_activation<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
+                const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
                 fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
                            fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
             }
@@ -446,7 +460,8 @@ public:
                             b.attprojw, N, C, C, fscratch, sbytes, stream_);
             attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                scratch_.get(), sbytes, stream_);
-            matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, a.ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
+            const floatX* ln1 = a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_slot(l));
+            matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_fcproj && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
@@ -539,19 +554,24 @@ private:
         const bool fp8_qkv = fp8_.qkv && fp8_rows(N), fp8_fc = fp8_.fc && fp8_rows(N);
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
+        // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q) is written in bf16 to d_ln_ (free in forward)
+        // with its amax, then cast into its layer's FP8 slot; a call in bf16 (rows not a multiple of 16)
+        // reads the bf16 one.
+        auto ln_out = [&](floatX* bf16) { return bf16 != nullptr ? bf16 : d_ln_; };
+        auto ln_amax = [&](const floatX* bf16, int slot) { return bf16 != nullptr ? nullptr : fp8_reset_amax(slot); };
         const BlockActivations first = acts(0);
-        layernorm_forward(first.ln1, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w, block(p, 0).ln1b, N,
-                          C, stream_, fp8_qkv ? fp8_reset_amax(kFp8Act) : nullptr);
+        layernorm_forward(ln_out(first.ln1), first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w,
+                          block(p, 0).ln1b, N, C, stream_, ln_amax(first.ln1, fp8_ln1_slot(0)));
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
+            if (a.ln1 == nullptr) keep_fp8(a.ln1_q, N * C, fp8_ln1_slot(l));
             if (fp8_qkv) {
-                const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln1, N * C, kFp8Act);
-                fp8_matmul(lt_, stream_, N, 3 * C, C, x, fp8_weight(kFp8Qkv, l), fp8_descale(kFp8Act),
+                fp8_matmul(lt_, stream_, N, 3 * C, C, a.ln1_q, fp8_weight(kFp8Qkv, l), fp8_descale(fp8_ln1_slot(l)),
                            fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb}, kFp8FastAccumForward);
             } else {
-                matmul_forward(lt_, a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C, stream_);
+                matmul_forward(lt_, a.qkv, ln_out(a.ln1), b.qkvw, b.qkvb, N, C, 3 * C, stream_);
             }
             if (packed != nullptr) {
                 attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
@@ -561,15 +581,15 @@ private:
                                   scratch_.bytes(), stream_);
             }
             matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
-            fused_residual_layernorm_forward(a.residual2, a.ln2, a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
-                                             b.ln2b, N, C, stream_, fp8_fc ? fp8_reset_amax(kFp8Act) : nullptr);
+            fused_residual_layernorm_forward(a.residual2, ln_out(a.ln2), a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
+                                             b.ln2b, N, C, stream_, ln_amax(a.ln2, fp8_ln2_slot(l)));
+            if (a.ln2 == nullptr) keep_fp8(a.ln2_q, N * C, fp8_ln2_slot(l));
             if (fp8_fc) {
-                const auto* x = fp8_cast_activation<__nv_fp8_e4m3>(a.ln2, N * C, kFp8Act);
-                fp8_matmul(lt_, stream_, N, 4 * C, C, x, fp8_weight(kFp8Fc, l), fp8_descale(kFp8Act),
+                fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
                            fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
                            kFp8FastAccumForward);
             } else {
-                matmul_forward(lt_, a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+                matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
             }
             matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
             // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
@@ -577,9 +597,9 @@ private:
             if (l + 1 < L) {
                 const BlockActivations next = acts(l + 1);
                 const BlockTensors<const floatX> nb = block(p, l + 1);
-                fused_residual_layernorm_forward(a.residual3, next.ln1, next.ln1_mean, next.ln1_rstd, a.residual2,
-                                                 proj_, nb.ln1w, nb.ln1b, N, C, stream_,
-                                                 fp8_qkv ? fp8_reset_amax(kFp8Act) : nullptr);
+                fused_residual_layernorm_forward(a.residual3, ln_out(next.ln1), next.ln1_mean, next.ln1_rstd,
+                                                 a.residual2, proj_, nb.ln1w, nb.ln1b, N, C, stream_,
+                                                 ln_amax(next.ln1, fp8_ln1_slot(l + 1)));
             } else {
                 fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
                                                  w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
@@ -588,17 +608,22 @@ private:
     }
 
     // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
-    // aligned): one per weight copy (kind-major, then layer; the classifier's after them), then the
-    // activation's (E4M3) and the gradient's (E5M2), each reused by one matmul after another.
+    // aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
+    // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3) and the
+    // gradient's (E5M2), each reused by one matmul after another.
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
     static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8WeightKinds = 4;
     static constexpr int kFp8SlotStride = 4;
     int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 4: wte, l = 0
-    int fp8_act_slot() const { return kFp8WeightKinds * config_.num_layers + 1; }
+    int fp8_ln1_slot(int l) const { return kFp8WeightKinds * config_.num_layers + 1 + l; }
+    int fp8_ln2_slot(int l) const { return (kFp8WeightKinds + 1) * config_.num_layers + 1 + l; }
     static constexpr int kFp8Act = -1, kFp8Grad = -2;  // resolved by fp8_slot()
-    int fp8_slot(int slot) const { return slot == kFp8Act ? fp8_act_slot() : slot == kFp8Grad ? fp8_act_slot() + 1 : slot; }
+    int fp8_slot(int slot) const {
+        const int act = (kFp8WeightKinds + 2) * config_.num_layers + 1;
+        return slot == kFp8Act ? act : slot == kFp8Grad ? act + 1 : slot;
+    }
     unsigned int* fp8_amax_slot(int slot) const { return fp8_amax_.get() + kFp8SlotStride * fp8_slot(slot); }
     float* fp8_descale(int slot) const { return fp8_descale_.get() + kFp8SlotStride * fp8_slot(slot); }
     // Zeroes the slot's amax (for the kernel about to write the tensor to record it) and returns it.
@@ -614,12 +639,25 @@ private:
         const size_t per_layer[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
         return fp8_weights_.get() + fp8_weight_at_[kind] + (kind < kFp8WeightKinds ? size_t(l) * per_layer[kind] : 0);
     }
-    // x (n bf16, its amax recorded in the slot) into the FP8 activation buffer; the slot's descale set.
+    // x (n <= B x T rows of C bf16, its amax recorded in the slot) in FP8, for the matmul that follows;
+    // the slot's descale set. It goes to d_qkv_, free wherever this is called: in forward (the
+    // classifier's input), and in backward before attention's backward writes d_qkv_ (the residual
+    // stream's gradient for fcproj's and attproj's dX).
     template <class Fp8>
-    const Fp8* fp8_cast_activation(const floatX* x, int64_t n, int slot) {
-        Fp8* q = reinterpret_cast<Fp8*>(fp8_act_.get());
+    const Fp8* fp8_cast_operand(const floatX* x, int64_t n, int slot) {
+        Fp8* q = reinterpret_cast<Fp8*>(d_qkv_);
         fp8_cast(q, x, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
         return q;
+    }
+    // The LayerNorm output forward just wrote to d_ln_ (n values, its amax in the slot) into its kept FP8
+    // copy q; the slot's descale set.
+    void keep_fp8(__nv_fp8_e4m3* q, int64_t n, int slot) {
+        fp8_cast(q, d_ln_, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
+    }
+    // A kept FP8 LayerNorm output (n values, its descale in the slot) back in bf16, in `into`.
+    const floatX* dequantized(floatX* into, const __nv_fp8_e4m3* q, int64_t n, int slot) {
+        fp8_dequantize(into, q, n, fp8_descale(slot), stream_);
+        return into;
     }
     // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax.
     void cast_fp8_weights() {
@@ -651,40 +689,14 @@ private:
     // Per-layer tensors are strided by the allocated B x T, so smaller batches use a prefix of each.
     void allocate_activations() {
         const GPT2Config& c = config_;
-        const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
+        const size_t C = size_t(c.channels);
         const size_t N = size_t(B_) * size_t(T_);
         nc_ = N * C;
         n_ = N;
         // What attention saves for backward (flash: lse; other head sizes: the probabilities), per layer.
         att_saved_bytes_ = align256(attention_saved_bytes(B_, c.num_heads, T_, c.channels / c.num_heads));
-
-        struct Slot {
-            void** ptr;
-            size_t bytes;
-        };
-        const size_t X = sizeof(floatX), F = sizeof(float);
-        const Slot acts[] = {
-            {reinterpret_cast<void**>(&encoded_), N * C * X},
-            {reinterpret_cast<void**>(&ln1_), L * N * C * X},
-            {reinterpret_cast<void**>(&ln1_mean_), L * N * F},
-            {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
-            {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
-            {reinterpret_cast<void**>(&atty_), L * N * C * X},
-            {reinterpret_cast<void**>(&att_saved_), L * att_saved_bytes_},
-            {reinterpret_cast<void**>(&proj_), N * C * X},
-            {reinterpret_cast<void**>(&residual2_), L * N * C * X},
-            {reinterpret_cast<void**>(&ln2_), L * N * C * X},
-            {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
-            {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
-            {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
-            {reinterpret_cast<void**>(&fch_gelu_), (recompute_gelu_ ? 1 : L) * N * 4 * C * X},
-            {reinterpret_cast<void**>(&residual3_), L * N * C * X},
-            {reinterpret_cast<void**>(&lnf_), N * C * X},
-            {reinterpret_cast<void**>(&lnf_mean_), N * F},
-            {reinterpret_cast<void**>(&lnf_rstd_), N * F},
-            {reinterpret_cast<void**>(&logits_), N * Vp * X},
-            {reinterpret_cast<void**>(&losses_), N * F},
-        };
+        carve_activations();
+        const size_t X = sizeof(floatX);
         const Slot act_grads[] = {
             {reinterpret_cast<void**>(&d_residual_), N * C * X},
             {reinterpret_cast<void**>(&d_ln_), N * C * X},
@@ -692,19 +704,9 @@ private:
             {reinterpret_cast<void**>(&d_qkv_), N * 3 * C * X},
             {reinterpret_cast<void**>(&d_fch_), N * 4 * C * X},
         };
-        auto carve = [](DeviceBuffer<char>& buf, const Slot* slots, size_t count) {
-            size_t total = 0;
-            for (size_t i = 0; i < count; i++) total += align256(slots[i].bytes);
-            buf.allocate(total);
-            size_t at = 0;
-            for (size_t i = 0; i < count; i++) {
-                *slots[i].ptr = buf.get() + at;
-                at += align256(slots[i].bytes);
-            }
-            return total;
-        };
-        memory_.activations = carve(acts_, acts, sizeof(acts) / sizeof(acts[0]));
         memory_.activation_grads = carve(act_grads_, act_grads, sizeof(act_grads) / sizeof(act_grads[0]));
+        // Poisoned (NaN in bf16 and fp32), so that reading something no kernel wrote shows up at once.
+        cudaCheck(cudaMemsetAsync(act_grads_.get(), 0xff, act_grads_.bytes(), stream_));
 
         // One scratch buffer serves every kernel that needs one: they run one after another on one stream.
         const int64_t n = int64_t(N);
@@ -718,9 +720,59 @@ private:
         memory_.params = params_.bytes();
         memory_.grads = grads_.bytes();
         memory_.optimizer = master_.bytes() + adam_m_.bytes() + adam_v_.bytes();
-        // Poisoned (NaN in bf16 and fp32), so that reading something no kernel wrote shows up at once.
+    }
+
+    // The activations backward reads (acts_, poisoned), laid out for the FP8 choice of the moment: with
+    // FP8 qkv (fc) each layer keeps ln1 (ln2) in E4M3 only, half the bytes, and no bf16 copy.
+    void carve_activations() {
+        const GPT2Config& c = config_;
+        const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
+        const size_t N = n_;
+        const size_t X = sizeof(floatX), F = sizeof(float), Q = sizeof(__nv_fp8_e4m3);
+        const bool q1 = fp8_.qkv, q2 = fp8_.fc;
+        const Slot acts[] = {
+            {reinterpret_cast<void**>(&encoded_), N * C * X},
+            {reinterpret_cast<void**>(&ln1_), q1 ? 0 : L * N * C * X},
+            {reinterpret_cast<void**>(&ln1_q_), q1 ? L * N * C * Q : 0},
+            {reinterpret_cast<void**>(&ln1_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
+            {reinterpret_cast<void**>(&atty_), L * N * C * X},
+            {reinterpret_cast<void**>(&att_saved_), L * att_saved_bytes_},
+            {reinterpret_cast<void**>(&proj_), N * C * X},
+            {reinterpret_cast<void**>(&residual2_), L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_), q2 ? 0 : L * N * C * X},
+            {reinterpret_cast<void**>(&ln2_q_), q2 ? L * N * C * Q : 0},
+            {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
+            {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
+            {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_), (recompute_gelu_ ? 1 : L) * N * 4 * C * X},
+            {reinterpret_cast<void**>(&residual3_), L * N * C * X},
+            {reinterpret_cast<void**>(&lnf_), N * C * X},
+            {reinterpret_cast<void**>(&lnf_mean_), N * F},
+            {reinterpret_cast<void**>(&lnf_rstd_), N * F},
+            {reinterpret_cast<void**>(&logits_), N * Vp * X},
+            {reinterpret_cast<void**>(&losses_), N * F},
+        };
+        memory_.activations = carve(acts_, acts, sizeof(acts) / sizeof(acts[0]));
         cudaCheck(cudaMemsetAsync(acts_.get(), 0xff, acts_.bytes(), stream_));
-        cudaCheck(cudaMemsetAsync(act_grads_.get(), 0xff, act_grads_.bytes(), stream_));
+    }
+
+    struct Slot {
+        void** ptr;
+        size_t bytes;  // 0: the pointer is null
+    };
+    // One allocation for the slots, each at a 256-byte boundary.
+    static size_t carve(DeviceBuffer<char>& buf, const Slot* slots, size_t count) {
+        size_t total = 0;
+        for (size_t i = 0; i < count; i++) total += align256(slots[i].bytes);
+        buf.allocate(total);
+        size_t at = 0;
+        for (size_t i = 0; i < count; i++) {
+            *slots[i].ptr = slots[i].bytes > 0 ? buf.get() + at : nullptr;
+            at += align256(slots[i].bytes);
+        }
+        return total;
     }
 
     template <class T>
@@ -737,14 +789,16 @@ private:
     BlockActivations acts(int l) const {
         const size_t L = size_t(l);
         BlockActivations a;
-        a.ln1 = ln1_ + L * nc_;
+        a.ln1 = ln1_ != nullptr ? ln1_ + L * nc_ : nullptr;
+        a.ln1_q = ln1_q_ != nullptr ? ln1_q_ + L * nc_ : nullptr;
         a.ln1_mean = ln1_mean_ + L * n_;
         a.ln1_rstd = ln1_rstd_ + L * n_;
         a.qkv = qkv_ + L * 3 * nc_;
         a.atty = atty_ + L * nc_;
         a.att_saved = att_saved_ + L * att_saved_bytes_;
         a.residual2 = residual2_ + L * nc_;
-        a.ln2 = ln2_ + L * nc_;
+        a.ln2 = ln2_ != nullptr ? ln2_ + L * nc_ : nullptr;
+        a.ln2_q = ln2_q_ != nullptr ? ln2_q_ + L * nc_ : nullptr;
         a.ln2_mean = ln2_mean_ + L * n_;
         a.ln2_rstd = ln2_rstd_ + L * n_;
         a.fch = fch_ + L * 4 * nc_;
@@ -774,11 +828,10 @@ private:
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
     DeviceBuffer<char> packed_att_, packed_scratch_;  // forward_scored's packed rows: attention's, one layer at a time
-    // FP8 (set_fp8): the weights' copies (fp8_weight_at_: where each kind starts, the classifier's last),
-    // one activation or gradient at a time, and the amax and descale slots (allocated with the model: tiny).
+    // FP8 (set_fp8): the weights' copies (fp8_weight_at_: where each kind starts, the classifier's last)
+    // and the amax and descale slots (allocated with the model: tiny).
     Fp8Matmuls fp8_;
     DeviceBuffer<__nv_fp8_e4m3> fp8_weights_;
-    DeviceBuffer<__nv_fp8_e4m3> fp8_act_;
     DeviceBuffer<unsigned int> fp8_amax_;
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
@@ -793,6 +846,7 @@ private:
     floatX *lnf_ = nullptr, *logits_ = nullptr;
     float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
     float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
+    __nv_fp8_e4m3 *ln1_q_ = nullptr, *ln2_q_ = nullptr;  // with FP8 qkv / fc, in place of ln1_ / ln2_
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
 };

@@ -5,6 +5,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
   - fp8_amax: the exact max |x| (its float bits) of bf16 values, zeros and negatives included;
   - fp8_cast (E4M3 and E5M2): every byte equal to the host's conversion of x * scale (round to nearest,
     saturating), scale = kMax / amax, the descale exactly 1 / scale; an all-zero tensor gets scale 1;
+  - fp8_dequantize: every value equal to bf16(q * descale) on both of its paths, and a round trip
+    within half an FP8 ulp plus bf16's rounding of every value in the format's normal range;
   - fp8_cast_transposed: byte for byte the transpose of fp8_cast's result, at shapes that are not
     multiples of its 32 x 32 tiles;
   - Fp8Gemm: D against the product of the dequantised operands computed in double on the host, within
@@ -19,7 +21,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     against the bf16 matmul (llmc/matmul.cuh) on the same bf16 operands: within 0.06 relative
     (Frobenius) forward, GELU input included (E4M3 on both operands: dev/fp8_lab.cu measured 3.8e-2),
     0.10 backward (E5M2 gradient: 5.9e-2), and any element within 0.2 (forward) or 0.3 (backward) of
-    max |D|.
+    max |D|; and qkv's and fc's weight gradients from the E4M3 LayerNorm output the model keeps
+    (read back with fp8_dequantize) against the bf16 input, within the forward's 0.06 and 0.2.
 */
 #include <gtest/gtest.h>
 
@@ -131,6 +134,52 @@ TEST_F(Fp8Test, CastsMatchTheHostConversion) {
     }
     check_cast<__nv_fp8_e4m3>("all zero", 333, 0.0f, 3);
     check_cast<__nv_fp8_e5m2>("all zero", 333, 0.0f, 3);
+}
+
+// fp8_dequantize gives bf16(q * descale) for every byte, on the packed path (n a multiple of 8, aligned)
+// and the plain one (an odd n, or an output off its 16-byte alignment).
+template <class Fp8>
+void check_dequantize(size_t n, size_t out_offset, uint64_t seed) {
+    SCOPED_TRACE(format("%s, n=%zu, output offset %zu", Fp8Format<Fp8>::kName, n, out_offset));
+    const std::vector<floatX> x = random_bf16(n, seed, 0.7f);
+    DeviceBuffer<Fp8> q(n);
+    DeviceBuffer<unsigned int> amax(4);
+    DeviceBuffer<float> descale(4);
+    const Cast<Fp8> c = cast_on_gpu<Fp8>(x, 1, int64_t(n), false, q, amax, descale);
+    DeviceBuffer<floatX> out(n + out_offset);
+    cudaCheck(cudaMemset(out.get(), 0xff, out.bytes()));
+    fp8_dequantize(out.get() + out_offset, q.get(), int64_t(n), descale.get(), kStream);
+    const std::vector<floatX> got = download(out.get() + out_offset, n);
+    // Beside the exact check, the round trip keeps x to within half an FP8 ulp (2^-4 relative for E4M3,
+    // 2^-3 for E5M2) plus bf16's rounding (2^-9), for values in the format's normal range.
+    const bool e4m3 = Fp8Format<Fp8>::kType == CUDA_R_8F_E4M3;
+    const double min_normal = e4m3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14);
+    const double bound = (e4m3 ? std::ldexp(1.0, -4) : std::ldexp(1.0, -3)) + std::ldexp(1.0, -8);
+    size_t wrong = 0, normal = 0;
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        __nv_fp8_storage_t b;
+        std::memcpy(&b, &c.q[i], 1);
+        const floatX want = __float2bfloat16(fp8_value<Fp8>(b) * c.descale);
+        wrong += std::memcmp(&got[i], &want, sizeof(floatX)) != 0;
+        const double xi = __bfloat162float(x[i]);
+        if (std::fabs(xi) / c.descale < min_normal) continue;
+        normal++;
+        worst = std::max(worst, std::fabs(double(__bfloat162float(got[i])) - xi) / std::fabs(xi));
+    }
+    EXPECT_EQ(wrong, 0u) << "values other than bf16(q * descale)";
+    EXPECT_GT(normal, n / 2);
+    EXPECT_LE(worst, bound) << "round trip of a normal value";
+    std::printf("  dequantize %s: n=%zu, worst relative round trip %.3g over %zu normal values (bound %.3g)\n",
+                Fp8Format<Fp8>::kName, n, worst, normal, bound);
+}
+
+TEST_F(Fp8Test, DequantizeGivesBackTheScaledValues) {
+    check_dequantize<__nv_fp8_e4m3>(4096, 0, 20);
+    check_dequantize<__nv_fp8_e4m3>(1001, 0, 21);
+    check_dequantize<__nv_fp8_e4m3>(4096, 1, 22);
+    check_dequantize<__nv_fp8_e5m2>(4096, 0, 23);
+    check_dequantize<__nv_fp8_e5m2>(777, 3, 24);
 }
 
 template <class Fp8>
@@ -360,6 +409,26 @@ public:
         expect_close(format("%s: dX, FP8 against bf16", what).c_str(), download(got.get(), n), as_double(ref.get(), n), 0.10,
                      0.3);
     }
+
+    // dW (OC, C) += dD (N, OC)^T X (N, C), a bf16 matmul whose X is the LayerNorm output FP8 keeps for
+    // backward (E4M3, read back with fp8_dequantize), against the same matmul on X in bf16.
+    void backward_dw(const char* what, int64_t OC, uint64_t seed) {
+        std::printf("  %s: dW %lld x %lld over %lld rows, X from its E4M3 copy\n", what, (long long)OC, (long long)kC,
+                    (long long)kN);
+        auto dd = upload(random_bf16(size_t(kN * OC), seed, 1e-4f)), x = upload(random_bf16(size_t(kN * kC), seed + 1, 1.0f));
+        auto w = upload(random_bf16(size_t(OC * kC), seed + 2, 0.02f));
+        DeviceBuffer<__nv_fp8_e4m3> x8(size_t(kN * kC));
+        cast(x8.get(), x.get(), kN, kC, 0);
+        DeviceBuffer<floatX> xq(size_t(kN * kC)), ref(size_t(OC * kC)), got(size_t(OC * kC));
+        fp8_dequantize(xq.get(), x8.get(), kN * kC, descale.get(), kStream);
+        cudaCheck(cudaMemset(ref.get(), 0, ref.bytes()));
+        cudaCheck(cudaMemset(got.get(), 0, got.bytes()));
+        matmul_backward(lt, nullptr, ref.get(), nullptr, dd.get(), x.get(), w.get(), kN, int(kC), int(OC), nullptr, 0, kStream);
+        matmul_backward(lt, nullptr, got.get(), nullptr, dd.get(), xq.get(), w.get(), kN, int(kC), int(OC), nullptr, 0, kStream);
+        const size_t n = size_t(OC * kC);
+        expect_close(format("%s: dW, X from E4M3 against bf16", what).c_str(), download(got.get(), n), as_double(ref.get(), n),
+                     0.06, 0.2);
+    }
 };
 
 TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
@@ -370,6 +439,8 @@ TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
     m.forward("lm_head", ModelMatmuls::kVp, false, false, 42);
     m.backward_dx("attproj.dx", C, C, false, 43);
     m.backward_dx("fcproj.dx", C, 4 * C, true, 44);
+    m.backward_dw("qkv.dw", 3 * C, 45);
+    m.backward_dw("fc.dw", 4 * C, 46);
 }
 
 }  // namespace
