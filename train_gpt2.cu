@@ -597,7 +597,7 @@ inline std::string memory_table(const GPT2& model, size_t data_bytes) {
     row("activations", m.activations);
     row("activation gradients", m.activation_grads);
     row("scratch + cuBLAS workspace", m.scratch);
-    if (m.fp8 > 0) row("FP8 weight copies + operand", m.fp8);
+    if (m.fp8 > 0) row("FP8 weight copies", m.fp8);
     row("model total", m.total());
     row("data loaders (device side)", data_bytes);
     return out + rule;

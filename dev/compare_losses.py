@@ -4,11 +4,15 @@ format (dev/train_gpt2_torch.py --log writes the same keys), as the training-dyn
 against PyTorch does (docs/performance.md):
 
     python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01] [--from-step 1]
+                                  [--reference other.jsonl [--reference-label R]]
                                   [--plot diff.png [--labels A,B] [--title T]]
 
 Prints the largest |difference| and its step, the mean difference (first minus second), the rms, and the
 final validation losses; PASS when every step of the second log is in the first, the largest difference
 over the steps from --from-step on (default: all) is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
+--reference: a third log, compared with the second in the same way and printed on a line of its own (it
+does not change PASS or FAIL), and drawn beside the first on the plot: what another change of rounding
+alone does (say the same run with its batch split into micro-batches), the scale to read the first against.
 --plot draws the per-step difference (first minus second), its 20-step mean and the +-max-diff band.
 """
 import argparse
@@ -34,48 +38,71 @@ def main():
     ap.add_argument("--max-diff", type=float, default=0.05)
     ap.add_argument("--max-val-rel", type=float, default=0.01)
     ap.add_argument("--from-step", type=int, default=1, help="compare the train losses from this step on")
+    ap.add_argument("--reference", help="a third log, compared with the second alongside the first")
+    ap.add_argument("--reference-label", default="reference", help="its name in the output and on the plot")
     ap.add_argument("--plot", help="a PNG of the per-step difference")
     ap.add_argument("--labels", default="first,second", help="the two logs' names on the plot")
     ap.add_argument("--title", help="the plot's title")
     a = ap.parse_args()
     (t1, v1), (t2, v2) = load(a.first), load(a.second)
+    ok, line = compare(a, a.first, t1, v1, t2, v2)
+    print(line + (" PASS" if ok else " FAIL"))
+    ref = None
+    if a.reference:
+        tr, vr = load(a.reference)
+        _, ref_line = compare(a, a.reference, tr, vr, t2, v2)
+        print(f"{a.reference_label}: {ref_line}")
+        ref = [(s, tr[s] - t2[s]) for s in sorted(t2) if s in tr]
+    if a.plot:
+        plot(a, [(s, t1[s] - t2[s]) for s in sorted(t2) if s in t1], ref)
+    sys.exit(0 if ok else 1)
+
+
+def compare(a, first_path, t1, v1, t2, v2):
+    """(PASS?, the summary line) of log 1 against log 2."""
     steps = sorted(s for s in t2 if s >= a.from_step)
     missing = [s for s in steps if s not in t1]
     common = [s for s in steps if s in t1]
     if not common:
-        sys.exit(f"no common steps between {a.first} and {a.second}")
+        sys.exit(f"no common steps between {first_path} and {a.second}")
     diffs = [(s, t1[s] - t2[s]) for s in common]
     worst = max(diffs, key=lambda x: abs(x[1]))
     mean = sum(d for _, d in diffs) / len(diffs)
     rms = (sum(d * d for _, d in diffs) / len(diffs)) ** 0.5
+    over = sum(1 for _, d in diffs if abs(d) > a.max_diff)
     ok = not missing and abs(worst[1]) <= a.max_diff
     line = (f"per-step |loss difference|: max {abs(worst[1]):.4f} at step {worst[0]}, mean {mean:+.4f}, rms {rms:.4f} "
-            f"over {len(common)}/{len(steps)} steps from step {a.from_step} (limit {a.max_diff})")
+            f"over {len(common)}/{len(steps)} steps from step {a.from_step} (limit {a.max_diff}, {over} steps over it)")
     last = max(set(v1) & set(v2), default=None)
     if last is not None:
         rel = abs(v1[last] - v2[last]) / abs(v2[last])
         ok = ok and rel <= a.max_val_rel
         line += f"; val loss at step {last}: {v1[last]:.6f} vs {v2[last]:.6f}, rel diff {rel:.2e} (limit {a.max_val_rel})"
-    print(line + (" PASS" if ok else " FAIL"))
-    if a.plot:
-        plot(a, [(s, t1[s] - t2[s]) for s in sorted(t2) if s in t1])
-    sys.exit(0 if ok else 1)
+    return ok, line
 
 
-def plot(a, diffs):
+def plot(a, diffs, ref=None):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     first, second = (a.labels.split(",") + ["second"])[:2]
+    window = 20
+
+    def running_mean(values):
+        return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
     steps = [s for s, _ in diffs]
     values = [d for _, d in diffs]
-    window = 20
-    mean = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, values, lw=0.6, alpha=0.5, label="per step")
-    ax.plot(steps, mean, lw=1.8, label=f"{window}-step mean")
+    ax.plot(steps, running_mean(values), lw=1.8, label=f"{window}-step mean")
+    if ref:
+        rsteps, rvalues = [s for s, _ in ref], [d for _, d in ref]
+        ax.plot(rsteps, rvalues, lw=0.6, alpha=0.35, color="tab:green")
+        ax.plot(rsteps, running_mean(rvalues), lw=1.5, color="tab:green",
+                label=f"{a.reference_label} - {second}: per step, {window}-step mean")
     for y in (a.max_diff, -a.max_diff):
         ax.axhline(y, color="gray", ls="--", lw=0.8)
     ax.axhline(0, color="black", lw=0.5)

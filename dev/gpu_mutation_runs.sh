@@ -26,7 +26,7 @@
 # for that mutant. A mutant is killed by the first test that fails (or times out) and survives when all
 # pass. A test that exits 77 (skipped) kills nothing.
 # Stages: build/test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu
-#   test_device_file_io test_mc_eval_gpu test_multi_gpu (make test's GPU programs), then the GPU script
+#   test_device_file_io test_mc_eval_gpu test_multi_gpu test_fp8 (make test's GPU programs), then the GPU script
 #   tests test_train_gpt2cu.sh test_resume.sh test_train_gpt2_cpu_vs_gpu.sh test_multi_gpu_trainer.sh
 #   test_hf_trainer.sh test_run_survival.sh, with fewer random kill and signal trials (RESUME_KILL_TRIALS=2,
 #   SURVIVAL_TRIALS=2) to keep a surviving mutant to a few minutes.

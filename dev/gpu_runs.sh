@@ -160,20 +160,30 @@ for section in "$@"; do
             # (data/quickstart_*), B=64 T=1024, the README's hyperparameters; d12 1000 steps, d24 500. The
             # logs go to $LOGS/fp8_loss_<model>_<mode>/; dev/compare_losses.py compares them from step 51.
             # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 first, the others compared with it).
+            # FP8_LOSS_SPLIT=1 also runs bf16 with each step in two micro-batches of 32 (-b 32 -d 65536: the
+            # same arithmetic but for the order of the sums), the reference each comparison prints beside it.
             model=${section#fp8-loss-}
             steps=1000
             [ "$model" = d24 ] && steps=500
-            for fp8 in ${FP8_LOSS_MODES:-0 1}; do
-                smi_run "smi_fp8_loss_${model}_$fp8.log" step "$model $steps steps --fp8 $fp8" "fp8_loss_$model.log" 590 \
-                    ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 64 -t 1024 \
+            runs=(${FP8_LOSS_MODES:-0 1})
+            [ "${FP8_LOSS_SPLIT:-0}" = 1 ] && runs+=(split)
+            for run in "${runs[@]}"; do
+                args=(-b 64 --fp8 "$run")
+                [ "$run" = split ] && args=(-b 32 -d 65536 --fp8 0)
+                smi_run "smi_fp8_loss_${model}_$run.log" step "$model $steps steps ${args[*]}" "fp8_loss_$model.log" 590 \
+                    ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -t 1024 \
                     -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100 --save-model none \
-                    --fp8 $fp8 -o "$LOGS/fp8_loss_${model}_$fp8"
+                    "${args[@]}" -o "$LOGS/fp8_loss_${model}_$run"
                 grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
             done
+            reference=()
+            [ -f "$LOGS/fp8_loss_${model}_split/log.jsonl" ] &&
+                reference=(--reference "$LOGS/fp8_loss_${model}_split/log.jsonl" --reference-label "bf16 2x32")
             for fp8 in ${FP8_LOSS_MODES:-0 1}; do
                 [ "$fp8" = 0 ] || [ ! -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] ||
                     python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
-                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 | tee -a "$summary"
+                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 \
+                        "${reference[@]}" | tee -a "$summary"
             done ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a

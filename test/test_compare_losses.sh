@@ -3,8 +3,8 @@
 # synthetic log.jsonl files in train_gpt2cu's line format: PASS (exit 0) when every compared step is within
 # --max-diff and the final validation losses within --max-val-rel, FAIL (exit 1) otherwise; --from-step
 # leaves the earlier steps out (a large early gap then passes); a step of the second log missing from the
-# first fails; the reported maximum, its step and the mean difference are the ones planted; --plot writes
-# a PNG. Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
+# first fails; the reported maximum, its step and the mean difference are the ones planted; --reference
+# prints a third log's comparison without changing the verdict; --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d /tmp/test_compare_losses_XXXXXX)
@@ -53,7 +53,11 @@ run 1 valoff "$dir/valoff.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel
 expect_out valoff "val loss at step 100: 6.100000 vs 6.000000"
 run 1 missing "$dir/missing.jsonl" "$dir/base.jsonl" --max-diff 0.03
 expect_out missing "over 99/100 steps"
-echo "PASS/FAIL, --from-step, missing steps: ok"
+run 0 reference "$dir/close.jsonl" "$dir/base.jsonl" --max-diff 0.03 --reference "$dir/early.jsonl" --reference-label split
+expect_out reference "split: per-step |loss difference|: max 0.2000 at step 20"
+expect_out reference "(limit 0.03, 1 steps over it)"
+expect_out reference "rel diff 5.00e-03 (limit 0.01) PASS"
+echo "PASS/FAIL, --from-step, missing steps, --reference: ok"
 
 if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
     echo "skipped: /usr/bin/python3 cannot import matplotlib (the --plot check)"
@@ -61,7 +65,7 @@ if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
 fi
 rc=0
 /usr/bin/python3 dev/compare_losses.py "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 51 \
-    --plot "$dir/diff.png" --labels late,base >"$dir/plot.out" 2>&1 || rc=$?
+    --plot "$dir/diff.png" --labels late,base --reference "$dir/close.jsonl" >"$dir/plot.out" 2>&1 || rc=$?
 [ $rc = 1 ] || { echo "FAIL: --plot changed the exit code ($rc)"; cat "$dir/plot.out"; exit 1; }
 head -c 8 "$dir/diff.png" | od -An -c | grep -q "P   N   G" || { echo "FAIL: --plot wrote no PNG"; cat "$dir/plot.out"; exit 1; }
 echo "--plot: ok"
