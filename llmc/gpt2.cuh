@@ -251,11 +251,10 @@ public:
         }
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
         const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx};
-        const size_t per_layer[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
         size_t at = 0;
         for (int k = 0; k < kFp8WeightKinds; k++) {
             fp8_weight_at_[k] = at;
-            if (on[k]) at += L * per_layer[k];
+            if (on[k]) at += L * fp8_layer_weight_size(k);
         }
         fp8_weight_at_[kFp8WeightKinds] = at;
         if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
@@ -634,10 +633,15 @@ private:
     }
     // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
     static bool fp8_rows(int64_t N) { return N % 16 == 0; }
-    const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
+    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T), in values.
+    size_t fp8_layer_weight_size(int kind) const {
         const size_t C = size_t(config_.channels);
-        const size_t per_layer[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
-        return fp8_weights_.get() + fp8_weight_at_[kind] + (kind < kFp8WeightKinds ? size_t(l) * per_layer[kind] : 0);
+        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
+        return size[kind];
+    }
+    const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
+        const size_t layer = kind < kFp8WeightKinds ? size_t(l) * fp8_layer_weight_size(kind) : 0;
+        return fp8_weights_.get() + fp8_weight_at_[kind] + layer;
     }
     // x (n <= B x T rows of C bf16, its amax recorded in the slot) in FP8, for the matmul that follows;
     // the slot's descale set. It goes to d_qkv_, free wherever this is called: in forward (the
