@@ -165,9 +165,10 @@ inline Flags make_flags(Options& o) {
           "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
           "slower; llm.c's default); 0: keep them all", 0, 1);
     f.add("", "fp8", &o.fp8,
-          "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward) and attproj.dx (a "
-          "backward input gradient); all: those and fcproj.dx; or a comma-separated list of them; 0: bf16 "
-          "everywhere. Per-tensor scales from each tensor's own max; weight gradients and attention stay bf16");
+          "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
+          "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those and "
+          "fcproj.dx; or a comma-separated list of them; 0: bf16 everywhere. Per-tensor scales from each "
+          "tensor's own max (dlogits: from dloss); the blocks' weight gradients and attention stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,

@@ -22,11 +22,15 @@ Provides:
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
                         32 x 32 tiles in shared memory (coalesced both ways): the K-major copy a
                         backward matmul needs.
+  fp8_transpose:        an FP8 matrix (rows, cols) row-major into columns [0, rows) of dst (cols, ld)
+                        row-major, byte for byte, through 64 x 64 tiles in shared memory (16 bytes a
+                        thread where the tile is whole and aligned): the K-major copy of an FP8 operand
+                        for a weight gradient (the classifier's dlogits, written a chunk of rows at a time).
   fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
                         a bf16 matmul; 8 values a thread when n and the pointers allow.
   Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
                         (+ bias (N) in the epilogue, or GELU keeping its input, or times GELU' of a kept
-                        input: Fp8Epilogue), P and Q FP8 row-major ("TN": both K-major, the only
+                        input, or D += the product for gradients that accumulate: Fp8Epilogue), P and Q FP8 row-major ("TN": both K-major, the only
                         layout Hopper's FP8 matmuls take), fp32 accumulation (fast accumulation on
                         request), descales read from device pointers at each run. Not both operands
                         E5M2 (cuBLASLt has no such kernel). M, N and K multiples of 16, pointers 16-byte
@@ -34,8 +38,8 @@ Provides:
   fp8_matmul:           one Fp8Gemm built and run (the heuristic's first choice), as gemm() does for bf16.
 Every call is checked; casts on `stream`.
 
-Does not provide: delayed scaling (an amax history), FP8 outputs, or transposed copies written by the
-kernels that produce the operands.
+Does not provide: delayed scaling (an amax history), FP8 outputs of a matmul, or transposed copies written
+by the kernels that produce the operands.
 */
 #pragma once
 
@@ -99,6 +103,7 @@ namespace detail {
 
 constexpr int kFp8Grid = 1056, kFp8Block = 256;
 constexpr int kFp8Tile = 32, kFp8TileRows = 8;
+constexpr int kFp8ByteTile = 64, kFp8ByteTileThreads = 256;  // fp8_transpose: 16 bytes a thread
 
 __global__ void fp8_amax_kernel(const floatX* x, int64_t n, unsigned int* amax_bits) {
     float m = 0.0f;
@@ -149,6 +154,42 @@ __global__ void fp8_cast_transposed_kernel(__nv_fp8_storage_t* q, const floatX* 
     for (int j = threadIdx.y; j < kFp8Tile; j += kFp8TileRows) {
         const int64_t c = c0 + j, r = r0 + threadIdx.x;  // q's row c, column r
         if (r < rows && c < cols) q[c * rows + r] = fp8_quantize<Fp8>(tile[threadIdx.x][j], scale);
+    }
+}
+
+// One 64 x 64 byte tile per block of 256 threads: thread t reads 16 bytes of src row r0 + t/4 (columns
+// c0 + 16 (t%4) ..) and writes 16 bytes of dst row c0 + t/4 (columns r0 + 16 (t%4) ..). `vector`: the
+// caller checked that 16-byte accesses are aligned wherever the 16 bytes are all in range.
+__global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* src, int64_t rows, int64_t cols,
+                                     bool vector) {
+    __shared__ uint32_t tile[kFp8ByteTile][kFp8ByteTile / 4 + 1];  // [row][word of 4 columns], padded
+    const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
+    const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
+    {
+        const int64_t r = r0 + line, c = c0 + 16 * seg;
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (r < rows) {
+            if (vector && c + 16 <= cols) {
+                const uint4 v = *reinterpret_cast<const uint4*>(src + r * cols + c);
+                w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+            } else {
+                for (int k = 0; k < 16 && c + k < cols; k++) w[k / 4] |= uint32_t(src[r * cols + c + k]) << (8 * (k % 4));
+            }
+        }
+        for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
+    }
+    __syncthreads();
+    const int64_t c = c0 + line, r = r0 + 16 * seg;  // dst row c, columns r..
+    if (c >= cols) return;
+    uint32_t w[4] = {0, 0, 0, 0};
+    for (int k = 0; k < 16; k++) {
+        const uint32_t b = (tile[16 * seg + k][line / 4] >> (8 * (line % 4))) & 0xffu;
+        w[k / 4] |= b << (8 * (k % 4));
+    }
+    if (vector && r + 16 <= rows) {
+        *reinterpret_cast<uint4*>(dst + c * ldd + r) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int k = 0; k < 16 && r + k < rows; k++) dst[c * ldd + r + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
     }
 }
 
@@ -231,15 +272,34 @@ void fp8_cast_transposed(Fp8* q, const floatX* x, int64_t rows, int64_t cols, co
     cudaCheckLaunch();
 }
 
+// dst (cols, ld) row-major, columns [0, rows) = the transpose of src (rows, cols) row-major (FP8 bytes,
+// copied exactly; the rest of dst is not touched). ld >= rows.
+template <class Fp8>
+void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t cols, cudaStream_t stream) {
+    if (rows < 1 || cols < 1 || ld < rows || ceil_div<int64_t>(rows, detail::kFp8ByteTile) > 65535) {
+        fail(kExitUsage, "fp8_transpose: %lld x %lld into rows of %lld; need both >= 1, ld >= rows and at most %d rows",
+             (long long)rows, (long long)cols, (long long)ld, 65535 * detail::kFp8ByteTile);
+    }
+    const bool vector = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+                        cols % 16 == 0 && ld % 16 == 0;
+    const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
+                    unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
+    detail::fp8_transpose_kernel<<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
+        reinterpret_cast<uint8_t*>(dst), ld, reinterpret_cast<const uint8_t*>(src), rows, cols, vector);
+    cudaCheckLaunch();
+}
+
 // What Fp8Gemm's epilogue adds (at most one of gelu_aux and dgelu_aux; the auxiliary matrices are (M, N)
 // row-major bf16, like D):
 //   bias       D += bias (N), broadcast over rows;
 //   gelu_aux   aux = the product (+ bias), D = GELU(aux) (tanh approximation);
-//   dgelu_aux  D = the product * GELU'(aux).
+//   dgelu_aux  D = the product * GELU'(aux);
+//   accumulate D += the product (+ bias) instead of D = (a gradient summed over micro-batches).
 struct Fp8Epilogue {
     const floatX* bias = nullptr;
     floatX* gelu_aux = nullptr;
     const floatX* dgelu_aux = nullptr;
+    bool accumulate = false;
 };
 
 // The file's comment. The operands, descales, bias and output are fixed at construction (cuBLASLt reads
@@ -257,7 +317,7 @@ public:
         : lt_(lt), p_(p), q_(q), d_(d),
           // cuBLASLt is column-major: D^T (N, M) = A^T B with A = Q read as (K, N) and B = P read as (K, M).
           a_(Fp8Format<Q>::kType, K, N, K, 1, 0), b_(Fp8Format<P>::kType, K, M, K, 1, 0),
-          c_(CUDA_R_16BF, N, M, N, 1, 0) {
+          c_(CUDA_R_16BF, N, M, N, 1, 0), beta_(epilogue.accumulate ? 1.0f : 0.0f) {
         const char* fn = "Fp8Gemm";
         if (M < 16 || N < 16 || K < 16 || M % 16 != 0 || N % 16 != 0 || K % 16 != 0) {
             fail(kExitUsage, "%s: M=%lld N=%lld K=%lld; FP8 matmuls need each a positive multiple of 16", fn,
@@ -320,8 +380,8 @@ public:
     Fp8Gemm& operator=(const Fp8Gemm&) = delete;
 
     void run(cudaStream_t stream) const {
-        const float alpha = 1.0f, beta = 0.0f;
-        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta, d_, c_.l, d_, c_.l,
+        const float alpha = 1.0f;
+        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta_, d_, c_.l, d_, c_.l,
                                    &algo_, lt_.workspace(), lt_.workspace_bytes(), stream));
     }
 
@@ -332,6 +392,7 @@ private:
     detail::LtMatmulDesc desc_;
     detail::LtLayout a_, b_, c_;
     detail::LtPreference pref_;
+    float beta_;
     cublasLtMatmulAlgo_t algo_{};
 };
 

@@ -17,7 +17,14 @@ FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 oper
 per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
 E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
 LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's
-gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call).
+gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call),
+and the classifier's backward (lm_head.grad): the fused classifier writes dlogits in E5M2 with a static
+scale (|dlogit| <= dloss) instead of bf16, a byte transpose makes the K-major copy the weight gradient
+needs, and d(lnf) = dlogits wte and dwte += dlogits^T lnf are FP8 matmuls (wte^T and lnf^T cast in
+E4M3). So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
+the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows at a time and leaves
+dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
+forward's bit for bit.
 The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
 (read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
 each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
@@ -95,7 +102,8 @@ struct BlockActivations {
 struct Fp8Matmuls {
     bool qkv = false, fc = false, lm_head = false;  // forward
     bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
-    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx; }
+    bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
+    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad; }
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -106,18 +114,20 @@ struct Fp8Matmuls {
         add(lm_head, "lm_head");
         add(attproj_dx, "attproj.dx");
         add(fcproj_dx, "fcproj.dx");
+        add(lm_head_grad, "lm_head.grad");
         return s.empty() ? "none" : s;
     }
 };
 
-// "0" or "none": no FP8; "1": qkv, fc, lm_head and attproj.dx (fcproj.dx, whose FP8 matmul with the GELU
-// gradient epilogue is slower than bf16's on the H200, is left out); "all": every matmul Fp8Matmuls
-// names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx.
+// "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
+// with the GELU gradient epilogue is slower than bf16's on the H200, is left out); "all": every matmul
+// Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad
+// (which needs lm_head).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
-    if (text == "1") return {true, true, true, true, false};  // what pays at d12 (docs/performance.md)
-    if (text == "all") return {true, true, true, true, true};
+    if (text == "1") return {true, true, true, true, false, true};  // what pays at d12 (docs/performance.md)
+    if (text == "all") return {true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "qkv") {
             m.qkv = true;
@@ -129,11 +139,14 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.attproj_dx = true;
         } else if (name == "fcproj.dx") {
             m.fcproj_dx = true;
+        } else if (name == "lm_head.grad") {
+            m.lm_head_grad = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
-                 "lm_head, attproj.dx, fcproj.dx", text.c_str(), name.c_str());
+                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad", text.c_str(), name.c_str());
         }
     }
+    if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
     return m;
 }
 
@@ -183,7 +196,7 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
-        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_slot(kFp8Grad) + 1));
+        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_slot(kFp8Dlogits) + 1));
         fp8_descale_.allocate(fp8_amax_.size());
         cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, fp8_amax_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(fp8_descale_.get(), 0, fp8_descale_.bytes(), stream_));
@@ -249,6 +262,7 @@ public:
         if (m.lm_head && c.padded_vocab_size % 16 != 0) {
             fail(kExitUsage, "FP8 lm_head needs the padded vocabulary a multiple of 16, not %d", c.padded_vocab_size);
         }
+        if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "FP8 lm_head.grad needs lm_head too (%s)", m.describe().c_str());
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
         const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx};
         size_t at = 0;
@@ -258,6 +272,7 @@ public:
         }
         fp8_weight_at_[kFp8WeightKinds] = at;
         if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
+        if (m.lm_head_grad) at += size_t(c.padded_vocab_size) * C;  // wte^T, for the classifier's dX
         fp8_weights_.allocate(at);
         memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes();
     }
@@ -317,8 +332,12 @@ public:
         const int C = c.channels, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
         const bool fp8_head = fp8_.lm_head && fp8_rows(N);
+        const int64_t chunk = fp8_head ? fp8_classifier_chunk(N) : 0;
+        classifier_grad_rows_ = 0;
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
-        if (fp8_head) {
+        if (chunk > 0) {
+            fp8_classifier_chunks(targets, N, chunk, dloss);
+        } else if (fp8_head) {
             const auto* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
             fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
                        fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_, Fp8Epilogue{}, kFp8FastAccumForward);
@@ -326,7 +345,7 @@ public:
             matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
         }
         if (targets == nullptr) return;
-        fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
+        if (chunk == 0) fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
     }
 
@@ -371,6 +390,7 @@ public:
         }
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
+        classifier_grad_rows_ = 0;
         forward_to_lnf(inputs, B, T, packed);
         // proj_ (rows for the allocated B x T, at least M) was last read by the final residual add.
         gather_positions(proj_, lnf_, scored, M, C, stream_);
@@ -424,7 +444,17 @@ public:
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
+        if (classifier_grad_rows_ == 0) {
+            matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
+        } else {
+            // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
+            if (classifier_grad_rows_ != N) {
+                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
+                     (long long)N, (long long)classifier_grad_rows_);
+            }
+            fp8_matmul(lt_, stream_, Vp, C, N, fp8_dlogits_transposed(N), fp8_lnf_transposed(), fp8_descale(kFp8Dlogits),
+                       fp8_descale(kFp8Act), gw.wte, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        }
         // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
         // adds into it, so it starts from zero.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
@@ -606,10 +636,63 @@ private:
         }
     }
 
+    // The classifier with FP8 lm_head.grad (the file's comment), `chunk` rows at a time; with targets the
+    // losses, and in training (dloss > 0) also the classifier's backward but for dwte: d(lnf) into d_ln_
+    // (free until backward reads it there), dlogits^T (Vp, N) in E5M2 in logits_ and lnf^T (C, N) in E4M3
+    // in d_qkv_ (untouched until backward has used them: its first matmul). A training forward puts each
+    // chunk's logits at the start of logits_, then its dlogits in E5M2 (fp8_classifier_chunk sizes the
+    // chunks so that the three fit with dlogits^T in logits_' 2 N Vp bytes); any other forward leaves all
+    // N rows of logits in logits_. Both run the same matmul shapes, so their logits and losses are equal.
+    void fp8_classifier_chunks(const int* targets, int64_t N, int64_t chunk, float dloss) {
+        const GPT2Config& c = config_;
+        const int C = c.channels, V = c.vocab_size, Vp = c.padded_vocab_size;
+        const bool train = targets != nullptr && dloss > 0.0f;
+        const __nv_fp8_e4m3* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
+        const int wslot = fp8_weight_slot(kFp8WeightKinds, 0);
+        auto* dlogits = reinterpret_cast<__nv_fp8_e5m2*>(reinterpret_cast<uint8_t*>(logits_) + 2 * chunk * Vp);
+        __nv_fp8_e5m2* dlogits_t = fp8_dlogits_transposed(N);
+        for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+            const int64_t n = std::min(chunk, N - r0);
+            floatX* out = train ? logits_ : logits_ + r0 * Vp;
+            fp8_matmul(lt_, stream_, n, Vp, C, x + r0 * C, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
+                       fp8_descale(wslot), out, Fp8Epilogue{}, kFp8FastAccumForward);
+            if (targets == nullptr) continue;
+            if (!train) {
+                fused_classifier(out, losses_ + r0, targets + r0, 0.0f, n, V, Vp, false, stream_);
+                continue;
+            }
+            fused_classifier_fp8(out, losses_ + r0, targets + r0, dloss, n, V, Vp, dlogits, fp8_descale(kFp8Dlogits),
+                                 stream_);
+            fp8_transpose(dlogits_t + r0, N, dlogits, n, Vp, stream_);
+            // d(lnf) rows r0.. = dlogits (n, Vp) wte (Vp, C): P dlogits, Q wte^T (C, Vp).
+            fp8_matmul(lt_, stream_, n, C, Vp, dlogits, fp8_wte_transposed(), fp8_descale(kFp8Dlogits),
+                       fp8_descale(wslot), d_ln_ + r0 * C);
+        }
+        if (!train) return;
+        fp8_cast_transposed(fp8_lnf_transposed(), lnf_, N, C, fp8_amax_slot(kFp8Act), fp8_descale(kFp8Act), stream_);
+        classifier_grad_rows_ = N;
+    }
+    // The rows per chunk of fp8_classifier_chunks for N rows (a multiple of 16): about N / 4, a multiple
+    // of 16, or 0 (no chunks: the classifier in one piece, its backward in bf16) without lm_head.grad or
+    // where a chunk's 3 chunk Vp bytes and dlogits^T's N Vp would not fit in logits_' 2 N Vp (N < 48).
+    int64_t fp8_classifier_chunk(int64_t N) const {
+        if (!fp8_.lm_head_grad) return 0;
+        const int64_t chunk = ceil_div<int64_t>(ceil_div<int64_t>(N, 4), 16) * 16;
+        return 3 * chunk <= N ? chunk : 0;
+    }
+    __nv_fp8_e5m2* fp8_dlogits_transposed(int64_t N) const {
+        const int64_t chunk = fp8_classifier_chunk(N);
+        return reinterpret_cast<__nv_fp8_e5m2*>(reinterpret_cast<uint8_t*>(logits_) + 3 * chunk * config_.padded_vocab_size);
+    }
+    // After the classifier's E4M3 input (fp8_cast_operand's, N x C values) in d_qkv_.
+    __nv_fp8_e4m3* fp8_lnf_transposed() const {
+        return reinterpret_cast<__nv_fp8_e4m3*>(reinterpret_cast<uint8_t*>(d_qkv_) + nc_);
+    }
+
     // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
     // aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
-    // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3) and the
-    // gradient's (E5M2), each reused by one matmul after another.
+    // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3), the
+    // gradient's (E5M2), each reused by one matmul after another, and the classifier's dlogits (E5M2).
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
@@ -618,10 +701,10 @@ private:
     int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 4: wte, l = 0
     int fp8_ln1_slot(int l) const { return kFp8WeightKinds * config_.num_layers + 1 + l; }
     int fp8_ln2_slot(int l) const { return (kFp8WeightKinds + 1) * config_.num_layers + 1 + l; }
-    static constexpr int kFp8Act = -1, kFp8Grad = -2;  // resolved by fp8_slot()
+    static constexpr int kFp8Act = -1, kFp8Grad = -2, kFp8Dlogits = -3;  // resolved by fp8_slot()
     int fp8_slot(int slot) const {
         const int act = (kFp8WeightKinds + 2) * config_.num_layers + 1;
-        return slot == kFp8Act ? act : slot == kFp8Grad ? act + 1 : slot;
+        return slot < 0 ? act - 1 - slot : slot;
     }
     unsigned int* fp8_amax_slot(int slot) const { return fp8_amax_.get() + kFp8SlotStride * fp8_slot(slot); }
     float* fp8_descale(int slot) const { return fp8_descale_.get() + kFp8SlotStride * fp8_slot(slot); }
@@ -642,6 +725,10 @@ private:
     const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
         const size_t layer = kind < kFp8WeightKinds ? size_t(l) * fp8_layer_weight_size(kind) : 0;
         return fp8_weights_.get() + fp8_weight_at_[kind] + layer;
+    }
+    // wte^T (C, Vp), after wte's copy; its descale is wte's (fp8_weight_slot(kFp8WeightKinds, 0)).
+    __nv_fp8_e4m3* fp8_wte_transposed() const {
+        return fp8_weights_.get() + fp8_weight_at_[kFp8WeightKinds] + size_t(config_.padded_vocab_size) * config_.channels;
     }
     // x (n <= B x T rows of C bf16, its amax recorded in the slot) in FP8, for the matmul that follows;
     // the slot's descale set. It goes to d_qkv_, free wherever this is called: in forward (the
@@ -686,6 +773,11 @@ private:
             if (fp8_.fcproj_dx) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
         }
         if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
+        if (fp8_.lm_head_grad) {  // the same scale as wte's copy (its amax is in the slot now)
+            const int slot = fp8_weight_slot(kFp8WeightKinds, 0);
+            fp8_cast_transposed(fp8_wte_transposed(), outer(p).wte, c.padded_vocab_size, C, fp8_amax_slot(slot),
+                                fp8_descale(slot), stream_);
+        }
         fp8_weights_stale_ = false;
     }
 
@@ -840,6 +932,8 @@ private:
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
     bool fp8_weights_stale_ = true;
+    // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
+    int64_t classifier_grad_rows_ = 0;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;

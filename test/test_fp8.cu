@@ -14,14 +14,23 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     fp32 accumulation adds little): E4M3 x E4M3 with a bias, E5M2 x E4M3 without; and the backward's use,
     dX = dD W from dD in E5M2 and a transposed E4M3 copy of W, against the same product and within 0.15
     of the bf16 one (E5M2 keeps 2 mantissa bits);
+  - Fp8Gemm's accumulate: D = D0 + the product, within the same bounds;
   - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
+  - fp8_transpose: byte for byte the transpose, written into columns of a wider matrix (the bytes around
+    left alone), on its 16-byte path and at shapes that are not multiples of its tiles or of 16;
+  - fused_classifier_fp8 (llmc/classifier.cuh): the losses bitwise equal to fused_classifier's, every
+    dlogit in E5M2 times the descale within E5M2's rounding (2^-3 relative, plus half its smallest step)
+    of fused_classifier's bf16 one, padded columns exactly 0, at rows held in registers, in shared
+    memory and streamed, and the descale dloss / 57344;
   - each matmul the model's FP8 mode runs (llmc/gpt2.cuh: qkv, fc with its GELU, lm_head, attproj's and
-    fcproj's dX, the latter with the GELU gradient), at d12's widths, cast and called as the model does
+    fcproj's dX, the latter with the GELU gradient, and the classifier's dX and dW from E5M2 dlogits),
+    at d12's widths, cast and called as the model does
     (fast accumulation forward),
     against the bf16 matmul (llmc/matmul.cuh) on the same bf16 operands: within 0.06 relative
     (Frobenius) forward, GELU input included (E4M3 on both operands: dev/fp8_lab.cu measured 3.8e-2),
     0.10 backward (E5M2 gradient: 5.9e-2), and any element within 0.2 (forward) or 0.3 (backward) of
-    max |D|; and qkv's and fc's weight gradients from the E4M3 LayerNorm output the model keeps
+    max |D| (the classifier's backward: 0.10 and 0.3, dW accumulating onto a gradient already there);
+    and qkv's and fc's weight gradients from the E4M3 LayerNorm output the model keeps
     (read back with fp8_dequantize) against the bf16 input, within the forward's 0.06 and 0.2.
 */
 #include <gtest/gtest.h>
@@ -33,6 +42,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 #include <random>
 #include <vector>
 
+#include "llmc/classifier.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"
@@ -320,6 +330,128 @@ TEST_F(Fp8Test, BackwardThroughATransposedCopy) {
     expect_close("dX against the bf16 operands' product", got, exact, 0.15, 0.3);
 }
 
+// D = D0 + P Q^T with Fp8Epilogue::accumulate.
+TEST_F(Fp8Test, GemmAccumulatesOntoD) {
+    const int64_t M = 64, N = 48, K = 96;
+    const CublasLt lt;
+    const std::vector<floatX> p = random_bf16(size_t(M * K), 35, 1.0f), q = random_bf16(size_t(N * K), 36, 0.02f);
+    const std::vector<floatX> d0 = random_bf16(size_t(M * N), 37, 0.5f);
+    DeviceBuffer<__nv_fp8_e5m2> p8(size_t(M * K));
+    DeviceBuffer<__nv_fp8_e4m3> q8(size_t(N * K));
+    DeviceBuffer<unsigned int> amax(8);
+    DeviceBuffer<float> descale(8);
+    auto d_p = upload(p), d_q = upload(q), d = upload(d0);
+    fp8_amax(d_p.get(), M * K, amax.get(), kStream);
+    fp8_cast(p8.get(), d_p.get(), M * K, amax.get(), descale.get(), kStream);
+    fp8_amax(d_q.get(), N * K, amax.get() + 4, kStream);
+    fp8_cast(q8.get(), d_q.get(), N * K, amax.get() + 4, descale.get() + 4, kStream);
+    fp8_matmul(lt, kStream, M, N, K, p8.get(), q8.get(), descale.get(), descale.get() + 4, d.get(),
+               Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+    const std::vector<float> ds = download(descale.get(), 8);
+    std::vector<double> ref = host_product(download(p8.get(), size_t(M * K)), ds[0], download(q8.get(), size_t(N * K)),
+                                           ds[4], M, N, K, nullptr);
+    for (size_t i = 0; i < ref.size(); i++) ref[i] += double(__bfloat162float(d0[i]));
+    expect_close("D0 + the dequantised product", download(d.get(), size_t(M * N)), ref, 5e-3, 1e-2);
+}
+
+// fp8_transpose of a rows x cols byte matrix into columns [at, at + rows) of a (cols, ld) one.
+void check_transpose(int64_t rows, int64_t cols, int64_t ld, int64_t at, uint64_t seed) {
+    SCOPED_TRACE(format("%lld x %lld into rows of %lld at column %lld", (long long)rows, (long long)cols, (long long)ld,
+                        (long long)at));
+    std::mt19937_64 gen(seed);
+    std::vector<__nv_fp8_e5m2> src(size_t(rows * cols)), dst(size_t(cols * ld));
+    for (auto& b : src) b.__x = __nv_fp8_storage_t(gen() & 0xffu);
+    for (auto& b : dst) b.__x = __nv_fp8_storage_t(gen() & 0xffu);
+    auto d_src = upload(src), d_dst = upload(dst);
+    fp8_transpose(d_dst.get() + at, ld, d_src.get(), rows, cols, kStream);
+    const std::vector<__nv_fp8_e5m2> got = download(d_dst.get(), dst.size());
+    size_t wrong = 0, touched = 0;
+    for (int64_t c = 0; c < cols; c++) {
+        for (int64_t j = 0; j < ld; j++) {
+            const size_t i = size_t(c * ld + j);
+            if (j >= at && j < at + rows) {
+                wrong += got[i].__x != src[size_t((j - at) * cols + c)].__x;
+            } else {
+                touched += got[i].__x != dst[i].__x;
+            }
+        }
+    }
+    EXPECT_EQ(wrong, 0u) << "transposed bytes that differ from the source's";
+    EXPECT_EQ(touched, 0u) << "bytes outside the destination columns changed";
+}
+
+TEST_F(Fp8Test, TransposeCopiesEveryByte) {
+    check_transpose(128, 192, 128, 0, 50);   // whole tiles, 16-byte accesses
+    check_transpose(96, 160, 256, 48, 51);   // into the middle of wider rows, 16-byte accesses, partial tiles
+    check_transpose(77, 45, 100, 3, 52);     // nothing a multiple of 16: byte by byte
+    check_transpose(1, 70, 17, 16, 53);
+    expect_error([&] {
+        DeviceBuffer<__nv_fp8_e5m2> a(64);
+        fp8_transpose(a.get(), 4, a.get(), 8, 8, kStream);
+    }, kExitUsage, {"fp8_transpose: 8 x 8 into rows of 4"});
+}
+
+// fused_classifier_fp8 against fused_classifier on the same logits (the file's comment).
+void check_classifier_fp8(int64_t N, int V, int Vp, uint64_t seed) {
+    SCOPED_TRACE(format("N=%lld V=%d Vp=%d", (long long)N, V, Vp));
+    std::printf("  classifier N=%lld V=%d Vp=%d\n", (long long)N, V, Vp);
+    const size_t n = size_t(N) * size_t(Vp);
+    const std::vector<floatX> logits = random_bf16(n, seed, 3.0f);
+    std::mt19937_64 gen(seed + 1);
+    std::vector<int> targets(static_cast<size_t>(N));
+    for (int& t : targets) t = int(gen() % uint64_t(V));
+    const float dloss = 1.0f / float(N);
+    auto d_bf16 = upload(logits), d_logits = upload(logits);
+    auto d_targets = upload(targets);
+    DeviceBuffer<float> ref_losses(static_cast<size_t>(N)), losses(static_cast<size_t>(N)), descale(4);
+    DeviceBuffer<__nv_fp8_e5m2> q(n);
+    cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));
+    cudaCheck(cudaMemset(losses.get(), 0xff, losses.bytes()));
+    fused_classifier(d_bf16.get(), ref_losses.get(), d_targets.get(), dloss, N, V, Vp, true, kStream);
+    fused_classifier_fp8(d_logits.get(), losses.get(), d_targets.get(), dloss, N, V, Vp, q.get(), descale.get(), kStream);
+    const std::vector<float> want_losses = download(ref_losses.get(), size_t(N)), got_losses = download(losses.get(), size_t(N));
+    EXPECT_EQ(0, std::memcmp(want_losses.data(), got_losses.data(), size_t(N) * sizeof(float))) << "losses differ";
+    const std::vector<floatX> untouched = download(d_logits.get(), n);
+    EXPECT_EQ(0, std::memcmp(untouched.data(), logits.data(), n * sizeof(floatX))) << "the logits were written";
+    const float d = download(descale.get(), 1)[0];
+    EXPECT_NEAR(d, dloss / 57344.0f, 1e-6 * dloss / 57344.0f);
+    const std::vector<floatX> want = download(d_bf16.get(), n);
+    const std::vector<__nv_fp8_e5m2> got = download(q.get(), n);
+    const double floor = std::ldexp(1.0, -17) * double(d);  // half of E5M2's smallest step, in dlogit units
+    size_t wrong = 0, padded_nonzero = 0;
+    double worst = 0;
+    for (int64_t r = 0; r < N; r++) {
+        for (int v = 0; v < Vp; v++) {
+            const size_t i = size_t(r) * Vp + size_t(v);
+            const double g = double(float(got[i])) * d, w = __bfloat162float(want[i]);
+            if (v >= V) {
+                padded_nonzero += got[i].__x != 0;
+                continue;
+            }
+            // bf16's own rounding of the reference (2^-9) on top of E5M2's (2^-3)
+            const double err = std::fabs(g - w), bound = (0.125 + 0.004) * std::fabs(w) + floor;
+            worst = std::max(worst, err / bound);
+            wrong += !(err <= bound);
+        }
+    }
+    std::printf("    worst dlogit error %.2f of its bound\n", worst);
+    EXPECT_EQ(wrong, 0u) << "dlogits beyond E5M2's rounding of the bf16 ones";
+    EXPECT_EQ(padded_nonzero, 0u) << "padded columns must be 0";
+}
+
+TEST_F(Fp8Test, FusedClassifierWritesE5M2Dlogits) {
+    check_classifier_fp8(16, 250, 256, 60);        // one pack a thread at most
+    check_classifier_fp8(8, 50257, 50304, 61);     // GPT-2's rows: registers and shared memory
+    check_classifier_fp8(4, 60000, 60000, 62);     // longer rows: packs streamed from memory too
+    expect_error([&] {
+        DeviceBuffer<floatX> x(256);
+        DeviceBuffer<__nv_fp8_e5m2> q(256);
+        DeviceBuffer<float> l(1), ds(4);
+        DeviceBuffer<int> t(1);
+        fused_classifier_fp8(x.get(), l.get(), t.get(), 0.0f, 1, 250, 256, q.get(), ds.get(), kStream);
+    }, kExitUsage, {"fused_classifier_fp8: dloss=0"});
+}
+
 TEST_F(Fp8Test, GemmRefusesWhatItCannotRun) {
     const CublasLt lt;
     DeviceBuffer<__nv_fp8_e4m3> a(64 * 64 + 16);
@@ -429,6 +561,47 @@ public:
         expect_close(format("%s: dW, X from E4M3 against bf16", what).c_str(), download(got.get(), n), as_double(ref.get(), n),
                      0.06, 0.2);
     }
+
+    // The classifier's backward as the model runs it with lm_head.grad: dlogits in E5M2 from
+    // fused_classifier_fp8, their transpose, d(lnf) = dlogits wte (Q: wte^T in E4M3) and dwte += dlogits^T
+    // lnf (Q: lnf^T in E4M3), against matmul_backward on fused_classifier's bf16 dlogits. dwte starts from
+    // the same nonzero gradient in both (the embedding's part, or earlier micro-batches).
+    void lm_head_backward(uint64_t seed) {
+        const int64_t V = 50257;
+        std::printf("  lm_head.grad: dX %lld x %lld, dW %lld x %lld, from E5M2 dlogits\n", (long long)kN, (long long)kC,
+                    (long long)kVp, (long long)kC);
+        auto x = upload(random_bf16(size_t(kN * kC), seed, 1.0f)), w = upload(random_bf16(size_t(kVp * kC), seed + 1, 0.05f));
+        const std::vector<floatX> dw0 = random_bf16(size_t(kVp * kC), seed + 2, 3e-6f);
+        std::mt19937_64 gen(seed + 3);
+        std::vector<int> targets(static_cast<size_t>(kN));
+        for (int& t : targets) t = int(gen() % uint64_t(V));
+        auto d_targets = upload(targets);
+        DeviceBuffer<floatX> logits(size_t(kN * kVp));
+        DeviceBuffer<float> losses(static_cast<size_t>(kN));
+        matmul_forward(lt, logits.get(), x.get(), w.get(), nullptr, kN, int(kC), int(kVp), kStream);
+        DeviceBuffer<__nv_fp8_e5m2> dl(size_t(kN * kVp)), dlt(size_t(kN * kVp));
+        DeviceBuffer<float> dl_descale(4);
+        const float dloss = 1.0f / float(kN);
+        fused_classifier_fp8(logits.get(), losses.get(), d_targets.get(), dloss, kN, int(V), int(kVp), dl.get(),
+                             dl_descale.get(), kStream);
+        fp8_transpose(dlt.get(), kN, dl.get(), kN, kVp, kStream);
+        fused_classifier(logits.get(), losses.get(), d_targets.get(), dloss, kN, int(V), int(kVp), true, kStream);
+        DeviceBuffer<__nv_fp8_e4m3> wt8(size_t(kVp * kC)), xt8(size_t(kN * kC));
+        cast(wt8.get(), w.get(), kVp, kC, 1, /*transposed=*/true);
+        cast(xt8.get(), x.get(), kN, kC, 0, /*transposed=*/true);
+        auto ref_dw = upload(dw0), got_dw = upload(dw0);
+        DeviceBuffer<floatX> ref_dx(size_t(kN * kC)), got_dx(size_t(kN * kC));
+        cudaCheck(cudaMemset(got_dx.get(), 0xff, got_dx.bytes()));
+        matmul_backward(lt, ref_dx.get(), ref_dw.get(), nullptr, logits.get(), x.get(), w.get(), kN, int(kC), int(kVp),
+                        nullptr, 0, kStream);
+        fp8_matmul(lt, kStream, kN, kC, kVp, dl.get(), wt8.get(), dl_descale.get(), descale.get() + 4, got_dx.get());
+        fp8_matmul(lt, kStream, kVp, kC, kN, dlt.get(), xt8.get(), dl_descale.get(), descale.get(), got_dw.get(),
+                   Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        expect_close("lm_head.grad: dX, FP8 against bf16", download(got_dx.get(), size_t(kN * kC)),
+                     as_double(ref_dx.get(), size_t(kN * kC)), 0.10, 0.3);
+        expect_close("lm_head.grad: dW (accumulated), FP8 against bf16", download(got_dw.get(), size_t(kVp * kC)),
+                     as_double(ref_dw.get(), size_t(kVp * kC)), 0.10, 0.3);
+    }
 };
 
 TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
@@ -441,6 +614,7 @@ TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
     m.backward_dx("fcproj.dx", C, 4 * C, true, 44);
     m.backward_dw("qkv.dw", 3 * C, 45);
     m.backward_dw("fc.dw", 4 * C, 46);
+    m.lm_head_backward(47);
 }
 
 }  // namespace
