@@ -9,13 +9,11 @@ Provides:
                     when write_dlogits is set, overwrites the row in place with dlogits = (softmax -
                     onehot(target)) * dloss, padded columns set to 0. With write_dlogits off the logits
                     are left untouched (evaluation). No probabilities are stored.
-  fused_classifier_fp8: the same losses, bit for bit, and dlogits without their one-hot term, softmax *
-                    dloss, written to a separate (N,Vp) buffer in E5M2 (the FP8 classifier backward,
-                    llmc/gpt2.cuh, which adds the -dloss at each target exactly, outside FP8: it is the
-                    largest value of a row, which E5M2 would round by up to 12.5%); the logits are left
-                    untouched. The scale is static: the values lie in [0, dloss], so they are stored times
-                    57344 / dloss (E5M2's largest over dloss) and no amax pass is needed; the kernel
-                    writes the descale (dloss / 57344) to a device float for the FP8 matmuls.
+  fused_classifier_fp8: the same losses, bit for bit, with dlogits written to a separate (N,Vp) buffer in
+                    E5M2 (the FP8 classifier backward, llmc/gpt2.cuh) and the logits left untouched. The
+                    scale is static: |dlogit| <= dloss (softmax - onehot lies in [-1, 1]), so dlogits are
+                    stored times 57344 / dloss (E5M2's largest over dloss) and no amax pass is needed; the
+                    kernel writes the descale (dloss / 57344) to a device float for the FP8 matmuls.
   mean_loss:        the mean of N per-row losses, summed by one block in a fixed order (fp64 partial
                     sums), written to a device float; deterministic.
   gather_positions: out (M,C) = the rows positions[i] of inp (N,C), bf16, copied exactly: the
@@ -174,14 +172,18 @@ __device__ inline void store_grad_pack(floatX* out, const LogitPack& p, int c, f
     *reinterpret_cast<int4*>(out) = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
-// The softmax part of store_grad_pack's dlogits (no one-hot term) times qscale in E5M2, 8 bytes at out
-// (8-byte aligned).
-__device__ inline void store_softmax_pack_fp8(__nv_fp8_storage_t* out, const LogitPack& p, float m, float scale,
-                                              float qscale) {
+// store_grad_pack's dlogits times qscale in E5M2, 8 bytes at out (8-byte aligned).
+__device__ inline void store_grad_pack_fp8(__nv_fp8_storage_t* out, const LogitPack& p, int c, float m, float scale,
+                                           int target, float dloss, float qscale) {
+    const bool has_target = unsigned(target - c) < unsigned(kPackX);
     uint32_t w[2] = {0, 0};
     for (int i = 0; i < kPackX / 2; i++) {
-        const float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
-        const float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
+        float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
+        float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
+        if (has_target) {
+            if (c + 2 * i == target) lo -= dloss;
+            if (c + 2 * i + 1 == target) hi -= dloss;
+        }
         const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo * qscale, hi * qscale), __NV_SATFINITE, __NV_E5M2);
         w[i / 2] |= pair << (16 * (i % 2));
     }
@@ -204,8 +206,8 @@ __device__ inline float block_max(float v) {
 }  // namespace detail
 
 // One block per row. Thread t holds its first R packs in registers and the next S in shared memory;
-// any further packs are read from memory in each pass. kFp8: the gradient but for its one-hot term goes
-// to q (N,Vp) in E5M2, times qscale, and *descale = 1 / qscale; logits are only read.
+// any further packs are read from memory in each pass. kFp8: the gradient goes to q (N,Vp) in E5M2,
+// times qscale, and *descale = 1 / qscale; logits are only read.
 template <int R, int S, bool kFp8 = false>
 static __global__ void __launch_bounds__(kClassifierBlock, 2)
     fused_classifier_kernel(floatX* logits, float* losses, const int* targets, float dloss, int V, int Vp,
@@ -264,30 +266,31 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     if (threadIdx.x == 0) losses[row] = (m - target_logit) + logf(s);
     if (!write_dlogits) return;
 
-    // Pass 3, the gradient: in place (each thread overwrites only the packs it read), or its softmax part
-    // in E5M2 to q.
+    // Pass 3, the gradient: in place (each thread overwrites only the packs it read), or in E5M2 to q.
     const float scale = dloss / s;
+    const int target = targets[row];
     if constexpr (kFp8) {
         if (row == 0 && threadIdx.x == 0) *descale = 1.0f / qscale;
         __nv_fp8_storage_t* qt = q + row * Vp + c0;
 #pragma unroll
         for (int j = 0; j < R; j++) {
             if (c0 + j * kStride < Vp) {
-                detail::store_softmax_pack_fp8(qt + j * kStride, held[j], m, scale, qscale);
+                detail::store_grad_pack_fp8(qt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss, qscale);
             }
         }
 #pragma unroll
         for (int j = 0; j < S; j++) {
             if (c0 + (R + j) * kStride < Vp) {
-                detail::store_softmax_pack_fp8(qt + (R + j) * kStride, stashed(j), m, scale, qscale);
+                detail::store_grad_pack_fp8(qt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale,
+                                            target, dloss, qscale);
             }
         }
 #pragma unroll 1
         for (int c = c_streamed; c < Vp; c += kStride) {
-            detail::store_softmax_pack_fp8(q + row * Vp + c, detail::load_logit_pack(x, c, V), m, scale, qscale);
+            detail::store_grad_pack_fp8(q + row * Vp + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss,
+                                        qscale);
         }
     } else {
-        const int target = targets[row];
 #pragma unroll
         for (int j = 0; j < R; j++) {
             if (c0 + j * kStride < Vp) {
@@ -328,9 +331,9 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     cudaCheckLaunch();
 }
 
-// losses as fused_classifier's (bitwise), and softmax * dloss (dlogits = dloss * d(loss)/d(logits) but for
-// the -dloss at each target) into q (N,Vp) in E5M2 times 57344 / dloss (dloss > 0), padded columns 0;
-// *descale (a device float) = dloss / 57344 for the matmuls that read q. The logits are left as they are.
+// losses as fused_classifier's (bitwise), and dlogits = dloss * d(loss)/d(logits) into q (N,Vp) in E5M2
+// times 57344 / dloss (dloss > 0), padded columns 0; *descale (a device float) = dloss / 57344 for the
+// matmuls that read q. The logits are left as they are.
 inline void fused_classifier_fp8(const floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V,
                                  int Vp, __nv_fp8_e5m2* q, float* descale, cudaStream_t stream) {
     require_pack_multiple(Vp, "fused_classifier_fp8: Vp");

@@ -15,11 +15,6 @@ Provides:
                     in warp order); dwpe is a plain loop over b per (t, c). The result depends only on
                     the inputs, not on scheduling.
   encoder_backward_scratch_bytes: the scratch encoder_backward needs (queries CUB, so it needs a GPU).
-  token_rows_backward: encoder_backward's dwte part for any rows and tokens, times a scale: dwte[v] +=
-                    scale * (the same fixed-order sum of dout over the rows holding token v); the FP8
-                    classifier backward adds its one-hot term (-dloss at each target) to dwte with it.
-  gather_scaled_rows: out (N,C) row n = scale * table[tokens[n]] (rounded to bf16 once; exact when scale
-                    is a power of two): that term's part of d(lnf).
 C must be a multiple of 8 (16-byte vectors). Token ids are trusted: the data loader validates them.
 
 Does not provide: the classifier's contribution to dwte (the tied weight also gets dlogits^T @ lnf
@@ -119,7 +114,7 @@ static __global__ void iota_kernel(int* out, int n) {
 // channels [y * 256, y * 256 + 256) and adds the sums to that token's row of dwte; otherwise it exits.
 static __global__ void __launch_bounds__(kEncoderBackwardBlock)
     encoder_backward_wte_kernel(floatX* dwte, const floatX* dout, const unsigned* sorted_tokens,
-                                const int* sorted_positions, int N, int C, float scale) {
+                                const int* sorted_positions, int N, int C) {
     __shared__ float sums[kEncoderBackwardWarps][kEncoderBackwardColumns];
     const int start = blockIdx.x;
     const unsigned token = sorted_tokens[start];
@@ -150,7 +145,7 @@ static __global__ void __launch_bounds__(kEncoderBackwardBlock)
         float s = 0.0f;
         for (int w = 0; w < kEncoderBackwardWarps; w++) s += sums[w][threadIdx.x];
         floatX* dst = dwte + int64_t(token) * C + c;
-        *dst = __float2bfloat16_rn(float(*dst) + s * scale);  // scale 1: exactly the sum
+        *dst = __float2bfloat16_rn(float(*dst) + s);
     }
 }
 
@@ -168,50 +163,6 @@ static __global__ void encoder_backward_wpe_kernel(floatX* dwpe, const floatX* d
     store128(dwpe + i, w);
 }
 
-// dwte (Vp,C) += scale * per-token sums of dout (N,C) over the rows holding each token (tokens (N),
-// device int32, each below Vp: trusted). scratch: encoder_backward_scratch_bytes(1, N, Vp) bytes.
-inline void token_rows_backward(floatX* dwte, const floatX* dout, const int* tokens, int N, int C, int Vp, float scale,
-                                void* scratch, size_t scratch_bytes, cudaStream_t stream) {
-    require_pack_multiple(C, "token_rows_backward: C");
-    if (N == 0) return;
-    detail::EncoderScratch s = detail::encoder_scratch_layout(scratch, N, Vp);
-    if (scratch_bytes < s.total) {
-        fail(kExitUsage, "token_rows_backward: scratch of %zu bytes, N=%d Vp=%d needs %zu", scratch_bytes, N, Vp, s.total);
-    }
-    iota_kernel<<<unsigned(ceil_div(N, 256)), 256, 0, stream>>>(s.positions, N);
-    cudaCheckLaunch();
-    cudaCheck(cub::DeviceRadixSort::SortPairs(s.cub_temp, s.cub_bytes, reinterpret_cast<const unsigned*>(tokens),
-                                              s.sorted_tokens, s.positions, s.sorted_positions, N, 0, token_bits(Vp),
-                                              stream));
-    const dim3 grid(unsigned(N), unsigned(ceil_div(C, kEncoderBackwardColumns)));
-    encoder_backward_wte_kernel<<<grid, kEncoderBackwardBlock, 0, stream>>>(dwte, dout, s.sorted_tokens,
-                                                                          s.sorted_positions, N, C, scale);
-    cudaCheckLaunch();
-}
-
-static __global__ void gather_scaled_rows_kernel(floatX* out, const floatX* table, const int* tokens, int64_t N, int C,
-                                                 float scale) {
-    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
-    if (i >= N * C) return;
-    const int64_t n = i / C;
-    const int c = int(i % C);
-    const PackX w = load128(table + int64_t(tokens[n]) * C + c);
-    PackX o;
-    for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(scale * float(w[k]));
-    store128(out + i, o);
-}
-
-// out (N,C) row n = scale * table row tokens[n] (tokens device int32, trusted), rounded to bf16.
-inline void gather_scaled_rows(floatX* out, const floatX* table, const int* tokens, int64_t N, int C, float scale,
-                               cudaStream_t stream) {
-    require_pack_multiple(C, "gather_scaled_rows: C");
-    if (N == 0) return;
-    const int block = 256;
-    gather_scaled_rows_kernel<<<unsigned(ceil_div<int64_t>(N * C / kPackX, block)), block, 0, stream>>>(
-        out, table, tokens, N, C, scale);
-    cudaCheckLaunch();
-}
-
 // dwte (Vp,C) += per-token sums of dout (B,T,C); dwpe (maxT,C) += sums over b (rows t < T only).
 // scratch: encoder_backward_scratch_bytes(B, T, Vp) bytes of device memory.
 inline void encoder_backward(floatX* dwte, floatX* dwpe, const floatX* dout, const int* inp, int B, int T, int C,
@@ -219,11 +170,20 @@ inline void encoder_backward(floatX* dwte, floatX* dwpe, const floatX* dout, con
     require_pack_multiple(C, "encoder_backward: C");
     const int N = B * T;
     if (N == 0) return;
-    if (scratch_bytes < detail::encoder_scratch_layout(nullptr, N, Vp).total) {
+    detail::EncoderScratch s = detail::encoder_scratch_layout(scratch, N, Vp);
+    if (scratch_bytes < s.total) {
         fail(kExitUsage, "encoder_backward: scratch of %zu bytes, B=%d T=%d Vp=%d needs %zu", scratch_bytes, B, T, Vp,
-             detail::encoder_scratch_layout(nullptr, N, Vp).total);
+             s.total);
     }
-    token_rows_backward(dwte, dout, inp, N, C, Vp, 1.0f, scratch, scratch_bytes, stream);
+    iota_kernel<<<unsigned(ceil_div(N, 256)), 256, 0, stream>>>(s.positions, N);
+    cudaCheckLaunch();
+    cudaCheck(cub::DeviceRadixSort::SortPairs(s.cub_temp, s.cub_bytes, reinterpret_cast<const unsigned*>(inp),
+                                              s.sorted_tokens, s.positions, s.sorted_positions, N, 0, token_bits(Vp),
+                                              stream));
+    const dim3 grid(unsigned(N), unsigned(ceil_div(C, kEncoderBackwardColumns)));
+    encoder_backward_wte_kernel<<<grid, kEncoderBackwardBlock, 0, stream>>>(dwte, dout, s.sorted_tokens,
+                                                                          s.sorted_positions, N, C);
+    cudaCheckLaunch();
     const int block = 256;
     encoder_backward_wpe_kernel<<<unsigned(ceil_div<int64_t>(int64_t(T) * C / kPackX, block)), block, 0, stream>>>(
         dwpe, dout, B, T, C);

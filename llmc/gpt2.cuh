@@ -18,11 +18,10 @@ per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4
 E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
 LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's
 gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call),
-and the classifier's backward (lm_head.grad): the fused classifier writes dlogits' softmax part in E5M2
-with a static scale (it lies in [0, dloss]) instead of bf16, a byte transpose makes the K-major copy the
-weight gradient needs, and d(lnf) += softmax wte and dwte += softmax^T lnf are FP8 matmuls (wte^T and
-lnf^T cast in E4M3); the one-hot part (-dloss at each target) is added outside FP8, as a gather of wte
-rows into d(lnf) and a per-token sum of lnf rows into dwte. So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
+and the classifier's backward (lm_head.grad): the fused classifier writes dlogits in E5M2 with a static
+scale (|dlogit| <= dloss) instead of bf16, a byte transpose makes the K-major copy the weight gradient
+needs, and d(lnf) = dlogits wte and dwte += dlogits^T lnf are FP8 matmuls (wte^T and lnf^T cast in
+E4M3). So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
 the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows at a time and leaves
 dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
 forward's bit for bit.
@@ -453,10 +452,6 @@ public:
                 fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
                      (long long)N, (long long)classifier_grad_rows_);
             }
-            // dwte += the one-hot term's part (-dloss at each target times its lnf row, summed per token in
-            // a fixed order), then the softmax part's FP8 matmul.
-            token_rows_backward(gw.wte, lnf_, targets_, int(N), C, Vp, -classifier_grad_dloss_, scratch_.get(), sbytes,
-                                stream_);
             fp8_matmul(lt_, stream_, Vp, C, N, fp8_dlogits_transposed(N), fp8_lnf_transposed(), fp8_descale(kFp8Dlogits),
                        fp8_descale(kFp8Act), gw.wte, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
         }
@@ -656,14 +651,6 @@ private:
         const int wslot = fp8_weight_slot(kFp8WeightKinds, 0);
         auto* dlogits = reinterpret_cast<__nv_fp8_e5m2*>(reinterpret_cast<uint8_t*>(logits_) + 2 * chunk * Vp);
         __nv_fp8_e5m2* dlogits_t = fp8_dlogits_transposed(N);
-        if (train) {
-            // The one-hot term of dlogits (-dloss at each target, a row's largest value, which E5M2 would
-            // round by up to 12.5%) stays out of FP8: d(lnf) starts from its part, -dloss * wte[target]
-            // (exact for a power-of-two dloss), which each chunk's FP8 matmul adds to; backward adds its dwte part.
-            gather_scaled_rows(d_ln_, outer(params_.get()).wte, targets, N, C, -dloss, stream_);
-            cudaCheck(cudaMemcpyAsync(targets_, targets, size_t(N) * sizeof(int), cudaMemcpyDeviceToDevice, stream_));
-            classifier_grad_dloss_ = dloss;
-        }
         for (int64_t r0 = 0; r0 < N; r0 += chunk) {
             const int64_t n = std::min(chunk, N - r0);
             floatX* out = train ? logits_ : logits_ + r0 * Vp;
@@ -679,7 +666,7 @@ private:
             fp8_transpose(dlogits_t + r0, N, dlogits, n, Vp, stream_);
             // d(lnf) rows r0.. = dlogits (n, Vp) wte (Vp, C): P dlogits, Q wte^T (C, Vp).
             fp8_matmul(lt_, stream_, n, C, Vp, dlogits, fp8_wte_transposed(), fp8_descale(kFp8Dlogits),
-                       fp8_descale(wslot), d_ln_ + r0 * C, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                       fp8_descale(wslot), d_ln_ + r0 * C);
         }
         if (!train) return;
         fp8_cast_transposed(fp8_lnf_transposed(), lnf_, N, C, fp8_amax_slot(kFp8Act), fp8_descale(kFp8Act), stream_);
@@ -862,7 +849,6 @@ private:
             {reinterpret_cast<void**>(&lnf_rstd_), N * F},
             {reinterpret_cast<void**>(&logits_), N * Vp * X},
             {reinterpret_cast<void**>(&losses_), N * F},
-            {reinterpret_cast<void**>(&targets_), N * sizeof(int)},
         };
         memory_.activations = carve(acts_, acts, sizeof(acts) / sizeof(acts[0]));
         cudaCheck(cudaMemsetAsync(acts_.get(), 0xff, acts_.bytes(), stream_));
@@ -946,10 +932,8 @@ private:
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
     bool fp8_weights_stale_ = true;
-    // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it),
-    // and its dloss.
+    // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
-    float classifier_grad_dloss_ = 0.0f;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;
@@ -960,7 +944,6 @@ private:
     floatX *lnf_ = nullptr, *logits_ = nullptr;
     float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
     float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
-    int* targets_ = nullptr;  // the FP8 classifier backward's targets, from its training forward to backward
     __nv_fp8_e4m3 *ln1_q_ = nullptr, *ln2_q_ = nullptr;  // with FP8 qkv / fc, in place of ln1_ / ln2_
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
