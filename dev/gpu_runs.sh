@@ -123,7 +123,7 @@ for section in "$@"; do
                     "$LOGS/throughput.log" | tail -n 5 >>"$summary"
             done ;;
         fp8-throughput)
-            # d12 T=1024 in bf16 and with every FP8 matmul (--fp8 1), B=64 (GPU clock and power sampled) and
+            # d12 T=1024 in bf16 and with the FP8 matmuls that pay (--fp8 1), B=64 (GPU clock and power sampled) and
             # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory.
             for round in 1 2; do
                 for B in 64 16; do
@@ -138,7 +138,7 @@ for section in "$@"; do
             done ;;
         fp8-matmuls)
             # Which FP8 matmuls pay: d12 B=64 with each one alone (and FP8_SETS, comma lists separated by spaces).
-            for set in ${FP8_SETS:-0 qkv fc lm_head attproj.dx fcproj.dx 1}; do
+            for set in ${FP8_SETS:-0 qkv fc lm_head attproj.dx fcproj.dx lm_head,lm_head.grad 1}; do
                 step "d12 B=64 --fp8 $set" fp8_matmuls.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 "$set"
                 grep -E "^average" "$LOGS/fp8_matmuls.log" | tail -n 1 >>"$summary"
             done ;;

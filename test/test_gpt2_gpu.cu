@@ -30,7 +30,8 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     against the CPU at every shape (and again with the classifier's backward in bf16), the 10 AdamW steps and the determinism test again, with the FP8
     tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2 and norms
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
-    kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise.
+    kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise. The trainer's --fp8
+    values parse to the matmuls they name (this one runs without a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -554,6 +555,16 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
 // which read the LayerNorm outputs FP8 keeps for backward (in E4M3, read back to bf16: so close to
 // bf16's, within the forward FP8 tolerance, not equal). At B x T = 256 FP8 gives other bits (so the mode
 // really is on).
+// The trainer's --fp8 values (no GPU needed).
+TEST(Fp8Matmuls, ParsesTheTrainersValues) {
+    EXPECT_EQ(parse_fp8_matmuls("0").describe(), "none");
+    EXPECT_EQ(parse_fp8_matmuls("1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad");
+    EXPECT_EQ(parse_fp8_matmuls("all").describe(), "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad");
+    EXPECT_EQ(parse_fp8_matmuls("lm_head.grad,lm_head").describe(), "lm_head,lm_head.grad");
+    expect_error([] { parse_fp8_matmuls("qkv,lm_head.grad"); }, kExitUsage, {"lm_head.grad needs lm_head"});
+    expect_error([] { parse_fp8_matmuls("qkv,lm_head.dx"); }, kExitUsage, {"unknown matmul 'lm_head.dx'"});
+}
+
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
     if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
     const GPT2Config c = config_from_descriptor("d2");
