@@ -153,38 +153,37 @@ __device__ inline float pack_exp_sum(const LogitPack& p, float m) {
     return ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
 }
 
-// Writes to out the dlogits of the pack p at column c: e^(x - m) * scale (scale = dloss / sum), minus
-// dloss at the target column. -inf (padded) columns give exactly 0.
+// The dlogits of the pack p (at column c) at columns c + 2i and c + 2i + 1: e^(x - m) * scale (scale =
+// dloss / sum), minus dloss at the target column. -inf (padded) columns give exactly 0.
+__device__ inline float2 grad_pair(const LogitPack& p, int i, int c, float m, float scale, int target, float dloss) {
+    float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
+    float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
+    if (unsigned(target - c) < unsigned(kPackX)) {
+        if (c + 2 * i == target) lo -= dloss;
+        if (c + 2 * i + 1 == target) hi -= dloss;
+    }
+    return make_float2(lo, hi);
+}
+
+// Writes the pack's dlogits (grad_pair) to out in bf16.
 __device__ inline void store_grad_pack(floatX* out, const LogitPack& p, int c, float m, float scale, int target,
                                        float dloss) {
-    const bool has_target = unsigned(target - c) < unsigned(kPackX);
     uint32_t w[kPackX / 2];
     for (int i = 0; i < kPackX / 2; i++) {
-        float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
-        float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
-        if (has_target) {
-            if (c + 2 * i == target) lo -= dloss;
-            if (c + 2 * i + 1 == target) hi -= dloss;
-        }
-        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        const float2 g = grad_pair(p, i, c, m, scale, target, dloss);
+        const __nv_bfloat162 h = __floats2bfloat162_rn(g.x, g.y);
         memcpy(&w[i], &h, sizeof(h));
     }
     *reinterpret_cast<int4*>(out) = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
-// store_grad_pack's dlogits times qscale in E5M2, 8 bytes at out (8-byte aligned).
+// The same dlogits times qscale in E5M2, 8 bytes at out (8-byte aligned).
 __device__ inline void store_grad_pack_fp8(__nv_fp8_storage_t* out, const LogitPack& p, int c, float m, float scale,
                                            int target, float dloss, float qscale) {
-    const bool has_target = unsigned(target - c) < unsigned(kPackX);
     uint32_t w[2] = {0, 0};
     for (int i = 0; i < kPackX / 2; i++) {
-        float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
-        float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
-        if (has_target) {
-            if (c + 2 * i == target) lo -= dloss;
-            if (c + 2 * i + 1 == target) hi -= dloss;
-        }
-        const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo * qscale, hi * qscale), __NV_SATFINITE, __NV_E5M2);
+        const float2 g = grad_pair(p, i, c, m, scale, target, dloss);
+        const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(g.x * qscale, g.y * qscale), __NV_SATFINITE, __NV_E5M2);
         w[i / 2] |= pair << (16 * (i % 2));
     }
     *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
