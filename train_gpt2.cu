@@ -166,9 +166,10 @@ inline Flags make_flags(Options& o) {
           "slower; llm.c's default); 0: keep them all", 0, 1);
     f.add("", "fp8", &o.fp8,
           "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
-          "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those and "
-          "fcproj.dx; or a comma-separated list of them; 0: bf16 everywhere. Per-tensor scales from each "
-          "tensor's own max (dlogits: from dloss); the blocks' weight gradients and attention stay bf16");
+          "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
+          "fcproj.dx and qkv.grad (qkv's backward, both matmuls); or a comma-separated list of them; 0: bf16 "
+          "everywhere. Per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the "
+          "other weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,

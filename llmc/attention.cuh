@@ -37,7 +37,10 @@ the inputs; backward reads qkv (the layer's input) and out (the forward's output
 which the trainer keeps anyway. T may be anything >= 1. Checked, with an error naming the function: B,
 T, NH >= 1, C a multiple of NH, HS = C/NH a multiple of 8, the saved and scratch sizes, every pointer
 16-byte aligned. Deterministic: no atomics in either path (cuBLAS is reproducible on one GPU model). The
-two paths agree to within bf16 rounding, not bitwise.
+two paths agree to within bf16 rounding, not bitwise. attention_backward's amax_bits (optional): the
+largest |value| of dqkv is folded into it for an FP8 cast of dqkv (llmc/fp8.cuh; the caller zeroes it):
+by the flash kernels as they store dqkv (an atomicMax of exact values: the result does not depend on the
+order), by a pass of its own after the cuBLASLt path.
 
 Does not provide: dropout, masks other than causal and the groups above (no backward through groups),
 a KV cache.
@@ -51,6 +54,7 @@ a KV cache.
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_attention.cuh"
 #include "llmc/flash_attention_sm90.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -331,7 +335,8 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
 // dqkv must not alias the inputs.
 inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
                                const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
-                               void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                               void* scratch, size_t scratch_bytes, cudaStream_t stream,
+                               unsigned int* amax_bits = nullptr) {
     const char* fn = "attention_backward";
     detail::check_attention_args(fn, B, T, C, NH);
     const int HS = C / NH;
@@ -342,15 +347,16 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
         if (HS == 64 && flash90_available()) {
-            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
         } else if (HS == 64) {
-            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
         } else {
-            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
+            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
         }
     } else {
         attention_backward_cublaslt(lt, dqkv, dout, qkv, static_cast<const floatX*>(saved), B, T, C, NH, scratch,
                                     scratch_bytes, stream);
+        if (amax_bits != nullptr) fp8_amax_fold(dqkv, int64_t(B) * T * 3 * C, amax_bits, stream);  // a pass of its own
     }
 }
 

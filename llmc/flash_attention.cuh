@@ -366,7 +366,7 @@ constexpr size_t dkdv_smem() {
 template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
-                          int T, int NH, float scale_log2, float scale) {
+                          int T, int NH, float scale_log2, float scale, unsigned int* amax_bits) {
     constexpr int BM = block_m<MT>();
     constexpr int BQ = dkdv_bq<HS, MT>();
     constexpr int kQTile = BQ * row_stride<HS>();
@@ -456,9 +456,10 @@ static __global__ void __launch_bounds__(kThreads)
     // copies issued before it have landed.
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane);
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane,
+                       amax_bits);
         store_rows<HS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * HS, C3, dv[mt], 1.0f, 1.0f, wfirst + 16 * mt, T,
-                       lane);
+                       lane, amax_bits);
     }
 }
 
@@ -475,7 +476,7 @@ constexpr size_t dq_smem() {
 template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
-                        int NH, float scale_log2, float scale) {
+                        int NH, float scale_log2, float scale, unsigned int* amax_bits) {
     constexpr int BM = block_m<MT>();
     constexpr int KS = MT == 1 ? kBlockN : kBlockN / 2;
     extern __shared__ uint4 smem[];
@@ -544,7 +545,8 @@ static __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq[mt], scale, scale, wfirst + 16 * mt, T, lane);
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq[mt], scale, scale, wfirst + 16 * mt, T, lane,
+                       amax_bits);
     }
 }
 
@@ -596,11 +598,13 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
 
 // dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
 // flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe, MT: as for flash_forward,
-// for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ).
+// for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ). With amax_bits, the largest |value| of
+// dqkv is folded into *amax_bits (an unsigned atomicMax of the float's bits; the caller zeroes it first),
+// so an FP8 cast of dqkv needs no pass of its own to find its scale.
 template <int HS, bool Pipe = flash_tiling<HS>().kv_pipe, int MT = flash_tiling<HS>().kv_tiles,
           int MTQ = flash_tiling<HS>().q_tiles, bool PipeQ = flash_tiling<HS>().q_pipe>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
-                    int T, int NH, float* D, cudaStream_t stream) {
+                    int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
     static_assert((MT == 1 || (MT == 2 && HS == 64)) && (MTQ == 1 || (MTQ == 2 && HS == 64)),
                   "two row tiles per warp only for HS 64");
@@ -618,11 +622,11 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
     const dim3 grid_kv(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
     flash_bwd_dkdv_kernel<HS, Pipe, MT><<<grid_kv, kThreads, dkdv_smem<HS, Pipe, MT>(), stream>>>(
-        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale, amax_bits);
     cudaCheckLaunch();
     const dim3 grid_q(unsigned(ceil_div(T, block_m<MTQ>())), unsigned(B * NH));
     flash_bwd_dq_kernel<HS, PipeQ, MTQ><<<grid_q, kThreads, dq_smem<HS, PipeQ, MTQ>(), stream>>>(
-        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale, amax_bits);
     cudaCheckLaunch();
 }
 

@@ -368,7 +368,7 @@ static __global__ void __launch_bounds__(kWGThreads)
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                        int T, int NH, float scale_log2, float scale) {
+                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // K and V, Q/dO buffer 0, Q/dO buffer 1
@@ -438,8 +438,8 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
         products<true>(dv, pa, sdO, dk, da, sQ);
     }
     // A block's first query block starts at its first key, so the loop ran at least once.
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane);
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane, amax_bits);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane, amax_bits);
 #endif
 }
 
@@ -451,7 +451,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                       const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
-                      int NH, float scale_log2, float scale) {
+                      int NH, float scale_log2, float scale, unsigned int* amax_bits) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
@@ -510,7 +510,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
         acc_to_a(da, dp);
         product<true>(dq, da, sK);
     }
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane, amax_bits);
 #endif
 }
 
@@ -576,9 +576,10 @@ inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, i
     cudaCheckLaunch();
 }
 
-// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes), on wgmma.
+// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes, amax_bits as
+// there), on wgmma.
 inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int T, int NH, float* D, cudaStream_t stream) {
+                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
     using namespace flash90_detail;
     if (!flash90_available()) fail(kExitUsage, "flash90_backward: needs a build for sm_90a and a compute 9.0 GPU");
     check_args("flash90_backward", B, T, NH);
@@ -596,10 +597,10 @@ inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
     flash90_dkdv_kernel<<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                                 scale_log2, scale);
+                                                                 scale_log2, scale, amax_bits);
     cudaCheckLaunch();
     flash90_dq_kernel<<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                             scale_log2, scale);
+                                                             scale_log2, scale, amax_bits);
     cudaCheckLaunch();
 }
 

@@ -16,7 +16,8 @@ Provides:
                         a warp's max |value| into *amax_bits with an unsigned atomicMax (exact, in any
                         order). LayerNorm forward and backward take an amax pointer and use it, so the
                         amax of their outputs costs no pass of its own.
-  fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first).
+  fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first);
+                        fp8_amax_fold folds them into *amax_bits as it is (for a producer that cannot).
   fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
                         1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
@@ -26,6 +27,8 @@ Provides:
                         row-major, byte for byte, through 64 x 64 tiles in shared memory (16 bytes a
                         thread where the tile is whole and aligned): the K-major copy of an FP8 operand
                         for a weight gradient (the classifier's dlogits, written a chunk of rows at a time).
+  fp8_cast_pair:        the cast written row-major and transposed in one pass (64 x 64 tiles, 16 values a
+                        thread): the two K-major copies of a gradient whose dX and dW are both FP8.
   fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
                         a bf16 matmul; 8 values a thread when n and the pointers allow.
   Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
@@ -38,8 +41,8 @@ Provides:
   fp8_matmul:           one Fp8Gemm built and run (the heuristic's first choice), as gemm() does for bf16.
 Every call is checked; casts on `stream`.
 
-Does not provide: delayed scaling (an amax history), FP8 outputs of a matmul, or transposed copies written
-by the kernels that produce the operands.
+Does not provide: delayed scaling (an amax history), FP8 outputs of a matmul, or FP8 copies written by
+the kernels that produce the operands (those record the amax only, so each FP8 operand costs one pass).
 */
 #pragma once
 
@@ -157,12 +160,35 @@ __global__ void fp8_cast_transposed_kernel(__nv_fp8_storage_t* q, const floatX* 
     }
 }
 
+// The byte tiles of fp8_transpose and fp8_cast_pair: [row][word of 4 columns], padded.
+using Fp8ByteTile = uint32_t[kFp8ByteTile][kFp8ByteTile / 4 + 1];
+
+// The second half of a byte-tile transpose: the tile (rows r0.., columns c0.. of the source) goes to dst
+// rows c0.., columns r0..; thread t writes 16 bytes of dst row c0 + t/4 (columns r0 + 16 (t%4) ..).
+// `vector`: 16-byte stores are aligned wherever the 16 bytes are all in range.
+__device__ inline void fp8_store_tile_transposed(const Fp8ByteTile& tile, uint8_t* dst, int64_t ldd, int64_t r0,
+                                                 int64_t c0, int64_t rows, int64_t cols, bool vector) {
+    const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
+    const int64_t c = c0 + line, r = r0 + 16 * seg;  // dst row c, columns r..
+    if (c >= cols) return;
+    uint32_t w[4] = {0, 0, 0, 0};
+    for (int k = 0; k < 16; k++) {
+        const uint32_t b = (tile[16 * seg + k][line / 4] >> (8 * (line % 4))) & 0xffu;
+        w[k / 4] |= b << (8 * (k % 4));
+    }
+    if (vector && r + 16 <= rows) {
+        *reinterpret_cast<uint4*>(dst + c * ldd + r) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int k = 0; k < 16 && r + k < rows; k++) dst[c * ldd + r + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
+    }
+}
+
 // One 64 x 64 byte tile per block of 256 threads: thread t reads 16 bytes of src row r0 + t/4 (columns
 // c0 + 16 (t%4) ..) and writes 16 bytes of dst row c0 + t/4 (columns r0 + 16 (t%4) ..). `vector`: the
 // caller checked that 16-byte accesses are aligned wherever the 16 bytes are all in range.
 __global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* src, int64_t rows, int64_t cols,
                                      bool vector) {
-    __shared__ uint32_t tile[kFp8ByteTile][kFp8ByteTile / 4 + 1];  // [row][word of 4 columns], padded
+    __shared__ Fp8ByteTile tile;
     const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
     const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
     {
@@ -179,18 +205,45 @@ __global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* s
         for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
     }
     __syncthreads();
-    const int64_t c = c0 + line, r = r0 + 16 * seg;  // dst row c, columns r..
-    if (c >= cols) return;
-    uint32_t w[4] = {0, 0, 0, 0};
-    for (int k = 0; k < 16; k++) {
-        const uint32_t b = (tile[16 * seg + k][line / 4] >> (8 * (line % 4))) & 0xffu;
-        w[k / 4] |= b << (8 * (k % 4));
+    fp8_store_tile_transposed(tile, dst, ldd, r0, c0, rows, cols, vector);
+}
+
+// fp8_cast_pair's kernel, tiled as fp8_transpose_kernel: thread t reads 16 bf16 values of x row r0 + t/4
+// (columns c0 + 16 (t%4) ..), writes their 16 FP8 bytes to q's same row and columns (q may be null),
+// and through the tile to qt. `vector`: x, q, qt 16-byte aligned, cols and ldt multiples of 16.
+template <class Fp8>
+__global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, int64_t rows,
+                                     int64_t cols, const unsigned int* amax_bits, float* descale, bool vector) {
+    __shared__ Fp8ByteTile tile;
+    const float scale = fp8_scale<Fp8>(__uint_as_float(*amax_bits));
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
+    const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
+    const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
+    {
+        const int64_t r = r0 + line, c = c0 + 16 * seg;
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (r < rows) {
+            if (vector && c + 16 <= cols) {
+                for (int h = 0; h < 2; h++) {
+                    const PackX p = load128(x + r * cols + c + h * kPackX);
+                    for (int k = 0; k < kPackX; k++) {
+                        const int j = h * kPackX + k;
+                        w[j / 4] |= uint32_t(fp8_quantize<Fp8>(float(p[k]), scale)) << (8 * (j % 4));
+                    }
+                }
+                if (q != nullptr) *reinterpret_cast<uint4*>(q + r * cols + c) = make_uint4(w[0], w[1], w[2], w[3]);
+            } else {
+                for (int k = 0; k < 16 && c + k < cols; k++) {
+                    const __nv_fp8_storage_t b = fp8_quantize<Fp8>(float(x[r * cols + c + k]), scale);
+                    w[k / 4] |= uint32_t(b) << (8 * (k % 4));
+                    if (q != nullptr) q[r * cols + c + k] = b;
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
     }
-    if (vector && r + 16 <= rows) {
-        *reinterpret_cast<uint4*>(dst + c * ldd + r) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-        for (int k = 0; k < 16 && r + k < rows; k++) dst[c * ldd + r + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
-    }
+    __syncthreads();
+    fp8_store_tile_transposed(tile, qt, ldt, r0, c0, rows, cols, vector);
 }
 
 template <class Fp8>
@@ -219,11 +272,17 @@ __global__ void fp8_dequantize_packed_kernel(floatX* x, const uint2* q, int64_t 
 
 }  // namespace detail
 
-inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
-    cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
+// Folds max |x| over n bf16 values into *amax_bits (an unsigned atomicMax of the float's bits: what a
+// producer kernel does with fp8_record_amax), without zeroing it first.
+inline void fp8_amax_fold(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
     if (n == 0) return;
     detail::fp8_amax_kernel<<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(x, n, amax_bits);
     cudaCheckLaunch();
+}
+
+inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
+    cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
+    fp8_amax_fold(x, n, amax_bits, stream);
 }
 
 template <class Fp8>
@@ -286,6 +345,25 @@ void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t c
                     unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
     detail::fp8_transpose_kernel<<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
         reinterpret_cast<uint8_t*>(dst), ld, reinterpret_cast<const uint8_t*>(src), rows, cols, vector);
+    cudaCheckLaunch();
+}
+
+// The cast of x (rows, cols) bf16 row-major with amax_bits' scale (as fp8_cast), written twice in one
+// pass: into q (rows, cols) row-major (unless q is null) and transposed into columns [0, rows) of qt
+// (cols, ldt) row-major, ldt >= rows: the two K-major operands of a gradient's FP8 dX and dW. *descale set.
+template <class Fp8>
+void fp8_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, int64_t rows, int64_t cols,
+                   const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
+    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, detail::kFp8ByteTile) > 65535) {
+        fail(kExitUsage, "fp8_cast_pair: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %d rows",
+             (long long)rows, (long long)cols, (long long)ldt, 65535 * detail::kFp8ByteTile);
+    }
+    const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(qt) % 16 == 0 && cols % 16 == 0 && ldt % 16 == 0;
+    const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
+                    unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
+    detail::fp8_cast_pair_kernel<Fp8><<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
+        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, rows, cols, amax_bits, descale, vector);
     cudaCheckLaunch();
 }
 

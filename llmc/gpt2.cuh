@@ -24,13 +24,16 @@ needs, and d(lnf) = dlogits wte and dwte += dlogits^T lnf are FP8 matmuls (wte^T
 E4M3). So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
 the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows at a time and leaves
 dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
-forward's bit for bit.
+forward's bit for bit. With qkv.grad, qkv's backward is FP8 too: attention's backward records dqkv's
+amax as it writes it, one pass casts dqkv to E5M2 both row-major (for dX, against qkv's weight
+transposed in E4M3) and transposed (for dW, against a byte transpose of the kept E4M3 ln1), and the
+bias gradient is summed from bf16 dqkv as before.
 The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
 (read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
 each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
 only (as Transformer Engine keeps its FP8 inputs): half the bytes of bf16, more than paying for the
-weights' copies; their weight gradients read them back in bf16. Everything else stays bf16, including
-the weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
+weights' copies; their bf16 weight gradients read them back in bf16. Everything else stays bf16,
+including the other weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
 matmuls in bf16 (its forward gives bf16's bits; its backward still reads the kept FP8 LayerNorm
 outputs). No state: scales come from the tensors themselves, so FP8 changes nothing in a checkpoint and a
 run is as deterministic as in bf16.
@@ -103,7 +106,8 @@ struct Fp8Matmuls {
     bool qkv = false, fc = false, lm_head = false;  // forward
     bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
     bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
-    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad; }
+    bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
+    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad; }
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -115,19 +119,20 @@ struct Fp8Matmuls {
         add(attproj_dx, "attproj.dx");
         add(fcproj_dx, "fcproj.dx");
         add(lm_head_grad, "lm_head.grad");
+        add(qkv_grad, "qkv.grad");
         return s.empty() ? "none" : s;
     }
 };
 
 // "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
-// with the GELU gradient epilogue is slower than bf16's on the H200, is left out); "all": every matmul
-// Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad
-// (which needs lm_head).
+// with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad); "all":
+// every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx,
+// lm_head.grad (which needs lm_head) and qkv.grad (which needs qkv).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
-    if (text == "1") return {true, true, true, true, false, true};  // what pays at d12 (docs/performance.md)
-    if (text == "all") return {true, true, true, true, true, true};
+    if (text == "1") return {true, true, true, true, false, true, false};  // what pays at d12 (docs/performance.md)
+    if (text == "all") return {true, true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "qkv") {
             m.qkv = true;
@@ -141,12 +146,15 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.fcproj_dx = true;
         } else if (name == "lm_head.grad") {
             m.lm_head_grad = true;
+        } else if (name == "qkv.grad") {
+            m.qkv_grad = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
-                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad", text.c_str(), name.c_str());
+                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad", text.c_str(), name.c_str());
         }
     }
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
+    if (m.qkv_grad && !m.qkv) fail(kExitUsage, "--fp8 %s: qkv.grad needs qkv too", text.c_str());
     return m;
 }
 
@@ -263,8 +271,9 @@ public:
             fail(kExitUsage, "FP8 lm_head needs the padded vocabulary a multiple of 16, not %d", c.padded_vocab_size);
         }
         if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "FP8 lm_head.grad needs lm_head too (%s)", m.describe().c_str());
+        if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
-        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx};
+        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx, m.qkv_grad};
         size_t at = 0;
         for (int k = 0; k < kFp8WeightKinds; k++) {
             fp8_weight_at_[k] = at;
@@ -442,6 +451,7 @@ public:
         // the weight gradients in buffers free at that point: ln2 in d_qkv_ (layer l+1's qkv gradient is
         // spent), ln1 in d_fch_ (layer l's fc gradient is).
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
+        const bool fp8_qkv_grad = fp8_.qkv_grad && fp8_rows(N);
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
         if (classifier_grad_rows_ == 0) {
@@ -488,9 +498,26 @@ public:
             matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, gb.attprojb, d_residual_, a.atty,
                             b.attprojw, N, C, C, fscratch, sbytes, stream_);
             attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                               scratch_.get(), sbytes, stream_);
-            const floatX* ln1 = a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_slot(l));
-            matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
+                               scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
+            if (fp8_qkv_grad) {
+                // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 in both layouts (one
+                // cast, its amax recorded by attention's backward) and ln1^T (a byte transpose of the kept
+                // E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias gradient from bf16 dqkv.
+                auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(d_fch_);
+                __nv_fp8_e5m2* g8t = g8 + N * 3 * C;
+                auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
+                fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_);
+                fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
+                fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
+                           fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
+                fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_descale(fp8_ln1_slot(l)),
+                           gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                bias_grad_accumulate(gb.qkvb, d_qkv_, N, 3 * C, fscratch, sbytes, stream_);
+            } else {
+                const floatX* ln1 = a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_slot(l));
+                matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes,
+                                stream_);
+            }
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_fcproj && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
@@ -696,9 +723,9 @@ private:
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
-    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8WeightKinds = 4;
+    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8QkvT = 4, kFp8WeightKinds = 5;
     static constexpr int kFp8SlotStride = 4;
-    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 4: wte, l = 0
+    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 5: wte, l = 0
     int fp8_ln1_slot(int l) const { return kFp8WeightKinds * config_.num_layers + 1 + l; }
     int fp8_ln2_slot(int l) const { return (kFp8WeightKinds + 1) * config_.num_layers + 1 + l; }
     static constexpr int kFp8Act = -1, kFp8Grad = -2, kFp8Dlogits = -3;  // resolved by fp8_slot()
@@ -716,10 +743,10 @@ private:
     }
     // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
     static bool fp8_rows(int64_t N) { return N % 16 == 0; }
-    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T), in values.
+    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T), in values.
     size_t fp8_layer_weight_size(int kind) const {
         const size_t C = size_t(config_.channels);
-        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C};
+        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C};
         return size[kind];
     }
     const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
@@ -771,6 +798,7 @@ private:
             if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
             if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
             if (fp8_.fcproj_dx) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
+            if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
         }
         if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
         if (fp8_.lm_head_grad) {  // the same scale as wte's copy (its amax is in the slot now)

@@ -16,6 +16,9 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     of the bf16 one (E5M2 keeps 2 mantissa bits);
   - Fp8Gemm's accumulate: D = D0 + the product, within the same bounds;
   - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
+  - fp8_cast_pair: the row-major bytes equal to the host's conversion and the transposed ones their
+    transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
+    and at shapes that are not multiples of 16, and with the row-major copy left out;
   - fp8_transpose: byte for byte the transpose, written into columns of a wider matrix (the bytes around
     left alone), on its 16-byte path and at shapes that are not multiples of its tiles or of 16;
   - fused_classifier_fp8 (llmc/classifier.cuh): the losses bitwise equal to fused_classifier's, every
@@ -23,13 +26,15 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     of fused_classifier's bf16 one, padded columns exactly 0, at rows held in registers, in shared
     memory and streamed, and the descale dloss / 57344;
   - each matmul the model's FP8 mode runs (llmc/gpt2.cuh: qkv, fc with its GELU, lm_head, attproj's and
-    fcproj's dX, the latter with the GELU gradient, and the classifier's dX and dW from E5M2 dlogits),
+    fcproj's dX, the latter with the GELU gradient, the classifier's dX and dW from E5M2 dlogits, and
+    qkv's dX and dW from dqkv cast both ways by fp8_cast_pair),
     at d12's widths, cast and called as the model does
     (fast accumulation forward),
     against the bf16 matmul (llmc/matmul.cuh) on the same bf16 operands: within 0.06 relative
     (Frobenius) forward, GELU input included (E4M3 on both operands: dev/fp8_lab.cu measured 3.8e-2),
     0.10 backward (E5M2 gradient: 5.9e-2), and any element within 0.2 (forward) or 0.3 (backward) of
-    max |D| (the classifier's backward: 0.10 and 0.3, dW accumulating onto a gradient already there);
+    max |D| (the classifier's and qkv's backward: 0.10 and 0.3, dW accumulating onto a gradient already
+    there);
     and qkv's and fc's weight gradients from the E4M3 LayerNorm output the model keeps
     (read back with fp8_dequantize) against the bf16 input, within the forward's 0.06 and 0.2.
 */
@@ -391,6 +396,63 @@ TEST_F(Fp8Test, TransposeCopiesEveryByte) {
     }, kExitUsage, {"fp8_transpose: 8 x 8 into rows of 4"});
 }
 
+// fp8_cast_pair of x (rows, cols): q row-major byte for byte the host's conversion (unless q is left
+// null), and its transpose in columns [at, at + rows) of a (cols, ld) matrix whose other bytes stay.
+template <class Fp8>
+void check_cast_pair(int64_t rows, int64_t cols, int64_t ld, int64_t at, bool with_q, uint64_t seed) {
+    SCOPED_TRACE(format("%s %lld x %lld, transposed into rows of %lld at column %lld%s", Fp8Format<Fp8>::kName,
+                        (long long)rows, (long long)cols, (long long)ld, (long long)at, with_q ? "" : ", no q"));
+    const std::vector<floatX> x = random_bf16(size_t(rows * cols), seed, 0.3f);
+    std::mt19937_64 gen(seed + 1);
+    std::vector<Fp8> qt0(size_t(cols * ld));
+    for (auto& b : qt0) b.__x = __nv_fp8_storage_t(gen() & 0xffu);
+    auto d_x = upload(x);
+    auto d_qt = upload(qt0);
+    DeviceBuffer<Fp8> q(size_t(rows * cols));
+    DeviceBuffer<unsigned int> amax(4);
+    DeviceBuffer<float> descale(4);
+    cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));
+    cudaCheck(cudaMemset(descale.get(), 0xff, descale.bytes()));
+    fp8_amax(d_x.get(), rows * cols, amax.get(), kStream);
+    fp8_cast_pair(with_q ? q.get() : nullptr, d_qt.get() + at, ld, d_x.get(), rows, cols, amax.get(), descale.get(),
+                  kStream);
+    const float scale = fp8_scale<Fp8>(host_amax(x));
+    EXPECT_EQ(download(descale.get(), 1)[0], 1.0f / scale);
+    const std::vector<Fp8> got_q = download(q.get(), q.size()), got_qt = download(d_qt.get(), qt0.size());
+    size_t wrong_q = 0, wrong_qt = 0, touched = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            const __nv_fp8_storage_t want = fp8_quantize<Fp8>(__bfloat162float(x[size_t(r * cols + c)]), scale);
+            const __nv_fp8_storage_t got = with_q ? got_q[size_t(r * cols + c)].__x : __nv_fp8_storage_t(0xff);
+            wrong_q += got != (with_q ? want : __nv_fp8_storage_t(0xff));
+            wrong_qt += got_qt[size_t(c * ld + at + r)].__x != want;
+        }
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        for (int64_t j = 0; j < ld; j++) {
+            if (j < at || j >= at + rows) touched += got_qt[size_t(c * ld + j)].__x != qt0[size_t(c * ld + j)].__x;
+        }
+    }
+    EXPECT_EQ(wrong_q, 0u) << "row-major bytes other than the host's conversion (or written with q null)";
+    EXPECT_EQ(wrong_qt, 0u) << "transposed bytes other than the host's conversion";
+    EXPECT_EQ(touched, 0u) << "bytes outside the transposed copy's columns changed";
+}
+
+TEST_F(Fp8Test, CastPairWritesTheCastBothWays) {
+    check_cast_pair<__nv_fp8_e5m2>(128, 192, 128, 0, true, 70);  // whole tiles, 16-byte accesses
+    check_cast_pair<__nv_fp8_e5m2>(96, 160, 256, 48, true, 71);  // partial tiles, into the middle of wider rows
+    check_cast_pair<__nv_fp8_e4m3>(80, 2304, 80, 0, true, 72);   // qkv's width
+    check_cast_pair<__nv_fp8_e5m2>(77, 45, 100, 3, true, 73);    // nothing a multiple of 16: value by value
+    check_cast_pair<__nv_fp8_e4m3>(64, 48, 64, 0, false, 74);    // the transposed copy only
+    expect_error([&] {
+        DeviceBuffer<floatX> x(64);
+        DeviceBuffer<__nv_fp8_e5m2> q(64);
+        DeviceBuffer<unsigned int> a(4);
+        DeviceBuffer<float> d(4);
+        fp8_cast_pair(q.get(), q.get(), 4, x.get(), 8, 8, a.get(), d.get(), kStream);
+    }, kExitUsage, {"fp8_cast_pair: 8 x 8 into rows of 4"});
+}
+
 // fused_classifier_fp8 against fused_classifier on the same logits (the file's comment).
 void check_classifier_fp8(int64_t N, int V, int Vp, uint64_t seed) {
     SCOPED_TRACE(format("N=%lld V=%d Vp=%d", (long long)N, V, Vp));
@@ -562,6 +624,40 @@ public:
                      0.06, 0.2);
     }
 
+    // qkv's backward as the model runs it with qkv.grad: dD in E5M2 both ways from fp8_cast_pair (its amax
+    // from fp8_amax here, from attention's backward in the model), X^T a byte transpose of the E4M3 copy
+    // forward keeps; dX = dD W (Q: W^T in E4M3) and dW += dD^T X (accumulating onto a nonzero gradient),
+    // against matmul_backward on the bf16 operands.
+    void qkv_backward(uint64_t seed) {
+        const int64_t OC = 3 * kC;
+        std::printf("  qkv.grad: dX %lld x %lld, dW %lld x %lld, from dD in E5M2 both ways\n", (long long)kN,
+                    (long long)kC, (long long)OC, (long long)kC);
+        auto dd = upload(random_bf16(size_t(kN * OC), seed, 1e-4f)), w = upload(random_bf16(size_t(OC * kC), seed + 1, 0.02f));
+        auto x = upload(random_bf16(size_t(kN * kC), seed + 2, 1.0f));
+        const std::vector<floatX> dw0 = random_bf16(size_t(OC * kC), seed + 3, 1e-3f);
+        DeviceBuffer<__nv_fp8_e4m3> x8(size_t(kN * kC)), xt8(size_t(kN * kC)), wt8(size_t(OC * kC));
+        DeviceBuffer<__nv_fp8_e5m2> dd8(size_t(kN * OC)), ddt8(size_t(kN * OC));
+        DeviceBuffer<unsigned int> dd_amax(4);
+        DeviceBuffer<float> dd_descale(4);
+        cast(x8.get(), x.get(), kN, kC, 0);
+        fp8_transpose(xt8.get(), kN, x8.get(), kN, kC, kStream);
+        cast(wt8.get(), w.get(), OC, kC, 1, /*transposed=*/true);
+        fp8_amax(dd.get(), kN * OC, dd_amax.get(), kStream);
+        fp8_cast_pair(dd8.get(), ddt8.get(), kN, dd.get(), kN, OC, dd_amax.get(), dd_descale.get(), kStream);
+        auto ref_dw = upload(dw0), got_dw = upload(dw0);
+        DeviceBuffer<floatX> ref_dx(size_t(kN * kC)), got_dx(size_t(kN * kC));
+        cudaCheck(cudaMemset(got_dx.get(), 0xff, got_dx.bytes()));
+        matmul_backward(lt, ref_dx.get(), ref_dw.get(), nullptr, dd.get(), x.get(), w.get(), kN, int(kC), int(OC),
+                        nullptr, 0, kStream);
+        fp8_matmul(lt, kStream, kN, kC, OC, dd8.get(), wt8.get(), dd_descale.get(), descale.get() + 4, got_dx.get());
+        fp8_matmul(lt, kStream, OC, kC, kN, ddt8.get(), xt8.get(), dd_descale.get(), descale.get(), got_dw.get(),
+                   Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        expect_close("qkv.grad: dX, FP8 against bf16", download(got_dx.get(), size_t(kN * kC)),
+                     as_double(ref_dx.get(), size_t(kN * kC)), 0.10, 0.3);
+        expect_close("qkv.grad: dW (accumulated), FP8 against bf16", download(got_dw.get(), size_t(OC * kC)),
+                     as_double(ref_dw.get(), size_t(OC * kC)), 0.10, 0.3);
+    }
+
     // The classifier's backward as the model runs it with lm_head.grad: dlogits in E5M2 from
     // fused_classifier_fp8, their transpose, d(lnf) = dlogits wte (Q: wte^T in E4M3) and dwte += dlogits^T
     // lnf (Q: lnf^T in E4M3), against matmul_backward on fused_classifier's bf16 dlogits. dwte starts from
@@ -615,6 +711,7 @@ TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
     m.backward_dw("qkv.dw", 3 * C, 45);
     m.backward_dw("fc.dw", 4 * C, 46);
     m.lm_head_backward(47);
+    m.qkv_backward(48);
 }
 
 }  // namespace

@@ -738,15 +738,26 @@ TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndAreDeterministic) {
             first_saved = bytes_of(saved.get(), saved_bytes);
         }
 
-        // Backward twice, dqkv and scratch poisoned each time: checked, then bitwise against the first run.
+        // Backward twice, dqkv and scratch poisoned each time: checked, then bitwise against the first run;
+        // the second run also records dqkv's amax (for FP8), which must be max |dqkv| exactly and leave
+        // dqkv's bits as they were.
         std::vector<unsigned char> first_dqkv;
+        DeviceBuffer<unsigned int> amax(1);
         for (int run = 0; run < 2; run++) {
             poison(d_dqkv);
             poison(scratch);
+            cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
             attention_backward(lt, d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), saved.get(), saved_bytes,
-                               s.B, s.T, s.C, s.NH, scratch.get(), scratch_bytes, kStream);
+                               s.B, s.T, s.C, s.NH, scratch.get(), scratch_bytes, kStream,
+                               run == 1 ? amax.get() : nullptr);
             if (run == 1) {
-                expect_bitwise("dqkv (backward twice)", bytes_of(d_dqkv.get(), n_qkv), first_dqkv);
+                expect_bitwise("dqkv (backward twice, amax recorded)", bytes_of(d_dqkv.get(), n_qkv), first_dqkv);
+                float want = 0.0f, got = 0.0f;
+                for (float v : download_bf16(d_dqkv.get(), n_qkv)) want = std::max(want, std::fabs(v));
+                const unsigned int bits = download(amax.get(), 1)[0];
+                std::memcpy(&got, &bits, sizeof(got));
+                EXPECT_EQ(got, want) << "the amax attention_backward records must be max |dqkv|";
+                EXPECT_GT(want, 0.0f);
                 break;
             }
             const auto dqkv = download_bf16(d_dqkv.get(), n_qkv);
