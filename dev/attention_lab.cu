@@ -908,7 +908,7 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
     std::vector<Variant> variants;
     auto add = [&](const char* name, auto f, auto b) {
         variants.push_back({name, [&, f](floatX* o) { f(o, lse.get(), qkv.get(), B, T, NH, stream); },
-                            [&, b](floatX* g) { b(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream); }});
+                            [&, b](floatX* g) { b(g, dout.get(), qkv.get(), out.get(), lse.get(), B, T, NH, D.get(), stream, nullptr); }});
     };
     if (HS == 64) {
         add("flash pipelined", flash_forward<64, true, 1>, flash_backward<64, true, 1, 1, true>);
@@ -985,7 +985,7 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
                               },
                               {}, {}, false});
         };
-        addo("wgmma (trainer's)", flash90_forward, flash90_backward);
+        addo("wgmma (trainer's)", flash90_forward, [](auto... a) { flash90_backward(a...); });
         addo("wgmma WG1, cp.async", lab90::forward<1, false>, lab90::backward<1, 1, 1, 1, false>);
         addo("wgmma WG2, cp.async", lab90::forward<2, false>, lab90::backward<2, 2, 1, 1, false>);
         addo("wgmma kv3 q4, cp.async", lab90::forward<1, false>, lab90::backward<1, 1, 3, 4, false>);

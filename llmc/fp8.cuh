@@ -21,14 +21,15 @@ Provides:
   fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
                         1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
-                        32 x 32 tiles in shared memory (coalesced both ways): the K-major copy a
-                        backward matmul needs.
+                        64 x 64 tiles in shared memory (fp8_cast_pair without the row-major copy): the
+                        K-major copy a backward matmul needs.
   fp8_transpose:        an FP8 matrix (rows, cols) row-major into columns [0, rows) of dst (cols, ld)
                         row-major, byte for byte, through 64 x 64 tiles in shared memory (16 bytes a
                         thread where the tile is whole and aligned): the K-major copy of an FP8 operand
                         for a weight gradient (the classifier's dlogits, written a chunk of rows at a time).
   fp8_cast_pair:        the cast written row-major and transposed in one pass (64 x 64 tiles, 16 values a
-                        thread): the two K-major copies of a gradient whose dX and dW are both FP8.
+                        thread): the two K-major copies of a gradient whose dX and dW are both FP8; on
+                        request also each 64-row block's column sums (fp32), for the bias gradient.
   fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
                         a bf16 matmul; 8 values a thread when n and the pointers allow.
   Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
@@ -105,7 +106,6 @@ __host__ __device__ inline float fp8_value(__nv_fp8_storage_t b) {
 namespace detail {
 
 constexpr int kFp8Grid = 1056, kFp8Block = 256;
-constexpr int kFp8Tile = 32, kFp8TileRows = 8;
 constexpr int kFp8ByteTile = 64, kFp8ByteTileThreads = 256;  // fp8_transpose: 16 bytes a thread
 
 __global__ void fp8_amax_kernel(const floatX* x, int64_t n, unsigned int* amax_bits) {
@@ -138,25 +138,6 @@ __global__ void fp8_cast_packed_kernel(uint2* q, const floatX* x, int64_t packs,
         uint32_t w[2] = {0, 0};
         for (int k = 0; k < kPackX; k++) w[k / 4] |= uint32_t(fp8_quantize<Fp8>(float(p[k]), scale)) << (8 * (k % 4));
         q[i] = make_uint2(w[0], w[1]);
-    }
-}
-
-// Blocks of 32 x 8 threads, one 32 x 32 tile each: x's rows r0.., columns c0.. into q's rows c0.., columns r0...
-template <class Fp8>
-__global__ void fp8_cast_transposed_kernel(__nv_fp8_storage_t* q, const floatX* x, int64_t rows, int64_t cols,
-                                           const unsigned int* amax_bits, float* descale) {
-    __shared__ float tile[kFp8Tile][kFp8Tile + 1];
-    const float scale = fp8_scale<Fp8>(__uint_as_float(*amax_bits));
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *descale = 1.0f / scale;
-    const int64_t r0 = int64_t(blockIdx.y) * kFp8Tile, c0 = int64_t(blockIdx.x) * kFp8Tile;
-    for (int j = threadIdx.y; j < kFp8Tile; j += kFp8TileRows) {
-        const int64_t r = r0 + j, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[j][threadIdx.x] = float(x[r * cols + c]);
-    }
-    __syncthreads();
-    for (int j = threadIdx.y; j < kFp8Tile; j += kFp8TileRows) {
-        const int64_t c = c0 + j, r = r0 + threadIdx.x;  // q's row c, column r
-        if (r < rows && c < cols) q[c * rows + r] = fp8_quantize<Fp8>(tile[threadIdx.x][j], scale);
     }
 }
 
@@ -210,11 +191,14 @@ __global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* s
 
 // fp8_cast_pair's kernel, tiled as fp8_transpose_kernel: thread t reads 16 bf16 values of x row r0 + t/4
 // (columns c0 + 16 (t%4) ..), writes their 16 FP8 bytes to q's same row and columns (q may be null),
-// and through the tile to qt. `vector`: x, q, qt 16-byte aligned, cols and ldt multiples of 16.
+// and through the tile to qt. `vector`: x, q, qt 16-byte aligned, cols and ldt multiples of 16. With
+// col_sums, the values also go to a float tile, whose 64 columns threads 0..63 then sum in row order.
 template <class Fp8>
 __global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, int64_t rows,
-                                     int64_t cols, const unsigned int* amax_bits, float* descale, bool vector) {
+                                     int64_t cols, const unsigned int* amax_bits, float* descale, bool vector,
+                                     float* col_sums) {
     __shared__ Fp8ByteTile tile;
+    __shared__ float values[kFp8ByteTile][kFp8ByteTile + 1];
     const float scale = fp8_scale<Fp8>(__uint_as_float(*amax_bits));
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
     const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
@@ -229,20 +213,31 @@ __global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const
                     for (int k = 0; k < kPackX; k++) {
                         const int j = h * kPackX + k;
                         w[j / 4] |= uint32_t(fp8_quantize<Fp8>(float(p[k]), scale)) << (8 * (j % 4));
+                        if (col_sums != nullptr) values[line][16 * seg + j] = float(p[k]);
                     }
                 }
                 if (q != nullptr) *reinterpret_cast<uint4*>(q + r * cols + c) = make_uint4(w[0], w[1], w[2], w[3]);
             } else {
-                for (int k = 0; k < 16 && c + k < cols; k++) {
-                    const __nv_fp8_storage_t b = fp8_quantize<Fp8>(float(x[r * cols + c + k]), scale);
+                for (int k = 0; k < 16; k++) {
+                    const float v = c + k < cols ? float(x[r * cols + c + k]) : 0.0f;
+                    if (col_sums != nullptr) values[line][16 * seg + k] = v;
+                    if (c + k >= cols) continue;
+                    const __nv_fp8_storage_t b = fp8_quantize<Fp8>(v, scale);
                     w[k / 4] |= uint32_t(b) << (8 * (k % 4));
                     if (q != nullptr) q[r * cols + c + k] = b;
                 }
             }
+        } else if (col_sums != nullptr) {
+            for (int k = 0; k < 16; k++) values[line][16 * seg + k] = 0.0f;
         }
         for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
     }
     __syncthreads();
+    if (col_sums != nullptr && threadIdx.x < kFp8ByteTile && c0 + threadIdx.x < cols) {
+        float sum = 0.0f;
+        for (int j = 0; j < kFp8ByteTile; j++) sum += values[j][threadIdx.x];
+        col_sums[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = sum;
+    }
     fp8_store_tile_transposed(tile, qt, ldt, r0, c0, rows, cols, vector);
 }
 
@@ -318,19 +313,6 @@ void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cu
     cudaCheckLaunch();
 }
 
-template <class Fp8>
-void fp8_cast_transposed(Fp8* q, const floatX* x, int64_t rows, int64_t cols, const unsigned int* amax_bits,
-                         float* descale, cudaStream_t stream) {
-    if (rows < 1 || cols < 1 || ceil_div<int64_t>(rows, detail::kFp8Tile) > 65535) {
-        fail(kExitUsage, "fp8_cast_transposed: %lld x %lld; need both >= 1 and at most %d rows", (long long)rows,
-             (long long)cols, 65535 * detail::kFp8Tile);
-    }
-    const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8Tile)), unsigned(ceil_div<int64_t>(rows, detail::kFp8Tile)));
-    detail::fp8_cast_transposed_kernel<Fp8><<<grid, dim3(detail::kFp8Tile, detail::kFp8TileRows), 0, stream>>>(
-        reinterpret_cast<__nv_fp8_storage_t*>(q), x, rows, cols, amax_bits, descale);
-    cudaCheckLaunch();
-}
-
 // dst (cols, ld) row-major, columns [0, rows) = the transpose of src (rows, cols) row-major (FP8 bytes,
 // copied exactly; the rest of dst is not touched). ld >= rows.
 template <class Fp8>
@@ -348,12 +330,18 @@ void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t c
     cudaCheckLaunch();
 }
 
+// Rows per block of fp8_cast_pair's column sums.
+constexpr int kFp8CastPairRows = detail::kFp8ByteTile;
+
 // The cast of x (rows, cols) bf16 row-major with amax_bits' scale (as fp8_cast), written twice in one
 // pass: into q (rows, cols) row-major (unless q is null) and transposed into columns [0, rows) of qt
 // (cols, ldt) row-major, ldt >= rows: the two K-major operands of a gradient's FP8 dX and dW. *descale set.
+// With col_sums ((ceil(rows / kFp8CastPairRows), cols) floats): each block of kFp8CastPairRows rows' column
+// sums of x, added in row order (fp32), for the bias gradient (bias_grad_from_partials, llmc/matmul.cuh)
+// without a pass of its own.
 template <class Fp8>
 void fp8_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, int64_t rows, int64_t cols,
-                   const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
+                   const unsigned int* amax_bits, float* descale, cudaStream_t stream, float* col_sums = nullptr) {
     if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, detail::kFp8ByteTile) > 65535) {
         fail(kExitUsage, "fp8_cast_pair: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %d rows",
              (long long)rows, (long long)cols, (long long)ldt, 65535 * detail::kFp8ByteTile);
@@ -363,8 +351,16 @@ void fp8_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, int64_t rows, 
     const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
                     unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
     detail::fp8_cast_pair_kernel<Fp8><<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
-        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, rows, cols, amax_bits, descale, vector);
+        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, rows, cols, amax_bits, descale, vector,
+        col_sums);
     cudaCheckLaunch();
+}
+
+// x (rows, cols) row-major cast into q (cols, rows) row-major: fp8_cast_pair's transposed copy alone.
+template <class Fp8>
+void fp8_cast_transposed(Fp8* q, const floatX* x, int64_t rows, int64_t cols, const unsigned int* amax_bits,
+                         float* descale, cudaStream_t stream) {
+    fp8_cast_pair<Fp8>(nullptr, q, rows, x, rows, cols, amax_bits, descale, stream);
 }
 
 // What Fp8Gemm's epilogue adds (at most one of gelu_aux and dgelu_aux; the auxiliary matrices are (M, N)

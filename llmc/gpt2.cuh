@@ -26,8 +26,8 @@ the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows 
 dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
 forward's bit for bit. With qkv.grad, qkv's backward is FP8 too: attention's backward records dqkv's
 amax as it writes it, one pass casts dqkv to E5M2 both row-major (for dX, against qkv's weight
-transposed in E4M3) and transposed (for dW, against a byte transpose of the kept E4M3 ln1), and the
-bias gradient is summed from bf16 dqkv as before.
+transposed in E4M3) and transposed (for dW, against a byte transpose of the kept E4M3 ln1), and sums
+bf16 dqkv's columns for the bias gradient on the way.
 The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
 (read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
 each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
@@ -502,17 +502,21 @@ public:
             if (fp8_qkv_grad) {
                 // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 in both layouts (one
                 // cast, its amax recorded by attention's backward) and ln1^T (a byte transpose of the kept
-                // E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias gradient from bf16 dqkv.
+                // E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias gradient from bf16 dqkv's
+                // column sums, which the cast adds up as it reads dqkv.
                 auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(d_fch_);
                 __nv_fp8_e5m2* g8t = g8 + N * 3 * C;
                 auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
-                fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_);
+                // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C bytes).
+                auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
+                fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_,
+                              bias_partial);
                 fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
                 fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
                            fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
                 fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_descale(fp8_ln1_slot(l)),
                            gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                bias_grad_accumulate(gb.qkvb, d_qkv_, N, 3 * C, fscratch, sbytes, stream_);
+                bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C, stream_);
             } else {
                 const floatX* ln1 = a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_slot(l));
                 matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes,

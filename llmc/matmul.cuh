@@ -474,6 +474,16 @@ static __global__ void __launch_bounds__(kBiasGradFinalWarps * kWarpSize)
     }
 }
 
+// dbias (OC) += the sum of `chunks` rows of fp32 partial column sums (chunks, OC), added as pass two adds
+// bias_grad_accumulate's: for a kernel that sums blocks of rows while it reads dout anyway
+// (fp8_cast_pair, llmc/fp8.cuh).
+inline void bias_grad_from_partials(floatX* dbias, const float* partial, int64_t chunks, int OC, cudaStream_t stream) {
+    if (chunks == 0) return;
+    bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(
+        dbias, partial, chunks, OC);
+    cudaCheckLaunch();
+}
+
 inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, int OC, float* scratch,
                                  size_t scratch_bytes, cudaStream_t stream) {
     if (N == 0) return;

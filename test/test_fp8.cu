@@ -8,7 +8,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
   - fp8_dequantize: every value equal to bf16(q * descale) on both of its paths, and a round trip
     within half an FP8 ulp plus bf16's rounding of every value in the format's normal range;
   - fp8_cast_transposed: byte for byte the transpose of fp8_cast's result, at shapes that are not
-    multiples of its 32 x 32 tiles;
+    multiples of its 64 x 64 tiles;
   - Fp8Gemm: D against the product of the dequantised operands computed in double on the host, within
     5e-3 relative (Frobenius) and 1e-2 of max |D| for any element (D is rounded to bf16, 2^-9 relative;
     fp32 accumulation adds little): E4M3 x E4M3 with a bias, E5M2 x E4M3 without; and the backward's use,
@@ -18,7 +18,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
   - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
   - fp8_cast_pair: the row-major bytes equal to the host's conversion and the transposed ones their
     transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
-    and at shapes that are not multiples of 16, and with the row-major copy left out;
+    and at shapes that are not multiples of 16, and with the row-major copy left out; its column sums of
+    each 64-row block bitwise equal to the host's sums in row order;
   - fp8_transpose: byte for byte the transpose, written into columns of a wider matrix (the bytes around
     left alone), on its 16-byte path and at shapes that are not multiples of its tiles or of 16;
   - fused_classifier_fp8 (llmc/classifier.cuh): the losses bitwise equal to fused_classifier's, every
@@ -397,7 +398,8 @@ TEST_F(Fp8Test, TransposeCopiesEveryByte) {
 }
 
 // fp8_cast_pair of x (rows, cols): q row-major byte for byte the host's conversion (unless q is left
-// null), and its transpose in columns [at, at + rows) of a (cols, ld) matrix whose other bytes stay.
+// null), and its transpose in columns [at, at + rows) of a (cols, ld) matrix whose other bytes stay; the
+// column sums of each 64-row block bitwise the host's.
 template <class Fp8>
 void check_cast_pair(int64_t rows, int64_t cols, int64_t ld, int64_t at, bool with_q, uint64_t seed) {
     SCOPED_TRACE(format("%s %lld x %lld, transposed into rows of %lld at column %lld%s", Fp8Format<Fp8>::kName,
@@ -411,11 +413,27 @@ void check_cast_pair(int64_t rows, int64_t cols, int64_t ld, int64_t at, bool wi
     DeviceBuffer<Fp8> q(size_t(rows * cols));
     DeviceBuffer<unsigned int> amax(4);
     DeviceBuffer<float> descale(4);
+    const int64_t blocks = ceil_div<int64_t>(rows, kFp8CastPairRows);
+    DeviceBuffer<float> sums(size_t(blocks * cols));
     cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));
     cudaCheck(cudaMemset(descale.get(), 0xff, descale.bytes()));
+    cudaCheck(cudaMemset(sums.get(), 0xff, sums.bytes()));
     fp8_amax(d_x.get(), rows * cols, amax.get(), kStream);
     fp8_cast_pair(with_q ? q.get() : nullptr, d_qt.get() + at, ld, d_x.get(), rows, cols, amax.get(), descale.get(),
-                  kStream);
+                  kStream, sums.get());
+    // The column sums of each block of rows, added in row order in fp32 as the kernel does: bitwise.
+    const std::vector<float> got_sums = download(sums.get(), sums.size());
+    size_t wrong_sums = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t c = 0; c < cols; c++) {
+            float want = 0.0f;
+            for (int64_t r = b * kFp8CastPairRows; r < std::min(rows, (b + 1) * kFp8CastPairRows); r++) {
+                want += __bfloat162float(x[size_t(r * cols + c)]);
+            }
+            wrong_sums += std::memcmp(&want, &got_sums[size_t(b * cols + c)], sizeof(float)) != 0;
+        }
+    }
+    EXPECT_EQ(wrong_sums, 0u) << "column sums other than the host's (same order, fp32)";
     const float scale = fp8_scale<Fp8>(host_amax(x));
     EXPECT_EQ(download(descale.get(), 1)[0], 1.0f / scale);
     const std::vector<Fp8> got_q = download(q.get(), q.size()), got_qt = download(d_qt.get(), qt0.size());
@@ -441,6 +459,7 @@ void check_cast_pair(int64_t rows, int64_t cols, int64_t ld, int64_t at, bool wi
 TEST_F(Fp8Test, CastPairWritesTheCastBothWays) {
     check_cast_pair<__nv_fp8_e5m2>(128, 192, 128, 0, true, 70);  // whole tiles, 16-byte accesses
     check_cast_pair<__nv_fp8_e5m2>(96, 160, 256, 48, true, 71);  // partial tiles, into the middle of wider rows
+    check_cast_pair<__nv_fp8_e5m2>(200, 80, 208, 0, true, 75);   // rows not a multiple of the 64-row blocks
     check_cast_pair<__nv_fp8_e4m3>(80, 2304, 80, 0, true, 72);   // qkv's width
     check_cast_pair<__nv_fp8_e5m2>(77, 45, 100, 3, true, 73);    // nothing a multiple of 16: value by value
     check_cast_pair<__nv_fp8_e4m3>(64, 48, 64, 0, false, 74);    // the transposed copy only
@@ -627,7 +646,8 @@ public:
     // qkv's backward as the model runs it with qkv.grad: dD in E5M2 both ways from fp8_cast_pair (its amax
     // from fp8_amax here, from attention's backward in the model), X^T a byte transpose of the E4M3 copy
     // forward keeps; dX = dD W (Q: W^T in E4M3) and dW += dD^T X (accumulating onto a nonzero gradient),
-    // against matmul_backward on the bf16 operands.
+    // against matmul_backward on the bf16 operands; the bias gradient from the cast's column sums against
+    // bias_grad_accumulate (the same sums in another order: within bf16's rounding).
     void qkv_backward(uint64_t seed) {
         const int64_t OC = 3 * kC;
         std::printf("  qkv.grad: dX %lld x %lld, dW %lld x %lld, from dD in E5M2 both ways\n", (long long)kN,
@@ -643,7 +663,16 @@ public:
         fp8_transpose(xt8.get(), kN, x8.get(), kN, kC, kStream);
         cast(wt8.get(), w.get(), OC, kC, 1, /*transposed=*/true);
         fp8_amax(dd.get(), kN * OC, dd_amax.get(), kStream);
-        fp8_cast_pair(dd8.get(), ddt8.get(), kN, dd.get(), kN, OC, dd_amax.get(), dd_descale.get(), kStream);
+        const int64_t blocks = ceil_div<int64_t>(kN, kFp8CastPairRows);
+        DeviceBuffer<float> partial(size_t(blocks * OC)), scratch(matmul_backward_scratch_bytes(kN, int(OC)) / sizeof(float));
+        fp8_cast_pair(dd8.get(), ddt8.get(), kN, dd.get(), kN, OC, dd_amax.get(), dd_descale.get(), kStream,
+                      partial.get());
+        const std::vector<floatX> db0 = random_bf16(size_t(OC), seed + 4, 1e-3f);
+        auto ref_db = upload(db0), got_db = upload(db0);
+        bias_grad_accumulate(ref_db.get(), dd.get(), kN, int(OC), scratch.get(), scratch.bytes(), kStream);
+        bias_grad_from_partials(got_db.get(), partial.get(), blocks, int(OC), kStream);
+        expect_close("qkv.grad: dbias from the cast's sums", download(got_db.get(), size_t(OC)),
+                     as_double(ref_db.get(), size_t(OC)), 1e-2, 1e-2);
         auto ref_dw = upload(dw0), got_dw = upload(dw0);
         DeviceBuffer<floatX> ref_dx(size_t(kN * kC)), got_dx(size_t(kN * kC));
         cudaCheck(cudaMemset(got_dx.get(), 0xff, got_dx.bytes()));
