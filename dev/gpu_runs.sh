@@ -14,7 +14,7 @@
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE, FP8_SETS, LLMC_PEER).
+# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, LLMC_PEER).
 # Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
@@ -124,10 +124,11 @@ for section in "$@"; do
             done ;;
         fp8-throughput)
             # d12 T=1024 in bf16 and with the FP8 matmuls that pay (--fp8 1), B=64 (GPU clock and power sampled) and
-            # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory.
+            # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory. FP8_MODES:
+            # the --fp8 values (default "0 1").
             for round in 1 2; do
                 for B in 64 16; do
-                    for fp8 in 0 1; do
+                    for fp8 in ${FP8_MODES:-0 1}; do
                         smi=()
                         [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_r$round.log")
                         "${smi[@]}" step "d12 B=$B --fp8 $fp8 (round $round)" fp8_throughput.log 120 \
