@@ -167,9 +167,10 @@ inline Flags make_flags(Options& o) {
     f.add("", "fp8", &o.fp8,
           "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
           "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
-          "fcproj.dx and qkv.grad (qkv's backward, both matmuls); or a comma-separated list of them; 0: bf16 "
-          "everywhere. Per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the "
-          "other weight gradients stay bf16");
+          "fcproj.dx, qkv.grad (qkv's backward, both matmuls) and fcproj (fcproj's forward and weight gradient, "
+          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1); "
+          "or a comma-separated list of them; 0: bf16 everywhere. Other per-tensor scales from each tensor's "
+          "own max (dlogits: from dloss); attention and the other weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,

@@ -39,11 +39,18 @@ Provides:
                         request), descales read from device pointers at each run. Not both operands
                         E5M2 (cuBLASLt has no such kernel). M, N and K multiples of 16, pointers 16-byte
                         aligned: checked, with errors naming the operand.
+  Fp8Gemm's FP8 output: D in E4M3 at a given scale (saturating), with the bias or GELU epilogue, its
+                        amax written by the matmul.
   fp8_matmul:           one Fp8Gemm built and run (the heuristic's first choice), as gemm() does for bf16.
 Every call is checked; casts on `stream`.
 
-Does not provide: delayed scaling (an amax history), FP8 outputs of a matmul, or FP8 copies written by
-the kernels that produce the operands (those record the amax only, so each FP8 operand costs one pass).
+  fp8_delayed_scales, fp8_history_push: delayed scaling, for FP8 tensors a matmul writes (Fp8Gemm's FP8 D,
+                        which records its amax as it writes): the scale from an amax history, and the history
+                        advanced by the amax just measured.
+
+Does not provide: FP8 copies written by the LayerNorm kernels themselves (they record the amax only, so
+each of their FP8 operands costs one pass), or an FP8 output with the GELU-gradient epilogue (cuBLASLt
+has none).
 */
 #pragma once
 
@@ -356,6 +363,61 @@ void fp8_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, int64_t rows, 
     cudaCheckLaunch();
 }
 
+namespace detail {
+
+// Delayed scaling's kernels (one thread a slot; slots are few): fp8_delayed_scales and fp8_history_push.
+template <class Fp8>
+__global__ void fp8_delayed_scale_kernel(const float* history, int slots, int len, float* scale, float* descale,
+                                         int stride) {
+    const int s = int(blockIdx.x * blockDim.x + threadIdx.x);
+    if (s >= slots) return;
+    float ref = 0.0f;
+    for (int i = 0; i < len; i++) ref = fmaxf(ref, history[int64_t(s) * len + i]);
+    const float sc = fp8_scale<Fp8>(ref);
+    scale[int64_t(s) * stride] = sc;
+    descale[int64_t(s) * stride] = 1.0f / sc;
+}
+
+__global__ void fp8_history_push_kernel(float* history, int slots, int len, const float* amax, int stride, float* count) {
+    const int s = int(blockIdx.x * blockDim.x + threadIdx.x);
+    if (s == 0 && count != nullptr) *count = fminf(*count + 1.0f, float(len));
+    if (s >= slots) return;
+    float* h = history + int64_t(s) * len;
+    for (int i = len - 1; i > 0; i--) h[i] = h[i - 1];
+    h[0] = amax[int64_t(s) * stride];
+}
+
+}  // namespace detail
+
+// Delayed scaling, for an FP8 tensor written by a kernel that needs its scale before it knows the amax
+// (a matmul's FP8 output, Fp8Gemm): each of `slots` tensors keeps the amax of its last `len` writes in
+// history ((slots, len) floats, entry 0 the newest; zeros where there were fewer writes), and is written
+// with scale = kMax / (the largest of them) (1 for an all-zero history). fp8_delayed_scales writes each
+// slot's scale and descale = 1 / scale at scale[s * stride] and descale[s * stride]; fp8_history_push
+// shifts each slot's history by one and puts amax[s * stride] (the amax just measured) in front, and
+// counts the writes in *count (unless null; a float, at most len: how much of the history is real). A
+// tensor whose amax grew past its history's saturates at kMax (Fp8Gemm's FP8 outputs clip) until the
+// history catches up: one write later.
+template <class Fp8>
+void fp8_delayed_scales(const float* history, int slots, int len, float* scale, float* descale, int stride,
+                        cudaStream_t stream) {
+    if (slots < 1 || len < 1 || stride < 1) {
+        fail(kExitUsage, "fp8_delayed_scales: %d slots of %d entries, stride %d; need all >= 1", slots, len, stride);
+    }
+    detail::fp8_delayed_scale_kernel<Fp8><<<unsigned(ceil_div(slots, 128)), 128, 0, stream>>>(history, slots, len, scale,
+                                                                                             descale, stride);
+    cudaCheckLaunch();
+}
+inline void fp8_history_push(float* history, int slots, int len, const float* amax, int stride, float* count,
+                             cudaStream_t stream) {
+    if (slots < 1 || len < 1 || stride < 1) {
+        fail(kExitUsage, "fp8_history_push: %d slots of %d entries, stride %d; need all >= 1", slots, len, stride);
+    }
+    detail::fp8_history_push_kernel<<<unsigned(ceil_div(slots, 128)), 128, 0, stream>>>(history, slots, len, amax, stride,
+                                                                                          count);
+    cudaCheckLaunch();
+}
+
 // x (rows, cols) row-major cast into q (cols, rows) row-major: fp8_cast_pair's transposed copy alone.
 template <class Fp8>
 void fp8_cast_transposed(Fp8* q, const floatX* x, int64_t rows, int64_t cols, const unsigned int* amax_bits,
@@ -388,11 +450,45 @@ public:
     template <class P, class Q>
     Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
             const float* descale_q, floatX* d, const Fp8Epilogue& epilogue, bool fast_accum = false)
-        : lt_(lt), p_(p), q_(q), d_(d),
+        : Fp8Gemm(lt, M, N, K, p, q, descale_p, descale_q, static_cast<void*>(d), CUDA_R_16BF, nullptr, nullptr,
+                  epilogue, fast_accum) {}
+
+    // An FP8 D instead of bf16 (E4M3: cuBLASLt 13.1 on the H200 has no E5M2 D for E4M3 operands, nor
+    // an amax of a bf16 D): D = fp8(result * *scale_d), rounded to nearest and
+    // saturated to the format's finite range (a scale too large clips, never NaN); with amax_d, the
+    // matmul also writes max |result| (after the epilogue, before scale_d) there: the next scale's
+    // measure (delayed scaling). The epilogue may add a bias or apply GELU (its aux stays bf16); neither
+    // accumulate nor the GELU gradient (cuBLASLt has no such FP8-output kernels on Hopper).
+    template <class P, class Q, class D>
+    Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
+            const float* descale_q, D* d, const float* scale_d, float* amax_d, const Fp8Epilogue& epilogue,
+            bool fast_accum = false)
+        : Fp8Gemm(lt, M, N, K, p, q, descale_p, descale_q, static_cast<void*>(d), Fp8Format<D>::kType, scale_d, amax_d,
+                  epilogue, fast_accum) {
+        if (scale_d == nullptr) fail(kExitUsage, "Fp8Gemm: an FP8 D (%s) needs scale_d", Fp8Format<D>::kName);
+    }
+    Fp8Gemm(const Fp8Gemm&) = delete;
+    Fp8Gemm& operator=(const Fp8Gemm&) = delete;
+
+    void run(cudaStream_t stream) const {
+        const float alpha = 1.0f;
+        // An FP8 D reads no C (beta is 0): cuBLASLt takes a null C then.
+        const void* c = d_type_ == CUDA_R_16BF ? d_ : nullptr;
+        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta_, c, c_.l, d_, d_layout_.l,
+                                   &algo_, lt_.workspace(), lt_.workspace_bytes(), stream));
+    }
+
+private:
+    template <class P, class Q>
+    Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
+            const float* descale_q, void* d, cudaDataType_t d_type, const float* scale_d, float* amax_d,
+            const Fp8Epilogue& epilogue, bool fast_accum)
+        : lt_(lt), p_(p), q_(q), d_(d), d_type_(d_type),
           // cuBLASLt is column-major: D^T (N, M) = A^T B with A = Q read as (K, N) and B = P read as (K, M).
           a_(Fp8Format<Q>::kType, K, N, K, 1, 0), b_(Fp8Format<P>::kType, K, M, K, 1, 0),
-          c_(CUDA_R_16BF, N, M, N, 1, 0), beta_(epilogue.accumulate ? 1.0f : 0.0f) {
+          c_(CUDA_R_16BF, N, M, N, 1, 0), d_layout_(d_type, N, M, N, 1, 0), beta_(epilogue.accumulate ? 1.0f : 0.0f) {
         const char* fn = "Fp8Gemm";
+        const bool fp8_d = d_type != CUDA_R_16BF;
         if (M < 16 || N < 16 || K < 16 || M % 16 != 0 || N % 16 != 0 || K % 16 != 0) {
             fail(kExitUsage, "%s: M=%lld N=%lld K=%lld; FP8 matmuls need each a positive multiple of 16", fn,
                  (long long)M, (long long)N, (long long)K);
@@ -402,6 +498,9 @@ public:
         }
         if (epilogue.gelu_aux != nullptr && epilogue.dgelu_aux != nullptr) {
             fail(kExitUsage, "%s: both a GELU and a GELU-gradient epilogue asked for", fn);
+        }
+        if (fp8_d && (epilogue.accumulate || epilogue.dgelu_aux != nullptr)) {
+            fail(kExitUsage, "%s: an FP8 D takes neither accumulate nor the GELU-gradient epilogue", fn);
         }
         require_aligned16(p, "Fp8Gemm: P");
         require_aligned16(q, "Fp8Gemm: Q");
@@ -413,6 +512,14 @@ public:
         desc_.set(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(descale_q));
         desc_.set(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(descale_p));
         desc_.set(CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t(fast_accum ? 1 : 0));
+        if (fp8_d) {
+            require_aligned16(scale_d, "Fp8Gemm: scale_d");
+            desc_.set(CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, static_cast<const void*>(scale_d));
+            if (amax_d != nullptr) {
+                require_aligned16(amax_d, "Fp8Gemm: amax_d");
+                desc_.set(CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, static_cast<void*>(amax_d));
+            }
+        }
         cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_DEFAULT;
         const void* aux = nullptr;
         if (epilogue.gelu_aux != nullptr) {
@@ -441,30 +548,23 @@ public:
         pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
         cublasLtMatmulHeuristicResult_t result{};
         int found = 0;
-        cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc_.d, a_.l, b_.l, c_.l, c_.l, pref_.p, 1, &result,
-                                                   &found));
+        cublasCheck(cublasLtMatmulAlgoGetHeuristic(lt.handle(), desc_.d, a_.l, b_.l, c_.l, d_layout_.l, pref_.p, 1,
+                                                   &result, &found));
         if (found == 0) {
-            fail(kExitCuda, "%s: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld, P %s, Q %s, bf16 output, epilogue %s", fn,
-                 (long long)M, (long long)N, (long long)K, Fp8Format<P>::kName, Fp8Format<Q>::kName,
+            fail(kExitCuda, "%s: cuBLASLt has no algorithm for M=%lld N=%lld K=%lld, P %s, Q %s, %s output, epilogue %s",
+                 fn, (long long)M, (long long)N, (long long)K, Fp8Format<P>::kName, Fp8Format<Q>::kName,
+                 d_type == CUDA_R_8F_E4M3 ? "E4M3" : d_type == CUDA_R_8F_E5M2 ? "E5M2" : "bf16",
                  detail::epilogue_name(e));
         }
         algo_ = result.algo;
     }
-    Fp8Gemm(const Fp8Gemm&) = delete;
-    Fp8Gemm& operator=(const Fp8Gemm&) = delete;
 
-    void run(cudaStream_t stream) const {
-        const float alpha = 1.0f;
-        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha, q_, a_.l, p_, b_.l, &beta_, d_, c_.l, d_, c_.l,
-                                   &algo_, lt_.workspace(), lt_.workspace_bytes(), stream));
-    }
-
-private:
     const CublasLt& lt_;
     const void *p_, *q_;
-    floatX* d_;
+    void* d_;
+    cudaDataType_t d_type_;
     detail::LtMatmulDesc desc_;
-    detail::LtLayout a_, b_, c_;
+    detail::LtLayout a_, b_, c_, d_layout_;
     detail::LtPreference pref_;
     float beta_;
     cublasLtMatmulAlgo_t algo_{};
@@ -476,6 +576,14 @@ void fp8_matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, i
                 const float* descale_p, const float* descale_q, floatX* d, const Fp8Epilogue& epilogue = {},
                 bool fast_accum = false) {
     const Fp8Gemm gemm(lt, M, N, K, p, q, descale_p, descale_q, d, epilogue, fast_accum);
+    gemm.run(stream);
+}
+// The same into an FP8 D (Fp8Gemm's FP8-output constructor): D = fp8(P Q^T * *scale_d), max |P Q^T| in *amax_d.
+template <class P, class Q, class D>
+void fp8_matmul(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, const P* p, const Q* q,
+                const float* descale_p, const float* descale_q, D* d, const float* scale_d, float* amax_d,
+                const Fp8Epilogue& epilogue = {}, bool fast_accum = false) {
+    const Fp8Gemm gemm(lt, M, N, K, p, q, descale_p, descale_q, d, scale_d, amax_d, epilogue, fast_accum);
     gemm.run(stream);
 }
 

@@ -35,8 +35,18 @@ only (as Transformer Engine keeps its FP8 inputs): half the bytes of bf16, more 
 weights' copies; their bf16 weight gradients read them back in bf16. Everything else stays bf16,
 including the other weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
 matmuls in bf16 (its forward gives bf16's bits; its backward still reads the kept FP8 LayerNorm
-outputs). No state: scales come from the tensors themselves, so FP8 changes nothing in a checkpoint and a
-run is as deterministic as in bf16.
+outputs).
+With fcproj, fcproj's forward and weight gradient are FP8 as well, and their operand (the GELU output)
+never exists in bf16: fc's FP8 matmul writes it in E4M3 (GELU epilogue; its bf16 input, which the GELU
+gradient needs, as the epilogue's aux), so its scale must be known before the amax is: delayed scaling.
+Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training forwards and writes with
+448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first forward without a history runs fc twice,
+the first time only to measure. backward makes the K-major copies dW needs: a byte transpose of the E4M3
+GELU output and the residual stream's gradient cast transposed in E5M2 (row-major as well for fcproj.dx,
+in the same pass, which also sums its columns for the bias gradient). The history is the only FP8 state:
+a checkpoint holds it (fp8_history()), so a resume continues bit for bit; everything else comes from the
+tensors themselves, and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple
+of 16, fcproj runs in bf16.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
@@ -96,8 +106,9 @@ struct BlockActivations {
     floatX *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
     // With FP8 qkv (fc), ln1 (ln2) is kept in E4M3 only, as the FP8 matmul read it: ln1_q (ln2_q), with
-    // ln1 (ln2) null.
-    __nv_fp8_e4m3 *ln1_q, *ln2_q;
+    // ln1 (ln2) null. With FP8 fcproj, the GELU output is kept in E4M3 (fch_gelu_q) and fch_gelu is one
+    // buffer shared by the layers (for a call in bf16, recomputed in backward).
+    __nv_fp8_e4m3 *ln1_q, *ln2_q, *fch_gelu_q;
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
@@ -107,7 +118,8 @@ struct Fp8Matmuls {
     bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
     bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
     bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
-    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad; }
+    bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
+    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj; }
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -120,19 +132,20 @@ struct Fp8Matmuls {
         add(fcproj_dx, "fcproj.dx");
         add(lm_head_grad, "lm_head.grad");
         add(qkv_grad, "qkv.grad");
+        add(fcproj, "fcproj");
         return s.empty() ? "none" : s;
     }
 };
 
 // "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
-// with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad); "all":
-// every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx, fcproj.dx,
-// lm_head.grad (which needs lm_head) and qkv.grad (which needs qkv).
+// with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
+// "all": every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx,
+// fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv) and fcproj (which needs fc).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
     if (text == "1") return {true, true, true, true, false, true, false};  // what pays at d12 (docs/performance.md)
-    if (text == "all") return {true, true, true, true, true, true, true};
+    if (text == "all") return {true, true, true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "qkv") {
             m.qkv = true;
@@ -148,13 +161,16 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.lm_head_grad = true;
         } else if (name == "qkv.grad") {
             m.qkv_grad = true;
+        } else if (name == "fcproj") {
+            m.fcproj = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
-                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad", text.c_str(), name.c_str());
+                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj", text.c_str(), name.c_str());
         }
     }
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
     if (m.qkv_grad && !m.qkv) fail(kExitUsage, "--fp8 %s: qkv.grad needs qkv too", text.c_str());
+    if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
     return m;
 }
 
@@ -255,9 +271,12 @@ public:
             fail(kExitUsage, "FP8 matmuls (%s) need a GPU with FP8 tensor cores (compute capability 8.9 or higher)",
                  m.describe().c_str());
         }
-        const bool relayout = m.qkv != fp8_.qkv || m.fc != fp8_.fc;
+        const bool relayout = m.qkv != fp8_.qkv || m.fc != fp8_.fc || m.fcproj != fp8_.fcproj;
         fp8_ = m;
         fp8_weights_.allocate(0);
+        fp8_delayed_.allocate(0);
+        fp8_history_.allocate(0);
+        fp8_history_count_ = 0;
         memory_.fp8 = 0;
         fp8_weights_stale_ = true;
         if (relayout) {
@@ -272,8 +291,9 @@ public:
         }
         if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "FP8 lm_head.grad needs lm_head too (%s)", m.describe().c_str());
         if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
+        if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
-        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx, m.qkv_grad};
+        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx, m.qkv_grad, m.fcproj};
         size_t at = 0;
         for (int k = 0; k < kFp8WeightKinds; k++) {
             fp8_weight_at_[k] = at;
@@ -283,7 +303,45 @@ public:
         if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
         if (m.lm_head_grad) at += size_t(c.padded_vocab_size) * C;  // wte^T, for the classifier's dX
         fp8_weights_.allocate(at);
-        memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes();
+        if (m.fcproj) {
+            // The GELU output's delayed scaling: per layer an amax, a scale and a descale (each in 16-byte
+            // slots, as cuBLASLt wants its pointers), and the history with its count after it.
+            fp8_delayed_.allocate(3 * L * kFp8SlotStride);
+            fp8_history_.allocate(L * kFp8HistoryLen + kFp8SlotStride);
+            cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
+            cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
+        }
+        memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes() + fp8_delayed_.bytes() +
+                      fp8_history_.bytes();
+    }
+
+    // Delayed scaling's state (FP8 fcproj: each layer's GELU-output amax history, the file's comment), for a
+    // checkpoint: device (null without FP8 fcproj) holds slots x len floats, newest first, then the count
+    // of training forwards they cover (a float, at most len) and padding. After writing it, call
+    // fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures again).
+    struct Fp8History {
+        float* device;
+        size_t bytes;
+        int slots, len;
+    };
+    Fp8History fp8_history() {
+        return {fp8_history_.get(), fp8_history_.bytes(), config_.num_layers, kFp8HistoryLen};
+    }
+    void fp8_history_reset() {
+        if (fp8_history_.get() == nullptr) return;
+        cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
+        fp8_history_count_ = 0;
+    }
+    void fp8_history_loaded() {
+        if (fp8_history_.get() == nullptr) return;
+        float count = 0.0f;
+        cudaCheck(cudaMemcpyAsync(&count, fp8_history_.get() + size_t(config_.num_layers) * kFp8HistoryLen,
+                                  sizeof(float), cudaMemcpyDeviceToHost, stream_));
+        cudaCheck(cudaStreamSynchronize(stream_));
+        if (!(count >= 0.0f && count <= float(kFp8HistoryLen))) {
+            fail(kExitData, "FP8 amax history: its count %g is not in [0, %d]", count, kFp8HistoryLen);
+        }
+        fp8_history_count_ = int(count);
     }
     const Fp8Matmuls& fp8() const { return fp8_; }
     // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
@@ -343,7 +401,7 @@ public:
         const bool fp8_head = fp8_.lm_head && fp8_rows(N);
         const int64_t chunk = fp8_head ? fp8_classifier_chunk(N) : 0;
         classifier_grad_rows_ = 0;
-        forward_to_lnf(inputs, B, T, nullptr, fp8_head);
+        forward_to_lnf(inputs, B, T, nullptr, fp8_head, dloss > 0.0f);
         if (chunk > 0) {
             fp8_classifier_chunks(targets, N, chunk, dloss);
         } else if (fp8_head) {
@@ -452,6 +510,15 @@ public:
         // spent), ln1 in d_fch_ (layer l's fc gradient is).
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
         const bool fp8_qkv_grad = fp8_.qkv_grad && fp8_rows(N);
+        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2, transposed, and the
+        // byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient is spent), after
+        // the row-major E5M2 copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
+        const bool fp8_fcproj_w = fp8_fcproj_on(N);
+        const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
+        if (fp8_fcproj_w && sbytes < size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float)) {
+            fail(kExitError, "GPT2 backward: scratch of %zu bytes, FP8 fcproj's bias sums need %zu", sbytes,
+                 size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
+        }
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
         if (classifier_grad_rows_ == 0) {
@@ -469,22 +536,44 @@ public:
         // adds into it, so it starts from zero.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
-                           C, fscratch, sbytes, stream_, fp8_fcproj ? fp8_reset_amax(kFp8Grad) : nullptr);
+                           C, fscratch, sbytes, stream_, grad_amax ? fp8_reset_amax(kFp8Grad) : nullptr);
         for (int l = L - 1; l >= 0; l--) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockTensors<floatX> gb = block(g, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
             // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
-            // With recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
-            if (recompute_gelu_) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            if (fp8_fcproj) {
-                const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
-                fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                           fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_, Fp8Epilogue{nullptr, nullptr, a.fch});
+            // With recompute (or FP8 fcproj's shared bf16 GELU buffer in a bf16 call), the one GELU buffer
+            // holds the last layer's forward output: recompute layer l's.
+            if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
+            if (fp8_fcproj_w) {
+                uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
+                auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(at);
+                auto* g8t = reinterpret_cast<__nv_fp8_e5m2*>(at + nc_);
+                auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
+                fp8_cast_pair(fp8_fcproj ? g8 : nullptr, g8t, N, d_residual_, N, C, fp8_amax_slot(kFp8Grad),
+                              fp8_descale(kFp8Grad), stream_, fscratch);
+                if (fp8_fcproj) {
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
+                               Fp8Epilogue{nullptr, nullptr, a.fch});
+                } else {
+                    matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
+                }
+                fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
+                fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_gelu_descale(l), gb.fcprojw,
+                           Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
+            } else {
+                if (fp8_fcproj) {
+                    const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
+                               Fp8Epilogue{nullptr, nullptr, a.fch});
+                }
+                matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
+                                b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
             }
-            matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
-                            b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
             const floatX* ln2 = a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_slot(l));
             matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
@@ -523,7 +612,7 @@ public:
                                 stream_);
             }
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
-                               fscratch, sbytes, stream_, fp8_fcproj && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
+                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
@@ -603,8 +692,10 @@ private:
     // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
     // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
     // reads (but for packed rows: forward_scored's comment). lnf_amax: the final LayerNorm records its
-    // output's amax for the classifier's FP8 matmul.
-    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false) {
+    // output's amax for the classifier's FP8 matmul. train: a training forward, whose GELU amaxes enter
+    // FP8 fcproj's history (other forwards read the history, and leave it as it was).
+    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false,
+                        bool train = false) {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads;
         const int64_t N = int64_t(B) * T;
@@ -612,6 +703,13 @@ private:
         const OuterTensors<const floatX> w = outer(p);
         if (fp8_.any() && fp8_weights_stale_) cast_fp8_weights();
         const bool fp8_qkv = fp8_.qkv && fp8_rows(N), fp8_fc = fp8_.fc && fp8_rows(N);
+        const bool fp8_fcproj = fp8_fcproj_on(N);
+        // Without a history (the first forward), each layer's fc runs first at scale 1 to measure its amax.
+        const bool measure = fp8_fcproj && fp8_history_count_ == 0;
+        if (fp8_fcproj) {
+            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_gelu_scale(0),
+                                              fp8_gelu_descale(0), kFp8SlotStride, stream_);
+        }
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
         // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q) is written in bf16 to d_ln_ (free in forward)
@@ -644,14 +742,33 @@ private:
             fused_residual_layernorm_forward(a.residual2, ln_out(a.ln2), a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
                                              b.ln2b, N, C, stream_, ln_amax(a.ln2, fp8_ln2_slot(l)));
             if (a.ln2 == nullptr) keep_fp8(a.ln2_q, N * C, fp8_ln2_slot(l));
-            if (fp8_fc) {
-                fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
-                           fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
+            if (fp8_fcproj) {
+                // The GELU output straight into E4M3 at the layer's delayed scale (its amax measured as it
+                // is written), then fcproj from it.
+                auto fc = [&]() {
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
+                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_gelu_scale(l),
+                               fp8_gelu_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
+                };
+                if (measure) {
+                    fc();
+                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_gelu_amax(l), 1, 1, fp8_gelu_scale(l), fp8_gelu_descale(l), 1,
+                                                      stream_);
+                }
+                fc();
+                fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_weight(kFp8Fcproj, l), fp8_gelu_descale(l),
+                           fp8_descale(fp8_weight_slot(kFp8Fcproj, l)), proj_, Fp8Epilogue{b.fcprojb},
                            kFp8FastAccumForward);
             } else {
-                matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+                if (fp8_fc) {
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
+                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
+                               kFp8FastAccumForward);
+                } else {
+                    matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
+                }
+                matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
             }
-            matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
             // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
             // runs in the same pass.
             if (l + 1 < L) {
@@ -664,6 +781,16 @@ private:
                 fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
                                                  w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
             }
+        }
+        if (fp8_fcproj && train) {
+            // The ranks' histories stay equal (each rank's amax would differ): their largest amax enters.
+            if (multi_ != nullptr) {
+                multi_->all_reduce_max_async(fp8_gelu_amax(0), size_t(L) * kFp8SlotStride, stream_);
+                multi_->join(stream_);
+            }
+            fp8_history_push(fp8_history_.get(), L, kFp8HistoryLen, fp8_gelu_amax(0), kFp8SlotStride,
+                             fp8_history_.get() + size_t(L) * kFp8HistoryLen, stream_);
+            fp8_history_count_ = std::min(fp8_history_count_ + 1, kFp8HistoryLen);
         }
     }
 
@@ -727,9 +854,23 @@ private:
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
-    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8QkvT = 4, kFp8WeightKinds = 5;
+    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8QkvT = 4, kFp8Fcproj = 5,
+                         kFp8WeightKinds = 6;
     static constexpr int kFp8SlotStride = 4;
-    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kind 5: wte, l = 0
+    // FP8 fcproj's delayed scaling (the file's comment): the forwards each layer's GELU scale looks back on.
+    static constexpr int kFp8HistoryLen = 16;
+    float* fp8_gelu_amax(int l) const { return fp8_delayed_.get() + size_t(l) * kFp8SlotStride; }
+    float* fp8_gelu_scale(int l) const {
+        return fp8_delayed_.get() + (size_t(config_.num_layers) + l) * kFp8SlotStride;
+    }
+    float* fp8_gelu_descale(int l) const {
+        return fp8_delayed_.get() + (2 * size_t(config_.num_layers) + l) * kFp8SlotStride;
+    }
+    // Whether a call of N rows runs fcproj in FP8 (else bf16: a bf16 GELU output in the shared buffer).
+    bool fp8_fcproj_on(int64_t N) const { return fp8_.fcproj && fp8_.fc && fp8_rows(N) && !recompute_gelu_; }
+    // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
+    bool gelu_shared() const { return recompute_gelu_ || fp8_.fcproj; }
+    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kFp8WeightKinds: wte, l = 0
     int fp8_ln1_slot(int l) const { return kFp8WeightKinds * config_.num_layers + 1 + l; }
     int fp8_ln2_slot(int l) const { return (kFp8WeightKinds + 1) * config_.num_layers + 1 + l; }
     static constexpr int kFp8Act = -1, kFp8Grad = -2, kFp8Dlogits = -3;  // resolved by fp8_slot()
@@ -747,10 +888,10 @@ private:
     }
     // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
     static bool fp8_rows(int64_t N) { return N % 16 == 0; }
-    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T), in values.
+    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T, fcproj), in values.
     size_t fp8_layer_weight_size(int kind) const {
         const size_t C = size_t(config_.channels);
-        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C};
+        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C, 4 * C * C};
         return size[kind];
     }
     const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
@@ -803,6 +944,7 @@ private:
             if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
             if (fp8_.fcproj_dx) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
             if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
+            if (fp8_.fcproj) cast(kFp8Fcproj, l, b.fcprojw, C, 4 * C, false);
         }
         if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
         if (fp8_.lm_head_grad) {  // the same scale as wte's copy (its amax is in the slot now)
@@ -857,7 +999,7 @@ private:
         const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
         const size_t N = n_;
         const size_t X = sizeof(floatX), F = sizeof(float), Q = sizeof(__nv_fp8_e4m3);
-        const bool q1 = fp8_.qkv, q2 = fp8_.fc;
+        const bool q1 = fp8_.qkv, q2 = fp8_.fc, q3 = fp8_.fcproj && !recompute_gelu_;
         const Slot acts[] = {
             {reinterpret_cast<void**>(&encoded_), N * C * X},
             {reinterpret_cast<void**>(&ln1_), q1 ? 0 : L * N * C * X},
@@ -874,7 +1016,8 @@ private:
             {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
             {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
             {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
-            {reinterpret_cast<void**>(&fch_gelu_), (recompute_gelu_ ? 1 : L) * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_), (gelu_shared() ? 1 : L) * N * 4 * C * X},
+            {reinterpret_cast<void**>(&fch_gelu_q_), q3 ? L * N * 4 * C * Q : 0},
             {reinterpret_cast<void**>(&residual3_), L * N * C * X},
             {reinterpret_cast<void**>(&lnf_), N * C * X},
             {reinterpret_cast<void**>(&lnf_mean_), N * F},
@@ -930,7 +1073,8 @@ private:
         a.ln2_mean = ln2_mean_ + L * n_;
         a.ln2_rstd = ln2_rstd_ + L * n_;
         a.fch = fch_ + L * 4 * nc_;
-        a.fch_gelu = fch_gelu_ + (recompute_gelu_ ? 0 : L * 4 * nc_);
+        a.fch_gelu = fch_gelu_ + (gelu_shared() ? 0 : L * 4 * nc_);
+        a.fch_gelu_q = fch_gelu_q_ != nullptr ? fch_gelu_q_ + L * 4 * nc_ : nullptr;
         a.residual3 = residual3_ + L * nc_;
         return a;
     }
@@ -964,6 +1108,10 @@ private:
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
     bool fp8_weights_stale_ = true;
+    // FP8 fcproj's delayed scaling (set_fp8): per-layer GELU amax, scale and descale slots, the amax history
+    // (fp8_history()) and how many training forwards it covers (mirrors the count stored after it).
+    DeviceBuffer<float> fp8_delayed_, fp8_history_;
+    int fp8_history_count_ = 0;
     // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
@@ -977,6 +1125,7 @@ private:
     float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
     float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
     __nv_fp8_e4m3 *ln1_q_ = nullptr, *ln2_q_ = nullptr;  // with FP8 qkv / fc, in place of ln1_ / ln2_
+    __nv_fp8_e4m3* fch_gelu_q_ = nullptr;                 // with FP8 fcproj, per layer (fch_gelu_ then one layer)
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
 };

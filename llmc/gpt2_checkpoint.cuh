@@ -3,7 +3,8 @@ What a GPT-2 training checkpoint holds, the device side: the model's buffers beh
 layouts of llmc/gpt2_checkpoint.h, restoring them (re-sharding the optimizer state when the number of
 ranks or the layout changed), and the model file a run writes at the end.
 
-- checkpoint_tensors(model): this rank's part of a checkpoint, in file order, for Checkpointer::save.
+- checkpoint_tensors(model): this rank's part of a checkpoint, in file order, for Checkpointer::save (with
+  FP8 fcproj also its amax history, fp8_history.bin, which a bitwise resume needs).
 - checkpoint_layout_settings(model): the manifest settings that record the layout.
 - load_checkpoint(model, dir, manifest, io): the inverse, from a checkpoint written in either layout by
   any number of ranks.
@@ -18,6 +19,7 @@ publish, rotation, asynchronous saves), or the run's settings and resume policy 
 */
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -74,23 +76,37 @@ inline void write_master(const GPT2& model, const std::string& path, DeviceFileI
     }
 }
 
+// FP8 fcproj's amax history (GPT2::fp8_history), behind a header naming its shape: "LLMCFP8H", then
+// int32 version 1, slots, entries per slot, 0.
+inline std::vector<char> fp8_history_header(const GPT2::Fp8History& h) {
+    std::vector<char> header(24);
+    std::memcpy(header.data(), "LLMCFP8H", 8);
+    const int32_t v[4] = {1, h.slots, h.len, 0};
+    std::memcpy(header.data() + 8, v, sizeof(v));
+    return header;
+}
+
 }  // namespace gpt2_checkpoint_detail
 
-// The device state this rank's part of a checkpoint holds, in file order (gpt2_checkpoint.h: the layouts).
+// The device state this rank's part of a checkpoint holds, in file order (gpt2_checkpoint.h: the layouts),
+// and with FP8 fcproj its amax history (kCkptFp8HistoryFile; rank 0's: every rank's is the same).
 inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
     using namespace gpt2_checkpoint_detail;
     const GPT2::State s = model.state();
     const size_t n = size_t(model.num_parameters());
-    if (!model.sharded()) {
-        return {{kCkptModelFile, model_file_header(model.config(), kModelVersionFp32), s.master, n * sizeof(float)},
-                {kCkptParamsFile, {}, s.params, n * sizeof(floatX)},
-                {kCkptAdamMFile, {}, s.adam_m, n * sizeof(float)},
-                {kCkptAdamVFile, {}, s.adam_v, n * sizeof(float)}};
-    }
     std::vector<CheckpointTensor> t;
-    const int rank = model.multi()->rank();
-    if (rank == 0) t.push_back(bf16_model_tensor(model));
-    for (CheckpointTensor& st : shard_tensors(model, rank)) t.push_back(std::move(st));
+    const int rank = model.multi() != nullptr ? model.multi()->rank() : 0;
+    if (!model.sharded()) {
+        t = {{kCkptModelFile, model_file_header(model.config(), kModelVersionFp32), s.master, n * sizeof(float)},
+             {kCkptParamsFile, {}, s.params, n * sizeof(floatX)},
+             {kCkptAdamMFile, {}, s.adam_m, n * sizeof(float)},
+             {kCkptAdamVFile, {}, s.adam_v, n * sizeof(float)}};
+    } else {
+        if (rank == 0) t.push_back(bf16_model_tensor(model));
+        for (CheckpointTensor& st : shard_tensors(model, rank)) t.push_back(std::move(st));
+    }
+    const GPT2::Fp8History h = model.fp8_history();
+    if (h.device != nullptr && rank == 0) t.push_back({kCkptFp8HistoryFile, fp8_history_header(h), h.device, h.bytes});
     return t;
 }
 
@@ -113,6 +129,17 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
     const GPT2::State s = model.state();
     const ShardRange target = model.owned();
     cudaStream_t stream = model.stream();
+    // FP8 fcproj's amax history: restored when the checkpoint has one (a run with FP8 fcproj wrote it),
+    // else empty (the next forward measures).
+    const GPT2::Fp8History h = model.fp8_history();
+    if (h.device != nullptr) {
+        if (m.file(kCkptFp8HistoryFile) != nullptr) {
+            load_checkpoint_tensors(dir, m, {{kCkptFp8HistoryFile, fp8_history_header(h), h.device, h.bytes}}, io, stream);
+            model.fp8_history_loaded();
+        } else {
+            model.fp8_history_reset();
+        }
+    }
     // The parameters are whole in both layouts.
     load_checkpoint_tensors(dir, m,
                             {saved.sharded ? bf16_model_tensor(model)
@@ -122,6 +149,8 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
     if (!saved.sharded && !model.sharded()) {
         std::vector<CheckpointTensor> t = checkpoint_tensors(model);
         t.erase(t.begin() + 1);  // params_bf16.bin: done
+        t.erase(std::remove_if(t.begin(), t.end(), [](const CheckpointTensor& x) { return x.file == kCkptFp8HistoryFile; }),
+                t.end());  // done above
         load_checkpoint_tensors(dir, m, t, io, stream);
         return "";
     }

@@ -38,6 +38,8 @@ constexpr const char* kCkptModelFile = "model.bin";
 constexpr const char* kCkptParamsFile = "params_bf16.bin";
 constexpr const char* kCkptAdamMFile = "adam_m.bin";
 constexpr const char* kCkptAdamVFile = "adam_v.bin";
+// With FP8 fcproj (llmc/gpt2.cuh): the GELU outputs' amax history, in either layout (rank 0's).
+constexpr const char* kCkptFp8HistoryFile = "fp8_history.bin";
 
 // The files that hold the optimizer state, per rank in the sharded layout.
 enum class StateKind { Master, AdamM, AdamV };

@@ -525,15 +525,20 @@ inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, c
 // DGELU epilogue, in the same cuBLASLt call); dweight (OC,C) += dout^T @ inp (N,C); dbias (OC) += column
 // sums of dout. dinp and dbias may be null. scratch: matmul_backward_scratch_bytes(N, OC) bytes when dbias
 // is given.
+// matmul_backward's dinp alone: dinp (N,C) = dout (N,OC) @ weight (OC,C) (times GELU'(pre_gelu) when given).
+inline void matmul_backward_dx(const CublasLt& lt, floatX* dinp, const floatX* dout, const floatX* weight, int64_t N,
+                               int C, int OC, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
+    if (N == 0) return;
+    const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
+    gemm(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0}, GemmOperand{weight, C, false, 0}, dinp, CUDA_R_16BF, C,
+         0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
+}
+
 inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                             const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
                             size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
     if (N == 0) return;
-    if (dinp != nullptr) {
-        const cublasLtEpilogue_t epilogue = pre_gelu != nullptr ? CUBLASLT_EPILOGUE_DGELU : CUBLASLT_EPILOGUE_DEFAULT;
-        gemm(lt, stream, N, C, OC, GemmOperand{dout, OC, false, 0}, GemmOperand{weight, C, false, 0}, dinp,
-             CUDA_R_16BF, C, 0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
-    }
+    if (dinp != nullptr) matmul_backward_dx(lt, dinp, dout, weight, N, C, OC, stream, pre_gelu);
     gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
          0, 1, 1.0f, 1.0f);
     if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);

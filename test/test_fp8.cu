@@ -16,6 +16,14 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     of the bf16 one (E5M2 keeps 2 mantissa bits);
   - Fp8Gemm's accumulate: D = D0 + the product, within the same bounds;
   - Fp8Gemm refuses shapes that are not multiples of 16, two E5M2 operands and unaligned pointers.
+  - Fp8Gemm's FP8 output (E4M3, with a bias, with the GELU epilogue): each byte the host's
+    conversion of the same matmul's bf16 D times scale_d, or (at most 2% of them, where bf16's rounding
+    crossed an FP8 rounding boundary) its neighbour; no NaN, also with a scale_d 16x too large (it
+    saturates at kMax); AMAX_D within bf16's half ulp of max |D|; the GELU input (aux) as with a bf16 D;
+    and refusals of accumulate, the GELU-gradient epilogue, a missing or unaligned scale_d;
+  - fp8_history_push and fp8_delayed_scales: the history shifted newest-first with its count (at most
+    len), each slot's scale exactly kMax / the largest of its last len amaxes (1 when all are zero),
+    strided slots read and written at their stride only;
   - fp8_cast_pair: the row-major bytes equal to the host's conversion and the transposed ones their
     transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
     and at shapes that are not multiples of 16, and with the row-major copy left out; its column sums of
@@ -549,6 +557,151 @@ TEST_F(Fp8Test, GemmRefusesWhatItCannotRun) {
                  kExitUsage, {"Fp8Gemm: P", "16-byte aligned"});
     expect_error([&] { Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), descale.get() + 1, descale.get() + 4, d.get()); },
                  kExitUsage, {"descale_p"});
+}
+
+// Fp8Gemm's FP8 output: D = fp8(result * scale_d) with its amax, against the same matmul's bf16 D (the
+// file's comment).
+template <class D>
+void check_fp8_output(int64_t M, int64_t N, int64_t K, bool gelu, float oversize, uint64_t seed) {
+    SCOPED_TRACE(format("M=%lld N=%lld K=%lld, D %s%s, scale_d x %g", (long long)M, (long long)N, (long long)K,
+                        Fp8Format<D>::kName, gelu ? ", GELU" : "", oversize));
+    std::printf("  FP8 output: M=%lld N=%lld K=%lld, D %s%s, scale_d %g x kMax / amax\n", (long long)M, (long long)N,
+                (long long)K, Fp8Format<D>::kName, gelu ? ", GELU" : "", oversize);
+    const CublasLt lt;
+    const std::vector<floatX> p = random_bf16(size_t(M * K), seed, 1.0f), q = random_bf16(size_t(N * K), seed + 1, 0.05f);
+    const std::vector<floatX> bias = random_bf16(size_t(N), seed + 2, 0.1f);
+    DeviceBuffer<__nv_fp8_e4m3> p8(size_t(M * K)), q8(size_t(N * K));
+    DeviceBuffer<unsigned int> amax(8);
+    DeviceBuffer<float> scales(16);  // descales P 0, Q 4; scale_d 8; amax_d 12
+    auto d_p = upload(p), d_q = upload(q), d_bias = upload(bias);
+    fp8_amax(d_p.get(), M * K, amax.get(), kStream);
+    fp8_cast(p8.get(), d_p.get(), M * K, amax.get(), scales.get(), kStream);
+    fp8_amax(d_q.get(), N * K, amax.get() + 4, kStream);
+    fp8_cast(q8.get(), d_q.get(), N * K, amax.get() + 4, scales.get() + 4, kStream);
+    // The bf16 D of the same matmul and epilogue: the reference.
+    DeviceBuffer<floatX> d16(size_t(M * N)), aux16(size_t(M * N)), aux8(size_t(M * N));
+    fp8_matmul(lt, kStream, M, N, K, p8.get(), q8.get(), scales.get(), scales.get() + 4, d16.get(),
+               Fp8Epilogue{d_bias.get(), gelu ? aux16.get() : nullptr, nullptr});
+    const std::vector<floatX> ref = download(d16.get(), size_t(M * N));
+    const float ref_amax = host_amax(ref);
+    ASSERT_GT(ref_amax, 0.0f);
+    const float scale = oversize * Fp8Format<D>::kMax / ref_amax;
+    const float sentinel = -1.0f;
+    cudaCheck(cudaMemcpy(scales.get() + 8, &scale, sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemcpy(scales.get() + 12, &sentinel, sizeof(float), cudaMemcpyHostToDevice));
+    DeviceBuffer<D> d8(size_t(M * N));
+    cudaCheck(cudaMemset(d8.get(), 0x7f, d8.bytes()));  // NaN in both formats: every byte must be written
+    cudaCheck(cudaMemset(aux8.get(), 0xff, aux8.bytes()));
+    fp8_matmul(lt, kStream, M, N, K, p8.get(), q8.get(), scales.get(), scales.get() + 4, d8.get(), scales.get() + 8,
+               scales.get() + 12, Fp8Epilogue{d_bias.get(), gelu ? aux8.get() : nullptr, nullptr});
+    const std::vector<D> got = download(d8.get(), size_t(M * N));
+    const float got_amax = download(scales.get() + 12, 1)[0];
+    // The amax is of the fp32 result before bf16 rounding: within bf16's half ulp of the reference's.
+    EXPECT_NEAR(got_amax, ref_amax, ref_amax * 0x1p-8f) << "AMAX_D";
+    size_t nan = 0, differ = 0, far = 0, saturated = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        const float v = dequantize(got[i]);
+        if (std::isnan(v)) {
+            nan++;
+            continue;
+        }
+        if (std::fabs(v) == Fp8Format<D>::kMax) saturated++;
+        // The host's conversion of the bf16 reference: the same byte, or (where bf16's rounding of the fp32
+        // result moved it across an FP8 rounding boundary) a neighbour.
+        const float want = dequantize(D(__bfloat162float(ref[i]) * scale));  // saturating
+        if (v != want) {
+            differ++;
+            const bool e4m3 = Fp8Format<D>::kKind == __NV_E4M3;
+            const float step = std::max(std::fabs(want), std::fabs(v)) * (e4m3 ? 0x1p-3f : 0x1p-2f) +
+                               (e4m3 ? 0x1p-9f : 0x1p-16f);  // plus the smallest subnormal
+            if (std::fabs(v - want) > step) far++;
+        }
+    }
+    std::printf("    %zu bytes differ from the host's conversion of the bf16 D (%zu by more than one step), %zu at "
+                "+-kMax\n", differ, far, saturated);
+    EXPECT_EQ(nan, 0u) << "NaN bytes: not written, or an overflow not saturated";
+    EXPECT_EQ(far, 0u);
+    EXPECT_LE(differ, got.size() / 50) << "more than 2% of the bytes differ";
+    if (oversize > 1.0f) {
+        EXPECT_GT(saturated, 0u) << "a scale_d too large must clip at kMax";
+    }
+    if (gelu) {
+        // The aux (GELU's input) stays bf16, as with a bf16 D.
+        const std::vector<floatX> a8 = download(aux8.get(), size_t(M * N)), a16 = download(aux16.get(), size_t(M * N));
+        size_t aux_far = 0;
+        for (size_t i = 0; i < a8.size(); i++) {
+            const float x = __bfloat162float(a8[i]), y = __bfloat162float(a16[i]);
+            if (!(std::fabs(x - y) <= std::fabs(y) * 0x1p-7f + 1e-6f)) aux_far++;
+        }
+        EXPECT_EQ(aux_far, 0u) << "the GELU input (aux) differs from the bf16 D's beyond bf16 rounding";
+    }
+}
+
+TEST_F(Fp8Test, GemmWritesAnFp8OutputAndItsAmax) {
+    check_fp8_output<__nv_fp8_e4m3>(64, 96, 128, false, 1.0f, 80);
+    check_fp8_output<__nv_fp8_e4m3>(128, 64, 256, true, 1.0f, 81);
+    check_fp8_output<__nv_fp8_e4m3>(32, 48, 64, false, 1.0f, 82);
+    check_fp8_output<__nv_fp8_e4m3>(64, 96, 128, true, 16.0f, 83);  // saturates, never NaN
+}
+
+TEST_F(Fp8Test, GemmRefusesFp8OutputsItCannotWrite) {
+    const CublasLt lt;
+    DeviceBuffer<__nv_fp8_e4m3> a(64 * 64), d(64 * 64);
+    DeviceBuffer<float> scales(16);
+    DeviceBuffer<floatX> aux(64 * 64);
+    expect_error([&] {
+        Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), scales.get(), scales.get() + 4, d.get(), scales.get() + 8, nullptr,
+                Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+    }, kExitUsage, {"FP8 D takes neither accumulate"});
+    expect_error([&] {
+        Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), scales.get(), scales.get() + 4, d.get(), scales.get() + 8, nullptr,
+                Fp8Epilogue{nullptr, nullptr, aux.get()});
+    }, kExitUsage, {"GELU-gradient"});
+    expect_error([&] {
+        Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), scales.get(), scales.get() + 4, d.get(), nullptr, nullptr, Fp8Epilogue{});
+    }, kExitUsage, {"needs scale_d"});
+    expect_error([&] {
+        Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), scales.get(), scales.get() + 4, d.get(), scales.get() + 9, nullptr,
+                Fp8Epilogue{});
+    }, kExitUsage, {"scale_d", "16-byte aligned"});
+}
+
+// fp8_delayed_scales and fp8_history_push against the host's view of a history.
+TEST_F(Fp8Test, DelayedScalesComeFromTheHistory) {
+    const int slots = 3, len = 4, stride = 4;
+    DeviceBuffer<float> history(size_t(slots * len + 4)), amax(size_t(slots * stride)), scale(size_t(slots * stride)),
+        descale(size_t(slots * stride));
+    cudaCheck(cudaMemset(history.get(), 0, history.bytes()));
+    float* count = history.get() + slots * len;
+    std::vector<std::vector<float>> host(static_cast<size_t>(slots));  // newest first
+    // Slot 2 stays all zero (scale 1); slot 0 grows then shrinks (the largest of the last 4 rules).
+    const float pushes[6][3] = {{1.0f, 8.0f, 0}, {2.0f, 4.0f, 0}, {0.5f, 2.0f, 0}, {0.25f, 1.0f, 0}, {0.125f, 0.5f, 0},
+                                {0.0625f, 0.25f, 0}};
+    for (int k = 0; k < 6; k++) {
+        std::vector<float> a(size_t(slots * stride), 99.0f);  // what lies between the strided slots is not read
+        for (int s = 0; s < slots; s++) a[size_t(s * stride)] = pushes[k][s];
+        cudaCheck(cudaMemcpy(amax.get(), a.data(), amax.bytes(), cudaMemcpyHostToDevice));
+        fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream);
+        fp8_delayed_scales<__nv_fp8_e4m3>(history.get(), slots, len, scale.get(), descale.get(), stride, kStream);
+        const std::vector<float> h = download(history.get(), history.size());
+        const std::vector<float> sc = download(scale.get(), scale.size()), ds = download(descale.get(), descale.size());
+        for (int s = 0; s < slots; s++) {
+            host[size_t(s)].insert(host[size_t(s)].begin(), pushes[k][s]);
+            host[size_t(s)].resize(size_t(len), 0.0f);
+            float ref = 0;
+            for (int i = 0; i < len; i++) {
+                EXPECT_EQ(h[size_t(s * len + i)], host[size_t(s)][size_t(i)]) << "push " << k << " slot " << s << " entry " << i;
+                ref = std::max(ref, host[size_t(s)][size_t(i)]);
+            }
+            const float want = ref > 0 ? 448.0f / ref : 1.0f;
+            EXPECT_EQ(sc[size_t(s * stride)], want) << "push " << k << " slot " << s;
+            EXPECT_EQ(ds[size_t(s * stride)], 1.0f / want) << "push " << k << " slot " << s;
+        }
+        EXPECT_EQ(h[size_t(slots * len)], float(std::min(k + 1, len))) << "the count after push " << k;
+    }
+    // After 6 pushes slot 0 holds 0.0625 .. 0.5 and its scale is 448 / 0.5: the 1.0 and 2.0 of the first two
+    // pushes have aged out.
+    EXPECT_EQ(download(scale.get(), 1)[0], 448.0f / 0.5f);
 }
 
 // The model's FP8 matmuls against its bf16 ones (the file's comment).

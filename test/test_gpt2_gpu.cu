@@ -30,7 +30,9 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     against the CPU at every shape (and again with the classifier's backward in bf16), the 10 AdamW steps and the determinism test again, with the FP8
     tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2 and norms
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
-    kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise. The trainer's --fp8
+    kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise (but for the weight
+    gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
+    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). The trainer's --fp8
     values parse to the matmuls they name (this one runs without a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
@@ -97,10 +99,11 @@ struct Tolerances {
 };
 constexpr Tolerances kBf16Tol{kTolLogits, kTolLoss, kTolGrad, kTolStepLoss, kTolNorm, kTolStepLoss, true};
 constexpr Tolerances kFp8Tol{0.15, 1e-2, 0.25, 2e-2, 0.1, 3e-2, false};
-const Fp8Matmuls kAllFp8{true, true, true, true, true, true, true};
-// All of them but the classifier's and qkv's backward (the classifier's forward in one piece, its
-// backward in bf16; qkv's weight gradient a bf16 matmul on the kept E4M3 ln1 read back in bf16).
-const Fp8Matmuls kFp8HeadGradBf16{true, true, true, true, true, false, false};
+const Fp8Matmuls kAllFp8{true, true, true, true, true, true, true, true};
+// All of them but the classifier's and qkv's backward and fcproj (the classifier's forward in one piece,
+// its backward in bf16; qkv's weight gradient a bf16 matmul on the kept E4M3 ln1 read back in bf16;
+// fcproj's forward and weight gradient bf16 on a bf16 GELU output).
+const Fp8Matmuls kFp8HeadGradBf16{true, true, true, true, true, false, false, false};
 
 float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
 
@@ -560,7 +563,9 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
 TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     EXPECT_EQ(parse_fp8_matmuls("0").describe(), "none");
     EXPECT_EQ(parse_fp8_matmuls("1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad");
-    EXPECT_EQ(parse_fp8_matmuls("all").describe(), "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad");
+    EXPECT_EQ(parse_fp8_matmuls("all").describe(), "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj");
+    EXPECT_EQ(parse_fp8_matmuls("fcproj,fc").describe(), "fc,fcproj");
+    expect_error([] { parse_fp8_matmuls("qkv,fcproj"); }, kExitUsage, {"fcproj needs fc"});
     EXPECT_EQ(parse_fp8_matmuls("lm_head.grad,lm_head").describe(), "lm_head,lm_head.grad");
     EXPECT_EQ(parse_fp8_matmuls("qkv.grad,qkv").describe(), "qkv,qkv.grad");
     expect_error([] { parse_fp8_matmuls("qkv,lm_head.grad"); }, kExitUsage, {"lm_head.grad needs lm_head"});
@@ -601,7 +606,20 @@ TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
         const ParamTensorInfo& t = tensors[size_t(i)];
         const floatX* want = bf16_odd.grads.data() + t.offset;
         const floatX* got = fp8_odd.grads.data() + t.offset;
-        if (i == kQkvw || i == kFcw) {
+        // qkv's and fc's weight gradients read the kept E4M3 LayerNorm outputs; fcproj's (with FP8 fcproj,
+        // whose layers share one bf16 GELU buffer in a bf16 call) a GELU output recomputed from its bf16
+        // input, which may round a value to its other bf16 neighbour.
+        if (i == kFcprojw) {
+            double diff = 0, norm = 0;
+            for (int64_t j = 0; j < t.numel; j++) {
+                const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
+                diff += (g - w) * (g - w);
+                norm += w * w;
+            }
+            const double rel = std::sqrt(diff / norm);
+            std::printf("  B x T = 10, %s gradient from the recomputed GELU output: %.3e relative to bf16's\n", t.name, rel);
+            EXPECT_LT(rel, 1e-2) << t.name;
+        } else if (i == kQkvw || i == kFcw) {
             double diff = 0, norm = 0;
             for (int64_t j = 0; j < t.numel; j++) {
                 const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
