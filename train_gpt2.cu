@@ -168,7 +168,8 @@ inline Flags make_flags(Options& o) {
           "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
           "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
           "fcproj.dx, qkv.grad (qkv's backward, both matmuls) and fcproj (fcproj's forward and weight gradient, "
-          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1); "
+          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) and "
+          "fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs fcproj); "
           "or a comma-separated list of them; 0: bf16 everywhere. Other per-tensor scales from each tensor's "
           "own max (dlogits: from dloss); attention and the other weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,

@@ -30,6 +30,8 @@ Provides:
   fp8_cast_pair:        the cast written row-major and transposed in one pass (64 x 64 tiles, 16 values a
                         thread): the two K-major copies of a gradient whose dX and dW are both FP8; on
                         request also each 64-row block's column sums (fp32), for the bias gradient.
+  fp8_dgelu_cast_pair:  the same for GELU's backward: x * GELU'(aux) cast at a given (delayed) scale,
+                        its amax recorded for the next.
   fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
                         a bf16 matmul; 8 values a thread when n and the pointers allow.
   Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
@@ -61,6 +63,7 @@ has none).
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/gelu.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -196,20 +199,30 @@ __global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* s
     fp8_store_tile_transposed(tile, dst, ldd, r0, c0, rows, cols, vector);
 }
 
+// GELU's derivative (tanh approximation, llmc/gelu.cuh's gelu), in fp32.
+__device__ inline float gelu_grad(float x) {
+    const float t = tanhf(kGeluScale * (x + kGeluCubic * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
+}
+
 // fp8_cast_pair's kernel, tiled as fp8_transpose_kernel: thread t reads 16 bf16 values of x row r0 + t/4
 // (columns c0 + 16 (t%4) ..), writes their 16 FP8 bytes to q's same row and columns (q may be null),
-// and through the tile to qt. `vector`: x, q, qt 16-byte aligned, cols and ldt multiples of 16. With
-// col_sums, the values also go to a float tile, whose 64 columns threads 0..63 then sum in row order.
+// and through the tile to qt. `vector`: x (and aux), q, qt 16-byte aligned, cols and ldt multiples of 16.
+// With col_sums, the values also go to a float tile, whose 64 columns threads 0..63 then sum in row order.
+// With aux (same layout as x), each value is x * GELU'(aux) (fp8_dgelu_cast_pair). The scale is
+// *scale_in when given (delayed scaling), else from amax_bits; descale (unless null) gets 1 / scale; with
+// amax_out, the max |value| is folded into it.
 template <class Fp8>
-__global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, int64_t rows,
-                                     int64_t cols, const unsigned int* amax_bits, float* descale, bool vector,
-                                     float* col_sums) {
+__global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, const floatX* aux,
+                                     int64_t rows, int64_t cols, const unsigned int* amax_bits, const float* scale_in,
+                                     float* descale, unsigned int* amax_out, bool vector, float* col_sums) {
     __shared__ Fp8ByteTile tile;
     __shared__ float values[kFp8ByteTile][kFp8ByteTile + 1];
-    const float scale = fp8_scale<Fp8>(__uint_as_float(*amax_bits));
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
+    const float scale = scale_in != nullptr ? *scale_in : fp8_scale<Fp8>(__uint_as_float(*amax_bits));
+    if (descale != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
     const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
     const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
+    float lane_max = 0.0f;
     {
         const int64_t r = r0 + line, c = c0 + 16 * seg;
         uint32_t w[4] = {0, 0, 0, 0};
@@ -217,16 +230,25 @@ __global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const
             if (vector && c + 16 <= cols) {
                 for (int h = 0; h < 2; h++) {
                     const PackX p = load128(x + r * cols + c + h * kPackX);
+                    PackX a;
+                    if (aux != nullptr) a = load128(aux + r * cols + c + h * kPackX);
                     for (int k = 0; k < kPackX; k++) {
                         const int j = h * kPackX + k;
-                        w[j / 4] |= uint32_t(fp8_quantize<Fp8>(float(p[k]), scale)) << (8 * (j % 4));
-                        if (col_sums != nullptr) values[line][16 * seg + j] = float(p[k]);
+                        const float v = aux != nullptr ? float(p[k]) * gelu_grad(float(a[k])) : float(p[k]);
+                        lane_max = fmaxf(lane_max, fabsf(v));
+                        w[j / 4] |= uint32_t(fp8_quantize<Fp8>(v, scale)) << (8 * (j % 4));
+                        if (col_sums != nullptr) values[line][16 * seg + j] = v;
                     }
                 }
                 if (q != nullptr) *reinterpret_cast<uint4*>(q + r * cols + c) = make_uint4(w[0], w[1], w[2], w[3]);
             } else {
                 for (int k = 0; k < 16; k++) {
-                    const float v = c + k < cols ? float(x[r * cols + c + k]) : 0.0f;
+                    float v = 0.0f;
+                    if (c + k < cols) {
+                        v = float(x[r * cols + c + k]);
+                        if (aux != nullptr) v *= gelu_grad(float(aux[r * cols + c + k]));
+                    }
+                    lane_max = fmaxf(lane_max, fabsf(v));
                     if (col_sums != nullptr) values[line][16 * seg + k] = v;
                     if (c + k >= cols) continue;
                     const __nv_fp8_storage_t b = fp8_quantize<Fp8>(v, scale);
@@ -239,6 +261,7 @@ __global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const
         }
         for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
     }
+    fp8_record_amax(amax_out, lane_max);
     __syncthreads();
     if (col_sums != nullptr && threadIdx.x < kFp8ByteTile && c0 + threadIdx.x < cols) {
         float sum = 0.0f;
@@ -340,6 +363,27 @@ void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t c
 // Rows per block of fp8_cast_pair's column sums.
 constexpr int kFp8CastPairRows = detail::kFp8ByteTile;
 
+namespace detail {
+// fp8_cast_pair and fp8_dgelu_cast_pair: checks and launch.
+template <class Fp8>
+void launch_cast_pair(const char* fn, Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows,
+                      int64_t cols, const unsigned int* amax_bits, const float* scale_in, float* descale,
+                      unsigned int* amax_out, float* col_sums, cudaStream_t stream) {
+    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, kFp8ByteTile) > 65535) {
+        fail(kExitUsage, "%s: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %d rows", fn,
+             (long long)rows, (long long)cols, (long long)ldt, 65535 * kFp8ByteTile);
+    }
+    const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(aux) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(qt) % 16 == 0 &&
+                        cols % 16 == 0 && ldt % 16 == 0;
+    const dim3 grid(unsigned(ceil_div<int64_t>(cols, kFp8ByteTile)), unsigned(ceil_div<int64_t>(rows, kFp8ByteTile)));
+    fp8_cast_pair_kernel<Fp8><<<grid, kFp8ByteTileThreads, 0, stream>>>(
+        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, aux, rows, cols, amax_bits, scale_in,
+        descale, amax_out, vector, col_sums);
+    cudaCheckLaunch();
+}
+}  // namespace detail
+
 // The cast of x (rows, cols) bf16 row-major with amax_bits' scale (as fp8_cast), written twice in one
 // pass: into q (rows, cols) row-major (unless q is null) and transposed into columns [0, rows) of qt
 // (cols, ldt) row-major, ldt >= rows: the two K-major operands of a gradient's FP8 dX and dW. *descale set.
@@ -349,18 +393,22 @@ constexpr int kFp8CastPairRows = detail::kFp8ByteTile;
 template <class Fp8>
 void fp8_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, int64_t rows, int64_t cols,
                    const unsigned int* amax_bits, float* descale, cudaStream_t stream, float* col_sums = nullptr) {
-    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, detail::kFp8ByteTile) > 65535) {
-        fail(kExitUsage, "fp8_cast_pair: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %d rows",
-             (long long)rows, (long long)cols, (long long)ldt, 65535 * detail::kFp8ByteTile);
-    }
-    const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(qt) % 16 == 0 && cols % 16 == 0 && ldt % 16 == 0;
-    const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
-                    unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
-    detail::fp8_cast_pair_kernel<Fp8><<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
-        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, rows, cols, amax_bits, descale, vector,
-        col_sums);
-    cudaCheckLaunch();
+    detail::launch_cast_pair("fp8_cast_pair", q, qt, ldt, x, static_cast<const floatX*>(nullptr), rows, cols,
+                             amax_bits, static_cast<const float*>(nullptr), descale,
+                             static_cast<unsigned int*>(nullptr), col_sums, stream);
+}
+
+// The same for the GELU's backward: the values cast are g = x * GELU'(aux) (aux: GELU's input, (rows, cols)
+// like x; x: the gradient of GELU's output, e.g. a matmul's bf16 dX), at a given scale (*scale, delayed
+// scaling: g's amax is known only once it is computed) into q and qt as fp8_cast_pair; max |g| is folded
+// into *amax_bits (zero it first) for the next scale, and col_sums (unless null) are g's.
+template <class Fp8>
+void fp8_dgelu_cast_pair(Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows, int64_t cols,
+                         const float* scale, unsigned int* amax_bits, cudaStream_t stream, float* col_sums = nullptr) {
+    if (aux == nullptr || scale == nullptr) fail(kExitUsage, "fp8_dgelu_cast_pair: needs aux and a scale");
+    detail::launch_cast_pair("fp8_dgelu_cast_pair", q, qt, ldt, x, aux, rows, cols,
+                             static_cast<const unsigned int*>(nullptr), scale, static_cast<float*>(nullptr), amax_bits,
+                             col_sums, stream);
 }
 
 namespace detail {

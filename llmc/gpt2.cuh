@@ -39,14 +39,20 @@ outputs).
 With fcproj, fcproj's forward and weight gradient are FP8 as well, and their operand (the GELU output)
 never exists in bf16: fc's FP8 matmul writes it in E4M3 (GELU epilogue; its bf16 input, which the GELU
 gradient needs, as the epilogue's aux), so its scale must be known before the amax is: delayed scaling.
-Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training forwards and writes with
-448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first forward without a history runs fc twice,
+Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training steps and writes with
+448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first step without a history runs fc twice,
 the first time only to measure. backward makes the K-major copies dW needs: a byte transpose of the E4M3
 GELU output and the residual stream's gradient cast transposed in E5M2 (row-major as well for fcproj.dx,
-in the same pass, which also sums its columns for the bias gradient). The history is the only FP8 state:
-a checkpoint holds it (fp8_history()), so a resume continues bit for bit; everything else comes from the
-tensors themselves, and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple
-of 16, fcproj runs in bf16.
+in the same pass, which also sums its columns for the bias gradient). With fc.grad, fc's backward is FP8
+too: fcproj's dX is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 5x
+slower than without it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
+output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
+transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
+its columns for fc's bias. backward adds the amaxes measured in the step to the history (one entry per
+training forward and backward). The history is the only FP8 state: a checkpoint holds it
+(fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
+and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
+fc.grad) run in bf16.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
@@ -119,7 +125,10 @@ struct Fp8Matmuls {
     bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
     bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
     bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
-    bool any() const { return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj; }
+    bool fc_grad = false;                           // fc's backward and fcproj's dX (the GELU gradient in E5M2; needs fcproj)
+    bool any() const {
+        return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
+    }
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -133,6 +142,7 @@ struct Fp8Matmuls {
         add(lm_head_grad, "lm_head.grad");
         add(qkv_grad, "qkv.grad");
         add(fcproj, "fcproj");
+        add(fc_grad, "fc.grad");
         return s.empty() ? "none" : s;
     }
 };
@@ -140,12 +150,13 @@ struct Fp8Matmuls {
 // "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
 // with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
 // "all": every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx,
-// fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv) and fcproj (which needs fc).
+// fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj (which needs fc) and
+// fc.grad (which needs fcproj).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
     if (text == "1") return {true, true, true, true, false, true, false};  // what pays at d12 (docs/performance.md)
-    if (text == "all") return {true, true, true, true, true, true, true, true};
+    if (text == "all") return {true, true, true, true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "qkv") {
             m.qkv = true;
@@ -163,14 +174,17 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.qkv_grad = true;
         } else if (name == "fcproj") {
             m.fcproj = true;
+        } else if (name == "fc.grad") {
+            m.fc_grad = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
-                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj", text.c_str(), name.c_str());
+                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad", text.c_str(), name.c_str());
         }
     }
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
     if (m.qkv_grad && !m.qkv) fail(kExitUsage, "--fp8 %s: qkv.grad needs qkv too", text.c_str());
     if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
+    if (m.fc_grad && !m.fcproj) fail(kExitUsage, "--fp8 %s: fc.grad needs fcproj too", text.c_str());
     return m;
 }
 
@@ -276,6 +290,7 @@ public:
         fp8_weights_.allocate(0);
         fp8_delayed_.allocate(0);
         fp8_history_.allocate(0);
+        fp8_grad_.allocate(0);
         fp8_history_count_ = 0;
         memory_.fp8 = 0;
         fp8_weights_stale_ = true;
@@ -292,8 +307,10 @@ public:
         if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "FP8 lm_head.grad needs lm_head too (%s)", m.describe().c_str());
         if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
         if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
+        if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
-        const bool on[kFp8WeightKinds] = {m.qkv, m.fc, m.attproj_dx, m.fcproj_dx, m.qkv_grad, m.fcproj};
+        const bool on[kFp8WeightKinds] = {m.qkv,      m.fc,     m.attproj_dx, m.fcproj_dx || m.fc_grad,
+                                          m.qkv_grad, m.fcproj, m.fc_grad};
         size_t at = 0;
         for (int k = 0; k < kFp8WeightKinds; k++) {
             fp8_weight_at_[k] = at;
@@ -304,15 +321,19 @@ public:
         if (m.lm_head_grad) at += size_t(c.padded_vocab_size) * C;  // wte^T, for the classifier's dX
         fp8_weights_.allocate(at);
         if (m.fcproj) {
-            // The GELU output's delayed scaling: per layer an amax, a scale and a descale (each in 16-byte
-            // slots, as cuBLASLt wants its pointers), and the history with its count after it.
-            fp8_delayed_.allocate(3 * L * kFp8SlotStride);
-            fp8_history_.allocate(L * kFp8HistoryLen + kFp8SlotStride);
+            // Delayed scaling (the GELU output, and the GELU's gradient with fc.grad): per slot an amax, a
+            // scale and a descale (each in 16-byte slots, as cuBLASLt wants its pointers), and the history
+            // with its count after it.
+            const size_t slots = kFp8DelayedKinds * L;
+            fp8_delayed_.allocate(3 * slots * kFp8SlotStride);
+            fp8_history_.allocate(slots * kFp8HistoryLen + kFp8SlotStride);
             cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
             cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
         }
+        // fc.grad: the GELU's gradient in E5M2, row-major (N, 4C) and transposed (4C, N).
+        if (m.fc_grad) fp8_grad_.allocate(8 * nc_);
         memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes() + fp8_delayed_.bytes() +
-                      fp8_history_.bytes();
+                      fp8_history_.bytes() + fp8_grad_.bytes();
     }
 
     // Delayed scaling's state (FP8 fcproj: each layer's GELU-output amax history, the file's comment), for a
@@ -325,7 +346,7 @@ public:
         int slots, len;
     };
     Fp8History fp8_history() {
-        return {fp8_history_.get(), fp8_history_.bytes(), config_.num_layers, kFp8HistoryLen};
+        return {fp8_history_.get(), fp8_history_.bytes(), kFp8DelayedKinds * config_.num_layers, kFp8HistoryLen};
     }
     void fp8_history_reset() {
         if (fp8_history_.get() == nullptr) return;
@@ -335,7 +356,7 @@ public:
     void fp8_history_loaded() {
         if (fp8_history_.get() == nullptr) return;
         float count = 0.0f;
-        cudaCheck(cudaMemcpyAsync(&count, fp8_history_.get() + size_t(config_.num_layers) * kFp8HistoryLen,
+        cudaCheck(cudaMemcpyAsync(&count, fp8_history_.get() + fp8_history_count_at(),
                                   sizeof(float), cudaMemcpyDeviceToHost, stream_));
         cudaCheck(cudaStreamSynchronize(stream_));
         if (!(count >= 0.0f && count <= float(kFp8HistoryLen))) {
@@ -401,7 +422,7 @@ public:
         const bool fp8_head = fp8_.lm_head && fp8_rows(N);
         const int64_t chunk = fp8_head ? fp8_classifier_chunk(N) : 0;
         classifier_grad_rows_ = 0;
-        forward_to_lnf(inputs, B, T, nullptr, fp8_head, dloss > 0.0f);
+        forward_to_lnf(inputs, B, T, nullptr, fp8_head);
         if (chunk > 0) {
             fp8_classifier_chunks(targets, N, chunk, dloss);
         } else if (fp8_head) {
@@ -514,7 +535,9 @@ public:
         // byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient is spent), after
         // the row-major E5M2 copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
         const bool fp8_fcproj_w = fp8_fcproj_on(N);
+        const bool fp8_fc_grad = fp8_fcproj_w && fp8_.fc_grad;
         const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
+        const bool measure = fp8_fcproj_w && fp8_history_count_ == 0;
         if (fp8_fcproj_w && sbytes < size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float)) {
             fail(kExitError, "GPT2 backward: scratch of %zu bytes, FP8 fcproj's bias sums need %zu", sbytes,
                  size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
@@ -551,9 +574,13 @@ public:
                 auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(at);
                 auto* g8t = reinterpret_cast<__nv_fp8_e5m2*>(at + nc_);
                 auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
-                fp8_cast_pair(fp8_fcproj ? g8 : nullptr, g8t, N, d_residual_, N, C, fp8_amax_slot(kFp8Grad),
-                              fp8_descale(kFp8Grad), stream_, fscratch);
-                if (fp8_fcproj) {
+                fp8_cast_pair(fp8_fcproj || fp8_fc_grad ? g8 : nullptr, g8t, N, d_residual_, N, C,
+                              fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_, fscratch);
+                if (fp8_fc_grad) {
+                    // fc.grad: the product alone (the GELU gradient comes with the cast below).
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_);
+                } else if (fp8_fcproj) {
                     fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
                                fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
                                Fp8Epilogue{nullptr, nullptr, a.fch});
@@ -561,8 +588,8 @@ public:
                     matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
                 }
                 fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
-                fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_gelu_descale(l), gb.fcprojw,
-                           Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_delayed_descale(l),
+                           gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                 bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
             } else {
                 if (fp8_fcproj) {
@@ -574,8 +601,37 @@ public:
                 matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
                                 b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
             }
-            const floatX* ln2 = a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_slot(l));
-            matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
+            if (fp8_fc_grad) {
+                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 both ways at the layer's delayed scale (its
+                // amax measured for the next; without a history, a first pass at scale 1 measures it), its
+                // column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's copy), dW +=
+                // dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
+                const int slot = fp8_dgelu_slot(l);
+                auto* q = reinterpret_cast<__nv_fp8_e5m2*>(fp8_grad_.get());
+                __nv_fp8_e5m2* qt = q + 4 * nc_;
+                auto* sums = reinterpret_cast<float*>(d_ln_);
+                auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot));
+                auto cast = [&]() {
+                    cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+                    fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_delayed_scale(slot), amax, stream_, sums);
+                };
+                if (measure) {
+                    cast();
+                    fp8_delayed_scales<__nv_fp8_e5m2>(fp8_delayed_amax(slot), 1, 1, fp8_delayed_scale(slot),
+                                                      fp8_delayed_descale(slot), 1, stream_);
+                }
+                cast();
+                bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
+                auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
+                fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
+                fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_weight(kFp8FcT, l), fp8_delayed_descale(slot),
+                           fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
+                fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_descale(fp8_ln2_slot(l)),
+                           gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+            } else {
+                const floatX* ln2 = a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_slot(l));
+                matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
+            }
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr);
             // residual2 = residual + attproj(attention(qkv(ln1))).
@@ -617,6 +673,18 @@ public:
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
         encoder_backward(gw.wte, gw.wpe, d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+        if (fp8_fcproj_w) {
+            // The amaxes this forward and backward measured join the history (the ranks' largest, so that
+            // every rank's history, and scales, stay equal).
+            const int slots = kFp8DelayedKinds * L;
+            if (multi_ != nullptr) {
+                multi_->all_reduce_max_async(fp8_delayed_amax(0), size_t(slots) * kFp8SlotStride, stream_);
+                multi_->join(stream_);
+            }
+            fp8_history_push(fp8_history_.get(), slots, kFp8HistoryLen, fp8_delayed_amax(0), kFp8SlotStride,
+                             fp8_history_.get() + fp8_history_count_at(), stream_);
+            fp8_history_count_ = std::min(fp8_history_count_ + 1, kFp8HistoryLen);
+        }
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
@@ -692,10 +760,9 @@ private:
     // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
     // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
     // reads (but for packed rows: forward_scored's comment). lnf_amax: the final LayerNorm records its
-    // output's amax for the classifier's FP8 matmul. train: a training forward, whose GELU amaxes enter
-    // FP8 fcproj's history (other forwards read the history, and leave it as it was).
-    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false,
-                        bool train = false) {
+    // output's amax for the classifier's FP8 matmul. With FP8 fcproj it sets the delayed scales from the
+    // history (backward adds the amaxes measured to it; other forwards leave it as it was).
+    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false) {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads;
         const int64_t N = int64_t(B) * T;
@@ -707,8 +774,11 @@ private:
         // Without a history (the first forward), each layer's fc runs first at scale 1 to measure its amax.
         const bool measure = fp8_fcproj && fp8_history_count_ == 0;
         if (fp8_fcproj) {
-            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_gelu_scale(0),
-                                              fp8_gelu_descale(0), kFp8SlotStride, stream_);
+            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_delayed_scale(0),
+                                              fp8_delayed_descale(0), kFp8SlotStride, stream_);
+            fp8_delayed_scales<__nv_fp8_e5m2>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
+                                              fp8_delayed_scale(fp8_dgelu_slot(0)), fp8_delayed_descale(fp8_dgelu_slot(0)),
+                                              kFp8SlotStride, stream_);
         }
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
@@ -747,16 +817,16 @@ private:
                 // is written), then fcproj from it.
                 auto fc = [&]() {
                     fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
-                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_gelu_scale(l),
-                               fp8_gelu_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
+                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_delayed_scale(l),
+                               fp8_delayed_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
                 };
                 if (measure) {
                     fc();
-                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_gelu_amax(l), 1, 1, fp8_gelu_scale(l), fp8_gelu_descale(l), 1,
-                                                      stream_);
+                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_delayed_amax(l), 1, 1, fp8_delayed_scale(l),
+                                                      fp8_delayed_descale(l), 1, stream_);
                 }
                 fc();
-                fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_weight(kFp8Fcproj, l), fp8_gelu_descale(l),
+                fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_weight(kFp8Fcproj, l), fp8_delayed_descale(l),
                            fp8_descale(fp8_weight_slot(kFp8Fcproj, l)), proj_, Fp8Epilogue{b.fcprojb},
                            kFp8FastAccumForward);
             } else {
@@ -781,16 +851,6 @@ private:
                 fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
                                                  w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
             }
-        }
-        if (fp8_fcproj && train) {
-            // The ranks' histories stay equal (each rank's amax would differ): their largest amax enters.
-            if (multi_ != nullptr) {
-                multi_->all_reduce_max_async(fp8_gelu_amax(0), size_t(L) * kFp8SlotStride, stream_);
-                multi_->join(stream_);
-            }
-            fp8_history_push(fp8_history_.get(), L, kFp8HistoryLen, fp8_gelu_amax(0), kFp8SlotStride,
-                             fp8_history_.get() + size_t(L) * kFp8HistoryLen, stream_);
-            fp8_history_count_ = std::min(fp8_history_count_ + 1, kFp8HistoryLen);
         }
     }
 
@@ -855,17 +915,22 @@ private:
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
     static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8QkvT = 4, kFp8Fcproj = 5,
-                         kFp8WeightKinds = 6;
+                         kFp8FcT = 6, kFp8WeightKinds = 7;
     static constexpr int kFp8SlotStride = 4;
-    // FP8 fcproj's delayed scaling (the file's comment): the forwards each layer's GELU scale looks back on.
+    // Delayed scaling (the file's comment): the training steps each scale looks back on, and its slots:
+    // layer l's GELU output (E4M3) at l, its GELU gradient (E5M2, fc.grad) at fp8_dgelu_slot(l).
     static constexpr int kFp8HistoryLen = 16;
-    float* fp8_gelu_amax(int l) const { return fp8_delayed_.get() + size_t(l) * kFp8SlotStride; }
-    float* fp8_gelu_scale(int l) const {
-        return fp8_delayed_.get() + (size_t(config_.num_layers) + l) * kFp8SlotStride;
+    static constexpr int kFp8DelayedKinds = 2;
+    int fp8_dgelu_slot(int l) const { return config_.num_layers + l; }
+    size_t fp8_delayed_slots() const { return size_t(kFp8DelayedKinds) * size_t(config_.num_layers); }
+    float* fp8_delayed_amax(int slot) const { return fp8_delayed_.get() + size_t(slot) * kFp8SlotStride; }
+    float* fp8_delayed_scale(int slot) const {
+        return fp8_delayed_.get() + (fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;
     }
-    float* fp8_gelu_descale(int l) const {
-        return fp8_delayed_.get() + (2 * size_t(config_.num_layers) + l) * kFp8SlotStride;
+    float* fp8_delayed_descale(int slot) const {
+        return fp8_delayed_.get() + (2 * fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;
     }
+    size_t fp8_history_count_at() const { return fp8_delayed_slots() * kFp8HistoryLen; }
     // Whether a call of N rows runs fcproj in FP8 (else bf16: a bf16 GELU output in the shared buffer).
     bool fp8_fcproj_on(int64_t N) const { return fp8_.fcproj && fp8_.fc && fp8_rows(N) && !recompute_gelu_; }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
@@ -888,10 +953,10 @@ private:
     }
     // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
     static bool fp8_rows(int64_t N) { return N % 16 == 0; }
-    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T, fcproj), in values.
+    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T, fcproj, fc^T), in values.
     size_t fp8_layer_weight_size(int kind) const {
         const size_t C = size_t(config_.channels);
-        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C, 4 * C * C};
+        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C, 4 * C * C, 4 * C * C};
         return size[kind];
     }
     const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
@@ -942,9 +1007,10 @@ private:
             if (fp8_.qkv) cast(kFp8Qkv, l, b.qkvw, 3 * C, C, false);
             if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
             if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
-            if (fp8_.fcproj_dx) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
+            if (fp8_.fcproj_dx || fp8_.fc_grad) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
             if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
             if (fp8_.fcproj) cast(kFp8Fcproj, l, b.fcprojw, C, 4 * C, false);
+            if (fp8_.fc_grad) cast(kFp8FcT, l, b.fcw, 4 * C, C, true);
         }
         if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
         if (fp8_.lm_head_grad) {  // the same scale as wte's copy (its amax is in the slot now)
@@ -1112,6 +1178,7 @@ private:
     // (fp8_history()) and how many training forwards it covers (mirrors the count stored after it).
     DeviceBuffer<float> fp8_delayed_, fp8_history_;
     int fp8_history_count_ = 0;
+    DeviceBuffer<uint8_t> fp8_grad_;  // fc.grad: the GELU gradient in E5M2, both layouts
     // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;

@@ -28,6 +28,9 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
     and at shapes that are not multiples of 16, and with the row-major copy left out; its column sums of
     each 64-row block bitwise equal to the host's sums in row order;
+  - fp8_dgelu_cast_pair: x * GELU'(aux) at a given scale, each byte the host's conversion (the same
+    formula in fp32) or, where tanhf's last bit moved it across a rounding boundary (at most 0.1%), its
+    neighbour; the transposed copy the row-major one's transpose; the amax and the column sums g's;
   - fp8_transpose: byte for byte the transpose, written into columns of a wider matrix (the bytes around
     left alone), on its 16-byte path and at shapes that are not multiples of its tiles or of 16;
   - fused_classifier_fp8 (llmc/classifier.cuh): the losses bitwise equal to fused_classifier's, every
@@ -557,6 +560,85 @@ TEST_F(Fp8Test, GemmRefusesWhatItCannotRun) {
                  kExitUsage, {"Fp8Gemm: P", "16-byte aligned"});
     expect_error([&] { Fp8Gemm(lt, 64, 64, 64, a.get(), a.get(), descale.get() + 1, descale.get() + 4, d.get()); },
                  kExitUsage, {"descale_p"});
+}
+
+// fp8_dgelu_cast_pair of x (rows, cols) with GELU input aux at a given scale: g = x * GELU'(aux) (the host
+// computes it in fp32 with the same formula), each byte the host's conversion of g * scale or (where the
+// device's tanhf and the host's differ in the last bit at a rounding boundary; at most 0.1%) its neighbour,
+// the transposed copy the row-major one's transpose byte for byte, the amax max |g| and the column sums g's.
+void check_dgelu_cast_pair(int64_t rows, int64_t cols, uint64_t seed) {
+    SCOPED_TRACE(format("fp8_dgelu_cast_pair %lld x %lld", (long long)rows, (long long)cols));
+    const std::vector<floatX> x = random_bf16(size_t(rows * cols), seed, 1e-3f), aux = random_bf16(size_t(rows * cols), seed + 1, 1.5f);
+    std::vector<float> g(x.size());
+    float amax_host = 0.0f;
+    for (size_t i = 0; i < g.size(); i++) {
+        const float a = __bfloat162float(aux[i]);
+        const float t = std::tanh(kGeluScale * (a + kGeluCubic * a * a * a));
+        const float d = 0.5f * (1.0f + t) + 0.5f * a * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * a * a);
+        g[i] = __bfloat162float(x[i]) * d;
+        amax_host = std::max(amax_host, std::fabs(g[i]));
+    }
+    const float scale = 0.5f * 57344.0f / amax_host;  // as a delayed scale may be: not this tensor's own
+    auto d_x = upload(x), d_aux = upload(aux);
+    DeviceBuffer<__nv_fp8_e5m2> q(size_t(rows * cols)), qt(size_t(rows * cols));
+    DeviceBuffer<float> d_scale(4);
+    DeviceBuffer<unsigned int> amax(4);
+    const int64_t blocks = ceil_div<int64_t>(rows, kFp8CastPairRows);
+    DeviceBuffer<float> sums(size_t(blocks * cols));
+    cudaCheck(cudaMemcpy(d_scale.get(), &scale, sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
+    cudaCheck(cudaMemset(q.get(), 0x7f, q.bytes()));
+    cudaCheck(cudaMemset(qt.get(), 0x7f, qt.bytes()));
+    fp8_dgelu_cast_pair(q.get(), qt.get(), rows, d_x.get(), d_aux.get(), rows, cols, d_scale.get(), amax.get(), kStream,
+                        sums.get());
+    const std::vector<__nv_fp8_e5m2> got_q = download(q.get(), q.size()), got_qt = download(qt.get(), qt.size());
+    size_t differ = 0, far = 0, transposed = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < cols; c++) {
+            const size_t i = size_t(r * cols + c);
+            const float want = fp8_value<__nv_fp8_e5m2>(fp8_quantize<__nv_fp8_e5m2>(g[i], scale));
+            const float got = float(got_q[i]);
+            if (got != want) {
+                differ++;
+                if (!(std::fabs(got - want) <= std::fabs(want) * 0x1p-2f + 0x1p-16f)) far++;
+            }
+            transposed += got_qt[size_t(c * rows + r)].__x != got_q[i].__x;
+        }
+    }
+    std::printf("  fp8_dgelu_cast_pair %lld x %lld: %zu bytes differ from the host's (%zu by more than a step)\n",
+                (long long)rows, (long long)cols, differ, far);
+    EXPECT_EQ(far, 0u);
+    EXPECT_LE(differ, got_q.size() / 1000);
+    EXPECT_EQ(transposed, 0u) << "the transposed copy is not the row-major one's transpose";
+    const unsigned int bits = download(amax.get(), 1)[0];
+    float got_amax;
+    std::memcpy(&got_amax, &bits, sizeof(float));
+    EXPECT_NEAR(got_amax, amax_host, amax_host * 1e-5f);
+    const std::vector<float> got_sums = download(sums.get(), sums.size());
+    size_t wrong_sums = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t c = 0; c < cols; c++) {
+            double want = 0.0, mag = 0.0;
+            for (int64_t r = b * kFp8CastPairRows; r < std::min(rows, (b + 1) * kFp8CastPairRows); r++) {
+                want += g[size_t(r * cols + c)];
+                mag += std::fabs(g[size_t(r * cols + c)]);
+            }
+            wrong_sums += !(std::fabs(got_sums[size_t(b * cols + c)] - want) <= 1e-5 * mag + 1e-30);
+        }
+    }
+    EXPECT_EQ(wrong_sums, 0u) << "column sums of g other than the host's";
+}
+
+TEST_F(Fp8Test, DgeluCastPairCastsTheGeluGradient) {
+    check_dgelu_cast_pair(128, 3072, 90);  // fc's width, whole tiles
+    check_dgelu_cast_pair(200, 80, 91);    // partial tiles
+    check_dgelu_cast_pair(77, 45, 92);     // nothing a multiple of 16: value by value
+    expect_error([&] {
+        DeviceBuffer<floatX> x(64);
+        DeviceBuffer<__nv_fp8_e5m2> q(64);
+        DeviceBuffer<unsigned int> a(4);
+        fp8_dgelu_cast_pair(q.get(), q.get(), 8, x.get(), nullptr, 8, 8, nullptr, a.get(), kStream);
+    }, kExitUsage, {"fp8_dgelu_cast_pair: needs aux and a scale"});
 }
 
 // Fp8Gemm's FP8 output: D = fp8(result * scale_d) with its amax, against the same matmul's bf16 D (the

@@ -99,11 +99,11 @@ struct Tolerances {
 };
 constexpr Tolerances kBf16Tol{kTolLogits, kTolLoss, kTolGrad, kTolStepLoss, kTolNorm, kTolStepLoss, true};
 constexpr Tolerances kFp8Tol{0.15, 1e-2, 0.25, 2e-2, 0.1, 3e-2, false};
-const Fp8Matmuls kAllFp8{true, true, true, true, true, true, true, true};
+const Fp8Matmuls kAllFp8{true, true, true, true, true, true, true, true, true};
 // All of them but the classifier's and qkv's backward and fcproj (the classifier's forward in one piece,
 // its backward in bf16; qkv's weight gradient a bf16 matmul on the kept E4M3 ln1 read back in bf16;
 // fcproj's forward and weight gradient bf16 on a bf16 GELU output).
-const Fp8Matmuls kFp8HeadGradBf16{true, true, true, true, true, false, false, false};
+const Fp8Matmuls kFp8HeadGradBf16{true, true, true, true, true, false, false, false, false};
 
 float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
 
@@ -563,9 +563,12 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
 TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     EXPECT_EQ(parse_fp8_matmuls("0").describe(), "none");
     EXPECT_EQ(parse_fp8_matmuls("1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad");
-    EXPECT_EQ(parse_fp8_matmuls("all").describe(), "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj");
+    EXPECT_EQ(parse_fp8_matmuls("all").describe(),
+              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
     EXPECT_EQ(parse_fp8_matmuls("fcproj,fc").describe(), "fc,fcproj");
+    EXPECT_EQ(parse_fp8_matmuls("fc.grad,fcproj,fc").describe(), "fc,fcproj,fc.grad");
     expect_error([] { parse_fp8_matmuls("qkv,fcproj"); }, kExitUsage, {"fcproj needs fc"});
+    expect_error([] { parse_fp8_matmuls("fc,fc.grad"); }, kExitUsage, {"fc.grad needs fcproj"});
     EXPECT_EQ(parse_fp8_matmuls("lm_head.grad,lm_head").describe(), "lm_head,lm_head.grad");
     EXPECT_EQ(parse_fp8_matmuls("qkv.grad,qkv").describe(), "qkv,qkv.grad");
     expect_error([] { parse_fp8_matmuls("qkv,lm_head.grad"); }, kExitUsage, {"lm_head.grad needs lm_head"});

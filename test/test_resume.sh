@@ -123,7 +123,7 @@ echo "bit-exact resume (async, sync, streamed): ok"
 cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
 if python3 -c "import sys; sys.exit(0 if float('$cap') >= 8.9 else 1)"; then
     trainer "${common[@]}" --fp8 all -n 10 -o "$dir/fp8" >"$dir/fp8.out" 2>&1 || { echo "FAIL: the FP8 run"; cat "$dir/fp8.out"; exit 1; }
-    grep -q "FP8 matmuls: qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj " "$dir/fp8.out" || { echo "FAIL: no FP8 line"; cat "$dir/fp8.out"; exit 1; }
+    grep -q "FP8 matmuls: qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad " "$dir/fp8.out" || { echo "FAIL: no FP8 line"; cat "$dir/fp8.out"; exit 1; }
     python3 - "$dir/straight/log.jsonl" "$dir/fp8/log.jsonl" <<'PY' || exit 1
 import json, sys
 def losses(path): return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
