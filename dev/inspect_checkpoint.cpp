@@ -2,7 +2,7 @@
 inspect_checkpoint: is a training checkpoint whole, and what does it hold? For each checkpoint directory
 given (or every ckpt_* in an output directory given with --all), reads the manifest, checks every file's
 size and every chunk's checksum (llmc/checkpoint.h), checks that every stored fp32 array (master
-weights, AdamW moments) and bf16 array (parameters) holds only finite values, and prints the step, the
+weights, AdamW moments, FP8 amax history) and bf16 array (parameters) holds only finite values, and prints the step, the
 settings and the files. Exit code 0 when every checkpoint passes, 4 (invalid contents) or 3 (I/O) at
 the first that does not, with the reason.
   build/inspect_checkpoint out/ckpt_00001000
@@ -68,6 +68,13 @@ void inspect(const std::string& dir, bool quiet) {
             const ModelFileInfo info = read_model_header(f);
             offset = kModelHeaderBytes;
             bf16 = info.version == kModelVersionBf16;
+        }
+        if (rec.name == "fp8_history.bin") {  // FP8 fcproj's amax history: a 24-byte header, then fp32
+            File f(path, File::Mode::Read);
+            char magic[8] = {};
+            f.read_exact(magic, sizeof(magic));
+            if (std::memcmp(magic, "LLMCFP8H", 8) != 0) fail(kExitData, "'%s': not an FP8 amax history", path.c_str());
+            offset = 24;
         }
         if (rec.name.size() < 4 || rec.name.compare(rec.name.size() - 4, 4, ".bin") != 0) continue;
         const int64_t bad = count_non_finite(path, offset, bf16);

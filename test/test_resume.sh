@@ -9,7 +9,8 @@
 #   - the checkpoint directory: the files, manifest, model.bin readable as an llm.c v3 file (-e loads it),
 #     rotation (-nk 2 -nm 20 keeps 20, 30 and the newest), no .tmp left;
 #   - the same bit-exact resume with every FP8 matmul on (--fp8 all), on GPUs that have them (compute
-#     capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran);
+#     capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran), from a checkpoint
+#     that holds the delayed scaling's amax history (fp8_history.bin, which inspect_checkpoint reads);
 #   - a flipped bit in the newest checkpoint: -y 1 says it skips it and resumes from the one before, still
 #     bit-exact; a different batch size or model shape is refused naming the setting; different data is
 #     refused by the DataLoader state;
@@ -21,7 +22,7 @@
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make -s train_gpt2cu
+make -s train_gpt2cu build/inspect_checkpoint
 dir=$(mktemp -d /tmp/test_resume_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 # Every run not killed on purpose has a time limit, so a hang fails the test rather than hold the GPU.
@@ -133,6 +134,9 @@ if len(fp8) != 30 or bf16 == fp8:
 print("FP8 run: loss %.4f -> %.4f (bf16 %.4f -> %.4f)" % (fp8[0], fp8[-1], bf16[0], bf16[-1]))
 PY
     [ -s "$dir/fp8/ckpt_00000010/fp8_history.bin" ] || { echo "FAIL: the FP8 checkpoint has no amax history"; ls "$dir/fp8/ckpt_00000010"; exit 1; }
+    ./build/inspect_checkpoint "$dir/fp8/ckpt_00000010" >"$dir/fp8_inspect.out" 2>&1 &&
+        grep -q "fp8_history.bin .* fp32, all finite" "$dir/fp8_inspect.out" ||
+        { echo "FAIL: inspect_checkpoint on the FP8 checkpoint"; cat "$dir/fp8_inspect.out"; exit 1; }
     rm -rf "$dir/fp8_r" && mkdir -p "$dir/fp8_r" && cp -r "$dir/fp8/ckpt_00000010" "$dir/fp8_r/"
     trainer "${common[@]}" --fp8 all -n 7 -y 1 -o "$dir/fp8_r" >"$dir/fp8_r.out" 2>&1 ||
         { echo "FAIL: FP8 resume"; cat "$dir/fp8_r.out"; exit 1; }
