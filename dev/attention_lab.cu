@@ -767,26 +767,9 @@ double rel_err(const std::vector<X>& x, const std::vector<R>& ref, int64_t rows,
     return std::sqrt(num) / std::max(std::sqrt(den), floor);
 }
 
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 template <class Fn>
 double time_ms(Fn&& fn, cudaStream_t stream) {
-    Event start(true), stop(true);
-    for (int i = 0; i < 5; i++) fn();
-    std::vector<double> ms;
-    for (int i = 0; i < 25; i++) {
-        cudaCheck(cudaEventRecord(start, stream));
-        fn();
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(t);
-    }
-    return median(ms);
+    return llmc::median_ms(stream, 5, 25, fn);
 }
 
 // Runs wgmma_selftest_kernel; returns the number of failed checks (0 where wgmma is not available).

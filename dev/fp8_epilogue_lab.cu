@@ -84,23 +84,6 @@ __global__ void compare_fp8_kernel(const __nv_fp8_storage_t* q, const floatX* re
     atomicAdd(&counts[1], at_max);
 }
 
-template <class F>
-float median_ms(cudaStream_t stream, int warmup, int reps, F f) {
-    for (int i = 0; i < warmup; i++) f();
-    Event start(true), stop(true);
-    std::vector<float> ms;
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaEventRecord(start, stream));
-        f();
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 const char* type_name(cudaDataType_t t) {
     switch (t) {

@@ -127,24 +127,6 @@ __global__ void compare_kernel(const floatX* a, const floatX* b, int64_t n, doub
 
 constexpr int kGrid = 1056, kBlock = 256;
 
-// The median of reps timed runs of f after warmup untimed ones, in ms.
-template <class F>
-float median_ms(cudaStream_t stream, int warmup, int reps, F f) {
-    for (int i = 0; i < warmup; i++) f();
-    Event start(true), stop(true);
-    std::vector<float> ms;
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaEventRecord(start, stream));
-        f();
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 // How far a is from the reference b: ||a - b|| / ||b|| (Frobenius), and max |a - b| / max |b|.
 struct Diff {

@@ -677,19 +677,7 @@ double rel_diff(const floatX* x, const floatX* y, size_t n) {
 // Median ms of --reps runs of fn on stream after --warmup.
 template <class Fn>
 double median_ms(Fn&& fn, cudaStream_t stream, const Options& o) {
-    Event start(true), stop(true);
-    for (int i = 0; i < o.warmup; i++) fn();
-    std::vector<double> ms;
-    for (int i = 0; i < o.reps; i++) {
-        cudaCheck(cudaEventRecord(start, stream));
-        fn();
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(double(t));
-    }
-    return median(ms);
+    return llmc::median_ms(stream, o.warmup, o.reps, fn);
 }
 
 // The MLP's two GELU places at the sweep's sizes, both ways: the trainer's (matmul_forward with pre_gelu:

@@ -612,24 +612,21 @@ TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
         // qkv's and fc's weight gradients read the kept E4M3 LayerNorm outputs; fcproj's (with FP8 fcproj,
         // whose layers share one bf16 GELU buffer in a bf16 call) a GELU output recomputed from its bf16
         // input, which may round a value to its other bf16 neighbour.
-        if (i == kFcprojw) {
+        auto relative = [&]() {  // ||got - want|| / ||want||
             double diff = 0, norm = 0;
             for (int64_t j = 0; j < t.numel; j++) {
                 const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
                 diff += (g - w) * (g - w);
                 norm += w * w;
             }
-            const double rel = std::sqrt(diff / norm);
+            return std::sqrt(diff / norm);
+        };
+        if (i == kFcprojw) {
+            const double rel = relative();
             std::printf("  B x T = 10, %s gradient from the recomputed GELU output: %.3e relative to bf16's\n", t.name, rel);
             EXPECT_LT(rel, 1e-2) << t.name;
         } else if (i == kQkvw || i == kFcw) {
-            double diff = 0, norm = 0;
-            for (int64_t j = 0; j < t.numel; j++) {
-                const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
-                diff += (g - w) * (g - w);
-                norm += w * w;
-            }
-            const double rel = std::sqrt(diff / norm);
+            const double rel = relative();
             std::printf("  B x T = 10, %s gradient from the kept FP8 LayerNorm output: %.3e relative to bf16's\n",
                         t.name, rel);
             EXPECT_GT(rel, 0.0) << t.name << ": the kept LayerNorm output is not FP8";
