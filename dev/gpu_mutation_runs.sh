@@ -2,10 +2,12 @@
 # A mutation pass over the GPU code: does `make test` on a GPU catch plausible bugs in the kernels and the
 # trainer's GPU paths? The mutations are listed in dev/gpu_mutations.txt (ID, file, exact text, its
 # replacement, the bug it stands for; FILE@N picks the N-th of several occurrences).
-#   bash dev/gpu_mutation_runs.sh [--check] [--only ID,ID,...] [--from N] [--count K] [--out FILE]
+#   bash dev/gpu_mutation_runs.sh [--check | --verify] [--only ID,ID,...] [--from N] [--count K] [--out FILE]
 #                                 [--jobs J] [--test-jobs P] [--no-baseline | --baseline-only]
 #                                 [--time-budget SECONDS]
 #   --check         without a GPU: only make each mutant's tree and check that its trainer builds
+#   --verify        without a GPU or a build: only check that each mutation's text is in its file as the list
+#                   says (once, or at least N times for FILE@N), so that the list keeps up with the code
 #   --only/--from/--count  which mutations (IDs; or the K from the N-th, 1-based), for passes split in parts
 #   --out           the table, appended to (default build/gpu-mutations.tsv): id, file:line, the bug, result
 #                   (killed, survived, no-build), the test that killed it, seconds of its tests
@@ -34,10 +36,11 @@ set -u
 cd "$(dirname "$0")/.."
 root=$(pwd)
 list=dev/gpu_mutations.txt
-check=0 only="" from=1 count=100000 out=build/gpu-mutations.tsv budget=0 jobs=$(nproc) test_jobs=4 baseline=1
+check=0 verify=0 only="" from=1 count=100000 out=build/gpu-mutations.tsv budget=0 jobs=$(nproc) test_jobs=4 baseline=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --check) check=1; shift ;;
+        --verify) verify=1; shift ;;
         --only) only=$2; shift 2 ;;
         --from) from=$2; shift 2 ;;
         --count) count=$2; shift 2 ;;
@@ -47,11 +50,11 @@ while [ $# -gt 0 ]; do
         --no-baseline) baseline=0; shift ;;
         --baseline-only) baseline=2; shift ;;
         --time-budget) budget=$2; shift 2 ;;
-        -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+        -h|--help) sed -n "2,$(($(grep -n '^set -u' "$0" | head -1 | cut -d: -f1) - 1))p" "$0"; exit 0 ;;
         *) echo "gpu_mutation_runs: unknown argument '$1' (--help)" >&2; exit 2 ;;
     esac
 done
-if [ $check -eq 0 ] && ! nvidia-smi -L >/dev/null 2>&1; then
+if [ $check -eq 0 ] && [ $verify -eq 0 ] && ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_mutation_runs: no NVIDIA GPU (use --check to only build the mutants)" >&2
     exit 2
 fi
@@ -106,6 +109,44 @@ while IFS=$'\x1f' read -r idx mid spec text repl what; do
 done <"$work/mutations"
 [ ${#selected[@]} -gt 0 ] || { echo "gpu_mutation_runs: no mutation selected" >&2; exit 2; }
 
+# apply DIR SPEC TEXT REPLACEMENT [dry]: edits DIR/FILE (the N-th occurrence for FILE@N, else the only
+# one); prints the line number. With "dry", only checks that the text is there as the spec says.
+apply() {
+    python3 - "$1" "$2" "$3" "$4" "${5:-}" <<'PY'
+import sys
+d, spec, text, repl, dry = sys.argv[1:6]
+path, _, nth = spec.partition("@")
+src = open(f"{d}/{path}").read()
+n = src.count(text)
+if nth:
+    k = int(nth)
+    if not 1 <= k <= n:
+        sys.exit(f"{path}: occurrence {k} of the text asked for, {n} found")
+else:
+    k = 1
+    if n != 1:
+        sys.exit(f"{path}: the text occurs {n} times (give FILE@N)")
+pos = -1
+for _ in range(k):
+    pos = src.index(text, pos + 1)
+if not dry:
+    open(f"{d}/{path}", "w").write(src[:pos] + repl + src[pos + len(text):])
+print(src.count("\n", 0, pos) + 1)
+PY
+}
+
+if [ $verify -eq 1 ]; then
+    bad=0
+    for mid in "${selected[@]}"; do
+        IFS=$'\x1f' read -r spec text repl what <"$work/$mid.mutation"
+        at=$(apply "$root" "$spec" "$text" "$repl" dry 2>&1) || { echo "BAD  $mid: $at"; bad=$((bad + 1)); continue; }
+        echo "ok   $mid (${spec%@*}:$at)"
+    done
+    echo "${#selected[@]} mutations, $bad whose text is not where the list says"
+    [ $bad -eq 0 ]
+    exit $?
+fi
+
 echo "building the unmutated tree (make all)"
 if ! make -j"$jobs" all >"$work/baseline-build.log" 2>&1; then
     echo "FAIL: the unmutated tree does not build"; tail -20 "$work/baseline-build.log"; exit 1
@@ -134,30 +175,6 @@ if [ $check -eq 0 ] && [ $baseline -ge 1 ]; then
     fi
 fi
 
-# apply DIR SPEC TEXT REPLACEMENT: edits DIR/FILE (the N-th occurrence for FILE@N, else the only one);
-# prints the line number.
-apply() {
-    python3 - "$1" "$2" "$3" "$4" <<'PY'
-import sys
-d, spec, text, repl = sys.argv[1:5]
-path, _, nth = spec.partition("@")
-src = open(f"{d}/{path}").read()
-n = src.count(text)
-if nth:
-    k = int(nth)
-    if not 1 <= k <= n:
-        sys.exit(f"{path}: occurrence {k} of the text asked for, {n} found")
-else:
-    k = 1
-    if n != 1:
-        sys.exit(f"{path}: the text occurs {n} times (give FILE@N)")
-pos = -1
-for _ in range(k):
-    pos = src.index(text, pos + 1)
-open(f"{d}/{path}", "w").write(src[:pos] + repl + src[pos + len(text):])
-print(src.count("\n", 0, pos) + 1)
-PY
-}
 
 # Each mutant's tree: the built repository (timestamps kept, so make rebuilds only what the edit touches),
 # with the edit applied after the copy.
