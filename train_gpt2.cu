@@ -167,11 +167,12 @@ inline Flags make_flags(Options& o) {
     f.add("", "fp8", &o.fp8,
           "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
           "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
-          "fcproj.dx, qkv.grad (qkv's backward, both matmuls) and fcproj (fcproj's forward and weight gradient, "
-          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) and "
-          "fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs fcproj); "
-          "or a comma-separated list of them; 0: bf16 everywhere. Other per-tensor scales from each tensor's "
-          "own max (dlogits: from dloss); attention and the other weight gradients stay bf16");
+          "fcproj.dx, qkv.grad (qkv's backward, both matmuls), fcproj (fcproj's forward and weight gradient, "
+          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) "
+          "and fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs "
+          "fcproj); or a comma-separated list of them and 1 (1,fcproj: 1 and fcproj); 0: bf16 everywhere. "
+          "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
+          "weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
           "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
     f.add("", "gemm-tune", &o.gemm_tune,
@@ -565,6 +566,10 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
     if (plan.fp8.any()) {
         std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients, per-tensor scales); the rest bf16\n",
                     plan.fp8.describe().c_str());
+        if (plan.fp8.fcproj && o.recompute == 1) {
+            std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16\n",
+                        plan.fp8.fc_grad ? " and fc.grad" : "");
+        }
     }
     std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
                 "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,

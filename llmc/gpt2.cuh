@@ -151,14 +151,15 @@ struct Fp8Matmuls {
 // with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
 // "all": every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx,
 // fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj (which needs fc) and
-// fc.grad (which needs fcproj).
+// fc.grad (which needs fcproj), in which 1 stands for its matmuls (so "1,qkv.grad" is 1 and qkv.grad).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
-    if (text == "1") return {true, true, true, true, false, true, false};  // what pays at d12 (docs/performance.md)
     if (text == "all") return {true, true, true, true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
-        if (name == "qkv") {
+        if (name == "1") {  // what pays at d12 (docs/performance.md)
+            m.qkv = m.fc = m.lm_head = m.attproj_dx = m.lm_head_grad = true;
+        } else if (name == "qkv") {
             m.qkv = true;
         } else if (name == "fc") {
             m.fc = true;
@@ -177,7 +178,7 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
         } else if (name == "fc.grad") {
             m.fc_grad = true;
         } else {
-            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of qkv, fc, "
+            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, qkv, fc, "
                  "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad", text.c_str(), name.c_str());
         }
     }

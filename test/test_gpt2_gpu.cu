@@ -567,6 +567,9 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
               "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
     EXPECT_EQ(parse_fp8_matmuls("fcproj,fc").describe(), "fc,fcproj");
     EXPECT_EQ(parse_fp8_matmuls("fc.grad,fcproj,fc").describe(), "fc,fcproj,fc.grad");
+    EXPECT_EQ(parse_fp8_matmuls("1,qkv.grad,fcproj,fc.grad").describe(),
+              "qkv,fc,lm_head,attproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
+    EXPECT_EQ(parse_fp8_matmuls("fcproj,1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad,fcproj");
     expect_error([] { parse_fp8_matmuls("qkv,fcproj"); }, kExitUsage, {"fcproj needs fc"});
     expect_error([] { parse_fp8_matmuls("fc,fc.grad"); }, kExitUsage, {"fc.grad needs fcproj"});
     EXPECT_EQ(parse_fp8_matmuls("lm_head.grad,lm_head").describe(), "lm_head,lm_head.grad");
