@@ -5,7 +5,7 @@ against PyTorch does (docs/performance.md):
 
     python3 dev/compare_losses.py ours.jsonl torch.jsonl [--max-diff 0.05] [--max-val-rel 0.01] [--from-step 1]
                                   [--reference other.jsonl [--reference-label R]]
-                                  [--plot diff.png [--labels A,B] [--title T]]
+                                  [--plot diff.png [--labels A,B] [--title T]] [--windows N]
 
 Prints the largest |difference| and its step, the mean difference (first minus second), the rms, and the
 final validation losses; PASS when every step of the second log is in the first, the largest difference
@@ -14,6 +14,9 @@ over the steps from --from-step on (default: all) is within --max-diff and the f
 does not change PASS or FAIL), and drawn beside the first on the plot: what another change of rounding
 alone does (say the same run with its batch split into micro-batches), the scale to read the first against.
 --plot draws the per-step difference (first minus second), its 20-step mean and the +-max-diff band.
+--windows N also prints, for each window of N steps ((0, N], (N, 2N], ..., from --from-step on), the mean
+and the largest |difference| and how many steps are over --max-diff: how a gap grows through a run (the
+last window's mean is the "last N steps" figure docs/performance.md quotes).
 """
 import argparse
 import json
@@ -43,10 +46,16 @@ def main():
     ap.add_argument("--plot", help="a PNG of the per-step difference")
     ap.add_argument("--labels", default="first,second", help="the two logs' names on the plot")
     ap.add_argument("--title", help="the plot's title")
+    ap.add_argument("--windows", type=int, default=0, help="also the difference per window of this many steps")
     a = ap.parse_args()
+    if a.windows < 0:
+        sys.exit("--windows: a number of steps >= 1 (0: none)")
     (t1, v1), (t2, v2) = load(a.first), load(a.second)
     ok, line = compare(a, a.first, t1, v1, t2, v2)
     print(line + (" PASS" if ok else " FAIL"))
+    if a.windows:
+        for w in windows(a, t1, t2):
+            print(w)
     ref = None
     if a.reference:
         tr, vr = load(a.reference)
@@ -79,6 +88,19 @@ def compare(a, first_path, t1, v1, t2, v2):
         ok = ok and rel <= a.max_val_rel
         line += f"; val loss at step {last}: {v1[last]:.6f} vs {v2[last]:.6f}, rel diff {rel:.2e} (limit {a.max_val_rel})"
     return ok, line
+
+
+def windows(a, t1, t2):
+    """One line per window of a.windows steps of the compared steps: its mean, max |difference| and steps over."""
+    common = [s for s in sorted(t2) if s >= a.from_step and s in t1]
+    lines = []
+    for k in sorted({(s - 1) // a.windows for s in common}):
+        d = [t1[s] - t2[s] for s in common if (s - 1) // a.windows == k]
+        first, last = max(k * a.windows + 1, a.from_step), (k + 1) * a.windows
+        over = sum(1 for x in d if abs(x) > a.max_diff)
+        lines.append(f"  steps {first}-{last}: mean {sum(d) / len(d):+.4f}, max {max(abs(x) for x in d):.4f}, "
+                     f"{over} of {len(d)} over {a.max_diff}")
+    return lines
 
 
 def plot(a, diffs, ref=None):

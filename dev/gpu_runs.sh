@@ -183,7 +183,7 @@ for section in "$@"; do
             for fp8 in ${FP8_LOSS_MODES:-0 1}; do
                 [ "$fp8" = 0 ] || [ ! -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] ||
                     python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
-                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 \
+                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 --windows 100 \
                         "${reference[@]}" | tee -a "$summary"
             done ;;
         llmc)

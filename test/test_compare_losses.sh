@@ -4,7 +4,8 @@
 # --max-diff and the final validation losses within --max-val-rel, FAIL (exit 1) otherwise; --from-step
 # leaves the earlier steps out (a large early gap then passes); a step of the second log missing from the
 # first fails; the reported maximum, its step and the mean difference are the ones planted; --reference
-# prints a third log's comparison without changing the verdict; --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
+# prints a third log's comparison without changing the verdict; --windows prints each window's mean, max
+# and steps over the limit (the planted gap in its window); --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d /tmp/test_compare_losses_XXXXXX)
@@ -57,7 +58,11 @@ run 0 reference "$dir/close.jsonl" "$dir/base.jsonl" --max-diff 0.03 --reference
 expect_out reference "split: per-step |loss difference|: max 0.2000 at step 20"
 expect_out reference "(limit 0.03, 1 steps over it)"
 expect_out reference "rel diff 5.00e-03 (limit 0.01) PASS"
-echo "PASS/FAIL, --from-step, missing steps, --reference: ok"
+run 1 windows "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 31 --windows 25
+expect_out windows "  steps 31-50: mean +0.0100, max 0.0100, 0 of 20 over 0.03"
+expect_out windows "  steps 51-75: mean +0.0076, max 0.0500, 1 of 25 over 0.03"
+expect_out windows "  steps 76-100: mean +0.0100, max 0.0100, 0 of 25 over 0.03"
+echo "PASS/FAIL, --from-step, missing steps, --reference, --windows: ok"
 
 if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
     echo "skipped: /usr/bin/python3 cannot import matplotlib (the --plot check)"
