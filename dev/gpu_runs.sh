@@ -14,7 +14,7 @@
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, LLMC_PEER).
+# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, LLMC_PEER, PROFILE_ARGS).
 # Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
@@ -207,10 +207,11 @@ for section in "$@"; do
             done ;;
         profile)
             # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised), from
-            # the last step only: the first also runs the gemm tuner's trial matmuls.
-            step "ncu d12 B=64" profile.log 500 ncu --target-processes application-only --csv --print-units base \
-                --metrics gpu__time_duration.sum --log-file "$LOGS/ncu.csv" \
-                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
+            # the last step only: the first also runs the gemm tuner's trial matmuls. PROFILE_ARGS: more
+            # trainer options (e.g. "--fp8 all").
+            step "ncu d12 B=64 ${PROFILE_ARGS:-}" profile.log 500 ncu --target-processes application-only --csv \
+                --print-units base --metrics gpu__time_duration.sum --log-file "$LOGS/ncu.csv" \
+                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o "" ${PROFILE_ARGS:-}
             python3 dev/ncu_summary.py "$LOGS/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
         profile-real)
             # The same per-kernel table with ncu leaving clocks and caches alone. The kernels still run one by
