@@ -144,9 +144,10 @@ for section in "$@"; do
                 grep -E "^average" "$LOGS/fp8_matmuls.log" | tail -n 1 >>"$summary"
             done ;;
         fp8-large)
-            # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in both modes, with peak memory.
+            # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in bf16 and FP8 (FP8_MODES: the --fp8
+            # values, default "0 1"), with peak memory.
             for model in d24 d48; do
-                for fp8 in 0 1; do
+                for fp8 in ${FP8_MODES:-0 1}; do
                     for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
                         if step "$model B=$B --fp8 $fp8" fp8_large.log 150 \
                             ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o "" --fp8 $fp8; then
