@@ -40,12 +40,14 @@ With fcproj, fcproj's forward and weight gradient are FP8 as well, and their ope
 never exists in bf16: fc's FP8 matmul writes it in E4M3 (GELU epilogue; its bf16 input, which the GELU
 gradient needs, as the epilogue's aux), so its scale must be known before the amax is: delayed scaling.
 Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training steps and writes with
-448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first step without a history runs fc twice,
-the first time only to measure. backward makes the K-major copies dW needs: a byte transpose of the E4M3
-GELU output and the residual stream's gradient cast transposed in E5M2 (row-major as well for fcproj.dx,
-in the same pass, which also sums its columns for the bias gradient). With fc.grad, fc's backward is FP8
-too: fcproj's dX is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 5x
-slower than without it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
+448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first step without a history runs fc (and
+each LayerNorm below) twice, the first time only to measure. backward makes the K-major copies dW needs:
+a byte transpose of the E4M3 GELU output and the residual stream's gradient cast transposed in E5M2
+(row-major as well for fcproj.dx, in the same pass, which also sums its columns for the bias gradient).
+The LayerNorm outputs kept in E4M3 (ln1, ln2) are then written by the LayerNorm kernels themselves at
+delayed scales too (no bf16 copy, no cast pass). With fc.grad, fc's backward is FP8 too: fcproj's dX
+is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 5x slower than without
+it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
 output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
 transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
 its columns for fc's bias. backward adds the amaxes measured in the step to the history (one entry per
@@ -627,10 +629,11 @@ public:
                 fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
                 fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_weight(kFp8FcT, l), fp8_delayed_descale(slot),
                            fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
-                fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_descale(fp8_ln2_slot(l)),
+                fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
                            gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
             } else {
-                const floatX* ln2 = a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_slot(l));
+                const floatX* ln2 =
+                    a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
                 matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
             }
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
@@ -660,11 +663,12 @@ public:
                 fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
                 fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
                            fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
-                fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_descale(fp8_ln1_slot(l)),
+                fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_ln1_descale(l, N),
                            gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                 bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C, stream_);
             } else {
-                const floatX* ln1 = a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_slot(l));
+                const floatX* ln1 =
+                    a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
                 matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes,
                                 stream_);
             }
@@ -780,24 +784,52 @@ private:
             fp8_delayed_scales<__nv_fp8_e5m2>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
                                               fp8_delayed_scale(fp8_dgelu_slot(0)), fp8_delayed_descale(fp8_dgelu_slot(0)),
                                               kFp8SlotStride, stream_);
+            // ln1's and ln2's slots, one after the other.
+            const int ln_slots = fp8_ln1_delayed_slot(0);
+            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
+                                              kFp8HistoryLen, fp8_delayed_scale(ln_slots),
+                                              fp8_delayed_descale(ln_slots), kFp8SlotStride, stream_);
         }
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
-        // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q) is written in bf16 to d_ln_ (free in forward)
-        // with its amax, then cast into its layer's FP8 slot; a call in bf16 (rows not a multiple of 16)
-        // reads the bf16 one.
+        // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q): with delayed scaling (FP8 fcproj) the LayerNorm
+        // writes it in E4M3 itself at its delayed scale, recording the amax for the history (without a
+        // history it runs twice, the first time to measure); otherwise it is written in bf16 to d_ln_ (free
+        // in forward) with its amax, then cast into its layer's FP8 slot, and a call in bf16 (rows not a
+        // multiple of 16) reads the bf16 one. run(out, amax, fp8) runs the LayerNorm.
         auto ln_out = [&](floatX* bf16) { return bf16 != nullptr ? bf16 : d_ln_; };
-        auto ln_amax = [&](const floatX* bf16, int slot) { return bf16 != nullptr ? nullptr : fp8_reset_amax(slot); };
+        auto layer_norm = [&](floatX* bf16, __nv_fp8_e4m3* q, int slot, int delayed, auto&& run) {
+            if (bf16 != nullptr) {
+                run(bf16, nullptr, LayerNormFp8Out{});
+            } else if (!fp8_fcproj) {
+                run(d_ln_, fp8_reset_amax(slot), LayerNormFp8Out{});
+                keep_fp8(q, N * C, slot);
+            } else {
+                auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(delayed));
+                auto once = [&]() {
+                    cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+                    run(nullptr, amax, LayerNormFp8Out{q, fp8_delayed_scale(delayed)});
+                };
+                if (measure) {
+                    once();
+                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_delayed_amax(delayed), 1, 1, fp8_delayed_scale(delayed),
+                                                      fp8_delayed_descale(delayed), 1, stream_);
+                }
+                once();
+            }
+        };
         const BlockActivations first = acts(0);
-        layernorm_forward(ln_out(first.ln1), first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w,
-                          block(p, 0).ln1b, N, C, stream_, ln_amax(first.ln1, fp8_ln1_slot(0)));
+        layer_norm(first.ln1, first.ln1_q, fp8_ln1_slot(0), fp8_ln1_delayed_slot(0),
+                   [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
+                       layernorm_forward(out, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w,
+                                         block(p, 0).ln1b, N, C, stream_, amax, f);
+                   });
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            if (a.ln1 == nullptr) keep_fp8(a.ln1_q, N * C, fp8_ln1_slot(l));
             if (fp8_qkv) {
-                fp8_matmul(lt_, stream_, N, 3 * C, C, a.ln1_q, fp8_weight(kFp8Qkv, l), fp8_descale(fp8_ln1_slot(l)),
+                fp8_matmul(lt_, stream_, N, 3 * C, C, a.ln1_q, fp8_weight(kFp8Qkv, l), fp8_ln1_descale(l, N),
                            fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb}, kFp8FastAccumForward);
             } else {
                 matmul_forward(lt_, a.qkv, ln_out(a.ln1), b.qkvw, b.qkvb, N, C, 3 * C, stream_);
@@ -810,14 +842,16 @@ private:
                                   scratch_.bytes(), stream_);
             }
             matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
-            fused_residual_layernorm_forward(a.residual2, ln_out(a.ln2), a.ln2_mean, a.ln2_rstd, residual, proj_, b.ln2w,
-                                             b.ln2b, N, C, stream_, ln_amax(a.ln2, fp8_ln2_slot(l)));
-            if (a.ln2 == nullptr) keep_fp8(a.ln2_q, N * C, fp8_ln2_slot(l));
+            layer_norm(a.ln2, a.ln2_q, fp8_ln2_slot(l), fp8_ln2_delayed_slot(l),
+                       [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
+                           fused_residual_layernorm_forward(a.residual2, out, a.ln2_mean, a.ln2_rstd, residual, proj_,
+                                                            b.ln2w, b.ln2b, N, C, stream_, amax, f);
+                       });
             if (fp8_fcproj) {
                 // The GELU output straight into E4M3 at the layer's delayed scale (its amax measured as it
                 // is written), then fcproj from it.
                 auto fc = [&]() {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_ln2_descale(l, N),
                                fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_delayed_scale(l),
                                fp8_delayed_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
                 };
@@ -832,7 +866,7 @@ private:
                            kFp8FastAccumForward);
             } else {
                 if (fp8_fc) {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_descale(fp8_ln2_slot(l)),
+                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_ln2_descale(l, N),
                                fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
                                kFp8FastAccumForward);
                 } else {
@@ -845,9 +879,12 @@ private:
             if (l + 1 < L) {
                 const BlockActivations next = acts(l + 1);
                 const BlockTensors<const floatX> nb = block(p, l + 1);
-                fused_residual_layernorm_forward(a.residual3, ln_out(next.ln1), next.ln1_mean, next.ln1_rstd,
-                                                 a.residual2, proj_, nb.ln1w, nb.ln1b, N, C, stream_,
-                                                 ln_amax(next.ln1, fp8_ln1_slot(l + 1)));
+                layer_norm(next.ln1, next.ln1_q, fp8_ln1_slot(l + 1), fp8_ln1_delayed_slot(l + 1),
+                           [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
+                               fused_residual_layernorm_forward(a.residual3, out, next.ln1_mean, next.ln1_rstd,
+                                                                a.residual2, proj_, nb.ln1w, nb.ln1b, N, C, stream_,
+                                                                amax, f);
+                           });
             } else {
                 fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
                                                  w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
@@ -919,10 +956,21 @@ private:
                          kFp8FcT = 6, kFp8WeightKinds = 7;
     static constexpr int kFp8SlotStride = 4;
     // Delayed scaling (the file's comment): the training steps each scale looks back on, and its slots:
-    // layer l's GELU output (E4M3) at l, its GELU gradient (E5M2, fc.grad) at fp8_dgelu_slot(l).
+    // layer l's GELU output (E4M3) at l, its GELU gradient (E5M2, fc.grad) at fp8_dgelu_slot(l), its kept
+    // ln1 and ln2 (E4M3) at fp8_ln1_delayed_slot(l) and fp8_ln2_delayed_slot(l).
     static constexpr int kFp8HistoryLen = 16;
-    static constexpr int kFp8DelayedKinds = 2;
+    static constexpr int kFp8DelayedKinds = 4;
     int fp8_dgelu_slot(int l) const { return config_.num_layers + l; }
+    int fp8_ln1_delayed_slot(int l) const { return 2 * config_.num_layers + l; }
+    int fp8_ln2_delayed_slot(int l) const { return 3 * config_.num_layers + l; }
+    // The descale of layer l's kept E4M3 ln1 (ln2) in a call of N rows: its delayed slot's where the
+    // LayerNorm wrote it at a delayed scale (forward_to_lnf), else the cast's slot.
+    const float* fp8_ln1_descale(int l, int64_t N) const {
+        return fp8_fcproj_on(N) ? fp8_delayed_descale(fp8_ln1_delayed_slot(l)) : fp8_descale(fp8_ln1_slot(l));
+    }
+    const float* fp8_ln2_descale(int l, int64_t N) const {
+        return fp8_fcproj_on(N) ? fp8_delayed_descale(fp8_ln2_delayed_slot(l)) : fp8_descale(fp8_ln2_slot(l));
+    }
     size_t fp8_delayed_slots() const { return size_t(kFp8DelayedKinds) * size_t(config_.num_layers); }
     float* fp8_delayed_amax(int slot) const { return fp8_delayed_.get() + size_t(slot) * kFp8SlotStride; }
     float* fp8_delayed_scale(int slot) const {
@@ -983,9 +1031,9 @@ private:
     void keep_fp8(__nv_fp8_e4m3* q, int64_t n, int slot) {
         fp8_cast(q, d_ln_, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
     }
-    // A kept FP8 LayerNorm output (n values, its descale in the slot) back in bf16, in `into`.
-    const floatX* dequantized(floatX* into, const __nv_fp8_e4m3* q, int64_t n, int slot) {
-        fp8_dequantize(into, q, n, fp8_descale(slot), stream_);
+    // A kept FP8 LayerNorm output (n values, its descale given) back in bf16, in `into`.
+    const floatX* dequantized(floatX* into, const __nv_fp8_e4m3* q, int64_t n, const float* descale) {
+        fp8_dequantize(into, q, n, descale, stream_);
         return into;
     }
     // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax.

@@ -77,11 +77,12 @@ inline void write_master(const GPT2& model, const std::string& path, DeviceFileI
 }
 
 // FP8 fcproj's amax history (GPT2::fp8_history), behind a header naming its shape: "LLMCFP8H", then
-// int32 version 1, slots, entries per slot, 0.
+// int32 version 2 (version 1, before the LayerNorm outputs had slots, held 2 x layers), slots, entries
+// per slot, 0.
 inline std::vector<char> fp8_history_header(const GPT2::Fp8History& h) {
     std::vector<char> header(24);
     std::memcpy(header.data(), "LLMCFP8H", 8);
-    const int32_t v[4] = {1, h.slots, h.len, 0};
+    const int32_t v[4] = {2, h.slots, h.len, 0};
     std::memcpy(header.data() + 8, v, sizeof(v));
     return header;
 }

@@ -8,6 +8,9 @@ Provides:
                      amax of out (for its FP8 copy: llmc/fp8.cuh), here and in the two below.
   fused_residual_layernorm_forward: residual = a + b (rounded to bf16, as residual_forward) and the
                      LayerNorm of that rounded residual, in one pass over the row.
+  LayerNormFp8Out:   for both: out written in E4M3 instead of bf16, at a scale given on the device
+                     (delayed scaling: llmc/fp8.cuh), q = fp8(bf16(out) * scale), saturating, as
+                     fp8_cast would write it from the bf16 out; the amax (of the bf16 values) recorded.
   residual_forward:  out = a + b, elementwise.
   layernorm_backward: dinp += (ADDED: it is the residual stream's gradient), dweight += and dbias +=.
                      dinp: one warp per row. dweight/dbias: fixed chunks of 256 rows summed into fp32
@@ -24,6 +27,8 @@ into dinp, which the trainer arranges) or recomputation of the forward.
 */
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "llmc/cuda_common.cuh"
@@ -36,12 +41,21 @@ constexpr float kLayerNormEpsF = 1e-5f;
 constexpr int kLayerNormBlock = 256;  // 8 rows per block in the row kernels
 constexpr int kLayerNormRowsPerBlock = kLayerNormBlock / kWarpSize;
 
+// A LayerNorm output in E4M3 (the header's comment): q (N,C), 8-byte aligned, and the scale (device).
+struct LayerNormFp8Out {
+    __nv_fp8_e4m3* q = nullptr;
+    const float* scale = nullptr;
+};
+
 namespace detail {
 
 // Normalises the row x (already in memory, possibly just written by this warp's lanes at the same
-// addresses they read) and writes out, mean and rstd. Each lane touches the same packs in every pass.
-__device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, const floatX* x, const floatX* weight,
-                                     const floatX* bias, int64_t row, int C, unsigned int* amax) {
+// addresses they read) and writes out (bf16), or q (E4M3 at *scale) when kFp8, and mean and rstd. Each
+// lane touches the same packs in every pass.
+template <bool kFp8>
+__device__ inline void layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
+                                     const floatX* x, const floatX* weight, const floatX* bias, int64_t row, int C,
+                                     unsigned int* amax) {
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
@@ -58,6 +72,7 @@ __device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, cons
         }
     }
     const float s = 1.0f / sqrtf(warp_sum(var) / float(C) + kLayerNormEpsF);
+    const float qscale = kFp8 ? *scale : 0.0f;
     float out_max = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
         const PackX p = load128(x + c);
@@ -68,7 +83,18 @@ __device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, cons
             o[k] = __float2bfloat16_rn((float(p[k]) - m) * s * float(w[k]) + float(b[k]));
             out_max = fmaxf(out_max, fabsf(float(o[k])));
         }
-        store128(out + row * C + c, o);
+        if constexpr (kFp8) {
+            // Eight E4M3 bytes, two at a time (the same rounding as one at a time), in one 8-byte store.
+            uint2 packed;
+            __nv_fp8x2_storage_t* pair = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
+            for (int k = 0; k < kPackX / 2; k++) {
+                pair[k] = __nv_cvt_float2_to_fp8x2(make_float2(float(o[2 * k]) * qscale, float(o[2 * k + 1]) * qscale),
+                                                   __NV_SATFINITE, __NV_E4M3);
+            }
+            *reinterpret_cast<uint2*>(q + row * C + c) = packed;
+        } else {
+            store128(out + row * C + c, o);
+        }
     }
     fp8_record_amax(amax, out_max);
     if (lane == 0) {
@@ -84,28 +110,46 @@ inline void check_layernorm_args(const char* fn, int C, std::initializer_list<co
 
 }  // namespace detail
 
+template <bool kFp8>
 static __global__ void __launch_bounds__(kLayerNormBlock)
-    layernorm_forward_kernel(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
-                             const floatX* bias, int64_t N, int C, unsigned int* amax) {
+    layernorm_forward_kernel(floatX* out, LayerNormFp8Out fp8, float* mean, float* rstd, const floatX* inp,
+                             const floatX* weight, const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= N) return;  // whole warps leave together
-    detail::layernorm_row(out, mean, rstd, inp + row * C, weight, bias, row, C, amax);
+    detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, inp + row * C, weight, bias, row, C, amax);
 }
 
+namespace detail {
+// The output's checks: bf16 out 16-byte aligned, or (fp8.q set) q 8-byte aligned and a scale.
+inline void check_layernorm_out(const char* fn, const floatX* out, const LayerNormFp8Out& fp8) {
+    if (fp8.q == nullptr) {
+        require_aligned16(out, fn);
+        return;
+    }
+    if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
+    if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
+}
+}  // namespace detail
+
 // amax (optional): folds max |out| into it (llmc/cuda_common.cuh fp8_record_amax; the caller zeroes it).
+// fp8 (optional): out in E4M3 there instead (out is then unused and may be null).
 inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
-                              const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr) {
-    detail::check_layernorm_args("layernorm_forward", C, {out, inp, weight, bias});
+                              const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr,
+                              LayerNormFp8Out fp8 = {}) {
+    detail::check_layernorm_args("layernorm_forward", C, {inp, weight, bias});
+    detail::check_layernorm_out("layernorm_forward", out, fp8);
     if (N == 0) return;
-    layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0, stream>>>(
-        out, mean, rstd, inp, weight, bias, N, C, amax);
+    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
+    auto* kernel = fp8.q != nullptr ? layernorm_forward_kernel<true> : layernorm_forward_kernel<false>;
+    kernel<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight, bias, N, C, amax);
     cudaCheckLaunch();
 }
 
+template <bool kFp8>
 static __global__ void __launch_bounds__(kLayerNormBlock)
-    fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
-                                            const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
-                                            int C, unsigned int* amax) {
+    fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, LayerNormFp8Out fp8, float* mean,
+                                            float* rstd, const floatX* a, const floatX* b, const floatX* weight,
+                                            const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     if (row >= N) return;
     const int lane = threadIdx.x % kWarpSize;
@@ -117,18 +161,22 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
         for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
         store128(r + c, o);
     }
-    detail::layernorm_row(out, mean, rstd, r, weight, bias, row, C, amax);
+    detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, r, weight, bias, row, C, amax);
 }
 
 // residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
-// amax as layernorm_forward's (of out).
+// amax and fp8 as layernorm_forward's (of out).
 inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
                                              const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
-                                             int C, cudaStream_t stream, unsigned int* amax = nullptr) {
-    detail::check_layernorm_args("fused_residual_layernorm_forward", C, {residual, out, a, b, weight, bias});
+                                             int C, cudaStream_t stream, unsigned int* amax = nullptr,
+                                             LayerNormFp8Out fp8 = {}) {
+    detail::check_layernorm_args("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias});
+    detail::check_layernorm_out("fused_residual_layernorm_forward", out, fp8);
     if (N == 0) return;
-    fused_residual_layernorm_forward_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock,
-                                              0, stream>>>(residual, out, mean, rstd, a, b, weight, bias, N, C, amax);
+    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
+    auto* kernel = fp8.q != nullptr ? fused_residual_layernorm_forward_kernel<true>
+                                    : fused_residual_layernorm_forward_kernel<false>;
+    kernel<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b, weight, bias, N, C, amax);
     cudaCheckLaunch();
 }
 

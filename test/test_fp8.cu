@@ -31,6 +31,9 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
   - fp8_dgelu_cast_pair: x * GELU'(aux) at a given scale, each byte the host's conversion (the same
     formula in fp32) or, where tanhf's last bit moved it across a rounding boundary (at most 0.1%), its
     neighbour; the transposed copy the row-major one's transpose; the amax and the column sums g's;
+  - LayerNorm forward and the fused residual + LayerNorm writing E4M3 (LayerNormFp8Out): every byte the
+    host's conversion of the bf16 call's output at the given scale, also with a scale 8x too large (it
+    saturates, no NaN); the same amax, mean, rstd and residual as the bf16 call, bit for bit;
   - fp8_transpose: byte for byte the transpose, written into columns of a wider matrix (the bytes around
     left alone), on its 16-byte path and at shapes that are not multiples of its tiles or of 16;
   - fused_classifier_fp8 (llmc/classifier.cuh): the losses bitwise equal to fused_classifier's, every
@@ -61,6 +64,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 
 #include "llmc/classifier.cuh"
 #include "llmc/fp8.cuh"
+#include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"
 #include "test/gpu_test.h"
@@ -639,6 +643,72 @@ TEST_F(Fp8Test, DgeluCastPairCastsTheGeluGradient) {
         DeviceBuffer<unsigned int> a(4);
         fp8_dgelu_cast_pair(q.get(), q.get(), 8, x.get(), nullptr, 8, 8, nullptr, a.get(), kStream);
     }, kExitUsage, {"fp8_dgelu_cast_pair: needs aux and a scale"});
+}
+
+// LayerNorm forward (fused with the residual add or not) writing E4M3 at a given scale against the same
+// call writing bf16: the bytes fp8_quantize makes of the bf16 output, and every other output bitwise.
+void check_layernorm_fp8(int64_t N, int C, bool fused, float oversize, uint64_t seed) {
+    SCOPED_TRACE(format("N=%lld C=%d %s, scale x%g", (long long)N, C, fused ? "fused" : "plain", double(oversize)));
+    const size_t n = size_t(N) * C;
+    const auto a = random_bf16(n, seed, 2.0f), b = random_bf16(n, seed + 1, 0.5f);
+    const auto w = random_bf16(size_t(C), seed + 2, 1.0f), bias = random_bf16(size_t(C), seed + 3, 0.2f);
+    auto d_a = upload(a), d_b = upload(b), d_w = upload(w), d_bias = upload(bias);
+    DeviceBuffer<floatX> out(n), res16(n), res8(n);
+    DeviceBuffer<__nv_fp8_e4m3> q(n);
+    DeviceBuffer<float> stats(4 * size_t(N)), scale(4);
+    DeviceBuffer<unsigned int> amax(8);
+    cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
+    cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));  // poisoned: every byte must be written
+    cudaCheck(cudaMemset(res8.get(), 0xff, res8.bytes()));
+    float* st = stats.get();
+    auto run = [&](floatX* o, floatX* res, float* mean, float* rstd, unsigned int* am, LayerNormFp8Out f) {
+        if (fused) {
+            fused_residual_layernorm_forward(res, o, mean, rstd, d_a.get(), d_b.get(), d_w.get(), d_bias.get(), N, C,
+                                             kStream, am, f);
+        } else {
+            layernorm_forward(o, mean, rstd, d_a.get(), d_w.get(), d_bias.get(), N, C, kStream, am, f);
+        }
+    };
+    run(out.get(), res16.get(), st, st + N, amax.get(), {});
+    const auto out16 = download(out.get(), n);
+    const float s = fp8_scale<__nv_fp8_e4m3>(host_amax(out16)) * oversize;
+    cudaCheck(cudaMemcpy(scale.get(), &s, sizeof(float), cudaMemcpyHostToDevice));
+    run(nullptr, res8.get(), st + 2 * N, st + 3 * N, amax.get() + 4, {q.get(), scale.get()});
+    const auto got = download(q.get(), n);
+    size_t wrong = 0, saturated = 0, nan = 0;
+    for (size_t i = 0; i < n; i++) {
+        const __nv_fp8_storage_t want = fp8_quantize<__nv_fp8_e4m3>(__bfloat162float(out16[i]), s);
+        wrong += std::memcmp(&got[i], &want, 1) != 0;
+        saturated += std::fabs(float(got[i])) == Fp8Format<__nv_fp8_e4m3>::kMax;
+        nan += std::isnan(float(got[i]));
+    }
+    std::printf("  N=%lld C=%d %s scale x%g: %zu at the largest\n", (long long)N, C, fused ? "fused" : "plain",
+                double(oversize), saturated);
+    EXPECT_EQ(wrong, 0u) << "E4M3 bytes other than the host's conversion of the bf16 output";
+    EXPECT_EQ(nan, 0u);
+    EXPECT_GE(saturated, 1u);
+    const auto am = download(amax.get(), 8);
+    EXPECT_EQ(am[0], am[4]) << "amax";
+    const auto stat = download(st, 4 * size_t(N));
+    EXPECT_EQ(std::memcmp(stat.data(), stat.data() + 2 * N, 2 * size_t(N) * sizeof(float)), 0) << "mean, rstd";
+    if (fused) {
+        const auto r16 = download(res16.get(), n), r8 = download(res8.get(), n);
+        EXPECT_EQ(std::memcmp(r16.data(), r8.data(), n * sizeof(floatX)), 0) << "residual";
+    }
+}
+
+TEST_F(Fp8Test, LayerNormWritesE4m3AsTheCastWould) {
+    for (bool fused : {false, true}) {
+        check_layernorm_fp8(100, 768, fused, 1.0f, 120);
+        check_layernorm_fp8(37, 1600, fused, 1.0f, 121);  // d48's width: several packs a lane, partial
+        check_layernorm_fp8(64, 72, fused, 8.0f, 122);    // scale too large: saturates
+    }
+    expect_error([&] {
+        DeviceBuffer<floatX> x(64 * 8);
+        DeviceBuffer<__nv_fp8_e4m3> q(64 * 8);
+        layernorm_forward(nullptr, nullptr, nullptr, x.get(), x.get(), x.get(), 8, 64, kStream, nullptr,
+                          {q.get(), nullptr});
+    }, kExitUsage, {"layernorm_forward: an E4M3 output needs its scale"});
 }
 
 // Fp8Gemm's FP8 output: D = fp8(result * scale_d) with its amax, against the same matmul's bf16 D (the
