@@ -24,12 +24,14 @@ Provides:
                         64 x 64 tiles in shared memory (fp8_cast_pair without the row-major copy): the
                         K-major copy a backward matmul needs.
   fp8_transpose:        an FP8 matrix (rows, cols) row-major into columns [0, rows) of dst (cols, ld)
-                        row-major, byte for byte, through 64 x 64 tiles in shared memory (16 bytes a
-                        thread where the tile is whole and aligned): the K-major copy of an FP8 operand
-                        for a weight gradient (the classifier's dlogits, written a chunk of rows at a time).
-  fp8_cast_pair:        the cast written row-major and transposed in one pass (64 x 64 tiles, 16 values a
-                        thread): the two K-major copies of a gradient whose dX and dW are both FP8; on
-                        request also each 64-row block's column sums (fp32), for the bias gradient.
+                        row-major, byte for byte, through 64 x 64 tiles in shared memory (two a block,
+                        loaded together, 16 bytes a thread, and written out as 4 x 4 byte blocks
+                        transposed in registers): the K-major copy of an FP8 operand for a weight
+                        gradient (the classifier's dlogits, written a chunk of rows at a time).
+  fp8_cast_pair:        the cast written row-major and transposed in one pass (fp8_transpose's tiles, 16
+                        values a thread a tile; one tile a block for the GELU gradient): the two K-major
+                        copies of a gradient whose dX and dW are both FP8; on request also each 64-row
+                        block's column sums (fp32), for the bias gradient.
   fp8_dgelu_cast_pair:  the same for GELU's backward: x * GELU'(aux) cast at a given (delayed) scale,
                         its amax recorded for the next.
   fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
@@ -50,9 +52,8 @@ Every call is checked; casts on `stream`.
                         which records its amax as it writes): the scale from an amax history, and the history
                         advanced by the amax just measured.
 
-Does not provide: FP8 copies written by the LayerNorm kernels themselves (they record the amax only, so
-each of their FP8 operands costs one pass), or an FP8 output with the GELU-gradient epilogue (cuBLASLt
-has none).
+Does not provide: the LayerNorm kernels' own E4M3 outputs (llmc/layernorm.cuh, LayerNormFp8Out), or an
+FP8 output with the GELU-gradient epilogue (cuBLASLt has none).
 */
 #pragma once
 
@@ -116,7 +117,11 @@ __host__ __device__ inline float fp8_value(__nv_fp8_storage_t b) {
 namespace detail {
 
 constexpr int kFp8Grid = 1056, kFp8Block = 256;
-constexpr int kFp8ByteTile = 64, kFp8ByteTileThreads = 256;  // fp8_transpose: 16 bytes a thread
+constexpr int kFp8ByteTile = 64, kFp8ByteTileThreads = 256;  // fp8_transpose: 16 bytes a thread a tile
+constexpr int kFp8TilesPerBlock = 2;  // fp8_transpose and fp8_cast_pair: row tiles a block, loaded together
+// fp8_cast_pair's row tiles a block: one with the GELU gradient, whose two-tile kernel needs 96 registers
+// (2 blocks an SM) where one tile needs about half.
+constexpr int fp8_cast_pair_tiles(bool aux) { return aux ? 1 : kFp8TilesPerBlock; }
 
 __global__ void fp8_amax_kernel(const floatX* x, int64_t n, unsigned int* amax_bits) {
     float m = 0.0f;
@@ -155,48 +160,66 @@ __global__ void fp8_cast_packed_kernel(uint2* q, const floatX* x, int64_t packs,
 using Fp8ByteTile = uint32_t[kFp8ByteTile][kFp8ByteTile / 4 + 1];
 
 // The second half of a byte-tile transpose: the tile (rows r0.., columns c0.. of the source) goes to dst
-// rows c0.., columns r0..; thread t writes 16 bytes of dst row c0 + t/4 (columns r0 + 16 (t%4) ..).
-// `vector`: 16-byte stores are aligned wherever the 16 bytes are all in range.
+// rows c0.., columns r0... Thread t takes the 4 x 4 bytes at tile rows 4 s.. (s = t % 16) and columns
+// 4 q.. (q = t / 16): four 4-byte words read from shared memory, transposed with byte permutes, and
+// written as 4 bytes to each of dst rows c0 + 4 q + j (16 threads write a dst row's 64 bytes).
+// `vector`: 4-byte stores are aligned wherever the 4 bytes are all in range.
 __device__ inline void fp8_store_tile_transposed(const Fp8ByteTile& tile, uint8_t* dst, int64_t ldd, int64_t r0,
                                                  int64_t c0, int64_t rows, int64_t cols, bool vector) {
-    const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
-    const int64_t c = c0 + line, r = r0 + 16 * seg;  // dst row c, columns r..
-    if (c >= cols) return;
-    uint32_t w[4] = {0, 0, 0, 0};
-    for (int k = 0; k < 16; k++) {
-        const uint32_t b = (tile[16 * seg + k][line / 4] >> (8 * (line % 4))) & 0xffu;
-        w[k / 4] |= b << (8 * (k % 4));
-    }
-    if (vector && r + 16 <= rows) {
-        *reinterpret_cast<uint4*>(dst + c * ldd + r) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-        for (int k = 0; k < 16 && r + k < rows; k++) dst[c * ldd + r + k] = uint8_t(w[k / 4] >> (8 * (k % 4)));
+    const int q = int(threadIdx.x) / 16, s = int(threadIdx.x) % 16;
+    const uint32_t w0 = tile[4 * s][q], w1 = tile[4 * s + 1][q], w2 = tile[4 * s + 2][q], w3 = tile[4 * s + 3][q];
+    // Byte b of word k is column 4 q + b of row 4 s + k; out[j] gathers byte j of the four words.
+    const uint32_t lo01 = __byte_perm(w0, w1, 0x5140), lo23 = __byte_perm(w2, w3, 0x5140);
+    const uint32_t hi01 = __byte_perm(w0, w1, 0x7362), hi23 = __byte_perm(w2, w3, 0x7362);
+    const uint32_t out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+    const int64_t r = r0 + 4 * s;
+    if (r >= rows) return;
+    for (int j = 0; j < 4; j++) {
+        const int64_t c = c0 + 4 * q + j;  // dst row
+        if (c >= cols) return;
+        if (vector && r + 4 <= rows) {
+            *reinterpret_cast<uint32_t*>(dst + c * ldd + r) = out[j];
+        } else {
+            for (int b = 0; b < 4 && r + b < rows; b++) dst[c * ldd + r + b] = uint8_t(out[j] >> (8 * b));
+        }
     }
 }
 
-// One 64 x 64 byte tile per block of 256 threads: thread t reads 16 bytes of src row r0 + t/4 (columns
-// c0 + 16 (t%4) ..) and writes 16 bytes of dst row c0 + t/4 (columns r0 + 16 (t%4) ..). `vector`: the
-// caller checked that 16-byte accesses are aligned wherever the 16 bytes are all in range.
-__global__ void fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* src, int64_t rows, int64_t cols,
-                                     bool vector) {
-    __shared__ Fp8ByteTile tile;
-    const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
+// kFp8TilesPerBlock 64 x 64 byte tiles (one below the other) per block of 256 threads: for each, thread t
+// reads 16 bytes of src row r0 + t/4 (columns c0 + 16 (t%4) ..), all of them before any is stored, then
+// the tiles go out through fp8_store_tile_transposed. `vector`: the caller checked that 16-byte loads and
+// 4-byte stores are aligned wherever all their bytes are in range.
+__global__ void __launch_bounds__(kFp8ByteTileThreads)
+    fp8_transpose_kernel(uint8_t* dst, int64_t ldd, const uint8_t* src, int64_t rows, int64_t cols, bool vector) {
+    __shared__ Fp8ByteTile tile[kFp8TilesPerBlock];
+    const int64_t c0 = int64_t(blockIdx.x) * kFp8ByteTile;
     const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
-    {
-        const int64_t r = r0 + line, c = c0 + 16 * seg;
-        uint32_t w[4] = {0, 0, 0, 0};
-        if (r < rows) {
-            if (vector && c + 16 <= cols) {
-                const uint4 v = *reinterpret_cast<const uint4*>(src + r * cols + c);
-                w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-            } else {
-                for (int k = 0; k < 16 && c + k < cols; k++) w[k / 4] |= uint32_t(src[r * cols + c + k]) << (8 * (k % 4));
+    uint32_t w[kFp8TilesPerBlock][4];
+#pragma unroll
+    for (int h = 0; h < kFp8TilesPerBlock; h++) {
+        const int64_t r = (int64_t(blockIdx.y) * kFp8TilesPerBlock + h) * kFp8ByteTile + line, c = c0 + 16 * seg;
+        for (int k = 0; k < 4; k++) w[h][k] = 0;
+        if (r >= rows) continue;
+        if (vector && c + 16 <= cols) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src + r * cols + c);
+            w[h][0] = v.x, w[h][1] = v.y, w[h][2] = v.z, w[h][3] = v.w;
+        } else {
+            for (int k = 0; k < 16 && c + k < cols; k++) {
+                w[h][k / 4] |= uint32_t(src[r * cols + c + k]) << (8 * (k % 4));
             }
         }
-        for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
+    }
+#pragma unroll
+    for (int h = 0; h < kFp8TilesPerBlock; h++) {
+        for (int k = 0; k < 4; k++) tile[h][line][4 * seg + k] = w[h][k];
     }
     __syncthreads();
-    fp8_store_tile_transposed(tile, dst, ldd, r0, c0, rows, cols, vector);
+#pragma unroll
+    for (int h = 0; h < kFp8TilesPerBlock; h++) {
+        const int64_t r0 = (int64_t(blockIdx.y) * kFp8TilesPerBlock + h) * kFp8ByteTile;
+        fp8_store_tile_transposed(tile[h], dst, ldd, r0, c0, rows, cols, vector);
+    }
 }
 
 // GELU's derivative (tanh approximation, llmc/gelu.cuh's gelu), in fp32.
@@ -205,70 +228,103 @@ __device__ inline float gelu_grad(float x) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
 }
 
-// fp8_cast_pair's kernel, tiled as fp8_transpose_kernel: thread t reads 16 bf16 values of x row r0 + t/4
-// (columns c0 + 16 (t%4) ..), writes their 16 FP8 bytes to q's same row and columns (q may be null),
-// and through the tile to qt. `vector`: x (and aux), q, qt 16-byte aligned, cols and ldt multiples of 16.
-// With col_sums, the values also go to a float tile, whose 64 columns threads 0..63 then sum in row order.
-// With aux (same layout as x), each value is x * GELU'(aux) (fp8_dgelu_cast_pair). The scale is
-// *scale_in when given (delayed scaling), else from amax_bits; descale (unless null) gets 1 / scale; with
-// amax_out, the max |value| is folded into it.
-template <class Fp8>
-__global__ void fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, const floatX* aux,
-                                     int64_t rows, int64_t cols, const unsigned int* amax_bits, const float* scale_in,
-                                     float* descale, unsigned int* amax_out, bool vector, float* col_sums) {
-    __shared__ Fp8ByteTile tile;
-    __shared__ float values[kFp8ByteTile][kFp8ByteTile + 1];
+// fp8_cast_pair's kernel, tiled as fp8_transpose_kernel (fp8_cast_pair_tiles(kAux) tiles a block): for
+// each of its tiles, thread t reads 16 bf16 values of x row r0 + t/4 (columns c0 + 16 (t%4) ..; all
+// tiles' loads first), writes their 16 FP8 bytes to q's same row and columns (unless kRowMajor is
+// false), and through the tile to qt. `vector`: x (and
+// aux), q, qt 16-byte aligned, cols and ldt multiples of 16. With kSums, the values also go to a float
+// tile per tile, whose 64 columns threads 0..63 then sum in row order into col_sums' row for that tile.
+// With kAux, each value is x * GELU'(aux) (fp8_dgelu_cast_pair). The scale is *scale_in when given
+// (delayed scaling), else from amax_bits; descale (unless null) gets 1 / scale; with amax_out, the max
+// |value| is folded into it.
+template <class Fp8, bool kAux, bool kSums, bool kRowMajor>
+__global__ void __launch_bounds__(kFp8ByteTileThreads)
+    fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows,
+                         int64_t cols, const unsigned int* amax_bits, const float* scale_in, float* descale,
+                         unsigned int* amax_out, bool vector, float* col_sums) {
+    constexpr int H = fp8_cast_pair_tiles(kAux);
+    __shared__ Fp8ByteTile tile[H];
+    __shared__ float values[kSums ? H : 1][kSums ? kFp8ByteTile : 1][kFp8ByteTile + 1];
     const float scale = scale_in != nullptr ? *scale_in : fp8_scale<Fp8>(__uint_as_float(*amax_bits));
     if (descale != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *descale = 1.0f / scale;
-    const int64_t r0 = int64_t(blockIdx.y) * kFp8ByteTile, c0 = int64_t(blockIdx.x) * kFp8ByteTile;
+    const int64_t c0 = int64_t(blockIdx.x) * kFp8ByteTile;
     const int line = int(threadIdx.x) / 4, seg = int(threadIdx.x) % 4;
+    const int64_t c = c0 + 16 * seg;
+    auto row_of = [&](int h) { return (int64_t(blockIdx.y) * H + h) * kFp8ByteTile + line; };
+    // Every tile's 16-byte loads in flight together.
+    PackX px[H][2], pa[H][2];
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+        const int64_t r = row_of(h);
+        if (r < rows && vector && c + 16 <= cols) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                px[h][i] = load128(x + r * cols + c + i * kPackX);
+                if constexpr (kAux) pa[h][i] = load128(aux + r * cols + c + i * kPackX);
+            }
+        }
+    }
     float lane_max = 0.0f;
-    {
-        const int64_t r = r0 + line, c = c0 + 16 * seg;
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+        const int64_t r = row_of(h);
         uint32_t w[4] = {0, 0, 0, 0};
-        if (r < rows) {
-            if (vector && c + 16 <= cols) {
-                for (int h = 0; h < 2; h++) {
-                    const PackX p = load128(x + r * cols + c + h * kPackX);
-                    PackX a;
-                    if (aux != nullptr) a = load128(aux + r * cols + c + h * kPackX);
-                    for (int k = 0; k < kPackX; k++) {
-                        const int j = h * kPackX + k;
-                        const float v = aux != nullptr ? float(p[k]) * gelu_grad(float(a[k])) : float(p[k]);
-                        lane_max = fmaxf(lane_max, fabsf(v));
-                        w[j / 4] |= uint32_t(fp8_quantize<Fp8>(v, scale)) << (8 * (j % 4));
-                        if (col_sums != nullptr) values[line][16 * seg + j] = v;
+        if (r < rows && vector && c + 16 <= cols) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+#pragma unroll
+                for (int k = 0; k < kPackX; k += 2) {
+                    const int j = i * kPackX + k;
+                    float v0 = float(px[h][i][k]), v1 = float(px[h][i][k + 1]);
+                    if constexpr (kAux) {
+                        v0 *= gelu_grad(float(pa[h][i][k]));
+                        v1 *= gelu_grad(float(pa[h][i][k + 1]));
                     }
-                }
-                if (q != nullptr) *reinterpret_cast<uint4*>(q + r * cols + c) = make_uint4(w[0], w[1], w[2], w[3]);
-            } else {
-                for (int k = 0; k < 16; k++) {
-                    float v = 0.0f;
-                    if (c + k < cols) {
-                        v = float(x[r * cols + c + k]);
-                        if (aux != nullptr) v *= gelu_grad(float(aux[r * cols + c + k]));
+                    lane_max = fmaxf(lane_max, fmaxf(fabsf(v0), fabsf(v1)));
+                    const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(v0 * scale, v1 * scale), __NV_SATFINITE,
+                                                                   Fp8Format<Fp8>::kKind);
+                    w[j / 4] |= pair << (8 * (j % 4));
+                    if constexpr (kSums) {
+                        values[h][line][16 * seg + j] = v0;
+                        values[h][line][16 * seg + j + 1] = v1;
                     }
-                    lane_max = fmaxf(lane_max, fabsf(v));
-                    if (col_sums != nullptr) values[line][16 * seg + k] = v;
-                    if (c + k >= cols) continue;
-                    const __nv_fp8_storage_t b = fp8_quantize<Fp8>(v, scale);
-                    w[k / 4] |= uint32_t(b) << (8 * (k % 4));
-                    if (q != nullptr) q[r * cols + c + k] = b;
                 }
             }
-        } else if (col_sums != nullptr) {
-            for (int k = 0; k < 16; k++) values[line][16 * seg + k] = 0.0f;
+            if constexpr (kRowMajor) *reinterpret_cast<uint4*>(q + r * cols + c) = make_uint4(w[0], w[1], w[2], w[3]);
+        } else if (r < rows) {
+            for (int k = 0; k < 16; k++) {
+                float v = 0.0f;
+                if (c + k < cols) {
+                    v = float(x[r * cols + c + k]);
+                    if constexpr (kAux) v *= gelu_grad(float(aux[r * cols + c + k]));
+                }
+                lane_max = fmaxf(lane_max, fabsf(v));
+                if constexpr (kSums) values[h][line][16 * seg + k] = v;
+                if (c + k >= cols) continue;
+                const __nv_fp8_storage_t b = fp8_quantize<Fp8>(v, scale);
+                w[k / 4] |= uint32_t(b) << (8 * (k % 4));
+                if constexpr (kRowMajor) q[r * cols + c + k] = b;
+            }
+        } else if constexpr (kSums) {
+            for (int k = 0; k < 16; k++) values[h][line][16 * seg + k] = 0.0f;
         }
-        for (int k = 0; k < 4; k++) tile[line][4 * seg + k] = w[k];
+        for (int k = 0; k < 4; k++) tile[h][line][4 * seg + k] = w[k];
     }
     fp8_record_amax(amax_out, lane_max);
     __syncthreads();
-    if (col_sums != nullptr && threadIdx.x < kFp8ByteTile && c0 + threadIdx.x < cols) {
-        float sum = 0.0f;
-        for (int j = 0; j < kFp8ByteTile; j++) sum += values[j][threadIdx.x];
-        col_sums[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = sum;
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+        const int64_t r0 = (int64_t(blockIdx.y) * H + h) * kFp8ByteTile;
+        if (r0 >= rows) break;
+        if constexpr (kSums) {
+            if (threadIdx.x < kFp8ByteTile && c0 + threadIdx.x < cols) {
+                float sum = 0.0f;
+                for (int j = 0; j < kFp8ByteTile; j++) sum += values[h][j][threadIdx.x];
+                col_sums[(r0 / kFp8ByteTile) * cols + c0 + threadIdx.x] = sum;
+            }
+        }
+        fp8_store_tile_transposed(tile[h], qt, ldt, r0, c0, rows, cols, vector);
     }
-    fp8_store_tile_transposed(tile, qt, ldt, r0, c0, rows, cols, vector);
 }
 
 template <class Fp8>
@@ -347,14 +403,16 @@ void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cu
 // copied exactly; the rest of dst is not touched). ld >= rows.
 template <class Fp8>
 void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t cols, cudaStream_t stream) {
-    if (rows < 1 || cols < 1 || ld < rows || ceil_div<int64_t>(rows, detail::kFp8ByteTile) > 65535) {
-        fail(kExitUsage, "fp8_transpose: %lld x %lld into rows of %lld; need both >= 1, ld >= rows and at most %d rows",
-             (long long)rows, (long long)cols, (long long)ld, 65535 * detail::kFp8ByteTile);
+    constexpr int64_t kBlockRows = int64_t(detail::kFp8ByteTile) * detail::kFp8TilesPerBlock;
+    if (rows < 1 || cols < 1 || ld < rows || ceil_div<int64_t>(rows, kBlockRows) > 65535) {
+        fail(kExitUsage,
+             "fp8_transpose: %lld x %lld into rows of %lld; need both >= 1, ld >= rows and at most %lld rows",
+             (long long)rows, (long long)cols, (long long)ld, (long long)(65535 * kBlockRows));
     }
     const bool vector = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
                         cols % 16 == 0 && ld % 16 == 0;
     const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
-                    unsigned(ceil_div<int64_t>(rows, detail::kFp8ByteTile)));
+                    unsigned(ceil_div<int64_t>(rows, kBlockRows)));
     detail::fp8_transpose_kernel<<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
         reinterpret_cast<uint8_t*>(dst), ld, reinterpret_cast<const uint8_t*>(src), rows, cols, vector);
     cudaCheckLaunch();
@@ -369,17 +427,32 @@ template <class Fp8>
 void launch_cast_pair(const char* fn, Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows,
                       int64_t cols, const unsigned int* amax_bits, const float* scale_in, float* descale,
                       unsigned int* amax_out, float* col_sums, cudaStream_t stream) {
-    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, kFp8ByteTile) > 65535) {
-        fail(kExitUsage, "%s: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %d rows", fn,
-             (long long)rows, (long long)cols, (long long)ldt, 65535 * kFp8ByteTile);
+    const int64_t kBlockRows = int64_t(kFp8ByteTile) * fp8_cast_pair_tiles(aux != nullptr);
+    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, kBlockRows) > 65535) {
+        fail(kExitUsage, "%s: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %lld rows", fn,
+             (long long)rows, (long long)cols, (long long)ldt, (long long)(65535 * kBlockRows));
     }
     const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(aux) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(qt) % 16 == 0 &&
                         cols % 16 == 0 && ldt % 16 == 0;
-    const dim3 grid(unsigned(ceil_div<int64_t>(cols, kFp8ByteTile)), unsigned(ceil_div<int64_t>(rows, kFp8ByteTile)));
-    fp8_cast_pair_kernel<Fp8><<<grid, kFp8ByteTileThreads, 0, stream>>>(
-        reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(qt), ldt, x, aux, rows, cols, amax_bits, scale_in,
-        descale, amax_out, vector, col_sums);
+    const dim3 grid(unsigned(ceil_div<int64_t>(cols, kFp8ByteTile)), unsigned(ceil_div<int64_t>(rows, kBlockRows)));
+    auto* qb = reinterpret_cast<uint8_t*>(q);
+    auto* qtb = reinterpret_cast<uint8_t*>(qt);
+    auto launch = [&](auto kernel) {
+        kernel<<<grid, kFp8ByteTileThreads, 0, stream>>>(qb, qtb, ldt, x, aux, rows, cols, amax_bits, scale_in, descale,
+                                                         amax_out, vector, col_sums);
+    };
+    if (aux != nullptr) {
+        if (q == nullptr) fail(kExitUsage, "%s: needs the row-major copy q", fn);
+        col_sums != nullptr ? launch(fp8_cast_pair_kernel<Fp8, true, true, true>)
+                            : launch(fp8_cast_pair_kernel<Fp8, true, false, true>);
+    } else if (col_sums != nullptr) {
+        q != nullptr ? launch(fp8_cast_pair_kernel<Fp8, false, true, true>)
+                     : launch(fp8_cast_pair_kernel<Fp8, false, true, false>);
+    } else {
+        q != nullptr ? launch(fp8_cast_pair_kernel<Fp8, false, false, true>)
+                     : launch(fp8_cast_pair_kernel<Fp8, false, false, false>);
+    }
     cudaCheckLaunch();
 }
 }  // namespace detail
