@@ -618,12 +618,7 @@ public:
                     cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
                     fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_delayed_scale(slot), amax, stream_, sums);
                 };
-                if (measure) {
-                    cast();
-                    fp8_delayed_scales<__nv_fp8_e5m2>(fp8_delayed_amax(slot), 1, 1, fp8_delayed_scale(slot),
-                                                      fp8_delayed_descale(slot), 1, stream_);
-                }
-                cast();
+                run_delayed<__nv_fp8_e5m2>(slot, measure, cast);
                 bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
                 auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
                 fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
@@ -810,12 +805,7 @@ private:
                     cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
                     run(nullptr, amax, LayerNormFp8Out{q, fp8_delayed_scale(delayed)});
                 };
-                if (measure) {
-                    once();
-                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_delayed_amax(delayed), 1, 1, fp8_delayed_scale(delayed),
-                                                      fp8_delayed_descale(delayed), 1, stream_);
-                }
-                once();
+                run_delayed<__nv_fp8_e4m3>(delayed, measure, once);
             }
         };
         const BlockActivations first = acts(0);
@@ -855,12 +845,7 @@ private:
                                fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_delayed_scale(l),
                                fp8_delayed_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
                 };
-                if (measure) {
-                    fc();
-                    fp8_delayed_scales<__nv_fp8_e4m3>(fp8_delayed_amax(l), 1, 1, fp8_delayed_scale(l),
-                                                      fp8_delayed_descale(l), 1, stream_);
-                }
-                fc();
+                run_delayed<__nv_fp8_e4m3>(l, measure, fc);
                 fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_weight(kFp8Fcproj, l), fp8_delayed_descale(l),
                            fp8_descale(fp8_weight_slot(kFp8Fcproj, l)), proj_, Fp8Epilogue{b.fcprojb},
                            kFp8FastAccumForward);
@@ -980,6 +965,18 @@ private:
         return fp8_delayed_.get() + (2 * fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;
     }
     size_t fp8_history_count_at() const { return fp8_delayed_slots() * kFp8HistoryLen; }
+    // Runs write(), which writes the slot's tensor at its delayed scale and records its amax. With measure
+    // (no history yet) it runs twice: first to measure the amax and set the scale from it alone, then
+    // for real.
+    template <class Fp8, class Write>
+    void run_delayed(int slot, bool measure, Write&& write) {
+        if (measure) {
+            write();
+            fp8_delayed_scales<Fp8>(fp8_delayed_amax(slot), 1, 1, fp8_delayed_scale(slot), fp8_delayed_descale(slot), 1,
+                                    stream_);
+        }
+        write();
+    }
     // Whether a call of N rows runs fcproj in FP8 (else bf16: a bf16 GELU output in the shared buffer).
     bool fp8_fcproj_on(int64_t N) const { return fp8_.fcproj && fp8_.fc && fp8_rows(N) && !recompute_gelu_; }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
