@@ -17,7 +17,8 @@ Provides:
                         order). LayerNorm forward and backward take an amax pointer and use it, so the
                         amax of their outputs costs no pass of its own.
   fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first);
-                        fp8_amax_fold folds them into *amax_bits as it is (for a producer that cannot).
+                        fp8_amax_fold folds them into *amax_bits as it is (for a producer that cannot);
+                        fp8_amax_batch folds many tensors' (Fp8AmaxJob) in one launch.
   fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
                         1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
@@ -364,6 +365,42 @@ inline void fp8_amax_fold(const floatX* x, int64_t n, unsigned int* amax_bits, c
 inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
     cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
     fp8_amax_fold(x, n, amax_bits, stream);
+}
+
+// One tensor of fp8_amax_batch: n bf16 values at x, their amax folded into *amax_bits.
+struct Fp8AmaxJob {
+    const floatX* x;
+    int64_t n;
+    unsigned int* amax_bits;
+};
+
+namespace detail {
+constexpr int kFp8AmaxBatchBlocks = 64;  // blocks per tensor
+
+// Block (b, i) takes every kFp8AmaxBatchBlocks-th stretch of tensor i: 8 values a thread where x is
+// 16-byte aligned, the rest one by one.
+__global__ void fp8_amax_batch_kernel(const Fp8AmaxJob* jobs) {
+    const Fp8AmaxJob j = jobs[blockIdx.y];
+    const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t packs = reinterpret_cast<uintptr_t>(j.x) % 16 == 0 ? j.n / kPackX : 0;
+    float m = 0.0f;
+    for (int64_t i = t; i < packs; i += stride) {
+        const PackX p = load128(j.x + i * kPackX);
+        for (int k = 0; k < kPackX; k++) m = fmaxf(m, fabsf(float(p[k])));
+    }
+    for (int64_t i = packs * kPackX + t; i < j.n; i += stride) m = fmaxf(m, fabsf(float(j.x[i])));
+    m = warp_max(m);
+    if (threadIdx.x % kWarpSize == 0) atomicMax(j.amax_bits, __float_as_uint(m));
+}
+}  // namespace detail
+
+// fp8_amax_fold for `count` tensors in one launch (jobs: a device array; each *amax_bits zeroed by the
+// caller), for the many small weight tensors cast once per step.
+inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, cudaStream_t stream) {
+    if (count < 0 || count > 65535) fail(kExitUsage, "fp8_amax_batch: %d tensors, need 0..65535", count);
+    if (count == 0) return;
+    detail::fp8_amax_batch_kernel<<<dim3(detail::kFp8AmaxBatchBlocks, unsigned(count)), detail::kFp8Block, 0, stream>>>(jobs);
+    cudaCheckLaunch();
 }
 
 template <class Fp8>

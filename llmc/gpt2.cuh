@@ -291,6 +291,7 @@ public:
         const bool relayout = m.qkv != fp8_.qkv || m.fc != fp8_.fc || m.fcproj != fp8_.fcproj;
         fp8_ = m;
         fp8_weights_.allocate(0);
+        fp8_amax_jobs_.allocate(0);
         fp8_delayed_.allocate(0);
         fp8_history_.allocate(0);
         fp8_grad_.allocate(0);
@@ -1033,37 +1034,59 @@ private:
         fp8_dequantize(into, q, n, descale, stream_);
         return into;
     }
-    // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax.
+    // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax
+    // (all of them measured first, in one launch: fp8_amax_jobs_, built at the first cast).
     void cast_fp8_weights() {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels;
         const floatX* p = params_.get();
+        bool first = fp8_amax_jobs_.size() == 0;  // collecting the jobs
+        std::vector<Fp8AmaxJob> jobs;
         auto cast = [&](int kind, int l, const floatX* w, int64_t rows, int64_t cols, bool transposed) {
             const int slot = fp8_weight_slot(kind, l);
             __nv_fp8_e4m3* q = const_cast<__nv_fp8_e4m3*>(fp8_weight(kind, l));
-            llmc::fp8_amax(w, rows * cols, fp8_amax_slot(slot), stream_);
+            if (first) {
+                jobs.push_back({w, rows * cols, fp8_amax_slot(slot)});
+                return;
+            }
             if (transposed) {
                 fp8_cast_transposed(q, w, rows, cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
             } else {
                 fp8_cast(q, w, rows * cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
             }
         };
-        for (int l = 0; l < L; l++) {
-            const BlockTensors<const floatX> b = block(p, l);
-            if (fp8_.qkv) cast(kFp8Qkv, l, b.qkvw, 3 * C, C, false);
-            if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
-            if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
-            if (fp8_.fcproj_dx || fp8_.fc_grad) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
-            if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
-            if (fp8_.fcproj) cast(kFp8Fcproj, l, b.fcprojw, C, 4 * C, false);
-            if (fp8_.fc_grad) cast(kFp8FcT, l, b.fcw, 4 * C, C, true);
+        auto cast_all = [&]() {
+            for (int l = 0; l < L; l++) {
+                const BlockTensors<const floatX> b = block(p, l);
+                if (fp8_.qkv) cast(kFp8Qkv, l, b.qkvw, 3 * C, C, false);
+                if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
+                if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
+                if (fp8_.fcproj_dx || fp8_.fc_grad) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
+                if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
+                if (fp8_.fcproj) cast(kFp8Fcproj, l, b.fcprojw, C, 4 * C, false);
+                if (fp8_.fc_grad) cast(kFp8FcT, l, b.fcw, 4 * C, C, true);
+            }
+            if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
+            if (fp8_.lm_head_grad && !first) {  // the same scale as wte's copy (its amax is in the slot now)
+                const int slot = fp8_weight_slot(kFp8WeightKinds, 0);
+                fp8_cast_transposed(fp8_wte_transposed(), outer(p).wte, c.padded_vocab_size, C, fp8_amax_slot(slot),
+                                    fp8_descale(slot), stream_);
+            }
+        };
+        if (first) {
+            cast_all();
+            fp8_amax_jobs_.allocate(jobs.size());
+            if (!jobs.empty()) {
+                cudaCheck(cudaMemcpy(fp8_amax_jobs_.get(), jobs.data(), jobs.size() * sizeof(Fp8AmaxJob),
+                                     cudaMemcpyHostToDevice));
+            }
+            first = false;
         }
-        if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
-        if (fp8_.lm_head_grad) {  // the same scale as wte's copy (its amax is in the slot now)
-            const int slot = fp8_weight_slot(kFp8WeightKinds, 0);
-            fp8_cast_transposed(fp8_wte_transposed(), outer(p).wte, c.padded_vocab_size, C, fp8_amax_slot(slot),
-                                fp8_descale(slot), stream_);
-        }
+        // The weights' slots (kind-major, then layer, then wte's) are the first ones.
+        cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, size_t(fp8_weight_slot(kFp8WeightKinds, 0) + 1) * kFp8SlotStride *
+                                                          sizeof(unsigned int), stream_));
+        fp8_amax_batch(fp8_amax_jobs_.get(), int(fp8_amax_jobs_.size()), stream_);
+        cast_all();
         fp8_weights_stale_ = false;
     }
 
@@ -1217,6 +1240,7 @@ private:
     Fp8Matmuls fp8_;
     DeviceBuffer<__nv_fp8_e4m3> fp8_weights_;
     DeviceBuffer<unsigned int> fp8_amax_;
+    DeviceBuffer<Fp8AmaxJob> fp8_amax_jobs_;  // the weights' amaxes (cast_fp8_weights), built at its first call
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
     bool fp8_weights_stale_ = true;

@@ -3,6 +3,8 @@ GPU tests of the FP8 building blocks (llmc/fp8.cuh) against host computations on
 without a GPU, or on one without FP8 tensor cores (compute capability below 8.9).
 
   - fp8_amax: the exact max |x| (its float bits) of bf16 values, zeros and negatives included;
+  - fp8_amax_batch: each of several tensors' exact amax (sizes 1 to 2.4M, 16-byte aligned or not) in one
+    launch, nothing else written;
   - fp8_cast (E4M3 and E5M2): every byte equal to the host's conversion of x * scale (round to nearest,
     saturating), scale = kMax / amax, the descale exactly 1 / scale; an all-zero tensor gets scale 1;
   - fp8_dequantize: every value equal to bf16(q * descale) on both of its paths, and a round trip
@@ -165,6 +167,38 @@ TEST_F(Fp8Test, CastsMatchTheHostConversion) {
     }
     check_cast<__nv_fp8_e4m3>("all zero", 333, 0.0f, 3);
     check_cast<__nv_fp8_e5m2>("all zero", 333, 0.0f, 3);
+}
+
+// fp8_amax_batch: each tensor's amax exactly max |x| (its float bits), for tensors of many sizes (1 value to
+// several blocks' worth, aligned and not) in one launch; every other slot left alone.
+TEST_F(Fp8Test, AmaxBatchMeasuresEveryTensor) {
+    const std::vector<size_t> sizes = {1, 7, 8, 1000, 4099, 300001, 2359296};
+    const std::vector<size_t> offsets = {0, 3, 8, 1, 0, 5, 0};  // values into the buffer: some not 16-byte aligned
+    size_t total = 0;
+    for (size_t i = 0; i < sizes.size(); i++) total += offsets[i] + sizes[i];
+    const std::vector<floatX> all = random_bf16(total, 140, 0.02f);
+    auto d_all = upload(all);
+    DeviceBuffer<unsigned int> amax(4 * sizes.size() + 4);
+    cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
+    std::vector<Fp8AmaxJob> jobs;
+    std::vector<float> want;
+    size_t at = 0;
+    for (size_t i = 0; i < sizes.size(); i++) {
+        at += offsets[i];
+        jobs.push_back({d_all.get() + at, int64_t(sizes[i]), amax.get() + 4 * i});
+        want.push_back(host_amax(std::vector<floatX>(all.begin() + long(at), all.begin() + long(at + sizes[i]))));
+        at += sizes[i];
+    }
+    auto d_jobs = upload(jobs);
+    fp8_amax_batch(d_jobs.get(), int(jobs.size()), kStream);
+    const std::vector<unsigned int> got = download(amax.get(), amax.size());
+    for (size_t i = 0; i < sizes.size(); i++) {
+        float a;
+        std::memcpy(&a, &got[4 * i], sizeof(float));
+        EXPECT_EQ(a, want[i]) << "tensor " << i << " of " << sizes[i] << " values";
+        for (int k = 1; k < 4; k++) EXPECT_EQ(got[4 * i + k], 0u) << "slot padding " << i;
+    }
+    EXPECT_EQ(got[4 * sizes.size()], 0u);
 }
 
 // fp8_dequantize gives bf16(q * descale) for every byte, on the packed path (n a multiple of 8, aligned)
