@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kFp8ByteTileThreads)
         }
         for (int k = 0; k < 4; k++) tile[h][line][4 * seg + k] = w[k];
     }
-    fp8_record_amax(amax_out, lane_max);
+    fp8_record_amax_block(amax_out, lane_max);
     __syncthreads();
 #pragma unroll
     for (int h = 0; h < H; h++) {

@@ -51,11 +51,10 @@ namespace detail {
 
 // Normalises the row x (already in memory, possibly just written by this warp's lanes at the same
 // addresses they read) and writes out (bf16), or q (E4M3 at *scale) when kFp8, and mean and rstd. Each
-// lane touches the same packs in every pass.
+// lane touches the same packs in every pass. Returns the lane's max |out| (for the amax).
 template <bool kFp8>
-__device__ inline void layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
-                                     const floatX* x, const floatX* weight, const floatX* bias, int64_t row, int C,
-                                     unsigned int* amax) {
+__device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
+                                      const floatX* x, const floatX* weight, const floatX* bias, int64_t row, int C) {
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
@@ -96,11 +95,11 @@ __device__ inline void layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float*
             store128(out + row * C + c, o);
         }
     }
-    fp8_record_amax(amax, out_max);
     if (lane == 0) {
         if (mean != nullptr) mean[row] = m;
         if (rstd != nullptr) rstd[row] = s;
     }
+    return out_max;
 }
 
 inline void check_layernorm_args(const char* fn, int C, std::initializer_list<const void*> pointers) {
@@ -115,8 +114,11 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_forward_kernel(floatX* out, LayerNormFp8Out fp8, float* mean, float* rstd, const floatX* inp,
                              const floatX* weight, const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    if (row >= N) return;  // whole warps leave together
-    detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, inp + row * C, weight, bias, row, C, amax);
+    float out_max = 0.0f;
+    if (row < N) {
+        out_max = detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, inp + row * C, weight, bias, row, C);
+    }
+    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
 namespace detail {
@@ -151,17 +153,20 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
                                             float* rstd, const floatX* a, const floatX* b, const floatX* weight,
                                             const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    if (row >= N) return;
-    const int lane = threadIdx.x % kWarpSize;
-    floatX* r = residual + row * C;
-    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
-        const PackX pa = load128(a + row * C + c);
-        const PackX pb = load128(b + row * C + c);
-        PackX o;
-        for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
-        store128(r + c, o);
+    float out_max = 0.0f;
+    if (row < N) {
+        const int lane = threadIdx.x % kWarpSize;
+        floatX* r = residual + row * C;
+        for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
+            const PackX pa = load128(a + row * C + c);
+            const PackX pb = load128(b + row * C + c);
+            PackX o;
+            for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
+            store128(r + c, o);
+        }
+        out_max = detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, r, weight, bias, row, C);
     }
-    detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, r, weight, bias, row, C, amax);
+    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
 // residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
@@ -215,12 +220,12 @@ inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
     return size_t(layernorm_chunks(N)) * 2 * size_t(C) * sizeof(float);
 }
 
-// dinp[row] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout.
-static __global__ void __launch_bounds__(kLayerNormBlock)
-    layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dout, const floatX* inp, const floatX* weight,
-                                   const float* mean, const float* rstd, int64_t N, int C, unsigned int* amax) {
-    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    if (row >= N) return;
+namespace detail {
+// dinp[row] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout, by one
+// warp; returns the lane's max |dinp| (for the amax).
+__device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dout, const floatX* inp,
+                                               const floatX* weight, const float* mean, const float* rstd, int64_t row,
+                                               int C) {
     const int lane = threadIdx.x % kWarpSize;
     const floatX* x = inp + row * C;
     const floatX* d = dout + row * C;
@@ -249,7 +254,18 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
         }
         store128(dx + c, o);
     }
-    fp8_record_amax(amax, out_max);
+    return out_max;
+}
+}  // namespace detail
+
+// detail::layernorm_backward_row for every row, a warp each.
+static __global__ void __launch_bounds__(kLayerNormBlock)
+    layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dout, const floatX* inp, const floatX* weight,
+                                   const float* mean, const float* rstd, int64_t N, int C, unsigned int* amax) {
+    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
+    float out_max = 0.0f;
+    if (row < N) out_max = detail::layernorm_backward_row(dinp, dout, inp, weight, mean, rstd, row, C);
+    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
 // Block (x, chunk): channels [x * 256, x * 256 + 256) over the chunk's rows; writes partial[chunk] =
