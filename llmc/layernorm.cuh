@@ -349,34 +349,44 @@ namespace detail {
 // C <= 256 * P (P packs of 8 channels per lane): block = one chunk of kLayerNormRowsPerChunk rows, warp
 // w taking rows w, w + 8, ... as the partial kernel does, and each row as the dinp kernel does it, so
 // dinp and the partials (hence dweight and dbias) keep their bits, and dout and inp are read once
-// instead of twice. The 8 warps' sums are added in warp order through shared memory (2 * C floats).
-// Registers are capped for two blocks per SM, which P = 3 fits without spilling and P = 4 does not, so
-// C > 768 takes the two kernels.
+// instead of twice. The grid is the chunks (256 for 65,536 rows: two blocks an SM), so each warp works
+// through its rows one after another and the time of a row's memory round trips adds up: all of a
+// row's loads (inp, dout, the old dinp) are issued together before anything is stored. (Loading each
+// pack's old dinp after the previous pack's store, as before, cost a round trip a pack.) To leave
+// registers for that, a warp's dweight and dbias sums live in shared memory (its own slots, a float4
+// per lane with lanes adjacent: no bank conflicts), added to in the same order as in registers; at the
+// end every thread adds the 8 warps' sums of its channels in warp order, as the partial kernel does.
 template <int P>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     layernorm_backward_fused_kernel(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
                                     const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
                                     unsigned int* amax) {
-    extern __shared__ float red[];  // [2][C]
+    // acc[warp][0 dweight, 1 dbias][p][half of the pack][lane]: channels (p * 32 + lane) * 8 + 4 * half ..
+    extern __shared__ float4 acc[];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    auto slot = [&](int w, int wb, int p, int half, int l) { return (((w * 2 + wb) * P + p) * 2 + half) * kWarpSize + l; };
     const int64_t chunk = blockIdx.x;
     const int64_t row_end = min(N, (chunk + 1) * kLayerNormRowsPerChunk);
-    float acc_w[P][kPackX] = {}, acc_b[P][kPackX] = {};
+#pragma unroll
+    for (int p = 0; p < P; p++) {
+        for (int wb = 0; wb < 2; wb++) {
+            acc[slot(warp, wb, p, 0, lane)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            acc[slot(warp, wb, p, 1, lane)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
     float out_max = 0.0f;
     for (int64_t row = chunk * kLayerNormRowsPerChunk + warp; row < row_end; row += kLayerNormRowsPerBlock) {
-        const floatX* x = inp + row * C;
-        const floatX* d = dout + row * C;
-        floatX* dx = dinp + row * C;
-        const float m = mean[row], s = rstd[row];
-        PackX px[P], pd[P];
+        PackX x[P], d[P], o[P];  // the row's inp, dout and dinp
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int c = (p * kWarpSize + lane) * kPackX;
             if (c < C) {
-                px[p] = load128(x + c);
-                pd[p] = load128(d + c);
+                x[p] = load128(inp + row * C + c);
+                d[p] = load128(dout + row * C + c);
+                o[p] = load128(dinp + row * C + c);
             }
         }
+        const float m = mean[row], s = rstd[row];
         float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
 #pragma unroll
         for (int p = 0; p < P; p++) {
@@ -384,9 +394,9 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
             if (c >= C) continue;
             const PackX pw = load128(weight + c);
             for (int k = 0; k < kPackX; k++) {
-                const float dnorm = float(pw[k]) * float(pd[p][k]);
+                const float dnorm = float(pw[k]) * float(d[p][k]);
                 dnorm_sum += dnorm;
-                dnorm_norm_sum += dnorm * (float(px[p][k]) - m) * s;
+                dnorm_norm_sum += dnorm * (float(x[p][k]) - m) * s;
             }
         }
         const float dnorm_mean = warp_sum(dnorm_sum) / float(C);
@@ -396,41 +406,49 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
             const int c = (p * kWarpSize + lane) * kPackX;
             if (c >= C) continue;
             const PackX pw = load128(weight + c);
-            PackX o = load128(dx + c);
-            for (int k = 0; k < kPackX; k++) {
-                const float norm = (float(px[p][k]) - m) * s;
-                const float dnorm = float(pw[k]) * float(pd[p][k]);
-                o[k] = __float2bfloat16_rn(float(o[k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
-                out_max = fmaxf(out_max, fabsf(float(o[k])));
-                const float dv = float(pd[p][k]);
-                acc_w[p][k] += (float(px[p][k]) - m) * s * dv;
-                acc_b[p][k] += dv;
+            float4* aw = &acc[slot(warp, 0, p, 0, lane)];
+            float4* ab = &acc[slot(warp, 1, p, 0, lane)];
+            float sw[kPackX], sb[kPackX];
+            for (int h = 0; h < 2; h++) {
+                const float4 vw = aw[h * kWarpSize], vb = ab[h * kWarpSize];
+                sw[4 * h] = vw.x, sw[4 * h + 1] = vw.y, sw[4 * h + 2] = vw.z, sw[4 * h + 3] = vw.w;
+                sb[4 * h] = vb.x, sb[4 * h + 1] = vb.y, sb[4 * h + 2] = vb.z, sb[4 * h + 3] = vb.w;
             }
-            store128(dx + c, o);
+            for (int k = 0; k < kPackX; k++) {
+                const float norm = (float(x[p][k]) - m) * s;
+                const float dnorm = float(pw[k]) * float(d[p][k]);
+                o[p][k] = __float2bfloat16_rn(float(o[p][k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+                out_max = fmaxf(out_max, fabsf(float(o[p][k])));
+                const float dv = float(d[p][k]);
+                sw[k] += (float(x[p][k]) - m) * s * dv;
+                sb[k] += dv;
+            }
+            for (int h = 0; h < 2; h++) {
+                aw[h * kWarpSize] = make_float4(sw[4 * h], sw[4 * h + 1], sw[4 * h + 2], sw[4 * h + 3]);
+                ab[h * kWarpSize] = make_float4(sb[4 * h], sb[4 * h + 1], sb[4 * h + 2], sb[4 * h + 3]);
+            }
+            store128(dinp + row * C + c, o[p]);
         }
     }
     fp8_record_amax(amax, out_max);
-    // partial[chunk] = (dweight sums, dbias sums): warp 0's sums, then warp 1's added, ...
-    float* red_w = red;
-    float* red_b = red + C;
-    for (int w = 0; w < kLayerNormRowsPerBlock; w++) {
-        if (warp == w) {
-#pragma unroll
-            for (int p = 0; p < P; p++) {
-                const int c = (p * kWarpSize + lane) * kPackX;
-                if (c >= C) continue;
-                for (int k = 0; k < kPackX; k++) {
-                    red_w[c + k] = (w == 0 ? 0.0f : red_w[c + k]) + acc_w[p][k];
-                    red_b[c + k] = (w == 0 ? 0.0f : red_b[c + k]) + acc_b[p][k];
-                }
-            }
-        }
-        __syncthreads();
-    }
+    // partial[chunk] = (dweight sums, dbias sums): 0 + warp 0's + warp 1's + ...
+    __syncthreads();
     for (int c = threadIdx.x; c < C; c += kLayerNormBlock) {
-        partial[chunk * 2 * C + c] = red_w[c];
-        partial[chunk * 2 * C + C + c] = red_b[c];
+        const int p = c / kLayerNormColumnsPerBlock, l = (c / kPackX) % kWarpSize, k = c % kPackX;
+        float tw = 0.0f, tb = 0.0f;
+        for (int w = 0; w < kLayerNormRowsPerBlock; w++) {
+            tw += reinterpret_cast<const float*>(&acc[slot(w, 0, p, k / 4, l)])[k % 4];
+            tb += reinterpret_cast<const float*>(&acc[slot(w, 1, p, k / 4, l)])[k % 4];
+        }
+        partial[chunk * 2 * C + c] = tw;
+        partial[chunk * 2 * C + C + c] = tb;
     }
+}
+
+// Shared memory of layernorm_backward_fused_kernel<P>: the 8 warps' sums (P * 16 KiB: 48 KiB at P = 3,
+// the most a launch may have without opting in).
+constexpr size_t layernorm_backward_fused_smem(int P) {
+    return size_t(kLayerNormRowsPerBlock) * 2 * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
 }
 
 // Packs of 8 channels per lane the fused kernel is instantiated for (C up to 768).
@@ -446,15 +464,15 @@ inline bool layernorm_backward_fuses(int C) {
 inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
                                           const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
                                           cudaStream_t stream, unsigned int* amax = nullptr) {
-    const size_t smem = 2 * size_t(C) * sizeof(float);
-    auto launch = [&](auto kernel) {
-        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, dout, inp, weight,
-                                                                                 mean, rstd, N, C, amax);
+    auto launch = [&](auto kernel, int P) {
+        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, layernorm_backward_fused_smem(P), stream>>>(
+            dinp, partial, dout, inp, weight, mean, rstd, N, C, amax);
     };
+    static_assert(layernorm_backward_fused_smem(kLayerNormFusedMaxPacks) <= 48 * 1024, "opt-in shared memory");
     switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
-        case 1: launch(layernorm_backward_fused_kernel<1>); break;
-        case 2: launch(layernorm_backward_fused_kernel<2>); break;
-        default: launch(layernorm_backward_fused_kernel<3>); break;
+        case 1: launch(layernorm_backward_fused_kernel<1>, 1); break;
+        case 2: launch(layernorm_backward_fused_kernel<2>, 2); break;
+        default: launch(layernorm_backward_fused_kernel<3>, 3); break;
     }
     cudaCheckLaunch();
 }
