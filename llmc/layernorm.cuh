@@ -4,8 +4,10 @@ layernorm_backward and residual_forward in llmc/gpt2_cpu.h (eps 1e-5, statistics
 
 Provides:
   layernorm_forward: out (N,C) bf16, mean and rstd (N) fp32 kept for backward (either may be null);
-                     one warp per row, statistics in fp32 with a two-pass variance. Optionally also the
-                     amax of out (for its FP8 copy: llmc/fp8.cuh), here and in the two below.
+                     one warp per row, statistics in fp32 with a two-pass variance; for C <= 7 * 256
+                     the row stays in registers between the passes (read from memory once, every load
+                     in flight at once; same bits as reading it again). Optionally also the amax of
+                     out (for its FP8 copy: llmc/fp8.cuh), here and in the two below.
   fused_residual_layernorm_forward: residual = a + b (rounded to bf16, as residual_forward) and the
                      LayerNorm of that rounded residual, in one pass over the row.
   LayerNormFp8Out:   for both: out written in E4M3 instead of bf16, at a scale given on the device
@@ -49,37 +51,60 @@ struct LayerNormFp8Out {
 
 namespace detail {
 
-// Normalises the row x (already in memory, possibly just written by this warp's lanes at the same
-// addresses they read) and writes out (bf16), or q (E4M3 at *scale) when kFp8, and mean and rstd. Each
-// lane touches the same packs in every pass. Returns the lane's max |out| (for the amax).
-template <bool kFp8>
+// f(p, c) for each of the lane's packs p = 0, 1, ... of a row of C channels, at columns c = (p * 32 +
+// lane) * 8 < C: fully unrolled up to P packs, or (P = 0) as many as C needs.
+template <int P, class F>
+__device__ inline void for_lane_packs(int C, F&& f) {
+    const int lane = threadIdx.x % kWarpSize;
+    if constexpr (P > 0) {
+#pragma unroll
+        for (int p = 0; p < P; p++) {
+            const int c = (p * kWarpSize + lane) * kPackX;
+            if (c < C) f(p, c);
+        }
+    } else {
+        for (int p = 0, c = lane * kPackX; c < C; p++, c += kWarpSize * kPackX) f(p, c);
+    }
+}
+
+// The packs of the row kernels' rows a lane holds in registers between LayerNorm's passes, by C (a
+// row, lane-strided); 0: C too large, each pass reads the row from memory again.
+inline int layernorm_held_packs(int C) {
+    const int packs = ceil_div(C, kWarpSize * kPackX);
+    return packs <= 3 ? 3 : packs <= 4 ? 4 : packs <= 7 ? 7 : 0;
+}
+
+// Normalises one row, by one warp, and writes out (bf16), or q (E4M3 at *scale) when kFp8, and mean and
+// rstd. x(p, c) gives the lane's pack p at column c (for_lane_packs<P>): from registers, or (P = 0) read
+// from memory in each pass. Returns the lane's max |out| (for the amax).
+template <bool kFp8, int P, class X>
 __device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
-                                      const floatX* x, const floatX* weight, const floatX* bias, int64_t row, int C) {
+                                      X&& x, const floatX* weight, const floatX* bias, int64_t row, int C) {
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
-    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
-        const PackX p = load128(x + c);
-        for (int k = 0; k < kPackX; k++) sum += float(p[k]);
-    }
+    for_lane_packs<P>(C, [&](int p, int c) {
+        const PackX v = x(p, c);
+        for (int k = 0; k < kPackX; k++) sum += float(v[k]);
+    });
     const float m = warp_sum(sum) / float(C);
     float var = 0.0f;
-    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
-        const PackX p = load128(x + c);
+    for_lane_packs<P>(C, [&](int p, int c) {
+        const PackX v = x(p, c);
         for (int k = 0; k < kPackX; k++) {
-            const float d = float(p[k]) - m;
+            const float d = float(v[k]) - m;
             var += d * d;
         }
-    }
+    });
     const float s = 1.0f / sqrtf(warp_sum(var) / float(C) + kLayerNormEpsF);
     const float qscale = kFp8 ? *scale : 0.0f;
     float out_max = 0.0f;
-    for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
-        const PackX p = load128(x + c);
+    for_lane_packs<P>(C, [&](int p, int c) {
+        const PackX v = x(p, c);
         const PackX w = load128(weight + c);
         const PackX b = load128(bias + c);
         PackX o;
         for (int k = 0; k < kPackX; k++) {
-            o[k] = __float2bfloat16_rn((float(p[k]) - m) * s * float(w[k]) + float(b[k]));
+            o[k] = __float2bfloat16_rn((float(v[k]) - m) * s * float(w[k]) + float(b[k]));
             out_max = fmaxf(out_max, fabsf(float(o[k])));
         }
         if constexpr (kFp8) {
@@ -94,7 +119,7 @@ __device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float
         } else {
             store128(out + row * C + c, o);
         }
-    }
+    });
     if (lane == 0) {
         if (mean != nullptr) mean[row] = m;
         if (rstd != nullptr) rstd[row] = s;
@@ -109,14 +134,25 @@ inline void check_layernorm_args(const char* fn, int C, std::initializer_list<co
 
 }  // namespace detail
 
-template <bool kFp8>
+// A warp a row; the lane's packs of the row held in registers (P > 0: all the row's loads in flight
+// at once, and no pass reads it again) or read in each pass (P = 0, for C > 7 * 256).
+template <bool kFp8, int P>
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_forward_kernel(floatX* out, LayerNormFp8Out fp8, float* mean, float* rstd, const floatX* inp,
                              const floatX* weight, const floatX* bias, int64_t N, int C, unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     float out_max = 0.0f;
     if (row < N) {
-        out_max = detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, inp + row * C, weight, bias, row, C);
+        const floatX* x = inp + row * C;
+        if constexpr (P > 0) {
+            PackX held[P];
+            detail::for_lane_packs<P>(C, [&](int p, int c) { held[p] = load128(x + c); });
+            out_max = detail::layernorm_row<kFp8, P>(out, fp8.q, fp8.scale, mean, rstd,
+                                                     [&](int p, int) { return held[p]; }, weight, bias, row, C);
+        } else {
+            out_max = detail::layernorm_row<kFp8, 0>(out, fp8.q, fp8.scale, mean, rstd,
+                                                     [&](int, int c) { return load128(x + c); }, weight, bias, row, C);
+        }
     }
     fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
@@ -133,21 +169,51 @@ inline void check_layernorm_out(const char* fn, const floatX* out, const LayerNo
 }
 }  // namespace detail
 
+namespace detail {
+// A row kernel's packs held in registers: 0 (read in each pass), or enough for C (3, 4 or 7).
+inline void check_held_packs(const char* fn, int held, int C) {
+    if (held != 0 && ((held != 3 && held != 4 && held != 7) || held * kWarpSize * kPackX < C)) {
+        fail(kExitUsage, "%s: %d packs a lane held, need 0, or 3, 4 or 7 covering C = %d", fn, held, C);
+    }
+}
+
+// layernorm_forward with `held` packs a lane held in registers (check_held_packs), which gives the same
+// bits as 0; layernorm_forward holds layernorm_held_packs(C). test/test_kernels.cu compares the two.
+inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
+                                   const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream,
+                                   unsigned int* amax, LayerNormFp8Out fp8) {
+    check_layernorm_args("layernorm_forward", C, {inp, weight, bias});
+    check_layernorm_out("layernorm_forward", out, fp8);
+    check_held_packs("layernorm_forward", held, C);
+    if (N == 0) return;
+    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
+    auto launch = [&](auto plain, auto e4m3) {
+        (fp8.q != nullptr ? e4m3 : plain)<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight,
+                                                                                bias, N, C, amax);
+    };
+    switch (held) {
+        case 3: launch(layernorm_forward_kernel<false, 3>, layernorm_forward_kernel<true, 3>); break;
+        case 4: launch(layernorm_forward_kernel<false, 4>, layernorm_forward_kernel<true, 4>); break;
+        case 7: launch(layernorm_forward_kernel<false, 7>, layernorm_forward_kernel<true, 7>); break;
+        default: launch(layernorm_forward_kernel<false, 0>, layernorm_forward_kernel<true, 0>); break;
+    }
+    cudaCheckLaunch();
+}
+}  // namespace detail
+
 // amax (optional): folds max |out| into it (llmc/cuda_common.cuh fp8_record_amax; the caller zeroes it).
 // fp8 (optional): out in E4M3 there instead (out is then unused and may be null).
 inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
                               const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr,
                               LayerNormFp8Out fp8 = {}) {
-    detail::check_layernorm_args("layernorm_forward", C, {inp, weight, bias});
-    detail::check_layernorm_out("layernorm_forward", out, fp8);
-    if (N == 0) return;
-    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
-    auto* kernel = fp8.q != nullptr ? layernorm_forward_kernel<true> : layernorm_forward_kernel<false>;
-    kernel<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight, bias, N, C, amax);
-    cudaCheckLaunch();
+    detail::layernorm_forward_rows(detail::layernorm_held_packs(C), out, mean, rstd, inp, weight, bias, N, C, stream,
+                                   amax, fp8);
 }
 
-template <bool kFp8>
+// As layernorm_forward_kernel, of the row of residual = a + b, which it writes. With P > 0 every load of
+// a and b comes before the first store of residual, which may alias them (each lane stores only where
+// it loaded), and LayerNorm reads the sums from registers.
+template <bool kFp8, int P>
 static __global__ void __launch_bounds__(kLayerNormBlock)
     fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, LayerNormFp8Out fp8, float* mean,
                                             float* rstd, const floatX* a, const floatX* b, const floatX* weight,
@@ -155,19 +221,59 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     float out_max = 0.0f;
     if (row < N) {
-        const int lane = threadIdx.x % kWarpSize;
         floatX* r = residual + row * C;
-        for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
-            const PackX pa = load128(a + row * C + c);
-            const PackX pb = load128(b + row * C + c);
+        auto add = [](const PackX& pa, const PackX& pb) {
             PackX o;
             for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
-            store128(r + c, o);
+            return o;
+        };
+        if constexpr (P > 0) {
+            PackX held[P], pb[P];
+            detail::for_lane_packs<P>(C, [&](int p, int c) {
+                held[p] = load128(a + row * C + c);
+                pb[p] = load128(b + row * C + c);
+            });
+            detail::for_lane_packs<P>(C, [&](int p, int c) {
+                held[p] = add(held[p], pb[p]);
+                store128(r + c, held[p]);
+            });
+            out_max = detail::layernorm_row<kFp8, P>(out, fp8.q, fp8.scale, mean, rstd,
+                                                     [&](int p, int) { return held[p]; }, weight, bias, row, C);
+        } else {
+            detail::for_lane_packs<0>(C, [&](int, int c) {
+                store128(r + c, add(load128(a + row * C + c), load128(b + row * C + c)));
+            });
+            out_max = detail::layernorm_row<kFp8, 0>(out, fp8.q, fp8.scale, mean, rstd,
+                                                     [&](int, int c) { return load128(r + c); }, weight, bias, row, C);
         }
-        out_max = detail::layernorm_row<kFp8>(out, fp8.q, fp8.scale, mean, rstd, r, weight, bias, row, C);
     }
     fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
+
+namespace detail {
+// fused_residual_layernorm_forward with `held` packs a lane held in registers, as layernorm_forward_rows.
+inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, floatX* out, float* mean, float* rstd,
+                                                  const floatX* a, const floatX* b, const floatX* weight,
+                                                  const floatX* bias, int64_t N, int C, cudaStream_t stream,
+                                                  unsigned int* amax, LayerNormFp8Out fp8) {
+    check_layernorm_args("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias});
+    check_layernorm_out("fused_residual_layernorm_forward", out, fp8);
+    check_held_packs("fused_residual_layernorm_forward", held, C);
+    if (N == 0) return;
+    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
+    auto launch = [&](auto plain, auto e4m3) {
+        (fp8.q != nullptr ? e4m3 : plain)<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b,
+                                                                                weight, bias, N, C, amax);
+    };
+    switch (held) {
+        case 3: launch(fused_residual_layernorm_forward_kernel<false, 3>, fused_residual_layernorm_forward_kernel<true, 3>); break;
+        case 4: launch(fused_residual_layernorm_forward_kernel<false, 4>, fused_residual_layernorm_forward_kernel<true, 4>); break;
+        case 7: launch(fused_residual_layernorm_forward_kernel<false, 7>, fused_residual_layernorm_forward_kernel<true, 7>); break;
+        default: launch(fused_residual_layernorm_forward_kernel<false, 0>, fused_residual_layernorm_forward_kernel<true, 0>); break;
+    }
+    cudaCheckLaunch();
+}
+}  // namespace detail
 
 // residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
 // amax and fp8 as layernorm_forward's (of out).
@@ -175,14 +281,8 @@ inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, floa
                                              const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
                                              int C, cudaStream_t stream, unsigned int* amax = nullptr,
                                              LayerNormFp8Out fp8 = {}) {
-    detail::check_layernorm_args("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias});
-    detail::check_layernorm_out("fused_residual_layernorm_forward", out, fp8);
-    if (N == 0) return;
-    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
-    auto* kernel = fp8.q != nullptr ? fused_residual_layernorm_forward_kernel<true>
-                                    : fused_residual_layernorm_forward_kernel<false>;
-    kernel<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b, weight, bias, N, C, amax);
-    cudaCheckLaunch();
+    detail::fused_residual_layernorm_forward_rows(detail::layernorm_held_packs(C), residual, out, mean, rstd, a, b,
+                                                  weight, bias, N, C, stream, amax, fp8);
 }
 
 static __global__ void residual_forward_kernel(floatX* out, const floatX* a, const floatX* b, int64_t n) {

@@ -345,6 +345,90 @@ TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
     }
 }
 
+// For C up to 7 * 256 the forward kernels hold a row in registers between LayerNorm's passes; the
+// same launch reading the row from memory in each pass (what larger C runs) must give the same bits,
+// plain and with the residual, bf16 and E4M3 out, and both must match the CPU.
+TEST_F(KernelTest, LayerNormForwardHeldRowsKeepTheBits) {
+    const struct { int64_t N; int C; } cases[] = {{37, 72}, {300, 768}, {150, 1024}, {70, 1600}, {41, 2048}};
+    for (const auto& cs : cases) {
+        const int64_t N = cs.N;
+        const int C = cs.C;
+        const size_t n = size_t(N) * C;
+        const int held = detail::layernorm_held_packs(C);
+        SCOPED_TRACE(format("N=%lld C=%d, %d packs a lane held", (long long)N, C, held));
+        std::printf("  N=%lld C=%d: %d packs a lane held\n", (long long)N, C, held);
+        const auto a = random_bf16(n, 30, 2.0f, 0.3f), b = random_bf16(n, 31, 0.5f);
+        const auto weight = random_bf16(size_t(C), 32, 0.1f, 1.0f), bias = random_bf16(size_t(C), 33, 0.1f);
+        std::vector<float> residual_ref(n), out_ref(n), mean_ref(static_cast<size_t>(N)), rstd_ref(static_cast<size_t>(N));
+        cpu::residual_forward<float>(residual_ref.data(), a.data(), b.data(), int64_t(n));
+        for (float& x : residual_ref) x = bf16_round(x);
+        cpu::layernorm_forward<float>(out_ref.data(), mean_ref.data(), rstd_ref.data(), residual_ref.data(),
+                                      weight.data(), bias.data(), N, C);
+        auto d_a = upload_bf16(a), d_b = upload_bf16(b), d_w = upload_bf16(weight), d_bias = upload_bf16(bias);
+        auto d_sum = upload_bf16(residual_ref);
+        DeviceBuffer<float> d_scale(1);
+        const float scale = 40.0f;
+        cudaCheck(cudaMemcpy(d_scale.get(), &scale, sizeof(float), cudaMemcpyHostToDevice));
+        for (bool fused : {false, true}) {
+            for (bool e4m3 : {false, true}) {
+                SCOPED_TRACE(format("%s, %s out", fused ? "with the residual" : "plain", e4m3 ? "E4M3" : "bf16"));
+                std::vector<unsigned char> bits[2][4];  // [way][out, mean, rstd, residual]
+                unsigned int amax_bits[2] = {0, 0};
+                for (int way = 0; way < 2; way++) {
+                    DeviceBuffer<floatX> d_residual(n), d_out(n);
+                    DeviceBuffer<__nv_fp8_e4m3> d_q(n);
+                    DeviceBuffer<float> d_mean(static_cast<size_t>(N)), d_rstd(static_cast<size_t>(N));
+                    DeviceBuffer<unsigned int> amax(1);
+                    poison(d_residual);
+                    poison(d_out);
+                    poison(d_mean);
+                    poison(d_rstd);
+                    cudaCheck(cudaMemset(d_q.get(), 0x7e, n));
+                    cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
+                    const LayerNormFp8Out fp8 = e4m3 ? LayerNormFp8Out{d_q.get(), d_scale.get()} : LayerNormFp8Out{};
+                    const int h = way == 0 ? held : 0;
+                    if (fused) {
+                        detail::fused_residual_layernorm_forward_rows(h, d_residual.get(), d_out.get(), d_mean.get(),
+                                                                      d_rstd.get(), d_a.get(), d_b.get(), d_w.get(),
+                                                                      d_bias.get(), N, C, kStream, amax.get(), fp8);
+                        bits[way][3] = bytes_of(d_residual.get(), n);
+                    } else {
+                        detail::layernorm_forward_rows(h, d_out.get(), d_mean.get(), d_rstd.get(), d_sum.get(),
+                                                       d_w.get(), d_bias.get(), N, C, kStream, amax.get(), fp8);
+                    }
+                    bits[way][0] = e4m3 ? bytes_of(d_q.get(), n) : bytes_of(d_out.get(), n);
+                    bits[way][1] = bytes_of(d_mean.get(), size_t(N));
+                    bits[way][2] = bytes_of(d_rstd.get(), size_t(N));
+                    cudaCheck(cudaMemcpy(&amax_bits[way], amax.get(), sizeof(unsigned int), cudaMemcpyDeviceToHost));
+                    if (!e4m3) {
+                        SCOPED_TRACE(way == 0 ? "held" : "read in each pass");
+                        const auto out = download_bf16(d_out.get(), n);
+                        expect_close("out", out, out_ref, kTolBf16);
+                        expect_close("mean (fp32)", download(d_mean.get(), size_t(N)), mean_ref, kTolFp32);
+                        expect_close("rstd (fp32)", download(d_rstd.get(), size_t(N)), rstd_ref, kTolFp32);
+                        expect_amax_is_max_abs("out", amax.get(), out);
+                        if (fused) {
+                            EXPECT_TRUE(std::memcmp(download_bf16(d_residual.get(), n).data(), residual_ref.data(),
+                                                    n * sizeof(float)) == 0)
+                                << "residual not exact";
+                        }
+                    }
+                }
+                expect_bitwise("out", bits[1][0], bits[0][0]);
+                expect_bitwise("mean", bits[1][1], bits[0][1]);
+                expect_bitwise("rstd", bits[1][2], bits[0][2]);
+                if (fused) expect_bitwise("residual", bits[1][3], bits[0][3]);
+                EXPECT_EQ(amax_bits[0], amax_bits[1]) << "amax";
+            }
+        }
+    }
+    expect_error([&] {
+        DeviceBuffer<floatX> x(64 * 1024);
+        detail::layernorm_forward_rows(3, x.get(), nullptr, nullptr, x.get(), x.get(), x.get(), 64, 1024, kStream,
+                                       nullptr, {});
+    }, kExitUsage, {"layernorm_forward: 3 packs a lane held, need 0, or 3, 4 or 7 covering C = 1024"});
+}
+
 TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
     // kShapes, plus C = 384 (the fused kernel with 2 packs per lane) and C = 1024 (the two-kernel path).
     std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
