@@ -50,8 +50,10 @@ is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 
 it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
 output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
 transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
-its columns for fc's bias. backward adds the amaxes measured in the step to the history (one entry per
-training forward and backward). The history is the only FP8 state: a checkpoint holds it
+its columns for fc's bias (fc.grad.e4m3: the GELU gradient in E4M3 instead, 3 mantissa bits to E5M2's 2,
+for a tensor whose range one per-tensor scale covers; an option while the loss comparisons decide).
+backward adds the amaxes measured in the step to the history (one entry per training forward and
+backward). The history is the only FP8 state: a checkpoint holds it
 (fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
 and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
 fc.grad) run in bf16.
@@ -128,6 +130,7 @@ struct Fp8Matmuls {
     bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
     bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
     bool fc_grad = false;                           // fc's backward and fcproj's dX (the GELU gradient in E5M2; needs fcproj)
+    bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
     bool any() const {
         return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
     }
@@ -145,22 +148,27 @@ struct Fp8Matmuls {
         add(qkv_grad, "qkv.grad");
         add(fcproj, "fcproj");
         add(fc_grad, "fc.grad");
+        add(fc_grad_e4m3, "fc.grad.e4m3");
         return s.empty() ? "none" : s;
     }
 };
 
 // "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
 // with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
-// "all": every matmul Fp8Matmuls names; else a comma-separated list of qkv, fc, lm_head, attproj.dx,
-// fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj (which needs fc) and
-// fc.grad (which needs fcproj), in which 1 stands for its matmuls (so "1,qkv.grad" is 1 and qkv.grad).
+// "all": every matmul Fp8Matmuls names (the GELU gradient in E5M2); else a comma-separated list of qkv, fc,
+// lm_head, attproj.dx, fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj
+// (which needs fc), fc.grad (which needs fcproj) and fc.grad.e4m3 (fc.grad with the GELU gradient in E4M3),
+// in which 1 and all stand for their matmuls (so "1,qkv.grad" is 1 and qkv.grad, "all,fc.grad.e4m3" all
+// with the E4M3 GELU gradient).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
-    if (text == "all") return {true, true, true, true, true, true, true, true, true};
     for (const std::string& name : split(text, ',')) {
         if (name == "1") {  // what pays at d12 (docs/performance.md)
             m.qkv = m.fc = m.lm_head = m.attproj_dx = m.lm_head_grad = true;
+        } else if (name == "all") {
+            m.qkv = m.fc = m.lm_head = m.attproj_dx = m.fcproj_dx = m.lm_head_grad = m.qkv_grad = m.fcproj = true;
+            m.fc_grad = true;
         } else if (name == "qkv") {
             m.qkv = true;
         } else if (name == "fc") {
@@ -179,9 +187,12 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.fcproj = true;
         } else if (name == "fc.grad") {
             m.fc_grad = true;
+        } else if (name == "fc.grad.e4m3") {
+            m.fc_grad = m.fc_grad_e4m3 = true;
         } else {
-            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, qkv, fc, "
-                 "lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad", text.c_str(), name.c_str());
+            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, all, qkv, "
+                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3",
+                 text.c_str(), name.c_str());
         }
     }
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
@@ -312,6 +323,7 @@ public:
         if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
         if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
         if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
+        if (m.fc_grad_e4m3 && !m.fc_grad) fail(kExitUsage, "FP8 fc.grad.e4m3 needs fc.grad (%s)", m.describe().c_str());
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
         const bool on[kFp8WeightKinds] = {m.qkv,      m.fc,     m.attproj_dx, m.fcproj_dx || m.fc_grad,
                                           m.qkv_grad, m.fcproj, m.fc_grad};
@@ -606,27 +618,32 @@ public:
                                 b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
             }
             if (fp8_fc_grad) {
-                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 both ways at the layer's delayed scale (its
-                // amax measured for the next; without a history, a first pass at scale 1 measures it), its
-                // column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's copy), dW +=
-                // dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
+                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 (E4M3 with fc.grad.e4m3) both ways at the
+                // layer's delayed scale (its amax measured for the next; without a history, a first pass at scale
+                // 1 measures it), its column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's
+                // copy), dW += dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
                 const int slot = fp8_dgelu_slot(l);
-                auto* q = reinterpret_cast<__nv_fp8_e5m2*>(fp8_grad_.get());
-                __nv_fp8_e5m2* qt = q + 4 * nc_;
                 auto* sums = reinterpret_cast<float*>(d_ln_);
                 auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot));
-                auto cast = [&]() {
-                    cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-                    fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_delayed_scale(slot), amax, stream_, sums);
-                };
-                run_delayed<__nv_fp8_e5m2>(slot, measure, cast);
-                bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
                 auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
-                fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
-                fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_weight(kFp8FcT, l), fp8_delayed_descale(slot),
-                           fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
-                fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
-                           gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                auto fc_backward = [&](auto format) {
+                    using G = decltype(format);
+                    auto* q = reinterpret_cast<G*>(fp8_grad_.get());
+                    G* qt = q + 4 * nc_;
+                    auto cast = [&]() {
+                        cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+                        fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_delayed_scale(slot), amax, stream_,
+                                            sums);
+                    };
+                    run_delayed<G>(slot, measure, cast);
+                    bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
+                    fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
+                    fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_weight(kFp8FcT, l), fp8_delayed_descale(slot),
+                               fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
+                    fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
+                               gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                };
+                fp8_.fc_grad_e4m3 ? fc_backward(__nv_fp8_e4m3{}) : fc_backward(__nv_fp8_e5m2{});
             } else {
                 const floatX* ln2 =
                     a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
@@ -777,9 +794,12 @@ private:
         if (fp8_fcproj) {
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_delayed_scale(0),
                                               fp8_delayed_descale(0), kFp8SlotStride, stream_);
-            fp8_delayed_scales<__nv_fp8_e5m2>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
-                                              fp8_delayed_scale(fp8_dgelu_slot(0)), fp8_delayed_descale(fp8_dgelu_slot(0)),
-                                              kFp8SlotStride, stream_);
+            auto dgelu_scales = [&](auto format) {
+                fp8_delayed_scales<decltype(format)>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
+                                                     fp8_delayed_scale(fp8_dgelu_slot(0)),
+                                                     fp8_delayed_descale(fp8_dgelu_slot(0)), kFp8SlotStride, stream_);
+            };
+            fp8_.fc_grad_e4m3 ? dgelu_scales(__nv_fp8_e4m3{}) : dgelu_scales(__nv_fp8_e5m2{});
             // ln1's and ln2's slots, one after the other.
             const int ln_slots = fp8_ln1_delayed_slot(0);
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
