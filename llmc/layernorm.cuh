@@ -32,6 +32,7 @@ into dinp, which the trainer arranges) or recomputation of the forward.
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
@@ -177,6 +178,18 @@ inline void check_held_packs(const char* fn, int held, int C) {
     }
 }
 
+// f(std::integral_constant<int, P>{}) for the P that `held` names (check_held_packs): where a launcher
+// instantiates its kernel for each held size.
+template <class F>
+void with_held_packs(int held, F&& f) {
+    switch (held) {
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 0>{}); break;
+    }
+}
+
 // layernorm_forward with `held` packs a lane held in registers (check_held_packs), which gives the same
 // bits as 0; layernorm_forward holds layernorm_held_packs(C). test/test_kernels.cu compares the two.
 inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
@@ -187,16 +200,11 @@ inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rs
     check_held_packs("layernorm_forward", held, C);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
-    auto launch = [&](auto plain, auto e4m3) {
-        (fp8.q != nullptr ? e4m3 : plain)<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight,
-                                                                                bias, N, C, amax);
-    };
-    switch (held) {
-        case 3: launch(layernorm_forward_kernel<false, 3>, layernorm_forward_kernel<true, 3>); break;
-        case 4: launch(layernorm_forward_kernel<false, 4>, layernorm_forward_kernel<true, 4>); break;
-        case 7: launch(layernorm_forward_kernel<false, 7>, layernorm_forward_kernel<true, 7>); break;
-        default: launch(layernorm_forward_kernel<false, 0>, layernorm_forward_kernel<true, 0>); break;
-    }
+    with_held_packs(held, [&](auto packs) {
+        constexpr int P = decltype(packs)::value;
+        auto* kernel = fp8.q != nullptr ? layernorm_forward_kernel<true, P> : layernorm_forward_kernel<false, P>;
+        kernel<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight, bias, N, C, amax);
+    });
     cudaCheckLaunch();
 }
 }  // namespace detail
@@ -261,16 +269,12 @@ inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, fl
     check_held_packs("fused_residual_layernorm_forward", held, C);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
-    auto launch = [&](auto plain, auto e4m3) {
-        (fp8.q != nullptr ? e4m3 : plain)<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b,
-                                                                                weight, bias, N, C, amax);
-    };
-    switch (held) {
-        case 3: launch(fused_residual_layernorm_forward_kernel<false, 3>, fused_residual_layernorm_forward_kernel<true, 3>); break;
-        case 4: launch(fused_residual_layernorm_forward_kernel<false, 4>, fused_residual_layernorm_forward_kernel<true, 4>); break;
-        case 7: launch(fused_residual_layernorm_forward_kernel<false, 7>, fused_residual_layernorm_forward_kernel<true, 7>); break;
-        default: launch(fused_residual_layernorm_forward_kernel<false, 0>, fused_residual_layernorm_forward_kernel<true, 0>); break;
-    }
+    with_held_packs(held, [&](auto packs) {
+        constexpr int P = decltype(packs)::value;
+        auto* kernel = fp8.q != nullptr ? fused_residual_layernorm_forward_kernel<true, P>
+                                        : fused_residual_layernorm_forward_kernel<false, P>;
+        kernel<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b, weight, bias, N, C, amax);
+    });
     cudaCheckLaunch();
 }
 }  // namespace detail
