@@ -566,7 +566,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                 flops_per_token(plan.config, o.T) / 1e9);
     if (plan.fp8.any()) {
         std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients%s, per-tensor scales); the rest bf16\n",
-                    plan.fp8.describe().c_str(), plan.fp8.fc_grad_e4m3 ? " but the GELU gradient in E4M3" : "");
+                    plan.fp8.describe().c_str(),
+                    plan.fp8.fc_grad_e4m3 && o.recompute != 1 ? " but the GELU gradient in E4M3" : "");
         if (plan.fp8.fcproj && o.recompute == 1) {
             std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16\n",
                         plan.fp8.fc_grad ? " and fc.grad" : "");

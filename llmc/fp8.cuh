@@ -18,7 +18,8 @@ Provides:
                         amax of their outputs costs no pass of its own.
   fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first);
                         fp8_amax_fold folds them into *amax_bits as it is (for a producer that cannot);
-                        fp8_amax_batch folds many tensors' (Fp8AmaxJob) in one launch.
+                        fp8_amax_batch folds many tensors' (Fp8AmaxJob) in one launch, each given blocks
+                        in proportion to its size (fp8_amax_batch_plan).
   fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
                         1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
   fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
@@ -62,6 +63,7 @@ FP8 output with the GELU-gradient epilogue (cuBLASLt has none).
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
@@ -367,23 +369,36 @@ inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaSt
     fp8_amax_fold(x, n, amax_bits, stream);
 }
 
-// One tensor of fp8_amax_batch: n bf16 values at x, their amax folded into *amax_bits.
+// One tensor of fp8_amax_batch: n bf16 values at x, their amax folded into *amax_bits; its blocks
+// [first_block, first_block + blocks) of the launch (fp8_amax_batch_plan sets them).
 struct Fp8AmaxJob {
     const floatX* x;
     int64_t n;
     unsigned int* amax_bits;
+    int64_t first_block = 0, blocks = 0;
 };
 
 namespace detail {
-constexpr int kFp8AmaxBatchBlocks = 64;  // blocks per tensor
+constexpr int64_t kFp8AmaxBatchValuesPerBlock = int64_t(kFp8Block) * kPackX * 8;  // 8 packs a thread
 
-// Block (b, i) takes every kFp8AmaxBatchBlocks-th stretch of tensor i: 8 values a thread where x is
-// 16-byte aligned, the rest one by one.
-__global__ void fp8_amax_batch_kernel(const Fp8AmaxJob* jobs) {
-    const Fp8AmaxJob j = jobs[blockIdx.y];
-    const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+// Block b works on the job whose blocks include b (a binary search over the jobs, in block order), taking
+// every job.blocks-th stretch of it: 8 values a thread where x is 16-byte aligned, the rest one by one.
+__global__ void fp8_amax_batch_kernel(const Fp8AmaxJob* jobs, int count) {
+    const int64_t b = blockIdx.x;
+    int lo = 0, hi = count - 1;  // the last job with first_block <= b
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (jobs[mid].first_block <= b) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    const Fp8AmaxJob j = jobs[lo];
+    const int64_t t = (b - j.first_block) * blockDim.x + threadIdx.x, stride = j.blocks * blockDim.x;
     const int64_t packs = reinterpret_cast<uintptr_t>(j.x) % 16 == 0 ? j.n / kPackX : 0;
     float m = 0.0f;
+#pragma unroll 4
     for (int64_t i = t; i < packs; i += stride) {
         const PackX p = load128(j.x + i * kPackX);
         for (int k = 0; k < kPackX; k++) m = fmaxf(m, fabsf(float(p[k])));
@@ -394,12 +409,29 @@ __global__ void fp8_amax_batch_kernel(const Fp8AmaxJob* jobs) {
 }
 }  // namespace detail
 
-// fp8_amax_fold for `count` tensors in one launch (jobs: a device array; each *amax_bits zeroed by the
-// caller), for the many small weight tensors cast once per step.
-inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, cudaStream_t stream) {
-    if (count < 0 || count > 65535) fail(kExitUsage, "fp8_amax_batch: %d tensors, need 0..65535", count);
+// Gives each job blocks in proportion to its size (one per kFp8AmaxBatchValuesPerBlock values, at least
+// one), in order; returns the launch's blocks.
+inline int64_t fp8_amax_batch_plan(std::vector<Fp8AmaxJob>& jobs) {
+    int64_t blocks = 0;
+    for (Fp8AmaxJob& j : jobs) {
+        if (j.n < 0) fail(kExitUsage, "fp8_amax_batch: a tensor of %lld values", (long long)j.n);
+        j.first_block = blocks;
+        j.blocks = std::max<int64_t>(1, ceil_div<int64_t>(j.n, detail::kFp8AmaxBatchValuesPerBlock));
+        blocks += j.blocks;
+    }
+    if (blocks > int64_t(INT32_MAX)) fail(kExitUsage, "fp8_amax_batch: %lld blocks", (long long)blocks);
+    return blocks;
+}
+
+// fp8_amax_fold for `count` tensors in one launch of `blocks` blocks (jobs: a device array planned by
+// fp8_amax_batch_plan; each *amax_bits zeroed by the caller), for the many weight tensors cast once per
+// step.
+inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, int64_t blocks, cudaStream_t stream) {
+    if (count < 0 || blocks < count || blocks > int64_t(INT32_MAX)) {
+        fail(kExitUsage, "fp8_amax_batch: %d tensors in %lld blocks", count, (long long)blocks);
+    }
     if (count == 0) return;
-    detail::fp8_amax_batch_kernel<<<dim3(detail::kFp8AmaxBatchBlocks, unsigned(count)), detail::kFp8Block, 0, stream>>>(jobs);
+    detail::fp8_amax_batch_kernel<<<unsigned(blocks), detail::kFp8Block, 0, stream>>>(jobs, count);
     cudaCheckLaunch();
 }
 

@@ -129,7 +129,7 @@ struct Fp8Matmuls {
     bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
     bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
     bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
-    bool fc_grad = false;                           // fc's backward and fcproj's dX (the GELU gradient in E5M2; needs fcproj)
+    bool fc_grad = false;                           // fc's backward, fcproj's dX (GELU gradient E5M2; needs fcproj)
     bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
     bool any() const {
         return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
@@ -198,7 +198,9 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
     if (m.qkv_grad && !m.qkv) fail(kExitUsage, "--fp8 %s: qkv.grad needs qkv too", text.c_str());
     if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
-    if (m.fc_grad && !m.fcproj) fail(kExitUsage, "--fp8 %s: fc.grad needs fcproj too", text.c_str());
+    if (m.fc_grad && !m.fcproj) {
+        fail(kExitUsage, "--fp8 %s: %s needs fcproj too", text.c_str(), m.fc_grad_e4m3 ? "fc.grad.e4m3" : "fc.grad");
+    }
     return m;
 }
 
@@ -346,7 +348,7 @@ public:
             cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
             cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
         }
-        // fc.grad: the GELU's gradient in E5M2, row-major (N, 4C) and transposed (4C, N).
+        // fc.grad: the GELU's gradient in E5M2 (fc.grad.e4m3: E4M3), row-major (N, 4C) and transposed (4C, N).
         if (m.fc_grad) fp8_grad_.allocate(8 * nc_);
         memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes() + fp8_delayed_.bytes() +
                       fp8_history_.bytes() + fp8_grad_.bytes();
@@ -1095,17 +1097,19 @@ private:
         };
         if (first) {
             cast_all();
+            fp8_amax_blocks_ = fp8_amax_batch_plan(jobs);
             fp8_amax_jobs_.allocate(jobs.size());
             if (!jobs.empty()) {
-                cudaCheck(cudaMemcpy(fp8_amax_jobs_.get(), jobs.data(), jobs.size() * sizeof(Fp8AmaxJob),
-                                     cudaMemcpyHostToDevice));
+                // On stream_, before the kernel that reads it (from pageable memory: staged before it returns).
+                cudaCheck(cudaMemcpyAsync(fp8_amax_jobs_.get(), jobs.data(), jobs.size() * sizeof(Fp8AmaxJob),
+                                          cudaMemcpyHostToDevice, stream_));
             }
             first = false;
         }
         // The weights' slots (kind-major, then layer, then wte's) are the first ones.
         cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, size_t(fp8_weight_slot(kFp8WeightKinds, 0) + 1) * kFp8SlotStride *
                                                           sizeof(unsigned int), stream_));
-        fp8_amax_batch(fp8_amax_jobs_.get(), int(fp8_amax_jobs_.size()), stream_);
+        fp8_amax_batch(fp8_amax_jobs_.get(), int(fp8_amax_jobs_.size()), fp8_amax_blocks_, stream_);
         cast_all();
         fp8_weights_stale_ = false;
     }
@@ -1261,6 +1265,7 @@ private:
     DeviceBuffer<__nv_fp8_e4m3> fp8_weights_;
     DeviceBuffer<unsigned int> fp8_amax_;
     DeviceBuffer<Fp8AmaxJob> fp8_amax_jobs_;  // the weights' amaxes (cast_fp8_weights), built at its first call
+    int64_t fp8_amax_blocks_ = 0;             // fp8_amax_jobs_'s launch (fp8_amax_batch_plan)
     DeviceBuffer<float> fp8_descale_;
     size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
     bool fp8_weights_stale_ = true;
@@ -1268,7 +1273,7 @@ private:
     // (fp8_history()) and how many training forwards it covers (mirrors the count stored after it).
     DeviceBuffer<float> fp8_delayed_, fp8_history_;
     int fp8_history_count_ = 0;
-    DeviceBuffer<uint8_t> fp8_grad_;  // fc.grad: the GELU gradient in E5M2, both layouts
+    DeviceBuffer<uint8_t> fp8_grad_;  // fc.grad: the GELU gradient in E5M2 (or E4M3), both layouts
     // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;

@@ -170,27 +170,36 @@ TEST_F(Fp8Test, CastsMatchTheHostConversion) {
 }
 
 // fp8_amax_batch: each tensor's amax exactly max |x| (its float bits), for tensors of many sizes (1 value to
-// several blocks' worth, aligned and not) in one launch; every other slot left alone.
+// many blocks' worth), some 16-byte aligned (8 values a thread, the tail one by one) and some not, in one
+// launch; every other slot left alone.
 TEST_F(Fp8Test, AmaxBatchMeasuresEveryTensor) {
-    const std::vector<size_t> sizes = {1, 7, 8, 1000, 4099, 300001, 2359296};
-    const std::vector<size_t> offsets = {0, 3, 8, 1, 0, 5, 0};  // values into the buffer: some not 16-byte aligned
+    const std::vector<size_t> sizes = {1, 7, 8, 1000, 4099, 300001, 2359296, 16387};
+    const std::vector<size_t> misalign = {0, 3, 0, 1, 0, 5, 0, 7};  // values past a 16-byte boundary
+    std::vector<size_t> starts;
     size_t total = 0;
-    for (size_t i = 0; i < sizes.size(); i++) total += offsets[i] + sizes[i];
+    for (size_t i = 0; i < sizes.size(); i++) {
+        const size_t at = (total + kPackX - 1) / kPackX * kPackX + misalign[i];
+        starts.push_back(at);
+        total = at + sizes[i];
+    }
     const std::vector<floatX> all = random_bf16(total, 140, 0.02f);
     auto d_all = upload(all);
     DeviceBuffer<unsigned int> amax(4 * sizes.size() + 4);
     cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
     std::vector<Fp8AmaxJob> jobs;
     std::vector<float> want;
-    size_t at = 0;
     for (size_t i = 0; i < sizes.size(); i++) {
-        at += offsets[i];
+        const size_t at = starts[i];
         jobs.push_back({d_all.get() + at, int64_t(sizes[i]), amax.get() + 4 * i});
+        ASSERT_EQ(reinterpret_cast<uintptr_t>(jobs.back().x) % 16 == 0, misalign[i] == 0) << "tensor " << i;
         want.push_back(host_amax(std::vector<floatX>(all.begin() + long(at), all.begin() + long(at + sizes[i]))));
-        at += sizes[i];
     }
+    const int64_t blocks = fp8_amax_batch_plan(jobs);
+    EXPECT_EQ(jobs[6].blocks, 144) << "2,359,296 values, 16,384 a block";
+    EXPECT_EQ(jobs[0].blocks, 1);
+    EXPECT_EQ(jobs.back().first_block + jobs.back().blocks, blocks);
     auto d_jobs = upload(jobs);
-    fp8_amax_batch(d_jobs.get(), int(jobs.size()), kStream);
+    fp8_amax_batch(d_jobs.get(), int(jobs.size()), blocks, kStream);
     const std::vector<unsigned int> got = download(amax.get(), amax.size());
     for (size_t i = 0; i < sizes.size(); i++) {
         float a;

@@ -27,7 +27,9 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
   - determinism: two fresh models, same weights and batches, 5 training steps: losses, norms and the
     final bf16 parameters bitwise identical.
   - FP8 mode (every FP8 matmul on; skipped on GPUs without FP8 tensor cores): the forward and backward
-    against the CPU at every shape (and again with the classifier's backward in bf16), the 10 AdamW steps and the determinism test again, with the FP8
+    against the CPU at every shape (and again with the classifier's backward in bf16, and with the GELU
+    gradient in E4M3), the 10 AdamW steps, gradient accumulation and the determinism test again (with and
+    without fc.grad.e4m3), with the FP8
     tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2 and norms
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
     kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise (but for the weight
@@ -276,11 +278,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GPT2GpuTest, ::testing::ValuesIn(cases()),
 
 class GPT2TrainingTest : public GpuTest {};
 
-// Both modes where the GPU has FP8 tensor cores: the modes the trainer runs (bf16 first).
+// bf16, then where the GPU has FP8 tensor cores every FP8 matmul, and every one with the GELU gradient in
+// E4M3 (over several steps: its delayed scales, which a single step never uses, must be E4M3's).
 std::vector<std::pair<Fp8Matmuls, Tolerances>> modes() {
     std::vector<std::pair<Fp8Matmuls, Tolerances>> m{{Fp8Matmuls{}, kBf16Tol}};
     if (fp8_supported()) {
         m.push_back({kAllFp8, kFp8Tol});
+        m.push_back({parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol});
     } else {
         std::printf("  (FP8 mode not run: this GPU has no FP8 tensor cores)\n");
     }
@@ -582,7 +586,7 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
               "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,fc.grad.e4m3");
     EXPECT_EQ(parse_fp8_matmuls("fc,fcproj,fc.grad.e4m3").describe(), "fc,fcproj,fc.grad,fc.grad.e4m3");
     EXPECT_EQ(parse_fp8_matmuls("1,all").describe(), parse_fp8_matmuls("all").describe());
-    expect_error([] { parse_fp8_matmuls("fc,fc.grad.e4m3"); }, kExitUsage, {"fc.grad needs fcproj"});
+    expect_error([] { parse_fp8_matmuls("fc,fc.grad.e4m3"); }, kExitUsage, {"fc.grad.e4m3 needs fcproj"});
 }
 
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
