@@ -576,8 +576,14 @@ public:
         // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
         // adds into it, so it starts from zero.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
+        // Each LayerNorm backward also adds the column sums of the residual gradient it leaves into the bias
+        // gradient of the projection that gradient flows into next (fcproj, attproj): what that projection's
+        // matmul_backward would add from it, bit for bit, without another pass over it. (With FP8 fcproj, its
+        // gradient cast sums the columns instead.)
+        auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
-                           C, fscratch, sbytes, stream_, grad_amax ? fp8_reset_amax(kFp8Grad) : nullptr);
+                           C, fscratch, sbytes, stream_, grad_amax ? fp8_reset_amax(kFp8Grad) : nullptr,
+                           fcprojb_grad(L - 1));
         for (int l = L - 1; l >= 0; l--) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockTensors<floatX> gb = block(g, l);
@@ -616,8 +622,8 @@ public:
                                fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
                                Fp8Epilogue{nullptr, nullptr, a.fch});
                 }
-                matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, gb.fcprojb, d_residual_, a.fch_gelu,
-                                b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);
+                matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, d_residual_, a.fch_gelu,
+                                b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);  // fcprojb: see above
             }
             if (fp8_fc_grad) {
                 // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 (E4M3 with fc.grad.e4m3) both ways at the
@@ -652,15 +658,16 @@ public:
                 matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
             }
             layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
-                               fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr);
+                               fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr,
+                               gb.attprojb);
             // residual2 = residual + attproj(attention(qkv(ln1))).
             if (fp8_attproj) {
                 const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
                 fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
                            fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
             }
-            matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, gb.attprojb, d_residual_, a.atty,
-                            b.attprojw, N, C, C, fscratch, sbytes, stream_);
+            matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, d_residual_, a.atty,
+                            b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
             attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
             if (fp8_qkv_grad) {
@@ -688,7 +695,8 @@ public:
                                 stream_);
             }
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
-                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr);
+                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr,
+                               l > 0 ? fcprojb_grad(l - 1) : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }

@@ -21,7 +21,10 @@ Provides:
                      32nd chunk, their sums added in warp order); no atomics, so the result is
                      bitwise reproducible on any GPU. Needs layernorm_backward_scratch_bytes(N, C).
                      For C <= 768 the rows and the chunk partials are one kernel's single pass over
-                     dout and inp (same bits).
+                     dout and inp (same bits). Optionally also next_dbias += the column sums of the
+                     new dinp: the bias gradient of the linear layer whose output gradient dinp is
+                     (the residual stream's gradient is the projections' dout), bit for bit what
+                     bias_grad_accumulate (llmc/matmul.cuh) adds, without another pass over dinp.
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
 
 Does not provide: a residual backward kernel (the residual gradient is passed through by accumulating
@@ -319,9 +322,10 @@ constexpr int kLayerNormColumnsPerBlock = kWarpSize * kPackX;  // 256 channels: 
 
 inline int64_t layernorm_chunks(int64_t N) { return ceil_div<int64_t>(N, kLayerNormRowsPerChunk); }
 
-// fp32 partial sums of dweight and dbias for every chunk of rows.
+// fp32 partial sums for every chunk of rows: dweight's and dbias's (chunk-major, 2C a chunk), then
+// next_dbias's (C a chunk, after all of those).
 inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
-    return size_t(layernorm_chunks(N)) * 2 * size_t(C) * sizeof(float);
+    return size_t(layernorm_chunks(N)) * 3 * size_t(C) * sizeof(float);
 }
 
 namespace detail {
@@ -373,77 +377,97 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
 }
 
 // Block (x, chunk): channels [x * 256, x * 256 + 256) over the chunk's rows; writes partial[chunk] =
-// (dweight sums (C), dbias sums (C)).
+// (dweight sums (C), dbias sums (C)) and, with kSumDinp, partial_dinp[chunk] = the sums of dinp (C), read
+// after layernorm_backward_dinp_kernel has added to it.
+template <bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock)
-    layernorm_backward_partial_kernel(float* partial, const floatX* dout, const floatX* inp, const float* mean,
-                                      const float* rstd, int64_t N, int C) {
+    layernorm_backward_partial_kernel(float* partial, float* partial_dinp, const floatX* dout, const floatX* inp,
+                                      const floatX* dinp, const float* mean, const float* rstd, int64_t N, int C) {
     __shared__ float sums_w[kLayerNormRowsPerBlock][kLayerNormColumnsPerBlock];
     __shared__ float sums_b[kLayerNormRowsPerBlock][kLayerNormColumnsPerBlock];
+    __shared__ float sums_r[kSumDinp ? kLayerNormRowsPerBlock : 1][kLayerNormColumnsPerBlock];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int64_t chunk = blockIdx.y;
     const int c0 = blockIdx.x * kLayerNormColumnsPerBlock + lane * kPackX;
     const int64_t row_end = min(N, (chunk + 1) * kLayerNormRowsPerChunk);
-    float acc_w[kPackX] = {}, acc_b[kPackX] = {};
+    float acc_w[kPackX] = {}, acc_b[kPackX] = {}, acc_r[kPackX] = {};
     if (c0 < C) {
         for (int64_t n = chunk * kLayerNormRowsPerChunk + warp; n < row_end; n += kLayerNormRowsPerBlock) {
             const PackX px = load128(inp + n * C + c0), pd = load128(dout + n * C + c0);
+            PackX pr;
+            if constexpr (kSumDinp) pr = load128(dinp + n * C + c0);
             const float m = mean[n], s = rstd[n];
             for (int k = 0; k < kPackX; k++) {
                 const float d = float(pd[k]);
                 acc_w[k] += (float(px[k]) - m) * s * d;
                 acc_b[k] += d;
+                if constexpr (kSumDinp) acc_r[k] += float(pr[k]);
             }
         }
     }
     for (int k = 0; k < kPackX; k++) {
         sums_w[warp][lane * kPackX + k] = acc_w[k];
         sums_b[warp][lane * kPackX + k] = acc_b[k];
+        if constexpr (kSumDinp) sums_r[warp][lane * kPackX + k] = acc_r[k];
     }
     __syncthreads();
     const int c = blockIdx.x * kLayerNormColumnsPerBlock + threadIdx.x;
     if (c < C) {
-        float w = 0.0f, b = 0.0f;
-        for (int r = 0; r < kLayerNormRowsPerBlock; r++) {
-            w += sums_w[r][threadIdx.x];
-            b += sums_b[r][threadIdx.x];
+        float w = 0.0f, b = 0.0f, r = 0.0f;
+        for (int i = 0; i < kLayerNormRowsPerBlock; i++) {
+            w += sums_w[i][threadIdx.x];
+            b += sums_b[i][threadIdx.x];
+            if constexpr (kSumDinp) r += sums_r[i][threadIdx.x];
         }
         partial[chunk * 2 * C + c] = w;
         partial[chunk * 2 * C + C + c] = b;
+        if constexpr (kSumDinp) partial_dinp[chunk * C + c] = r;
     }
 }
 
-// Adds the chunks' partials into dweight and dbias: a block per 32 channels, lane = channel (a warp
-// reads 128 contiguous bytes of each partial row); warp w adds chunks w, w + 32, w + 64, ... in that
-// order, then warp 0 adds the 32 warps' sums in warp order. The order depends only on the number of
-// chunks, never on timing.
+// Adds the chunks' partials into dweight and dbias, and partial_dinp's into next_dbias when it is not
+// null: a block per 32 channels, lane = channel (a warp reads 128 contiguous bytes of each partial row);
+// warp w adds chunks w, w + 32, w + 64, ... in that order, then warp 0 adds the 32 warps' sums in warp
+// order (for next_dbias, the order of bias_grad_final_kernel in llmc/matmul.cuh). The order depends only
+// on the number of chunks, never on timing.
 constexpr int kLayerNormFinalWarps = 32;
 
 static __global__ void __launch_bounds__(kLayerNormFinalWarps * kWarpSize)
-    layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, const float* partial, int64_t chunks, int C) {
+    layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, floatX* next_dbias, const float* partial,
+                                    const float* partial_dinp, int64_t chunks, int C) {
     __shared__ float sums_w[kLayerNormFinalWarps][kWarpSize], sums_b[kLayerNormFinalWarps][kWarpSize];
+    __shared__ float sums_r[kLayerNormFinalWarps][kWarpSize];
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int c = blockIdx.x * kWarpSize + lane;
-    const bool writer = warp == 0 && c < C;
+    const bool writer = warp == 0 && c < C, next = next_dbias != nullptr;
     const float old_w = writer ? float(dweight[c]) : 0.0f, old_b = writer ? float(dbias[c]) : 0.0f;
-    float w = 0.0f, b = 0.0f;
+    const float old_r = writer && next ? float(next_dbias[c]) : 0.0f;
+    float w = 0.0f, b = 0.0f, r = 0.0f;
     if (c < C) {
 #pragma unroll 8
         for (int64_t k = warp; k < chunks; k += kLayerNormFinalWarps) {
             w += partial[k * 2 * C + c];
             b += partial[k * 2 * C + C + c];
         }
+        if (next) {
+#pragma unroll 8
+            for (int64_t k = warp; k < chunks; k += kLayerNormFinalWarps) r += partial_dinp[k * C + c];
+        }
     }
     sums_w[warp][lane] = w;
     sums_b[warp][lane] = b;
+    sums_r[warp][lane] = r;
     __syncthreads();
     if (writer) {
-        float tw = 0.0f, tb = 0.0f;
-        for (int r = 0; r < kLayerNormFinalWarps; r++) {
-            tw += sums_w[r][lane];
-            tb += sums_b[r][lane];
+        float tw = 0.0f, tb = 0.0f, tr = 0.0f;
+        for (int i = 0; i < kLayerNormFinalWarps; i++) {
+            tw += sums_w[i][lane];
+            tb += sums_b[i][lane];
+            tr += sums_r[i][lane];
         }
         dweight[c] = __float2bfloat16_rn(old_w + tw);
         dbias[c] = __float2bfloat16_rn(old_b + tb);
+        if (next) next_dbias[c] = __float2bfloat16_rn(old_r + tr);
     }
 }
 
@@ -460,20 +484,25 @@ namespace detail {
 // registers for that, a warp's dweight and dbias sums live in shared memory (its own slots, a float4
 // per lane with lanes adjacent: no bank conflicts), added to in the same order as in registers; at the
 // end every thread adds the 8 warps' sums of its channels in warp order, as the partial kernel does.
-template <int P>
+// kSumDinp: a third sum, of the new dinp as stored (bf16), into partial_dinp, in the same order.
+template <int P, bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
-    layernorm_backward_fused_kernel(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
-                                    const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                                    unsigned int* amax) {
-    // acc[warp][0 dweight, 1 dbias][p][half of the pack][lane]: channels (p * 32 + lane) * 8 + 4 * half ..
+    layernorm_backward_fused_kernel(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
+                                    const floatX* inp, const floatX* weight, const float* mean, const float* rstd,
+                                    int64_t N, int C, unsigned int* amax) {
+    // acc[warp][0 dweight, 1 dbias, 2 dinp][p][half of the pack][lane]: channels (p * 32 + lane) * 8 + 4 *
+    // half ..
     extern __shared__ float4 acc[];
+    constexpr int kSums = kSumDinp ? 3 : 2;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    auto slot = [&](int w, int wb, int p, int half, int l) { return (((w * 2 + wb) * P + p) * 2 + half) * kWarpSize + l; };
+    auto slot = [&](int w, int wb, int p, int half, int l) {
+        return (((w * kSums + wb) * P + p) * 2 + half) * kWarpSize + l;
+    };
     const int64_t chunk = blockIdx.x;
     const int64_t row_end = min(N, (chunk + 1) * kLayerNormRowsPerChunk);
 #pragma unroll
     for (int p = 0; p < P; p++) {
-        for (int wb = 0; wb < 2; wb++) {
+        for (int wb = 0; wb < kSums; wb++) {
             acc[slot(warp, wb, p, 0, lane)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             acc[slot(warp, wb, p, 1, lane)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
@@ -532,6 +561,15 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
                 ab[h * kWarpSize] = make_float4(sb[4 * h], sb[4 * h + 1], sb[4 * h + 2], sb[4 * h + 3]);
             }
             store128(dinp + row * C + c, o[p]);
+            if constexpr (kSumDinp) {
+                float4* ar = &acc[slot(warp, 2, p, 0, lane)];
+                for (int h = 0; h < 2; h++) {
+                    float4 v = ar[h * kWarpSize];
+                    v.x += float(o[p][4 * h]), v.y += float(o[p][4 * h + 1]);
+                    v.z += float(o[p][4 * h + 2]), v.w += float(o[p][4 * h + 3]);
+                    ar[h * kWarpSize] = v;
+                }
+            }
         }
     }
     fp8_record_amax(amax, out_max);
@@ -539,20 +577,23 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += kLayerNormBlock) {
         const int p = c / kLayerNormColumnsPerBlock, l = (c / kPackX) % kWarpSize, k = c % kPackX;
-        float tw = 0.0f, tb = 0.0f;
+        float tw = 0.0f, tb = 0.0f, tr = 0.0f;
         for (int w = 0; w < kLayerNormRowsPerBlock; w++) {
             tw += reinterpret_cast<const float*>(&acc[slot(w, 0, p, k / 4, l)])[k % 4];
             tb += reinterpret_cast<const float*>(&acc[slot(w, 1, p, k / 4, l)])[k % 4];
+            if constexpr (kSumDinp) tr += reinterpret_cast<const float*>(&acc[slot(w, 2, p, k / 4, l)])[k % 4];
         }
         partial[chunk * 2 * C + c] = tw;
         partial[chunk * 2 * C + C + c] = tb;
+        if constexpr (kSumDinp) partial_dinp[chunk * C + c] = tr;
     }
 }
 
-// Shared memory of layernorm_backward_fused_kernel<P>: the 8 warps' sums (P * 16 KiB: 48 KiB at P = 3,
-// the most a launch may have without opting in).
-constexpr size_t layernorm_backward_fused_smem(int P) {
-    return size_t(kLayerNormRowsPerBlock) * 2 * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
+// Shared memory of layernorm_backward_fused_kernel<P, kSumDinp>: the 8 warps' sums, 8 KiB each per pack
+// (48 KiB at P = 3 for dweight and dbias; 72 KiB with dinp's, over the 48 KiB a launch may have without
+// opting in: layernorm_backward_rows_fused opts in once per kernel). Two blocks an SM fit either way.
+constexpr size_t layernorm_backward_fused_smem(int P, bool sum_dinp) {
+    return size_t(kLayerNormRowsPerBlock) * (sum_dinp ? 3 : 2) * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
 }
 
 // Packs of 8 channels per lane the fused kernel is instantiated for (C up to 768).
@@ -561,34 +602,65 @@ constexpr int kLayerNormFusedMaxPacks = 3;
 // The two ways to dinp and the chunks' partials of layernorm_backward: the fused kernel's one pass, for C
 // up to 256 * kLayerNormFusedMaxPacks, and the separate row and partial kernels, for any C (the same bits
 // where both can run). layernorm_backward picks by C; test/test_kernels.cu compares the two.
+// partial_dinp (chunks x C floats) may be null: then dinp's column sums are not taken.
 inline bool layernorm_backward_fuses(int C) {
     return ceil_div(C, kLayerNormColumnsPerBlock) <= kLayerNormFusedMaxPacks;
 }
 
-inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
-                                          const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                                          cudaStream_t stream, unsigned int* amax = nullptr) {
-    auto launch = [&](auto kernel, int P) {
-        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, layernorm_backward_fused_smem(P), stream>>>(
-            dinp, partial, dout, inp, weight, mean, rstd, N, C, amax);
+inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
+                                          const floatX* inp, const floatX* weight, const float* mean,
+                                          const float* rstd, int64_t N, int C, cudaStream_t stream,
+                                          unsigned int* amax = nullptr) {
+    if (!layernorm_backward_fuses(C)) {
+        fail(kExitUsage, "layernorm_backward: the fused kernel takes C up to %d, not %d",
+             kLayerNormFusedMaxPacks * kLayerNormColumnsPerBlock, C);
+    }
+    auto launch = [&](auto p, auto sum_dinp) {
+        constexpr int P = decltype(p)::value;
+        constexpr bool S = decltype(sum_dinp)::value;
+        constexpr size_t smem = layernorm_backward_fused_smem(P, S);
+        static_assert(smem <= 113 * 1024, "two blocks an SM");
+        auto kernel = layernorm_backward_fused_kernel<P, S>;
+        if constexpr (smem > 48 * 1024) {
+            static const bool opted_in = [&] {
+                cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+                return true;
+            }();
+            (void)opted_in;
+        }
+        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, partial_dinp, dout,
+                                                                                  inp, weight, mean, rstd, N, C, amax);
     };
-    static_assert(layernorm_backward_fused_smem(kLayerNormFusedMaxPacks) <= 48 * 1024, "opt-in shared memory");
+    auto with_sums = [&](auto p) {
+        if (partial_dinp != nullptr) {
+            launch(p, std::true_type{});
+        } else {
+            launch(p, std::false_type{});
+        }
+    };
     switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
-        case 1: launch(layernorm_backward_fused_kernel<1>, 1); break;
-        case 2: launch(layernorm_backward_fused_kernel<2>, 2); break;
-        default: launch(layernorm_backward_fused_kernel<3>, 3); break;
+        case 1: with_sums(std::integral_constant<int, 1>{}); break;
+        case 2: with_sums(std::integral_constant<int, 2>{}); break;
+        default: with_sums(std::integral_constant<int, 3>{}); break;
     }
     cudaCheckLaunch();
 }
 
-inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, const floatX* dout, const floatX* inp,
-                                             const floatX* weight, const float* mean, const float* rstd, int64_t N,
-                                             int C, cudaStream_t stream, unsigned int* amax = nullptr) {
+inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
+                                             const floatX* inp, const floatX* weight, const float* mean,
+                                             const float* rstd, int64_t N, int C, cudaStream_t stream,
+                                             unsigned int* amax = nullptr) {
     layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
                                      stream>>>(dinp, dout, inp, weight, mean, rstd, N, C, amax);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
-    layernorm_backward_partial_kernel<<<grid, kLayerNormBlock, 0, stream>>>(partial, dout, inp, mean, rstd, N, C);
+    if (partial_dinp != nullptr) {
+        layernorm_backward_partial_kernel<true>
+            <<<grid, kLayerNormBlock, 0, stream>>>(partial, partial_dinp, dout, inp, dinp, mean, rstd, N, C);
+    } else {
+        layernorm_backward_partial_kernel<false>
+            <<<grid, kLayerNormBlock, 0, stream>>>(partial, nullptr, dout, inp, dinp, mean, rstd, N, C);
+    }
     cudaCheckLaunch();
 }
 
@@ -596,23 +668,30 @@ inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, const
 
 // dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
 // the mean and rstd saved by the forward. dinp must not alias dout or inp. amax (optional): folds max
-// |dinp| (its values after the addition) into it, as layernorm_forward's.
+// |dinp| (its values after the addition) into it, as layernorm_forward's. next_dbias (optional, C): +=
+// the column sums of dinp after the addition, bit for bit as bias_grad_accumulate (llmc/matmul.cuh)
+// would add them from dinp (the same 256-row chunks, warps and orders), in the same passes.
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                               float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr) {
+                               float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr,
+                               floatX* next_dbias = nullptr) {
     detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight});
     if (scratch_bytes < layernorm_backward_scratch_bytes(N, C)) {
         fail(kExitUsage, "layernorm_backward: scratch of %zu bytes, N=%lld C=%d needs %zu", scratch_bytes,
              (long long)N, C, layernorm_backward_scratch_bytes(N, C));
     }
     if (N == 0) return;
+    const int64_t chunks = layernorm_chunks(N);
+    float* partial_dinp = next_dbias != nullptr ? scratch + chunks * 2 * C : nullptr;
     if (detail::layernorm_backward_fuses(C)) {
-        detail::layernorm_backward_rows_fused(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream, amax);
+        detail::layernorm_backward_rows_fused(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C, stream,
+                                              amax);
     } else {
-        detail::layernorm_backward_rows_separate(dinp, scratch, dout, inp, weight, mean, rstd, N, C, stream, amax);
+        detail::layernorm_backward_rows_separate(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C,
+                                                 stream, amax);
     }
     layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
-        dweight, dbias, scratch, layernorm_chunks(N), C);
+        dweight, dbias, next_dbias, scratch, partial_dinp, chunks, C);
     cudaCheckLaunch();
 }
 

@@ -342,6 +342,20 @@ TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
         expect_close("fused: layernorm out", download_bf16(d_out.get(), n), out_ref, kTolBf16);
         expect_close("fused: mean (fp32)", download(d_mean.get(), size_t(N)), mean_ref, kTolFp32);
         expect_close("fused: rstd (fp32)", download(d_rstd.get(), size_t(N)), rstd_ref, kTolFp32);
+        // The residual may be written over either input: in place over a copy of a, then of b, the same bits.
+        for (int over = 0; over < 2; over++) {
+            SCOPED_TRACE(over == 0 ? "residual written over a" : "residual written over b");
+            auto d_io = upload_bf16(over == 0 ? a : b);
+            DeviceBuffer<floatX> d_out2(n);
+            DeviceBuffer<float> d_mean2(static_cast<size_t>(N)), d_rstd2(static_cast<size_t>(N));
+            fused_residual_layernorm_forward(d_io.get(), d_out2.get(), d_mean2.get(), d_rstd2.get(),
+                                             over == 0 ? d_io.get() : d_a.get(), over == 0 ? d_b.get() : d_io.get(),
+                                             d_w.get(), d_bias.get(), N, s.C, kStream);
+            expect_bitwise("residual", bytes_of(d_io.get(), n), bytes_of(d_residual.get(), n));
+            expect_bitwise("out", bytes_of(d_out2.get(), n), bytes_of(d_out.get(), n));
+            expect_bitwise("mean", bytes_of(d_mean2.get(), size_t(N)), bytes_of(d_mean.get(), size_t(N)));
+            expect_bitwise("rstd", bytes_of(d_rstd2.get(), size_t(N)), bytes_of(d_rstd.get(), size_t(N)));
+        }
     }
 }
 
@@ -349,7 +363,8 @@ TEST_F(KernelTest, ResidualAndFusedResidualLayerNormMatchCpu) {
 // same launch reading the row from memory in each pass (what larger C runs) must give the same bits,
 // plain and with the residual, bf16 and E4M3 out, and both must match the CPU.
 TEST_F(KernelTest, LayerNormForwardHeldRowsKeepTheBits) {
-    const struct { int64_t N; int C; } cases[] = {{37, 72}, {300, 768}, {150, 1024}, {70, 1600}, {41, 2048}};
+    const struct { int64_t N; int C; } cases[] = {{37, 72}, {300, 768}, {150, 1024}, {53, 1280}, {70, 1600},
+                                                  {41, 2048}};
     for (const auto& cs : cases) {
         const int64_t N = cs.N;
         const int C = cs.C;
@@ -430,9 +445,11 @@ TEST_F(KernelTest, LayerNormForwardHeldRowsKeepTheBits) {
 }
 
 TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
-    // kShapes, plus C = 384 (the fused kernel with 2 packs per lane) and C = 1024 (the two-kernel path).
+    // kShapes, plus C = 384 and 640 (the fused kernel with 2 and 3 packs per lane, the last one partial) and
+    // C = 1024 (the two-kernel path).
     std::vector<Shape> shapes(std::begin(kShapes), std::end(kShapes));
     shapes.push_back({3, 300, 384, 6, 101, 128});
+    shapes.push_back({1, 333, 640, 10, 101, 128});
     shapes.push_back({2, 150, 1024, 16, 101, 128});
     for (const Shape& s : shapes) {
         SCOPED_TRACE(s.name());
@@ -454,14 +471,19 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
         auto d_mean = upload(mean), d_rstd = upload(rstd);
         const size_t scratch_bytes = layernorm_backward_scratch_bytes(N, s.C);
         DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
-        std::vector<unsigned char> first[3];
-        for (int run = 0; run < 2; run++) {  // the trainer's path, twice
-            auto d_dinp = upload_bf16(dinp0), d_dw = upload_bf16(dw0), d_db = upload_bf16(db0);
+        // next_dbias: the next linear layer's bias gradient, dinp's column sums added to it.
+        const auto nb0 = random_bf16(size_t(s.C), 27, 4.0f);
+        const std::vector<unsigned char> nb0_bits = bytes_of(upload_bf16(nb0).get(), size_t(s.C));
+        std::vector<unsigned char> first[4];
+        for (int run = 0; run < 3; run++) {  // the trainer's path twice, then without next_dbias
+            const bool next = run < 2;
+            auto d_dinp = upload_bf16(dinp0), d_dw = upload_bf16(dw0), d_db = upload_bf16(db0), d_nb = upload_bf16(nb0);
             poison(scratch);
             layernorm_backward(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
-                               d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream);
-            std::vector<unsigned char> bits[3] = {bytes_of(d_dinp.get(), n), bytes_of(d_dw.get(), size_t(s.C)),
-                                                  bytes_of(d_db.get(), size_t(s.C))};
+                               d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream, nullptr,
+                               next ? d_nb.get() : nullptr);
+            std::vector<unsigned char> bits[4] = {bytes_of(d_dinp.get(), n), bytes_of(d_dw.get(), size_t(s.C)),
+                                                  bytes_of(d_db.get(), size_t(s.C)), bytes_of(d_nb.get(), size_t(s.C))};
             if (run == 0) {
                 expect_close("dinp (relative to what was added)", download_bf16(d_dinp.get(), n), dinp_ref, kTolBf16,
                              &dinp0);
@@ -469,19 +491,40 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
                              kTolBf16, &dw0);
                 expect_close("dbias (relative to what was added)", download_bf16(d_db.get(), size_t(s.C)), db_ref,
                              kTolBf16, &db0);
-                for (int i = 0; i < 3; i++) first[i] = bits[i];
+                // next_dbias: bit for bit what bias_grad_accumulate adds from the dinp just written.
+                auto d_nb_ref = upload_bf16(nb0);
+                const size_t bias_scratch_bytes = matmul_backward_scratch_bytes(N, s.C);
+                DeviceBuffer<float> bias_scratch(bias_scratch_bytes / sizeof(float));
+                bias_grad_accumulate(d_nb_ref.get(), d_dinp.get(), N, s.C, bias_scratch.get(), bias_scratch_bytes,
+                                     kStream);
+                expect_bitwise("next_dbias against bias_grad_accumulate over dinp", bits[3],
+                               bytes_of(d_nb_ref.get(), size_t(s.C)));
+                const std::vector<float> nb = download_bf16(d_nb.get(), size_t(s.C));
+                std::vector<float> nb_cpu = nb0;
+                const std::vector<float> dinp_now = download_bf16(d_dinp.get(), n);
+                for (int64_t r = 0; r < N; r++) {
+                    for (int c = 0; c < s.C; c++) nb_cpu[size_t(c)] += dinp_now[size_t(r) * s.C + c];
+                }
+                expect_close("next_dbias (relative to what was added)", nb, nb_cpu, kTolBf16, &nb0);
+                for (int i = 0; i < 4; i++) first[i] = bits[i];
             } else {
-                SCOPED_TRACE("run twice");
+                SCOPED_TRACE(next ? "run twice" : "without next_dbias");
                 expect_bitwise("dinp", bits[0], first[0]);
                 expect_bitwise("dweight", bits[1], first[1]);
                 expect_bitwise("dbias", bits[2], first[2]);
+                if (next) {
+                    expect_bitwise("next_dbias", bits[3], first[3]);
+                } else {
+                    expect_bitwise("next_dbias (not asked for)", bits[3], nb0_bits);
+                }
             }
         }
         // Where the fused kernel runs (C <= 768), the separate row and partial kernels (what larger C runs)
-        // must give the same dinp and chunk partials bit for bit.
+        // must give the same dinp and chunk partials (dinp's column sums included) bit for bit.
         if (detail::layernorm_backward_fuses(s.C)) {
             SCOPED_TRACE("fused kernel against the separate kernels");
             const size_t n_partial = scratch_bytes / sizeof(float);
+            float* partial_dinp = scratch.get() + layernorm_chunks(N) * 2 * s.C;
             std::vector<unsigned char> dinp_bits[2], partial_bits[2];
             unsigned int amax_bits[2] = {0, 0};
             float dinp_max = 0.0f;
@@ -491,8 +534,8 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
                 DeviceBuffer<unsigned int> amax(1);
                 cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
                 auto rows = way == 0 ? detail::layernorm_backward_rows_fused : detail::layernorm_backward_rows_separate;
-                rows(d_dinp.get(), scratch.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(), d_rstd.get(), N,
-                     s.C, kStream, amax.get());
+                rows(d_dinp.get(), scratch.get(), partial_dinp, d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
+                     d_rstd.get(), N, s.C, kStream, amax.get());
                 dinp_bits[way] = bytes_of(d_dinp.get(), n);
                 partial_bits[way] = bytes_of(scratch.get(), n_partial);
                 cudaCheck(cudaMemcpy(&amax_bits[way], amax.get(), sizeof(unsigned int), cudaMemcpyDeviceToHost));
@@ -501,7 +544,7 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
                 }
             }
             expect_bitwise("dinp", dinp_bits[1], dinp_bits[0]);
-            expect_bitwise("dweight and dbias chunk partials", partial_bits[1], partial_bits[0]);
+            expect_bitwise("dweight, dbias and dinp chunk partials", partial_bits[1], partial_bits[0]);
             // The amax both ways record for an FP8 copy of dinp: exactly max |dinp|.
             float amax_f[2];
             std::memcpy(amax_f, amax_bits, sizeof(amax_f));
@@ -509,6 +552,12 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
             EXPECT_EQ(amax_f[1], dinp_max) << "separate kernels' amax of dinp";
         }
     }
+    expect_error([&] {
+        DeviceBuffer<floatX> x(16 * 1024);
+        DeviceBuffer<float> f(3 * 1024);
+        detail::layernorm_backward_rows_fused(x.get(), f.get(), nullptr, x.get(), x.get(), x.get(), f.get(), f.get(),
+                                              16, 1024, kStream);
+    }, kExitUsage, {"layernorm_backward: the fused kernel takes C up to 768, not 1024"});
 }
 
 // ----------------------------------------------------------------------------------------------------
