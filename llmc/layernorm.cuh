@@ -591,7 +591,7 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
 
 // Shared memory of layernorm_backward_fused_kernel<P, kSumDinp>: the 8 warps' sums, 8 KiB each per pack
 // (48 KiB at P = 3 for dweight and dbias; 72 KiB with dinp's, over the 48 KiB a launch may have without
-// opting in: layernorm_backward_rows_fused opts in once per kernel). Two blocks an SM fit either way.
+// opting in: layernorm_backward_rows_fused opts in). Two blocks an SM fit either way.
 constexpr size_t layernorm_backward_fused_smem(int P, bool sum_dinp) {
     return size_t(kLayerNormRowsPerBlock) * (sum_dinp ? 3 : 2) * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
 }
@@ -621,12 +621,8 @@ inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* p
         constexpr size_t smem = layernorm_backward_fused_smem(P, S);
         static_assert(smem <= 113 * 1024, "two blocks an SM");
         auto kernel = layernorm_backward_fused_kernel<P, S>;
-        if constexpr (smem > 48 * 1024) {
-            static const bool opted_in = [&] {
-                cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-                return true;
-            }();
-            (void)opted_in;
+        if constexpr (smem > 48 * 1024) {  // at every launch: the setting is the current device's
+            cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
         }
         kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, partial_dinp, dout,
                                                                                   inp, weight, mean, rstd, N, C, amax);
