@@ -24,7 +24,9 @@ Provides:
                      dout and inp (same bits). Optionally also next_dbias += the column sums of the
                      new dinp: the bias gradient of the linear layer whose output gradient dinp is
                      (the residual stream's gradient is the projections' dout), bit for bit what
-                     bias_grad_accumulate (llmc/matmul.cuh) adds, without another pass over dinp.
+                     bias_grad_accumulate (llmc/matmul.cuh) adds, without another pass over dinp
+                     (where the fused kernel's extra shared memory would cost it blocks an SM, as on
+                     sm_86 and sm_89, bias_grad_accumulate itself runs after it).
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
 
 Does not provide: a residual backward kernel (the residual gradient is passed through by accumulating
@@ -39,6 +41,7 @@ into dinp, which the trainer arranges) or recomputation of the forward.
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -431,6 +434,10 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
 // order (for next_dbias, the order of bias_grad_final_kernel in llmc/matmul.cuh). The order depends only
 // on the number of chunks, never on timing.
 constexpr int kLayerNormFinalWarps = 32;
+// next_dbias keeps bias_grad_accumulate's bits only while the chunks, warps and orders are its own.
+static_assert(kLayerNormRowsPerChunk == kBiasGradRowsPerChunk && kLayerNormBlock == kBiasGradBlock &&
+                  kLayerNormColumnsPerBlock == kBiasGradColumnsPerBlock && kLayerNormFinalWarps == kBiasGradFinalWarps,
+              "LayerNorm backward's column sums must follow the bias gradient's chunks and orders");
 
 static __global__ void __launch_bounds__(kLayerNormFinalWarps * kWarpSize)
     layernorm_backward_final_kernel(floatX* dweight, floatX* dbias, floatX* next_dbias, const float* partial,
@@ -591,9 +598,20 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
 
 // Shared memory of layernorm_backward_fused_kernel<P, kSumDinp>: the 8 warps' sums, 8 KiB each per pack
 // (48 KiB at P = 3 for dweight and dbias; 72 KiB with dinp's, over the 48 KiB a launch may have without
-// opting in: layernorm_backward_rows_fused opts in). Two blocks an SM fit either way.
+// opting in: layernorm_backward_rows_fused opts in).
 constexpr size_t layernorm_backward_fused_smem(int P, bool sum_dinp) {
     return size_t(kLayerNormRowsPerBlock) * (sum_dinp ? 3 : 2) * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
+}
+
+// Whether two blocks of the fused kernel with dinp's sums fit on an SM of the current device at C (the
+// kernel's speed needs both: its warps work through their rows one after another). 72 KiB twice fits
+// the 228 KiB of sm_80 and sm_90, not the 100 KiB of sm_86 and sm_89.
+inline bool layernorm_backward_fused_sums_fit(int C) {
+    const int P = ceil_div(C, kLayerNormColumnsPerBlock);
+    int device = 0, per_sm = 0;
+    cudaCheck(cudaGetDevice(&device));
+    cudaCheck(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    return 2 * (layernorm_backward_fused_smem(P, true) + 1024) <= size_t(per_sm);  // 1 KiB the system's a block
 }
 
 // Packs of 8 channels per lane the fused kernel is instantiated for (C up to 768).
@@ -619,7 +637,7 @@ inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* p
         constexpr int P = decltype(p)::value;
         constexpr bool S = decltype(sum_dinp)::value;
         constexpr size_t smem = layernorm_backward_fused_smem(P, S);
-        static_assert(smem <= 113 * 1024, "two blocks an SM");
+        static_assert(smem <= 113 * 1024, "two blocks an SM of sm_90");
         auto kernel = layernorm_backward_fused_kernel<P, S>;
         if constexpr (smem > 48 * 1024) {  // at every launch: the setting is the current device's
             cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -680,8 +698,18 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     const int64_t chunks = layernorm_chunks(N);
     float* partial_dinp = next_dbias != nullptr ? scratch + chunks * 2 * C : nullptr;
     if (detail::layernorm_backward_fuses(C)) {
-        detail::layernorm_backward_rows_fused(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C, stream,
-                                              amax);
+        if (partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C)) {
+            // Where the sums would halve the fused kernel's blocks an SM: without them, and next_dbias from
+            // the bias gradient's own pass over dinp (the same bits), in the same part of the scratch.
+            detail::layernorm_backward_rows_fused(dinp, scratch, nullptr, dout, inp, weight, mean, rstd, N, C, stream,
+                                                  amax);
+            bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);
+            next_dbias = nullptr;
+            partial_dinp = nullptr;
+        } else {
+            detail::layernorm_backward_rows_fused(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C,
+                                                  stream, amax);
+        }
     } else {
         detail::layernorm_backward_rows_separate(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C,
                                                  stream, amax);
