@@ -171,7 +171,9 @@ inline Flags make_flags(Options& o) {
           "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) "
           "and fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs "
           "fcproj); or a comma-separated list of them, 1 and all (1,fcproj: 1 and fcproj), where "
-          "fc.grad.e4m3 is fc.grad with the GELU gradient in E4M3 (all,fc.grad.e4m3); 0: bf16 everywhere. "
+          "fc.grad.e4m3 is fc.grad with the GELU gradient in E4M3 (all,fc.grad.e4m3) and grad.e4m3 every "
+          "gradient those matmuls read in E4M3, the classifier's dlogits excepted (all,grad.e4m3); 0: bf16 "
+          "everywhere. "
           "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
           "weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
@@ -565,9 +567,11 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
     if (plan.fp8.any()) {
-        std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients%s, per-tensor scales); the rest bf16\n",
-                    plan.fp8.describe().c_str(),
-                    plan.fp8.fc_grad_e4m3 && o.recompute != 1 ? " but the GELU gradient in E4M3" : "");
+        const char* grads = plan.fp8.grad_e4m3 ? "E4M3 gradients but the classifier's (E5M2)"
+                            : plan.fp8.fc_grad_e4m3 && o.recompute != 1 ? "E5M2 gradients but the GELU gradient in E4M3"
+                                                                         : "E5M2 gradients";
+        std::printf("FP8 matmuls: %s (E4M3 activations and weights, %s, per-tensor scales); the rest bf16\n",
+                    plan.fp8.describe().c_str(), grads);
         if (plan.fp8.fcproj && o.recompute == 1) {
             std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16\n",
                         plan.fp8.fc_grad ? " and fc.grad" : "");

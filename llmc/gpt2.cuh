@@ -131,9 +131,13 @@ struct Fp8Matmuls {
     bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
     bool fc_grad = false;                           // fc's backward, fcproj's dX (GELU gradient E5M2; needs fcproj)
     bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
+    bool grad_e4m3 = false;                         // every gradient operand in E4M3 but the classifier's dlogits
     bool any() const {
         return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
     }
+    // Whether a backward matmul other than the classifier's reads a gradient in FP8 (what grad.e4m3 changes).
+    bool any_grad() const { return attproj_dx || fcproj_dx || qkv_grad || fcproj || fc_grad; }
+    bool dgelu_e4m3() const { return fc_grad_e4m3 || grad_e4m3; }  // the GELU gradient's format (fc.grad)
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -149,6 +153,7 @@ struct Fp8Matmuls {
         add(fcproj, "fcproj");
         add(fc_grad, "fc.grad");
         add(fc_grad_e4m3, "fc.grad.e4m3");
+        add(grad_e4m3, "grad.e4m3");
         return s.empty() ? "none" : s;
     }
 };
@@ -157,9 +162,10 @@ struct Fp8Matmuls {
 // with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
 // "all": every matmul Fp8Matmuls names (the GELU gradient in E5M2); else a comma-separated list of qkv, fc,
 // lm_head, attproj.dx, fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj
-// (which needs fc), fc.grad (which needs fcproj) and fc.grad.e4m3 (fc.grad with the GELU gradient in E4M3),
-// in which 1 and all stand for their matmuls (so "1,qkv.grad" is 1 and qkv.grad, "all,fc.grad.e4m3" all
-// with the E4M3 GELU gradient).
+// (which needs fc), fc.grad (which needs fcproj), fc.grad.e4m3 (fc.grad with the GELU gradient in E4M3)
+// and grad.e4m3 (every gradient those matmuls read in E4M3: the residual stream's, dqkv, the GELU
+// gradient; not the classifier's dlogits), in which 1 and all stand for their matmuls (so "1,qkv.grad" is
+// 1 and qkv.grad, "all,fc.grad.e4m3" all with the E4M3 GELU gradient).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
@@ -189,9 +195,11 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.fc_grad = true;
         } else if (name == "fc.grad.e4m3") {
             m.fc_grad = m.fc_grad_e4m3 = true;
+        } else if (name == "grad.e4m3") {
+            m.grad_e4m3 = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, all, qkv, "
-                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3",
+                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3, grad.e4m3",
                  text.c_str(), name.c_str());
         }
     }
@@ -200,6 +208,10 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
     if (m.fc_grad && !m.fcproj) {
         fail(kExitUsage, "--fp8 %s: %s needs fcproj too", text.c_str(), m.fc_grad_e4m3 ? "fc.grad.e4m3" : "fc.grad");
+    }
+    if (m.grad_e4m3 && !m.any_grad()) {
+        fail(kExitUsage, "--fp8 %s: grad.e4m3 needs a backward matmul in FP8 (attproj.dx, fcproj.dx, qkv.grad, fcproj "
+             "or fc.grad)", text.c_str());
     }
     return m;
 }
@@ -326,6 +338,9 @@ public:
         if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
         if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
         if (m.fc_grad_e4m3 && !m.fc_grad) fail(kExitUsage, "FP8 fc.grad.e4m3 needs fc.grad (%s)", m.describe().c_str());
+        if (m.grad_e4m3 && !m.any_grad()) {
+            fail(kExitUsage, "FP8 grad.e4m3 needs a gradient matmul (%s)", m.describe().c_str());
+        }
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
         const bool on[kFp8WeightKinds] = {m.qkv,      m.fc,     m.attproj_dx, m.fcproj_dx || m.fc_grad,
                                           m.qkv_grad, m.fcproj, m.fc_grad};
@@ -594,33 +609,38 @@ public:
             // holds the last layer's forward output: recompute layer l's.
             if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
             if (fp8_fcproj_w) {
-                uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
-                auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(at);
-                auto* g8t = reinterpret_cast<__nv_fp8_e5m2*>(at + nc_);
-                auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
-                fp8_cast_pair(fp8_fcproj || fp8_fc_grad ? g8 : nullptr, g8t, N, d_residual_, N, C,
-                              fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_, fscratch);
-                if (fp8_fc_grad) {
-                    // fc.grad: the product alone (the GELU gradient comes with the cast below).
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_);
-                } else if (fp8_fcproj) {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
-                               Fp8Epilogue{nullptr, nullptr, a.fch});
-                } else {
-                    matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
-                }
-                fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
-                fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_delayed_descale(l),
-                           gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
+                with_grad_format([&](auto format) {
+                    using G = decltype(format);
+                    uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
+                    auto* g8 = reinterpret_cast<G*>(at);
+                    auto* g8t = reinterpret_cast<G*>(at + nc_);
+                    auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
+                    fp8_cast_pair(fp8_fcproj || fp8_fc_grad ? g8 : nullptr, g8t, N, d_residual_, N, C,
+                                  fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_, fscratch);
+                    if (fp8_fc_grad) {
+                        // fc.grad: the product alone (the GELU gradient comes with the cast below).
+                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_);
+                    } else if (fp8_fcproj) {
+                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
+                                   Fp8Epilogue{nullptr, nullptr, a.fch});
+                    } else {
+                        matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
+                    }
+                    fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
+                    fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_delayed_descale(l),
+                               gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                    bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
+                });
             } else {
                 if (fp8_fcproj) {
-                    const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                               fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
-                               Fp8Epilogue{nullptr, nullptr, a.fch});
+                    with_grad_format([&](auto format) {
+                        const auto* g8 = fp8_cast_operand<decltype(format)>(d_residual_, N * C, kFp8Grad);
+                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
+                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
+                                   Fp8Epilogue{nullptr, nullptr, a.fch});
+                    });
                 }
                 matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, d_residual_, a.fch_gelu,
                                 b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);  // fcprojb: see above
@@ -651,7 +671,7 @@ public:
                     fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
                                gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                 };
-                fp8_.fc_grad_e4m3 ? fc_backward(__nv_fp8_e4m3{}) : fc_backward(__nv_fp8_e5m2{});
+                fp8_.dgelu_e4m3() ? fc_backward(__nv_fp8_e4m3{}) : fc_backward(__nv_fp8_e5m2{});
             } else {
                 const floatX* ln2 =
                     a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
@@ -662,32 +682,39 @@ public:
                                gb.attprojb);
             // residual2 = residual + attproj(attention(qkv(ln1))).
             if (fp8_attproj) {
-                const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
-                fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
-                           fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
+                with_grad_format([&](auto format) {
+                    const auto* g8 = fp8_cast_operand<decltype(format)>(d_residual_, N * C, kFp8Grad);
+                    fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
+                               fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
+                });
             }
             matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, d_residual_, a.atty,
                             b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
             attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
             if (fp8_qkv_grad) {
-                // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 in both layouts (one
-                // cast, its amax recorded by attention's backward) and ln1^T (a byte transpose of the kept
-                // E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias gradient from bf16 dqkv's
-                // column sums, which the cast adds up as it reads dqkv.
-                auto* g8 = reinterpret_cast<__nv_fp8_e5m2*>(d_fch_);
-                __nv_fp8_e5m2* g8t = g8 + N * 3 * C;
-                auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
-                // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C bytes).
-                auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
-                fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_,
-                              bias_partial);
-                fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
-                fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
-                           fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
-                fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_ln1_descale(l, N),
-                           gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C, stream_);
+                with_grad_format([&](auto format) {
+                    // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 (E4M3 with grad.e4m3)
+                    // in both layouts (one cast, its amax recorded by attention's backward) and ln1^T (a byte
+                    // transpose of the kept E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias
+                    // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv.
+                    using G = decltype(format);
+                    auto* g8 = reinterpret_cast<G*>(d_fch_);
+                    G* g8t = g8 + N * 3 * C;
+                    auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
+                    // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C
+                    // bytes).
+                    auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
+                    fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad),
+                                  stream_, bias_partial);
+                    fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
+                    fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
+                               fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
+                    fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_ln1_descale(l, N),
+                               gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+                    bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C,
+                                            stream_);
+                });
             } else {
                 const floatX* ln1 =
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
@@ -809,7 +836,7 @@ private:
                                                      fp8_delayed_scale(fp8_dgelu_slot(0)),
                                                      fp8_delayed_descale(fp8_dgelu_slot(0)), kFp8SlotStride, stream_);
             };
-            fp8_.fc_grad_e4m3 ? dgelu_scales(__nv_fp8_e4m3{}) : dgelu_scales(__nv_fp8_e5m2{});
+            fp8_.dgelu_e4m3() ? dgelu_scales(__nv_fp8_e4m3{}) : dgelu_scales(__nv_fp8_e5m2{});
             // ln1's and ln2's slots, one after the other.
             const int ln_slots = fp8_ln1_delayed_slot(0);
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
@@ -1053,6 +1080,16 @@ private:
         Fp8* q = reinterpret_cast<Fp8*>(d_qkv_);
         fp8_cast(q, x, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
         return q;
+    }
+    // f(__nv_fp8_e4m3{}) with grad.e4m3, else f(__nv_fp8_e5m2{}): the format of the gradients backward casts
+    // for its FP8 matmuls (the residual stream's, dqkv; the GELU gradient's is dgelu_e4m3()).
+    template <class F>
+    void with_grad_format(F&& f) const {
+        if (fp8_.grad_e4m3) {
+            f(__nv_fp8_e4m3{});
+        } else {
+            f(__nv_fp8_e5m2{});
+        }
     }
     // The LayerNorm output forward just wrote to d_ln_ (n values, its amax in the slot) into its kept FP8
     // copy q; the slot's descale set.

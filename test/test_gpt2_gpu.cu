@@ -258,14 +258,16 @@ TEST_P(GPT2GpuTest, ForwardAndBackwardMatchCpu) {
     check_forward_backward(k, Fp8Matmuls{}, kBf16Tol);
 }
 
-// The same with every FP8 matmul on (also with the GELU gradient in E4M3), and with all but the
-// classifier's backward (skipped on GPUs without FP8 tensor cores).
+// The same with every FP8 matmul on (also with the GELU gradient in E4M3, and with every gradient but the
+// classifier's in E4M3), and with all but the classifier's backward (skipped on GPUs without FP8 tensor
+// cores).
 TEST_P(GPT2GpuTest, Fp8ForwardAndBackwardMatchCpu) {
     const Case& k = GetParam();
     if (k.long_running && !long_tests_enabled()) GTEST_SKIP() << "skipped: set LLMC_LONG_TESTS=1 to run " << k.name;
     if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
     check_forward_backward(k, kAllFp8, kFp8Tol);
     check_forward_backward(k, parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol);
+    check_forward_backward(k, parse_fp8_matmuls("all,grad.e4m3"), kFp8Tol);
     check_forward_backward(k, kFp8HeadGradBf16, kFp8Tol);
 }
 
@@ -587,6 +589,13 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     EXPECT_EQ(parse_fp8_matmuls("fc,fcproj,fc.grad.e4m3").describe(), "fc,fcproj,fc.grad,fc.grad.e4m3");
     EXPECT_EQ(parse_fp8_matmuls("1,all").describe(), parse_fp8_matmuls("all").describe());
     expect_error([] { parse_fp8_matmuls("fc,fc.grad.e4m3"); }, kExitUsage, {"fc.grad.e4m3 needs fcproj"});
+    EXPECT_EQ(parse_fp8_matmuls("all,grad.e4m3").describe(),
+              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,grad.e4m3");
+    EXPECT_TRUE(parse_fp8_matmuls("1,grad.e4m3").grad_e4m3);
+    EXPECT_TRUE(parse_fp8_matmuls("all,grad.e4m3").dgelu_e4m3());
+    EXPECT_FALSE(parse_fp8_matmuls("all").dgelu_e4m3());
+    expect_error([] { parse_fp8_matmuls("qkv,fc,lm_head,grad.e4m3"); }, kExitUsage,
+                 {"grad.e4m3 needs a backward matmul in FP8"});
 }
 
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
