@@ -567,7 +567,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
     if (plan.fp8.any()) {
-        const char* grads = plan.fp8.grad_e4m3 ? "E4M3 gradients but the classifier's (E5M2)"
+        const char* grads = plan.fp8.grad_e4m3 ? (plan.fp8.lm_head_grad ? "E4M3 gradients but the classifier's (E5M2)"
+                                                                        : "E4M3 gradients")
                             : plan.fp8.fc_grad_e4m3 && o.recompute != 1 ? "E5M2 gradients but the GELU gradient in E4M3"
                                                                          : "E5M2 gradients";
         std::printf("FP8 matmuls: %s (E4M3 activations and weights, %s, per-tensor scales); the rest bf16\n",

@@ -52,7 +52,8 @@ output) and writes the result in E5M2 row-major (for dX, against fc's weight tra
 transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
 its columns for fc's bias (fc.grad.e4m3: the GELU gradient in E4M3 instead, 3 mantissa bits to E5M2's 2,
 for a tensor whose range one per-tensor scale covers; an option while the loss comparisons decide).
-backward adds the amaxes measured in the step to the history (one entry per training forward and
+grad.e4m3 does the same for every gradient named above that E5M2 holds (the residual stream's, dqkv, the
+GELU gradient), the classifier's dlogits excepted. backward adds the amaxes measured in the step to the history (one entry per training forward and
 backward). The history is the only FP8 state: a checkpoint holds it
 (fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
 and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
@@ -129,7 +130,7 @@ struct Fp8Matmuls {
     bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
     bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
     bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
-    bool fc_grad = false;                           // fc's backward, fcproj's dX (GELU gradient E5M2; needs fcproj)
+    bool fc_grad = false;                           // fc's backward, fcproj's dX (the GELU gradient; needs fcproj)
     bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
     bool grad_e4m3 = false;                         // every gradient operand in E4M3 but the classifier's dlogits
     bool any() const {
@@ -564,9 +565,9 @@ public:
         // spent), ln1 in d_fch_ (layer l's fc gradient is).
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
         const bool fp8_qkv_grad = fp8_.qkv_grad && fp8_rows(N);
-        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2, transposed, and the
-        // byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient is spent), after
-        // the row-major E5M2 copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
+        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2 (E4M3 with grad.e4m3),
+        // transposed, and the byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient
+        // is spent), after the row-major copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
         const bool fp8_fcproj_w = fp8_fcproj_on(N);
         const bool fp8_fc_grad = fp8_fcproj_w && fp8_.fc_grad;
         const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
@@ -991,7 +992,7 @@ private:
     // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
     // aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
     // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3), the
-    // gradient's (E5M2), each reused by one matmul after another, and the classifier's dlogits (E5M2).
+    // gradient's (E5M2, or E4M3 with grad.e4m3), each reused by one matmul after another, and the classifier's dlogits (E5M2).
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
@@ -999,7 +1000,7 @@ private:
                          kFp8FcT = 6, kFp8WeightKinds = 7;
     static constexpr int kFp8SlotStride = 4;
     // Delayed scaling (the file's comment): the training steps each scale looks back on, and its slots:
-    // layer l's GELU output (E4M3) at l, its GELU gradient (E5M2, fc.grad) at fp8_dgelu_slot(l), its kept
+    // layer l's GELU output (E4M3) at l, its GELU gradient (fc.grad) at fp8_dgelu_slot(l), its kept
     // ln1 and ln2 (E4M3) at fp8_ln1_delayed_slot(l) and fp8_ln2_delayed_slot(l).
     static constexpr int kFp8HistoryLen = 16;
     static constexpr int kFp8DelayedKinds = 4;

@@ -34,8 +34,10 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
     kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise (but for the weight
     gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
-    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). The trainer's --fp8
-    values parse to the matmuls they name (this one runs without a GPU).
+    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). grad.e4m3 changes the
+    block weight gradients of a step against all's (E4M3 casts, not E5M2) and keeps them within the FP8
+    gradient tolerance. The trainer's --fp8 values parse to the matmuls they name (this one runs without
+    a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -268,6 +270,8 @@ TEST_P(GPT2GpuTest, Fp8ForwardAndBackwardMatchCpu) {
     check_forward_backward(k, kAllFp8, kFp8Tol);
     check_forward_backward(k, parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol);
     check_forward_backward(k, parse_fp8_matmuls("all,grad.e4m3"), kFp8Tol);
+    // fcproj.dx without fc.grad: the FP8 matmul with the GELU-gradient epilogue, E4M3 x E4M3.
+    check_forward_backward(k, parse_fp8_matmuls("qkv,fc,lm_head,attproj.dx,fcproj.dx,grad.e4m3"), kFp8Tol);
     check_forward_backward(k, kFp8HeadGradBf16, kFp8Tol);
 }
 
@@ -596,6 +600,45 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     EXPECT_FALSE(parse_fp8_matmuls("all").dgelu_e4m3());
     expect_error([] { parse_fp8_matmuls("qkv,fc,lm_head,grad.e4m3"); }, kExitUsage,
                  {"grad.e4m3 needs a backward matmul in FP8"});
+}
+
+// grad.e4m3 changes what the gradients' casts write (E4M3, not E5M2): the same step's weight gradients must
+// differ from `all`'s somewhere, and stay close to them.
+TEST_F(GPT2TrainingTest, GradE4m3CastsTheGradientsInE4m3) {
+    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    const GPT2Config c = config_from_descriptor("d2");
+    const std::vector<float> params = test_parameters(c, 71);
+    const int B = 4, T = 64;
+    const size_t N = size_t(B) * T;
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 72);
+    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 73);
+    auto grads = [&](const char* fp8) {
+        Stream stream;
+        GPT2 gpu(c, B, T, stream);
+        gpu.set_fp8(parse_fp8_matmuls(fp8));
+        gpu.set_parameters(params);
+        auto d_in = upload(inputs), d_tg = upload(targets);
+        gpu.zero_grad();
+        gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+        gpu.backward(d_in.get(), B, T);
+        return download(gpu.grads(), size_t(gpu.num_parameters()), stream);
+    };
+    const std::vector<floatX> e5m2 = grads("all"), e4m3 = grads("all,grad.e4m3");
+    const auto tensors = param_tensors(c);
+    for (int i : {int(kQkvw), int(kAttprojw), int(kFcw), int(kFcprojw)}) {
+        const ParamTensorInfo& t = tensors[size_t(i)];
+        double diff = 0, norm = 0;
+        for (int64_t j = 0; j < t.numel; j++) {
+            const double a = __bfloat162float(e5m2[size_t(t.offset + j)]);
+            const double b = __bfloat162float(e4m3[size_t(t.offset + j)]);
+            diff += (a - b) * (a - b);
+            norm += a * a;
+        }
+        const double rel = std::sqrt(diff / norm);
+        std::printf("  %s gradient, grad.e4m3 against E5M2: %.3e relative\n", t.name, rel);
+        EXPECT_GT(rel, 0.0) << t.name << ": grad.e4m3 changed nothing";
+        EXPECT_LT(rel, kFp8Tol.grad) << t.name;
+    }
 }
 
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
