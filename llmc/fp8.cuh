@@ -574,7 +574,8 @@ __global__ void fp8_history_push_kernel(float* history, int slots, int len, cons
     if (s >= slots) return;
     float* h = history + int64_t(s) * len;
     for (int i = len - 1; i > 0; i--) h[i] = h[i - 1];
-    h[0] = amax[int64_t(s) * stride];
+    const float a = amax[int64_t(s) * stride];
+    h[0] = isfinite(a) ? a : 0.0f;  // a step that overflowed (skipped by the step guard) must not set 16 steps' scales
 }
 
 }  // namespace detail
@@ -584,7 +585,9 @@ __global__ void fp8_history_push_kernel(float* history, int slots, int len, cons
 // history ((slots, len) floats, entry 0 the newest; zeros where there were fewer writes), and is written
 // with scale = kMax / (the largest of them) (1 for an all-zero history). fp8_delayed_scales writes each
 // slot's scale and descale = 1 / scale at scale[s * stride] and descale[s * stride]; fp8_history_push
-// shifts each slot's history by one and puts amax[s * stride] (the amax just measured) in front, and
+// shifts each slot's history by one and puts amax[s * stride] (the amax just measured; 0 if it is inf or
+// NaN: an overflowing step, which the trainer's step guard skips, would otherwise give the next len steps a
+// scale of 0) in front, and
 // counts the writes in *count (unless null; a float, at most len: how much of the history is real). A
 // tensor whose amax grew past its history's saturates at kMax (Fp8Gemm's FP8 outputs clip) until the
 // history catches up: one write later.

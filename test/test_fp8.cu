@@ -25,7 +25,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     and refusals of accumulate, the GELU-gradient epilogue, a missing or unaligned scale_d;
   - fp8_history_push and fp8_delayed_scales: the history shifted newest-first with its count (at most
     len), each slot's scale exactly kMax / the largest of its last len amaxes (1 when all are zero),
-    strided slots read and written at their stride only;
+    strided slots read and written at their stride only; an inf or NaN amax enters as 0;
   - fp8_cast_pair: the row-major bytes equal to the host's conversion and the transposed ones their
     transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
     and at shapes that are not multiples of 16, and with the row-major copy left out; its column sums of
@@ -897,6 +897,19 @@ TEST_F(Fp8Test, DelayedScalesComeFromTheHistory) {
     // After 6 pushes slot 0 holds 0.0625 .. 0.5 and its scale is 448 / 0.5: the 1.0 and 2.0 of the first two
     // pushes have aged out.
     EXPECT_EQ(download(scale.get(), 1)[0], 448.0f / 0.5f);
+    // An overflowing step's amax (inf, NaN) enters as 0: the scales stay those of the finite entries.
+    std::vector<float> a(size_t(slots * stride), 99.0f);
+    a[0] = INFINITY;
+    a[size_t(stride)] = NAN;
+    a[size_t(2 * stride)] = -INFINITY;
+    cudaCheck(cudaMemcpy(amax.get(), a.data(), amax.bytes(), cudaMemcpyHostToDevice));
+    fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream);
+    fp8_delayed_scales<__nv_fp8_e4m3>(history.get(), slots, len, scale.get(), descale.get(), stride, kStream);
+    const std::vector<float> h = download(history.get(), history.size()), sc = download(scale.get(), scale.size());
+    for (int s = 0; s < slots; s++) EXPECT_EQ(h[size_t(s * len)], 0.0f) << "a non-finite amax in slot " << s;
+    EXPECT_EQ(sc[0], 448.0f / 0.25f);  // 0, 0.0625, 0.125, 0.25
+    EXPECT_EQ(sc[size_t(stride)], 448.0f / 1.0f);
+    EXPECT_EQ(sc[size_t(2 * stride)], 1.0f);
 }
 
 // The model's FP8 matmuls against its bf16 ones (the file's comment).
