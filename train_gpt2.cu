@@ -172,8 +172,10 @@ inline Flags make_flags(Options& o) {
           "and fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs "
           "fcproj); or a comma-separated list of them, 1 and all (1,fcproj: 1 and fcproj), where "
           "fc.grad.e4m3 is fc.grad with the GELU gradient in E4M3 (all,fc.grad.e4m3) and grad.e4m3 every "
-          "gradient those matmuls read in E4M3, the classifier's dlogits excepted (all,grad.e4m3); 0: bf16 "
-          "everywhere. "
+          "gradient those matmuls read in E4M3, the classifier's dlogits excepted (all,grad.e4m3), and "
+          "qkv.grad.delayed qkv.grad with dqkv written in FP8 by attention's backward itself at such a scale, "
+          "no cast pass (all,qkv.grad.delayed; needs fcproj; where attention runs its Hopper kernels and T is a "
+          "multiple of 64, else dqkv is cast as with qkv.grad); 0: bf16 everywhere. "
           "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
           "weight gradients stay bf16");
     f.add("", "stochastic-rounding", &o.stochastic_rounding,
@@ -574,8 +576,13 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
         std::printf("FP8 matmuls: %s (E4M3 activations and weights, %s, per-tensor scales); the rest bf16\n",
                     plan.fp8.describe().c_str(), grads);
         if (plan.fp8.fcproj && o.recompute == 1) {
-            std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16\n",
-                        plan.fp8.fc_grad ? " and fc.grad" : "");
+            std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16%s\n",
+                        plan.fp8.fc_grad ? " and fc.grad" : "",
+                        plan.fp8.qkv_grad_delayed ? ", and dqkv is cast at its own max (no delayed scale)" : "");
+        } else if (plan.fp8.qkv_grad_delayed &&
+                   !attention_backward_fp8_shape(o.T, plan.config.channels, plan.config.num_heads)) {
+            std::printf("note: attention's backward cannot write dqkv in FP8 here (it needs head size 64, T a multiple "
+                        "of 64 and a GPU_ARCH=90 build on Hopper): dqkv is cast as with qkv.grad\n");
         }
     }
     std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "

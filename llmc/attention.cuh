@@ -41,6 +41,10 @@ two paths agree to within bf16 rounding, not bitwise. attention_backward's amax_
 largest |value| of dqkv is folded into it for an FP8 cast of dqkv (llmc/fp8.cuh; the caller zeroes it):
 by the flash kernels as they store dqkv (an atomicMax of exact values: the result does not depend on the
 order), by a pass of its own after the cuBLASLt path.
+attention_backward_fp8 / attention_backward_fp8_available(B, T, C, NH): the same gradient written in FP8
+by the wgmma kernels themselves (flash90_backward_fp8: row-major and transposed, with the 64-row blocks'
+column sums and the amax), where those kernels run (HS 64 on an sm_90a build on Hopper) and T is a multiple
+of 64; elsewhere the caller casts attention_backward's bf16 dqkv.
 
 Does not provide: dropout, masks other than causal and the groups above (no backward through groups),
 a KV cache.
@@ -358,6 +362,38 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
                                     scratch_bytes, stream);
         if (amax_bits != nullptr) fp8_amax_fold(dqkv, int64_t(B) * T * 3 * C, amax_bits, stream);  // a pass of its own
     }
+}
+
+// Whether this build's attention_backward_fp8 takes the shape (head size 64, T a multiple of 64, an sm_90a
+// build), without asking the device; attention_backward_fp8_available: and the device runs it.
+inline bool attention_backward_fp8_shape(int T, int C, int NH) {
+#if defined(LLMC_SM90A)
+    return T >= 1 && NH >= 1 && C % NH == 0 && C / NH == 64 && T % 64 == 0;
+#else
+    return false;
+#endif
+}
+inline bool attention_backward_fp8_available(int B, int T, int C, int NH) {
+    return B >= 1 && attention_backward_fp8_shape(T, C, NH) && flash90_available();
+}
+
+// attention_backward's dqkv in FP8 format G (flash90_backward_fp8, Flash90Fp8Out) instead of bf16. Needs
+// attention_backward_fp8_available(B, T, C, NH); the saved state and scratch as attention_backward's.
+template <class G>
+inline void attention_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
+                                   const void* saved, size_t saved_bytes, int B, int T, int C, int NH, void* scratch,
+                                   size_t scratch_bytes, cudaStream_t stream) {
+    const char* fn = "attention_backward_fp8";
+    detail::check_attention_args(fn, B, T, C, NH);
+    if (!attention_backward_fp8_available(B, T, C, NH)) {
+        fail(kExitUsage, "%s: needs head size 64, T a multiple of 64 and the sm_90a kernels (B=%d T=%d C=%d NH=%d)", fn,
+             B, T, C, NH);
+    }
+    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, 64), B, T, C, NH);
+    detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
+    require_aligned16(saved, "attention_backward_fp8: saved");
+    flash90_backward_fp8<G>(f, dout, qkv, out, static_cast<const float*>(saved), B, T, NH, static_cast<float*>(scratch),
+                            stream);
 }
 
 }  // namespace llmc

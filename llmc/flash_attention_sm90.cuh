@@ -8,6 +8,10 @@ Provides:
                         GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
   flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
   flash90_backward:     dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
+  flash90_backward_fp8: the same gradient written in FP8 (E4M3 or E5M2) at a given scale by the kernels
+                        themselves, row-major and transposed (the two K-major operands of qkv's backward
+                        matmuls), with each 64-row block's column sums for the bias and the amax: no bf16
+                        dqkv, no cast pass (Flash90Fp8Out).
   kFlash90:             the blocks per SM the backward kernels' registers are capped for.
 
 How: a block is one warpgroup (128 threads) that owns 64 rows (queries in forward and dQ, keys in dK/dV).
@@ -40,6 +44,7 @@ across a cluster, software pipelining inside a warpgroup, D computed inside the 
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
@@ -47,6 +52,7 @@ across a cluster, software pipelining inside a warpgroup, D computed inside the 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_common.cuh"
+#include "llmc/fp8.cuh"
 #include "llmc/utils.h"
 
 // Device code for sm_90a (wgmma is an "a" feature): __CUDA_ARCH_FEAT_SM90_ALL is defined there only.
@@ -65,6 +71,17 @@ struct Flash90Tuning {
     int q_min_blocks;
 };
 constexpr Flash90Tuning kFlash90{3, 4};
+
+// The backward's FP8 output (flash90_backward_fp8): dqkv in an FP8 format at a given scale, written by the
+// kernels themselves instead of in bf16, in the two K-major layouts qkv's backward matmuls read, with each
+// 64-row block's column sums for the bias gradient.
+struct Flash90Fp8Out {
+    uint8_t* q = nullptr;                // (B T, 3C) row-major
+    uint8_t* qt = nullptr;               // (3C, B T) row-major: q transposed
+    float* sums = nullptr;               // (B T / 64, 3C): each 64-row block's column sums (of the bf16 values)
+    const float* scale = nullptr;        // device: q = fp8(bf16 value * scale)
+    unsigned int* amax_bits = nullptr;   // device: the bf16 values' amax, folded in (as store_rows does)
+};
 
 namespace flash90_detail {
 using namespace flash_common;
@@ -305,6 +322,80 @@ constexpr size_t kSmemFwd = 5 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDq = 6 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDkdv = 6 * size_t(kTileBytes) + 2 * 2 * kRows * sizeof(float) + kAlign;
 
+// Shared memory the FP8 store stages a tile through: per warp a 16 x 64 row-major byte tile (rows
+// kFp8RowPitch bytes apart, so that a warp's 2-byte stores spread over 16 banks) and a 64 x 16 transposed
+// one, then the block's 64 x 64 bf16 values (rows kFp8StagePitch values apart, so that a warp's pair stores
+// hit 32 banks) and the four warps' amaxes; inside the streamed tiles' space of both kernels, dead by then.
+constexpr int kFp8RowPitch = kHS + 16;
+constexpr int kFp8StagePitch = kHS + 8;
+constexpr int kFp8StageBytes = 4 * 16 * (kFp8RowPitch + kHS) + kRows * kFp8StagePitch * int(sizeof(floatX)) +
+                               4 * int(sizeof(float));
+static_assert(kFp8StageBytes <= 4 * kTileBytes, "the FP8 store's staging must fit in the streamed tiles' space");
+
+// A block's 64 x 64 gradient tile (dQ, dK or dV of one head; rows row_base.. of the B T rows, columns col..
+// of the 3C) stored in FP8 format G: each value first rounded to bf16 as store_rows rounds it (acc * mul),
+// then bf16 * scale rounded to G, saturating; row-major into f.q (row stride ld = 3C) and transposed into
+// f.qt (row stride n_rows), 16 bytes a store, through `stage`; the tile's column sums of the bf16 values,
+// added in row order in fp32, into row row_base / 64 of f.sums; the bf16 values' amax into f.amax_bits
+// (one atomic a tile: the whole grid's land on one address).
+// Bytes and sums are fp8_cast_pair's from store_rows's bf16 dqkv at that scale, bit for bit. Every thread
+// of the block calls it; it starts with a barrier (the tiles' last readers are done, and a previous call's
+// staging has been read). Rows are all below T (the launcher requires T % 64 == 0).
+template <class G>
+__device__ inline void store_tile_fp8(const Flash90Fp8Out& f, int64_t ld, int64_t n_rows, int64_t row_base, int col,
+                                      const float (&acc)[kHS / 8][4], float mul, uint8_t* stage, int warp, int lane) {
+    constexpr __nv_fp8_interpretation_t kind = Fp8Format<G>::kKind;
+    const int g = lane >> 2, q = lane & 3;
+    uint8_t* sR = stage + warp * 16 * kFp8RowPitch;                        // [16 rows][kFp8RowPitch] bytes
+    uint8_t* sT = stage + 4 * 16 * kFp8RowPitch + warp * 16 * kHS;         // [64 columns][16 rows] bytes
+    floatX* sV = reinterpret_cast<floatX*>(stage + 4 * 16 * (kFp8RowPitch + kHS));  // [64 rows][kFp8StagePitch]
+    float* sM = reinterpret_cast<float*>(sV + kRows * kFp8StagePitch);  // [4 warps]
+    const float scale = *f.scale;
+    __syncthreads();
+    float m = 0.0f;
+#pragma unroll
+    for (int dt = 0; dt < kHS / 8; dt++) {
+        const int c = dt * 8 + 2 * q;
+        const __nv_bfloat162 a = __floats2bfloat162_rn(acc[dt][0] * mul, acc[dt][1] * mul);  // row g
+        const __nv_bfloat162 b = __floats2bfloat162_rn(acc[dt][2] * mul, acc[dt][3] * mul);  // row g + 8
+        const float a0 = __low2float(a), a1 = __high2float(a), b0 = __low2float(b), b1 = __high2float(b);
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(b0), fabsf(b1))));
+        const __nv_fp8x2_storage_t qa = __nv_cvt_float2_to_fp8x2(make_float2(a0 * scale, a1 * scale), __NV_SATFINITE, kind);
+        const __nv_fp8x2_storage_t qb = __nv_cvt_float2_to_fp8x2(make_float2(b0 * scale, b1 * scale), __NV_SATFINITE, kind);
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(sR + g * kFp8RowPitch + c) = qa;
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(sR + (g + 8) * kFp8RowPitch + c) = qb;
+        sT[c * 16 + g] = uint8_t(qa & 0xffu);
+        sT[(c + 1) * 16 + g] = uint8_t(qa >> 8);
+        sT[c * 16 + g + 8] = uint8_t(qb & 0xffu);
+        sT[(c + 1) * 16 + g + 8] = uint8_t(qb >> 8);
+        *reinterpret_cast<__nv_bfloat162*>(sV + (16 * warp + g) * kFp8StagePitch + c) = a;
+        *reinterpret_cast<__nv_bfloat162*>(sV + (16 * warp + g + 8) * kFp8StagePitch + c) = b;
+    }
+    m = warp_max(m);
+    if (lane == 0) sM[warp] = m;
+    __syncwarp();
+    const int64_t wrow = row_base + 16 * warp;  // this warp's first row
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int id = lane + kWarpSize * i;  // row-major: 16 rows x 4 chunks of 16 bytes
+        const int r = id >> 2, ch = id & 3;
+        *reinterpret_cast<uint4*>(f.q + (wrow + r) * ld + col + ch * 16) =
+            *reinterpret_cast<const uint4*>(sR + r * kFp8RowPitch + ch * 16);
+        const int c = id;  // transposed: 64 columns x 16 bytes
+        *reinterpret_cast<uint4*>(f.qt + (col + c) * n_rows + wrow) = *reinterpret_cast<const uint4*>(sT + c * 16);
+    }
+    __syncthreads();
+    const int tid = threadIdx.x;
+    if (tid < kHS) {
+        float s = 0.0f;
+        for (int r = 0; r < kRows; r++) s += __bfloat162float(sV[r * kFp8StagePitch + tid]);
+        f.sums[(row_base / kRows) * ld + col + tid] = s;
+    }
+    if (tid == 0 && f.amax_bits != nullptr) {
+        atomicMax(f.amax_bits, __float_as_uint(fmaxf(fmaxf(sM[0], sM[1]), fmaxf(sM[2], sM[3]))));
+    }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Forward: block = 64 queries of one (b, h), longest first; loop over 64-key blocks up to the diagonal, K
 // and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait. The tiles
@@ -365,10 +456,13 @@ static __global__ void __launch_bounds__(kWGThreads)
 // dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end. The tiles come through the maps (qkv
 // and dout themselves are not read).
 
+// Out: void stores dqkv in bf16 (store_rows), an FP8 type through store_tile_fp8 into f8 instead.
+template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits) {
+                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits,
+                        const Flash90Fp8Out f8) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // K and V, Q/dO buffer 0, Q/dO buffer 1
@@ -438,8 +532,14 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
         products<true>(dv, pa, sdO, dk, da, sQ);
     }
     // A block's first query block starts at its first key, so the loop ran at least once.
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane, amax_bits);
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane, amax_bits);
+    if constexpr (std::is_void<Out>::value) {
+        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane, amax_bits);
+        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane, amax_bits);
+    } else {
+        const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + k0;
+        store_tile_fp8<Out>(f8, C3, n_rows, row_base, C + h * kHS, dk, scale, sQdO, warp, lane);
+        store_tile_fp8<Out>(f8, C3, n_rows, row_base, 2 * C + h * kHS, dv, 1.0f, sQdO, warp, lane);
+    }
 #endif
 }
 
@@ -448,10 +548,12 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 // diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K. The
 // tiles come through the maps (qkv and dout themselves are not read).
 
+// Out: as flash90_dkdv_kernel's.
+template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                       const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
-                      int NH, float scale_log2, float scale, unsigned int* amax_bits) {
+                      int NH, float scale_log2, float scale, unsigned int* amax_bits, const Flash90Fp8Out f8) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
@@ -510,7 +612,12 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
         acc_to_a(da, dp);
         product<true>(dq, da, sK);
     }
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane, amax_bits);
+    if constexpr (std::is_void<Out>::value) {
+        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane, amax_bits);
+    } else {
+        const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + q0;
+        store_tile_fp8<Out>(f8, C3, n_rows, row_base, h * kHS, dq, scale, sKV, warp, lane);
+    }
 #endif
 }
 
@@ -576,14 +683,16 @@ inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, i
     cudaCheckLaunch();
 }
 
-// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes, amax_bits as
-// there), on wgmma.
-inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
-    using namespace flash90_detail;
-    if (!flash90_available()) fail(kExitUsage, "flash90_backward: needs a build for sm_90a and a compute 9.0 GPU");
-    check_args("flash90_backward", B, T, NH);
-    require_aligned16(dqkv, "flash90_backward: dqkv");
+namespace flash90_detail {
+
+// Both backward launches (D first), dqkv in bf16 (Out = void) or in FP8 through f8.
+template <class Out>
+inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
+                            const float* lse, int B, int T, int NH, float* D, cudaStream_t stream,
+                            unsigned int* amax_bits, const Flash90Fp8Out& f8) {
+    if (!flash90_available()) fail(kExitUsage, "%s: needs a build for sm_90a and a compute 9.0 GPU", fn);
+    check_args(fn, B, T, NH);
+    if (dqkv != nullptr) require_aligned16(dqkv, "flash90_backward: dqkv");
     require_aligned16(dout, "flash90_backward: dout");
     require_aligned16(qkv, "flash90_backward: qkv");
     require_aligned16(out, "flash90_backward: out");
@@ -592,16 +701,46 @@ inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
     flash_backward_dot<kHS>(D, out, dout, B, T, NH, stream);
     const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
     const CUtensorMap dout_map = rows_tensor_map(dout, int64_t(NH) * kHS, T, B, "dout");
-    allow_smem(flash90_dkdv_kernel, kSmemDkdv);
-    allow_smem(flash90_dq_kernel, kSmemDq);
+    allow_smem(flash90_dkdv_kernel<Out>, kSmemDkdv);
+    allow_smem(flash90_dq_kernel<Out>, kSmemDq);
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
-    flash90_dkdv_kernel<<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                                 scale_log2, scale, amax_bits);
+    flash90_dkdv_kernel<Out><<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T,
+                                                                      NH, scale_log2, scale, amax_bits, f8);
     cudaCheckLaunch();
-    flash90_dq_kernel<<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                             scale_log2, scale, amax_bits);
+    flash90_dq_kernel<Out><<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
+                                                                  scale_log2, scale, amax_bits, f8);
     cudaCheckLaunch();
+}
+
+}  // namespace flash90_detail
+
+// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes, amax_bits as
+// there), on wgmma.
+inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
+                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
+    flash90_detail::backward_launch<void>("flash90_backward", dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits,
+                                          Flash90Fp8Out{});
+}
+
+// The same gradient in FP8 format G instead of bf16 dqkv (Flash90Fp8Out, store_tile_fp8): f.q (B T, 3C) and
+// f.qt (3C, B T) hold fp8(bf16(dqkv) * *f.scale), the bytes fp8_cast_pair makes from flash90_backward's dqkv
+// at that scale; f.sums ((B T / 64, 3C) floats) each 64-row block's column sums of bf16(dqkv) (in the same
+// order as fp8_cast_pair's: the same bits); *f.amax_bits folds in bf16(dqkv)'s amax. Needs T a multiple of 64 (so that
+// a block's rows are one 64-row block of the B T) and 16-byte aligned f.q, f.qt.
+template <class G>
+inline void flash90_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
+                                 const float* lse, int B, int T, int NH, float* D, cudaStream_t stream) {
+    using namespace flash90_detail;
+    const char* fn = "flash90_backward_fp8";
+    if (T % kRows != 0) fail(kExitUsage, "%s: T = %d is not a multiple of %d", fn, T, kRows);
+    if (f.q == nullptr || f.qt == nullptr || f.sums == nullptr || f.scale == nullptr) {
+        fail(kExitUsage, "%s: the FP8 output needs q, qt, sums and scale", fn);
+    }
+    require_aligned16(f.q, "flash90_backward_fp8: q");
+    require_aligned16(f.qt, "flash90_backward_fp8: qt");
+    require_aligned16(f.sums, "flash90_backward_fp8: sums");
+    backward_launch<G>(fn, nullptr, dout, qkv, out, lse, B, T, NH, D, stream, nullptr, f);
 }
 
 }  // namespace llmc

@@ -53,7 +53,11 @@ transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed
 its columns for fc's bias (fc.grad.e4m3: the GELU gradient in E4M3 instead, 3 mantissa bits to E5M2's 2,
 for a tensor whose range one per-tensor scale covers; an option while the loss comparisons decide).
 grad.e4m3 does the same for every gradient named above that E5M2 holds (the residual stream's, dqkv, the
-GELU gradient), the classifier's dlogits excepted. backward adds the amaxes measured in the step to the history (one entry per training forward and
+GELU gradient), the classifier's dlogits excepted. qkv.grad.delayed gives dqkv a delayed scale of its own
+too, so attention's backward writes it in FP8 itself, in both layouts with the bias's column sums
+(llmc/attention.cuh attention_backward_fp8; the bytes and sums the cast would make at that scale), and
+neither bf16 dqkv nor the cast pass exists; the first step, or a shape its kernels do not take, casts as
+qkv.grad does. backward adds the amaxes measured in the step to the history (one entry per training forward and
 backward). The history is the only FP8 state: a checkpoint holds it
 (fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
 and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
@@ -133,6 +137,8 @@ struct Fp8Matmuls {
     bool fc_grad = false;                           // fc's backward, fcproj's dX (the GELU gradient; needs fcproj)
     bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
     bool grad_e4m3 = false;                         // every gradient operand in E4M3 but the classifier's dlogits
+    bool qkv_grad_delayed = false;  // qkv.grad with dqkv at a delayed scale, written in FP8 by attention's
+                                    // backward itself (implies qkv.grad; needs fcproj, whose history it joins)
     bool any() const {
         return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
     }
@@ -155,6 +161,7 @@ struct Fp8Matmuls {
         add(fc_grad, "fc.grad");
         add(fc_grad_e4m3, "fc.grad.e4m3");
         add(grad_e4m3, "grad.e4m3");
+        add(qkv_grad_delayed, "qkv.grad.delayed");
         return s.empty() ? "none" : s;
     }
 };
@@ -165,8 +172,9 @@ struct Fp8Matmuls {
 // lm_head, attproj.dx, fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj
 // (which needs fc), fc.grad (which needs fcproj), fc.grad.e4m3 (fc.grad with the GELU gradient in E4M3)
 // and grad.e4m3 (every gradient those matmuls read in E4M3: the residual stream's, dqkv, the GELU
-// gradient; not the classifier's dlogits), in which 1 and all stand for their matmuls (so "1,qkv.grad" is
-// 1 and qkv.grad, "all,fc.grad.e4m3" all with the E4M3 GELU gradient).
+// gradient; not the classifier's dlogits) and qkv.grad.delayed (qkv.grad with dqkv at a delayed scale,
+// written in FP8 by attention's backward itself; needs qkv and fcproj), in which 1 and all stand for their
+// matmuls (so "1,qkv.grad" is 1 and qkv.grad, "all,fc.grad.e4m3" all with the E4M3 GELU gradient).
 inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
     Fp8Matmuls m;
     if (text == "0" || text == "none" || text.empty()) return m;
@@ -198,14 +206,21 @@ inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
             m.fc_grad = m.fc_grad_e4m3 = true;
         } else if (name == "grad.e4m3") {
             m.grad_e4m3 = true;
+        } else if (name == "qkv.grad.delayed") {
+            m.qkv_grad = m.qkv_grad_delayed = true;
         } else {
             fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, all, qkv, "
-                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3, grad.e4m3",
-                 text.c_str(), name.c_str());
+                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3, grad.e4m3, "
+                 "qkv.grad.delayed", text.c_str(), name.c_str());
         }
     }
     if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
-    if (m.qkv_grad && !m.qkv) fail(kExitUsage, "--fp8 %s: qkv.grad needs qkv too", text.c_str());
+    if (m.qkv_grad && !m.qkv) {
+        fail(kExitUsage, "--fp8 %s: %s needs qkv too", text.c_str(), m.qkv_grad_delayed ? "qkv.grad.delayed" : "qkv.grad");
+    }
+    if (m.qkv_grad_delayed && !m.fcproj) {
+        fail(kExitUsage, "--fp8 %s: qkv.grad.delayed needs fcproj too (its amax history is fcproj's)", text.c_str());
+    }
     if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
     if (m.fc_grad && !m.fcproj) {
         fail(kExitUsage, "--fp8 %s: %s needs fcproj too", text.c_str(), m.fc_grad_e4m3 ? "fc.grad.e4m3" : "fc.grad");
@@ -339,6 +354,9 @@ public:
         if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
         if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
         if (m.fc_grad_e4m3 && !m.fc_grad) fail(kExitUsage, "FP8 fc.grad.e4m3 needs fc.grad (%s)", m.describe().c_str());
+        if (m.qkv_grad_delayed && !(m.qkv_grad && m.fcproj)) {
+            fail(kExitUsage, "FP8 qkv.grad.delayed needs qkv.grad and fcproj (%s)", m.describe().c_str());
+        }
         if (m.grad_e4m3 && !m.any_grad()) {
             fail(kExitUsage, "FP8 grad.e4m3 needs a gradient matmul (%s)", m.describe().c_str());
         }
@@ -358,7 +376,7 @@ public:
             // Delayed scaling (the GELU output, and the GELU's gradient with fc.grad): per slot an amax, a
             // scale and a descale (each in 16-byte slots, as cuBLASLt wants its pointers), and the history
             // with its count after it.
-            const size_t slots = kFp8DelayedKinds * L;
+            const size_t slots = fp8_delayed_slots();
             fp8_delayed_.allocate(3 * slots * kFp8SlotStride);
             fp8_history_.allocate(slots * kFp8HistoryLen + kFp8SlotStride);
             cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
@@ -380,7 +398,7 @@ public:
         int slots, len;
     };
     Fp8History fp8_history() {
-        return {fp8_history_.get(), fp8_history_.bytes(), kFp8DelayedKinds * config_.num_layers, kFp8HistoryLen};
+        return {fp8_history_.get(), fp8_history_.bytes(), int(fp8_delayed_slots()), kFp8HistoryLen};
     }
     void fp8_history_reset() {
         if (fp8_history_.get() == nullptr) return;
@@ -691,14 +709,24 @@ public:
             }
             matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, d_residual_, a.atty,
                             b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
-            attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                               scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
+            // qkv.grad.delayed, with a history: attention's backward writes dqkv in FP8 itself at the layer's
+            // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
+            const bool dqkv_delayed = fp8_qkv_grad && fp8_.qkv_grad_delayed && fp8_fcproj_w;
+            const bool dqkv_fused = dqkv_delayed && !measure && attention_backward_fp8_available(B, T, C, NH);
+            if (!dqkv_fused) {
+                attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                                   scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
+            }
             if (fp8_qkv_grad) {
                 with_grad_format([&](auto format) {
                     // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 (E4M3 with grad.e4m3)
                     // in both layouts (one cast, its amax recorded by attention's backward) and ln1^T (a byte
                     // transpose of the kept E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias
-                    // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv.
+                    // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv. With
+                    // qkv.grad.delayed and a history, attention's backward writes both layouts and the column
+                    // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for
+                    // the history; without one (the first step, or a shape its kernels do not take) the cast
+                    // runs as above and its amax joins the history.
                     using G = decltype(format);
                     auto* g8 = reinterpret_cast<G*>(d_fch_);
                     G* g8t = g8 + N * 3 * C;
@@ -706,12 +734,34 @@ public:
                     // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C
                     // bytes).
                     auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
-                    fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad),
-                                  stream_, bias_partial);
+                    static_assert(flash90_detail::kRows == kFp8CastPairRows,
+                                  "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
+                    const int slot = dqkv_delayed ? fp8_dqkv_slot(l) : 0;
+                    auto* delayed_amax = dqkv_delayed ? reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot)) : nullptr;
+                    const float* descale = fp8_descale(kFp8Grad);
+                    if (dqkv_fused) {
+                        cudaCheck(cudaMemsetAsync(delayed_amax, 0, sizeof(unsigned int), stream_));
+                        Flash90Fp8Out f;
+                        f.q = reinterpret_cast<uint8_t*>(g8);
+                        f.qt = reinterpret_cast<uint8_t*>(g8t);
+                        f.sums = bias_partial;
+                        f.scale = fp8_delayed_scale(slot);
+                        f.amax_bits = delayed_amax;
+                        attention_backward_fp8<G>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                                                  scratch_.get(), sbytes, stream_);
+                        descale = fp8_delayed_descale(slot);
+                    } else {
+                        if (dqkv_delayed) {
+                            cudaCheck(cudaMemcpyAsync(delayed_amax, fp8_amax_slot(kFp8Grad), sizeof(unsigned int),
+                                                      cudaMemcpyDeviceToDevice, stream_));
+                        }
+                        fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad),
+                                      stream_, bias_partial);
+                    }
                     fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
-                    fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), fp8_descale(kFp8Grad),
+                    fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), descale,
                                fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
-                    fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, fp8_descale(kFp8Grad), fp8_ln1_descale(l, N),
+                    fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, descale, fp8_ln1_descale(l, N),
                                gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                     bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C,
                                             stream_);
@@ -732,7 +782,7 @@ public:
         if (fp8_fcproj_w) {
             // The amaxes this forward and backward measured join the history (the ranks' largest, so that
             // every rank's history, and scales, stay equal).
-            const int slots = kFp8DelayedKinds * L;
+            const int slots = int(fp8_delayed_slots());
             if (multi_ != nullptr) {
                 multi_->all_reduce_max_async(fp8_delayed_amax(0), size_t(slots) * kFp8SlotStride, stream_);
                 multi_->join(stream_);
@@ -843,6 +893,14 @@ private:
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
                                               kFp8HistoryLen, fp8_delayed_scale(ln_slots),
                                               fp8_delayed_descale(ln_slots), kFp8SlotStride, stream_);
+            if (fp8_.qkv_grad_delayed) {
+                with_grad_format([&](auto format) {
+                    fp8_delayed_scales<decltype(format)>(
+                        fp8_history_.get() + size_t(fp8_dqkv_slot(0)) * kFp8HistoryLen, L, kFp8HistoryLen,
+                        fp8_delayed_scale(fp8_dqkv_slot(0)), fp8_delayed_descale(fp8_dqkv_slot(0)), kFp8SlotStride,
+                        stream_);
+                });
+            }
         }
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
@@ -1001,12 +1059,16 @@ private:
     static constexpr int kFp8SlotStride = 4;
     // Delayed scaling (the file's comment): the training steps each scale looks back on, and its slots:
     // layer l's GELU output (E4M3) at l, its GELU gradient (fc.grad) at fp8_dgelu_slot(l), its kept
-    // ln1 and ln2 (E4M3) at fp8_ln1_delayed_slot(l) and fp8_ln2_delayed_slot(l).
+    // ln1 and ln2 (E4M3) at fp8_ln1_delayed_slot(l) and fp8_ln2_delayed_slot(l), and with qkv.grad.delayed
+    // its dqkv (the gradient's format) at fp8_dqkv_slot(l) (a fifth kind only then, so that the other modes'
+    // checkpoints keep their history's shape).
     static constexpr int kFp8HistoryLen = 16;
     static constexpr int kFp8DelayedKinds = 4;
+    int fp8_delayed_kinds() const { return kFp8DelayedKinds + (fp8_.qkv_grad_delayed ? 1 : 0); }
     int fp8_dgelu_slot(int l) const { return config_.num_layers + l; }
     int fp8_ln1_delayed_slot(int l) const { return 2 * config_.num_layers + l; }
     int fp8_ln2_delayed_slot(int l) const { return 3 * config_.num_layers + l; }
+    int fp8_dqkv_slot(int l) const { return kFp8DelayedKinds * config_.num_layers + l; }
     // The descale of layer l's kept E4M3 ln1 (ln2) in a call of N rows: its delayed slot's where the
     // LayerNorm wrote it at a delayed scale (forward_to_lnf), else the cast's slot.
     const float* fp8_ln1_descale(int l, int64_t N) const {
@@ -1015,7 +1077,7 @@ private:
     const float* fp8_ln2_descale(int l, int64_t N) const {
         return fp8_fcproj_on(N) ? fp8_delayed_descale(fp8_ln2_delayed_slot(l)) : fp8_descale(fp8_ln2_slot(l));
     }
-    size_t fp8_delayed_slots() const { return size_t(kFp8DelayedKinds) * size_t(config_.num_layers); }
+    size_t fp8_delayed_slots() const { return size_t(fp8_delayed_kinds()) * size_t(config_.num_layers); }
     float* fp8_delayed_amax(int slot) const { return fp8_delayed_.get() + size_t(slot) * kFp8SlotStride; }
     float* fp8_delayed_scale(int slot) const {
         return fp8_delayed_.get() + (fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;

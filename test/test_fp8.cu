@@ -53,7 +53,12 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     max |D| (the classifier's and qkv's backward: 0.10 and 0.3, dW accumulating onto a gradient already
     there);
     and qkv's and fc's weight gradients from the E4M3 LayerNorm output the model keeps
-    (read back with fp8_dequantize) against the bf16 input, within the forward's 0.06 and 0.2.
+    (read back with fp8_dequantize) against the bf16 input, within the forward's 0.06 and 0.2;
+  - attention_backward_fp8 (llmc/attention.cuh; where the sm_90a kernels run, else skipped with a message):
+    every byte of both layouts the host's conversion of attention_backward's bf16 dqkv at the given scale
+    (E4M3 and E5M2; at the amax's scale and 16x above it, where many saturate), written over poison (NaN),
+    each 64-row block's column sums bitwise the host's in row order (fp8_cast_pair's, above), the amax
+    bf16 dqkv's; T not a multiple of 64 refused.
 */
 #include <gtest/gtest.h>
 
@@ -64,6 +69,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 #include <random>
 #include <vector>
 
+#include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/layernorm.cuh"
@@ -1102,6 +1108,87 @@ TEST_F(Fp8Test, EachModelMatmulIsCloseToItsBf16Matmul) {
     m.backward_dw("fc.dw", 4 * C, 46);
     m.lm_head_backward(47);
     m.qkv_backward(48);
+}
+
+// attention_backward_fp8 against attention_backward's bf16 dqkv at the same scale (the file's comment).
+template <class G>
+void check_attention_fp8(int B, int T, int NH, float over, uint64_t seed) {
+    const int C = NH * 64;
+    const int64_t N = int64_t(B) * T, C3 = 3 * int64_t(C);
+    SCOPED_TRACE(format("%s B=%d T=%d NH=%d, scale %gx the amax's", Fp8Format<G>::kName, B, T, NH, double(over)));
+    CublasLt lt;
+    const std::vector<floatX> qkv = random_bf16(size_t(N * C3), seed, 1.0f), dout = random_bf16(size_t(N * C), seed + 1, 0.1f);
+    auto d_qkv = upload(qkv), d_dout = upload(dout);
+    const size_t saved_bytes = attention_saved_bytes(B, NH, T, 64), scratch_bytes = attention_scratch_bytes(B, NH, T, 64);
+    DeviceBuffer<uint8_t> saved(saved_bytes), scratch(scratch_bytes);
+    DeviceBuffer<floatX> out(size_t(N * C)), dqkv(size_t(N * C3));
+    DeviceBuffer<unsigned int> amax(4), amax8(4);
+    attention_forward(lt, out.get(), saved.get(), saved_bytes, d_qkv.get(), B, T, C, NH, scratch.get(), scratch_bytes,
+                      kStream);
+    cudaCheck(cudaMemset(amax.get(), 0, amax.bytes()));
+    attention_backward(lt, dqkv.get(), d_dout.get(), d_qkv.get(), out.get(), saved.get(), saved_bytes, B, T, C, NH,
+                       scratch.get(), scratch_bytes, kStream, amax.get());
+    const std::vector<floatX> x = download(dqkv.get(), size_t(N * C3));
+    const float a = host_amax(x);
+    ASSERT_GT(a, 0.0f);
+    const float scale = fp8_scale<G>(a) * over;
+    auto d_scale = upload(std::vector<float>{scale, 0.0f, 0.0f, 0.0f});
+    const int64_t blocks = N / 64;
+    DeviceBuffer<uint8_t> q(size_t(N * C3)), qt(size_t(N * C3));
+    DeviceBuffer<float> sums(size_t(blocks * C3));
+    cudaCheck(cudaMemset(q.get(), 0xff, q.bytes()));  // NaN in either format: every byte must be written
+    cudaCheck(cudaMemset(qt.get(), 0xff, qt.bytes()));
+    cudaCheck(cudaMemset(sums.get(), 0xff, sums.bytes()));
+    cudaCheck(cudaMemset(amax8.get(), 0, amax8.bytes()));
+    Flash90Fp8Out f;
+    f.q = q.get();
+    f.qt = qt.get();
+    f.sums = sums.get();
+    f.scale = d_scale.get();
+    f.amax_bits = amax8.get();
+    attention_backward_fp8<G>(f, d_dout.get(), d_qkv.get(), out.get(), saved.get(), saved_bytes, B, T, C, NH,
+                              scratch.get(), scratch_bytes, kStream);
+    EXPECT_EQ(download(amax8.get(), 1)[0], download(amax.get(), 1)[0]) << "the amax of bf16 dqkv";
+    const std::vector<uint8_t> got_q = download(q.get(), q.size()), got_qt = download(qt.get(), qt.size());
+    const std::vector<float> got_sums = download(sums.get(), sums.size());
+    size_t wrong_q = 0, wrong_qt = 0, wrong_sums = 0, saturated = 0;
+    for (int64_t r = 0; r < N; r++) {
+        for (int64_t c = 0; c < C3; c++) {
+            const __nv_fp8_storage_t want = fp8_quantize<G>(__bfloat162float(x[size_t(r * C3 + c)]), scale);
+            wrong_q += got_q[size_t(r * C3 + c)] != want;
+            wrong_qt += got_qt[size_t(c * N + r)] != want;
+            saturated += std::fabs(fp8_value<G>(want)) == Fp8Format<G>::kMax;
+        }
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t c = 0; c < C3; c++) {
+            float want = 0.0f;
+            for (int64_t r = b * 64; r < (b + 1) * 64; r++) want += __bfloat162float(x[size_t(r * C3 + c)]);
+            wrong_sums += std::memcmp(&want, &got_sums[size_t(b * C3 + c)], sizeof(float)) != 0;
+        }
+    }
+    std::printf("  attention_backward_fp8 %s B=%d T=%d NH=%d, scale %gx: amax %g, %zu of %lld at the format's largest\n",
+                Fp8Format<G>::kName, B, T, NH, double(over), double(a), saturated, (long long)(N * C3));
+    EXPECT_EQ(wrong_q, 0u) << "row-major bytes other than the host's conversion of bf16 dqkv";
+    EXPECT_EQ(wrong_qt, 0u) << "transposed bytes other than the host's conversion of bf16 dqkv";
+    EXPECT_EQ(wrong_sums, 0u) << "column sums other than the host's (row order, fp32)";
+    EXPECT_GE(saturated, 1u) << "the amax must reach the format's largest";
+}
+
+TEST_F(Fp8Test, AttentionBackwardWritesDqkvInFp8AsTheCastWould) {
+    if (!attention_backward_fp8_available(2, 128, 128, 2)) {
+        GTEST_SKIP() << "skipped: attention_backward_fp8 needs the sm_90a kernels (a GPU_ARCH=90 build on compute 9.0)";
+    }
+    check_attention_fp8<__nv_fp8_e5m2>(2, 128, 2, 1.0f, 90);  // two batches, a 64-row block each side of the diagonal
+    check_attention_fp8<__nv_fp8_e4m3>(1, 256, 3, 1.0f, 91);  // three heads, four blocks of keys
+    check_attention_fp8<__nv_fp8_e5m2>(3, 64, 1, 16.0f, 92);  // a scale 16x too large: saturates, no NaN
+    check_attention_fp8<__nv_fp8_e4m3>(1, 192, 2, 16.0f, 93);
+    expect_error([&] {
+        DeviceBuffer<floatX> x(size_t(96) * 3 * 128);
+        Flash90Fp8Out f;
+        attention_backward_fp8<__nv_fp8_e5m2>(f, x.get(), x.get(), x.get(), x.get(), attention_saved_bytes(1, 2, 96, 64), 1,
+                                              96, 128, 2, x.get(), attention_scratch_bytes(1, 2, 96, 64), kStream);
+    }, kExitUsage, {"attention_backward_fp8", "T a multiple of 64"});
 }
 
 }  // namespace

@@ -284,13 +284,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GPT2GpuTest, ::testing::ValuesIn(cases()),
 
 class GPT2TrainingTest : public GpuTest {};
 
-// bf16, then where the GPU has FP8 tensor cores every FP8 matmul, and every one with the GELU gradient in
-// E4M3 (over several steps: its delayed scales, which a single step never uses, must be E4M3's).
+// bf16, then where the GPU has FP8 tensor cores every FP8 matmul, every one with the GELU gradient in
+// E4M3 (over several steps: its delayed scales, which a single step never uses, must be E4M3's), and every
+// one with dqkv at its delayed scale (which also only the steps after the first use; the C=96 model's
+// head size runs the cast instead).
 std::vector<std::pair<Fp8Matmuls, Tolerances>> modes() {
     std::vector<std::pair<Fp8Matmuls, Tolerances>> m{{Fp8Matmuls{}, kBf16Tol}};
     if (fp8_supported()) {
         m.push_back({kAllFp8, kFp8Tol});
         m.push_back({parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol});
+        m.push_back({parse_fp8_matmuls("all,qkv.grad.delayed"), kFp8Tol});
     } else {
         std::printf("  (FP8 mode not run: this GPU has no FP8 tensor cores)\n");
     }
@@ -600,6 +603,68 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     EXPECT_FALSE(parse_fp8_matmuls("all").dgelu_e4m3());
     expect_error([] { parse_fp8_matmuls("qkv,fc,lm_head,grad.e4m3"); }, kExitUsage,
                  {"grad.e4m3 needs a backward matmul in FP8"});
+    EXPECT_EQ(parse_fp8_matmuls("all,qkv.grad.delayed").describe(),
+              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,qkv.grad.delayed");
+    EXPECT_TRUE(parse_fp8_matmuls("qkv,fc,fcproj,qkv.grad.delayed").qkv_grad);
+    EXPECT_FALSE(parse_fp8_matmuls("all").qkv_grad_delayed);
+    expect_error([] { parse_fp8_matmuls("fc,fcproj,qkv.grad.delayed"); }, kExitUsage, {"qkv.grad.delayed needs qkv"});
+    expect_error([] { parse_fp8_matmuls("1,qkv.grad.delayed"); }, kExitUsage, {"qkv.grad.delayed needs fcproj"});
+}
+
+// qkv.grad.delayed: the first step (no history yet) casts dqkv as qkv.grad does, so its gradients are
+// all's bit for bit; from the second, attention's backward writes dqkv in FP8 at the delayed scale, so qkv's
+// weight gradient differs from all's (another scale, other bytes; within the FP8 tolerance) while the last
+// layer's qkv bias gradient, the column sums of the same bf16 dqkv in the same order, stays bitwise the same.
+TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
+    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    const GPT2Config c = config_from_descriptor("d2");
+    const int B = 4, T = 64;
+    if (!attention_backward_fp8_available(B, T, c.channels, c.num_heads)) {
+        GTEST_SKIP() << "skipped: attention_backward_fp8 needs the sm_90a kernels (a GPU_ARCH=90 build on compute 9.0)";
+    }
+    const std::vector<float> params = test_parameters(c, 81);
+    const size_t N = size_t(B) * T;
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 82);
+    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 83);
+    // Each step's gradients, for steps 1 and 2 (the same batch, one AdamW step after the first).
+    auto grads = [&](const char* fp8) {
+        Stream stream;
+        GPT2 gpu(c, B, T, stream);
+        gpu.set_fp8(parse_fp8_matmuls(fp8));
+        gpu.set_parameters(params);
+        auto d_in = upload(inputs), d_tg = upload(targets);
+        AdamWSettings settings;
+        settings.learning_rate = 3e-3f;
+        std::vector<std::vector<floatX>> g;
+        for (int step = 1; step <= 2; step++) {
+            gpu.zero_grad();
+            gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+            gpu.backward(d_in.get(), B, T);
+            g.push_back(download(gpu.grads(), size_t(gpu.num_parameters()), stream));
+            gpu.update(settings, 1.0f, step, 91);
+        }
+        return g;
+    };
+    const auto all = grads("all"), delayed = grads("all,qkv.grad.delayed");
+    EXPECT_EQ(0, std::memcmp(all[0].data(), delayed[0].data(), all[0].size() * sizeof(floatX)))
+        << "step 1 (no history): qkv.grad.delayed must cast dqkv as qkv.grad does";
+    const auto tensors = param_tensors(c);
+    const ParamTensorInfo& w = tensors[size_t(kQkvw)];
+    double diff = 0, norm = 0;
+    for (int64_t j = 0; j < w.numel; j++) {
+        const double a = __bfloat162float(all[1][size_t(w.offset + j)]);
+        const double b = __bfloat162float(delayed[1][size_t(w.offset + j)]);
+        diff += (a - b) * (a - b);
+        norm += a * a;
+    }
+    const double rel = std::sqrt(diff / norm);
+    std::printf("  step 2, qkvw gradient, dqkv at the delayed scale against the cast's: %.3e relative\n", rel);
+    EXPECT_GT(rel, 0.0) << "step 2: qkv.grad.delayed changed nothing (the delayed path did not run)";
+    EXPECT_LT(rel, kFp8Tol.grad);
+    const ParamTensorInfo& b = tensors[size_t(kQkvb)];
+    const int64_t per_layer = b.numel / c.num_layers, last = b.offset + (c.num_layers - 1) * per_layer;
+    EXPECT_EQ(0, std::memcmp(all[1].data() + last, delayed[1].data() + last, size_t(per_layer) * sizeof(floatX)))
+        << "step 2: the last layer's qkv bias gradient (column sums of the same bf16 dqkv) must be the cast's";
 }
 
 // grad.e4m3 changes what the gradients' casts write (E4M3, not E5M2): the same step's weight gradients must
