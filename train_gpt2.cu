@@ -973,7 +973,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         });
         std::vector<std::string> notes;
         int saved_world = 0;
-        std::string resharded;
+        std::string resharded, history_note;
         if (bad.empty()) {
             const std::string diff = settings_differences(m, recorded_settings(settings), must_match_keys(settings), &notes);
             if (!diff.empty()) {
@@ -992,7 +992,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             } catch (const Error& e) {
                 fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
             }
-            check([&] { resharded = load_checkpoint(model, c.path, m, io); });
+            check([&] { resharded = load_checkpoint(model, c.path, m, io, &history_note); });
         }
         if (!bad.empty() && model.multi() != nullptr && !model.multi()->is_root()) {
             std::fprintf(stderr, "rank %d: cannot resume from %s: %s\n", model.multi()->rank(), c.path.c_str(), bad.c_str());
@@ -1009,6 +1009,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
                         "the same sample stream\n", saved_world, world);
         }
         if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
+        if (!history_note.empty()) std::printf("resume: %s\n", history_note.c_str());
         std::printf("resume: restored %s%s: step %lld (next step %lld), master weights, bf16 parameters, AdamW m and "
                     "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init/rounding %lld, "
                     "sampling %lld)\n",

@@ -7,7 +7,7 @@ ranks or the layout changed), and the model file a run writes at the end.
   FP8 fcproj also its amax history, fp8_history.bin, which a bitwise resume needs).
 - checkpoint_layout_settings(model): the manifest settings that record the layout.
 - load_checkpoint(model, dir, manifest, io): the inverse, from a checkpoint written in either layout by
-  any number of ranks.
+  any number of ranks (an FP8 amax history of another mode's shape is left out, with a note).
 - write_trained_model(model, path, io): the fp32 master weights as an llm.c version 3 file, written through a
   temporary name so that a reader never sees half a file.
 - export_trained_model(model, path, format, options): any format of llmc/model_io.h (Hugging Face folders,
@@ -122,7 +122,10 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settin
 // ranks, or between the whole and the sharded layout) this rank's range of the master weights and
 // moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
 // Returns a description of what was re-sharded, empty when nothing was.
-inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
+// history_note (when not null) is set to what happened to the FP8 amax history when it was not restored
+// bit for bit ("" when it was, or when this run keeps none).
+inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io,
+                                   std::string* history_note = nullptr) {
     using namespace gpt2_checkpoint_detail;
     const std::vector<char> header = model_file_header(model.config(), kModelVersionFp32);
     const int64_t num_params = model.num_parameters();
@@ -130,15 +133,30 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
     const GPT2::State s = model.state();
     const ShardRange target = model.owned();
     cudaStream_t stream = model.stream();
-    // FP8 fcproj's amax history: restored when the checkpoint has one (a run with FP8 fcproj wrote it),
-    // else empty (the next forward measures).
+    // FP8 fcproj's amax history: restored when the checkpoint has one of this run's shape (a run with FP8
+    // fcproj wrote it), else empty (the next forward measures): none saved, or another number of slots (the
+    // run that saved it had qkv.grad.delayed on and this one not, or the reverse: --fp8 may change on resume).
     const GPT2::Fp8History h = model.fp8_history();
+    if (history_note != nullptr) history_note->clear();
     if (h.device != nullptr) {
-        if (m.file(kCkptFp8HistoryFile) != nullptr) {
-            load_checkpoint_tensors(dir, m, {{kCkptFp8HistoryFile, fp8_history_header(h), h.device, h.bytes}}, io, stream);
+        const FileRecord* rec = m.file(kCkptFp8HistoryFile);
+        const std::vector<char> header = fp8_history_header(h);
+        if (rec != nullptr && rec->size != header.size() + h.bytes) {
+            model.fp8_history_reset();
+            if (history_note != nullptr) {
+                *history_note = format("its FP8 amax history (%llu bytes) is another FP8 mode's (this one's: %llu bytes, "
+                                       "%d slots): starting with an empty one, so the next step measures its scales",
+                                       (unsigned long long)rec->size, (unsigned long long)(header.size() + h.bytes),
+                                       h.slots);
+            }
+        } else if (rec != nullptr) {
+            load_checkpoint_tensors(dir, m, {{kCkptFp8HistoryFile, header, h.device, h.bytes}}, io, stream);
             model.fp8_history_loaded();
         } else {
             model.fp8_history_reset();
+            if (history_note != nullptr) {
+                *history_note = "it has no FP8 amax history (saved without FP8 fcproj): the next step measures its scales";
+            }
         }
     }
     // The parameters are whole in both layouts.

@@ -8,9 +8,11 @@
 #     synchronous save; cadence flags may change on resume;
 #   - the checkpoint directory: the files, manifest, model.bin readable as an llm.c v3 file (-e loads it),
 #     rotation (-nk 2 -nm 20 keeps 20, 30 and the newest), no .tmp left;
-#   - the same bit-exact resume with every FP8 matmul on (--fp8 all), on GPUs that have them (compute
-#     capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran), from a checkpoint
-#     that holds the delayed scaling's amax history (fp8_history.bin, which inspect_checkpoint reads);
+#   - the same bit-exact resume with every FP8 matmul on (--fp8 all, and all,qkv.grad.delayed, whose
+#     history has a fifth slot a layer and whose weights must differ from all's), on GPUs that have them
+#     (compute capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran), from a
+#     checkpoint that holds the delayed scaling's amax history (fp8_history.bin, which inspect_checkpoint
+#     reads); all's checkpoint resumed with qkv.grad.delayed starts a fresh history, with a note;
 #   - a flipped bit in the newest checkpoint: -y 1 says it skips it and resumes from the one before, still
 #     bit-exact; a different batch size or model shape is refused naming the setting; different data is
 #     refused by the DataLoader state;
@@ -123,9 +125,14 @@ echo "bit-exact resume (async, sync, streamed): ok"
 # would measure afresh at its first step, with other scales than the straight run's.
 cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)
 if python3 -c "import sys; sys.exit(0 if float('$cap') >= 8.9 else 1)"; then
-    trainer "${common[@]}" --fp8 all -n 10 -o "$dir/fp8" >"$dir/fp8.out" 2>&1 || { echo "FAIL: the FP8 run"; cat "$dir/fp8.out"; exit 1; }
-    grep -q "FP8 matmuls: qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad " "$dir/fp8.out" || { echo "FAIL: no FP8 line"; cat "$dir/fp8.out"; exit 1; }
-    python3 - "$dir/straight/log.jsonl" "$dir/fp8/log.jsonl" <<'PY' || exit 1
+  # all, and all with dqkv's own delayed scale (a fifth history slot a layer; T = 64 takes the FP8 attention store).
+  for mode in all all,qkv.grad.delayed; do
+    d="$dir/fp8_$mode"
+    line="qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad"
+    [ "$mode" = all ] || line="$line,qkv.grad.delayed"
+    trainer "${common[@]}" --fp8 "$mode" -n 10 -o "$d" >"$d.out" 2>&1 || { echo "FAIL: the FP8 run ($mode)"; cat "$d.out"; exit 1; }
+    grep -q "FP8 matmuls: $line " "$d.out" || { echo "FAIL: no FP8 line ($mode)"; cat "$d.out"; exit 1; }
+    python3 - "$dir/straight/log.jsonl" "$d/log.jsonl" <<'PY' || exit 1
 import json, sys
 def losses(path): return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
 bf16, fp8 = losses(sys.argv[1]), losses(sys.argv[2])
@@ -133,16 +140,30 @@ if len(fp8) != 30 or bf16 == fp8:
     print("FAIL: the FP8 run's 30 losses must exist and differ from the bf16 run's"); sys.exit(1)
 print("FP8 run: loss %.4f -> %.4f (bf16 %.4f -> %.4f)" % (fp8[0], fp8[-1], bf16[0], bf16[-1]))
 PY
-    [ -s "$dir/fp8/ckpt_00000010/fp8_history.bin" ] || { echo "FAIL: the FP8 checkpoint has no amax history"; ls "$dir/fp8/ckpt_00000010"; exit 1; }
-    ./build/inspect_checkpoint "$dir/fp8/ckpt_00000010" >"$dir/fp8_inspect.out" 2>&1 &&
-        grep -q "fp8_history.bin .* fp32, all finite" "$dir/fp8_inspect.out" ||
-        { echo "FAIL: inspect_checkpoint on the FP8 checkpoint"; cat "$dir/fp8_inspect.out"; exit 1; }
-    rm -rf "$dir/fp8_r" && mkdir -p "$dir/fp8_r" && cp -r "$dir/fp8/ckpt_00000010" "$dir/fp8_r/"
-    trainer "${common[@]}" --fp8 all -n 7 -y 1 -o "$dir/fp8_r" >"$dir/fp8_r.out" 2>&1 ||
-        { echo "FAIL: FP8 resume"; cat "$dir/fp8_r.out"; exit 1; }
-    compare_logs "$dir/fp8/log.jsonl" 11 "$dir/fp8_r/log.jsonl"
-    same_file "$dir/fp8/model.bin" "$dir/fp8_r/model.bin" "final weights after FP8 resume"
-    echo "bit-exact resume with FP8 matmuls: ok"
+    [ -s "$d/ckpt_00000010/fp8_history.bin" ] || { echo "FAIL: the FP8 checkpoint has no amax history ($mode)"; ls "$d/ckpt_00000010"; exit 1; }
+    ./build/inspect_checkpoint "$d/ckpt_00000010" >"$d.inspect" 2>&1 &&
+        grep -q "fp8_history.bin .* fp32, all finite" "$d.inspect" ||
+        { echo "FAIL: inspect_checkpoint on the FP8 checkpoint ($mode)"; cat "$d.inspect"; exit 1; }
+    rm -rf "${d}_r" && mkdir -p "${d}_r" && cp -r "$d/ckpt_00000010" "${d}_r/"
+    trainer "${common[@]}" --fp8 "$mode" -n 7 -y 1 -o "${d}_r" >"${d}_r.out" 2>&1 ||
+        { echo "FAIL: FP8 resume ($mode)"; cat "${d}_r.out"; exit 1; }
+    compare_logs "$d/log.jsonl" 11 "${d}_r/log.jsonl"
+    same_file "$d/model.bin" "${d}_r/model.bin" "final weights after FP8 resume ($mode)"
+    echo "bit-exact resume with FP8 matmuls ($mode): ok"
+  done
+  # On Hopper (the Makefile builds sm_90a there) attention's backward writes dqkv at its delayed scale.
+  if [ "$cap" = "9.0" ] && cmp -s "$dir/fp8_all/model.bin" "$dir/fp8_all,qkv.grad.delayed/model.bin"; then
+    echo "FAIL: qkv.grad.delayed trained the same weights as all (its delayed scale never ran)"; exit 1
+  fi
+  # --fp8 may change on resume: all's checkpoint (4 slots a layer) resumed with qkv.grad.delayed (5) starts
+  # an empty history, with a note, rather than refusing the checkpoint.
+  rm -rf "$dir/fp8_x" && mkdir -p "$dir/fp8_x" && cp -r "$dir/fp8_all/ckpt_00000010" "$dir/fp8_x/"
+  trainer "${common[@]}" --fp8 all,qkv.grad.delayed -n 7 -y 1 -o "$dir/fp8_x" >"$dir/fp8_x.out" 2>&1 ||
+      { echo "FAIL: resume of an all checkpoint with all,qkv.grad.delayed"; cat "$dir/fp8_x.out"; exit 1; }
+  grep -q "resume: restored .*ckpt_00000010: step 10" "$dir/fp8_x.out" &&
+      grep -q "resume: its FP8 amax history (.*) is another FP8 mode's" "$dir/fp8_x.out" ||
+      { echo "FAIL: no restore, or no note on the amax history (all -> all,qkv.grad.delayed)"; cat "$dir/fp8_x.out"; exit 1; }
+  echo "FP8 resume across modes (all -> all,qkv.grad.delayed): ok, with a fresh amax history"
 else
     echo "FP8 resume not run: this GPU (compute capability $cap) has no FP8 tensor cores"
 fi
