@@ -611,6 +611,17 @@ TEST(Fp8Matmuls, ParsesTheTrainersValues) {
     expect_error([] { parse_fp8_matmuls("1,qkv.grad.delayed"); }, kExitUsage, {"qkv.grad.delayed needs fcproj"});
 }
 
+// ||got - want|| / ||want|| over n bf16 values (a tensor of two gradient arrays).
+double relative_difference(const floatX* got, const floatX* want, int64_t n) {
+    double diff = 0, norm = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
+        diff += (g - w) * (g - w);
+        norm += w * w;
+    }
+    return std::sqrt(diff / norm);
+}
+
 // qkv.grad.delayed: the first step (no history yet) casts dqkv as qkv.grad does, so its gradients are
 // all's bit for bit; from the second, attention's backward writes dqkv in FP8 at the delayed scale, so qkv's
 // weight gradient differs from all's (another scale, other bytes; within the FP8 tolerance) while the last
@@ -650,14 +661,7 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
         << "step 1 (no history): qkv.grad.delayed must cast dqkv as qkv.grad does";
     const auto tensors = param_tensors(c);
     const ParamTensorInfo& w = tensors[size_t(kQkvw)];
-    double diff = 0, norm = 0;
-    for (int64_t j = 0; j < w.numel; j++) {
-        const double a = __bfloat162float(all[1][size_t(w.offset + j)]);
-        const double b = __bfloat162float(delayed[1][size_t(w.offset + j)]);
-        diff += (a - b) * (a - b);
-        norm += a * a;
-    }
-    const double rel = std::sqrt(diff / norm);
+    const double rel = relative_difference(delayed[1].data() + w.offset, all[1].data() + w.offset, w.numel);
     std::printf("  step 2, qkvw gradient, dqkv at the delayed scale against the cast's: %.3e relative\n", rel);
     EXPECT_GT(rel, 0.0) << "step 2: qkv.grad.delayed changed nothing (the delayed path did not run)";
     EXPECT_LT(rel, kFp8Tol.grad);
@@ -692,14 +696,7 @@ TEST_F(GPT2TrainingTest, GradE4m3CastsTheGradientsInE4m3) {
     const auto tensors = param_tensors(c);
     for (int i : {int(kQkvw), int(kAttprojw), int(kFcw), int(kFcprojw)}) {
         const ParamTensorInfo& t = tensors[size_t(i)];
-        double diff = 0, norm = 0;
-        for (int64_t j = 0; j < t.numel; j++) {
-            const double a = __bfloat162float(e5m2[size_t(t.offset + j)]);
-            const double b = __bfloat162float(e4m3[size_t(t.offset + j)]);
-            diff += (a - b) * (a - b);
-            norm += a * a;
-        }
-        const double rel = std::sqrt(diff / norm);
+        const double rel = relative_difference(e4m3.data() + t.offset, e5m2.data() + t.offset, t.numel);
         std::printf("  %s gradient, grad.e4m3 against E5M2: %.3e relative\n", t.name, rel);
         EXPECT_GT(rel, 0.0) << t.name << ": grad.e4m3 changed nothing";
         EXPECT_LT(rel, kFp8Tol.grad) << t.name;
@@ -742,15 +739,7 @@ TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
         // qkv's and fc's weight gradients read the kept E4M3 LayerNorm outputs; fcproj's (with FP8 fcproj,
         // whose layers share one bf16 GELU buffer in a bf16 call) a GELU output recomputed from its bf16
         // input, which may round a value to its other bf16 neighbour.
-        auto relative = [&]() {  // ||got - want|| / ||want||
-            double diff = 0, norm = 0;
-            for (int64_t j = 0; j < t.numel; j++) {
-                const double w = __bfloat162float(want[j]), g = __bfloat162float(got[j]);
-                diff += (g - w) * (g - w);
-                norm += w * w;
-            }
-            return std::sqrt(diff / norm);
-        };
+        auto relative = [&]() { return relative_difference(got, want, t.numel); };
         if (i == kFcprojw) {
             const double rel = relative();
             std::printf("  B x T = 10, %s gradient from the recomputed GELU output: %.3e relative to bf16's\n", t.name, rel);
