@@ -10,8 +10,7 @@ The trainer's kernels live in the headers (it runs them for HS 64 and 128 throug
 tiled as flash_tiling<HS>() says, or the wgmma kernels on an sm_90a build on Hopper); this file holds what
 only the lab needs: fp32 reference kernels straight from the definition (one warp per row), the wgmma
 kernels with the choices the header fixes left open (namespace lab90: warpgroups per block, tiles loaded
-by TMA or cp.async, register caps, FlashAttention-3's overlap inside the warpgroup), the checks and the
-timing table.
+by TMA or cp.async, register caps), the checks and the timing table.
 Checks (exit 1 on any failure): out, lse, dq, dk, dv against the fp32 reference (relative error norm;
 lse max abs), outputs poisoned with NaN before each launch (so an unwritten element shows), forward and
 backward run twice and compared bitwise, and every other variant bitwise equal to the plainest mma.sync
@@ -74,10 +73,6 @@ using flash90_detail::rows_tensor_map;
 using flash90_detail::SmemA;
 using flash90_detail::tma_tile;
 using flash90_detail::zero8;
-using flash90_detail::fence_acc;
-using flash90_detail::issue_product;
-using flash90_detail::wg_commit;
-using flash90_detail::wg_fence;
 
 // Rows row0 .. row0+63 of a (rows, 64) bf16 slice (row r at g + r * stride) into a swizzled tile; rows
 // >= T zero-filled. All nthreads threads of the block take part.
@@ -298,124 +293,6 @@ static __global__ void __launch_bounds__(WG * kWGThreads)
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Forward with FlashAttention-3's intra-warpgroup overlap (WG = 1, TMA): each step issues S_{j+1} = Q
-// K_{j+1}^T and O += P_j V_j together, then computes the softmax statistics of S_{j+1} (exponentials,
-// maxima, sums) while the tensor cores still work on P_j V_j, and rescales O only after that product has
-// completed. The header's kernel waits for each product before the next step's arithmetic and leans on
-// other resident blocks to fill the tensor cores meanwhile. Same operations on the same values in the same
-// order for every accumulator (softmax_step is softmax_stats then softmax_rescale), so the same bits.
-// K and V stream through rings of their own (TileRing), each tile asked for a step before it is needed.
-
-// Waits until at most N of this warp's committed wgmma groups are still in flight.
-template <int N>
-__device__ inline void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Streamed tiles in rings of their own, each buffer on its own mbarrier (tid 0 issues; every thread waits):
-// an overlapped kernel frees a K tile and a V tile at different steps, so with a common buffer per step
-// the next tiles could only be asked for just before they are needed.
-template <int N>
-struct TileRing {
-    uint8_t* base;   // N tiles, kTileBytes apart
-    uint64_t* bars;  // N barriers
-    __device__ uint8_t* tile(int n) const { return base + (n % N) * kTileBytes; }
-    __device__ void load(int n, const TileSource& src, int row) const {
-        mbar_expect(&bars[n % N], kTileBytes);
-        tma_tile(tile(n), src.map, &bars[n % N], src.col, row, src.b);
-    }
-    __device__ void wait(int n) const { mbar_wait(&bars[n % N], (n / N) & 1); }
-};
-
-// The barriers of a kernel with rings (n of them) initialised by tid 0, visible to the block on return.
-__device__ inline void init_bars(uint64_t* bars, int n, int tid) {
-    if (tid == 0) {
-        for (int i = 0; i < n; i++) mbar_init(&bars[i]);
-        mbar_init_fence();
-    }
-    __syncthreads();
-}
-
-static __global__ void __launch_bounds__(kWGThreads)
-    lab90_fwd_pipe_kernel(floatX* out, float* lse, const floatX* qkv, const __grid_constant__ CUtensorMap qkv_map,
-                          int T, int NH, float scale_log2) {
-#if FLASH90_DEVICE
-    extern __shared__ uint8_t smem_raw[];
-    __shared__ alignas(8) uint64_t bars[5];  // Q, K ring (2), V ring (2)
-    uint8_t* sQ = align_smem(smem_raw);
-    const TileRing<2> kr{sQ + kTileBytes, bars + 1}, vr{sQ + 3 * kTileBytes, bars + 3};
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows;
-    const int C = NH * kHS;
-    const int64_t C3 = 3 * int64_t(C);
-    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-    const int row0 = q0 + 16 * warp;
-    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
-        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b};
-    const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);  // every one reaches the block's queries
-    init_bars(bars, 5, tid);
-    if (tid == 0) {
-        mbar_expect(&bars[0], kTileBytes);
-        tma_tile(sQ, q_src.map, &bars[0], q_src.col, q0, q_src.b);
-        kr.load(0, k_src, 0);
-        vr.load(0, v_src, 0);
-        if (n_blocks > 1) kr.load(1, k_src, kRows);
-    }
-    mbar_wait(&bars[0], 0);
-    auto mask = [&](float (&s)[1][8][4], int k0) {
-        if (k0 + kRows - 1 > q0 || k0 + kRows > T) {
-            mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
-        }
-    };
-
-    uint32_t pa[4][4];
-    float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, corr[2];
-    zero8(o);
-    kr.wait(0);
-    zero8(s[0]);
-    product<false>(s[0], SmemA{sQ}, kr.tile(0));
-    mask(s, 0);
-    softmax_stats(s[0], m, l, corr, scale_log2);
-    softmax_rescale<kHS>(o, corr);
-    acc_to_a(pa, s[0]);
-    // Every step but the last overlaps; the last (P V alone) is peeled off, so that the loop's wgmma groups
-    // are the same on every path (ptxas serializes them, C7514, when it cannot tell which group a wait
-    // completes).
-    for (int j = 0; j + 1 < n_blocks; j++) {
-        // Every warp is past step j - 1: Q K_j^T and P_{j-1} V_{j-1} have completed, so K's buffer of block j
-        // and V's of block j - 1 are free: K of block j + 2 and V of block j + 1 load into them.
-        __syncthreads();
-        if (tid == 0) {
-            if (j + 2 < n_blocks) kr.load(j + 2, k_src, (j + 2) * kRows);
-            vr.load(j + 1, v_src, (j + 1) * kRows);
-        }
-        kr.wait(j + 1);
-        vr.wait(j);
-        zero8(s[0]);
-        fence_acc(s[0]);
-        fence_acc(o);
-        wg_fence();
-        issue_product<false>(s[0], SmemA{sQ}, kr.tile(j + 1));
-        wg_commit();
-        issue_product<true>(o, pa, vr.tile(j));
-        wg_commit();
-        wg_wait<1>();  // S_{j+1} (committed first) is done; P_j V_j may still run
-        fence_acc(s[0]);
-        mask(s, (j + 1) * kRows);
-        softmax_stats(s[0], m, l, corr, scale_log2);
-        wg_wait<0>();
-        fence_acc(o);
-        softmax_rescale<kHS>(o, corr);
-        acc_to_a(pa, s[0]);
-    }
-    vr.wait(n_blocks - 1);
-    product<true>(o, pa, vr.tile(n_blocks - 1));
-    store_forward_rows<kHS>(out + int64_t(b) * T * C + h * kHS, C, lse + int64_t(bh) * T, o, m, l, row0, T, lane);
-#endif
-}
-
-// ----------------------------------------------------------------------------------------------------
 // Backward, dK/dV: block = 64 * WG keys of one (b, h), longest first; loop over the 64-query blocks from
 // the block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are
 // the rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
@@ -580,114 +457,6 @@ static __global__ void __launch_bounds__(WG * kWGThreads, MinBlocks)
 }
 
 
-// Backward, dQ with FlashAttention-3's intra-warpgroup overlap (WG = 1, TMA): each step issues S_{j+1} =
-// Q K_{j+1}^T and dP_{j+1} = dO V_{j+1}^T together with dQ += dS_j K_j, computes P_{j+1} and dS_{j+1}
-// while dQ's product runs, and waits for it only before dS_{j+1} goes into the A fragments. The same
-// operations on the same values as lab90_dq_kernel, so the same bits; three accumulators and the A
-// fragments live at once (~112 registers of them), so MinBlocks below 4. K_j is read in steps j - 1 and
-// j, so its ring has three buffers (smem90_dq_pipe); V's two.
-constexpr size_t smem90_dq_pipe() { return size_t(2 + 3 + 2) * kTileBytes + kAlign; }
-
-template <int MinBlocks>
-static __global__ void __launch_bounds__(kWGThreads, MinBlocks)
-    lab90_dq_pipe_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
-                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
-                         int NH, float scale_log2, float scale) {
-#if FLASH90_DEVICE
-    extern __shared__ uint8_t smem_raw[];
-    __shared__ alignas(8) uint64_t bars[6];  // Q and dO, K ring (3), V ring (2)
-    uint8_t* sQ = align_smem(smem_raw);
-    uint8_t* sdO = sQ + kTileBytes;
-    const TileRing<3> kr{sQ + 2 * kTileBytes, bars + 1};
-    const TileRing<2> vr{sQ + 5 * kTileBytes, bars + 4};
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * kRows;
-    const int C = NH * kHS;
-    const int64_t C3 = 3 * int64_t(C);
-    const floatX* base = qkv + int64_t(b) * T * C3 + h * kHS;
-    const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize;
-    const int g = lane >> 2;
-    const int row0 = q0 + 16 * warp;
-    float lse2[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = row0 + g + 8 * r;
-        lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
-        Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
-    }
-    const TileSource q_src{&qkv_map, base, C3, h * kHS, b}, k_src{&qkv_map, base + C, C3, C + h * kHS, b},
-        v_src{&qkv_map, base + 2 * C, C3, 2 * C + h * kHS, b},
-        do_src{&dout_map, dout + int64_t(b) * T * C + h * kHS, C, h * kHS, b};
-    const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);
-    init_bars(bars, 6, tid);
-    if (tid == 0) {
-        mbar_expect(&bars[0], 2 * kTileBytes);
-        tma_tile(sQ, q_src.map, &bars[0], q_src.col, q0, q_src.b);
-        tma_tile(sdO, do_src.map, &bars[0], do_src.col, q0, do_src.b);
-        for (int j = 0; j < 2 && j < n_blocks; j++) {
-            kr.load(j, k_src, j * kRows);
-            vr.load(j, v_src, j * kRows);
-        }
-    }
-    mbar_wait(&bars[0], 0);
-    // P and dS of key block j from S and dP (in place: dS in dp).
-    auto ds = [&](float (&s)[1][8][4], float (&dp)[8][4], int k0) {
-        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
-            s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
-        });
-        if (k0 + kRows - 1 > q0 || k0 + kRows > T) {
-            mask_block<1, kRows>(s, row0, k0, 0.0f, lane, [T](int r, int c) { return c <= r && c < T; });
-        }
-        for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
-            dp[nt][e] = s[0][nt][e] * (dp[nt][e] - Dr[e >> 1]);
-        });
-    };
-
-    uint32_t da[4][4];
-    float dq[8][4], s[1][8][4], dp[8][4];
-    zero8(dq);
-    kr.wait(0);
-    vr.wait(0);
-    zero8(s[0]);
-    zero8(dp);
-    products<false>(s[0], SmemA{sQ}, kr.tile(0), dp, SmemA{sdO}, vr.tile(0));
-    ds(s, dp, 0);
-    acc_to_a(da, dp);
-    // The last step (dQ's product alone) is peeled off: the loop's wgmma groups are the same on every path.
-    for (int j = 0; j + 1 < n_blocks; j++) {
-        // Every warp is past step j - 1: dS_{j-1} K_{j-1} and dO V_j^T have completed, so K's buffer of block
-        // j - 1 and V's of block j are free: K and V of block j + 2 load into them.
-        __syncthreads();
-        if (tid == 0 && j + 2 < n_blocks) {
-            kr.load(j + 2, k_src, (j + 2) * kRows);
-            vr.load(j + 2, v_src, (j + 2) * kRows);
-        }
-        kr.wait(j + 1);
-        vr.wait(j + 1);
-        zero8(s[0]);
-        zero8(dp);
-        fence_acc(s[0]);
-        fence_acc(dp);
-        fence_acc(dq);
-        wg_fence();
-        issue_product<false>(s[0], SmemA{sQ}, kr.tile(j + 1));
-        issue_product<false>(dp, SmemA{sdO}, vr.tile(j + 1));
-        wg_commit();
-        issue_product<true>(dq, da, kr.tile(j));
-        wg_commit();
-        wg_wait<1>();  // S_{j+1} and dP_{j+1} (committed first) are done; dS_j K_j may still run
-        fence_acc(s[0]);
-        fence_acc(dp);
-        ds(s, dp, (j + 1) * kRows);
-        wg_wait<0>();
-        fence_acc(dq);
-        acc_to_a(da, dp);
-    }
-    product<true>(dq, da, kr.tile(n_blocks - 1));
-    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
-#endif
-}
-
 // The maps a launch passes: real ones with Tma, zeros (unused) without.
 template <bool Tma>
 inline CUtensorMap maybe_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
@@ -712,17 +481,6 @@ void forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, c
     cudaCheckLaunch();
 }
 
-// As flash90_forward, with FlashAttention-3's intra-warpgroup overlap (lab90_fwd_pipe_kernel).
-void forward_pipe(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
-    check_args("lab90::forward_pipe", B, T, NH);
-    const CUtensorMap qkv_map = maybe_map<true>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
-    allow_smem(lab90_fwd_pipe_kernel, smem90_fwd<1>());
-    const float scale_log2 = kLog2e / sqrtf(float(kHS));
-    const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
-    lab90_fwd_pipe_kernel<<<grid, kWGThreads, smem90_fwd<1>(), stream>>>(out, lse, qkv, qkv_map, T, NH, scale_log2);
-    cudaCheckLaunch();
-}
-
 // As flash90_backward, with WG (dK/dV) and WGQ (dQ) warpgroups per block, the dK/dV and dQ kernels'
 // registers capped for MinKV and MinQ blocks per SM (1 leaves ptxas free), the tiles loaded by TMA or
 // cp.async.
@@ -744,27 +502,6 @@ void backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX*
     const dim3 grid_q(unsigned(ceil_div(T, kRows * WGQ)), unsigned(B * NH));
     lab90_dq_kernel<WGQ, MinQ, Tma><<<grid_q, WGQ * kWGThreads, smem90_dq<WGQ>(), stream>>>(
         dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH, scale_log2, scale);
-    cudaCheckLaunch();
-}
-
-// As flash90_backward, with the dQ kernel overlapped (lab90_dq_pipe_kernel, registers capped for MinQ
-// blocks per SM); dK/dV as the header's (lab90_dkdv_kernel<1, 3, true>).
-template <int MinQ>
-void backward_dq_pipe(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
-                      int T, int NH, float* D, cudaStream_t stream) {
-    check_args("lab90::backward_dq_pipe", B, T, NH);
-    flash_backward_dot<kHS>(D, out, dout, B, T, NH, stream);
-    const CUtensorMap qkv_map = maybe_map<true>(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
-    const CUtensorMap dout_map = maybe_map<true>(dout, int64_t(NH) * kHS, T, B, "dout");
-    allow_smem(lab90_dkdv_kernel<1, 3, true>, smem90_dkdv<1>());
-    allow_smem(lab90_dq_pipe_kernel<MinQ>, smem90_dq_pipe());
-    const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
-    const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
-    lab90_dkdv_kernel<1, 3, true><<<grid, kWGThreads, smem90_dkdv<1>(), stream>>>(dqkv, qkv, dout, lse, D, qkv_map,
-                                                                                  dout_map, T, NH, scale_log2, scale);
-    cudaCheckLaunch();
-    lab90_dq_pipe_kernel<MinQ><<<grid, kWGThreads, smem90_dq_pipe(), stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map,
-                                                                           T, NH, scale_log2, scale);
     cudaCheckLaunch();
 }
 
@@ -1238,8 +975,6 @@ int run_case(const CublasLt& lt, const Shape& s, bool with_ref, bool timed, std:
         addo("wgmma kv3 q4, TMA", lab90::forward<1, true>, lab90::backward<1, 1, 3, 4, true>);
         addo("wgmma WG1, TMA", lab90::forward<1, true>, lab90::backward<1, 1, 1, 1, true>);
         addo("wgmma WG2, TMA", lab90::forward<2, true>, lab90::backward<2, 2, 1, 1, true>);
-        addo("wgmma overlap (FA3): fwd, dQ q3", lab90::forward_pipe, lab90::backward_dq_pipe<3>);
-        addo("wgmma overlap (FA3): fwd, dQ q2", lab90::forward_pipe, lab90::backward_dq_pipe<2>);
     }
     for (Other& v : others) {
         poison(out2.get(), out2.bytes());

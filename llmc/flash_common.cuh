@@ -8,8 +8,7 @@ D = rowsum(dout * out) that both backward passes start with, and the launchers' 
 Provides (namespace llmc::flash_common): smem_addr, pack_bf16, exp2_fast, kLog2e, kLn2, kBlockN (keys per
 step); for_each_element and mask_block over a warp's accumulators in the m16n8 C-fragment layout
 (lane = 4 * g + q: row g, columns 2q..2q+1, then row g + 8), which is also the per-warp layout of wgmma's
-m64 accumulators; store_rows, softmax_step (softmax_stats, then softmax_rescale: the two halves a pipelined
-kernel runs apart), store_forward_rows; flash_backward_dot (D into scratch);
+m64 accumulators; store_rows, softmax_step, store_forward_rows; flash_backward_dot (D into scratch);
 allow_smem and check_args for the launchers.
 
 Does not provide: the kernels' products, tile loads or shared-memory layouts (those differ between the two
@@ -102,14 +101,13 @@ __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc
     fp8_record_amax(amax_bits, m);
 }
 
-// One key block of the online softmax for 16 query rows (an m16 row tile of a warp), its statistics only:
-// s holds their raw scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2
-// - m) with m the new running max (kept scaled, log2 domain); the running sum l is rescaled to the new max
-// and P's row sums added; corr gets each row's factor for the output accumulator (softmax_rescale), which
-// a pipelined kernel applies later, once the product that accumulates into it has completed. Element
-// layout: m16n8 C fragments (rows g and g + 8 of the tile).
-__device__ inline void softmax_stats(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&corr)[2],
-                                     float scale_log2) {
+// One key block of the online softmax for 16 query rows (an m16 row tile of a warp): s holds their raw
+// scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2 - m) with m the
+// new running max (kept scaled, log2 domain); the running sum l and the output accumulator o are
+// rescaled to the new max first. Element layout: m16n8 C fragments (rows g and g + 8 of the tile).
+template <int HS>
+__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
+                                    float scale_log2) {
     // max(s) * scale rounds to the same float as max(s * scale).
     float bm[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -124,9 +122,14 @@ __device__ inline void softmax_stats(float (&s)[kBlockN / 8][4], float (&m)[2], 
         bm[r] = fmaxf(bm[r], __shfl_xor_sync(0xffffffffu, bm[r], 2));
         const float mx = fmaxf(m[r], bm[r] * scale_log2);
         sub[r] = mx == -INFINITY ? 0.0f : mx;  // a row with nothing unmasked yet stays at 0
-        corr[r] = exp2_fast(m[r] - sub[r]);
+        const float corr = exp2_fast(m[r] - sub[r]);
         m[r] = mx;
-        l[r] *= corr[r];
+        l[r] *= corr;
+#pragma unroll
+        for (int dt = 0; dt < HS / 8; dt++) {
+            o[dt][2 * r] *= corr;
+            o[dt][2 * r + 1] *= corr;
+        }
     }
 #pragma unroll
     for (int nt = 0; nt < kBlockN / 8; nt++) {
@@ -138,29 +141,6 @@ __device__ inline void softmax_stats(float (&s)[kBlockN / 8][4], float (&m)[2], 
     }
     l[0] += rs[0];
     l[1] += rs[1];
-}
-
-// The output accumulator's rows rescaled by softmax_stats's corr.
-template <int HS>
-__device__ inline void softmax_rescale(float (&o)[HS / 8][4], const float (&corr)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-#pragma unroll
-        for (int dt = 0; dt < HS / 8; dt++) {
-            o[dt][2 * r] *= corr[r];
-            o[dt][2 * r + 1] *= corr[r];
-        }
-    }
-}
-
-// softmax_stats and softmax_rescale together: one key block of the online softmax with the output
-// accumulator rescaled at once (the kernels that wait for each product before the next step).
-template <int HS>
-__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
-                                    float scale_log2) {
-    float corr[2];
-    softmax_stats(s, m, l, corr, scale_log2);
-    softmax_rescale<HS>(o, corr);
 }
 
 // The forward's end for 16 query rows from row0: lse (natural log) into lse_bh[row] and out rows = o / l
