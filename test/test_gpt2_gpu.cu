@@ -622,6 +622,31 @@ double relative_difference(const floatX* got, const floatX* want, int64_t n) {
     return std::sqrt(diff / norm);
 }
 
+// A d2 model at B x T with --fp8 `fp8`, the parameters test_parameters(c, seed), one batch (tokens from
+// seeds seed + 1, seed + 2): each of `steps` training steps' gradients, an AdamW step after each but the last.
+std::vector<std::vector<floatX>> step_gradients(const char* fp8, int B, int T, uint64_t seed, int steps) {
+    const GPT2Config c = config_from_descriptor("d2");
+    const size_t N = size_t(B) * T;
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, seed + 1);
+    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, seed + 2);
+    Stream stream;
+    GPT2 gpu(c, B, T, stream);
+    gpu.set_fp8(parse_fp8_matmuls(fp8));
+    gpu.set_parameters(test_parameters(c, seed));
+    auto d_in = upload(inputs), d_tg = upload(targets);
+    AdamWSettings settings;
+    settings.learning_rate = 3e-3f;
+    std::vector<std::vector<floatX>> g;
+    for (int step = 1; step <= steps; step++) {
+        gpu.zero_grad();
+        gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+        gpu.backward(d_in.get(), B, T);
+        g.push_back(download(gpu.grads(), size_t(gpu.num_parameters()), stream));
+        if (step < steps) gpu.update(settings, 1.0f, step, 91);
+    }
+    return g;
+}
+
 // qkv.grad.delayed: the first step (no history yet) casts dqkv as qkv.grad does, so its gradients are
 // all's bit for bit; from the second, attention's backward writes dqkv in FP8 at the delayed scale, so qkv's
 // weight gradient differs from all's (another scale, other bytes; within the FP8 tolerance) while the last
@@ -633,30 +658,8 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
     if (!attention_backward_fp8_available(B, T, c.channels, c.num_heads)) {
         GTEST_SKIP() << "skipped: attention_backward_fp8 needs the sm_90a kernels (a GPU_ARCH=90 build on compute 9.0)";
     }
-    const std::vector<float> params = test_parameters(c, 81);
-    const size_t N = size_t(B) * T;
-    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 82);
-    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 83);
-    // Each step's gradients, for steps 1 and 2 (the same batch, one AdamW step after the first).
-    auto grads = [&](const char* fp8) {
-        Stream stream;
-        GPT2 gpu(c, B, T, stream);
-        gpu.set_fp8(parse_fp8_matmuls(fp8));
-        gpu.set_parameters(params);
-        auto d_in = upload(inputs), d_tg = upload(targets);
-        AdamWSettings settings;
-        settings.learning_rate = 3e-3f;
-        std::vector<std::vector<floatX>> g;
-        for (int step = 1; step <= 2; step++) {
-            gpu.zero_grad();
-            gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
-            gpu.backward(d_in.get(), B, T);
-            g.push_back(download(gpu.grads(), size_t(gpu.num_parameters()), stream));
-            gpu.update(settings, 1.0f, step, 91);
-        }
-        return g;
-    };
-    const auto all = grads("all"), delayed = grads("all,qkv.grad.delayed");
+    // Steps 1 and 2 (the same batch, one AdamW step after the first).
+    const auto all = step_gradients("all", B, T, 81, 2), delayed = step_gradients("all,qkv.grad.delayed", B, T, 81, 2);
     EXPECT_EQ(0, std::memcmp(all[0].data(), delayed[0].data(), all[0].size() * sizeof(floatX)))
         << "step 1 (no history): qkv.grad.delayed must cast dqkv as qkv.grad does";
     const auto tensors = param_tensors(c);
@@ -676,23 +679,8 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
 TEST_F(GPT2TrainingTest, GradE4m3CastsTheGradientsInE4m3) {
     if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
     const GPT2Config c = config_from_descriptor("d2");
-    const std::vector<float> params = test_parameters(c, 71);
-    const int B = 4, T = 64;
-    const size_t N = size_t(B) * T;
-    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 72);
-    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 73);
-    auto grads = [&](const char* fp8) {
-        Stream stream;
-        GPT2 gpu(c, B, T, stream);
-        gpu.set_fp8(parse_fp8_matmuls(fp8));
-        gpu.set_parameters(params);
-        auto d_in = upload(inputs), d_tg = upload(targets);
-        gpu.zero_grad();
-        gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
-        gpu.backward(d_in.get(), B, T);
-        return download(gpu.grads(), size_t(gpu.num_parameters()), stream);
-    };
-    const std::vector<floatX> e5m2 = grads("all"), e4m3 = grads("all,grad.e4m3");
+    const std::vector<floatX> e5m2 = step_gradients("all", 4, 64, 71, 1)[0];
+    const std::vector<floatX> e4m3 = step_gradients("all,grad.e4m3", 4, 64, 71, 1)[0];
     const auto tensors = param_tensors(c);
     for (int i : {int(kQkvw), int(kAttprojw), int(kFcw), int(kFcprojw)}) {
         const ParamTensorInfo& t = tensors[size_t(i)];
