@@ -99,6 +99,7 @@ struct Options {
     float beta2 = 0.95f;
     float eps = 1e-8f;
     int64_t seed = 1337;
+    int64_t rounding_seed = -1;  // -1: seed
     float temperature = 1.0f;
     int top_k = 0;
     int64_t sample_seed = 42;
@@ -124,6 +125,9 @@ struct Options {
     double nccl_timeout = kDefaultRendezvousTimeout;
     double hang_timeout = kDefaultHangTimeout;
 };
+
+// The seed of the bf16 parameters' stochastic rounding: --rounding-seed, or --seed when it is -1.
+inline int64_t rounding_seed(const Options& o) { return o.rounding_seed >= 0 ? o.rounding_seed : o.seed; }
 
 template <class T>
 constexpr T kMax = std::numeric_limits<T>::max();
@@ -194,6 +198,10 @@ inline Flags make_flags(Options& o) {
     f.add("", "beta2", &o.beta2, "AdamW beta2, below 1", 0.0f, 1.0f);
     f.add("", "eps", &o.eps, "AdamW epsilon, above 0", 0.0f, kMax<float>);
     f.add("", "seed", &o.seed, "seed of initialisation, data order and stochastic rounding", 0, kMax<int64_t>);
+    f.add("", "rounding-seed", &o.rounding_seed,
+          "seed of the stochastic rounding alone (-1: --seed): another value changes nothing but the rounding "
+          "of the bf16 parameters, another run of the same training (the noise a precision change is judged "
+          "against)", -1, kMax<int64_t>);
     f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0.0f, kMax<float>);
     f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, kMax<int>);
     f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)");
@@ -472,6 +480,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"beta2", num(o.beta2), R::MayChange},
         {"eps", num(o.eps), R::MayChange},
         {"stochastic_rounding", o.stochastic_rounding ? "1" : "0", R::MayChange},
+        {"rounding_seed", format("%lld", (long long)rounding_seed(o)), R::MayChange},
         {"recompute", format("%d", o.recompute), R::MayChange},
         {"fp8", p.fp8.describe(), R::MayChange},
         {"sample_seed", format("%lld", (long long)o.sample_seed), R::MayChange},
@@ -796,7 +805,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     settings.stochastic_rounding = o.stochastic_rounding;
     settings.weight_decay = o.weight_decay;
     float* stats = buf.step_stats.get();
-    model.update(settings, o.grad_clip, step + 1, uint64_t(o.seed), stats, stats + 1, grad_accum, loss_limit);
+    model.update(settings, o.grad_clip, step + 1, uint64_t(rounding_seed(o)), stats, stats + 1, grad_accum, loss_limit);
     cudaCheck(cudaMemcpyAsync(stats + 1 + grad_accum, model.grad_scale(), sizeof(float), cudaMemcpyDeviceToDevice,
                               model.stream()));
     cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(2 + grad_accum) * sizeof(float),
@@ -1011,12 +1020,12 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
         if (!history_note.empty()) std::printf("resume: %s\n", history_note.c_str());
         std::printf("resume: restored %s%s: step %lld (next step %lld), master weights, bf16 parameters, AdamW m and "
-                    "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init/rounding %lld, "
-                    "sampling %lld)\n",
+                    "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init %lld, rounding "
+                    "%lld, sampling %lld)\n",
                     c.path.c_str(), skipped ? format(" (after skipping %zu newer)", skipped).c_str() : "",
                     (long long)m.step, (long long)m.step + 1, (unsigned long long)data.train->position(),
                     (unsigned long long)data.train->epoch(), (long long)m.step, (long long)o.seed,
-                    (long long)o.sample_seed);
+                    (long long)rounding_seed(o), (long long)o.sample_seed);
         std::fflush(stdout);
         out.log.write(format("{\"resume_from_step\":%lld}", (long long)m.step));
         return int(m.step);

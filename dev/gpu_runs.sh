@@ -164,14 +164,19 @@ for section in "$@"; do
             # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 first, the others compared with it).
             # FP8_LOSS_SPLIT=1 also runs bf16 with each step in two micro-batches of 32 (-b 32 -d 65536: the
             # same arithmetic but for the order of the sums), the reference each comparison prints beside it.
+            # FP8_LOSS_ROUNDING_SEEDS (e.g. "2 3"): bf16 again with each of these --rounding-seed values (the same
+            # run but for the parameters' stochastic rounding), each compared with the bf16 run: the spread of
+            # bf16 runs that differ in rounding alone, to read the FP8 runs' gaps against.
             model=${section#fp8-loss-}
             steps=1000
             [ "$model" = d24 ] && steps=500
             runs=(${FP8_LOSS_MODES:-0 1})
             [ "${FP8_LOSS_SPLIT:-0}" = 1 ] && runs+=(split)
+            for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do runs+=("rs$seed"); done
             for run in "${runs[@]}"; do
                 args=(-b 64 --fp8 "$run")
                 [ "$run" = split ] && args=(-b 32 -d 65536 --fp8 0)
+                [ "${run#rs}" != "$run" ] && args=(-b 64 --fp8 0 --rounding-seed "${run#rs}")
                 smi_run "smi_fp8_loss_${model}_$run.log" step "$model $steps steps ${args[*]}" "fp8_loss_$model.log" 590 \
                     ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -t 1024 \
                     -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100 --save-model none \
@@ -186,6 +191,13 @@ for section in "$@"; do
                     python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
                         "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 --windows 100 \
                         "${reference[@]}" | tee -a "$summary"
+            done
+            for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do
+                [ -f "$LOGS/fp8_loss_${model}_rs$seed/log.jsonl" ] && [ -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] &&
+                    { echo "bf16 with --rounding-seed $seed against bf16:";
+                      python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_rs$seed/log.jsonl" \
+                          "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 \
+                          --windows 100; } | tee -a "$summary"
             done ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a

@@ -8,6 +8,8 @@
 #     the right size, and loading it gives back (nearly) the final validation loss;
 #   - determinism: the same run twice gives identical losses and norms in log.jsonl;
 #   - the data on the GPU and streamed from the host give identical losses;
+#   - --rounding-seed: equal to --seed it is the default run bit for bit; another value keeps step 1 and
+#     changes the steps after the first update;
 #   - gradient accumulation (-d 2*B*T) runs two micro-steps per step, and two micro-steps of B=4 give the
 #     first step's loss and gradient norm of one micro-step of B=8 on the same sequences;
 #   - -r 1 (recompute the GELU output in backward) allocates fewer activation bytes, gives the same
@@ -35,6 +37,7 @@ expect_exit 3 "does not exist" -e "$dir/missing.bin"
 expect_exit 2 "flag -r: '2' is not an integer from 0 to 1" -r 2
 expect_exit 2 "flag -nk: '-1' is not an integer at least 0" -nk -1
 expect_exit 2 "must be below 1" --beta2 1
+expect_exit 2 "flag --rounding-seed: '-2' is not an integer at least -1" --rounding-seed -2
 expect_exit 0 "(default: 4, at least 1)" --help
 echo "command-line errors: ok"
 
@@ -49,6 +52,7 @@ expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -y 1 -o "$dir/plan_out"
 expect_exit 2 "-y 1 (resume) needs an output directory" "${plan[@]}" -y 1 -o ""
 expect_exit 0 "keep the newest 3 and every 100-th step" "${plan[@]}" -n 10 -nk 3 -nm 100 -o "$dir/plan_out"
 expect_exit 2 "no shard file matches" "${plan[@]}" -i "$dir/nothing_*.bin"
+expect_exit 0 "| rounding-seed  *| 7 \*" "${plan[@]}" --rounding-seed 7
 [ ! -e "$dir/plan_out" ] || { echo "FAIL: --dry-run created the output directory"; exit 1; }
 echo "plans: ok"
 
@@ -135,6 +139,22 @@ a, b, c = numbers("run2"), numbers("run3"), numbers("run4")
 if a != b: print("FAIL: two runs with the same seed differ:\n%s\n%s" % (a, b)); sys.exit(1)
 if a != c: print("FAIL: data on the GPU and streamed give different losses:\n%s\n%s" % (a, c)); sys.exit(1)
 print("determinism: 10 steps bitwise identical (twice resident, once streamed)")
+PY
+
+# --rounding-seed: the seed of the stochastic rounding alone. Its default is --seed (3 here: run2's bits);
+# another value gives run2's first step (no update yet) and other losses after it (another rounding).
+./train_gpt2cu "${short[@]}" -o "$dir/run5" --rounding-seed 3 >/dev/null
+./train_gpt2cu "${short[@]}" -o "$dir/run6" --rounding-seed 9 >/dev/null
+python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def losses(run):
+    return [(r["step"], r["loss"], r["norm"]) for r in map(json.loads, open("%s/%s/log.jsonl" % (d, run))) if "loss" in r]
+a, same, other = losses("run2"), losses("run5"), losses("run6")
+if same != a: print("FAIL: --rounding-seed equal to --seed changed the run"); sys.exit(1)
+if other[0] != a[0]: print("FAIL: --rounding-seed changed step 1 (before any rounding): %s %s" % (other[0], a[0])); sys.exit(1)
+if other[1:] == a[1:]: print("FAIL: --rounding-seed 9 changed nothing after step 1"); sys.exit(1)
+print("rounding seed: its default is --seed; another changes only what follows the first update")
 PY
 
 # Recompute: one GELU buffer instead of L, the same forward, nearly the same gradients.
