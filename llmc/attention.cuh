@@ -40,7 +40,10 @@ T, NH >= 1, C a multiple of NH, HS = C/NH a multiple of 8, the saved and scratch
 two paths agree to within bf16 rounding, not bitwise. attention_backward's amax_bits (optional): the
 largest |value| of dqkv is folded into it for an FP8 cast of dqkv (llmc/fp8.cuh; the caller zeroes it):
 by the flash kernels as they store dqkv (an atomicMax of exact values: the result does not depend on the
-order), by a pass of its own after the cuBLASLt path.
+order), by a pass of its own after the cuBLASLt path. Its bias_sums (optional, where
+attention_backward_sums_available(B, T, C, NH): the wgmma kernels, T a multiple of 64): each 64-row
+block's column sums of dqkv ((B T / 64, 3C) floats, a fixed order), added as the kernels store it, for
+qkv's bias gradient without a pass over dqkv (bias_grad_from_partials); dqkv's bits stay the same.
 attention_backward_fp8 / attention_backward_fp8_available(B, T, C, NH): the same gradient written in FP8
 by the wgmma kernels themselves (flash90_backward_fp8: row-major and transposed, with the 64-row blocks'
 column sums and the amax), where those kernels run (HS 64 on an sm_90a build on Hopper) and T is a multiple
@@ -335,35 +338,6 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     }
 }
 
-// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's input qkv, output out and saved state.
-// dqkv must not alias the inputs.
-inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
-                               const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
-                               void* scratch, size_t scratch_bytes, cudaStream_t stream,
-                               unsigned int* amax_bits = nullptr) {
-    const char* fn = "attention_backward";
-    detail::check_attention_args(fn, B, T, C, NH);
-    const int HS = C / NH;
-    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, HS), B, T, C, NH);
-    require_aligned16(saved, "attention_backward: saved");
-    if (attention_uses_flash(HS)) {
-        detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
-        float* D = static_cast<float*>(scratch);
-        const float* lse = static_cast<const float*>(saved);
-        if (HS == 64 && flash90_available()) {
-            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
-        } else if (HS == 64) {
-            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
-        } else {
-            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
-        }
-    } else {
-        attention_backward_cublaslt(lt, dqkv, dout, qkv, static_cast<const floatX*>(saved), B, T, C, NH, scratch,
-                                    scratch_bytes, stream);
-        if (amax_bits != nullptr) fp8_amax_fold(dqkv, int64_t(B) * T * 3 * C, amax_bits, stream);  // a pass of its own
-    }
-}
-
 // Whether this build's attention_backward_fp8 takes the shape (head size 64, T a multiple of 64, an sm_90a
 // build), without asking the device; attention_backward_fp8_available: and the device runs it.
 inline bool attention_backward_fp8_shape(int T, int C, int NH) {
@@ -375,6 +349,45 @@ inline bool attention_backward_fp8_shape(int T, int C, int NH) {
 }
 inline bool attention_backward_fp8_available(int B, int T, int C, int NH) {
     return B >= 1 && attention_backward_fp8_shape(T, C, NH) && flash90_available();
+}
+// Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (its
+// bias_sums): where attention_backward_fp8 runs, for the same reason (the wgmma kernels own whole 64-row
+// blocks of the B T rows).
+inline bool attention_backward_sums_available(int B, int T, int C, int NH) {
+    return attention_backward_fp8_available(B, T, C, NH);
+}
+
+// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's input qkv, output out and saved state.
+// dqkv must not alias the inputs.
+inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
+                               const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
+                               void* scratch, size_t scratch_bytes, cudaStream_t stream,
+                               unsigned int* amax_bits = nullptr, float* bias_sums = nullptr) {
+    const char* fn = "attention_backward";
+    detail::check_attention_args(fn, B, T, C, NH);
+    const int HS = C / NH;
+    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, HS), B, T, C, NH);
+    require_aligned16(saved, "attention_backward: saved");
+    if (bias_sums != nullptr && !attention_backward_sums_available(B, T, C, NH)) {
+        fail(kExitUsage, "%s: the bias column sums need head size 64, T a multiple of 64 and the sm_90a kernels "
+             "(B=%d T=%d C=%d NH=%d)", fn, B, T, C, NH);
+    }
+    if (attention_uses_flash(HS)) {
+        detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
+        float* D = static_cast<float*>(scratch);
+        const float* lse = static_cast<const float*>(saved);
+        if (HS == 64 && flash90_available()) {
+            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits, bias_sums);
+        } else if (HS == 64) {
+            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
+        } else {
+            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
+        }
+    } else {
+        attention_backward_cublaslt(lt, dqkv, dout, qkv, static_cast<const floatX*>(saved), B, T, C, NH, scratch,
+                                    scratch_bytes, stream);
+        if (amax_bits != nullptr) fp8_amax_fold(dqkv, int64_t(B) * T * 3 * C, amax_bits, stream);  // a pass of its own
+    }
 }
 
 // attention_backward's dqkv in FP8 format G (flash90_backward_fp8, Flash90Fp8Out) instead of bf16. Needs

@@ -7,7 +7,9 @@ Provides:
   flash90_available():  true where these kernels can run: built for sm_90a (the Makefile does so for
                         GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
   flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
-  flash90_backward:     dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T).
+  flash90_backward:     dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T);
+                        optionally each 64-row block's column sums of dqkv for the bias gradient, added
+                        as the kernels store it (no pass over dqkv for qkv's bias; T a multiple of 64).
   flash90_backward_fp8: the same gradient written in FP8 (E4M3 or E5M2) at a given scale by the kernels
                         themselves, row-major and transposed (the two K-major operands of qkv's backward
                         matmuls), with each 64-row block's column sums for the bias and the amax: no bf16
@@ -396,6 +398,48 @@ __device__ inline void store_tile_fp8(const Flash90Fp8Out& f, int64_t ld, int64_
     }
 }
 
+// The column sums of a block's 64 x 64 bf16 tile (the values store_rows stores: bf16(acc * mul); rows
+// row_base.. of the B T rows, columns col.. of the ld = 3C) into row row_base / 64 of sums (row stride ld),
+// in a fixed order: a lane adds its rows g and g + 8, the eight lanes of a column add theirs pairwise by
+// shuffles (xor 4, 8, 16: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))), the four warps' sums are added in
+// warp order through `stage` (256 floats of dead shared memory). Every thread of the block calls it; it
+// starts with a barrier (the tiles' last readers are done, a previous call's stage has been read). Rows
+// are all below T (the launcher requires T % 64 == 0).
+__device__ inline void store_tile_sums(float* sums, int64_t ld, int64_t row_base, int col,
+                                       const float (&acc)[kHS / 8][4], float mul, float* stage, int warp,
+                                       int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    float s[kHS / 8][2];
+#pragma unroll
+    for (int dt = 0; dt < kHS / 8; dt++) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(acc[dt][0] * mul, acc[dt][1] * mul);  // row g
+        const __nv_bfloat162 b = __floats2bfloat162_rn(acc[dt][2] * mul, acc[dt][3] * mul);  // row g + 8
+        s[dt][0] = __low2float(a) + __low2float(b);
+        s[dt][1] = __high2float(a) + __high2float(b);
+    }
+#pragma unroll
+    for (int off = 4; off < kWarpSize; off <<= 1) {
+#pragma unroll
+        for (int dt = 0; dt < kHS / 8; dt++) {
+            s[dt][0] += __shfl_xor_sync(0xffffffffu, s[dt][0], off);
+            s[dt][1] += __shfl_xor_sync(0xffffffffu, s[dt][1], off);
+        }
+    }
+    __syncthreads();
+    if (g == 0) {
+#pragma unroll
+        for (int dt = 0; dt < kHS / 8; dt++) {
+            *reinterpret_cast<float2*>(stage + warp * kHS + dt * 8 + 2 * q) = make_float2(s[dt][0], s[dt][1]);
+        }
+    }
+    __syncthreads();
+    const int tid = threadIdx.x;
+    if (tid < kHS) {
+        const float t = ((stage[tid] + stage[kHS + tid]) + stage[2 * kHS + tid]) + stage[3 * kHS + tid];
+        sums[(row_base / kRows) * ld + col + tid] = t;
+    }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // Forward: block = 64 queries of one (b, h), longest first; loop over 64-key blocks up to the diagonal, K
 // and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait. The tiles
@@ -461,7 +505,7 @@ template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits,
+                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
                         const Flash90Fp8Out f8) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
@@ -535,6 +579,12 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     if constexpr (std::is_void<Out>::value) {
         store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane, amax_bits);
         store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane, amax_bits);
+        if (sums != nullptr) {
+            const int64_t row_base = int64_t(b) * T + k0;
+            float* stage = reinterpret_cast<float*>(sQdO);
+            store_tile_sums(sums, C3, row_base, C + h * kHS, dk, scale, stage, warp, lane);
+            store_tile_sums(sums, C3, row_base, 2 * C + h * kHS, dv, 1.0f, stage, warp, lane);
+        }
     } else {
         const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + k0;
         store_tile_fp8<Out>(f8, C3, n_rows, row_base, C + h * kHS, dk, scale, sQdO, warp, lane);
@@ -553,7 +603,8 @@ template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                       const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
-                      int NH, float scale_log2, float scale, unsigned int* amax_bits, const Flash90Fp8Out f8) {
+                      int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
+                      const Flash90Fp8Out f8) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
@@ -614,6 +665,10 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     }
     if constexpr (std::is_void<Out>::value) {
         store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane, amax_bits);
+        if (sums != nullptr) {
+            store_tile_sums(sums, C3, int64_t(b) * T + q0, h * kHS, dq, scale, reinterpret_cast<float*>(sKV), warp,
+                            lane);
+        }
     } else {
         const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + q0;
         store_tile_fp8<Out>(f8, C3, n_rows, row_base, h * kHS, dq, scale, sKV, warp, lane);
@@ -689,9 +744,13 @@ namespace flash90_detail {
 template <class Out>
 inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
                             const float* lse, int B, int T, int NH, float* D, cudaStream_t stream,
-                            unsigned int* amax_bits, const Flash90Fp8Out& f8) {
+                            unsigned int* amax_bits, float* sums, const Flash90Fp8Out& f8) {
     if (!flash90_available()) fail(kExitUsage, "%s: needs a build for sm_90a and a compute 9.0 GPU", fn);
     check_args(fn, B, T, NH);
+    if (sums != nullptr) {
+        if (T % kRows != 0) fail(kExitUsage, "%s: the column sums need T a multiple of %d (T = %d)", fn, kRows, T);
+        require_aligned16(sums, "flash90_backward: sums");
+    }
     if (dqkv != nullptr) require_aligned16(dqkv, "flash90_backward: dqkv");
     require_aligned16(dout, "flash90_backward: dout");
     require_aligned16(qkv, "flash90_backward: qkv");
@@ -706,21 +765,24 @@ inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, co
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
     flash90_dkdv_kernel<Out><<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T,
-                                                                      NH, scale_log2, scale, amax_bits, f8);
+                                                                      NH, scale_log2, scale, amax_bits, sums, f8);
     cudaCheckLaunch();
     flash90_dq_kernel<Out><<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                                  scale_log2, scale, amax_bits, f8);
+                                                                  scale_log2, scale, amax_bits, sums, f8);
     cudaCheckLaunch();
 }
 
 }  // namespace flash90_detail
 
 // As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes, amax_bits as
-// there), on wgmma.
+// there), on wgmma. sums (optional; (B T / 64, 3C) floats, T a multiple of 64): each 64-row block's column
+// sums of dqkv (the bf16 values), for the bias gradient (bias_grad_from_partials), in store_tile_sums's
+// fixed order; dqkv's bits do not change with it.
 inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
+                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr,
+                             float* sums = nullptr) {
     flash90_detail::backward_launch<void>("flash90_backward", dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits,
-                                          Flash90Fp8Out{});
+                                          sums, Flash90Fp8Out{});
 }
 
 // The same gradient in FP8 format G instead of bf16 dqkv (Flash90Fp8Out, store_tile_fp8): f.q (B T, 3C) and
@@ -740,7 +802,7 @@ inline void flash90_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, con
     require_aligned16(f.q, "flash90_backward_fp8: q");
     require_aligned16(f.qt, "flash90_backward_fp8: qt");
     require_aligned16(f.sums, "flash90_backward_fp8: sums");
-    backward_launch<G>(fn, nullptr, dout, qkv, out, lse, B, T, NH, D, stream, nullptr, f);
+    backward_launch<G>(fn, nullptr, dout, qkv, out, lse, B, T, NH, D, stream, nullptr, nullptr, f);
 }
 
 }  // namespace llmc

@@ -5,7 +5,11 @@ built from the layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
 
 Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
 and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
-weights and rounds them stochastically into the bf16 parameters the model computes with.
+weights and rounds them stochastically into the bf16 parameters the model computes with. The bias
+gradients are column sums of the output gradients in fixed orders; where a kernel reads or writes that
+gradient anyway it adds them up on the way (the LayerNorm backward for attproj and fcproj where its
+shared memory allows, attention's backward for qkv where its wgmma kernels run), so no pass over it is
+spent on them.
 
 Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks
 (per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
@@ -713,9 +717,17 @@ public:
             // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
             const bool dqkv_delayed = fp8_qkv_grad && fp8_.qkv_grad_delayed && fp8_fcproj_w;
             const bool dqkv_fused = dqkv_delayed && !measure && attention_backward_fp8_available(B, T, C, NH);
+            // qkv's backward in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
+            // block's column sums of dqkv for the bias gradient as it stores it (no pass over dqkv for it), in
+            // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below).
+            float* qkvb_sums = nullptr;
+            if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
+                qkvb_sums = reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / 64) * 3 * C;
+            }
             if (!dqkv_fused) {
                 attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                   scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr);
+                                   scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr,
+                                   qkvb_sums);
             }
             if (fp8_qkv_grad) {
                 with_grad_format([&](auto format) {
@@ -769,8 +781,9 @@ public:
             } else {
                 const floatX* ln1 =
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
-                matmul_backward(lt_, d_ln_, gb.qkvw, gb.qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes,
-                                stream_);
+                matmul_backward(lt_, d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, d_qkv_, ln1, b.qkvw, N,
+                                C, 3 * C, fscratch, sbytes, stream_);
+                if (qkvb_sums != nullptr) bias_grad_from_partials(gb.qkvb, qkvb_sums, N / 64, 3 * C, stream_);
             }
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr,

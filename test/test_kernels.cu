@@ -10,7 +10,8 @@ V=101 padded to 128, row counts around the 256-row reduction chunks) plus one re
 NH=12, T=64) and the GPT-2 vocabulary for the classifier. Attention has its own cases: both of its
 paths (flash for HS 64 and 128, cuBLASLt for HS 16, 32 and 48) at T = 1, 37, 64, 65, 97 and 200, and
 its saved state too (flash's lse against a double reference, the cuBLASLt path's probabilities), and
-the cuBLASLt forward's attention groups against separate rows; the encoder with explicit positions.
+the cuBLASLt forward's attention groups against separate rows, the wgmma backward's bias column sums
+(bitwise, in the kernels' order); the encoder with explicit positions.
 Outputs that a kernel overwrites are poisoned with NaN bit patterns first, so an element that is not
 written shows up as non-finite; outputs that a kernel adds to start from random values, and their
 error is measured against the size of what was added: ||got - ref|| / ||ref - initial||. Tolerances:
@@ -922,6 +923,83 @@ TEST_F(KernelTest, AttentionForwardBackwardMatchCpuAndAreDeterministic) {
             first_dqkv = bytes_of(d_dqkv.get(), n_qkv);
         }
     }
+}
+
+// attention_backward's bias_sums (the wgmma kernels; where they do not run, skipped with a message): dqkv
+// bitwise what it is without them, and each 64-row block's column sums of it bitwise the host's in the
+// kernels' order (per warp of 16 rows: rows g and g + 8 first, then the eight g pairwise, ((0 + 1) + (2 +
+// 3)) + ((4 + 5) + (6 + 7)); then the four warps in order); every sum written (poisoned first). Their
+// total against bias_grad_accumulate's over the same dqkv: the same column sums in another order, within
+// fp32 rounding. T not a multiple of 64 is refused.
+TEST_F(KernelTest, AttentionBackwardSumsBiasColumnsAsItStores) {
+    if (!attention_backward_sums_available(2, 128, 128, 2)) {
+        GTEST_SKIP() << "skipped: the bias sums need the sm_90a attention kernels (a GPU_ARCH=90 build on compute 9.0)";
+    }
+    CublasLt lt;
+    struct Case { int B, T, NH; };
+    for (const Case s : {Case{2, 128, 2}, Case{1, 256, 3}, Case{3, 64, 1}, Case{2, 64, 12}}) {
+        const int C = s.NH * 64;
+        const int64_t N = int64_t(s.B) * s.T, C3 = 3 * int64_t(C), blocks = N / 64;
+        SCOPED_TRACE(format("B=%d T=%d NH=%d", s.B, s.T, s.NH));
+        std::printf("  B=%d T=%d NH=%d\n", s.B, s.T, s.NH);
+        const auto qkv = random_bf16(size_t(N * C3), 60 + s.T, 1.5f), dout = random_bf16(size_t(N * C), 61 + s.T);
+        auto d_qkv = upload_bf16(qkv), d_dout = upload_bf16(dout);
+        const size_t saved_bytes = attention_saved_bytes(s.B, s.NH, s.T, 64);
+        const size_t scratch_bytes = attention_scratch_bytes(s.B, s.NH, s.T, 64);
+        DeviceBuffer<char> saved(saved_bytes), scratch(scratch_bytes);
+        DeviceBuffer<floatX> out(size_t(N * C)), dqkv(size_t(N * C3));
+        DeviceBuffer<float> sums(size_t(blocks * C3));
+        attention_forward(lt, out.get(), saved.get(), saved_bytes, d_qkv.get(), s.B, s.T, C, s.NH, scratch.get(),
+                          scratch_bytes, kStream);
+        auto backward = [&](float* bias_sums) {
+            poison(dqkv);
+            attention_backward(lt, dqkv.get(), d_dout.get(), d_qkv.get(), out.get(), saved.get(), saved_bytes, s.B, s.T,
+                               C, s.NH, scratch.get(), scratch_bytes, kStream, nullptr, bias_sums);
+        };
+        backward(nullptr);
+        const auto plain = bytes_of(dqkv.get(), size_t(N * C3));
+        poison(sums);
+        backward(sums.get());
+        expect_bitwise("dqkv with the bias sums", bytes_of(dqkv.get(), size_t(N * C3)), plain);
+        const std::vector<float> x = download_bf16(dqkv.get(), size_t(N * C3));
+        const std::vector<float> got = download(sums.get(), sums.size());
+        size_t wrong = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int64_t c = 0; c < C3; c++) {
+                float warps[4];
+                for (int w = 0; w < 4; w++) {
+                    const int64_t r0 = b * 64 + 16 * w;
+                    float v[8];
+                    for (int g = 0; g < 8; g++) v[g] = x[size_t((r0 + g) * C3 + c)] + x[size_t((r0 + g + 8) * C3 + c)];
+                    warps[w] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+                }
+                const float want = ((warps[0] + warps[1]) + warps[2]) + warps[3];
+                wrong += std::memcmp(&want, &got[size_t(b * C3 + c)], sizeof(float)) != 0;
+            }
+        }
+        EXPECT_EQ(wrong, 0u) << "column sums other than the host's in the kernels' order (of " << blocks * C3 << ")";
+        // The bias gradient from them (bias_grad_from_partials) against the bias pass over the same dqkv
+        // (bias_grad_accumulate): both into a zeroed bf16 bias, the same sums in other orders.
+        DeviceBuffer<floatX> db_sums{size_t(C3)}, db_pass{size_t(C3)};
+        DeviceBuffer<float> pass_scratch(matmul_backward_scratch_bytes(N, int(C3)) / sizeof(float) + 1);
+        cudaCheck(cudaMemset(db_sums.get(), 0, db_sums.bytes()));
+        cudaCheck(cudaMemset(db_pass.get(), 0, db_pass.bytes()));
+        bias_grad_from_partials(db_sums.get(), sums.get(), blocks, int(C3), kStream);
+        bias_grad_accumulate(db_pass.get(), dqkv.get(), N, int(C3), pass_scratch.get(), pass_scratch.bytes(), kStream);
+        expect_close("dbias from the sums (against the bias pass)", download_bf16(db_sums.get(), size_t(C3)),
+                     download_bf16(db_pass.get(), size_t(C3)), kTolBf16);
+    }
+    expect_error(
+        [&] {
+            const int B = 1, T = 96, C = 128, NH = 2;
+            DeviceBuffer<floatX> x(size_t(B) * T * 3 * C);
+            DeviceBuffer<char> saved(attention_saved_bytes(B, NH, T, 64)), scratch(attention_scratch_bytes(B, NH, T, 64));
+            DeviceBuffer<float> sums(size_t(B) * T * 3 * C);
+            attention_backward(lt, x.get(), x.get(), x.get(), x.get(), saved.get(), saved.bytes(), B, T, C, NH,
+                               scratch.get(), scratch.bytes(), kStream, nullptr, sums.get());
+        },
+        kExitUsage, {"attention_backward", "T a multiple of 64"});
+    cudaCheck(cudaDeviceSynchronize());
 }
 
 // Attention groups (the cuBLASLt forward; the multiple-choice evaluation's packed rows): position t sees
