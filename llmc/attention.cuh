@@ -352,7 +352,8 @@ inline bool attention_backward_fp8_available(int B, int T, int C, int NH) {
 }
 // Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (its
 // bias_sums): where attention_backward_fp8 runs, for the same reason (the wgmma kernels own whole 64-row
-// blocks of the B T rows).
+// blocks of the B T rows). bias_sums holds (B T / kAttentionSumRows, 3C) floats.
+constexpr int kAttentionSumRows = flash90_detail::kRows;
 inline bool attention_backward_sums_available(int B, int T, int C, int NH) {
     return attention_backward_fp8_available(B, T, C, NH);
 }

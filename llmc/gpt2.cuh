@@ -722,7 +722,7 @@ public:
             // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below).
             float* qkvb_sums = nullptr;
             if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
-                qkvb_sums = reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / 64) * 3 * C;
+                qkvb_sums = reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
             if (!dqkv_fused) {
                 attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
@@ -783,7 +783,9 @@ public:
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
                 matmul_backward(lt_, d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, d_qkv_, ln1, b.qkvw, N,
                                 C, 3 * C, fscratch, sbytes, stream_);
-                if (qkvb_sums != nullptr) bias_grad_from_partials(gb.qkvb, qkvb_sums, N / 64, 3 * C, stream_);
+                if (qkvb_sums != nullptr) {
+                    bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, stream_);
+                }
             }
             layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr,
