@@ -4,7 +4,7 @@
 # replacement, the bug it stands for; FILE@N picks the N-th of several occurrences).
 #   bash dev/gpu_mutation_runs.sh [--check | --verify] [--only ID,ID,...] [--from N] [--count K] [--out FILE]
 #                                 [--jobs J] [--test-jobs P] [--no-baseline | --baseline-only]
-#                                 [--time-budget SECONDS]
+#                                 [--time-budget SECONDS] [--stages NAME,NAME,...]
 #   --check         without a GPU: only make each mutant's tree and check that its trainer builds
 #   --verify        without a GPU or a build: only check that each mutation's text is in its file as the list
 #                   says (once, or at least N times for FILE@N), so that the list keeps up with the code
@@ -18,6 +18,11 @@
 #                   on the same machine; the script says so in its summary)
 #   --baseline-only only build the unmutated tree and run every test on it (then --no-baseline in a later run)
 #   --time-budget   start no stage after this many seconds (0: none); mutants left are reported unfinished
+#   --stages        only these stages (names below: test_fp8, test_resume.sh, ...), in this order, for the
+#                   baseline and the mutants: e.g. a mutant the list expects test_fp8 to kill is judged
+#                   without first waiting for test_gpt2_gpu. A mutant alive after a pass with some stages
+#                   left out (by --stages, or failing on the unmutated tree) is reported unfinished, not
+#                   survived
 #
 # How: the repository is built once (make all) and, unless --no-baseline, every test below runs on it; one
 # that fails there cannot tell a mutant apart and is left out of the pass (the summary counts them).
@@ -37,6 +42,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 list=dev/gpu_mutations.txt
 check=0 verify=0 only="" from=1 count=100000 out=build/gpu-mutations.tsv budget=0 jobs=$(nproc) test_jobs=4 baseline=1
+only_stages=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --check) check=1; shift ;;
@@ -50,6 +56,7 @@ while [ $# -gt 0 ]; do
         --no-baseline) baseline=0; shift ;;
         --baseline-only) baseline=2; shift ;;
         --time-budget) budget=$2; shift 2 ;;
+        --stages) only_stages=$2; shift 2 ;;
         -h|--help) sed -n "2,$(($(grep -n '^set -u' "$0" | head -1 | cut -d: -f1) - 1))p" "$0"; exit 0 ;;
         *) echo "gpu_mutation_runs: unknown argument '$1' (--help)" >&2; exit 2 ;;
     esac
@@ -70,6 +77,20 @@ stages=("unit test_kernels" "unit test_gpt2_gpu" "unit test_zero_update" "unit t
         "script test_train_gpt2cu.sh" "script test_resume.sh RESUME_KILL_TRIALS=2"
         "script test_train_gpt2_cpu_vs_gpu.sh" "script test_multi_gpu_trainer.sh" "script test_hf_trainer.sh"
         "script test_run_survival.sh SURVIVAL_TRIALS=2")
+all_stages=${#stages[@]}
+if [ -n "$only_stages" ]; then  # --stages: pick and order them
+    picked=()
+    for want in ${only_stages//,/ }; do
+        found=""
+        for s in "${stages[@]}"; do
+            set -- $s
+            [ "$2" = "$want" ] && found=$s
+        done
+        [ -n "$found" ] || { echo "gpu_mutation_runs: no stage '$want' (--help lists them)" >&2; exit 2; }
+        picked+=("$found")
+    done
+    stages=("${picked[@]}")
+fi
 script_targets="train_gpt2cu train_gpt2 build/convert_model build/inspect_checkpoint"
 stage_targets() {  # stage_targets KIND NAME
     if [ "$1" = unit ]; then echo "build/$2"; else echo "$script_targets"; fi
@@ -294,7 +315,7 @@ echo "the table:"
 for mid in "${selected[@]}"; do
     result=${status[$mid]}
     if [ "$result" = alive ]; then
-        if [ $stopped -eq 0 ]; then result=survived; else result=unfinished; fi
+        if [ $stopped -eq 0 ] && [ ${#stages[@]} -eq "$all_stages" ]; then result=survived; else result=unfinished; fi
     fi
     case $result in
         killed) killed=$((killed + 1)) ;; survived) survived=$((survived + 1)) ;;
