@@ -59,21 +59,22 @@ start_ranks() {
         rank_pids+=($!)
     done
 }
-# wait_ranks LIMIT [PID...]: waits for the given trainers (default: rank_pids) up to LIMIT seconds from now,
-# kills (-9) those still running then; sets rank_rc (exit codes in the same order, 137 for a killed one) and
-# returns the first non-zero one.
+# wait_ranks SECONDS [PID...]: waits for the given trainers (default: rank_pids) for at most SECONDS, then
+# kills (-9) any still running, so a rank that hangs (a peer gone, a collective never matched) cannot stall
+# the script; sets rank_rc (exit codes in the same order, 137 for a killed one) and returns the first
+# non-zero one.
 rank_rc=()
 wait_ranks() {
-    local limit=$1 deadline p alive rc=0 st
+    local wait_s=$1 kill_at p alive rc=0 st
     shift
     local pids=("$@")
     [ ${#pids[@]} -gt 0 ] || pids=("${rank_pids[@]}")
-    deadline=$((SECONDS + limit))
+    kill_at=$((SECONDS + wait_s))
     while :; do
         alive=0
         for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
         [ $alive = 0 ] && break
-        if [ $SECONDS -ge $deadline ]; then
+        if [ $SECONDS -ge $kill_at ]; then
             for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
             break
         fi
