@@ -208,7 +208,8 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
             c.bytes = bytes;
             c.sum = std::strtoull(sum.c_str(), nullptr, 16);
             const uint64_t expect = current->chunks.empty() ? 0 : current->chunks.back().offset + current->chunks.back().bytes;
-            if (c.offset != expect || c.bytes == 0 || c.offset + c.bytes > current->size) {
+            // expect <= size, so size - offset cannot wrap; offset + bytes could, and tile on from a small end.
+            if (c.offset != expect || c.bytes == 0 || c.bytes > current->size - c.offset) {
                 bad("chunks must cover the file in order without gaps");
             }
             current->chunks.push_back(c);

@@ -160,6 +160,9 @@ TEST(Manifest, ChunksThatDoNotTileTheFileAreRefused) {
         {"chunks out of order", {{10, 20, 1}, {0, 10, 2}}},
         {"an empty chunk", {{0, 10, 1}, {10, 0, 2}, {10, 20, 3}}},
         {"a chunk past the end", {{0, 10, 1}, {10, 21, 2}}},
+        // offset + bytes wraps past 2^64 to 5, and the next chunk tiles on from there: without the check,
+        // a reader would size a buffer for the 2^64 - 5 bytes (a std::length_error, not a named error).
+        {"a chunk whose length wraps around", {{0, 10, 1}, {10, UINT64_MAX - 4, 2}, {5, 25, 3}}},
     };
     for (const auto& [what, chunks] : bad) {
         SCOPED_TRACE(what);
