@@ -14,6 +14,7 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 */
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -30,24 +31,31 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 namespace llmc {
 
 // "3600", "90m", "23.5h", "1:30:00" (or "30:00") -> seconds; "" -> 0 (none). flag names it in errors.
+// Only digits, a decimal point and the unit letters are taken: a blank, a sign, "0x" or "1e3" (which
+// strtod would read) and a clock time with an empty field ("4:", "1::2") are refused, not guessed at.
 inline double parse_duration(const std::string& text, const char* flag) {
     if (text.empty()) return 0;
+    auto digit = [](char c) { return c >= '0' && c <= '9'; };
     double seconds = 0;
     const char* p = text.c_str();
     char* end = nullptr;
     if (text.find(':') != std::string::npos) {
-        for (int field = 0; field < 3 && *p; field++) {
-            const long v = std::strtol(p, &end, 10);
-            if (end == p || v < 0 || (*end != ':' && *end != '\0')) break;
-            seconds = seconds * 60 + double(v);
-            p = *end == ':' ? end + 1 : end;
+        // Up to three fields of digits, every ':' followed by the next one.
+        for (int field = 0; field < 3 && digit(*p); field++) {
+            seconds = seconds * 60 + double(std::strtol(p, &end, 10));
+            p = end;
+            if (*p != ':' || !digit(p[1])) break;
+            p++;
         }
-    } else {
+    } else if (digit(*p) || *p == '.') {
+        const char* number_end = p + std::min(text.size(), text.find_first_not_of("0123456789."));
         seconds = std::strtod(p, &end);
-        const double unit = *end == 'h' ? 3600 : *end == 'm' ? 60 : 1;
-        if (end != p && (*end == 'h' || *end == 'm' || *end == 's')) end++;
-        p = end;
-        seconds *= unit;
+        if (end == number_end) {
+            p = end;
+            const double unit = *p == 'h' ? 3600 : *p == 'm' ? 60 : 1;
+            if (*p == 'h' || *p == 'm' || *p == 's') p++;
+            seconds *= unit;
+        }
     }
     if (*p != '\0' || !(seconds > 0) || !std::isfinite(seconds)) {
         fail(kExitUsage, "%s '%s': expected seconds, a number with a unit (90m, 23.5h) or H:MM:SS", flag, text.c_str());

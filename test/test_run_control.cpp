@@ -26,7 +26,9 @@ TEST(Duration, AcceptsSecondsUnitsAndClockTimes) {
 }
 
 TEST(Duration, RefusesWhatIsNotADuration) {
-    for (const char* bad : {"soon", "1:xx", "10q", "-5", "0", "1h30", ":", "1::2", "nan", "inf"}) {
+    // A clock time's fields are digits, each one there: "4:" is not 4 seconds nor "1: 30" 90.
+    for (const char* bad : {"soon", "1:xx", "10q", "-5", "0", "1h30", ":", "1::2", "nan", "inf", "4:", "1:30:",
+                            ":30", "1: 30", "1:-30", "1:2:3:4", " 5", " 1:00", "0x10", "1e3", "1.2.3", "."}) {
         expect_error([&] { parse_duration(bad, "--time-limit"); }, kExitUsage, {"--time-limit", bad, "H:MM:SS"});
     }
 }
