@@ -4,7 +4,8 @@ given (or every ckpt_* in an output directory given with --all), reads the manif
 size and every chunk's checksum (llmc/checkpoint.h), checks that every stored fp32 array (master
 weights, AdamW moments, FP8 amax history) and bf16 array (parameters) holds only finite values, and prints the step, the
 settings and the files. Exit code 0 when every checkpoint passes, 4 (invalid contents) or 3 (I/O) at
-the first that does not, with the reason.
+the first that does not, with the reason; with --all, also 3 for a directory that does not exist and 4 for
+one that holds no checkpoint.
   build/inspect_checkpoint out/ckpt_00001000
   build/inspect_checkpoint --all out
 Does not provide: repair, or reading the DataLoader state (the trainer does that on resume).
@@ -109,7 +110,12 @@ int main(int argc, char** argv) {
                 checked++;
                 continue;
             }
-            for (const CheckpointEntry& e : list_checkpoints(d)) {
+            // A directory that is not there, or holds no checkpoint, is an answer too: a mistyped path or a
+            // run that never saved must not pass as "every checkpoint whole".
+            if (!directory_exists(d)) fail(kExitIo, "--all: '%s' is not a directory", d.c_str());
+            const std::vector<CheckpointEntry> found = list_checkpoints(d);
+            if (found.empty()) fail(kExitData, "--all: '%s' holds no checkpoint (no ckpt_<step>/ directory)", d.c_str());
+            for (const CheckpointEntry& e : found) {
                 inspect(e.path, quiet);
                 if (quiet) std::printf("%s: ok\n", e.path.c_str());
                 checked++;
