@@ -5,9 +5,10 @@ resumed run) and the small formatting helpers the step lines use.
 The records the trainers write, one per line (scripts/plot.py reads them):
   {"step":S,"loss":L,"lr":X,"norm":N,"ms":M,"tok_per_s":R,"mfu":F}   after each optimizer step S (from 1)
   {"step":S,"val_loss":L}                                             validation before step S+1
-  {"step":S,"eval_acc":A,"eval_acc_norm":A,"eval_items":N}            multiple-choice evaluation
+  {"step":S,"eval_acc":A,"eval_acc_norm":A,"eval_items":N,"eval_s":X} multiple-choice evaluation
   {"step":S,"sample":[ids...]}                                        a sample's generated token ids
   {"step":S,"skipped":"what was not finite"}                          an update skipped by the guard
+  {"step":S,"stopped":"why"}                                          stopped early (signal, --time-limit)
   {"resume_from_step":S}                                              a resumed run continues here
 Losses go out with 17 significant digits, so that a double reads back exactly and logs compare bitwise.
 
