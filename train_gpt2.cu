@@ -909,7 +909,7 @@ inline void require_finite_parameters(GPT2& model, int step, const char* what) {
 // Checkpoints and resume.
 
 inline CheckpointManifest checkpoint_meta(const std::vector<RunSetting>& settings, const GPT2& model, const Plan& plan,
-                                          const Data& data, int step) {
+                                          const Data& data, const RunControl& control, int step) {
     CheckpointManifest m;
     m.settings = recorded_settings(settings);
     m.settings.push_back({"ranks", format("%d", plan.parallel.ranks.world)});
@@ -918,6 +918,7 @@ inline CheckpointManifest checkpoint_meta(const std::vector<RunSetting>& setting
     m.settings.push_back({"lr_at_step", format("%.9g", plan.schedule.at(step))});
     m.blobs.push_back({"train_loader", data.train->state()});
     if (data.val) m.blobs.push_back({"val_loader", data.val->state()});
+    m.blobs.push_back({"step_guard", control.state()});
     return m;
 }
 
@@ -952,9 +953,9 @@ inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& m
 // when there is none). A checkpoint that fails its checks (truncated, corrupted, missing files) is
 // skipped with the reason printed, and the next older one is tried; with several ranks, a checkpoint any
 // rank cannot load is skipped by all of them. A configuration or data that differs from the checkpoint's
-// is an error, not a reason to skip.
+// is an error, not a reason to skip. The step guard's bookkeeping goes into `control`.
 inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
-                                  GPT2& model, Data& data, Outputs& out) {
+                                  GPT2& model, Data& data, Outputs& out, RunControl& control) {
     if (candidates.empty()) {
         std::printf("resume: no checkpoint in '%s'; starting from step 0\n", o.output_dir.c_str());
         return 0;
@@ -983,6 +984,8 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         std::vector<std::string> notes;
         int saved_world = 0;
         std::string resharded, history_note;
+        RunControl guard = control;  // takes up the checkpoint's step guard state, kept if this checkpoint is used
+        bool guard_saved = false;
         if (bad.empty()) {
             const std::string diff = settings_differences(m, recorded_settings(settings), must_match_keys(settings), &notes);
             if (!diff.empty()) {
@@ -1002,6 +1005,12 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
                 fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
             }
             check([&] { resharded = load_checkpoint(model, c.path, m, io, &history_note); });
+            check([&] {
+                if (const std::vector<uint8_t>* g = m.blob("step_guard")) {
+                    guard.restore(*g, c.path);
+                    guard_saved = true;
+                }
+            });
         }
         if (!bad.empty() && model.multi() != nullptr && !model.multi()->is_root()) {
             std::fprintf(stderr, "rank %d: cannot resume from %s: %s\n", model.multi()->rank(), c.path.c_str(), bad.c_str());
@@ -1019,9 +1028,14 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         }
         if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
         if (!history_note.empty()) std::printf("resume: %s\n", history_note.c_str());
+        control = guard;
+        if (!guard_saved) {
+            std::printf("resume: the checkpoint holds no step guard state (written by an older version): the "
+                        "--loss-spike mean and the count of skipped steps start afresh\n");
+        }
         std::printf("resume: restored %s%s: step %lld (next step %lld), master weights, bf16 parameters, AdamW m and "
                     "v, DataLoader at batch %llu (epoch %llu), LR schedule at step %lld, seeds (init %lld, rounding "
-                    "%lld, sampling %lld)\n",
+                    "%lld, sampling %lld), step guard\n",
                     c.path.c_str(), skipped ? format(" (after skipping %zu newer)", skipped).c_str() : "",
                     (long long)m.step, (long long)m.step + 1, (unsigned long long)data.train->position(),
                     (unsigned long long)data.train->epoch(), (long long)m.step, (long long)o.seed,
@@ -1125,7 +1139,10 @@ int main(int argc, char** argv) {
         Data data(opt, plan, stream);
         print_device(device, model, data);
         if (multi) multi->check_same(uint64_t(candidates.size()), "the number of checkpoints found to resume from");
-        const int start_step = opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out) : 0;
+        // Stopping early: the step guard (restored with the rest on resume), signals and --time-limit.
+        RunControl control(run_limits(opt, plan, model.num_parameters()), started);
+        const int start_step =
+            opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, control) : 0;
         // Every rank must have resumed from the same checkpoint (each validated it on its own).
         if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
@@ -1139,7 +1156,6 @@ int main(int argc, char** argv) {
         CheckpointReport report;
         // On an error from here on, abort NCCL before anything waits on it, so the other ranks stop too.
         const MultiGpuAbortOnError abort_on_error(multi.get());
-        RunControl control(run_limits(opt, plan, model.num_parameters()), started);
         auto report_saves = [&] {
             if (ckpt && ckpt->poll(&report)) {
                 print_checkpoint_report(report, ckpt->async());
@@ -1189,7 +1205,7 @@ int main(int argc, char** argv) {
                 require_finite_parameters(model, step + 1, "the checkpoint");
                 if (ckpt) {
                     ckpt->save(opt.output_dir, step + 1, checkpoint_tensors(model),
-                               checkpoint_meta(settings, model, plan, data, step + 1), stream, opt.keep_last,
+                               checkpoint_meta(settings, model, plan, data, control, step + 1), stream, opt.keep_last,
                                opt.keep_every);
                 }
                 report_saves();

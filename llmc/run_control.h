@@ -3,6 +3,8 @@ When a training run stops early, decided on the host after each step, shared by 
 - the step guard's bookkeeping: an update the guard skipped (a loss or the gradient norm not finite, or a
   loss spike) leaves the model as it was; --max-bad-steps of them in a row end the run with exit code 6
   (kExitDiverged), and the spike limit is --loss-spike times the mean loss of the last 50 applied steps;
+  both are checkpointed (state(), restore()), so a resumed run guards its steps as the uninterrupted run
+  would have;
 - a stop request: SIGTERM, SIGINT or SIGUSR1 (what Slurm, Kubernetes and cloud preemption send first; a
   second signal ends the process at once), or --time-limit within reach of the next two steps and a
   checkpoint. The trainer then checkpoints and exits with code 7 (kExitStopped), so a job script can
@@ -20,8 +22,10 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
 #include <deque>
 #include <string>
+#include <vector>
 
 #include <signal.h>
 
@@ -109,7 +113,7 @@ public:
         if (skipped.empty()) {
             bad_run_ = 0;
             recent_.push_back(loss);
-            if (recent_.size() > 50) recent_.pop_front();
+            if (recent_.size() > size_t(kRecent)) recent_.pop_front();
             return;
         }
         if (++bad_run_ >= lim_.max_bad_steps) {
@@ -118,6 +122,58 @@ public:
                  "before them, and so is every checkpoint written since: resume with -y 1 and a lower learning rate, "
                  "a longer warmup or a smaller --grad-clip", step, bad_run_, skipped.c_str());
         }
+    }
+    // The guard's bookkeeping for a checkpoint (the losses of the last applied steps behind --loss-spike
+    // and the skipped steps in a row), little-endian: the magic "llmcGRD1", the skipped-in-a-row count
+    // (u32), the number of losses (u32, at most kRecent) and the losses (fp64 bits, oldest first).
+    std::vector<uint8_t> state() const {
+        std::vector<uint8_t> out(kStateMagic, kStateMagic + 8);
+        auto put = [&out](uint64_t v, int bytes) {
+            for (int i = 0; i < bytes; i++) out.push_back(uint8_t(v >> (8 * i)));
+        };
+        put(uint64_t(bad_run_), 4);
+        put(uint64_t(recent_.size()), 4);
+        for (double l : recent_) {
+            uint64_t bits;
+            std::memcpy(&bits, &l, 8);
+            put(bits, 8);
+        }
+        return out;
+    }
+    // Takes up what state() wrote (where: the checkpoint, for errors); a blob that is not such a state is
+    // refused (kExitData) and leaves the guard as it was.
+    void restore(const std::vector<uint8_t>& blob, const std::string& where) {
+        auto get = [&blob](size_t at, int bytes) {
+            uint64_t v = 0;
+            for (int i = 0; i < bytes; i++) v |= uint64_t(blob[at + size_t(i)]) << (8 * i);
+            return v;
+        };
+        if (blob.size() < 16 || std::memcmp(blob.data(), kStateMagic, 8) != 0) {
+            fail(kExitData, "%s: the step guard's state (%zu bytes) does not start with its magic", where.c_str(),
+                 blob.size());
+        }
+        const uint64_t bad = get(8, 4), n = get(12, 4);
+        if (bad > uint64_t(INT32_MAX)) {
+            fail(kExitData, "%s: the step guard's state records %llu skipped steps in a row", where.c_str(),
+                 (unsigned long long)bad);
+        }
+        if (n > kRecent || blob.size() != 16 + 8 * n) {
+            fail(kExitData, "%s: the step guard's state records %llu losses in %zu bytes; expected at most %d, in 16 + "
+                 "8 each", where.c_str(), (unsigned long long)n, blob.size(), kRecent);
+        }
+        std::deque<double> recent;
+        for (uint64_t i = 0; i < n; i++) {
+            const uint64_t bits = get(16 + 8 * size_t(i), 8);
+            double l;
+            std::memcpy(&l, &bits, 8);
+            if (!std::isfinite(l)) {
+                fail(kExitData, "%s: the step guard's state holds a loss that is not finite (%g, entry %llu)",
+                     where.c_str(), l, (unsigned long long)i);
+            }
+            recent.push_back(l);
+        }
+        bad_run_ = int(bad);
+        recent_ = std::move(recent);
     }
     // A checkpoint took this long: the time limit keeps that much in reserve.
     void saved(double seconds) { save_s_ = seconds; }
@@ -137,6 +193,8 @@ public:
     }
 
 private:
+    static constexpr int kRecent = 50;  // the applied steps whose mean loss sets the spike limit
+    static constexpr char kStateMagic[8] = {'l', 'l', 'm', 'c', 'G', 'R', 'D', '1'};
     Limits lim_;
     std::chrono::steady_clock::time_point t0_;
     double save_s_;

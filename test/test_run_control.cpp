@@ -7,6 +7,7 @@
 #include <csignal>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "llmc/run_control.h"
 #include "llmc/run_settings.h"
@@ -62,6 +63,64 @@ TEST(RunControl, SpikeLimitIsAMultipleOfTheRecentMeanOnceThereAreTen) {
     RunControl off(RunControl::Limits{}, std::chrono::steady_clock::now());
     for (int i = 0; i < 20; i++) off.after_step(i + 1, 1.0, "");
     EXPECT_TRUE(std::isinf(off.loss_limit()));
+}
+
+// A guard restored from another's state() decides the next steps as that one would: the same spike limit
+// (from the same last 50 losses, in the same order) and the same count of skipped steps in a row.
+TEST(RunControl, StateRestoresTheGuardsBookkeeping) {
+    RunControl::Limits l;
+    l.loss_spike = 2.0f;
+    l.max_bad_steps = 3;
+    RunControl a(l, std::chrono::steady_clock::now());
+    for (int i = 0; i < 57; i++) a.after_step(i + 1, 3.0 + 0.01 * i + 1e-13 * (i % 7), "");
+    a.after_step(58, NAN, "a loss is not finite");
+    a.after_step(59, NAN, "a loss is not finite");
+    const std::vector<uint8_t> blob = a.state();
+    EXPECT_EQ(blob.size(), 16u + 8u * 50u);
+    RunControl b(l, std::chrono::steady_clock::now());
+    EXPECT_TRUE(std::isinf(b.loss_limit()));
+    b.restore(blob, "ckpt_00000059");
+    EXPECT_EQ(b.loss_limit(), a.loss_limit());  // bitwise: the same losses added in the same order
+    EXPECT_EQ(b.state(), blob);
+    // Two skipped in a row were carried over: the third ends the run, in both.
+    expect_error([&] { b.after_step(60, NAN, "a loss is not finite"); }, kExitDiverged, {"3 steps in a row"});
+    expect_error([&] { a.after_step(60, NAN, "a loss is not finite"); }, kExitDiverged, {"3 steps in a row"});
+    // A fresh guard's state restores to a fresh guard.
+    RunControl fresh(l, std::chrono::steady_clock::now()), c(l, std::chrono::steady_clock::now());
+    c.restore(fresh.state(), "ckpt");
+    EXPECT_TRUE(std::isinf(c.loss_limit()));
+}
+
+TEST(RunControl, StateThatIsNotAGuardsIsRefused) {
+    RunControl::Limits l;
+    l.loss_spike = 2.0f;
+    RunControl a(l, std::chrono::steady_clock::now());
+    for (int i = 0; i < 12; i++) a.after_step(i + 1, 2.0, "");
+    const std::vector<uint8_t> good = a.state();
+    RunControl b(l, std::chrono::steady_clock::now());
+    auto refused = [&](std::vector<uint8_t> blob, std::vector<std::string> words) {
+        words.push_back("ckpt_00000012");
+        expect_error([&] { b.restore(blob, "ckpt_00000012"); }, kExitData, words);
+    };
+    refused({}, {"magic"});
+    std::vector<uint8_t> v = good;
+    v[3] ^= 1;  // the magic
+    refused(v, {"magic"});
+    v = good;
+    v.pop_back();  // truncated
+    refused(v, {"12 losses", "at most 50"});
+    v = good;
+    v[12] = 51;  // more losses than the guard keeps (and than the blob holds)
+    refused(v, {"51 losses"});
+    v = good;
+    v[11] = 0x80;  // 2^31 skipped steps in a row
+    refused(v, {"skipped steps"});
+    v = good;
+    for (int i = 0; i < 8; i++) v[16 + i] = 0xff;  // the first loss a NaN
+    refused(v, {"not finite", "entry 0"});
+    EXPECT_TRUE(std::isinf(b.loss_limit()));  // nothing refused was taken up
+    b.restore(good, "ckpt_00000012");
+    EXPECT_FLOAT_EQ(b.loss_limit(), 4.0f);  // 2 x the mean of twelve losses of 2
 }
 
 TEST(RunControl, TimeLimitKeepsTwoStepsACheckpointAndTheExitInReserve) {

@@ -7,6 +7,8 @@
 #     bitwise (the checkpoint holds exactly the state the run had);
 #   - one injected bad step (--nan-at-step 7): the update is skipped, logged as skipped, the run goes on to
 #     the end, and two such runs give bitwise equal step records;
+#   - the step guard is checkpointed: resumed from the checkpoint of a skipped step, a run with
+#     --max-bad-steps 2 stops (exit 6) at the next bad step, as the uninterrupted run would;
 #   - SIGTERM at random moments after start-up (the first log record), SURVIVAL_TRIALS trials (default 10)
 #     on the single-GPU path and 4 through NCCL with one rank (ZeRO-1): each run exits with code 7 within
 #     one step plus a checkpoint save (the limit: 20 s), and -y 1 then finishes the run with every step
@@ -84,6 +86,22 @@ grep -q '"step":7,"skipped"' "$dir/bad1/log.jsonl" || { echo "FAIL: step 7 not l
 [ "$(steps "$dir/bad1" | wc -l)" -eq 20 ] || { echo "FAIL: the run did not go on to step 20"; exit 1; }
 cmp -s <(steps "$dir/bad1") <(steps "$dir/bad2") || { echo "FAIL: two runs with the bad step differ"; exit 1; }
 echo "one bad step: skipped, logged, run finished, reproducible: ok"
+
+# --- the step guard across a resume -------------------------------------------------------------------
+# Step 10's update is skipped and the step-10 checkpoint is written after it: with --max-bad-steps 2 a
+# second bad step right after the resume is the second in a row, as it would be in the uninterrupted run.
+trainer "${base[@]}" -l 3e-3 -x 12 -v 0 -n 10 --nan-at-step 10 --max-bad-steps 2 -o "$dir/guard" >"$dir/guard.log" 2>&1 ||
+    { echo "FAIL: the run with a bad step 10 failed"; tail "$dir/guard.log"; exit 1; }
+grep -q '"step":10,"skipped"' "$dir/guard/log.jsonl" || { echo "FAIL: step 10 not skipped"; exit 1; }
+grep -q "^blob step_guard " "$dir/guard/ckpt_00000010/manifest.txt" ||
+    { echo "FAIL: the checkpoint holds no step guard state"; cat "$dir/guard/ckpt_00000010/manifest.txt"; exit 1; }
+mkdir -p "$dir/guard_r" && cp -r "$dir/guard/ckpt_00000010" "$dir/guard_r/"
+rc=0
+trainer "${base[@]}" -l 3e-3 -x 12 -v 0 -n 10 --nan-at-step 11 --max-bad-steps 2 -y 1 -o "$dir/guard_r" \
+    >"$dir/guard_r.log" 2>&1 || rc=$?
+[ $rc -eq 6 ] && grep -q "step 11: 2 steps in a row were skipped" "$dir/guard_r.log" ||
+    { echo "FAIL: after resuming next to a skipped step, a second one must stop the run (exit $rc)"; tail "$dir/guard_r.log"; exit 1; }
+echo "the step guard across a resume: ok"
 
 # --- SIGTERM at random moments ------------------------------------------------------------------------
 sig_common=(-l 3e-3 -x 150 -n 4 -v 3 -m 40 -nk 3)
