@@ -1107,6 +1107,16 @@ int main(int argc, char** argv) {
         const ModelSource source = resolve_model(opt.model);
         const Plan plan = plan_run(opt, source.config, resolve_ranks(opt));
         const std::vector<RunSetting> settings = run_settings(opt, plan);
+        // A fresh run must not start among an earlier run's checkpoints: it would overwrite that run's
+        // log.jsonl, and a later -y 1 would resume from whichever run's checkpoint is newest.
+        if (opt.resume == 0 && !opt.output_dir.empty()) {
+            const std::vector<CheckpointEntry> earlier = list_checkpoints(opt.output_dir);
+            if (!earlier.empty()) {
+                fail(kExitUsage, "-o %s holds %zu checkpoint(s) of an earlier run (the newest: %s): resume it with -y 1, "
+                     "or start over in another directory or after removing them", opt.output_dir.c_str(),
+                     earlier.size(), earlier.front().path.c_str());
+            }
+        }
         if (opt.dry_run) {
             print_plan(flags, opt, plan, source);
             return kExitOk;

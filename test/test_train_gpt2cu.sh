@@ -54,6 +54,15 @@ expect_exit 0 "keep the newest 3 and every 100-th step" "${plan[@]}" -n 10 -nk 3
 expect_exit 2 "no shard file matches" "${plan[@]}" -i "$dir/nothing_*.bin"
 expect_exit 0 "| rounding-seed  *| 7 \*" "${plan[@]}" --rounding-seed 7
 [ ! -e "$dir/plan_out" ] || { echo "FAIL: --dry-run created the output directory"; exit 1; }
+# A fresh run (no -y 1) among an earlier run's checkpoints is refused before it touches anything; -y 1
+# is the way to continue it. (A directory named like an unfinished checkpoint does not count.)
+mkdir -p "$dir/earlier/ckpt_00000040" "$dir/earlier/ckpt_00000050.tmp"
+expect_exit 2 "holds 1 checkpoint(s) of an earlier run (the newest: $dir/earlier/ckpt_00000040): resume it with -y 1" \
+    "${plan[@]}" -o "$dir/earlier"
+expect_exit 2 "holds 1 checkpoint(s) of an earlier run" "${plan[@]}" -o "$dir/earlier" -y 0 -n 10
+expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -o "$dir/earlier" -y 1
+rm -rf "$dir/earlier/ckpt_00000040"
+expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -o "$dir/earlier"
 echo "plans: ok"
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
