@@ -15,6 +15,8 @@
 #     or an llm.c model file, at learning rate 1e-4 with a sample (and on the GPU, the accuracy) before
 #     and after: GPU B=16 x T=1024 for 300 steps, CPU B=4 x T=64 for 40 steps (GPT-2 124M: ~6 s a step
 #     on two cores); the output goes to out/finetune/ or out/finetune_cpu/.
+# On a GPU a run stopped by Ctrl-C (the trainer checkpoints and exits) continues where it stopped when the
+# script is run again (-y 1); a finished one starts afresh (it leaves no checkpoint).
 # Knobs (environment): QUICKSTART_STEPS (GPU: 1500, CPU: 250; fine-tuning: 300, 40), QUICKSTART_MODEL
 # (GPU: d6), QUICKSTART_FROM.
 set -euo pipefail
@@ -39,7 +41,7 @@ if [ -n "$from" ] && [ $gpu -eq 1 ]; then
     echo "quickstart: fine-tuning $from on the GPU with train_gpt2cu"
     ./train_gpt2cu -e "$from" -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -b 16 -t 1024 \
         -l 1e-4 -u 20 -k cosine -q 0.1 -c 0.0 -x "${QUICKSTART_STEPS:-300}" -v 50 -m 20 -s 150 -g 128 \
-        --temperature 0.8 --top-k 40 --log-every 10 -o out/finetune --eval data/quickstart_mc.bin --eval-every 150
+        --temperature 0.8 --top-k 40 --log-every 10 -y 1 -o out/finetune --eval data/quickstart_mc.bin --eval-every 150
     out=out/finetune
 elif [ -n "$from" ]; then
     echo "quickstart: fine-tuning $from on the CPU with train_gpt2 (no NVIDIA GPU found)"
@@ -52,7 +54,7 @@ elif [ $gpu -eq 1 ]; then
     echo "quickstart: GPU found ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)): training with train_gpt2cu"
     ./train_gpt2cu -e "${QUICKSTART_MODEL:-d6}" -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' \
         -b 32 -t 512 -d 16384 -l 1.5e-3 -u 100 -k cosine -q 0.1 -c 0.1 -x "${QUICKSTART_STEPS:-1500}" \
-        -v 100 -m 20 -s 500 -g 128 --temperature 0.8 --top-k 40 --log-every 20 -o out/quickstart \
+        -v 100 -m 20 -s 500 -g 128 --temperature 0.8 --top-k 40 --log-every 20 -y 1 -o out/quickstart \
         --eval data/quickstart_mc.bin --eval-every 250
     out=out/quickstart
 else
