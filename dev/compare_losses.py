@@ -10,6 +10,8 @@ against PyTorch does (docs/performance.md):
 Prints the largest |difference| and its step, the mean difference (first minus second), the rms, and the
 final validation losses; PASS when every step of the second log is in the first, the largest difference
 over the steps from --from-step on (default: all) is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
+A loss that is not a number (null, as the trainer writes one it could not compute, or NaN) fails every limit;
+lines that are not records (cut short by a killed run) are skipped with a note.
 --reference: a third log, compared with the second in the same way and printed on a line of its own (it
 does not change PASS or FAIL), and drawn beside the first on the plot: what another change of rounding
 alone does (say the same run with its batch split into micro-batches), the scale to read the first against.
@@ -20,18 +22,42 @@ last window's mean is the "last N steps" figure docs/performance.md quotes).
 """
 import argparse
 import json
+import math
 import sys
 
 
 def load(path):
+    """The train and val losses by step. A loss the trainer could not compute (null; NaN or Infinity from
+    Python's json) reads as NaN, which no limit accepts. Lines that are not records (blank, or cut short by
+    a killed run, which the trainer's log leaves in place) are skipped with a note on stderr."""
     train, val = {}, {}
-    for line in open(path):
-        r = json.loads(line)
-        if "loss" in r:
-            train[r["step"]] = r["loss"]
-        if "val_loss" in r:
-            val[r["step"]] = r["val_loss"]
+    skipped = 0
+    for line in open(path, encoding="utf-8", errors="replace"):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not isinstance(r, dict):
+            skipped += line.strip() != ""
+            continue
+        if not isinstance(r.get("step"), int):
+            continue  # a record without a step, e.g. {"resume_from_step": S}
+        for key, losses in (("loss", train), ("val_loss", val)):
+            if key in r:
+                v = r[key]
+                losses[r["step"]] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    if skipped:
+        print(f"note: {path}: skipped {skipped} line(s) that are not log records", file=sys.stderr)
     return train, val
+
+
+def magnitude(d):
+    """|d| for ranking differences: a non-finite difference (a NaN or infinite loss) ranks above all."""
+    return abs(d) if math.isfinite(d) else math.inf
+
+
+def over_limit(d, limit):
+    return not abs(d) <= limit  # NaN is over every limit
 
 
 def main():
@@ -75,17 +101,17 @@ def compare(a, first_path, t1, v1, t2, v2):
     if not common:
         sys.exit(f"no common steps between {first_path} and {a.second}")
     diffs = [(s, t1[s] - t2[s]) for s in common]
-    worst = max(diffs, key=lambda x: abs(x[1]))
+    worst = max(diffs, key=lambda x: magnitude(x[1]))
     mean = sum(d for _, d in diffs) / len(diffs)
     rms = (sum(d * d for _, d in diffs) / len(diffs)) ** 0.5
-    over = sum(1 for _, d in diffs if abs(d) > a.max_diff)
-    ok = not missing and abs(worst[1]) <= a.max_diff
+    over = sum(1 for _, d in diffs if over_limit(d, a.max_diff))
+    ok = not missing and not over_limit(worst[1], a.max_diff)
     line = (f"per-step |loss difference|: max {abs(worst[1]):.4f} at step {worst[0]}, mean {mean:+.4f}, rms {rms:.4f} "
             f"over {len(common)}/{len(steps)} steps from step {a.from_step} (limit {a.max_diff}, {over} steps over it)")
     last = max(set(v1) & set(v2), default=None)
     if last is not None:
         rel = abs(v1[last] - v2[last]) / abs(v2[last])
-        ok = ok and rel <= a.max_val_rel
+        ok = ok and not over_limit(rel, a.max_val_rel)
         line += f"; val loss at step {last}: {v1[last]:.6f} vs {v2[last]:.6f}, rel diff {rel:.2e} (limit {a.max_val_rel})"
     return ok, line
 
@@ -97,8 +123,9 @@ def windows(a, t1, t2):
     for k in sorted({(s - 1) // a.windows for s in common}):
         d = [t1[s] - t2[s] for s in common if (s - 1) // a.windows == k]
         first, last = max(k * a.windows + 1, a.from_step), (k + 1) * a.windows
-        over = sum(1 for x in d if abs(x) > a.max_diff)
-        lines.append(f"  steps {first}-{last}: mean {sum(d) / len(d):+.4f}, max {max(abs(x) for x in d):.4f}, "
+        over = sum(1 for x in d if over_limit(x, a.max_diff))
+        worst = abs(max(d, key=magnitude))
+        lines.append(f"  steps {first}-{last}: mean {sum(d) / len(d):+.4f}, max {worst:.4f}, "
                      f"{over} of {len(d)} over {a.max_diff}")
     return lines
 

@@ -3,7 +3,8 @@
 # synthetic log.jsonl files in train_gpt2cu's line format: PASS (exit 0) when every compared step is within
 # --max-diff and the final validation losses within --max-val-rel, FAIL (exit 1) otherwise; --from-step
 # leaves the earlier steps out (a large early gap then passes); a step of the second log missing from the
-# first fails; the reported maximum, its step and the mean difference are the ones planted; --reference
+# first fails; a NaN or null loss (either log, train or val) fails; a line cut short by a killed run is
+# skipped with a note; the reported maximum, its step and the mean difference are the ones planted; --reference
 # prints a third log's comparison without changing the verdict; --windows prints each window's mean, max
 # and steps over the limit (the planted gap in its window); --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
 set -euo pipefail
@@ -28,6 +29,17 @@ write("early", {**{s: 0.01 for s in range(1, 101)}, 20: 0.2}, 6.03)  # one big g
 write("late", {**{s: 0.01 for s in range(1, 101)}, 70: -0.05}, 6.03) # a gap after step 50
 write("valoff", {}, 6.1)                                        # val 1.7% off
 write("missing", {}, 6.0, skip=(33,))
+write("diverged", {s: float("nan") for s in range(60, 101)}, 6.0)  # NaN from step 60 (Python's json writes NaN)
+write("nullval", {}, float("nan"))                               # a NaN final validation loss
+# The trainer writes a loss it could not compute as null, and a run killed mid-line leaves a partial
+# record that a resumed run follows with its own lines.
+lines = open(f"{d}/base.jsonl").read().splitlines(keepends=True)
+with open(f"{d}/nulls.jsonl", "w") as f:
+    f.writelines(l.split('"loss"')[0] + '"loss": null}\n' if l.startswith('{"step": 40, "loss"') else l for l in lines)
+with open(f"{d}/killed.jsonl", "w") as f:
+    f.writelines(lines[:80])
+    f.write('{"step": 79, "lo\n{"resume_from_step": 75}\n')
+    f.writelines(lines[80:])
 PY
 
 run() {  # run EXPECTED_EXIT NAME ARGS...
@@ -62,7 +74,21 @@ run 1 windows "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 31
 expect_out windows "  steps 31-50: mean +0.0100, max 0.0100, 0 of 20 over 0.03"
 expect_out windows "  steps 51-75: mean +0.0076, max 0.0500, 1 of 25 over 0.03"
 expect_out windows "  steps 76-100: mean +0.0100, max 0.0100, 0 of 25 over 0.03"
-echo "PASS/FAIL, --from-step, missing steps, --reference, --windows: ok"
+# A loss that is NaN or null is a difference no limit accepts: FAIL, the first such step named as the worst.
+run 1 diverged "$dir/diverged.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out diverged "max nan at step 60"
+expect_out diverged "(limit 0.03, 41 steps over it)"
+run 1 diverged_second "$dir/base.jsonl" "$dir/diverged.jsonl" --max-diff 0.03 --windows 50
+expect_out diverged_second "  steps 51-100: mean +nan, max nan, 41 of 50 over 0.03"
+run 1 nulls "$dir/nulls.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out nulls "max nan at step 40"
+run 1 nullval "$dir/nullval.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out nullval "val loss at step 100: nan vs 6.000000"
+# A line cut short by a killed run is skipped with a note; the resume record is not one to note.
+run 0 killed "$dir/killed.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out killed "max 0.0000 at step 1"
+expect_out killed "note: $dir/killed.jsonl: skipped 1 line(s) that are not log records"
+echo "PASS/FAIL, --from-step, missing steps, NaN and null losses, cut lines, --reference, --windows: ok"
 
 if ! /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
     echo "skipped: /usr/bin/python3 cannot import matplotlib (the --plot check)"
