@@ -28,8 +28,8 @@ done
 command -v bible >/dev/null || die "the 'bible' program is missing; run scripts/setup.sh (Debian package bible-kjv)"
 command -v Rscript >/dev/null || die "Rscript is missing; run scripts/setup.sh (Debian package r-cran-janeaustenr)"
 
-say "building build/prepare_data"
-make -s build/prepare_data
+say "building build/prepare_data and build/prepare_eval"
+make -s build/prepare_data build/prepare_eval
 
 rm -rf "$CORPUS"
 mkdir -p "$CORPUS/train/sotu" "$CORPUS/train/brown" "$CORPUS/train/kjv" "$CORPUS/train/austen" "$CORPUS/val"
