@@ -132,7 +132,8 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
 // ----------------------------------------------------------------------------------------------------
 // The .bin file.
 
-// Writes the set in llm.c's eval format. Everything is checked before the file is created.
+// Writes the set in llm.c's eval format. Everything is checked before the file is created, and the file is
+// written whole or not at all (write_file_atomically), so a failed rewrite leaves the previous one as it was.
 inline void write_mc_file(const std::string& path, const McSet& set) {
     const std::vector<McItem>& items = set.items;
     if (int64_t(items.size()) > kMcMaxExamples) {
@@ -171,10 +172,10 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
             for (int32_t t : e) stream.push_back(uint16_t(t));
         }
     }
-    File f(path, File::Mode::Write);
-    f.write_all(header, sizeof(header));
-    f.write_all(stream.data(), stream.size() * sizeof(uint16_t));
-    f.close();
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        f.write_all(stream.data(), stream.size() * sizeof(uint16_t));
+    });
 }
 
 // Reads and checks a whole eval .bin; token ids must be below vocab_size (at most 65535, the format's

@@ -6,7 +6,8 @@ Provides, to every program (no extra libraries):
     bytes and refuses ids outside the vocabulary.
   - read_tokenizer_bin() / write_tokenizer_bin(): llm.c's tokenizer file. A header of 256 uint32
     (20240328 magic, version, vocabulary size, end-of-text id; version 1 has no end-of-text field and
-    means 50256), then for each token one uint8 byte count (1..255) and its bytes. We write version 2.
+    means 50256), then for each token one uint8 byte count (1..255) and its bytes. We write version 2,
+    whole or not at all (utils.h's write_file_atomically).
 
 Provides, where LLMC_TOKENIZER_ENCODER is defined before the include (the program then links
 -lpcre2-8 and needs the PCRE2 and nlohmann-json headers; the trainer, which only decodes, does not):
@@ -101,10 +102,11 @@ inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
         body += static_cast<char>(static_cast<uint8_t>(t.size()));
         body += t;
     }
-    File f(path, File::Mode::Write);
-    f.write_all(header, sizeof(header));
-    f.write_all(body.data(), body.size());
-    f.close();
+    // Whole or not at all, so that a failed rewrite (a full disk) leaves the previous file as it was.
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        f.write_all(body.data(), body.size());
+    });
 }
 
 inline Tokenizer read_tokenizer_bin(const std::string& path) {

@@ -273,6 +273,31 @@ TEST(McFile, WriterRefuses) {
     EXPECT_FALSE(fs::exists(p));
 }
 
+TEST(McFile, AFailedRewriteLeavesTheOldFileWhole) {
+    // make data writes the set again over the last one; a disk that fills part way through must fail
+    // the write and leave the old file as it was, not a truncated one.
+    TempDir dir("mc_rewrite");
+    const std::string p = dir / "set.bin";
+    write_mc_file(p, small_set());
+    const std::string good = read_file(p);
+    std::string error;
+    int code = 0;
+    {
+        test::FileSizeLimit limit(good.size() + 100);  // no gtest output while it holds
+        try {
+            write_mc_file(p, random_set(7, 50, 50257, 30, 10));
+        } catch (const Error& e) {
+            error = e.what();
+            code = e.exit_code();
+        }
+    }
+    EXPECT_EQ(code, kExitIo) << error;
+    EXPECT_NE(error.find("File too large"), std::string::npos) << error;
+    EXPECT_EQ(read_file(p), good);
+    expect_same_items(read_mc_file(p), small_set());
+    EXPECT_FALSE(fs::exists(p + ".tmp"));
+}
+
 // ---- rows and batches ----
 
 struct ExpectedRow {

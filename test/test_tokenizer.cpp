@@ -364,6 +364,35 @@ TEST(TokenizerBin, RefusesDamagedFiles) {
     EXPECT_NE(msg.find("256 bytes long"), std::string::npos) << msg;
 }
 
+TEST(TokenizerBin, AFailedRewriteLeavesTheOldFileWhole) {
+    // make data writes the tokenizer file again over the last one; a disk that fills part way through
+    // must fail the write and leave the old file as it was, not a truncated one.
+    TempDir dir;
+    const std::string path = dir / "tokenizer.bin";
+    Tokenizer small({"a", "bc", "<|endoftext|>"}, 2);
+    llmc::write_tokenizer_bin(small, path);
+    const std::string good = read_text(path);
+    std::vector<std::string> tokens;
+    for (int i = 0; i < 1000; i++) tokens.push_back(llmc::format("token%d", i));
+    Tokenizer big(tokens, 999);
+    std::string error;
+    int code = 0;
+    {
+        llmc::test::FileSizeLimit limit(good.size() + 100);  // no gtest output while it holds
+        try {
+            llmc::write_tokenizer_bin(big, path);
+        } catch (const llmc::Error& e) {
+            error = e.what();
+            code = e.exit_code();
+        }
+    }
+    EXPECT_EQ(code, llmc::kExitIo) << error;
+    EXPECT_NE(error.find("File too large"), std::string::npos) << error;
+    EXPECT_EQ(read_text(path), good);
+    EXPECT_EQ(llmc::read_tokenizer_bin(path).tokens(), small.tokens());
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+}
+
 TEST(VocabFiles, RefusesInconsistentFiles) {
     TempDir dir;
     // A vocabulary of the 256 bytes (in GPT-2's printable alphabet), two merges and end-of-text.

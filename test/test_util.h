@@ -1,7 +1,8 @@
 /*
 Helpers shared by the tests: a temporary directory that removes itself; deterministic random data (bytes,
 token ids, floats) from llmc's SplitMix64, so that a failing case replays exactly from its seed; whole-file
-reads and writes; and directories of token shards filled with random tokens.
+reads and writes; directories of token shards filled with random tokens; and a file size limit that makes
+writes fail part way, as a full disk does.
 
 CPU-only (no CUDA, no GoogleTest), usable from .cpp and .cu tests alike. Does not provide: fixtures or
 assertions (expect_error.h, gpu_test.h).
@@ -18,7 +19,9 @@ assertions (expect_error.h, gpu_test.h).
 #include <system_error>
 #include <vector>
 
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 
 #include "llmc/rand.h"
 #include "llmc/shard.h"
@@ -79,6 +82,32 @@ inline std::vector<float> random_floats(size_t n, uint64_t seed, float scale) {
     for (float& x : v) x = scale * (2.0f * float(double(rng.next() >> 11) * 0x1.0p-53) - 1.0f);
     return v;
 }
+
+// While in scope, a write that would take any file of this process past `bytes` fails with EFBIG (the
+// soft RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails rather than the process being killed):
+// a disk that fills at a known offset. The previous limit and signal action come back at the end.
+class FileSizeLimit {
+public:
+    explicit FileSizeLimit(uint64_t bytes) {
+        if (::getrlimit(RLIMIT_FSIZE, &old_limit_) != 0) throw std::runtime_error("getrlimit(RLIMIT_FSIZE) failed");
+        struct sigaction ignore = {};
+        ignore.sa_handler = SIG_IGN;
+        if (::sigaction(SIGXFSZ, &ignore, &old_action_) != 0) throw std::runtime_error("sigaction(SIGXFSZ) failed");
+        struct rlimit limit = old_limit_;
+        limit.rlim_cur = bytes;
+        if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) throw std::runtime_error("setrlimit(RLIMIT_FSIZE) failed");
+    }
+    ~FileSizeLimit() {
+        ::setrlimit(RLIMIT_FSIZE, &old_limit_);
+        ::sigaction(SIGXFSZ, &old_action_, nullptr);
+    }
+    FileSizeLimit(const FileSizeLimit&) = delete;
+    FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+private:
+    struct rlimit old_limit_;
+    struct sigaction old_action_;
+};
 
 inline std::vector<char> read_bytes(const std::string& path) {
     File f(path, File::Mode::Read);
