@@ -12,7 +12,8 @@ order (document k is validation when floor((k+1)F) > floor(kF)). Each split is c
 OUT/NAME_val_000000.bin, ... in shard.h's format, version 1 (uint16 tokens). Files are read in the order
 above, or with --shuffle-files SEED in a seeded permutation of that order (the DataLoader's splitmix64
 permutation, the same on every machine), so that each shard mixes documents of every source. Shards of the same name
-left by an earlier run beyond the new count are removed, so that a glob never mixes two runs.
+left by an earlier run beyond the new count are removed, so that a glob never mixes two runs; so are
+they when the run fails after writing shards of that split (which then holds this run's shards so far).
 
 Work is spread over --threads threads (default: one per core). The main thread reads the inputs into
 chunks of about 1 MiB of whole documents (a longer text document is cut where tokenizer.h's
@@ -754,9 +755,19 @@ int prepare_data_main(int argc, char** argv) {
         int version = tok.size() <= 65536 ? 1 : 2;
         ShardWriter train(o, kTrain, version), val(o, kVal, version);
         ShardWriter* writers[2] = {&train, &val};
-        RunStats stats = run_pipeline(o, enc, inputs, writers);
-        train.finish();
-        val.finish();
+        RunStats stats;
+        try {
+            stats = run_pipeline(o, enc, inputs, writers);
+            train.finish();
+            val.finish();
+        } catch (...) {
+            // A split this run has begun writing has replaced an earlier run's first shards; its later
+            // ones go too, so that a glob over the split never mixes the two runs, even after an error.
+            for (int s : {kTrain, kVal}) {
+                if (writers[s]->shards() > 0) remove_stale_shards(o, s, writers[s]->shards());
+            }
+            throw;
+        }
 
         int removed = remove_stale_shards(o, kTrain, train.shards()) + remove_stale_shards(o, kVal, val.shards());
         warn_about_inputs(inputs, stats);
