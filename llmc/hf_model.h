@@ -255,8 +255,14 @@ inline nlohmann::json read_json_file(const std::string& path) {
     }
     std::string text(size_t(size), '\0');
     f.read_exact(text.data(), text.size());
+    auto limit_depth = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+        if (depth > kJsonMaxDepth) {
+            fail(kExitData, "'%s' is JSON nested deeper than %d levels", path.c_str(), kJsonMaxDepth);
+        }
+        return true;
+    };
     try {
-        return nlohmann::json::parse(text);
+        return nlohmann::json::parse(text, limit_depth);
     } catch (const nlohmann::json::parse_error& e) {
         fail(kExitData, "'%s' is not valid JSON: %s", path.c_str(), e.what());
     }

@@ -9,9 +9,10 @@ little-endian. The header may end in spaces (writers pad it so the data starts 8
 
 Provides:
   - SafetensorsFile: opens a file and validates its header before trusting a byte of it: N against the
-    file size and a sane bound, the JSON (parse errors, duplicate names), every entry's dtype (one of the
-    format's names), shape (non-negative integers) against its offsets (END - BEGIN = elements x item
-    size), offsets inside the data section, and no two tensors sharing a byte. find() / require() look
+    file size and a sane bound, the JSON (parse errors, duplicate names, nesting deeper than
+    kJsonMaxDepth), every entry's dtype (one of the format's names), shape (non-negative integers)
+    against its offsets (END - BEGIN = elements x item size), offsets inside the data section, and no
+    two tensors sharing a byte. find() / require() look
     a tensor up (require() names the missing tensor), read_floats() reads an F32, F16 or BF16 tensor as
     fp32 (any other dtype is refused, naming the tensor). Holes in the data section are tolerated.
   - SafetensorsWriter: writes F32 or BF16 tensors (from fp32 values, bf16 rounded to nearest even) in
@@ -48,6 +49,10 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is li
 // The safetensors library refuses headers above 100 MB; so do we, before allocating one.
 constexpr int64_t kSafetensorsMaxHeader = 100'000'000;
 constexpr const char* kSafetensorsMetadataKey = "__metadata__";
+// JSON nested deeper than this is refused while it is parsed (here and in hf_model.h). Headers and configs
+// nest a few levels; a hostile file nested millions deep would cost gigabytes to parse and overflow the
+// stack when a bad value is quoted in a message (nlohmann's dump() recurses once per level).
+constexpr int kJsonMaxDepth = 64;
 
 // Item size in bytes of a dtype name of the format, or 0 for a name the format does not have.
 inline int safetensors_item_size(const std::string& dtype) {
@@ -183,6 +188,9 @@ private:
         std::string duplicate;
         std::set<std::string> seen;
         json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+            if (depth > kJsonMaxDepth) {
+                bad(format("the JSON header (offset 8) is nested deeper than %d levels", kJsonMaxDepth));
+            }
             if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
                 duplicate.empty()) {
                 duplicate = parsed.get<std::string>();

@@ -328,6 +328,24 @@ TEST(Safetensors, TruncatedDataMissingTensorsAndUnreadableDtypesNameTheTensor) {
     expect_error([&] { g.read_floats(g.require("ids"), out.data()); }, kExitData, {"tensor 'ids'", "dtype I64"});
 }
 
+TEST(Safetensors, DeeplyNestedJsonIsRefusedNotACrash) {
+    // The 100 MB header bound leaves room for 50 million nested arrays; quoting such a value in a message
+    // (nlohmann's dump() recurses once per level) must not overflow the stack, nor may config.json's.
+    TempDir dir("st_deep");
+    const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+    const std::string path = dir / "deep.safetensors";
+    raw_safetensors(path, R"({"w":{"dtype":)" + deep + R"(,"shape":[1],"data_offsets":[0,4]}})", std::string(4, '\0'));
+    expect_error([&] { SafetensorsFile f(path); }, kExitData, {path, "nested deeper than"});
+
+    GPT2Config c = tiny_config();
+    write_folder(dir / "m", c, hf_tensors_by_hand(c, random_params(c, 25)));
+    std::string config = hf_config_json(c, "float32").dump();
+    const size_t at = config.find("\"gelu_new\"");
+    ASSERT_NE(at, std::string::npos);
+    spit(dir / "m/config.json", config.replace(at, std::strlen("\"gelu_new\""), deep));
+    expect_error([&] { probe_model(dir / "m"); }, kExitData, {dir / "m/config.json", "nested deeper than"});
+}
+
 TEST(Safetensors, MissingFileIsAnIoError) {
     TempDir dir("st_missing");
     expect_error([&] { SafetensorsFile f(dir / "nope.safetensors"); }, kExitIo, {"nope.safetensors"});
