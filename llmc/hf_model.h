@@ -17,7 +17,8 @@ Writing: config.json (GPT2LMHeadModel, the unpadded vocabulary, no dropout, as t
 here), model.safetensors in F32 or BF16 with "transformer."-prefixed names and no lm_head (tied, as
 save_pretrained writes it), and, given a directory holding GPT-2's encoder.json and vocab.bpe, the
 tokenizer files: vocab.json and merges.txt are byte-for-byte those two, plus tokenizer_config.json.
-Each file is written under a temporary name and renamed into place.
+Each file is written whole or not at all (utils.h's write_file_atomically: a temporary name, fsync,
+rename), so a failed or interrupted export leaves every file either as it was or complete and new.
 
 Provides: HfFolder (what probe_hf_folder() found, without reading the weights), read_hf_params(),
 write_hf_folder(), the name map hf_tensor_map(), and hf_config_from_json() / hf_config_json().
@@ -29,7 +30,6 @@ between formats (model_io.h does that).
 #pragma once
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -268,16 +268,9 @@ inline nlohmann::json read_json_file(const std::string& path) {
     }
 }
 
-// Writes `bytes` to path through path.tmp and a rename, so a reader never sees half a file.
+// Writes `bytes` to path whole or not at all (write_file_atomically), so a reader never sees half a file.
 inline void write_file_replacing(const std::string& path, const std::string& bytes) {
-    const std::string tmp = path + ".tmp";
-    File f(tmp, File::Mode::Write);
-    f.write_all(bytes.data(), bytes.size());
-    f.close();
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        int e = errno;
-        fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
-    }
+    write_file_atomically(path, [&](File& f) { f.write_all(bytes.data(), bytes.size()); });
 }
 
 inline std::string read_whole_file(const std::string& path) {
@@ -557,9 +550,9 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
         specs.push_back({kHfPrefix + m->name, bf16 ? "BF16" : "F32", m->shape});
         total += m->numel * int64_t(bf16 ? 2 : 4);
     }
-    const std::string weights = dir + "/model.safetensors";
-    {
-        SafetensorsWriter w(weights + ".tmp", specs);
+    // Through model.safetensors.tmp, synced and renamed: a failed or interrupted export keeps the old file.
+    write_file_atomically(dir + "/model.safetensors", [&](File& f) {
+        SafetensorsWriter w(f, specs);
         std::vector<float> scratch;
         for (const HfTensorMap* m : order) {
             if (m->transposed) {
@@ -573,11 +566,7 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
             if (progress) progress(done, total, kHfPrefix + m->name);
         }
         w.finish();
-    }
-    if (std::rename((weights + ".tmp").c_str(), weights.c_str()) != 0) {
-        int e = errno;
-        fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", weights.c_str(), weights.c_str(), std::strerror(e));
-    }
+    });
     write_file_replacing(dir + "/config.json", hf_config_json(c, bf16 ? "bfloat16" : "float32").dump(2) + "\n");
 
     if (!tokenizer_dir.empty()) {

@@ -16,8 +16,9 @@ Provides:
     a tensor up (require() names the missing tensor), read_floats() reads an F32, F16 or BF16 tensor as
     fp32 (any other dtype is refused, naming the tensor). Holes in the data section are tolerated.
   - SafetensorsWriter: writes F32 or BF16 tensors (from fp32 values, bf16 rounded to nearest even) in
-    the order they were declared, streamed, so a caller can produce one tensor at a time; the header
-    is padded with spaces to a multiple of 8 bytes and carries __metadata__ {"format": "pt"}.
+    the order they were declared, streamed, so a caller can produce one tensor at a time, to a new file
+    or into an open File (write_file_atomically's); the header is padded with spaces to a multiple of 8
+    bytes and carries __metadata__ {"format": "pt"}.
   - fp16_to_float(), and the dtype names and item sizes of the format.
 Every failure is an llmc::Error naming the file (and the tensor): kExitData for a malformed or
 truncated file, kExitIo for a read or write that fails.
@@ -322,12 +323,67 @@ struct SafetensorsSpec {
 };
 
 // Declare every tensor up front (the header comes first), then write() their fp32 values in that order,
-// a tensor whole or in pieces; finish() checks that everything declared was written and closes the file.
+// a tensor whole or in pieces; finish() checks that everything declared was written. Given a path, the
+// writer creates the file and finish() closes it; given an open File (write_file_atomically's temporary,
+// so that a failed write never replaces a good file), it writes from the File's position and leaves
+// syncing and closing to the caller.
 class SafetensorsWriter {
 public:
     SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> specs,
                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
-        : specs_(std::move(specs)) {
+        : specs_(std::move(specs)), file_(&owned_) {
+        const std::string text = header_text(path, metadata);
+        owned_.open(path, File::Mode::Write);
+        write_header(text);
+    }
+
+    SafetensorsWriter(File& file, std::vector<SafetensorsSpec> specs,
+                      const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
+        : specs_(std::move(specs)), file_(&file) {
+        write_header(header_text(file.path(), metadata));
+    }
+
+    SafetensorsWriter(const SafetensorsWriter&) = delete;
+    SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+    // The next n values of the declared tensors, in order; may end inside a tensor or span several.
+    void write(const float* values, int64_t n) {
+        while (n > 0) {
+            if (current_ >= specs_.size()) {
+                fail(kExitUsage, "safetensors file '%s': more values written than the declared tensors hold",
+                     file_->path().c_str());
+            }
+            const int64_t m = std::min(n, numel_[current_] - written_);
+            if (specs_[current_].dtype == "F32") {
+                file_->write_all(values, size_t(m) * sizeof(float));
+            } else {
+                const int64_t chunk = int64_t(1) << 20;
+                buf_.resize(size_t(std::min(m, chunk)));
+                for (int64_t done = 0; done < m; done += chunk) {
+                    const int64_t k = std::min(chunk, m - done);
+                    for (int64_t j = 0; j < k; j++) buf_[size_t(j)] = float_to_bf16(values[done + j]);
+                    file_->write_all(buf_.data(), size_t(k) * sizeof(uint16_t));
+                }
+            }
+            values += m;
+            n -= m;
+            written_ += m;
+            skip_finished();
+        }
+    }
+
+    void finish() {
+        skip_finished();
+        if (current_ < specs_.size()) {
+            fail(kExitUsage, "safetensors file '%s': tensor '%s' was declared but only %lld of its %lld values written",
+                 file_->path().c_str(), specs_[current_].name.c_str(), (long long)written_, (long long)numel_[current_]);
+        }
+        if (owned_.is_open()) owned_.close();
+    }
+
+private:
+    // The JSON header for specs_, padded so that the data section starts 8-byte aligned; fills numel_.
+    std::string header_text(const std::string& path, const std::map<std::string, std::string>& metadata) {
         nlohmann::json header = nlohmann::json::object();
         int64_t offset = 0;
         for (const SafetensorsSpec& s : specs_) {
@@ -352,49 +408,16 @@ public:
         }
         if (!metadata.empty()) header[kSafetensorsMetadataKey] = metadata;
         std::string text = header.dump();
-        text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned
+        text.append((8 - text.size() % 8) % 8, ' ');
+        return text;
+    }
+
+    void write_header(const std::string& text) {
         const uint64_t n = text.size();
-        file_.open(path, File::Mode::Write);
-        file_.write_all(&n, sizeof(n));
-        file_.write_all(text.data(), text.size());
+        file_->write_all(&n, sizeof(n));
+        file_->write_all(text.data(), text.size());
     }
 
-    // The next n values of the declared tensors, in order; may end inside a tensor or span several.
-    void write(const float* values, int64_t n) {
-        while (n > 0) {
-            if (current_ >= specs_.size()) {
-                fail(kExitUsage, "safetensors file '%s': more values written than the declared tensors hold",
-                     file_.path().c_str());
-            }
-            const int64_t m = std::min(n, numel_[current_] - written_);
-            if (specs_[current_].dtype == "F32") {
-                file_.write_all(values, size_t(m) * sizeof(float));
-            } else {
-                const int64_t chunk = int64_t(1) << 20;
-                buf_.resize(size_t(std::min(m, chunk)));
-                for (int64_t done = 0; done < m; done += chunk) {
-                    const int64_t k = std::min(chunk, m - done);
-                    for (int64_t j = 0; j < k; j++) buf_[size_t(j)] = float_to_bf16(values[done + j]);
-                    file_.write_all(buf_.data(), size_t(k) * sizeof(uint16_t));
-                }
-            }
-            values += m;
-            n -= m;
-            written_ += m;
-            skip_finished();
-        }
-    }
-
-    void finish() {
-        skip_finished();
-        if (current_ < specs_.size()) {
-            fail(kExitUsage, "safetensors file '%s': tensor '%s' was declared but only %lld of its %lld values written",
-                 file_.path().c_str(), specs_[current_].name.c_str(), (long long)written_, (long long)numel_[current_]);
-        }
-        file_.close();
-    }
-
-private:
     // Moves past every tensor that is complete (including empty ones).
     void skip_finished() {
         while (current_ < specs_.size() && written_ == numel_[current_]) {
@@ -408,7 +431,8 @@ private:
     size_t current_ = 0;
     int64_t written_ = 0;
     std::vector<uint16_t> buf_;
-    File file_;
+    File owned_;   // the file, when the writer was given a path
+    File* file_;   // where the bytes go: &owned_, or the caller's File
 };
 
 }  // namespace llmc

@@ -15,6 +15,7 @@ not exist", "is a directory"). PyTorch- and numpy-side checks are in test/test_m
 */
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -22,6 +23,8 @@ not exist", "is a directory"). PyTorch- and numpy-side checks are in test/test_m
 #include <map>
 #include <string>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include <nlohmann/json.hpp>
 
@@ -715,6 +718,29 @@ TEST(HfModel, FolderChangedBetweenProbeAndLoadIsRefused) {
     GPT2Config other = make_config(2, 24, 4, 67, 11);
     save_model(dir / "m", ModelFormat::Hf, other, random_params(other, 21).data());
     expect_error([&] { load_model_params(dir / "m", info); }, kExitData, {"changed since"});
+}
+
+TEST(HfModel, ExportThatFailsKeepsThePreviousFolderAndLeavesNoTemporaryFile) {
+    TempDir dir("hf_fail");
+    GPT2Config c = tiny_config();
+    std::vector<float> old_p = random_params(c, 26), new_p = random_params(c, 27);
+    save_model(dir / "m", ModelFormat::Hf, c, old_p.data());
+    const std::string before = slurp(dir / "m/model.safetensors");
+    // A disk that fills up half way through the new model.safetensors, as a file size limit does (set in
+    // this process, not a forked one: OpenMP's threads do not survive a fork).
+    struct rlimit saved;
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+    struct rlimit lim = saved;
+    lim.rlim_cur = before.size() / 2;
+    auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // else the kernel kills the process instead of failing the write
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    expect_error([&] { save_model(dir / "m", ModelFormat::Hf, c, new_p.data()); }, kExitIo,
+                 {"model.safetensors.tmp", "File too large"});
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+    std::signal(SIGXFSZ, old_handler);
+    EXPECT_EQ(slurp(dir / "m/model.safetensors"), before);
+    EXPECT_FALSE(std::filesystem::exists(dir / "m/model.safetensors.tmp"));
+    EXPECT_EQ(load(dir / "m"), old_p);
 }
 
 TEST(HfModel, PathErrorsSayWhatThePathIs) {
