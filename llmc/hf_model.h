@@ -479,7 +479,12 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
     std::fill(wte + int64_t(c.vocab_size) * C, wte + int64_t(c.padded_vocab_size) * C, 0.0f);
 
     if (h.has_lm_head) {
-        const SafetensorsTensor& t = files[h.lm_head_file]->require(h.lm_head_name);
+        const SafetensorsTensor* head = files[h.lm_head_file]->find(h.lm_head_name);
+        if (head == nullptr || head->shape != std::vector<int64_t>{c.vocab_size, C}) {
+            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[h.lm_head_file].c_str(),
+                 h.lm_head_name.c_str());
+        }
+        const SafetensorsTensor& t = *head;
         scratch.resize(size_t(t.numel));
         files[h.lm_head_file]->read_floats(t, scratch.data());
         for (int64_t i = 0; i < t.numel; i++) {

@@ -720,6 +720,26 @@ TEST(HfModel, FolderChangedBetweenProbeAndLoadIsRefused) {
     expect_error([&] { load_model_params(dir / "m", info); }, kExitData, {"changed since"});
 }
 
+TEST(HfModel, LmHeadChangedBetweenProbeAndReadIsRefused) {
+    // read_hf_params() reopens the files probe_hf_folder() checked; a head that grew meanwhile would be
+    // compared with wte past wte's end.
+    TempDir dir("hf_head_changed");
+    GPT2Config c = tiny_config();
+    std::vector<float> p = random_params(c, 28);
+    std::vector<NamedTensor> tensors = hf_tensors_by_hand(c, p);
+    tensors.push_back({"lm_head.weight", tensors[0].shape, tensors[0].values});
+    write_folder(dir / "m", c, tensors);
+    const HfFolder h = probe_model(dir / "m").folder;
+    ASSERT_TRUE(h.has_lm_head);
+    NamedTensor& head = tensors.back();
+    head.shape[0] *= 40;
+    head.values.assign(size_t(head.shape[0] * head.shape[1]), 0.0f);
+    std::copy(tensors[0].values.begin(), tensors[0].values.end(), head.values.begin());
+    write_tensors(dir / "m/model.safetensors", tensors);
+    std::vector<float> params(size_t(num_parameters(c)));
+    expect_error([&] { read_hf_params(h, params.data()); }, kExitData, {"lm_head.weight", "changed since"});
+}
+
 TEST(HfModel, ExportThatFailsKeepsThePreviousFolderAndLeavesNoTemporaryFile) {
     TempDir dir("hf_fail");
     GPT2Config c = tiny_config();
