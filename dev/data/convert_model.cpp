@@ -11,7 +11,8 @@ or a directory (llmc/model_io.h). Output formats: llmc (version 3, fp32), llmc-b
 hf. With --tokenizer-dir, a Hugging Face output also gets GPT-2's tokenizer files (vocab.json and
 merges.txt copied from encoder.json and vocab.bpe, and tokenizer_config.json). Converting to a format
 of lower precision rounds (bf16: to nearest even); fp32 -> fp32 and bf16 -> bf16 are exact, so llm.c
-file -> folder -> llm.c file reproduces the file byte for byte.
+file -> folder -> llm.c file reproduces the file byte for byte when its Vp is V rounded up to 128, as
+llm.c and our trainers write it (a folder holds V only, and is read back with that Vp).
 
 Prints what it read and wrote; for models above 50M parameters, progress lines every 10%. Errors are
 one line naming the file and tensor, with utils.h's exit codes (2 usage, 3 files, 4 contents).
