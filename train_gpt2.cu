@@ -1053,7 +1053,11 @@ inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan,
     if (o.output_dir.empty() || plan.save_formats.empty()) return;
     require_finite_parameters(model, plan.max_steps, "the trained model");
     SaveOptions save;
-    if (regular_file_exists(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
+    if (std::any_of(plan.save_formats.begin(), plan.save_formats.end(), is_hf_format)) {
+        std::string note;
+        save.tokenizer_dir = tokenizer_for_export(o.vocab_dir, plan.config.vocab_size, &note);
+        if (!note.empty() && root) std::printf("note: %s\n", note.c_str());
+    }
     for (ModelFormat f : plan.save_formats) {
         const std::string path = saved_model_path(o.output_dir, f);
         if (f == ModelFormat::Llmc) {

@@ -480,7 +480,11 @@ void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, O
 void save_models(const cpu::GPT2<float>& model, const Options& o, const Plan& plan) {
     if (plan.save.empty()) return;
     SaveOptions save;
-    if (regular_file_exists(o.vocab_dir + "/encoder.json")) save.tokenizer_dir = o.vocab_dir;
+    if (std::any_of(plan.save.begin(), plan.save.end(), is_hf_format)) {
+        std::string note;
+        save.tokenizer_dir = tokenizer_for_export(o.vocab_dir, model.config().vocab_size, &note);
+        if (!note.empty()) std::printf("note: %s\n", note.c_str());
+    }
     const std::vector<float> p = model.params_as_float();
     for (ModelFormat f : plan.save) {
         const std::string path = saved_model_path(o.output_dir, f);

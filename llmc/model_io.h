@@ -122,6 +122,30 @@ struct SaveOptions {
     ModelIoProgress progress;
 };
 
+// The tokenizer a trainer's Hugging Face export copies (SaveOptions::tokenizer_dir): vocab_dir (--vocab-dir)
+// when it holds GPT-2's encoder.json and vocab.bpe for the model's vocab_size tokens, else "". Where it
+// holds an encoder.json for another vocabulary, or one file without the other, *note says why nothing is
+// copied: a model trained on its own vocabulary is exported without tokenizer files instead of failing
+// the export after the training.
+inline std::string tokenizer_for_export(const std::string& vocab_dir, int vocab_size, std::string* note) {
+    note->clear();
+    const bool encoder = hf_path_is_file(vocab_dir + "/encoder.json"), merges = hf_path_is_file(vocab_dir + "/vocab.bpe");
+    if (!encoder && !merges) return "";
+    if (!encoder || !merges) {
+        *note = format("'%s' has %s but not %s: the Hugging Face export gets no tokenizer files", vocab_dir.c_str(),
+                       encoder ? "encoder.json" : "vocab.bpe", encoder ? "vocab.bpe" : "encoder.json");
+        return "";
+    }
+    const nlohmann::json e = read_json_file(vocab_dir + "/encoder.json");
+    const int64_t n = e.is_object() ? int64_t(e.size()) : 0;
+    if (n != vocab_size) {
+        *note = format("'%s/encoder.json' has %lld tokens, the model's vocabulary %d: the Hugging Face export gets "
+                       "no tokenizer files", vocab_dir.c_str(), (long long)n, vocab_size);
+        return "";
+    }
+    return vocab_dir;
+}
+
 // Writes params (num_parameters(c) floats, param_tensors() order) as `format` at path: a file for the
 // llm.c formats, a directory (created if missing) for the Hugging Face ones.
 inline void save_model(const std::string& path, ModelFormat fmt, const GPT2Config& c, const float* params,

@@ -823,4 +823,31 @@ TEST(HfModel, TokenizerFilesAreGpt2sByteForByte) {
     expect_error([&] { save_model(dir / "s", ModelFormat::Hf, small, q.data(), o); }, kExitIo, {"encoder.json"});
 }
 
+// What the trainers' exports copy (tokenizer_for_export): --vocab-dir when its tokenizer fits the model's
+// vocabulary, else nothing, with a note; the export of a model on its own vocabulary then goes through.
+TEST(HfModel, TrainersCopyATokenizerOnlyWhereItFitsTheVocabulary) {
+    TempDir dir("hf_tok_export");
+    std::string note = "stale";
+    EXPECT_EQ(tokenizer_for_export(dir.path(), 3, &note), "");  // no tokenizer files: nothing, quietly
+    EXPECT_EQ(note, "");
+    spit(dir / "encoder.json", R"({"a": 0, "b": 1, "ab": 2})");
+    EXPECT_EQ(tokenizer_for_export(dir.path(), 3, &note), "");
+    EXPECT_NE(note.find("not vocab.bpe"), std::string::npos) << note;
+    spit(dir / "vocab.bpe", "#version: 0.2\na b\n");
+    EXPECT_EQ(tokenizer_for_export(dir.path(), 3, &note), dir.path());
+    EXPECT_EQ(note, "");
+    EXPECT_EQ(tokenizer_for_export(dir.path(), 67, &note), "");
+    EXPECT_NE(note.find("has 3 tokens, the model's vocabulary 67"), std::string::npos) << note;
+    // The model of 67 tokens exports without tokenizer files where the 3-token tokenizer would be refused.
+    GPT2Config small = tiny_config();
+    std::vector<float> q = random_params(small, 26);
+    SaveOptions o;
+    o.tokenizer_dir = tokenizer_for_export(dir.path(), small.vocab_size, &note);
+    save_model(dir / "m", ModelFormat::Hf, small, q.data(), o);
+    EXPECT_TRUE(std::filesystem::exists(dir / "m/model.safetensors"));
+    EXPECT_FALSE(std::filesystem::exists(dir / "m/vocab.json"));
+    o.tokenizer_dir = dir.path();
+    expect_error([&] { save_model(dir / "m2", ModelFormat::Hf, small, q.data(), o); }, kExitUsage, {"3 tokens"});
+}
+
 }  // namespace

@@ -7,7 +7,8 @@
 #     greedy sample; the validation loss must also fall by a third;
 #   - the same log.jsonl numbers with OMP_NUM_THREADS=1 and 2;
 #   - the written model loads back (-e FILE -x 0) to the same validation loss, and a greedy sample from
-#     --prompt-ids follows the chain the model learned; -x 0 writes no model unless asked;
+#     --prompt-ids follows the chain the model learned; -x 0 writes no model unless asked; a Hugging Face
+#     export beside a tokenizer for another vocabulary is written without tokenizer files, with a note;
 #   - -d (gradient accumulation over two batches) gives the losses and norm of one batch twice as big;
 #   - errors: bad data (exit 4), bad flags (exit 2, the flag named), and an error printed after the
 #     stdout lines that came before it when both go to one pipe.
@@ -112,6 +113,16 @@ PY
 ./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -v 0 --save-model llmc,llmc-bf16 -o "$dir/d" >/dev/null
 cmp -s "$dir/a/model.bin" "$dir/d/model.bin" || { echo "FAIL: -x 0 --save-model llmc changed the model file"; exit 1; }
 [ -f "$dir/d/model_bf16.bin" ] || { echo "FAIL: no model_bf16.bin"; exit 1; }
+# A Hugging Face export of this 97-token model next to a --vocab-dir of GPT-2's 50257-token tokenizer
+# (made here: the sizes are what counts): the folder without tokenizer files, and a note saying why.
+mkdir -p "$dir/gpt2tok"
+python3 -c 'import json, sys; json.dump({"t%d" % i: i for i in range(50257)}, open(sys.argv[1], "w"))' "$dir/gpt2tok/encoder.json"
+echo "#version: 0.2" >"$dir/gpt2tok/vocab.bpe"
+./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -v 0 --save-model hf --vocab-dir "$dir/gpt2tok" -o "$dir/h" >"$dir/h.out" 2>&1 ||
+    { echo "FAIL: the Hugging Face export of a 97-token model with GPT-2's tokenizer at hand"; cat "$dir/h.out"; exit 1; }
+grep -q "encoder.json' has 50257 tokens, the model's vocabulary 97: the Hugging Face export gets no tokenizer files" "$dir/h.out" &&
+    [ -f "$dir/h/hf/model.safetensors" ] && [ ! -e "$dir/h/hf/vocab.json" ] ||
+    { echo "FAIL: the export must go through without tokenizer files, with a note"; cat "$dir/h.out"; ls "$dir/h/hf"; exit 1; }
 
 # Gradient accumulation: two batches of 4 per step see the samples one batch of 8 sees, so the first
 # loss and norm agree to rounding, and the runs stay together. A large epsilon makes AdamW's update
