@@ -163,19 +163,28 @@ inline std::vector<std::string> expand_shard_pattern(const std::string& pattern)
         std::sort(matches.begin(), matches.end());
         paths.insert(paths.end(), matches.begin(), matches.end());
     }
-    for (const std::string& p : paths) {
+    // A file is the same shard however it is named (a/x.bin, a/./x.bin, a link to it): device and inode.
+    std::vector<std::pair<std::pair<uint64_t, uint64_t>, size_t>> ids;
+    for (size_t i = 0; i < paths.size(); i++) {
+        const std::string& p = paths[i];
         struct stat st;
         if (::stat(p.c_str(), &st) != 0) {
             int e = errno;
             fail(kExitIo, "cannot stat shard '%s': %s", p.c_str(), std::strerror(e));
         }
         if (!S_ISREG(st.st_mode)) fail(kExitData, "shard '%s' is not a regular file", p.c_str());
+        ids.push_back({{uint64_t(st.st_dev), uint64_t(st.st_ino)}, i});
     }
-    std::vector<std::string> sorted = paths;
-    std::sort(sorted.begin(), sorted.end());
-    auto dup = std::adjacent_find(sorted.begin(), sorted.end());
-    if (dup != sorted.end()) {
-        fail(kExitUsage, "shard '%s' is named twice by '%s'; each shard may appear once", dup->c_str(), pattern.c_str());
+    std::sort(ids.begin(), ids.end());
+    for (size_t k = 1; k < ids.size(); k++) {
+        if (ids[k].first != ids[k - 1].first) continue;
+        const std::string &a = paths[std::min(ids[k - 1].second, ids[k].second)],
+                          &b = paths[std::max(ids[k - 1].second, ids[k].second)];
+        if (a == b) {
+            fail(kExitUsage, "shard '%s' is named twice by '%s'; each shard may appear once", a.c_str(), pattern.c_str());
+        }
+        fail(kExitUsage, "shards '%s' and '%s' of '%s' are the same file; each shard may appear once", a.c_str(),
+             b.c_str(), pattern.c_str());
     }
     return paths;
 }

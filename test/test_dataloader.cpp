@@ -201,6 +201,14 @@ TEST(Validation, PatternsAndGeometryErrors) {
     expect_error([&] { SampleSchedule s(config(dir.file("a.bin") + ",", 2, 8, 100)); }, kExitUsage, {"empty item"});
     expect_error([&] { SampleSchedule s(config(dir.file("a.bin") + "," + dir.file("*.bin"), 2, 8, 100)); }, kExitUsage,
                  {"named twice", "a.bin"});
+    // The same file under another name (a ./ in the path, a link) would be read twice an epoch: refused too.
+    const std::string dotted = dir.path() + "/./a.bin";
+    expect_error([&] { SampleSchedule s(config(dir.file("a.bin") + "," + dotted, 2, 8, 100)); }, kExitUsage,
+                 {"are the same file", dir.file("a.bin"), dotted});
+    std::filesystem::create_symlink(dir.file("a.bin"), dir.file("link_to_a.bin"));
+    expect_error([&] { SampleSchedule s(config(dir.file("*.bin"), 2, 8, 100)); }, kExitUsage,
+                 {"are the same file", "link_to_a.bin"});
+    std::filesystem::remove(dir.file("link_to_a.bin"));
     expect_error([&] { SampleSchedule s(config(dir.file("a.bin") + "," + dir.file("missing.bin"), 2, 8, 100)); },
                  kExitUsage, {"no shard file matches", "missing.bin"});
     std::filesystem::create_directory(dir.file("dir.bin"));
