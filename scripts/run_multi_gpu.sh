@@ -9,7 +9,8 @@
 #       the same with MPICH's or Intel MPI's mpiexec (Hydra; MVAPICH's works too).
 #   scripts/run_multi_gpu.sh local NPROC [trainer flags...]
 #       one node without MPI: NPROC background processes with explicit --rank/--world-size/--local-rank,
-#       meeting in a fresh directory under /tmp; the script waits for all and fails if any fails.
+#       meeting in a fresh directory under /tmp; the script waits for all and exits with the first
+#       failing rank's code (7 when the ranks stopped early with a checkpoint: resume with -y 1).
 #   scripts/run_multi_gpu.sh slurm-file DIR [trainer flags...]
 #       inside a Slurm allocation (sbatch or salloc): srun starts one rank per task; the ranks meet in
 #       DIR, which every node must see (NFS, Lustre, ...).
@@ -33,7 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -64,6 +65,8 @@ case "$mode" in
         run mpiexec -n "$arg" -genv NCCL_NVLS_ENABLE "$NCCL_NVLS_ENABLE" "$trainer" "$@"
         ;;
     local)
+        # A typo here would otherwise start no rank at all and exit 0 (or fail on an unbound variable).
+        [[ "$arg" =~ ^[1-9][0-9]*$ ]] || { echo "run_multi_gpu: local NPROC: '$arg' is not a positive integer" >&2; usage; }
         rdv=$(mktemp -d /tmp/llmc_rendezvous_XXXXXX)
         if [ "${DRY_RUN:-0}" = 1 ]; then
             for ((r = 0; r < arg; r++)); do
@@ -83,8 +86,12 @@ case "$mode" in
             fi
             rank_of[$!]=$r
         done
-        # The first rank to fail stops the others: they would otherwise wait for it in a collective until
-        # their hang timeout (NCCL does not notice a dead peer on one node).
+        # The script exits with the trainer's code (README, "Exit codes"), so that a job script can tell a
+        # stop to requeue (7) from a failure. Exit 7 is every rank's: they agree to stop after the same
+        # step and pass a barrier once the checkpoint is published, so the others are left to end on their
+        # own (a signal now would cut their exit short). The first rank to fail otherwise stops the others:
+        # they would wait for it in a collective until their hang timeout (NCCL does not notice a dead
+        # peer on one node).
         status=0
         while [ ${#rank_of[@]} -gt 0 ]; do
             done_pid="" rc=0
@@ -92,15 +99,17 @@ case "$mode" in
             [ -n "${done_pid:-}" ] || break  # bash has already reaped the rest
             r=${rank_of[$done_pid]}
             unset "rank_of[$done_pid]"
-            if [ $rc -ne 0 ] && [ $status = 0 ]; then
-                status=1
+            if [ $rc -eq 7 ] && [ $status = 0 ]; then
+                status=7
+            elif [ $rc -ne 0 ] && [ $rc -ne 7 ] && { [ $status = 0 ] || [ $status = 7 ]; }; then
+                status=$rc
                 echo "run_multi_gpu: rank $r failed (exit $rc); stopping the other ranks" >&2
                 if [ "$r" != 0 ]; then tail -n 20 "$rdv/rank$r.log" >&2; fi
                 if [ ${#rank_of[@]} -gt 0 ]; then kill "${!rank_of[@]}" 2>/dev/null || true; fi
             fi
         done
         wait  # the ranks stopped above, so that none outlives the script
-        if [ $status = 0 ]; then rm -rf "$rdv"; else echo "run_multi_gpu: the ranks' logs are in $rdv" >&2; fi
+        if [ $status = 0 ] || [ $status = 7 ]; then rm -rf "$rdv"; else echo "run_multi_gpu: the ranks' logs are in $rdv" >&2; fi
         exit $status
         ;;
     slurm-file)

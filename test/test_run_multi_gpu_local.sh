@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# scripts/run_multi_gpu.sh local NPROC: how the launcher ends, with a stand-in trainer (TRAINER=) that
+# behaves as train_gpt2cu's ranks do, so no GPU is needed:
+#   - every rank stops early with a checkpoint (exit 7, as on --time-limit or a signal), rank 0 last: the
+#     script exits 7 (requeue and resume with -y 1), does not call it a failure and lets every rank end
+#     on its own (none is killed while it finishes);
+#   - one rank fails (exit 4, a bad shard): the script exits 4, names the rank, shows its log and stops
+#     the other ranks (which would otherwise wait for it in a collective);
+#   - all ranks succeed: exit 0, and the rendezvous folder is removed;
+#   - an NPROC that is not a positive integer ("0", "-e", "2x") is refused with exit 2, not run as no
+#     ranks at all (which exited 0 having trained nothing) or failed on an unbound variable.
+# Exit 0 pass, 1 fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d /tmp/test_run_multi_gpu_local_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+
+# The stand-in: MOCK=stop: wait for a 'go' file, then exit 7 after 0.3 s x (world - rank) (rank 0 last,
+# as rank 0 publishes the checkpoint); a SIGTERM is recorded in DIR/killed.R. MOCK=fail1: rank 1 exits 4
+# at once, the others wait until they are stopped. MOCK=ok: exit 0. Every rank records its arguments.
+cat >"$dir/trainer" <<'EOF'
+#!/usr/bin/env bash
+rank=-1 world=-1
+args=("$@")
+while [ $# -gt 0 ]; do
+    case $1 in --rank) rank=$2; shift ;; --world-size) world=$2; shift ;; esac
+    shift
+done
+echo "${args[*]}" >"$MOCK_DIR/args.$rank"
+trap 'echo TERM >"$MOCK_DIR/killed.$rank"; exit 143' TERM
+case $MOCK in
+    stop) sleep "$(awk -v r="$rank" -v w="$world" 'BEGIN { print 0.3 * (w - r) }')" & wait $!
+          echo "rank $rank: stopped after step 5: time limit; resume with -y 1"; exit 7 ;;
+    fail1) if [ "$rank" = 1 ]; then echo "error: bad shard 'x.bin' at offset 1024" >&2; exit 4; fi
+           sleep 30 & wait $!; exit 0 ;;
+    ok) exit 0 ;;
+esac
+EOF
+chmod +x "$dir/trainer"
+export TRAINER=$dir/trainer MOCK_DIR=$dir
+fail() { echo "FAIL: $*"; cat "$dir/out"; exit 1; }
+launch() {  # launch MOCK ARGS...: the script's exit code in rc, its output in $dir/out
+    rm -f "$dir"/killed.* "$dir"/args.*
+    rc=0
+    MOCK=$1 timeout 60 bash scripts/run_multi_gpu.sh "${@:2}" >"$dir/out" 2>&1 || rc=$?
+}
+
+launch stop local 3 -e d12 -x 100
+[ $rc -eq 7 ] || fail "all ranks stopped with a checkpoint (exit 7): the script exited $rc, not 7"
+! ls "$dir"/killed.* >/dev/null 2>&1 || fail "a rank that was finishing its stop was killed: $(ls "$dir"/killed.*)"
+! grep -q "failed" "$dir/out" || fail "a stop with a checkpoint was reported as a failure"
+grep -q "rank 0: stopped after step 5" "$dir/out" || fail "rank 0's output was not shown"
+echo "ok: every rank stopping with a checkpoint gives exit 7, no rank killed"
+
+launch fail1 local 3 -e d12
+[ $rc -eq 4 ] || fail "rank 1 exited 4: the script exited $rc, not 4"
+grep -q "rank 1 failed (exit 4)" "$dir/out" || fail "the failing rank is not named"
+grep -q "error: bad shard 'x.bin'" "$dir/out" || fail "the failing rank's log is not shown"
+[ -f "$dir/killed.0" ] && [ -f "$dir/killed.2" ] || fail "the other ranks were not stopped"
+echo "ok: a rank's failure gives its exit code, names it and stops the others"
+
+launch ok local 2 -e d12 -i 'data/a b*.bin'
+[ $rc -eq 0 ] || fail "all ranks succeeded: the script exited $rc"
+[ "$(cat "$dir/args.1")" = "--rank 1 --world-size 2 --local-rank 1 --rendezvous $(sed 's/ -e d12.*//; s/.*--rendezvous //' "$dir/args.0") -e d12 -i data/a b*.bin" ] ||
+    fail "rank 1's arguments: $(cat "$dir/args.1")"
+rdv=$(sed 's/ -e d12.*//; s/.*--rendezvous //' "$dir/args.0")
+[ ! -e "$rdv" ] || fail "the rendezvous folder $rdv was left behind"
+echo "ok: all ranks succeeding gives exit 0, arguments passed as given"
+
+for nproc in 0 -e 2x; do
+    launch ok local "$nproc" -e d12
+    [ $rc -eq 2 ] || fail "local '$nproc': exited $rc, not 2"
+    grep -q "NPROC" "$dir/out" || fail "local '$nproc': no usage text"
+    ! ls "$dir"/args.* >/dev/null 2>&1 || fail "local '$nproc' started a rank"
+done
+echo "ok: an NPROC that is not a positive integer is refused with exit 2"
