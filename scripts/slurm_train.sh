@@ -3,7 +3,8 @@
 # (--signal), train_gpt2cu finishes its step, writes a checkpoint and exits with code 7; the job then
 # requeues itself, and the next start resumes from the newest valid checkpoint (-y 1). A run that
 # finishes exits 0 and is not requeued; any other exit code (6: diverged, 2: bad flags, ...) stops.
-# Submit with:  sbatch scripts/slurm_train.sh   (edit the #SBATCH lines and the flags for your cluster)
+# Submit with:  mkdir -p out && sbatch scripts/slurm_train.sh   (edit the #SBATCH lines and the flags for your
+# cluster; Slurm does not create the folder of --output, and a job whose log cannot be opened fails unseen)
 #SBATCH --job-name=gpt2-124M
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
