@@ -20,10 +20,10 @@ trap 'rm -rf "$work"' EXIT
 data=(-i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -s 0 --seed 7 -l 1e-3 -u 5 -c 0.1)
 failed=0
 
-run() {  # run BINARY OUTDIR ARGS...
+run() {  # run BINARY OUTDIR ARGS...: a failure is recorded in OUTDIR.errors, for that scenario's verdict
     local bin=$1 out=$2
     shift 2
-    timeout -k 10 300 "$bin" "${data[@]}" -o "$out" "$@" >>"$out.log" 2>&1 || echo "  $bin $* exited $?" >>"$work/errors"
+    timeout -k 10 300 "$bin" "${data[@]}" -o "$out" "$@" >>"$out.log" 2>&1 || echo "  $bin $* exited $?" >>"$out.errors"
 }
 
 # The numbers a run produced, one line each: steps (loss, norm) and validations, in log order.
@@ -44,7 +44,9 @@ PY
 
 compare() {  # compare NAME: the runs in $work/old/NAME and $work/new/NAME
     local name=$1 a=$work/old/$1 b=$work/new/$1 why=""
-    if [ -s "$work/errors" ]; then why="a run failed: $(tr '\n' ' ' <"$work/errors")"; rm -f "$work/errors"; fi
+    if [ -s "$a.errors" ] || [ -s "$b.errors" ]; then
+        why="a run failed: $(cat "$a.errors" "$b.errors" 2>/dev/null | tr '\n' ' ')"
+    fi
     if [ -z "$why" ] && ! cmp -s <(numbers "$a") <(numbers "$b"); then
         why="log numbers differ: $(diff <(numbers "$a") <(numbers "$b") | head -n 3 | tr '\n' ' ')"
     fi
