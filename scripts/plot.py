@@ -80,7 +80,11 @@ def read_run(path, label):
                 run.skipped += 1
                 continue
             if "resume_from_step" in rec:
-                run.resume(rec["resume_from_step"])
+                resumed = rec["resume_from_step"]
+                if isinstance(resumed, int) and not isinstance(resumed, bool):
+                    run.resume(resumed)
+                else:
+                    run.skipped += 1  # a damaged line: no step to drop the redone lines after
                 continue
             step = rec.get("step")
             if not isinstance(step, int):

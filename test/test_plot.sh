@@ -126,4 +126,9 @@ rc=0; /usr/bin/python3 scripts/plot.py "$dir/d6_lr1e-3" --labels a,b -o "$dir/x.
 [ $rc -eq 2 ] && grep -q "gives 2 labels for 1 runs" "$dir/err" ||
     { echo "FAIL: a label count mismatch gave exit $rc:"; cat "$dir/err"; exit 1; }
 [ ! -e "$dir/x.png" ] || { echo "FAIL: an error still wrote a PNG"; exit 1; }
+# A resume line whose step is not a number (a damaged log) is skipped like any other bad line.
+printf '{"step":1,"loss":5.5}\n{"resume_from_step":null}\n{"resume_from_step":"3"}\n{"step":2,"loss":5.25}\n' >"$dir/bad.jsonl"
+rc=0; /usr/bin/python3 scripts/plot.py "$dir/bad.jsonl" -o "$dir/bad.png" >"$dir/err" 2>&1 || rc=$?
+[ $rc -eq 0 ] && grep -q "skipped 2 line(s)" "$dir/err" && grep -q "last step 2" "$dir/err" ||
+    { echo "FAIL: resume lines without a step number gave exit $rc:"; cat "$dir/err"; exit 1; }
 echo "ok"
