@@ -23,6 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=${1:?usage: bash dev/multi_gpu_runs.sh N_GPUS}
+# Part 1 runs 2 ranks whatever N is and part 4 kills rank 1: one GPU cannot hold these runs.
+[[ "$N" =~ ^[0-9]+$ ]] && [ "$N" -ge 2 ] || { echo "usage: bash dev/multi_gpu_runs.sh N_GPUS (at least 2), not '$N'" >&2; exit 2; }
 LOGS=${LOGS:-build/multi-gpu-logs}
 mkdir -p "$LOGS"
 export NCCL_NVLS_ENABLE=0
