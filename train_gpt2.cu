@@ -657,7 +657,7 @@ struct Outputs {
 
     Outputs(const Options& o, bool root, bool append_log) {
         if (root && !o.output_dir.empty()) {
-            log = JsonlLog(o.output_dir + "/log.jsonl", append_log);
+            log = open_run_log(o.output_dir + "/log.jsonl", append_log, o.max_steps == 0, o.model);
         }
         if (o.sample_every > 0) {
             if (regular_file_exists(o.tokenizer)) {

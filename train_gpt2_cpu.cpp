@@ -181,10 +181,11 @@ struct Outputs {
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
-    explicit Outputs(const std::string& output_dir) : dir(output_dir) {
+    // no_training (-x 0): an existing log is appended to, not replaced (open_run_log); model: what -e named.
+    Outputs(const std::string& output_dir, bool no_training, const std::string& model) : dir(output_dir) {
         if (dir.empty()) return;
         require_writable_directory(dir, "-o/--output-dir");
-        log = JsonlLog(dir + "/log.jsonl", /*append=*/false);
+        log = open_run_log(dir + "/log.jsonl", /*resume=*/false, no_training, model);
     }
     void write(const std::string& line) { log.write(line); }
     void load_tokenizer(const std::string& path) {
@@ -515,7 +516,7 @@ int main(int argc, char** argv) {
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         check_options(flags, opt);
-        Outputs out(opt.output_dir);
+        Outputs out(opt.output_dir, opt.max_steps == 0, opt.model);
 
         // The model, the plan and the data.
         StartingModel start = starting_model(opt);

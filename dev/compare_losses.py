@@ -11,7 +11,8 @@ Prints the largest |difference| and its step, the mean difference (first minus s
 final validation losses; PASS when every step of the second log is in the first, the largest difference
 over the steps from --from-step on (default: all) is within --max-diff and the final validation losses within --max-val-rel. Exit 0 PASS, 1 FAIL.
 A loss that is not a number (null, as the trainer writes one it could not compute, or NaN) fails every limit;
-lines that are not records (cut short by a killed run) are skipped with a note.
+lines that are not records (cut short by a killed run) are skipped with a note, and so are the records of a
+run that trained nothing (-x 0), after its {"evaluation_of": ...} line.
 --reference: a third log, compared with the second in the same way and printed on a line of its own (it
 does not change PASS or FAIL), and drawn beside the first on the plot: what another change of rounding
 alone does (say the same run with its batch split into micro-batches), the scale to read the first against.
@@ -32,6 +33,7 @@ def load(path):
     a killed run, which the trainer's log leaves in place) are skipped with a note on stderr."""
     train, val = {}, {}
     skipped = 0
+    evaluation = False  # after an {"evaluation_of": ...} line: a run that trained nothing (-x 0), left out
     for line in open(path, encoding="utf-8", errors="replace"):
         try:
             r = json.loads(line)
@@ -39,6 +41,11 @@ def load(path):
             r = None
         if not isinstance(r, dict):
             skipped += line.strip() != ""
+            continue
+        if "evaluation_of" in r or "resume_from_step" in r:
+            evaluation = "evaluation_of" in r
+            continue
+        if evaluation:
             continue
         if not isinstance(r.get("step"), int):
             continue  # a record without a step, e.g. {"resume_from_step": S}

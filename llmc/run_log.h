@@ -10,7 +10,13 @@ The records the trainers write, one per line (scripts/plot.py reads them):
   {"step":S,"skipped":"what was not finite"}                          an update skipped by the guard
   {"step":S,"stopped":"why"}                                          stopped early (signal, --time-limit)
   {"resume_from_step":S}                                              a resumed run continues here
-Losses go out with 17 significant digits, so that a double reads back exactly and logs compare bitwise.
+  {"evaluation_of":"MODEL"}                                           a run that trains nothing (-x 0) follows
+Train losses go out with 17 significant digits, so that a double reads back exactly and logs compare
+bitwise; validation losses with 9.
+A run that trains nothing (-x 0: it evaluates, samples or exports a model) into a directory whose
+log.jsonl already holds records appends its own after an evaluation_of line rather than replace the log
+(open_run_log), so that an earlier run's record is never lost; scripts/plot.py and dev/compare_losses.py
+leave the lines after it out of that run's curves (up to a resume_from_step line).
 
 Does not provide: stdout formatting of the step line (each trainer prints its own).
 */
@@ -20,6 +26,8 @@ Does not provide: stdout formatting of the step line (each trainer prints its ow
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <sys/stat.h>
 
 #include "llmc/utils.h"
 
@@ -51,6 +59,36 @@ public:
 private:
     File file_;
 };
+
+// A JSON string (quotes, backslashes and control characters escaped).
+inline std::string json_string(const std::string& s) {
+    std::string out = "\"";
+    for (unsigned char c : s) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += char(c);
+        } else if (c < 0x20) {
+            out += format("\\u%04x", c);
+        } else {
+            out += char(c);
+        }
+    }
+    return out + "\"";
+}
+
+// The run's log at path: appended to by a resumed run (resume); by a run that trains nothing (no_training)
+// when the file already holds records, after a line {"evaluation_of":"MODEL"} (model: what -e named),
+// with a note on stdout; else started afresh.
+inline JsonlLog open_run_log(const std::string& path, bool resume, bool no_training, const std::string& model) {
+    struct stat st;
+    const bool keep = no_training && !resume && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0;
+    JsonlLog log(path, resume || keep);
+    if (keep) {
+        std::printf("note: %s holds an earlier run's records; this run's (-x 0) are appended after them\n", path.c_str());
+        log.write(format("{\"evaluation_of\":%s}", json_string(model).c_str()));
+    }
+    return log;
+}
 
 // JSON has no NaN or infinity; such values go out as null.
 inline std::string json_number(double v, const char* fmt = "%.6g") {

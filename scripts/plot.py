@@ -9,8 +9,10 @@ train_gpt2cu writes them:
     {"step": S, "val_loss": ..}                                                           validation
     {"step": S, "eval_acc": .., "eval_acc_norm": .., "eval_items": N}                     multiple choice
     {"resume_from_step": S}                                         a resumed run continues from step S
+    {"evaluation_of": MODEL}                         a run that trained nothing (-x 0) appended its lines
 A "tokens" key (tokens seen so far) in step lines adds a panel of the losses against tokens. After a
-resume line, the earlier lines of steps beyond S are dropped (the resumed run redid them). Values the
+resume line, the earlier lines of steps beyond S are dropped (the resumed run redid them); the lines after an
+evaluation_of line are left out, up to the next resume line. Values the
 trainer could not compute (null) and lines cut short by a killed run are skipped.
 
 Panels: loss (train, and validation as markers), loss against tokens (when logged), learning rate,
@@ -66,6 +68,7 @@ def default_label(run):
 
 def read_run(path, label):
     run = Run(label)
+    evaluation = False  # after an {"evaluation_of": ...} line: a run that trained nothing (-x 0), not drawn
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
@@ -79,12 +82,18 @@ def read_run(path, label):
             if not isinstance(rec, dict):
                 run.skipped += 1
                 continue
+            if "evaluation_of" in rec:
+                evaluation = True
+                continue
             if "resume_from_step" in rec:
+                evaluation = False
                 resumed = rec["resume_from_step"]
                 if isinstance(resumed, int) and not isinstance(resumed, bool):
                     run.resume(resumed)
                 else:
                     run.skipped += 1  # a damaged line: no step to drop the redone lines after
+                continue
+            if evaluation:
                 continue
             step = rec.get("step")
             if not isinstance(step, int):

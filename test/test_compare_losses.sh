@@ -36,6 +36,11 @@ write("nullval", {}, float("nan"))                               # a NaN final v
 lines = open(f"{d}/base.jsonl").read().splitlines(keepends=True)
 with open(f"{d}/nulls.jsonl", "w") as f:
     f.writelines(l.split('"loss"')[0] + '"loss": null}\n' if l.startswith('{"step": 40, "loss"') else l for l in lines)
+# A run that trained nothing (-x 0) appended after an evaluation_of line: its step-0 validation loss is
+# not the training run's (the first log's final one, 6.0, is what counts).
+with open(f"{d}/evaluated.jsonl", "w") as f:
+    f.writelines(lines)
+    f.write('{"evaluation_of": "out/model.bin"}\n{"step": 0, "val_loss": 9.0}\n{"step": 100, "val_loss": 9.0}\n')
 with open(f"{d}/killed.jsonl", "w") as f:
     f.writelines(lines[:80])
     f.write('{"step": 79, "lo\n{"resume_from_step": 75}\n')
@@ -74,6 +79,8 @@ run 1 windows "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 31
 expect_out windows "  steps 31-50: mean +0.0100, max 0.0100, 0 of 20 over 0.03"
 expect_out windows "  steps 51-75: mean +0.0076, max 0.0500, 1 of 25 over 0.03"
 expect_out windows "  steps 76-100: mean +0.0100, max 0.0100, 0 of 25 over 0.03"
+run 0 evaluated "$dir/evaluated.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel 0.01
+expect_out evaluated "val loss at step 100: 6.000000 vs 6.000000"
 # A loss that is NaN or null is a difference no limit accepts: FAIL, the first such step named as the worst.
 run 1 diverged "$dir/diverged.jsonl" "$dir/base.jsonl" --max-diff 0.03
 expect_out diverged "max nan at step 60"

@@ -17,7 +17,7 @@ trap 'rm -rf "$dir"' EXIT
 trainer() { timeout -k 10 180 ./train_gpt2cu "$@"; }
 python3 test/make_synthetic_shards.py "$dir" syn_train=4000,4000 syn_val=3000
 data=(-i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -m 4 -s 0)
-val_loss() {  # the last validation loss in a run's log.jsonl, as written (17 significant digits)
+val_loss() {  # the last validation loss in a run's log.jsonl, as written (9 significant digits)
     python3 -c 'import json,sys; print([r for r in map(json.loads, open(sys.argv[1])) if "val_loss" in r][-1]["val_loss"])' "$1"
 }
 fail() { echo "FAIL: $*"; exit 1; }

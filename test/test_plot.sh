@@ -131,4 +131,19 @@ printf '{"step":1,"loss":5.5}\n{"resume_from_step":null}\n{"resume_from_step":"3
 rc=0; /usr/bin/python3 scripts/plot.py "$dir/bad.jsonl" -o "$dir/bad.png" >"$dir/err" 2>&1 || rc=$?
 [ $rc -eq 0 ] && grep -q "skipped 2 line(s)" "$dir/err" && grep -q "last step 2" "$dir/err" ||
     { echo "FAIL: resume lines without a step number gave exit $rc:"; cat "$dir/err"; exit 1; }
+# A run that trained nothing (-x 0) appends its records after an evaluation_of line: they are not the
+# training run's (its step-0 validation loss and sample are left out of the curves), until a resume line.
+printf '%s\n' '{"step":1,"loss":5.5}' '{"step":2,"loss":5.25}' '{"step":2,"val_loss":5.4}' \
+    '{"evaluation_of":"out/model.bin"}' '{"step":0,"val_loss":9.9}' '{"step":0,"sample":[1,2]}' \
+    '{"resume_from_step":2}' '{"step":3,"loss":5.0}' >"$dir/eval.jsonl"
+/usr/bin/python3 - "$dir/eval.jsonl" <<'PY' || exit 1
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("plot", "scripts/plot.py")
+plot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot)
+run = plot.read_run(sys.argv[1], "a")
+if run.get("val_loss") != [(2, 5.4)] or [s for s, _ in run.get("loss")] != [1, 2, 3] or run.skipped:
+    print("FAIL: the -x 0 run's records after evaluation_of must be left out: %r %r (skipped %d)"
+          % (run.get("val_loss"), run.get("loss"), run.skipped)); sys.exit(1)
+PY
 echo "ok"

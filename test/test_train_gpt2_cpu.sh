@@ -9,6 +9,7 @@
 #   - the written model loads back (-e FILE -x 0) to the same validation loss, and a greedy sample from
 #     --prompt-ids follows the chain the model learned; -x 0 writes no model unless asked; a Hugging Face
 #     export beside a tokenizer for another vocabulary is written without tokenizer files, with a note;
+#     -x 0 into the trained folder appends to its log.jsonl (after an evaluation_of line), never replaces it;
 #   - -d (gradient accumulation over two batches) gives the losses and norm of one batch twice as big;
 #   - errors: bad data (exit 4), bad flags (exit 2, the flag named), and an error printed after the
 #     stdout lines that came before it when both go to one pipe.
@@ -112,6 +113,15 @@ if ids != [75, 43, 13, 94, 79, 71, 15, 11, 80, 78, 64, 63] or follow < 10:
 PY
 ./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -v 0 --save-model llmc,llmc-bf16 -o "$dir/d" >/dev/null
 cmp -s "$dir/a/model.bin" "$dir/d/model.bin" || { echo "FAIL: -x 0 --save-model llmc changed the model file"; exit 1; }
+# -x 0 into the training run's own folder keeps that run's log: its records are appended after an
+# evaluation_of line.
+cp "$dir/a/log.jsonl" "$dir/a_log_before"
+./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -g 4 --prompt-ids 5,38 -o "$dir/a" >"$dir/ax0.out" 2>&1
+n=$(wc -c <"$dir/a_log_before")
+cmp -s "$dir/a_log_before" <(head -c "$n" "$dir/a/log.jsonl") &&
+    [ "$(tail -n +$(($(wc -l <"$dir/a_log_before") + 1)) "$dir/a/log.jsonl" | head -n 1)" = "{\"evaluation_of\":\"$dir/a/model.bin\"}" ] &&
+    grep -q '"step":0,"sample"' "$dir/a/log.jsonl" && grep -q "holds an earlier run's records" "$dir/ax0.out" ||
+    { echo "FAIL: -x 0 into a trained folder must keep its log and append after an evaluation_of line"; cat "$dir/ax0.out"; tail -3 "$dir/a/log.jsonl"; exit 1; }
 [ -f "$dir/d/model_bf16.bin" ] || { echo "FAIL: no model_bf16.bin"; exit 1; }
 # A Hugging Face export of this 97-token model next to a --vocab-dir of GPT-2's 50257-token tokenizer
 # (made here: the sizes are what counts): the folder without tokenizer files, and a note saying why.
