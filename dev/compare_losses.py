@@ -24,6 +24,7 @@ last window's mean is the "last N steps" figure docs/performance.md quotes).
 import argparse
 import json
 import math
+import os
 import sys
 
 
@@ -83,6 +84,9 @@ def main():
     a = ap.parse_args()
     if a.windows < 0:
         sys.exit("--windows: a number of steps >= 1 (0: none)")
+    for path in [a.first, a.second] + ([a.reference] if a.reference else []):
+        if not os.path.isfile(path):
+            sys.exit(f"compare_losses.py: no such log: {path}")
     (t1, v1), (t2, v2) = load(a.first), load(a.second)
     ok, line = compare(a, a.first, t1, v1, t2, v2)
     print(line + (" PASS" if ok else " FAIL"))

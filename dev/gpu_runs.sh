@@ -19,6 +19,19 @@
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
 cd "$(dirname "$0")/.."
+# The sections, as the case below names them: a misspelt one stops the script before anything runs.
+sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
+          long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
+          throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
+          matmul-sustain-each gemm-tune-compare fp8-lab fp8-throughput fp8-matmuls fp8-large fp8-loss-d12
+          fp8-loss-d24 llmc"
+[ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
+for section in "$@"; do
+    case " $(echo $sections) " in
+        *" $section "*) ;;
+        *) echo "gpu_runs.sh: unknown section '$section' (sections: $(echo $sections))" >&2; exit 2 ;;
+    esac
+done
 LOGS=${LOGS:-build/gpu-logs}
 TIME_BUDGET=${TIME_BUDGET:-0}
 mkdir -p "$LOGS"

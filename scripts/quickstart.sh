@@ -16,7 +16,8 @@
 #     and after: GPU B=16 x T=1024 for 300 steps, CPU B=4 x T=64 for 40 steps (GPT-2 124M: ~6 s a step
 #     on two cores); the output goes to out/finetune/ or out/finetune_cpu/.
 # On a GPU a run stopped by Ctrl-C (the trainer checkpoints and exits) continues where it stopped when the
-# script is run again (-y 1); a finished one starts afresh (it leaves no checkpoint).
+# script is run again (-y 1); once a run has finished, the checkpoint it was resumed from is removed, so
+# the next one starts afresh.
 # Knobs (environment): QUICKSTART_STEPS (GPU: 1500, CPU: 250; fine-tuning: 300, 40), QUICKSTART_MODEL
 # (GPU: d6), QUICKSTART_FROM.
 set -euo pipefail
@@ -43,6 +44,7 @@ if [ -n "$from" ] && [ $gpu -eq 1 ]; then
         -l 1e-4 -u 20 -k cosine -q 0.1 -c 0.0 -x "${QUICKSTART_STEPS:-300}" -v 50 -m 20 -s 150 -g 128 \
         --temperature 0.8 --top-k 40 --log-every 10 -y 1 -o out/finetune --eval data/quickstart_mc.bin --eval-every 150
     out=out/finetune
+    rm -rf out/finetune/ckpt_*
 elif [ -n "$from" ]; then
     echo "quickstart: fine-tuning $from on the CPU with train_gpt2 (no NVIDIA GPU found)"
     steps=${QUICKSTART_STEPS:-40}
@@ -57,6 +59,7 @@ elif [ $gpu -eq 1 ]; then
         -v 100 -m 20 -s 500 -g 128 --temperature 0.8 --top-k 40 --log-every 20 -y 1 -o out/quickstart \
         --eval data/quickstart_mc.bin --eval-every 250
     out=out/quickstart
+    rm -rf out/quickstart/ckpt_*  # finished: what it was resumed from is of no more use
 else
     echo "quickstart: no NVIDIA GPU found: training a tiny model on the CPU with train_gpt2 instead"
     steps=${QUICKSTART_STEPS:-250}

@@ -79,6 +79,8 @@ run 1 windows "$dir/late.jsonl" "$dir/base.jsonl" --max-diff 0.03 --from-step 31
 expect_out windows "  steps 31-50: mean +0.0100, max 0.0100, 0 of 20 over 0.03"
 expect_out windows "  steps 51-75: mean +0.0076, max 0.0500, 1 of 25 over 0.03"
 expect_out windows "  steps 76-100: mean +0.0100, max 0.0100, 0 of 25 over 0.03"
+run 1 nolog "$dir/absent.jsonl" "$dir/base.jsonl"
+expect_out nolog "no such log: $dir/absent.jsonl"
 run 0 evaluated "$dir/evaluated.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel 0.01
 expect_out evaluated "val loss at step 100: 6.000000 vs 6.000000"
 # A loss that is NaN or null is a difference no limit accepts: FAIL, the first such step named as the worst.
