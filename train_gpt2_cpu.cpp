@@ -13,8 +13,9 @@ descriptors (d2 ... d48) and model files, a model can have an explicit shape (--
 --heads, --vocab, --max-seq-len), for tiny models on tiny vocabularies.
 
 A run: check the flags; create the output directory and prove it writable (a missing one is created; an
-unwritable one fails at once, before any work); build or load the model; open the data; then loop
-{evaluate, sample, train one step} and write the model. -x 0 trains nothing: it evaluates and samples a
+unwritable one fails at once, before any work); build or load the model; open the data; start log.jsonl
+(so that a refused command line leaves an earlier run's log as it was); then loop {evaluate, sample,
+train one step} and write the model. -x 0 trains nothing: it evaluates and samples a
 model, e.g. `./train_gpt2 -e model.bin -x 0 -g 20 --temperature 0 --prompt-ids 464,3290`.
 
 Numbers do not depend on OMP_NUM_THREADS (gpt2_cpu.h reduces in a fixed order).
@@ -181,11 +182,14 @@ struct Outputs {
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
-    // no_training (-x 0): an existing log is appended to, not replaced (open_run_log); model: what -e named.
-    Outputs(const std::string& output_dir, bool no_training, const std::string& model) : dir(output_dir) {
-        if (dir.empty()) return;
-        require_writable_directory(dir, "-o/--output-dir");
-        log = open_run_log(dir + "/log.jsonl", /*resume=*/false, no_training, model);
+    // Checks the directory now; log.jsonl is started by open_log() once the whole command line is checked.
+    explicit Outputs(const std::string& output_dir) : dir(output_dir) {
+        if (!dir.empty()) require_writable_directory(dir, "-o/--output-dir");
+    }
+    // Starts log.jsonl (replacing an earlier run's) only once nothing can refuse the run any more; with
+    // no_training (-x 0) an earlier log is appended to instead (open_run_log). model: what -e named.
+    void open_log(bool no_training, const std::string& model) {
+        if (!dir.empty()) log = open_run_log(dir + "/log.jsonl", /*resume=*/false, no_training, model);
     }
     void write(const std::string& line) { log.write(line); }
     void load_tokenizer(const std::string& path) {
@@ -511,18 +515,20 @@ void evaluate_choices(cpu::GPT2<float>& model, const Options& o, const Plan& pla
 
 int main(int argc, char** argv) {
     return run_main([&]() -> int {
-        // Flags, then the output directory: a mistake in either ends the run before any work.
+        // Flags, then the output directory: a mistake in either ends the run before any work. An earlier
+        // run's log.jsonl there is replaced only once the model, the plan and the data are checked too.
         Options opt;
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         check_options(flags, opt);
-        Outputs out(opt.output_dir, opt.max_steps == 0, opt.model);
+        Outputs out(opt.output_dir);
 
         // The model, the plan and the data.
         StartingModel start = starting_model(opt);
         Plan plan = plan_run(flags, opt, start.config);
         Data data(opt, start.config, plan);
         if (plan.gen_tokens > 0) out.load_tokenizer(opt.tokenizer);
+        out.open_log(opt.max_steps == 0, opt.model);
         print_startup(flags, opt, plan, start, data);
         cpu::GPT2<float> model(start.config, start.params);
         start.params = std::vector<float>();

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The trainers' checks of a command line against the model and the data, before any work, on synthetic
+# shards (no GPU needed: train_gpt2cu is run with --dry-run 1, train_gpt2 trains a tiny model):
+#   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
+# Exit 0 pass, 1 fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+make -s train_gpt2 train_gpt2cu
+dir=$(mktemp -d /tmp/trainer_plan_checks_XXXXXX)
+trap 'rm -rf "$dir"' EXIT
+python3 test/make_synthetic_shards.py "$dir" syn_train=20000 syn_val=4000
+source test/script_lib.sh
+
+tiny=(--layers 2 --channels 32 --heads 2 --max-seq-len 32 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin"
+      --tokenizer "$dir/none.bin")
+gpu=(-e d2 -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 --dry-run 1 -o "")
+
+# An earlier run's log survives a mistyped command in the same directory.
+mkdir "$dir/run"
+echo '{"step":1,"loss":4.5}' >"$dir/run/log.jsonl"
+expect_bin=(./train_gpt2)
+expect_exit 2 "longer than the model's maximum sequence length 32" "${tiny[@]}" -t 64 -o "$dir/run"
+expect_exit 2 "no shard file matches" "${tiny[@]}" -t 16 -i "$dir/none_*.bin" -o "$dir/run"
+[ "$(cat "$dir/run/log.jsonl")" = '{"step":1,"loss":4.5}' ] ||
+    { echo "FAIL: a refused command line changed $dir/run/log.jsonl to '$(cat "$dir/run/log.jsonl")'"; exit 1; }
+echo "a refused command line leaves log.jsonl as it was: ok"
+
+echo "ok"
