@@ -398,6 +398,13 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
         fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T*ranks = %d*%d*%d = %lld tokens",
              (long long)p.tokens_per_step, o.B, o.T, world, (long long)micro);
     }
+    // A step counts its micro-steps in an int (a wrapped count ran none, or divided by zero).
+    if (p.tokens_per_step / micro > INT32_MAX) {
+        fail(kExitUsage, "-d/--total-batch %lld needs %lld micro-steps of B*T%s = %d*%d%s = %lld tokens, more than the "
+             "%d a step can take", (long long)p.tokens_per_step, (long long)(p.tokens_per_step / micro),
+             world == 1 ? "" : "*ranks", o.B, o.T, world == 1 ? "" : format("*%d", world).c_str(), (long long)micro,
+             INT32_MAX);
+    }
     p.grad_accum = int(p.tokens_per_step / micro);
     p.schedule.kind = LRSchedule::parse_kind(o.schedule);
     p.schedule.lr = o.lr;

@@ -273,7 +273,13 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
         fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens",
              (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
     }
-    p.grad_accum = int(std::min<int64_t>(p.tokens_per_step / micro, INT32_MAX));
+    // A step counts its micro-steps in an int; more would silently train on fewer tokens than planned.
+    if (p.tokens_per_step / micro > INT32_MAX) {
+        fail(kExitUsage, "-d/--total-batch %lld needs %lld micro-steps of B*T = %d*%d = %lld tokens, more than the "
+             "%d a step can take", (long long)p.tokens_per_step, (long long)(p.tokens_per_step / micro), o.B, o.T,
+             (long long)micro, INT32_MAX);
+    }
+    p.grad_accum = int(p.tokens_per_step / micro);
     p.schedule.kind = LRSchedule::parse_kind(o.schedule);
     p.schedule.lr = o.lr;
     p.schedule.warmup = o.warmup;

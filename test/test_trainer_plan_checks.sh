@@ -2,6 +2,8 @@
 # The trainers' checks of a command line against the model and the data, before any work, on synthetic
 # shards (no GPU needed: train_gpt2cu is run with --dry-run 1, train_gpt2 trains a tiny model):
 #   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
+#   - -d asking for more micro-steps than a step can count (2^31 - 1) is refused by both trainers (exit 2),
+#     not wrapped around or cut short behind the printed plan.
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +27,13 @@ expect_exit 2 "no shard file matches" "${tiny[@]}" -t 16 -i "$dir/none_*.bin" -o
     { echo "FAIL: a refused command line changed $dir/run/log.jsonl to '$(cat "$dir/run/log.jsonl")'"; exit 1; }
 echo "a refused command line leaves log.jsonl as it was: ok"
 
+# -d / (B*T) beyond 2^31 - 1 micro-steps: a usage error in both trainers.
+expect_exit 2 "-d/--total-batch 1099511627776 needs 1099511627776 micro-steps of B\*T = 1\*1 = 1 tokens" \
+    "${tiny[@]}" -b 1 -t 1 -d 1099511627776 -x 1 -o ""
+expect_bin=(./train_gpt2cu)
+expect_exit 2 "-d/--total-batch 1099511627776 needs 4294967296 micro-steps of B\*T = 4\*64 = 256 tokens" \
+    "${gpu[@]}" -d 1099511627776
+expect_exit 2 "needs 2147483648 micro-steps" "${gpu[@]}" -d 549755813888
+expect_exit 0 "2147483647 micro-step(s) per step" "${gpu[@]}" -d 549755813632
+echo "-d beyond 2^31 - 1 micro-steps is refused: ok"
 echo "ok"
