@@ -358,6 +358,7 @@ struct Plan {
     McSet eval;                    // --eval's items (none: no evaluation)
     bool evaluate_mc() const { return !eval.items.empty(); }
     uint64_t train_tokens = 0, epoch_batches = 0;  // of the training data (for the start-up lines)
+    bool trains() const { return max_steps > 0; }  // -x 0 reads no training data
     bool validate() const { return val_steps > 0; }
 };
 
@@ -376,7 +377,7 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     if (!(o.beta1 < 1.0f)) fail(kExitUsage, "--beta1 %g: must be below 1", double(o.beta1));
     if (!(o.beta2 < 1.0f)) fail(kExitUsage, "--beta2 %g: must be below 1", double(o.beta2));
     if (!(o.eps > 0.0f)) fail(kExitUsage, "--eps %g: must be positive", double(o.eps));
-    if (o.train_pattern.empty()) fail(kExitUsage, "-i/--train: no training shards named");
+    if (o.train_pattern.empty() && o.max_steps != 0) fail(kExitUsage, "-i/--train: no training shards named");
     if (o.loss_spike != 0.0f && !(o.loss_spike > 1.0f)) {
         fail(kExitUsage, "--loss-spike %g: must be 0 (off) or above 1", double(o.loss_spike));
     }
@@ -430,14 +431,18 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.gen_tokens = std::min(o.gen_tokens, o.T - std::max(1, int(p.prompt.size())));
 
     // The data: its headers are read here (the GPU loaders read them again), so a missing or short
-    // split fails before CUDA, and the step counts are known.
-    p.train = loader_config(o.train_pattern, o, c, o.shuffle, parallel.ranks);
-    const SampleSchedule train(p.train);
-    for (const ShardInfo& s : train.shards()) p.train_shards.push_back(s.path);
-    p.train_tokens = train.total_tokens();
-    p.epoch_batches = std::max<uint64_t>(1, train.batches_per_epoch());
-    const uint64_t epoch = std::max<uint64_t>(1, train.batches_per_epoch() / uint64_t(p.grad_accum));
-    p.max_steps = o.max_steps >= 0 ? o.max_steps : int(std::min<uint64_t>(epoch, INT32_MAX));
+    // split fails before CUDA, and the step counts are known. -x 0 (evaluate or sample a model) reads no
+    // training data, so it needs none at hand.
+    p.max_steps = o.max_steps;
+    if (o.max_steps != 0) {
+        p.train = loader_config(o.train_pattern, o, c, o.shuffle, parallel.ranks);
+        const SampleSchedule train(p.train);
+        for (const ShardInfo& s : train.shards()) p.train_shards.push_back(s.path);
+        p.train_tokens = train.total_tokens();
+        p.epoch_batches = std::max<uint64_t>(1, train.batches_per_epoch());
+        const uint64_t epoch = std::max<uint64_t>(1, train.batches_per_epoch() / uint64_t(p.grad_accum));
+        if (o.max_steps == -1) p.max_steps = int(std::min<uint64_t>(epoch, INT32_MAX));
+    }
     p.schedule.total = std::max(1, p.max_steps);
     if (!o.val_pattern.empty() && o.val_every > 0) {
         p.val = loader_config(o.val_pattern, o, c, false, parallel.ranks);
@@ -561,11 +566,12 @@ struct Data {
 
     Data(const Options& o, const Plan& plan, cudaStream_t stream) {
         const size_t budget = size_t(o.data_on_gpu_mib) << 20;
-        train = std::make_unique<GpuDataLoader>(plan.train, stream, budget);
+        if (plan.trains()) train = std::make_unique<GpuDataLoader>(plan.train, stream, budget);
         if (plan.validate()) val = std::make_unique<GpuDataLoader>(plan.val, stream, budget);
     }
     size_t device_bytes() const {
-        return (train->resident() ? train->resident_bytes() : 0) + (val && val->resident() ? val->resident_bytes() : 0);
+        return (train && train->resident() ? train->resident_bytes() : 0) +
+               (val && val->resident() ? val->resident_bytes() : 0);
     }
 };
 
@@ -601,11 +607,16 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                         "of 64 and a GPU_ARCH=90 build on Hopper): dqkv is cast as with qkv.grad\n");
         }
     }
-    std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of %llu "
-                "tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,
-                double(plan.max_steps) * plan.grad_accum / double(plan.epoch_batches),
-                (unsigned long long)plan.train_tokens);
-    std::printf("train data: %zu shard(s); val data: %s\n", plan.train_shards.size(),
+    if (plan.trains()) {
+        std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of "
+                    "%llu tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,
+                    double(plan.max_steps) * plan.grad_accum / double(plan.epoch_batches),
+                    (unsigned long long)plan.train_tokens);
+    } else {
+        std::printf("micro-batch %d x %d; no training (-x 0)\n", o.B, o.T);
+    }
+    std::printf("train data: %s; val data: %s\n",
+                plan.trains() ? format("%zu shard(s)", plan.train_shards.size()).c_str() : "none",
                 plan.validate() ? format("%zu shard(s), %d batches per evaluation", plan.val_shards.size(),
                                          plan.val_steps).c_str()
                                 : "none");
@@ -647,7 +658,7 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
                 human_bytes(double(device.memory)).c_str(),
                 device.peak_flops > 0 ? format("%.0f TFLOP/s", device.peak_flops / 1e12).c_str() : "unknown: MFU n/a",
                 model.multi() ? format(", rank 0 on GPU %d", model.multi()->device()).c_str() : "",
-                data.train->resident() ? "on the GPU" : "streamed");
+                !data.train ? "none" : data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));

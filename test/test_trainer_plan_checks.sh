@@ -3,7 +3,8 @@
 # shards (no GPU needed: train_gpt2cu is run with --dry-run 1, train_gpt2 trains a tiny model):
 #   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
 #   - -d asking for more micro-steps than a step can count (2^31 - 1) is refused by both trainers (exit 2),
-#     not wrapped around or cut short behind the printed plan.
+#     not wrapped around or cut short behind the printed plan;
+#   - -x 0 (evaluate or sample a model) needs no training data in either trainer.
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,4 +37,14 @@ expect_exit 2 "-d/--total-batch 1099511627776 needs 4294967296 micro-steps of B\
 expect_exit 2 "needs 2147483648 micro-steps" "${gpu[@]}" -d 549755813888
 expect_exit 0 "2147483647 micro-step(s) per step" "${gpu[@]}" -d 549755813632
 echo "-d beyond 2^31 - 1 micro-steps is refused: ok"
+
+# -x 0 trains nothing, so it reads no training shards: none named, or none there.
+expect_bin=(./train_gpt2cu)
+expect_exit 0 "no training (-x 0)" "${gpu[@]}" -x 0 -i ""
+expect_exit 0 "train data: none; val data: 1 shard(s), 15 batches per evaluation" "${gpu[@]}" -x 0 -i "$dir/none_*.bin"
+expect_exit 2 "no shard file matches" "${gpu[@]}" -x 1 -i "$dir/none_*.bin"
+expect_bin=(./train_gpt2)
+expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "" -m 2 -o ""
+expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "$dir/none_*.bin" -m 2 -o ""
+echo "-x 0 without training data: ok"
 echo "ok"
