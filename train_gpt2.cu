@@ -686,12 +686,8 @@ struct Outputs {
             }
         }
     }
-    std::string text(const std::vector<uint32_t>& ids) const {
-        if (have_tokenizer) return tokenizer.decode(ids);
-        std::string out;
-        for (uint32_t id : ids) out += format("%u ", id);
-        return out;
-    }
+    const Tokenizer* tokenizer_or_null() const { return have_tokenizer ? &tokenizer : nullptr; }
+    std::string text(const std::vector<uint32_t>& ids) const { return sample_text(tokenizer_or_null(), ids); }
 };
 
 // The device and pinned buffers the loop reads results back through, allocated once.
@@ -777,11 +773,8 @@ inline std::vector<uint32_t> generate(GPT2& model, int n, const std::vector<uint
 }
 
 inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Outputs& out, LoopBuffers& buf, int step) {
-    std::vector<uint32_t> start = plan.prompt;
-    if (start.empty()) {
-        start.push_back(out.have_tokenizer ? out.tokenizer.eot()
-                                           : std::min(kGpt2EotToken, uint32_t(model.config().vocab_size - 1)));
-    }
+    // The model's vocabulary may be smaller or larger than the tokenizer's (llmc/prompt.h).
+    const std::vector<uint32_t> start = sample_start(plan.prompt, out.tokenizer_or_null(), model.config().vocab_size);
     const std::vector<uint32_t> ids = generate(model, plan.gen_tokens, start, o.temperature, o.top_k,
                                                uint64_t(o.sample_seed), buf.sample_tokens.get(), buf.logit_row);
     std::printf("---------- sample at step %d ----------\n%s%s\n---------------------------------------\n", step,

@@ -200,13 +200,8 @@ struct Outputs {
             std::printf("note: tokenizer '%s' not found; samples are printed as token ids\n", path.c_str());
         }
     }
-    std::string text(const std::vector<uint32_t>& ids) const {
-        const bool decodable = std::all_of(ids.begin(), ids.end(), [&](uint32_t id) { return id < tokenizer.size(); });
-        if (have_tokenizer && decodable) return tokenizer.decode(ids);
-        std::string out;
-        for (uint32_t id : ids) out += format("%u ", id);
-        return out;
-    }
+    const Tokenizer* tokenizer_or_null() const { return have_tokenizer ? &tokenizer : nullptr; }
+    std::string text(const std::vector<uint32_t>& ids) const { return sample_text(tokenizer_or_null(), ids); }
 };
 
 // ----------------------------------------------------------------------------------------------------
@@ -472,14 +467,10 @@ std::vector<uint32_t> generate(cpu::GPT2<float>& model, std::vector<int> tokens,
 }
 
 void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, Outputs& out, int step) {
-    std::vector<int> start = plan.prompt;
-    if (start.empty()) {
-        const uint32_t eot = out.have_tokenizer ? out.tokenizer.eot() : kGpt2EotToken;
-        start.push_back(int(std::min(eot, uint32_t(model.config().vocab_size - 1))));
-    }
-    const std::vector<uint32_t> ids =
-        generate(model, start, plan.gen_tokens, o.temperature, o.top_k, uint64_t(o.sample_seed));
     const std::vector<uint32_t> prompt(plan.prompt.begin(), plan.prompt.end());
+    const std::vector<uint32_t> first = sample_start(prompt, out.tokenizer_or_null(), model.config().vocab_size);
+    const std::vector<uint32_t> ids = generate(model, std::vector<int>(first.begin(), first.end()), plan.gen_tokens,
+                                               o.temperature, o.top_k, uint64_t(o.sample_seed));
     std::printf("---------- sample at step %d ----------\n%s%s\n---------------------------------------\n", step,
                 prompt.empty() ? "" : format("%s|", out.text(prompt).c_str()).c_str(), out.text(ids).c_str());
     std::fflush(stdout);

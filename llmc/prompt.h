@@ -7,11 +7,17 @@ Provides:
       Giving both is a usage error. The text needs a build with LLMC_TOKENIZER_ENCODER (the Makefile
       defines it, and links PCRE2, where PCRE2's headers are installed); without it --prompt is refused
       with a message that points to --prompt-ids.
+  sample_start(prompt, tokenizer, vocab_size): what a sample continues: the prompt, or one end-of-text
+      token (the tokenizer's, else GPT-2's) brought into the model's vocabulary, for a model on a vocabulary
+      smaller than the tokenizer's.
+  sample_text(tokenizer, ids): the ids as text where the tokenizer knows them all, else as numbers (a model
+      on a larger vocabulary samples ids no tokenizer entry has; that must not end a training run).
 
 Does not provide: special tokens inside the text (it is encoded as ordinary text).
 */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -57,6 +63,25 @@ inline std::vector<uint32_t> prompt_tokens(const std::string& text, const std::s
          "built: apt-get install libpcre2-dev, then rebuild); give --prompt-ids instead");
     return {};
 #endif
+}
+
+// tokenizer may be null (none loaded).
+inline std::vector<uint32_t> sample_start(const std::vector<uint32_t>& prompt, const Tokenizer* tokenizer,
+                                          int vocab_size) {
+    if (!prompt.empty()) return prompt;
+    const uint32_t eot = tokenizer != nullptr ? tokenizer->eot() : kGpt2EotToken;
+    return {std::min(eot, uint32_t(vocab_size - 1))};
+}
+
+// tokenizer may be null (none loaded): the ids are then printed as numbers, "464 3290 ".
+inline std::string sample_text(const Tokenizer* tokenizer, const std::vector<uint32_t>& ids) {
+    const bool decodable = tokenizer != nullptr && std::all_of(ids.begin(), ids.end(), [&](uint32_t id) {
+        return id < tokenizer->size();
+    });
+    if (decodable) return tokenizer->decode(ids);
+    std::string out;
+    for (uint32_t id : ids) out += format("%u ", id);
+    return out;
 }
 
 }  // namespace llmc

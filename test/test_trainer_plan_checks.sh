@@ -4,8 +4,11 @@
 #   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
 #   - -d asking for more micro-steps than a step can count (2^31 - 1) is refused by both trainers (exit 2),
 #     not wrapped around or cut short behind the printed plan;
-#   - -x 0 (evaluate or sample a model) needs no training data in either trainer.
-# Exit 0 pass, 1 fail.
+#   - -x 0 (evaluate or sample a model) needs no training data in either trainer;
+#   - with a GPU: train_gpt2cu samples from a model on a 97-token vocabulary beside a tokenizer of GPT-2's
+#     50257 tokens (the first token must be one the model has) and beside one of 3 tokens (sampled ids it
+#     cannot decode print as numbers, the run goes on), as train_gpt2 does.
+# Exit 0 pass, 1 fail, 77 skip (no GPU; the checks before the GPU part passed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make -s train_gpt2 train_gpt2cu
@@ -47,4 +50,29 @@ expect_bin=(./train_gpt2)
 expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "" -m 2 -o ""
 expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "$dir/none_*.bin" -m 2 -o ""
 echo "-x 0 without training data: ok"
+
+# Samples from a model whose vocabulary is not the tokenizer's.
+python3 - "$dir" <<'PY2'
+import struct, sys
+def tokenizer(path, tokens, eot):
+    with open(path, "wb") as f:
+        f.write(struct.pack("<256I", *([20240328, 2, len(tokens), eot] + [0] * 252)))
+        for t in tokens: f.write(bytes([len(t)]) + t)
+tokenizer(sys.argv[1] + "/tok_gpt2_size.bin", [b"t%d" % i for i in range(50257)], 50256)
+tokenizer(sys.argv[1] + "/tok_3.bin", [b"a", b"b", b"c"], 2)
+PY2
+./train_gpt2 --layers 1 --channels 64 --heads 1 --vocab 97 --max-seq-len 64 -x 0 -j "" --save-model llmc \
+    -o "$dir/v97" >/dev/null
+sample=(-e "$dir/v97/model.bin" -x 0 -j "" -b 1 -t 64 -s 1 -g 16 -o "")
+expect_bin=(./train_gpt2)
+expect_exit 0 "sample at step 0" "${sample[@]}" --tokenizer "$dir/tok_gpt2_size.bin"
+expect_exit 0 "sample at step 0" "${sample[@]}" --tokenizer "$dir/tok_3.bin"
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: no NVIDIA GPU for train_gpt2cu's samples (the checks above passed)"
+    exit 77
+fi
+expect_bin=(./train_gpt2cu)
+expect_exit 0 "sample at step 0" "${sample[@]}" --tokenizer "$dir/tok_gpt2_size.bin"
+expect_exit 0 "sample at step 0" "${sample[@]}" --tokenizer "$dir/tok_3.bin"
+echo "samples from a 97-token model beside other tokenizers: ok"
 echo "ok"

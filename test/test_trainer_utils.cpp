@@ -1,7 +1,7 @@
 /*
 CPU tests of the trainer's small utilities: the flag table (parsing, errors, generated usage and
-settings table), the learning-rate schedules and MFU arithmetic (llmc/schedule.h) and the token
-sampler both trainers use (llmc/sampler.h).
+settings table), the learning-rate schedules and MFU arithmetic (llmc/schedule.h), the token
+sampler both trainers use (llmc/sampler.h) and what a sample starts from and prints as (llmc/prompt.h).
 */
 #include <gtest/gtest.h>
 
@@ -12,6 +12,7 @@ sampler both trainers use (llmc/sampler.h).
 #include <vector>
 
 #include "llmc/flags.h"
+#include "llmc/prompt.h"
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 
@@ -358,4 +359,21 @@ TEST(Sampler, GreedyTopKAndSeeds) {
         seen[id] = true;
     }
     EXPECT_GE(distinct, 2) << "temperature 1 over a flat top must not always pick one token";
+}
+
+// A model's vocabulary need not be the tokenizer's: a sample's first token must be one the model has, and
+// ids the tokenizer lacks print as numbers instead of failing the run.
+TEST(Sample, StartAndTextFitTheModelAndTheTokenizer) {
+    const Tokenizer gpt2_like(std::vector<std::string>(50257, "x"), 50256);
+    const Tokenizer small({"a", "b", "c"}, 2);
+    EXPECT_EQ(sample_start({5, 7}, &gpt2_like, 97), (std::vector<uint32_t>{5, 7})) << "the prompt as given";
+    EXPECT_EQ(sample_start({}, &gpt2_like, 50257), (std::vector<uint32_t>{50256}));
+    EXPECT_EQ(sample_start({}, &gpt2_like, 97), (std::vector<uint32_t>{96})) << "inside a 97-token vocabulary";
+    EXPECT_EQ(sample_start({}, nullptr, 97), (std::vector<uint32_t>{96}));
+    EXPECT_EQ(sample_start({}, nullptr, 50304), (std::vector<uint32_t>{50256}));
+    EXPECT_EQ(sample_start({}, &small, 50257), (std::vector<uint32_t>{2})) << "the tokenizer's end-of-text id";
+    EXPECT_EQ(sample_text(&small, {0, 1, 2, 0}), "abca");
+    EXPECT_EQ(sample_text(&small, {0, 3, 1}), "0 3 1 ") << "an id past the tokenizer prints the ids";
+    EXPECT_EQ(sample_text(nullptr, {0, 1}), "0 1 ");
+    EXPECT_EQ(sample_text(&small, {}), "");
 }
