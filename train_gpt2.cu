@@ -368,6 +368,7 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
         fail(kExitUsage, "-t/--seq-len %d is longer than the model's maximum sequence length %d", o.T, c.max_seq_len);
     }
     if (o.val_max_steps == 0) fail(kExitUsage, "-m/--val-max-steps 0: must be -1 (all) or at least 1");
+    if (o.eval_max_items == 0) fail(kExitUsage, "--eval-max-items 0: must be -1 (all) or at least 1");
     if (o.sample_every > 0 && o.gen_tokens < 1) {
         fail(kExitUsage, "-g/--gen-tokens %d: must be at least 1 when sampling", o.gen_tokens);
     }

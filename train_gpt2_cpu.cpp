@@ -167,6 +167,7 @@ void check_options(const Flags& flags, const Options& o) {
         fail(kExitUsage, "--vocab and --max-seq-len belong to an explicit shape (--layers, --channels, --heads)");
     }
     if (o.val_max_steps == 0) fail(kExitUsage, "-m/--val-max-steps 0: must be -1 (all) or at least 1");
+    if (o.eval_max_items == 0) fail(kExitUsage, "--eval-max-items 0: must be -1 (all) or at least 1");
     if (o.total_batch == 0) fail(kExitUsage, "-d/--total-batch 0: must be -1 (B*T) or positive");
     if (o.train_pattern.empty() && o.max_steps != 0) fail(kExitUsage, "-i/--train: no training shards named");
     LRSchedule::parse_kind(o.schedule);

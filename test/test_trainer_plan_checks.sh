@@ -5,6 +5,7 @@
 #   - -d asking for more micro-steps than a step can count (2^31 - 1) is refused by both trainers (exit 2),
 #     not wrapped around or cut short behind the printed plan;
 #   - -x 0 (evaluate or sample a model) needs no training data in either trainer;
+#   - --eval-max-items 0 is a usage error (exit 2), not an evaluation file that "holds no items" (exit 4);
 #   - with a GPU: train_gpt2cu samples from a model on a 97-token vocabulary beside a tokenizer of GPT-2's
 #     50257 tokens (the first token must be one the model has) and beside one of 3 tokens (sampled ids it
 #     cannot decode print as numbers, the run goes on), as train_gpt2 does.
@@ -50,6 +51,23 @@ expect_bin=(./train_gpt2)
 expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "" -m 2 -o ""
 expect_exit 0 "no training (-x 0)" "${tiny[@]}" -t 16 -x 0 -i "$dir/none_*.bin" -m 2 -o ""
 echo "-x 0 without training data: ok"
+
+# --eval-max-items 0 is a mistake on the command line, whatever the file holds.
+python3 - "$dir/mc.bin" <<'PY2'
+import struct, sys
+# One example in llm.c's eval format: delimiter, size in bytes, index, label, K, context, K endings.
+ctx, ends = [5, 6, 7], [[8, 9], [10, 11], [12, 13], [14, 15]]
+body = [0, 1, len(ends), len(ctx)] + ctx + [x for e in ends for x in [len(e)] + e]
+example = [65535, 2 * (len(body) + 2)] + body
+open(sys.argv[1], "wb").write(struct.pack("<256i", *([20240522, 1, 1, 2 * len(example)] + [0] * 252)) +
+                              struct.pack("<%dH" % len(example), *example))
+PY2
+expect_bin=(./train_gpt2)
+expect_exit 2 "--eval-max-items 0: must be -1 (all) or at least 1" "${tiny[@]}" -t 16 -x 0 --eval "$dir/mc.bin" \
+    --eval-max-items 0 -o ""
+expect_bin=(./train_gpt2cu)
+expect_exit 2 "--eval-max-items 0: must be -1 (all) or at least 1" "${gpu[@]}" --eval "$dir/mc.bin" --eval-max-items 0
+echo "--eval-max-items 0 is refused as a usage error: ok"
 
 # Samples from a model whose vocabulary is not the tokenizer's.
 python3 - "$dir" <<'PY2'
