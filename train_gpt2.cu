@@ -211,7 +211,8 @@ inline Flags make_flags(Options& o) {
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model,
           "formats of the trained model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c "
-          "v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none");
+          "v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; with -x 0 "
+          "only when given");
     f.add("", "vocab-dir", &o.vocab_dir,
           "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, and used to encode --prompt");
     f.add("", "prompt", &o.prompt, "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
@@ -1120,12 +1121,15 @@ int main(int argc, char** argv) {
         Options opt;
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
+        // A run that trains nothing writes a model only when asked: `-e gpt2 -x 0` with the default -o must
+        // not replace the model an earlier run left there.
+        if (opt.max_steps == 0 && !flags.was_set("save-model")) opt.save_model = "none";
         const ModelSource source = resolve_model(opt.model);
         const Plan plan = plan_run(opt, source.config, resolve_ranks(opt));
         const std::vector<RunSetting> settings = run_settings(opt, plan);
         // A fresh run must not start among an earlier run's checkpoints: it would overwrite that run's
         // log.jsonl, and a later -y 1 would resume from whichever run's checkpoint is newest.
-        if (opt.resume == 0 && !opt.output_dir.empty()) {
+        if (opt.resume == 0 && opt.max_steps != 0 && !opt.output_dir.empty()) {
             const std::vector<CheckpointEntry> earlier = list_checkpoints(opt.output_dir);
             if (!earlier.empty()) {
                 fail(kExitUsage, "-o %s holds %zu checkpoint(s) of an earlier run (the newest: %s): resume it with -y 1, "

@@ -268,7 +268,7 @@ for section in "$@"; do
             hot=(-b 16 -t 1024 -x 300 -l 6e-4 -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             calm=(-b 16 -t 1024 -d 65536 -x 300 -l 6e-4 -u 100 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             order=(--shuffle 1 --seed 1337)
-            step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
+            step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 --save-model llmc -o out/init
             for cfg in hot calm; do
                 declare -n hp=$cfg
                 step "ours 300 steps ($cfg)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$cfg
@@ -299,7 +299,7 @@ for section in "$@"; do
             hp=(-b 16 -t 1024 -x 300 -l $lr -u 30 -q 0.1 -c 0.1 -k cosine -v 100 -m 10)
             order=(--shuffle 1 --seed 1337)
             mkdir -p out/dynamics
-            [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init
+            [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 --save-model llmc -o out/init
             step "ours 300 steps ($name)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$name
             # DYN_EXTRA=0 leaves out ours with round to nearest and PyTorch fp32 (the noise floor), when only
             # the default trainer against PyTorch bf16 is in question.

@@ -119,7 +119,7 @@ agree() {  # agree NAME LOG WORLD: PASS when every rank printed one and the same
 tok_s() { sed -n 's/^average over .* ms\/step, \([0-9]*\) tok\/s.*/\1/p' "$LOGS/$1" | tail -n 1; }
 
 # A common start: the same d12 model file for every correctness run.
-single init.log 120 -e d12 -x 0 -v 0 -s 0 -o "$work/init" || { note "d12 init failed"; exit 1; }
+single init.log 120 -e d12 -x 0 -v 0 -s 0 --save-model llmc -o "$work/init" || { note "d12 init failed"; exit 1; }
 init="$work/init/model.bin"
 hp=(-e "$init" -b 16 -t 1024 -d 32768 -x 100 -l 6e-4 -u 30 -c 0.1 -v 50 -m 5 -s 0 --save-model 0)
 

@@ -24,7 +24,7 @@ The model itself is dev/gpt2_torch.py's, which the check of the CPU reference mo
 (test/gpt2_torch_ref.py) uses too. Not provided: sampling, checkpoints, several GPUs.
 
 Example (the same start and data for both):
-  ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 -o out/init              # writes out/init/model.bin
+  ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 --save-model llmc -o out/init              # writes out/init/model.bin
   ./train_gpt2cu -e out/init/model.bin --shuffle 1 --seed 1337 -b 16 -t 1024 -x 50 -v 25 -s 0 -o out/ours
   python3 dev/train_gpt2_torch.py -e out/init/model.bin --shuffle 1 --seed 1337 -b 16 -t 1024 -x 50 -v 25 \
       --compare out/ours/log.jsonl

@@ -61,6 +61,11 @@ expect_exit 2 "holds 1 checkpoint(s) of an earlier run (the newest: $dir/earlier
     "${plan[@]}" -o "$dir/earlier"
 expect_exit 2 "holds 1 checkpoint(s) of an earlier run" "${plan[@]}" -o "$dir/earlier" -y 0 -n 10
 expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -o "$dir/earlier" -y 1
+# -x 0 (evaluate or sample) writes no checkpoints, so it may run there; and it writes a model only when
+# --save-model says so (the settings table shows what it will write).
+expect_exit 0 "| save-model  *| none " "${plan[@]}" -o "$dir/earlier" -x 0
+expect_exit 0 "| save-model  *| llmc \*" "${plan[@]}" -o "$dir/earlier" -x 0 --save-model llmc
+expect_exit 0 "| save-model  *| llmc " "${plan[@]}" -o "$dir/plan_out" -x 5
 rm -rf "$dir/earlier/ckpt_00000040"
 expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -o "$dir/earlier"
 echo "plans: ok"
