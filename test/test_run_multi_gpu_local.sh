@@ -17,7 +17,8 @@ trap 'rm -rf "$dir"' EXIT
 
 # The stand-in: MOCK=stop: wait for a 'go' file, then exit 7 after 0.3 s x (world - rank) (rank 0 last,
 # as rank 0 publishes the checkpoint); a SIGTERM is recorded in DIR/killed.R. MOCK=fail1: rank 1 exits 4
-# at once, the others wait until they are stopped. MOCK=ok: exit 0. Every rank records its arguments.
+# once the other ranks are ready (their SIGTERM trap set: DIR/ready.R), the others wait until they are
+# stopped. MOCK=ok: exit 0. Every rank records its arguments.
 cat >"$dir/trainer" <<'EOF'
 #!/usr/bin/env bash
 rank=-1 world=-1
@@ -28,10 +29,16 @@ while [ $# -gt 0 ]; do
 done
 echo "${args[*]}" >"$MOCK_DIR/args.$rank"
 trap 'echo TERM >"$MOCK_DIR/killed.$rank"; exit 143' TERM
+touch "$MOCK_DIR/ready.$rank"
 case $MOCK in
     stop) sleep "$(awk -v r="$rank" -v w="$world" 'BEGIN { print 0.3 * (w - r) }')" & wait $!
           echo "rank $rank: stopped after step 5: time limit; resume with -y 1"; exit 7 ;;
-    fail1) if [ "$rank" = 1 ]; then echo "error: bad shard 'x.bin' at offset 1024" >&2; exit 4; fi
+    fail1) if [ "$rank" = 1 ]; then
+               for r in $(seq 0 $((world - 1))); do
+                   while [ ! -f "$MOCK_DIR/ready.$r" ]; do sleep 0.05; done
+               done
+               echo "error: bad shard 'x.bin' at offset 1024" >&2; exit 4
+           fi
            sleep 30 & wait $!; exit 0 ;;
     ok) exit 0 ;;
 esac
@@ -40,7 +47,7 @@ chmod +x "$dir/trainer"
 export TRAINER=$dir/trainer MOCK_DIR=$dir
 fail() { echo "FAIL: $*"; cat "$dir/out"; exit 1; }
 launch() {  # launch MOCK ARGS...: the script's exit code in rc, its output in $dir/out
-    rm -f "$dir"/killed.* "$dir"/args.*
+    rm -f "$dir"/killed.* "$dir"/args.* "$dir"/ready.*
     rc=0
     MOCK=$1 timeout 60 bash scripts/run_multi_gpu.sh "${@:2}" >"$dir/out" 2>&1 || rc=$?
 }
