@@ -36,7 +36,8 @@ Also provides, where LLMC_TOKENIZER_ENCODER is defined before the first include 
 (the program then links PCRE2): read_hellaswag_jsonl(), HellaSwag's own hellaswag_{train,val}.jsonl (one
 object per line: "ctx", or "ctx_a" and "ctx_b" joined by a space when "ctx" is absent; "endings", a list
 of strings; "label", an integer or a string holding one), encoded with GPT-2's tokenizer as llm.c does:
-the context as it is, each ending with a space in front.
+the context as it is, each ending with a space in front; a row the eval .bin cannot hold (past the 65535th,
+or over 65534 bytes) is refused, naming its line.
 
 Does not provide: the GPU scoring (mc_eval.cuh), the evaluation schedule or its logging (the trainers),
 making sets from text (dev/data/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
@@ -814,7 +815,19 @@ inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& en
     while (std::getline(in, line)) {
         line_no++;
         if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-        set.items.push_back(encode_hellaswag_row(parse_hellaswag_line(line, path, line_no), enc, ctx));
+        // The eval .bin's limits, checked here so that the message names the line that breaks them.
+        if (int64_t(set.items.size()) == kMcMaxExamples) {
+            fail(kExitData, "'%s' line %lld: more than %lld rows, the most an eval .bin holds; split the file",
+                 path.c_str(), (long long)line_no, (long long)kMcMaxExamples);
+        }
+        McItem item = encode_hellaswag_row(parse_hellaswag_line(line, path, line_no), enc, ctx);
+        const int64_t bytes = mc_example_bytes(item);
+        if (bytes > kMcMaxExampleBytes) {
+            fail(kExitData, "'%s' line %lld: the row encodes to %lld bytes (context of %zu tokens, %zu endings), more "
+                 "than the %lld an example of the eval .bin may take", path.c_str(), (long long)line_no,
+                 (long long)bytes, item.context.size(), item.endings.size(), (long long)kMcMaxExampleBytes);
+        }
+        set.items.push_back(std::move(item));
     }
     if (in.bad()) fail(kExitIo, "read of '%s' failed after line %lld", path.c_str(), (long long)line_no);
     if (set.items.empty()) fail(kExitData, "'%s' holds no HellaSwag rows", path.c_str());

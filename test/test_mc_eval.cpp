@@ -878,6 +878,17 @@ TEST(Hellaswag, MalformedRowsNameTheLine) {
     refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": "x"})", "\"label\" is \"x\", expected an integer");
     refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": 2})", "label 2 is not one of the 2 endings (0..1)");
     refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": -1})", "label -1 is not one of the 2 endings");
+    // Rows the eval .bin cannot hold are the input's fault: named by their line, exit code 4.
+    std::string words;
+    for (int i = 0; i < 33000; i++) words += " w";
+    write_file(dir / "long.jsonl", good + "\n{\"ctx\": \"A\", \"endings\": [\"" + words + "\", \"d\"], \"label\": 0}\n");
+    expect_error([&] { read_hellaswag_jsonl(dir / "long.jsonl", encoder()); }, kExitData,
+                 {dir / "long.jsonl", "line 2", "context of 1 tokens, 2 endings", "more than the 65534"});
+    std::string many;
+    for (int i = 0; i < kMcMaxExamples; i++) many += good + "\n";
+    write_file(dir / "many.jsonl", many + good + "\n");
+    expect_error([&] { read_hellaswag_jsonl(dir / "many.jsonl", encoder()); }, kExitData,
+                 {dir / "many.jsonl", "line 65536", "more than 65535 rows"});
     write_file(dir / "empty.jsonl", "\n  \n");
     expect_error([&] { read_hellaswag_jsonl(dir / "empty.jsonl", encoder()); }, kExitData, {"holds no HellaSwag rows"});
     expect_error([&] { read_hellaswag_jsonl(dir / "none.jsonl", encoder()); }, kExitIo, {"none.jsonl"});
