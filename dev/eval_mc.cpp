@@ -47,9 +47,8 @@ void write_scores(const std::string& path, const McSet& set, const McResult& r) 
     for (int64_t i = 0; i < r.items; i++) {
         out += format("pred\t%lld\t%d\t%d\n", (long long)i, r.pred[size_t(i)], r.pred_norm[size_t(i)]);
     }
-    File f(path, File::Mode::Write);
-    f.write_all(out.data(), out.size());
-    f.close();
+    // Whole or not at all: a failed write keeps an earlier scores file as it was.
+    write_file_atomically(path, [&](File& f) { f.write_all(out.data(), out.size()); });
 }
 
 template <class Real>

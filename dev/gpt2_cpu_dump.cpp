@@ -16,10 +16,10 @@ the file it read or converted to the other precision.
 Does not provide: a training loop for real use (train_gpt2 is that).
 */
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
@@ -94,50 +94,41 @@ void run(const Options& o, const GPT2Config& c, const std::vector<float>& params
     }
     append(losses);
     append(norms);
-    File f(o.out, File::Mode::Write);
-    f.write_all(out.data(), out.size() * sizeof(double));
-    f.close();
+    // Whole or not at all: a failed write keeps an earlier dump as it was.
+    write_file_atomically(o.out, [&](File& f) { f.write_all(out.data(), out.size() * sizeof(double)); });
     std::printf("%s: %s, %d steps, losses %.6f -> %.6f\n", o.fp64 ? "fp64" : "fp32", describe(c).c_str(), o.steps,
                 losses.front(), losses.back());
 }
 
-const char* kUsage =
-    "usage: gpt2_cpu_dump --model M.bin [--tokens TOK --out OUT.bin] [--fp64] [--steps N] [--lr X] [--beta1 X]\n"
-    "                     [--beta2 X] [--eps X] [--wd X] [--clip X] [--write-model W.bin --write-version 3|5]\n";
-
-Options parse(int argc, char** argv) {
-    Options o;
-    for (int i = 1; i < argc; i++) {
-        std::string flag = argv[i];
-        if (flag == "--fp64") {
-            o.fp64 = true;
-            continue;
-        }
-        if (i + 1 >= argc) fail(kExitUsage, "%s needs a value\n%s", flag.c_str(), kUsage);
-        const char* v = argv[++i];
-        if (flag == "--model") o.model = v;
-        else if (flag == "--tokens") o.tokens = v;
-        else if (flag == "--out") o.out = v;
-        else if (flag == "--write-model") o.write_model = v;
-        else if (flag == "--write-version") o.write_version = std::atoi(v);
-        else if (flag == "--steps") o.steps = std::atoi(v);
-        else if (flag == "--lr") o.adamw.learning_rate = std::strtod(v, nullptr);
-        else if (flag == "--beta1") o.adamw.beta1 = std::strtod(v, nullptr);
-        else if (flag == "--beta2") o.adamw.beta2 = std::strtod(v, nullptr);
-        else if (flag == "--eps") o.adamw.eps = std::strtod(v, nullptr);
-        else if (flag == "--wd") o.adamw.weight_decay = std::strtod(v, nullptr);
-        else if (flag == "--clip") o.clip = std::strtod(v, nullptr);
-        else fail(kExitUsage, "unknown flag '%s'\n%s", flag.c_str(), kUsage);
-    }
-    if (o.model.empty() || o.tokens.empty() != o.out.empty() || o.steps < 0) fail(kExitUsage, "%s", kUsage);
-    return o;
+// Returns false when --help was given (the usage has then been printed).
+bool parse(int argc, char** argv, Options& o) {
+    Flags flags("gpt2_cpu_dump",
+                "Runs the CPU reference GPT-2 on a model file and batches and dumps what it computed (float64).");
+    flags.add("", "model", &o.model, "the model file to load (llm.c's .bin, fp32 or bf16)")
+        .add("", "tokens", &o.tokens, "batches to run: int32 B, T, count, then per batch B*T inputs and B*T targets")
+        .add("", "out", &o.out, "where the float64 results go (needed with --tokens)")
+        .add_switch("", "fp64", &o.fp64, "run the model in double precision")
+        .add("", "steps", &o.steps, "AdamW updates (the tokens file needs steps + 1 batches)", 0, 4095)
+        .add("", "lr", &o.adamw.learning_rate, "AdamW learning rate")
+        .add("", "beta1", &o.adamw.beta1, "AdamW beta1")
+        .add("", "beta2", &o.adamw.beta2, "AdamW beta2")
+        .add("", "eps", &o.adamw.eps, "AdamW epsilon")
+        .add("", "wd", &o.adamw.weight_decay, "AdamW weight decay")
+        .add("", "clip", &o.clip, "clip gradients to this global norm")
+        .add("", "write-model", &o.write_model, "also write the parameters as loaded (before any step) here")
+        .add("", "write-version", &o.write_version, "the version --write-model writes: 3 (fp32) or 5 (bf16)", 3, 5);
+    if (!flags.parse(argc, argv)) return false;
+    if (o.model.empty()) fail(kExitUsage, "--model FILE is needed (see gpt2_cpu_dump --help)");
+    if (o.tokens.empty() != o.out.empty()) fail(kExitUsage, "--tokens and --out go together (see gpt2_cpu_dump --help)");
+    return true;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
     return run_main([&] {
-        Options o = parse(argc, argv);
+        Options o;
+        if (!parse(argc, argv, o)) return 0;
         std::vector<float> params;
         ModelFileInfo info = read_model_file(o.model, &params);
         if (!o.write_model.empty()) write_model_file(o.write_model, info.config, params.data(), o.write_version);
