@@ -586,6 +586,16 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
         tc["add_prefix_space"] = false;
         tc["errors"] = "replace";
         write_file_replacing(dir + "/tokenizer_config.json", tc.dump(2) + "\n");
+    } else {
+        // No tokenizer for this model: an earlier export's files there (perhaps another vocabulary's) would
+        // be loaded with these weights by AutoTokenizer, so they go.
+        for (const char* name : {"vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
+                                 "special_tokens_map.json"}) {
+            const std::string path = dir + "/" + name;
+            if (hf_path_is_file(path) && !std::filesystem::remove(path, ec)) {
+                fail(kExitIo, "cannot remove the earlier tokenizer file '%s': %s", path.c_str(), ec.message().c_str());
+            }
+        }
     }
 }
 

@@ -843,9 +843,16 @@ TEST(HfModel, TrainersCopyATokenizerOnlyWhereItFitsTheVocabulary) {
     std::vector<float> q = random_params(small, 26);
     SaveOptions o;
     o.tokenizer_dir = tokenizer_for_export(dir.path(), small.vocab_size, &note);
+    // Into a folder that holds an earlier export's tokenizer files: those go, with the new weights.
+    std::filesystem::create_directories(dir / "m");
+    for (const char* name : {"vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json"}) {
+        spit(dir / (std::string("m/") + name), "{}");
+    }
     save_model(dir / "m", ModelFormat::Hf, small, q.data(), o);
     EXPECT_TRUE(std::filesystem::exists(dir / "m/model.safetensors"));
-    EXPECT_FALSE(std::filesystem::exists(dir / "m/vocab.json"));
+    for (const char* name : {"vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json"}) {
+        EXPECT_FALSE(std::filesystem::exists(dir / (std::string("m/") + name))) << name << " of an earlier export was left";
+    }
     o.tokenizer_dir = dir.path();
     expect_error([&] { save_model(dir / "m2", ModelFormat::Hf, small, q.data(), o); }, kExitUsage, {"3 tokens"});
 }
