@@ -652,10 +652,15 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
     for (;;) {
         RendezvousIdFile now;
         std::string why;
-        const d::IdState state = d::read_id_file(path, &now, &why);  // before looking at the acknowledgement
+        d::IdState state = d::read_id_file(path, &now, &why);  // before looking at the acknowledgement
         if (acked) {
-            const bool same = state == d::IdState::Valid && now.nonce == read.nonce;
+            bool same = state == d::IdState::Valid && now.nonce == read.nonce;
             if (!d::file_exists(ack)) {
+                // Taken by rank 0, or removed as a leftover by a new launch's rank 0, which does that only
+                // after its id file is in place. Read the id file again: a replacement that landed after
+                // the read above would otherwise go unseen, and this rank return the old launch's id.
+                state = d::read_id_file(path, &now, &why);
+                same = state == d::IdState::Valid && now.nonce == read.nonce;
                 if ((state == d::IdState::Absent || same) && read.world == world) return read.id;
                 acked = false;  // a new launch's rank 0 removed it as a leftover
             } else if (state == d::IdState::Absent) {
