@@ -144,6 +144,11 @@ inline void check_saved_shards(const std::vector<SavedShard>& shards, int64_t nu
             fail(kExitData, "optimizer shard '%s': range begin %lld count %lld", s.path.c_str(), (long long)s.begin,
                  (long long)s.count);
         }
+        // Checked apart from the tiling below, where begin + count of a hostile file could overflow.
+        if (s.count > 0 && (s.begin >= num_params || s.count > num_params - s.begin)) {
+            fail(kExitData, "optimizer shard '%s' (rank %d): range begin %lld count %lld reaches past the model's %lld "
+                 "parameters", s.path.c_str(), s.rank, (long long)s.begin, (long long)s.count, (long long)num_params);
+        }
         by_rank[size_t(s.rank)] = &s;
     }
     int64_t next = 0;

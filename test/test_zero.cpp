@@ -5,6 +5,7 @@ every old world size to every new one, checked element by element against the un
 */
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -213,6 +214,12 @@ TEST(ZeroReshard, DamagedCheckpointsAreNamed) {
         expect_error([&] { check_saved_shards(s, 100); }, kExitData, {"opt_2.bin", "overlaps"});
     }
     expect_error([&] { check_saved_shards(shards(), 101); }, kExitData, {"[0, 100)", "has 101"});
+    {
+        // A range past the model (here one whose end does not fit in 64 bits) is named with its file.
+        auto s = shards();
+        s[3].count = std::numeric_limits<int64_t>::max();
+        expect_error([&] { check_saved_shards(s, 100); }, kExitData, {"opt_3.bin", "past the model's 100 parameters"});
+    }
     {
         auto s = shards();
         s.erase(s.begin() + 1);
