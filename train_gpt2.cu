@@ -241,8 +241,10 @@ inline Flags make_flags(Options& o) {
           kMax<int>);
     f.add("z", "zero-stage", &o.zero_stage,
           "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
+    // At most 1e8 s (three years): the waits count microseconds and nanoseconds in 64 bits, and a longer
+    // one (a huge value meant as "for ever") overflowed into a deadline already past.
     f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up", 0.0,
-          kMax<double>);
+          1e8);
     f.add("", "hang-timeout", &o.hang_timeout,
           "data parallel: end the run (and abort NCCL) when this rank shows no progress for this many seconds: a "
           "step, a validation, a sample, a checkpoint save or load, start-up (0: never)",

@@ -356,8 +356,10 @@ inline int remaining_ms(Clock::time_point deadline) {
     return ms <= 0 ? 0 : int(std::min<int64_t>(ms, 1 << 30));
 }
 
+// At most 1e9 s ahead: the clock counts nanoseconds in 64 bits (292 years), and a longer wait would
+// overflow into a deadline already past.
 inline Clock::time_point deadline_after(double timeout_s) {
-    return Clock::now() + std::chrono::microseconds(int64_t(timeout_s * 1e6));
+    return Clock::now() + std::chrono::microseconds(int64_t(std::min(timeout_s, 1e9) * 1e6));
 }
 
 inline void put_u32(char* p, uint32_t v) {

@@ -43,6 +43,8 @@ expect_exit 2 "rank 2 is outside 0..1" -e d2 --rank 2 --world-size 2
 expect_exit 2 "need a meeting point" -e d2 --rank 0 --world-size 2
 expect_exit 2 "expected tcp://HOST:PORT" -e d2 --rank 0 --world-size 2 --rendezvous tcp://nohost
 expect_exit 2 "--nccl-timeout 0: must be positive" -e d2 --multi-gpu 1 --nccl-timeout 0
+# A huge wait meant as "for ever" overflowed the deadline's clock and ended the rendezvous at once.
+expect_exit 2 "flag --nccl-timeout: '1e10' is not a number from 0 to" -e d2 --multi-gpu 1 --nccl-timeout 1e10
 expect_exit 2 "flag --hang-timeout: '-1' is not a number at least 0" -e d2 --multi-gpu 1 --hang-timeout -1
 expect_exit 2 "not a multiple of B\*T\*ranks = 4\*64\*2" -e d2 -b 4 -t 64 -d 256 --rank 0 --world-size 2 \
     --rendezvous "$dir/rdv"

@@ -434,6 +434,16 @@ TEST(FileRendezvous, EveryRankGetsRankZerosId) {
     }
 }
 
+TEST(FileRendezvous, AHugeTimeoutIsNotAnExpiredOne) {
+    // 1e10 s in nanoseconds is past the clock's range: the deadline must not wrap into the past.
+    test::TempDir dir("rdv_huge");
+    const pid_t pid = spawn([&] { file_rendezvous_fetch(dir.path(), "huge", 1, 2, 1e10); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), 0) << "rank 1 gave up at once";
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+}
+
 TEST(FileRendezvous, RankWithoutRankZeroTimesOut) {
     test::TempDir dir("rdv_timeout");
     const auto t0 = std::chrono::steady_clock::now();
