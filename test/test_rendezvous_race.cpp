@@ -120,4 +120,9 @@ TEST(FileRendezvousRace, AReplacementBetweenTheReadAndTheAcknowledgementCheckIsS
     EXPECT_TRUE(error.empty()) << error;
     EXPECT_TRUE(got == new_id) << "rank 1 returned the killed launch's id";
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "rank 0 of the relaunch did not meet rank 1";
+    // The race was made: the stale acknowledgement's look went through this program's stat() (if the
+    // rendezvous stops using stat(), this test no longer tests anything and must be redone).
+    struct stat st;
+    EXPECT_EQ(real_stat((g_hold_ack + ".looking").c_str(), &st), 0) << "the acknowledgement was never looked at "
+                                                                        "through stat(): the race was not made";
 }
