@@ -159,7 +159,7 @@ inline Flags make_flags(Options& o) {
           kMax<int>);
     f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, kMax<int>);
     f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, kMax<int>);
-    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (at most T - 1)", 0, kMax<int>);
+    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (0: no sample; at most T - 1)", 0, kMax<int>);
     f.add("n", "checkpoint-every", &o.checkpoint_every,
           "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/", 0, kMax<int>);
     f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)", 0, kMax<int>);
@@ -372,9 +372,6 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     }
     if (o.val_max_steps == 0) fail(kExitUsage, "-m/--val-max-steps 0: must be -1 (all) or at least 1");
     if (o.eval_max_items == 0) fail(kExitUsage, "--eval-max-items 0: must be -1 (all) or at least 1");
-    if (o.sample_every > 0 && o.gen_tokens < 1) {
-        fail(kExitUsage, "-g/--gen-tokens %d: must be at least 1 when sampling", o.gen_tokens);
-    }
     if ((o.checkpoint_every > 0 || o.resume == 1) && o.output_dir.empty()) {
         fail(kExitUsage, "%s needs an output directory (-o)", o.resume == 1 ? "-y 1 (resume)" : "-n (checkpoints)");
     }
@@ -429,10 +426,10 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
         mc_check_items(p.eval, c.vocab_size, o.T);
     }
     p.prompt = resolve_prompt(o, c);
-    if (p.prompt.size() >= size_t(o.T)) {
+    if (o.sample_every > 0 && o.gen_tokens > 0 && p.prompt.size() >= size_t(o.T)) {
         fail(kExitUsage, "the prompt has %zu tokens; samples need it shorter than -t/--seq-len %d", p.prompt.size(), o.T);
     }
-    p.gen_tokens = std::min(o.gen_tokens, o.T - std::max(1, int(p.prompt.size())));
+    p.gen_tokens = std::max(0, std::min(o.gen_tokens, o.T - std::max(1, int(p.prompt.size()))));
 
     // The data: its headers are read here (the GPU loaders read them again), so a missing or short
     // split fails before CUDA, and the step counts are known. -x 0 (evaluate or sample a model) reads no

@@ -53,6 +53,10 @@ expect_exit 2 "-y 1 (resume) needs an output directory" "${plan[@]}" -y 1 -o ""
 expect_exit 0 "keep the newest 3 and every 100-th step" "${plan[@]}" -n 10 -nk 3 -nm 100 -o "$dir/plan_out"
 expect_exit 2 "no shard file matches" "${plan[@]}" -i "$dir/nothing_*.bin"
 expect_exit 0 "| rounding-seed  *| 7 \*" "${plan[@]}" --rounding-seed 7
+# -g 0 means no sample, as in train_gpt2; a prompt that leaves no room is refused only when sampling.
+expect_exit 0 "| gen-tokens  *| 0 \*" "${plan[@]}" -g 0
+expect_exit 0 "prompt: 65 token(s)" "${plan[@]}" -s 0 --prompt-ids "$(seq -s, 1 65)"
+expect_exit 2 "the prompt has 65 tokens; samples need it shorter than -t/--seq-len 64" "${plan[@]}" --prompt-ids "$(seq -s, 1 65)"
 [ ! -e "$dir/plan_out" ] || { echo "FAIL: --dry-run created the output directory"; exit 1; }
 # A fresh run (no -y 1) among an earlier run's checkpoints is refused before it touches anything; -y 1
 # is the way to continue it. (A directory named like an unfinished checkpoint does not count.)
