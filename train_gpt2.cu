@@ -206,7 +206,7 @@ inline Flags make_flags(Options& o) {
     f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, kMax<int>);
     f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)");
     f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
-    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib, "keep the token shards in GPU memory when they fit in this many MiB (0: stream)",
+    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib, "keep the token shards in GPU memory when they fit in this many MiB, the training and the validation shards each (0: stream)",
           0, kMax<int64_t>);
     f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
     f.add("", "save-model", &o.save_model,
@@ -243,7 +243,7 @@ inline Flags make_flags(Options& o) {
           "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
     // At most 1e8 s (three years): the waits count microseconds and nanoseconds in 64 bits, and a longer
     // one (a huge value meant as "for ever") overflowed into a deadline already past.
-    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up", 0.0,
+    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up, and for their parts of a checkpoint", 0.0,
           1e8);
     f.add("", "hang-timeout", &o.hang_timeout,
           "data parallel: end the run (and abort NCCL) when this rank shows no progress for this many seconds: a "
