@@ -387,27 +387,11 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.config = c;
     p.parallel = parallel;
     const int world = parallel.ranks.world;
-    const int64_t micro = int64_t(o.B) * o.T * world;  // one micro-step of every rank
-    p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
+    p.tokens_per_step = o.total_batch == -1 ? int64_t(o.B) * o.T * world : o.total_batch;
     if (p.tokens_per_step < 1) {
         fail(kExitUsage, "-d/--total-batch %lld: must be -1 (B*T) or positive", (long long)o.total_batch);
     }
-    if (p.tokens_per_step % micro != 0) {
-        if (world == 1) {
-            fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens (one GPU)",
-                 (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
-        }
-        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T*ranks = %d*%d*%d = %lld tokens",
-             (long long)p.tokens_per_step, o.B, o.T, world, (long long)micro);
-    }
-    // A step counts its micro-steps in an int (a wrapped count ran none, or divided by zero).
-    if (p.tokens_per_step / micro > INT32_MAX) {
-        fail(kExitUsage, "-d/--total-batch %lld needs %lld micro-steps of B*T%s = %d*%d%s = %lld tokens, more than the "
-             "%d a step can take", (long long)p.tokens_per_step, (long long)(p.tokens_per_step / micro),
-             world == 1 ? "" : "*ranks", o.B, o.T, world == 1 ? "" : format("*%d", world).c_str(), (long long)micro,
-             INT32_MAX);
-    }
-    p.grad_accum = int(p.tokens_per_step / micro);
+    p.grad_accum = micro_steps_per_step(p.tokens_per_step, o.B, o.T, world);
     p.schedule.kind = LRSchedule::parse_kind(o.schedule);
     p.schedule.lr = o.lr;
     p.schedule.warmup = o.warmup;

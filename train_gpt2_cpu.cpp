@@ -263,19 +263,8 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
         fail(kExitUsage, "-t/--seq-len %d is longer than the model's maximum sequence length %d", o.T, c.max_seq_len);
     }
     Plan p;
-    const int64_t micro = int64_t(o.B) * o.T;
-    p.tokens_per_step = o.total_batch == -1 ? micro : o.total_batch;
-    if (p.tokens_per_step % micro != 0) {
-        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of B*T = %d*%d = %lld tokens",
-             (long long)p.tokens_per_step, o.B, o.T, (long long)micro);
-    }
-    // A step counts its micro-steps in an int; more would silently train on fewer tokens than planned.
-    if (p.tokens_per_step / micro > INT32_MAX) {
-        fail(kExitUsage, "-d/--total-batch %lld needs %lld micro-steps of B*T = %d*%d = %lld tokens, more than the "
-             "%d a step can take", (long long)p.tokens_per_step, (long long)(p.tokens_per_step / micro), o.B, o.T,
-             (long long)micro, INT32_MAX);
-    }
-    p.grad_accum = int(p.tokens_per_step / micro);
+    p.tokens_per_step = o.total_batch == -1 ? int64_t(o.B) * o.T : o.total_batch;
+    p.grad_accum = micro_steps_per_step(p.tokens_per_step, o.B, o.T, 1);
     p.schedule.kind = LRSchedule::parse_kind(o.schedule);
     p.schedule.lr = o.lr;
     p.schedule.warmup = o.warmup;

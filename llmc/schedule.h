@@ -8,6 +8,8 @@ from lr/warmup to lr over the first `warmup` steps:
   constant  lr after warmup
   wsd       warmup-stable-decay: lr until the last decay_fraction of the steps, then linear decay to
             lr * final_fraction
+micro_steps_per_step() checks -d/--total-batch against one micro-step of every rank and counts the
+micro-steps a step takes (both trainers).
 peak_bf16_flops() knows the dense bf16 tensor-core peak of common GPUs by name; mfu() answers a negative
 number for "unknown" so the log can print n/a rather than a made-up figure.
 
@@ -17,6 +19,7 @@ Does not provide: anything that touches the GPU.
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "llmc/utils.h"
@@ -61,6 +64,24 @@ struct LRSchedule {
 };
 
 // Dense bf16 tensor-core peak (FLOP/s) by device name; 0 when unknown.
+// The micro-steps of B x T tokens on each of `ranks` ranks that make one step of tokens_per_step tokens
+// (-d/--total-batch); a total that is not a whole number of them, or needs more than a step's int count
+// (a wrapped count ran none, or divided by zero), is a usage error naming the terms.
+inline int micro_steps_per_step(int64_t tokens_per_step, int B, int T, int ranks) {
+    const int64_t micro = int64_t(B) * T * ranks;
+    const std::string terms = ranks == 1 ? format("B*T = %d*%d", B, T) : format("B*T*ranks = %d*%d*%d", B, T, ranks);
+    if (tokens_per_step < 1 || tokens_per_step % micro != 0) {
+        fail(kExitUsage, "-d/--total-batch %lld is not a multiple of %s = %lld tokens", (long long)tokens_per_step,
+             terms.c_str(), (long long)micro);
+    }
+    if (tokens_per_step / micro > INT32_MAX) {
+        fail(kExitUsage, "-d/--total-batch %lld needs %lld micro-steps of %s = %lld tokens, more than the %d a step can "
+             "take", (long long)tokens_per_step, (long long)(tokens_per_step / micro), terms.c_str(), (long long)micro,
+             INT32_MAX);
+    }
+    return int(tokens_per_step / micro);
+}
+
 inline double peak_bf16_flops(const std::string& device_name) {
     struct Entry {
         const char* name_part;
