@@ -934,7 +934,7 @@ inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& m
     std::unique_ptr<Checkpointer> ckpt;
     if (model.sharded() && multi->world() > 1) {
         ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), async, multi->rank(), multi->world(),
-                                              [multi] { multi->barrier(); }, o.nccl_timeout);
+                                              [multi](bool failed) { return multi->any(failed); }, o.nccl_timeout);
     } else if (multi == nullptr || multi->is_root()) {
         ckpt = std::make_unique<Checkpointer>(checkpoint_tensors(model), async);
     }

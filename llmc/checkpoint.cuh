@@ -63,12 +63,15 @@ public:
         : async_(async), io_(chunk_bytes) {
         init(layout);
     }
-    // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save holds all ranks
-    // at `barrier` once rank 0 has prepared the directory; rank 0 waits up to part_timeout_s for the others.
-    // `layout` is this rank's files only.
+    // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save first has rank 0
+    // prepare the directory, then holds all ranks at `any_failed` (a vote of every rank, true when any rank
+    // passed true: rank 0 passes whether its preparation failed), so that no rank writes before the
+    // directory is there and every rank stops with an error when it could not be made, instead of waiting
+    // for a rank that left; rank 0 waits up to part_timeout_s for the others. `layout` is this rank's files
+    // only.
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, int rank, int world,
-                 std::function<void()> barrier, double part_timeout_s)
-        : async_(async), rank_(rank), world_(world), barrier_(std::move(barrier)), part_timeout_s_(part_timeout_s),
+                 std::function<bool(bool)> any_failed, double part_timeout_s)
+        : async_(async), rank_(rank), world_(world), any_failed_(std::move(any_failed)), part_timeout_s_(part_timeout_s),
           io_(kDefaultChunkBytes) {
         init(layout);
     }
@@ -109,8 +112,21 @@ public:
         wait();
         const auto t0 = std::chrono::steady_clock::now();
         if (world_ > 1) {
-            if (rank_ == 0) prepare_shared_checkpoint(out_dir, step);
-            if (barrier_) barrier_();
+            std::exception_ptr prepare_error;
+            if (rank_ == 0) {
+                try {
+                    prepare_shared_checkpoint(out_dir, step);
+                } catch (const Error&) {
+                    prepare_error = std::current_exception();
+                }
+            }
+            const bool failed = any_failed_ ? any_failed_(prepare_error != nullptr) : prepare_error != nullptr;
+            if (prepare_error) std::rethrow_exception(prepare_error);
+            if (failed) {
+                fail(kExitIo, "checkpoint of step %lld: rank 0 could not prepare its directory in '%s' (its error says "
+                              "why); rank %d of %d writes nothing",
+                     (long long)step, out_dir.c_str(), rank_, world_);
+            }
         }
         if (!async_) {
             CheckpointReport r = write(out_dir, step, tensors, meta, compute, keep_last, keep_every, t0);
@@ -193,7 +209,7 @@ private:
     bool async_;
     int device_ = 0;
     int rank_ = 0, world_ = 1;
-    std::function<void()> barrier_;
+    std::function<bool(bool)> any_failed_;
     double part_timeout_s_ = 600;
     DeviceFileIO io_;
     std::vector<DeviceBuffer<char>> spare_;
@@ -225,6 +241,29 @@ inline void load_checkpoint_tensors(const std::string& dir, const CheckpointMani
         if (uint64_t(f.size()) != rec->size) {
             fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (truncated?)", path.c_str(), (long long)f.size(),
                  (unsigned long long)rec->size);
+        }
+        const uint64_t h = t.header.size();
+        const ChunkPlanner plan(int64_t(h), t.bytes, io.chunk_bytes(), io.direct() ? kDirectAlignment : 0);
+        if (!chunks_match_plan(*rec, h, t.bytes, plan)) {
+            // Written with another chunk size: read by its recorded chunks (each checked whole), host-staged.
+            f.close();
+            std::vector<char> header(h);
+            char* out = static_cast<char*>(t.device);
+            read_array_range(dir, m, {{t.file, 0, 0, int64_t(expect)}}, 1, 0, int64_t(expect),
+                             [&](uint64_t at, const char* p, size_t len) {
+                                 const size_t head = at < h ? std::min<size_t>(len, size_t(h - at)) : 0;
+                                 if (head > 0) std::memcpy(header.data() + at, p, head);
+                                 if (len > head) {
+                                     cudaCheck(cudaMemcpyAsync(out + (at + head - h), p + head, len - head,
+                                                               cudaMemcpyHostToDevice, stream));
+                                     cudaCheck(cudaStreamSynchronize(stream));  // p is reused for the next chunk
+                                 }
+                             });
+            if (header != t.header) {
+                fail(kExitData, "'%s': its header differs from this model's (a different model shape or format)",
+                     path.c_str());
+            }
+            continue;
         }
         ChunkVerifier v(*rec, path);
         if (!t.header.empty()) {

@@ -330,6 +330,24 @@ inline void write_chunked(File& f, const void* data, size_t n, const ChunkHook& 
     }
 }
 
+// Whether the recorded chunks of bytes [from, from + n) are exactly the pieces `plan` (a ChunkPlanner for
+// that span, the cut DeviceFileIO reads it in) makes of them, so the reads can be checked chunk by chunk.
+// True for a checkpoint written with the reader's chunk size; false for one written with another (an
+// earlier kDefaultChunkBytes, another writer's) or when direct I/O cuts the span differently, which is then
+// read by its recorded chunks instead.
+inline bool chunks_match_plan(const FileRecord& rec, uint64_t from, uint64_t n, ChunkPlanner plan) {
+    Chunk piece;
+    uint64_t at = from;
+    for (const ChunkSum& c : rec.chunks) {
+        if (c.offset + c.bytes <= from) continue;
+        if (c.offset >= from + n) break;
+        // Both tile the span without gaps, so equal starts, one for one, mean equal pieces.
+        if (!plan.next(piece) || c.offset != at || from + piece.offset != at) return false;
+        at += c.bytes;
+    }
+    return at == from + n && !plan.next(piece);
+}
+
 // Reads n bytes at the file's position chunk by chunk as the record cut them, checking each.
 inline void read_verified(File& f, void* dst, size_t n, ChunkVerifier& verifier, const FileRecord& rec) {
     char* out = static_cast<char*>(dst);
@@ -576,15 +594,17 @@ public:
         bytes_ += text.size();
         sync_directory(tmp_);
         std::error_code ec;
-        // A checkpoint of the same step already there (a run resumed from an older one and got here again)
-        // is replaced: it is removed first, because rename() does not replace a non-empty directory.
-        if (std::filesystem::exists(final_, ec)) remove_tree(final_);
-        if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
+        std::string replaced;  // an older checkpoint of this step, moved out of the way
+        if (std::filesystem::exists(final_, ec)) {
+            replaced = replace_same_step();
+        } else if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
             int e = errno;
             fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e));
         }
         committed_ = true;
         sync_directory(out_dir_);
+        // Best effort: a leftover is a .tmp directory, which no reader takes and the next save removes.
+        if (!replaced.empty()) std::filesystem::remove_all(replaced, ec);
         return final_;
     }
 
@@ -592,6 +612,31 @@ public:
     uint64_t bytes_written() const { return bytes_; }  // this rank's files (rank 0: and the others' too)
 
 private:
+    // A checkpoint of the same step is already there (a run resumed from an older one and got here again).
+    // rename() cannot replace a non-empty directory, so the two directories swap names in one atomic step
+    // (renameat2 RENAME_EXCHANGE): at every moment the final name holds a complete checkpoint, and the old
+    // one, now under the temporary name, is removed by the caller (or, after a crash, by the next save).
+    // Where the file system cannot swap, the old one is renamed aside (to a .tmp name) first. Returns the
+    // path the old checkpoint is now under.
+    std::string replace_same_step() {
+        if (::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, final_.c_str(), RENAME_EXCHANGE) == 0) return tmp_;
+        const int e = errno;
+        if (e != EINVAL && e != ENOSYS && e != ENOTSUP) {
+            fail(kExitIo, "cannot swap '%s' with the older '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e));
+        }
+        const std::string aside = final_ + ".replaced.tmp";
+        remove_tree(aside);
+        if (std::rename(final_.c_str(), aside.c_str()) != 0) {
+            const int e2 = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", final_.c_str(), aside.c_str(), std::strerror(e2));
+        }
+        if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
+            const int e2 = errno;
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e2));
+        }
+        return aside;
+    }
+
     void publish_part() {
         CheckpointManifest part;
         part.step = step_;

@@ -62,18 +62,14 @@ inline std::vector<CheckpointTensor> shard_tensors(GPT2& model, int rank) {
             {state_shard_file(StateKind::AdamV, rank), {}, s.adam_v, k * sizeof(float)}};
 }
 
+// Written whole or not at all (write_file_atomically): a failed write removes its temporary file and leaves
+// an earlier model file as it was; the rename is made durable by syncing the directory.
 inline void write_master(const GPT2& model, const std::string& path, DeviceFileIO& io, const float* master) {
     const std::vector<char> h = model_file_header(model.config(), kModelVersionFp32);
-    const std::string tmp = path + ".tmp";
-    File f(tmp, File::Mode::Write);
-    f.write_all(h.data(), h.size());
-    io.device_to_file(f, master, size_t(model.num_parameters()) * sizeof(float), model.stream());
-    f.sync();
-    f.close();
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        int e = errno;
-        fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
-    }
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(h.data(), h.size());
+        io.device_to_file(f, master, size_t(model.num_parameters()) * sizeof(float), model.stream());
+    });
 }
 
 // FP8 fcproj's amax history (GPT2::fp8_history), behind a header naming its shape: "LLMCFP8H", then

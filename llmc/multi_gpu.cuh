@@ -253,10 +253,15 @@ public:
     // the ranks must take together, e.g. stopping after this step or skipping a checkpoint one rank cannot
     // read. Queued after the work already on `compute`.
     bool any(bool mine, cudaStream_t compute) {
+        after(compute);
+        return any(mine);
+    }
+    // The same vote on the host's say alone, ordered after no compute work (it synchronises too): e.g.
+    // whether rank 0 could prepare the directory every rank is about to write a checkpoint into.
+    bool any(bool mine) {
         require_live();
         const uint64_t vote = mine ? 1 : 0;
         uint64_t* d = scratch_.get();
-        after(compute);
         cudaCheck(cudaMemcpyAsync(d, &vote, sizeof(vote), cudaMemcpyHostToDevice, comm_stream_));
         settle(ncclAllReduce(d, d, 1, ncclUint64, ncclMax, comm_, comm_stream_), "ncclAllReduce (max)");
         uint64_t got = 0;

@@ -211,6 +211,32 @@ TEST(CheckpointFiles, WriteValidateAndReadBack) {
     EXPECT_NE(error_of([&] { other_cut.check(weights.data(), 999, 1024); }).find("different chunk size"), std::string::npos);
 }
 
+TEST(CheckpointFiles, ReadsMatchTheRecordedChunksOnlyWhenCutTheSameWay) {
+    TempDir dir("ckpt_plan");
+    SyntheticState s = make_state(11);
+    const std::string path = write_checkpoint(dir / "out", 7, s);
+    const CheckpointManifest m = validate_checkpoint(path, /*deep=*/true);
+    const FileRecord& model = *m.file("model.bin");
+    const uint64_t h = s.header.size(), n = s.weights.size();
+    // The weights were written in 1000-byte chunks after a header of its own: a reader cutting them the same
+    // way matches, and so does one reading the header alone.
+    EXPECT_TRUE(chunks_match_plan(model, h, n, ChunkPlanner(int64_t(h), n, kSmallChunk)));
+    EXPECT_TRUE(chunks_match_plan(model, 0, h, ChunkPlanner(0, h, h)));
+    EXPECT_TRUE(chunks_match_plan(model, 0, h, ChunkPlanner(0, h, h + 5)));  // one piece, the whole header
+    // Another chunk size, the header and weights read as one span, a span not starting on a chunk, a span
+    // ending short of the recorded last chunk, or direct I/O's aligned cut: all differ.
+    EXPECT_FALSE(chunks_match_plan(model, h, n, ChunkPlanner(int64_t(h), n, 2 * kSmallChunk)));
+    EXPECT_FALSE(chunks_match_plan(model, h, n, ChunkPlanner(int64_t(h), n, kSmallChunk - 1)));
+    EXPECT_FALSE(chunks_match_plan(model, 0, h + n, ChunkPlanner(0, h + n, kSmallChunk)));
+    EXPECT_FALSE(chunks_match_plan(model, h + 1, n - 1, ChunkPlanner(int64_t(h + 1), n - 1, kSmallChunk)));
+    EXPECT_FALSE(chunks_match_plan(model, h, n - 1, ChunkPlanner(int64_t(h), n - 1, kSmallChunk)));
+    EXPECT_FALSE(chunks_match_plan(model, h, n, ChunkPlanner(int64_t(h), n, 4 * kSmallChunk, 4000)));
+    // A cut that meets every recorded chunk but goes on past the span is not the same cut either.
+    const FileRecord& moments = *m.file("moments.bin");
+    EXPECT_TRUE(chunks_match_plan(moments, 0, moments.size, ChunkPlanner(0, moments.size, kSmallChunk)));
+    EXPECT_FALSE(chunks_match_plan(moments, 0, moments.size, ChunkPlanner(0, moments.size + 1, kSmallChunk)));
+}
+
 TEST(CheckpointFiles, TruncationAtManyOffsetsIsDetected) {
     TempDir dir("ckpt_trunc");
     const std::string out = dir / "out";
@@ -314,6 +340,35 @@ TEST(CheckpointDiscovery, SavingTheSameStepAgainReplacesIt) {
     const std::string path = write_checkpoint(out, 8, s2);
     EXPECT_NO_THROW(validate_checkpoint(path, true));
     EXPECT_EQ(*validate_checkpoint(path, true).blob("train_loader"), s2.loader);
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp")) << "the replaced checkpoint is removed";
+}
+
+// While a step's checkpoint is replaced again and again, a reader never finds that step without a complete
+// checkpoint (a replace that removed the old directory before the rename would leave a gap).
+TEST(CheckpointDiscovery, ReplacingTheSameStepNeverLeavesItMissing) {
+    TempDir dir("ckpt_again_atomic");
+    const std::string out = dir / "out";
+    const std::string path = write_checkpoint(out, 8, make_state(1));
+    std::atomic<bool> done{false};
+    std::atomic<int> checks{0}, gaps{0};
+    std::string first_gap;
+    std::thread reader([&] {
+        while (!done.load()) {
+            try {
+                validate_checkpoint(path, false);
+            } catch (const Error& e) {
+                if (gaps++ == 0) first_gap = e.what();
+            }
+            checks++;
+        }
+    });
+    for (int i = 0; i < 100; i++) write_checkpoint(out, 8, make_state(10 + i));
+    done = true;
+    reader.join();
+    EXPECT_EQ(gaps.load(), 0) << "of " << checks.load() << " checks; first: " << first_gap;
+    EXPECT_GT(checks.load(), 100);
+    EXPECT_EQ(*validate_checkpoint(path, true).blob("train_loader"), make_state(109).loader);
+    EXPECT_EQ(list_checkpoints(out).size(), 1u);
 }
 
 TEST(CheckpointRotation, KeepLastAndKeepEvery) {

@@ -2,8 +2,9 @@
 GPU tests of llmc/checkpoint.cuh: synchronous and asynchronous saves of random device tensors read back
 bitwise through the verified load; the asynchronous save holds the state at the time of the call even
 when the compute stream overwrites the tensors right after; sync and async saves give identical files;
-a flipped bit is refused by the load; a full disk during an asynchronous save raises a clear error on the
-main thread and leaves the previous checkpoint valid.
+a flipped bit is refused by the load; a checkpoint loads through readers of other chunk sizes; a full
+disk during an asynchronous save raises a clear error on the main thread and leaves the previous
+checkpoint valid; with several ranks, rank 0's failure to prepare the shared directory stops every rank.
 */
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@ main thread and leaves the previous checkpoint valid.
 using namespace llmc;
 using llmc::test::random_bytes;
 using llmc::test::read_bytes;
+using llmc::test::write_bytes;
 using llmc::test::TempDir;
 
 namespace {
@@ -47,10 +49,10 @@ struct DeviceState {
         }
     }
     // Poisons the device copies, loads the checkpoint into them and compares with `expect`.
-    void load_and_compare(const std::string& dir, const std::vector<std::vector<char>>& expect) {
+    void load_and_compare(const std::string& dir, const std::vector<std::vector<char>>& expect, size_t chunk = kChunk) {
         for (auto& d : dev) cudaCheck(cudaMemset(d.get(), 0xA5, d.bytes()));
         CheckpointManifest m = validate_checkpoint(dir, /*deep=*/true);
-        DeviceFileIO io(kChunk);
+        DeviceFileIO io(chunk);
         load_checkpoint_tensors(dir, m, tensors, io, nullptr);
         for (size_t i = 0; i < dev.size(); i++) {
             std::vector<char> back(dev[i].bytes());
@@ -145,6 +147,79 @@ TEST_F(CheckpointGpu, FlippedBitIsRefusedByTheLoad) {
         File f(file, File::Mode::Write);
         f.write_all(bytes.data(), bytes.size());
     }
+}
+
+// A checkpoint does not depend on the reader's chunk size: one written in 1 MiB chunks loads bitwise through
+// readers of other sizes (read by its recorded chunks then), and a flipped bit is still refused on that path.
+TEST_F(CheckpointGpu, CheckpointWrittenWithAnotherChunkSizeLoads) {
+    TempDir dir("ckpt_gpu_chunks");
+    DeviceState s(kSizes, 5);
+    Checkpointer c(s.tensors, false, kChunk);
+    c.save(dir / "out", 1, s.tensors, CheckpointManifest(), nullptr, 0, 0);
+    const std::string path = dir / "out/ckpt_00000001";
+    for (size_t chunk : {2 * kChunk, kChunk / 2, kChunk + 4096, size_t(4096)}) {
+        SCOPED_TRACE(format("reader chunk %zu", chunk));
+        s.load_and_compare(path, s.host, chunk);
+    }
+    const CheckpointManifest m = validate_checkpoint(path, true);
+    for (size_t i = 0; i < s.tensors.size(); i++) {
+        const std::string file = path + "/" + s.tensors[i].file;
+        const std::vector<char> bytes = read_bytes(file);
+        for (size_t at : {size_t(3), bytes.size() - 1}) {
+            std::vector<char> bad = bytes;
+            bad[at] ^= 0x10;
+            {
+                File f(file, File::Mode::Write);
+                f.write_all(bad.data(), bad.size());
+            }
+            DeviceFileIO io(2 * kChunk);
+            try {
+                load_checkpoint_tensors(path, m, s.tensors, io, nullptr);
+                ADD_FAILURE() << "a flipped bit at " << at << " of " << file << " was not detected";
+            } catch (const Error& e) {
+                EXPECT_EQ(e.exit_code(), kExitData);
+                EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
+                EXPECT_NE(std::string(e.what()).find(s.tensors[i].file), std::string::npos) << e.what();
+            }
+        }
+        File f(file, File::Mode::Write);
+        f.write_all(bytes.data(), bytes.size());
+    }
+    s.load_and_compare(path, s.host, 2 * kChunk);
+}
+
+// Several ranks: when rank 0 cannot prepare the shared directory, it says so in the vote and raises its
+// error; a rank told by the vote that rank 0 failed raises an error naming rank 0 and writes nothing.
+// (Before the vote, the other ranks waited at a barrier for a rank 0 that had left.)
+TEST_F(CheckpointGpu, SharedSaveStopsEveryRankWhenRankZeroCannotPrepareTheDirectory) {
+    TempDir dir("ckpt_gpu_vote");
+    DeviceState s({4096, 1000}, 6);
+    const std::string blocked = dir / "not_a_dir";
+    write_bytes(blocked, std::string("a file where the output directory should be"));
+    std::vector<bool> said;
+    Checkpointer rank0(s.tensors, false, 0, 2, [&](bool failed) { said.push_back(failed); return failed; }, 5);
+    try {
+        rank0.save(blocked, 3, s.tensors, CheckpointManifest(), nullptr, 0, 0);
+        ADD_FAILURE() << "rank 0 saved into a file";
+    } catch (const Error& e) {
+        EXPECT_EQ(e.exit_code(), kExitIo);
+        EXPECT_NE(std::string(e.what()).find("not_a_dir"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(said, std::vector<bool>{true}) << "rank 0 votes once, that it failed";
+
+    const std::string out = dir / "out";
+    std::vector<bool> said1;
+    Checkpointer rank1(s.tensors, false, 1, 2, [&](bool failed) { said1.push_back(failed); return true; }, 5);
+    try {
+        rank1.save(out, 3, s.tensors, CheckpointManifest(), nullptr, 0, 0);
+        ADD_FAILURE() << "rank 1 wrote although rank 0 failed";
+    } catch (const Error& e) {
+        EXPECT_EQ(e.exit_code(), kExitIo);
+        EXPECT_NE(std::string(e.what()).find("rank 0 could not prepare"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("step 3"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(said1, std::vector<bool>{false});
+    EXPECT_FALSE(std::filesystem::exists(out)) << "rank 1 wrote nothing";
 }
 
 TEST_F(CheckpointGpu, FullDiskDuringAsyncSaveIsReportedAndKeepsTheLastGoodCheckpoint) {
