@@ -64,6 +64,27 @@ struct DeviceState {
 
 const std::vector<size_t> kSizes = {3 * kChunk + 17, 5 * kChunk - 3, 1001, kChunk};
 
+// Flips a bit of byte `at` of tensor i's file in the checkpoint at `path`, expects a load through a reader
+// of `chunk`-byte chunks to refuse it naming the file, and puts the byte back.
+void expect_flipped_bit_refused(const std::string& path, const CheckpointManifest& m, DeviceState& s, size_t i,
+                                size_t at, size_t chunk) {
+    const std::string file = path + "/" + s.tensors[i].file;
+    const std::vector<char> bytes = read_bytes(file);
+    std::vector<char> bad = bytes;
+    bad[at] ^= 0x04;
+    write_bytes(file, bad);
+    DeviceFileIO io(chunk);
+    try {
+        load_checkpoint_tensors(path, m, s.tensors, io, nullptr);
+        ADD_FAILURE() << "a flipped bit at " << at << " of " << file << " was not detected (reader chunk " << chunk << ")";
+    } catch (const Error& e) {
+        EXPECT_EQ(e.exit_code(), kExitData);
+        EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(s.tensors[i].file), std::string::npos) << e.what();
+    }
+    write_bytes(file, bytes);
+}
+
 }  // namespace
 
 class CheckpointGpu : public GpuTest {};
@@ -127,25 +148,7 @@ TEST_F(CheckpointGpu, FlippedBitIsRefusedByTheLoad) {
     const std::string path = dir / "out/ckpt_00000001";
     CheckpointManifest m = validate_checkpoint(path, true);
     for (size_t i = 0; i < s.tensors.size(); i++) {
-        const std::string file = path + "/" + s.tensors[i].file;
-        std::vector<char> bytes = read_bytes(file);
-        std::vector<char> bad = bytes;
-        bad[(bytes.size() * 2) / 3] ^= 0x04;
-        {
-            File f(file, File::Mode::Write);
-            f.write_all(bad.data(), bad.size());
-        }
-        DeviceFileIO io(kChunk);
-        try {
-            load_checkpoint_tensors(path, m, s.tensors, io, nullptr);
-            ADD_FAILURE() << "a flipped bit in " << file << " was not detected";
-        } catch (const Error& e) {
-            EXPECT_EQ(e.exit_code(), kExitData);
-            EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
-            EXPECT_NE(std::string(e.what()).find(s.tensors[i].file), std::string::npos) << e.what();
-        }
-        File f(file, File::Mode::Write);
-        f.write_all(bytes.data(), bytes.size());
+        expect_flipped_bit_refused(path, m, s, i, read_bytes(path + "/" + s.tensors[i].file).size() * 2 / 3, kChunk);
     }
 }
 
@@ -163,27 +166,8 @@ TEST_F(CheckpointGpu, CheckpointWrittenWithAnotherChunkSizeLoads) {
     }
     const CheckpointManifest m = validate_checkpoint(path, true);
     for (size_t i = 0; i < s.tensors.size(); i++) {
-        const std::string file = path + "/" + s.tensors[i].file;
-        const std::vector<char> bytes = read_bytes(file);
-        for (size_t at : {size_t(3), bytes.size() - 1}) {
-            std::vector<char> bad = bytes;
-            bad[at] ^= 0x10;
-            {
-                File f(file, File::Mode::Write);
-                f.write_all(bad.data(), bad.size());
-            }
-            DeviceFileIO io(2 * kChunk);
-            try {
-                load_checkpoint_tensors(path, m, s.tensors, io, nullptr);
-                ADD_FAILURE() << "a flipped bit at " << at << " of " << file << " was not detected";
-            } catch (const Error& e) {
-                EXPECT_EQ(e.exit_code(), kExitData);
-                EXPECT_NE(std::string(e.what()).find("corrupted"), std::string::npos) << e.what();
-                EXPECT_NE(std::string(e.what()).find(s.tensors[i].file), std::string::npos) << e.what();
-            }
-        }
-        File f(file, File::Mode::Write);
-        f.write_all(bytes.data(), bytes.size());
+        const size_t size = read_bytes(path + "/" + s.tensors[i].file).size();
+        for (size_t at : {size_t(3), size - 1}) expect_flipped_bit_refused(path, m, s, i, at, 2 * kChunk);
     }
     s.load_and_compare(path, s.host, 2 * kChunk);
 }
