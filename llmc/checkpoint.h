@@ -455,6 +455,14 @@ inline FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) 
     return found;
 }
 
+namespace detail {
+// Swaps the names of two directories in one step (renameat2 with RENAME_EXCHANGE); 0, or -1 with errno.
+// A variable so that a test can stand in a file system that cannot swap (errno EINVAL).
+inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
+    return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
+};
+}  // namespace detail
+
 inline void remove_tree(const std::string& path) {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
@@ -619,7 +627,7 @@ private:
     // Where the file system cannot swap, the old one is renamed aside (to a .tmp name) first. Returns the
     // path the old checkpoint is now under.
     std::string replace_same_step() {
-        if (::renameat2(AT_FDCWD, tmp_.c_str(), AT_FDCWD, final_.c_str(), RENAME_EXCHANGE) == 0) return tmp_;
+        if (detail::swap_directories(tmp_.c_str(), final_.c_str()) == 0) return tmp_;
         const int e = errno;
         if (e != EINVAL && e != ENOSYS && e != ENOTSUP) {
             fail(kExitIo, "cannot swap '%s' with the older '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e));

@@ -343,6 +343,29 @@ TEST(CheckpointDiscovery, SavingTheSameStepAgainReplacesIt) {
     EXPECT_FALSE(std::filesystem::exists(path + ".tmp")) << "the replaced checkpoint is removed";
 }
 
+// On a file system that cannot swap two directories' names, the old checkpoint is renamed aside first and
+// then removed; any other failure of the swap is an error naming both directories, and the old one stays.
+TEST(CheckpointDiscovery, SameStepReplaceWithoutAnAtomicSwap) {
+    TempDir dir("ckpt_again_noswap");
+    const std::string out = dir / "out";
+    const std::string path = write_checkpoint(out, 8, make_state(1));
+    auto* const real = detail::swap_directories;
+    detail::swap_directories = [](const char*, const char*) { errno = EINVAL; return -1; };
+    SyntheticState s2 = make_state(2);
+    EXPECT_NO_THROW(write_checkpoint(out, 8, s2));
+    EXPECT_EQ(*validate_checkpoint(path, true).blob("train_loader"), s2.loader);
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+    EXPECT_FALSE(std::filesystem::exists(path + ".replaced.tmp")) << "the old checkpoint is removed";
+
+    detail::swap_directories = [](const char*, const char*) { errno = EACCES; return -1; };
+    const std::string err = error_of([&] { write_checkpoint(out, 8, make_state(3)); });
+    detail::swap_directories = real;
+    EXPECT_NE(err.find("cannot swap"), std::string::npos) << err;
+    EXPECT_NE(err.find("ckpt_00000008.tmp"), std::string::npos) << err;
+    EXPECT_EQ(*validate_checkpoint(path, true).blob("train_loader"), s2.loader) << "the old one stays";
+    EXPECT_FALSE(std::filesystem::exists(path + ".tmp")) << "the failed save's directory is removed";
+}
+
 // While a step's checkpoint is replaced again and again, a reader never finds that step without a complete
 // checkpoint (a replace that removed the old directory before the rename would leave a gap).
 TEST(CheckpointDiscovery, ReplacingTheSameStepNeverLeavesItMissing) {
