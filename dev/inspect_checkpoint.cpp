@@ -87,6 +87,8 @@ void inspect(const std::string& dir, bool quiet) {
     }
     if (!quiet) {
         for (const auto& kv : m.settings) std::printf("  setting %s = %s\n", kv.first.c_str(), kv.second.c_str());
+    } else {
+        std::printf("%s: ok\n", dir.c_str());  // -q: one line per checkpoint, named or found with --all
     }
 }
 
@@ -117,7 +119,6 @@ int main(int argc, char** argv) {
             if (found.empty()) fail(kExitData, "--all: '%s' holds no checkpoint (no ckpt_<step>/ directory)", d.c_str());
             for (const CheckpointEntry& e : found) {
                 inspect(e.path, quiet);
-                if (quiet) std::printf("%s: ok\n", e.path.c_str());
                 checked++;
             }
         }

@@ -2,6 +2,7 @@
 # build/inspect_checkpoint on checkpoints written here byte by byte (a manifest with its chunk and end
 # checksums, computed by an independent Python copy of llmc/hash.h's checksum64), no GPU needed:
 #   - a whole checkpoint with finite values passes (exit 0), alone and with --all;
+#   - -q prints one line per checkpoint, for checkpoints named as for those found with --all;
 #   - a non-finite value, a flipped byte and a truncated file each fail with exit 4 naming the file;
 #   - --all on a directory that does not exist (exit 3) or holds no checkpoint (exit 4) fails naming it,
 #     rather than report "0 checkpoint(s) whole" with success, which would let a mistyped directory or a
@@ -58,6 +59,17 @@ expect_exit 0 "step 5, 1 files, checksums ok" "$dir/good/ckpt_00000005"
 grep -q "adam_m.bin .* 28 bytes, fp32, all finite" "$dir/out" || { echo "FAIL: no file line"; cat "$dir/out"; exit 1; }
 expect_exit 0 "1 checkpoint(s) whole, every value finite" --all "$dir/good"
 echo "a whole checkpoint: ok"
+
+# -q prints one line per checkpoint, whether the checkpoints are named or found with --all.
+write_checkpoint "$dir/good" 6 1 2 3
+for how in named --all; do
+    if [ $how = named ]; then args=(-q "$dir/good/ckpt_00000005" "$dir/good/ckpt_00000006"); else args=(-q --all "$dir/good"); fi
+    expect_exit 0 "2 checkpoint(s) whole" "${args[@]}"
+    [ "$(grep -c ': ok$' "$dir/out")" = 2 ] && grep -q "^$dir/good/ckpt_00000005: ok$" "$dir/out" &&
+        grep -q "^$dir/good/ckpt_00000006: ok$" "$dir/out" || { echo "FAIL: -q ($how): not one line per checkpoint"; cat "$dir/out"; exit 1; }
+    ! grep -q "adam_m.bin" "$dir/out" || { echo "FAIL: -q ($how) printed the files"; cat "$dir/out"; exit 1; }
+done
+echo "-q, one line per checkpoint: ok"
 
 write_checkpoint "$dir/nan" 7 1 nan 2
 expect_exit 4 "adam_m.bin' holds 1 values that are not finite" --all "$dir/nan"
