@@ -424,7 +424,11 @@ def main():
     ap.add_argument("--timeout", type=int, default=300, help="seconds per trainer run")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    only = set(args.only.split(","))
+    # A letter that names no section would run nothing and end "0 failed" with exit 0: refuse it.
+    only = {s.strip() for s in args.only.split(",")}
+    unknown = sorted(only - {"a", "b", "c"})
+    if unknown:
+        ap.error(f"--only: no section {', '.join(repr(s) for s in unknown)}; give some of a,b,c (e.g. a,c)")
     os.makedirs(args.work, exist_ok=True)
     if not glob.glob(args.val) or not glob.glob(args.train):
         sys.exit(f"no shards match {args.train} / {args.val}: prepare data/ first (make data)")
