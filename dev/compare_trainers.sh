@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Do two builds of train_gpt2cu compute the same bits? Runs the same training scenarios with both and
 # compares, exactly: every step's loss and gradient norm and every validation loss (log.jsonl), the
-# final model.bin, and every file of every checkpoint (dev/compare_builds.sh times builds against each
-# other). Needs a GPU and the quick-start shards (make data).
+# final model.bin, and every .bin file of every checkpoint, which must be the same files on both sides
+# (not manifest.txt, which records each run's own output folder) (dev/compare_builds.sh times builds
+# against each other). Needs a GPU and the quick-start shards (make data).
 #   bash dev/compare_trainers.sh OLD_BINARY NEW_BINARY
 # Scenarios (d6 and d12, shuffled data, gradient accumulation):
 #   d6-ckpt     d6 B=8 T=256, 2 micro-steps, 20 steps, validation every 10, checkpoints at 10 and 20
@@ -51,6 +52,13 @@ compare() {  # compare NAME: the runs in $work/old/NAME and $work/new/NAME
         why="log numbers differ: $(diff <(numbers "$a") <(numbers "$b") | head -n 3 | tr '\n' ' ')"
     fi
     local n_files=0
+    if [ -z "$why" ]; then
+        # Both sides' lists first: a file only one build writes (say an extra checkpoint) is a difference too.
+        local only
+        only=$(diff <(cd "$a" && find . -name '*.bin' | sort) <(cd "$b" && find . -name '*.bin' | sort) |
+               sed -n 's/^< \(.*\)/\1 (old only)/p; s/^> \(.*\)/\1 (new only)/p' | head -n 3 | tr '\n' ' ')
+        [ -n "$only" ] && why="not the same files: $only"
+    fi
     if [ -z "$why" ]; then
         while IFS= read -r f; do
             n_files=$((n_files + 1))

@@ -5,7 +5,9 @@
 #   - the new one fails (exit 5, as out of memory) in the d12 scenario only: that scenario FAILs naming
 #     the failed run, the d6 scenarios still PASS (a failed run is charged to its own scenario, not to
 #     whichever is compared first), exit 1;
-#   - the new one writes another loss at step 3 of every run: every scenario FAILs on the log numbers.
+#   - the new one writes another loss at step 3 of every run: every scenario FAILs on the log numbers;
+#   - the new one writes a checkpoint the old one does not: every scenario FAILs naming it (only the old
+#     run's files were looked for in the new one's folder, so an extra file passed unseen).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,12 +35,14 @@ for s in 1 2 3 4 5; do
 done
 echo '{"step":5,"val_loss":6.25}' >>"$out/log.jsonl"
 echo "$model" >"$out/model.bin"
+if [ "${EXTRA:-0}" = 1 ]; then mkdir -p "$out/ckpt_00000003" && echo 1 >"$out/ckpt_00000003/adam_m.bin"; fi
 EOF
 chmod +x "$dir/trainer"
 printf '#!/usr/bin/env bash\nexec %q "$@"\n' "$dir/trainer" >"$dir/old"
 printf '#!/usr/bin/env bash\nFAIL_D12=1 exec %q "$@"\n' "$dir/trainer" >"$dir/new_oom"
 printf '#!/usr/bin/env bash\nLOSS3=8.25 exec %q "$@"\n' "$dir/trainer" >"$dir/new_loss"
-chmod +x "$dir/old" "$dir/new_oom" "$dir/new_loss"
+printf '#!/usr/bin/env bash\nEXTRA=1 exec %q "$@"\n' "$dir/trainer" >"$dir/new_extra"
+chmod +x "$dir/old" "$dir/new_oom" "$dir/new_loss" "$dir/new_extra"
 
 compare() {  # compare NEW: the script's output in $dir/out, its exit code in rc
     rc=0
@@ -64,3 +68,8 @@ compare new_loss
 [ $rc -eq 1 ] || fail "another loss exited $rc, not 1"
 [ "$(grep -c '^FAIL .*log numbers differ' "$dir/out")" = 4 ] || fail "another loss at step 3: not 4 FAIL lines"
 echo "ok: another loss fails every scenario"
+
+compare new_extra
+[ $rc -eq 1 ] || fail "an extra checkpoint in the new runs exited $rc, not 1"
+[ "$(grep -c '^FAIL .*ckpt_00000003/adam_m.bin (new only)' "$dir/out")" = 4 ] || fail "an extra checkpoint: not 4 FAIL lines naming it"
+echo "ok: a file only the new build writes fails every scenario"
