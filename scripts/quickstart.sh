@@ -12,9 +12,10 @@
 #     out/quickstart_cpu/.
 #   QUICKSTART_FROM=DIR_OR_FILE fine-tunes a released model instead of training from scratch: a Hugging
 #     Face GPT-2 folder (e.g. `huggingface-cli download gpt2 --local-dir gpt2` on a machine with internet)
-#     or an llm.c model file, at learning rate 1e-4 with a sample (and on the GPU, the accuracy) before
-#     and after: GPU B=16 x T=1024 for 300 steps, CPU B=4 x T=64 for 40 steps (GPT-2 124M: ~6 s a step
-#     on two cores); the output goes to out/finetune/ or out/finetune_cpu/.
+#     or an llm.c model file, at learning rate 1e-4 with a text sample halfway and at the end (on the
+#     GPU also the accuracy before, halfway and at the end; the trainers sample only after a step):
+#     GPU B=16 x T=1024 for 300 steps, CPU B=4 x T=64 for 40 steps (GPT-2 124M: ~6 s a step on two
+#     cores); the output goes to out/finetune/ or out/finetune_cpu/.
 # On a GPU a run stopped by Ctrl-C (the trainer checkpoints and exits) continues where it stopped when the
 # script is run again (-y 1); once a run has finished, the checkpoint it was resumed from is removed, so
 # the next one starts afresh.
