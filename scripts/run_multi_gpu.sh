@@ -28,7 +28,8 @@
 # rank only its own GPU (srun --gpus-per-task=1, --gpu-bind, a per-rank CUDA_VISIBLE_DEVICES) is fine.
 # Over several nodes every launcher needs --rendezvous (tcp://HOST:PORT or a shared DIR).
 #
-# Knobs (environment): TRAINER (default ./train_gpt2cu), DRY_RUN=1 prints the command instead of running it.
+# Knobs (environment): TRAINER (default ./train_gpt2cu), DRY_RUN=1 prints the command instead of running it,
+# RANK_STOP_GRACE (local: seconds the other ranks get to end after one fails before they are killed; 60).
 # NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported to every rank, as the GPU provider requires.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +68,8 @@ case "$mode" in
     local)
         # A typo here would otherwise start no rank at all and exit 0 (or fail on an unbound variable).
         [[ "$arg" =~ ^[1-9][0-9]*$ ]] || { echo "run_multi_gpu: local NPROC: '$arg' is not a positive integer" >&2; usage; }
+        [[ "${RANK_STOP_GRACE:-60}" =~ ^[0-9]+$ ]] ||
+            { echo "run_multi_gpu: RANK_STOP_GRACE='$RANK_STOP_GRACE' is not a number of seconds" >&2; exit 2; }
         rdv=$(mktemp -d /tmp/llmc_rendezvous_XXXXXX)
         if [ "${DRY_RUN:-0}" = 1 ]; then
             for ((r = 0; r < arg; r++)); do
@@ -91,12 +94,20 @@ case "$mode" in
         # step and pass a barrier once the checkpoint is published, so the others are left to end on their
         # own (a signal now would cut their exit short). The first rank to fail otherwise stops the others:
         # they would wait for it in a collective until their hang timeout (NCCL does not notice a dead
-        # peer on one node).
-        status=0
+        # peer on one node). A SIGTERM alone does not end them there (a rank that gets one finishes its
+        # step, which waits for the failed rank), but it lets a rank that is not stuck end on its own,
+        # e.g. finish writing a checkpoint; those still running after RANK_STOP_GRACE seconds are killed.
+        status=0 grace=""
         while [ ${#rank_of[@]} -gt 0 ]; do
             done_pid="" rc=0
-            wait -n -p done_pid "${!rank_of[@]}" 2>/dev/null || rc=$?
+            wait -n -p done_pid "${!rank_of[@]}" ${grace:+"$grace"} 2>/dev/null || rc=$?
             [ -n "${done_pid:-}" ] || break  # bash has already reaped the rest
+            if [ "$done_pid" = "$grace" ]; then  # (not yet reaped, their pids cannot have been reused)
+                grace=""
+                echo "run_multi_gpu: rank(s) ${rank_of[*]} still running ${RANK_STOP_GRACE:-60} s after the failure; killing them" >&2
+                kill -KILL "${!rank_of[@]}" 2>/dev/null || true
+                continue
+            fi
             r=${rank_of[$done_pid]}
             unset "rank_of[$done_pid]"
             if [ $rc -eq 7 ] && [ $status = 0 ]; then
@@ -105,9 +116,14 @@ case "$mode" in
                 status=$rc
                 echo "run_multi_gpu: rank $r failed (exit $rc); stopping the other ranks" >&2
                 if [ "$r" != 0 ]; then tail -n 20 "$rdv/rank$r.log" >&2; fi
-                if [ ${#rank_of[@]} -gt 0 ]; then kill "${!rank_of[@]}" 2>/dev/null || true; fi
+                if [ ${#rank_of[@]} -gt 0 ]; then
+                    kill "${!rank_of[@]}" 2>/dev/null || true
+                    sleep "${RANK_STOP_GRACE:-60}" &
+                    grace=$!
+                fi
             fi
         done
+        if [ -n "$grace" ]; then kill "$grace" 2>/dev/null || true; wait "$grace" 2>/dev/null || true; fi
         wait  # the ranks stopped above, so that none outlives the script
         if [ $status = 0 ] || [ $status = 7 ]; then rm -rf "$rdv"; else echo "run_multi_gpu: the ranks' logs are in $rdv" >&2; fi
         exit $status

@@ -6,6 +6,10 @@
 #     on its own (none is killed while it finishes);
 #   - one rank fails (exit 4, a bad shard): the script exits 4, names the rank, shows its log and stops
 #     the other ranks (which would otherwise wait for it in a collective);
+#   - the same, with ranks that behave as train_gpt2cu's do when a peer has died: one SIGTERM only asks
+#     them to stop after the step, which they cannot finish while they wait for the dead rank in a
+#     collective (they would sit there until their hang timeout, 15 minutes by default): the script still
+#     ends within seconds, exit 4, no rank left running;
 #   - all ranks succeed: exit 0, and the rendezvous folder is removed;
 #   - an NPROC that is not a positive integer ("0", "-e", "2x") is refused with exit 2, not run as no
 #     ranks at all (which exited 0 having trained nothing) or failed on an unbound variable.
@@ -40,6 +44,16 @@ case $MOCK in
                echo "error: bad shard 'x.bin' at offset 1024" >&2; exit 4
            fi
            sleep 30 & wait $!; exit 0 ;;
+    stuck) trap 'echo TERM >>"$MOCK_DIR/termed.$rank"; [ "$(wc -l <"$MOCK_DIR/termed.$rank")" -ge 2 ] && exit 143' TERM
+           if [ "$rank" = 1 ]; then
+               for r in $(seq 0 $((world - 1))); do
+                   while [ ! -f "$MOCK_DIR/ready.$r" ]; do sleep 0.05; done
+               done
+               echo "error: bad shard 'x.bin' at offset 1024" >&2; exit 4
+           fi
+           end=$((SECONDS + 40))  # the hang timeout, shortened
+           while [ $SECONDS -lt $end ]; do sleep 0.2 & wait $!; done
+           echo "rank $rank: no progress for 40 s" >>"$MOCK_DIR/hung"; exit 5 ;;
     ok) exit 0 ;;
 esac
 EOF
@@ -50,6 +64,10 @@ launch() {  # launch MOCK ARGS...: the script's exit code in rc, its output in $
     rm -f "$dir"/killed.* "$dir"/args.* "$dir"/ready.*
     rc=0
     MOCK=$1 timeout 60 bash scripts/run_multi_gpu.sh "${@:2}" >"$dir/out" 2>&1 || rc=$?
+    # After a failure the script keeps the ranks' logs in the rendezvous folder and names it.
+    local kept
+    kept=$(sed -n "s|^run_multi_gpu: the ranks' logs are in \(/tmp/llmc_rendezvous_[A-Za-z0-9]*\)$|\1|p" "$dir/out")
+    if [ -n "$kept" ]; then rm -rf "$kept"; fi
 }
 
 launch stop local 3 -e d12 -x 100
@@ -65,6 +83,17 @@ grep -q "rank 1 failed (exit 4)" "$dir/out" || fail "the failing rank is not nam
 grep -q "error: bad shard 'x.bin'" "$dir/out" || fail "the failing rank's log is not shown"
 [ -f "$dir/killed.0" ] && [ -f "$dir/killed.2" ] || fail "the other ranks were not stopped"
 echo "ok: a rank's failure gives its exit code, names it and stops the others"
+
+rm -f "$dir"/termed.* "$dir/hung"
+start=$SECONDS
+RANK_STOP_GRACE=2 launch stuck local 3 -e d12
+[ $rc -eq 4 ] || fail "rank 1 exited 4 while the others hung: the script exited $rc, not 4"
+[ $((SECONDS - start)) -lt 30 ] || fail "the script waited $((SECONDS - start)) s for ranks stuck in a collective"
+[ ! -f "$dir/hung" ] || fail "a rank ran on until its hang timeout: $(cat "$dir/hung")"
+pgrep -f "$dir/trainer" >/dev/null && fail "ranks outlived the script: $(pgrep -af "$dir/trainer")"
+grep -q "rank(s) 0 2 still running 2 s after the failure; killing them" "$dir/out" ||
+    grep -q "rank(s) 2 0 still running 2 s after the failure; killing them" "$dir/out" || fail "the kill is not reported"
+echo "ok: ranks stuck in a collective after a failure are ended within seconds"
 
 launch ok local 2 -e d12 -i 'data/a b*.bin'
 [ $rc -eq 0 ] || fail "all ranks succeeded: the script exited $rc"
