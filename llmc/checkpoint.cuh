@@ -65,10 +65,10 @@ public:
     }
     // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save first has rank 0
     // prepare the directory, then holds all ranks at `any_failed` (a vote of every rank, true when any rank
-    // passed true: rank 0 passes whether its preparation failed), so that no rank writes before the
-    // directory is there and every rank stops with an error when it could not be made, instead of waiting
-    // for a rank that left; rank 0 waits up to part_timeout_s for the others. `layout` is this rank's files
-    // only.
+    // passed true: each passes whether its previous save failed or, rank 0, its preparation did), so that
+    // no rank writes before the directory is there and every rank stops with an error when one cannot go
+    // on, instead of waiting for a rank that left; rank 0 waits up to part_timeout_s for the others.
+    // `layout` is this rank's files only.
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, int rank, int world,
                  std::function<bool(bool)> any_failed, double part_timeout_s)
         : async_(async), rank_(rank), world_(world), any_failed_(std::move(any_failed)), part_timeout_s_(part_timeout_s),
@@ -109,22 +109,27 @@ public:
     // (async) and the checkpoint still holds the state at the time of the call.
     void save(const std::string& out_dir, int64_t step, const std::vector<CheckpointTensor>& tensors,
               CheckpointManifest meta, cudaStream_t compute, int keep_last, int keep_every) {
-        wait();
-        const auto t0 = std::chrono::steady_clock::now();
-        if (world_ > 1) {
-            std::exception_ptr prepare_error;
-            if (rank_ == 0) {
-                try {
-                    prepare_shared_checkpoint(out_dir, step);
-                } catch (const Error&) {
-                    prepare_error = std::current_exception();
-                }
+        std::chrono::steady_clock::time_point t0;
+        if (world_ == 1) {
+            wait();
+            t0 = std::chrono::steady_clock::now();
+        } else {
+            // Every rank must know before writing whether all can: a rank whose previous (asynchronous) save
+            // failed, or a rank 0 that cannot prepare the directory, says so in the vote, and then every
+            // rank stops with an error instead of waiting in a collective for a rank that left.
+            std::exception_ptr error;
+            try {
+                wait();
+                t0 = std::chrono::steady_clock::now();
+                if (rank_ == 0) prepare_shared_checkpoint(out_dir, step);
+            } catch (const Error&) {
+                error = std::current_exception();
             }
-            const bool failed = any_failed_ ? any_failed_(prepare_error != nullptr) : prepare_error != nullptr;
-            if (prepare_error) std::rethrow_exception(prepare_error);
+            const bool failed = any_failed_ ? any_failed_(error != nullptr) : error != nullptr;
+            if (error) std::rethrow_exception(error);
             if (failed) {
-                fail(kExitIo, "checkpoint of step %lld: rank 0 could not prepare its directory in '%s' (its error says "
-                              "why); rank %d of %d writes nothing",
+                fail(kExitIo, "checkpoint of step %lld: another rank's previous save failed or rank 0 could not prepare "
+                              "the directory in '%s' (that rank's error says which); rank %d of %d writes nothing",
                      (long long)step, out_dir.c_str(), rank_, world_);
             }
         }

@@ -173,8 +173,9 @@ TEST_F(CheckpointGpu, CheckpointWrittenWithAnotherChunkSizeLoads) {
 }
 
 // Several ranks: when rank 0 cannot prepare the shared directory, it says so in the vote and raises its
-// error; a rank told by the vote that rank 0 failed raises an error naming rank 0 and writes nothing.
-// (Before the vote, the other ranks waited at a barrier for a rank 0 that had left.)
+// error; a rank told by the vote that another failed raises an error saying so and writes nothing; a rank
+// whose previous asynchronous save failed votes so too. (Before the vote, the other ranks waited at a
+// barrier for a rank that had left.)
 TEST_F(CheckpointGpu, SharedSaveStopsEveryRankWhenRankZeroCannotPrepareTheDirectory) {
     TempDir dir("ckpt_gpu_vote");
     DeviceState s({4096, 1000}, 6);
@@ -200,10 +201,25 @@ TEST_F(CheckpointGpu, SharedSaveStopsEveryRankWhenRankZeroCannotPrepareTheDirect
     } catch (const Error& e) {
         EXPECT_EQ(e.exit_code(), kExitIo);
         EXPECT_NE(std::string(e.what()).find("rank 0 could not prepare"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("previous save failed"), std::string::npos) << e.what();
         EXPECT_NE(std::string(e.what()).find("step 3"), std::string::npos) << e.what();
     }
     EXPECT_EQ(said1, std::vector<bool>{false});
     EXPECT_FALSE(std::filesystem::exists(out)) << "rank 1 wrote nothing";
+
+    // A rank whose asynchronous save failed (here rank 1, into a directory rank 0 never prepared) says so in
+    // the next save's vote and raises that save's error.
+    std::vector<bool> said2;
+    Checkpointer async1(s.tensors, true, 1, 2, [&](bool failed) { said2.push_back(failed); return failed; }, 5);
+    async1.save(out, 4, s.tensors, CheckpointManifest(), nullptr, 0, 0);  // the vote: false; the write fails
+    try {
+        async1.save(out, 5, s.tensors, CheckpointManifest(), nullptr, 0, 0);
+        ADD_FAILURE() << "the failed asynchronous save was not reported";
+    } catch (const Error& e) {
+        EXPECT_EQ(e.exit_code(), kExitIo);
+        EXPECT_NE(std::string(e.what()).find("ckpt_00000004.tmp"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(said2, (std::vector<bool>{false, true}));
 }
 
 TEST_F(CheckpointGpu, FullDiskDuringAsyncSaveIsReportedAndKeepsTheLastGoodCheckpoint) {
