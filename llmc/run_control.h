@@ -6,7 +6,8 @@ When a training run stops early, decided on the host after each step, shared by 
   both are checkpointed (state(), restore()), so a resumed run guards its steps as the uninterrupted run
   would have;
 - a stop request: SIGTERM, SIGINT or SIGUSR1 (what Slurm, Kubernetes and cloud preemption send first; a
-  second signal ends the process at once), or --time-limit within reach of the next two steps and a
+  second signal ends the process at once, one within 0.5 s of the first being the same one delivered
+  twice: kStopSignalRepeatNs), or --time-limit within reach of the next two steps and a
   checkpoint. The trainer then checkpoints and exits with code 7 (kExitStopped), so a job script can
   requeue and resume with -y 1;
 - parse_duration(): "3600", "90m", "23.5h", "1:30:00" -> seconds.
@@ -17,6 +18,7 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -28,6 +30,7 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 #include <vector>
 
 #include <signal.h>
+#include <time.h>
 
 #include "llmc/run_log.h"
 #include "llmc/utils.h"
@@ -69,18 +72,37 @@ inline double parse_duration(const std::string& text, const char* flag) {
 
 inline volatile std::sig_atomic_t g_stop_signal = 0;
 
+// A stop signal within this long of the first is the same request, not a second one: a process often gets
+// one stop twice, from its process group or cgroup (Ctrl-C in a terminal, Slurm, systemd) and again from a
+// launcher that passes on what it got (scripts/run_multi_gpu.sh local). A person's second Ctrl-C comes later.
+constexpr int64_t kStopSignalRepeatNs = 500'000'000;
+
+// CLOCK_MONOTONIC in ns when the first stop signal came (0: none yet); lock-free, so a handler may use it.
+inline std::atomic<int64_t> g_stop_signal_ns{0};
+static_assert(std::atomic<int64_t>::is_always_lock_free, "the stop signal's time must be usable in a handler");
+
+inline int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
 extern "C" inline void llmc_on_stop_signal(int sig) {
-    if (g_stop_signal != 0) {  // the second signal ends the run at once
-        std::signal(sig, SIG_DFL);
+    const int64_t now = monotonic_ns();
+    if (g_stop_signal != 0) {
+        if (now - g_stop_signal_ns.load() < kStopSignalRepeatNs) return;  // the first one again
+        std::signal(sig, SIG_DFL);  // a second signal ends the run at once
         std::raise(sig);
     }
+    g_stop_signal_ns.store(now);
     g_stop_signal = sig;
 }
 
 inline void install_stop_signals() {
     struct sigaction sa = {};
     sa.sa_handler = llmc_on_stop_signal;
-    sigemptyset(&sa.sa_mask);
+    sigemptyset(&sa.sa_mask);  // the stop signals wait for each other's handler
+    for (int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaddset(&sa.sa_mask, sig);
     sa.sa_flags = SA_RESTART;
     for (int sig : {SIGTERM, SIGINT, SIGUSR1}) {
         if (sigaction(sig, &sa, nullptr) != 0) fail(kExitError, "cannot install the handler of signal %d", sig);

@@ -10,7 +10,8 @@
 #   scripts/run_multi_gpu.sh local NPROC [trainer flags...]
 #       one node without MPI: NPROC background processes with explicit --rank/--world-size/--local-rank,
 #       meeting in a fresh directory under /tmp; the script waits for all and exits with the first
-#       failing rank's code (7 when the ranks stopped early with a checkpoint: resume with -y 1).
+#       failing rank's code (7 when the ranks stopped early with a checkpoint: resume with -y 1). A stop
+#       signal (TERM, INT, USR1) to the script is passed on to the ranks.
 #   scripts/run_multi_gpu.sh slurm-file DIR [trainer flags...]
 #       inside a Slurm allocation (sbatch or salloc): srun starts one rank per task; the ranks meet in
 #       DIR, which every node must see (NFS, Lustre, ...).
@@ -30,12 +31,12 @@
 #
 # Knobs (environment): TRAINER (default ./train_gpt2cu), DRY_RUN=1 prints the command instead of running it,
 # RANK_STOP_GRACE (local: seconds the other ranks get to end after one fails before they are killed; 60).
-# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported to every rank, as the GPU provider requires.
+# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported to every rank.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 }
 [ $# -ge 2 ] || usage
@@ -79,6 +80,20 @@ case "$mode" in
             exit 0
         fi
         declare -A rank_of=()
+        # A stop signal sent to the script alone (kill PID, a service manager's stop, a scheduler's warning
+        # signal to the batch script) is passed on to every rank, which checkpoints and exits 7 as on its
+        # own signal. A rank that also got it from its process group (Ctrl-C) takes the two as one (they
+        # come within the trainer's 0.5 s); a second signal later ends the ranks at once, as it ends one
+        # trainer.
+        signalled=""
+        pass_on() {
+            signalled=$1
+            echo "run_multi_gpu: SIG$1: passing it on to rank(s) ${rank_of[*]}" >&2
+            kill -s "$1" "${!rank_of[@]}" 2>/dev/null || true
+        }
+        trap 'pass_on TERM' TERM
+        trap 'pass_on INT' INT
+        trap 'pass_on USR1' USR1
         for ((r = 0; r < arg; r++)); do
             if [ "$r" = 0 ]; then
                 "$trainer" --rank 0 --world-size "$arg" --local-rank 0 --rendezvous "$rdv" "$@" &
@@ -101,7 +116,10 @@ case "$mode" in
         while [ ${#rank_of[@]} -gt 0 ]; do
             done_pid="" rc=0
             wait -n -p done_pid "${!rank_of[@]}" ${grace:+"$grace"} 2>/dev/null || rc=$?
-            [ -n "${done_pid:-}" ] || break  # bash has already reaped the rest
+            if [ -z "${done_pid:-}" ]; then
+                if [ -n "$signalled" ]; then signalled="" && continue; fi  # a signal cut the wait short
+                break  # bash has already reaped the rest
+            fi
             if [ "$done_pid" = "$grace" ]; then  # (not yet reaped, their pids cannot have been reused)
                 grace=""
                 echo "run_multi_gpu: rank(s) ${rank_of[*]} still running ${RANK_STOP_GRACE:-60} s after the failure; killing them" >&2
@@ -124,7 +142,8 @@ case "$mode" in
             fi
         done
         if [ -n "$grace" ]; then kill "$grace" 2>/dev/null || true; wait "$grace" 2>/dev/null || true; fi
-        wait  # the ranks stopped above, so that none outlives the script
+        while ! wait; do :; done  # the ranks stopped above, so that none outlives the script (a signal
+                                  # cuts a wait short)
         if [ $status = 0 ] || [ $status = 7 ]; then rm -rf "$rdv"; else echo "run_multi_gpu: the ranks' logs are in $rdv" >&2; fi
         exit $status
         ;;

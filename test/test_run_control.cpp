@@ -147,6 +147,34 @@ TEST(RunControl, ASignalAsksToStop) {
     std::raise(SIGUSR1);
     EXPECT_NE(c.reason(0.1).find("signal"), std::string::npos);
     g_stop_signal = 0;
+    g_stop_signal_ns = 0;
+}
+
+// One stop delivered twice at once (from the process group and again from a launcher passing it on) is
+// one request; a second signal later ends the process at once, by that signal.
+TEST(RunControl, TheSameStopTwiceAtOnceIsOneRequest) {
+    install_stop_signals();
+    std::raise(SIGINT);
+    std::raise(SIGTERM);  // here only because the handler took it as the first one again
+    std::raise(SIGINT);
+    EXPECT_EQ(g_stop_signal, SIGINT);
+    g_stop_signal = 0;
+    g_stop_signal_ns = 0;
+}
+
+TEST(RunControlDeathTest, ASecondSignalLaterEndsTheRunAtOnce) {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    EXPECT_EXIT(
+        {
+            install_stop_signals();
+            std::raise(SIGINT);
+            const int64_t first = monotonic_ns();
+            while (monotonic_ns() - first < kStopSignalRepeatNs + 100'000'000) {
+            }
+            std::raise(SIGTERM);
+            std::exit(0);  // not reached: SIGTERM's default action ends the process
+        },
+        testing::KilledBySignal(SIGTERM), "");
 }
 
 TEST(RunSettings, RolesDecideWhatIsRecordedRequiredAndHashed) {

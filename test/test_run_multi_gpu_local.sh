@@ -10,6 +10,8 @@
 #     them to stop after the step, which they cannot finish while they wait for the dead rank in a
 #     collective (they would sit there until their hang timeout, 15 minutes by default): the script still
 #     ends within seconds, exit 4, no rank left running;
+#   - a SIGTERM to the script alone reaches every rank once (they checkpoint, exit 7; so does the
+#     script); one to its process group reaches them twice, within the trainer's window for one request;
 #   - all ranks succeed: exit 0, and the rendezvous folder is removed;
 #   - an NPROC that is not a positive integer ("0", "-e", "2x") is refused with exit 2, not run as no
 #     ranks at all (which exited 0 having trained nothing) or failed on an unbound variable.
@@ -17,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d /tmp/test_run_multi_gpu_local_XXXXXX)
-trap 'rm -rf "$dir"' EXIT
+trap 'pkill -f "$dir/trainer" 2>/dev/null; rm -rf "$dir"' EXIT
 
 # The stand-in: MOCK=stop: wait for a 'go' file, then exit 7 after 0.3 s x (world - rank) (rank 0 last,
 # as rank 0 publishes the checkpoint); a SIGTERM is recorded in DIR/killed.R. MOCK=fail1: rank 1 exits 4
@@ -54,6 +56,14 @@ case $MOCK in
            end=$((SECONDS + 40))  # the hang timeout, shortened
            while [ $SECONDS -lt $end ]; do sleep 0.2 & wait $!; done
            echo "rank $rank: no progress for 40 s" >>"$MOCK_DIR/hung"; exit 5 ;;
+    signal) trap 'echo "$(date +%s.%N)" >>"$MOCK_DIR/signals.$rank"; got=1' TERM
+            got=0 end=$((SECONDS + 30))
+            touch "$MOCK_DIR/waiting.$rank"
+            while [ $got = 0 ] && [ $SECONDS -lt $end ]; do sleep 0.1 & wait $!; done
+            [ $got = 1 ] || exit 5
+            # Finishing the step and checkpointing (rank 0 last), as train_gpt2cu does on a stop signal.
+            sleep "$(awk -v r="$rank" -v w="$world" 'BEGIN { print 0.3 * (w - r) + 0.2 }')" & wait $!
+            echo "rank $rank: stopped after step 5: signal; resume with -y 1"; exit 7 ;;
     ok) exit 0 ;;
 esac
 EOF
@@ -102,6 +112,41 @@ launch ok local 2 -e d12 -i 'data/a b*.bin'
 rdv=$(sed 's/ -e d12.*//; s/.*--rendezvous //' "$dir/args.0")
 [ ! -e "$rdv" ] || fail "the rendezvous folder $rdv was left behind"
 echo "ok: all ranks succeeding gives exit 0, arguments passed as given"
+
+# A stop signal sent to the script alone is passed on to each rank once; sent to its process group as well
+# (Ctrl-C), each rank gets it twice, close enough together for the trainer to take them as one
+# (llmc/run_control.h, kStopSignalRepeatNs: 0.5 s). Either way the ranks checkpoint and the script exits 7.
+stop_by_signal() {  # stop_by_signal script|group
+    rm -f "$dir"/signals.* "$dir"/waiting.*
+    MOCK=signal setsid bash scripts/run_multi_gpu.sh local 3 -e d12 >"$dir/out" 2>&1 &
+    local pid=$! r
+    for r in 0 1 2; do
+        for _ in $(seq 200); do [ -f "$dir/waiting.$r" ] && break; sleep 0.05; done
+        [ -f "$dir/waiting.$r" ] || fail "rank $r did not start"
+    done
+    [ "$(ps -o pgid= -p "$pid" | tr -d ' ')" = "$pid" ] || fail "the script does not lead its process group"
+    if [ "$1" = script ]; then kill -TERM "$pid"; else kill -TERM -- "-$pid"; fi
+    rc=0
+    wait "$pid" || rc=$?
+}
+stop_by_signal script
+[ $rc -eq 7 ] || fail "SIGTERM to the script: it exited $rc, not 7"
+grep -q "SIGTERM: passing it on" "$dir/out" || fail "the script did not say it passed the signal on"
+for r in 0 1 2; do
+    [ "$(wc -l <"$dir/signals.$r")" = 1 ] || fail "rank $r got $(wc -l <"$dir/signals.$r") signals, not 1"
+done
+pgrep -f "$dir/trainer" >/dev/null && fail "ranks outlived the script: $(pgrep -af "$dir/trainer")"
+echo "ok: a SIGTERM to the script alone reaches every rank once; they checkpoint, exit 7"
+stop_by_signal group
+[ $rc -eq 7 ] || fail "SIGTERM to the process group: the script exited $rc, not 7"
+for r in 0 1 2; do
+    [ "$(wc -l <"$dir/signals.$r")" = 2 ] || fail "rank $r got $(wc -l <"$dir/signals.$r") signals from the group and the script, not 2"
+    apart=$(awk 'NR == 1 { a = $1 } NR == 2 { printf "%.3f", $1 - a }' "$dir/signals.$r")
+    awk -v d="$apart" 'BEGIN { exit !(d < 0.25) }' ||
+        fail "rank $r got the group's signal and the script's $apart s apart: too far for the trainer's 0.5 s to take them as one"
+done
+pgrep -f "$dir/trainer" >/dev/null && fail "ranks outlived the script: $(pgrep -af "$dir/trainer")"
+echo "ok: a SIGTERM to the process group reaches every rank twice within $apart s (one request to the trainer); exit 7"
 
 for nproc in 0 -e 2x; do
     launch ok local "$nproc" -e d12

@@ -16,8 +16,11 @@
 #     and sync saves, and validation and checkpoints are frequent, so signals land in steps, saves and
 #     validations alike; at least half the trials must have been stopped by their signal;
 #   - --time-limit 6s: the run stops by itself with exit code 7 before 6 s, and -y 1 finishes it bitwise;
-#   - a second signal ends the run at once (d12, while the first one's checkpoint is being written), and
-#     the checkpoint it cut short is not published.
+#   - the same stop delivered twice at once (two SIGINTs 20 ms apart, as from a terminal's process group
+#     and a launcher passing it on) is one request: exit 7 with a checkpoint;
+#   - a second signal, 0.8 s after the first (past the trainer's 0.5 s window for one request), ends the
+#     run at once (d24, while the first one's checkpoint is being written), and the checkpoint it cut short
+#     is not published.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -176,13 +179,27 @@ trainer "${base[@]}" "${limit_more[@]}" -o "$dir/limit_straight" >"$dir/limit3.l
 cmp -s "$dir/limit/model.bin" "$dir/limit_straight/model.bin" || { echo "FAIL: time-limited + resumed model differs"; exit 1; }
 echo "time limit: stopped after step $stopped in $took s (limit 6 s), resumed bitwise: ok"
 
+# --- the same signal twice at once is one stop request -------------------------------------------------
+start_trainer "$dir/once" "$dir/once.log" "${base[@]}" -l 3e-3 -x 100000 -v 0
+sleep 0.3
+kill -INT "$pid" 2>/dev/null || true
+sleep 0.02
+kill -INT "$pid" 2>/dev/null || true
+rc=0
+wait "$pid" || rc=$?
+[ $rc -eq 7 ] && grep -q "stopped after step" "$dir/once.log" ||
+    { echo "FAIL: two SIGINTs 20 ms apart (one stop delivered twice) gave exit code $rc, not 7 with a checkpoint"; tail -5 "$dir/once.log"; exit 1; }
+ls "$dir/once" | grep -q '^ckpt_[0-9]*$' || { echo "FAIL: no checkpoint after one stop delivered twice"; ls "$dir/once"; exit 1; }
+echo "one stop delivered twice (20 ms apart): exit code 7 with a checkpoint: ok"
+
 # --- a second signal ends the run at once ---------------------------------------------------------------
-# d12, so that the checkpoint the first signal starts (1.7 GB of state) is still being written when the
-# second arrives; the half-written checkpoint must not be published.
-start_trainer "$dir/twice" "$dir/twice.log" -e d12 -i "$dir/syn_train_*.bin" -j "" -b 4 -t 64 -l 3e-4 -x 100000 -v 0 -s 0
+# d24, so that the checkpoint the first signal starts (about 5 GB of state) is still being written when the
+# second arrives, 0.8 s later (a signal within 0.5 s of the first is taken as the same one); the
+# half-written checkpoint must not be published.
+start_trainer "$dir/twice" "$dir/twice.log" -e d24 -i "$dir/syn_train_*.bin" -j "" -b 4 -t 64 -l 3e-4 -x 100000 -v 0 -s 0
 sleep 0.5
 kill -INT "$pid" 2>/dev/null || true
-sleep 0.1
+sleep 0.8
 kill -INT "$pid" 2>/dev/null || true
 rc=0
 wait "$pid" || rc=$?
