@@ -11,7 +11,8 @@
 #     collective (they would sit there until their hang timeout, 15 minutes by default): the script still
 #     ends within seconds, exit 4, no rank left running;
 #   - a SIGTERM to the script alone reaches every rank once (they checkpoint, exit 7; so does the
-#     script); one to its process group reaches them twice, within the trainer's window for one request;
+#     script); one to its process group reaches them twice (or once, when the two merge while pending),
+#     within the trainer's window for one request;
 #   - all ranks succeed: exit 0, and the rendezvous folder is removed;
 #   - an NPROC that is not a positive integer ("0", "-e", "2x") is refused with exit 2, not run as no
 #     ranks at all (which exited 0 having trained nothing) or failed on an unbound variable.
@@ -19,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d /tmp/test_run_multi_gpu_local_XXXXXX)
-trap 'pkill -f "$dir/trainer" 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'pkill -f "$dir/trainer" 2>/dev/null || true; rm -rf "$dir"' EXIT
 
 # The stand-in: MOCK=stop: wait for a 'go' file, then exit 7 after 0.3 s x (world - rank) (rank 0 last,
 # as rank 0 publishes the checkpoint); a SIGTERM is recorded in DIR/killed.R. MOCK=fail1: rank 1 exits 4
@@ -56,7 +57,7 @@ case $MOCK in
            end=$((SECONDS + 40))  # the hang timeout, shortened
            while [ $SECONDS -lt $end ]; do sleep 0.2 & wait $!; done
            echo "rank $rank: no progress for 40 s" >>"$MOCK_DIR/hung"; exit 5 ;;
-    signal) trap 'echo "$(date +%s.%N)" >>"$MOCK_DIR/signals.$rank"; got=1' TERM
+    signal) trap 'echo "$EPOCHREALTIME" >>"$MOCK_DIR/signals.$rank"; got=1' TERM  # no subshell in the trap
             got=0 end=$((SECONDS + 30))
             touch "$MOCK_DIR/waiting.$rank"
             while [ $got = 0 ] && [ $SECONDS -lt $end ]; do sleep 0.1 & wait $!; done
@@ -139,14 +140,18 @@ pgrep -f "$dir/trainer" >/dev/null && fail "ranks outlived the script: $(pgrep -
 echo "ok: a SIGTERM to the script alone reaches every rank once; they checkpoint, exit 7"
 stop_by_signal group
 [ $rc -eq 7 ] || fail "SIGTERM to the process group: the script exited $rc, not 7"
+# (A signal that arrives while the same one is still pending is merged with it: a rank may record one.)
+apart=""
 for r in 0 1 2; do
-    [ "$(wc -l <"$dir/signals.$r")" = 2 ] || fail "rank $r got $(wc -l <"$dir/signals.$r") signals from the group and the script, not 2"
+    n=$(wc -l <"$dir/signals.$r")
+    [ "$n" = 1 ] || [ "$n" = 2 ] || fail "rank $r got $n signals from the group and the script, not 1 or 2"
+    [ "$n" = 2 ] || continue
     apart=$(awk 'NR == 1 { a = $1 } NR == 2 { printf "%.3f", $1 - a }' "$dir/signals.$r")
     awk -v d="$apart" 'BEGIN { exit !(d < 0.25) }' ||
         fail "rank $r got the group's signal and the script's $apart s apart: too far for the trainer's 0.5 s to take them as one"
 done
 pgrep -f "$dir/trainer" >/dev/null && fail "ranks outlived the script: $(pgrep -af "$dir/trainer")"
-echo "ok: a SIGTERM to the process group reaches every rank twice within $apart s (one request to the trainer); exit 7"
+echo "ok: a SIGTERM to the process group reaches every rank once or twice${apart:+ (last seen $apart s apart)}, one request to the trainer; exit 7"
 
 for nproc in 0 -e 2x; do
     launch ok local "$nproc" -e d12
