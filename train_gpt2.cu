@@ -677,7 +677,8 @@ struct Outputs {
 
 // The device and pinned buffers the loop reads results back through, allocated once.
 struct LoopBuffers {
-    DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, then the update's scale
+    DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, the update's scale, then the
+                                      // FP8 tensors that outgrew their delayed scale's history
     PinnedBuffer step_stats_host;
     DeviceBuffer<float> val_losses;   // one mean loss per validation batch
     PinnedBuffer val_losses_host;
@@ -686,7 +687,7 @@ struct LoopBuffers {
     Event step_done;
 
     LoopBuffers(const Plan& plan, int T)
-        : step_stats(size_t(2 + plan.grad_accum)), step_stats_host(size_t(2 + plan.grad_accum) * sizeof(float)),
+        : step_stats(size_t(3 + plan.grad_accum)), step_stats_host(size_t(3 + plan.grad_accum) * sizeof(float)),
           val_losses(size_t(std::max(1, plan.val_steps))),
           val_losses_host(size_t(std::max(1, plan.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
           logit_row(size_t(plan.config.vocab_size) * sizeof(floatX)) {}
@@ -770,6 +771,7 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Output
 
 struct StepStats {
     double loss = 0, norm = 0, seconds = 0;
+    int fp8_outgrown = -1;  // FP8 tensors whose amax outgrew their delayed scale's history; -1 without delayed scaling
     std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
@@ -783,6 +785,8 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     const auto t0 = std::chrono::steady_clock::now();
     const float dloss = 1.0f / (float(o.B) * float(o.T) * float(grad_accum));
     model.zero_grad();
+    float* outgrown = model.fp8_outgrown();  // counted over this step's micro-batches
+    if (outgrown != nullptr) cudaCheck(cudaMemsetAsync(outgrown, 0, sizeof(float), model.stream()));
     for (int micro = 0; micro < grad_accum; micro++) {
         DeviceBatch batch = train.next_batch();
         model.forward(batch.inputs, batch.targets, o.B, o.T, buf.step_stats.get() + 1 + micro, dloss);
@@ -804,7 +808,11 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     model.update(settings, o.grad_clip, step + 1, uint64_t(rounding_seed(o)), stats, stats + 1, grad_accum, loss_limit);
     cudaCheck(cudaMemcpyAsync(stats + 1 + grad_accum, model.grad_scale(), sizeof(float), cudaMemcpyDeviceToDevice,
                               model.stream()));
-    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(2 + grad_accum) * sizeof(float),
+    if (outgrown != nullptr) {
+        cudaCheck(cudaMemcpyAsync(stats + 2 + grad_accum, outgrown, sizeof(float), cudaMemcpyDeviceToDevice,
+                                  model.stream()));
+    }
+    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(3 + grad_accum) * sizeof(float),
                               cudaMemcpyDeviceToHost, model.stream()));
     cudaCheck(cudaEventRecord(buf.step_done, model.stream()));
     cudaCheck(cudaEventSynchronize(buf.step_done));
@@ -817,6 +825,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
         finite_losses = finite_losses && std::isfinite(h[1 + micro]);
     }
     s.loss /= grad_accum;
+    if (outgrown != nullptr) s.fp8_outgrown = int(h[2 + grad_accum]);
     if (std::isnan(h[1 + grad_accum])) {
         s.skipped = !std::isfinite(s.norm) ? format("the gradient norm is %g", s.norm)
                     : !finite_losses       ? std::string("a loss is not finite")
@@ -873,10 +882,11 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
                     s.skipped.empty() ? "" : format(" | update skipped: %s", s.skipped.c_str()).c_str());
         std::fflush(stdout);
     }
-    out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
+    out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s%s}",
                          step + 1, json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
-                         m >= 0 ? format("%.4f", m).c_str() : "null"));
+                         m >= 0 ? format("%.4f", m).c_str() : "null",
+                         s.fp8_outgrown >= 0 ? format(",\"fp8_outgrown\":%d", s.fp8_outgrown).c_str() : ""));
     if (!s.skipped.empty()) out.log.write(format("{\"step\":%d,\"skipped\":\"%s\"}", step + 1, s.skipped.c_str()));
 }
 

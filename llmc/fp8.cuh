@@ -52,7 +52,7 @@ Every call is checked; casts on `stream`.
 
   fp8_delayed_scales, fp8_history_push: delayed scaling, for FP8 tensors a matmul writes (Fp8Gemm's FP8 D,
                         which records its amax as it writes): the scale from an amax history, and the history
-                        advanced by the amax just measured.
+                        advanced by the amax just measured, counting the tensors that outgrew it.
 
 Does not provide: the LayerNorm kernels' own E4M3 outputs (llmc/layernorm.cuh, LayerNormFp8Out), or an
 FP8 output with the GELU-gradient epilogue (cuBLASLt has none).
@@ -568,14 +568,23 @@ __global__ void fp8_delayed_scale_kernel(const float* history, int slots, int le
     descale[int64_t(s) * stride] = 1.0f / sc;
 }
 
-__global__ void fp8_history_push_kernel(float* history, int slots, int len, const float* amax, int stride, float* count) {
+// How far past the largest amax of its history a tensor's amax must be for fp8_history_push to count it
+// as outgrown (saturated): a value up to kMax x 1.03 clips to kMax with less error than rounding makes in
+// the top binade (its step is kMax / 14 in E4M3, kMax / 7 in E5M2).
+constexpr float kFp8Saturated = 1.03125f;
+
+__global__ void fp8_history_push_kernel(float* history, int slots, int len, const float* amax, int stride, float* count,
+                                        float* outgrown) {
     const int s = int(blockIdx.x * blockDim.x + threadIdx.x);
     if (s == 0 && count != nullptr) *count = fminf(*count + 1.0f, float(len));
     if (s >= slots) return;
     float* h = history + int64_t(s) * len;
+    float ref = 0.0f;  // what the scale of the write just measured came from
+    for (int i = 0; i < len; i++) ref = fmaxf(ref, h[i]);
     for (int i = len - 1; i > 0; i--) h[i] = h[i - 1];
     const float a = amax[int64_t(s) * stride];
     h[0] = isfinite(a) ? a : 0.0f;  // a step that overflowed (skipped by the step guard) must not set 16 steps' scales
+    if (outgrown != nullptr && ref > 0.0f && isfinite(a) && a > ref * kFp8Saturated) atomicAdd(outgrown, 1.0f);
 }
 
 }  // namespace detail
@@ -590,7 +599,10 @@ __global__ void fp8_history_push_kernel(float* history, int slots, int len, cons
 // scale of 0) in front, and
 // counts the writes in *count (unless null; a float, at most len: how much of the history is real). A
 // tensor whose amax grew past its history's saturates at kMax (Fp8Gemm's FP8 outputs clip) until the
-// history catches up: one write later.
+// history catches up: one write later. fp8_history_push adds to *outgrown (unless null; a float) one for
+// each slot whose new amax is past its history's largest by more than kFp8Saturated (the write it
+// measured saturated: its largest values clipped at kMax): how often delayed scaling fell behind a tensor.
+// An empty history (the first write, whose scale came from its own amax) counts nothing.
 template <class Fp8>
 void fp8_delayed_scales(const float* history, int slots, int len, float* scale, float* descale, int stride,
                         cudaStream_t stream) {
@@ -602,12 +614,12 @@ void fp8_delayed_scales(const float* history, int slots, int len, float* scale, 
     cudaCheckLaunch();
 }
 inline void fp8_history_push(float* history, int slots, int len, const float* amax, int stride, float* count,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, float* outgrown = nullptr) {
     if (slots < 1 || len < 1 || stride < 1) {
         fail(kExitUsage, "fp8_history_push: %d slots of %d entries, stride %d; need all >= 1", slots, len, stride);
     }
     detail::fp8_history_push_kernel<<<unsigned(ceil_div(slots, 128)), 128, 0, stream>>>(history, slots, len, amax, stride,
-                                                                                          count);
+                                                                                          count, outgrown);
     cudaCheckLaunch();
 }
 

@@ -378,10 +378,10 @@ public:
         fp8_weights_.allocate(at);
         if (m.fcproj) {
             // Delayed scaling (the GELU output, and the GELU's gradient with fc.grad): per slot an amax, a
-            // scale and a descale (each in 16-byte slots, as cuBLASLt wants its pointers), and the history
-            // with its count after it.
+            // scale and a descale (each in 16-byte slots, as cuBLASLt wants its pointers), then the count of
+            // tensors that outgrew their history (fp8_outgrown); and the history with its count after it.
             const size_t slots = fp8_delayed_slots();
-            fp8_delayed_.allocate(3 * slots * kFp8SlotStride);
+            fp8_delayed_.allocate(3 * slots * kFp8SlotStride + kFp8SlotStride);
             fp8_history_.allocate(slots * kFp8HistoryLen + kFp8SlotStride);
             cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
             cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
@@ -419,6 +419,13 @@ public:
             fail(kExitData, "FP8 amax history: its count %g is not in [0, %d]", count, kFp8HistoryLen);
         }
         fp8_history_count_ = int(count);
+    }
+    // Delayed scaling's count of the tensors whose amax outgrew their history (a float on the device, null
+    // without delayed scaling): fp8_history_push adds to it after each training backward (llmc/fp8.cuh), and
+    // nothing resets it; a caller that wants it per step zeroes it before the step. A write that outgrew
+    // its history saturated (its largest values clipped at the format's largest).
+    float* fp8_outgrown() const {
+        return fp8_delayed_.get() == nullptr ? nullptr : fp8_delayed_.get() + 3 * fp8_delayed_slots() * kFp8SlotStride;
     }
     const Fp8Matmuls& fp8() const { return fp8_; }
     // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
@@ -803,7 +810,7 @@ public:
                 multi_->join(stream_);
             }
             fp8_history_push(fp8_history_.get(), slots, kFp8HistoryLen, fp8_delayed_amax(0), kFp8SlotStride,
-                             fp8_history_.get() + fp8_history_count_at(), stream_);
+                             fp8_history_.get() + fp8_history_count_at(), stream_, fp8_outgrown());
             fp8_history_count_ = std::min(fp8_history_count_ + 1, kFp8HistoryLen);
         }
         if (per_layer) {

@@ -25,7 +25,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     and refusals of accumulate, the GELU-gradient epilogue, a missing or unaligned scale_d;
   - fp8_history_push and fp8_delayed_scales: the history shifted newest-first with its count (at most
     len), each slot's scale exactly kMax / the largest of its last len amaxes (1 when all are zero),
-    strided slots read and written at their stride only; an inf or NaN amax enters as 0;
+    strided slots read and written at their stride only; an inf or NaN amax enters as 0; the count of
+    slots whose new amax outgrew their history's largest by more than 3% (none for an empty history);
   - fp8_cast_pair: the row-major bytes equal to the host's conversion and the transposed ones their
     transpose, written into columns of a wider matrix (the bytes around left alone), on the 16-byte path
     and at shapes that are not multiples of 16, and with the row-major copy left out; its column sums of
@@ -62,6 +63,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 */
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -874,6 +876,9 @@ TEST_F(Fp8Test, DelayedScalesComeFromTheHistory) {
         descale(size_t(slots * stride));
     cudaCheck(cudaMemset(history.get(), 0, history.bytes()));
     float* count = history.get() + slots * len;
+    DeviceBuffer<float> outgrown(1);
+    cudaCheck(cudaMemset(outgrown.get(), 0, outgrown.bytes()));
+    float host_outgrown = 0;  // the slots whose new amax was past their history's largest by more than 3%
     std::vector<std::vector<float>> host(static_cast<size_t>(slots));  // newest first
     // Slot 2 stays all zero (scale 1); slot 0 grows then shrinks (the largest of the last 4 rules).
     const float pushes[6][3] = {{1.0f, 8.0f, 0}, {2.0f, 4.0f, 0}, {0.5f, 2.0f, 0}, {0.25f, 1.0f, 0}, {0.125f, 0.5f, 0},
@@ -882,8 +887,14 @@ TEST_F(Fp8Test, DelayedScalesComeFromTheHistory) {
         std::vector<float> a(size_t(slots * stride), 99.0f);  // what lies between the strided slots is not read
         for (int s = 0; s < slots; s++) a[size_t(s * stride)] = pushes[k][s];
         cudaCheck(cudaMemcpy(amax.get(), a.data(), amax.bytes(), cudaMemcpyHostToDevice));
-        fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream);
+        for (int s = 0; s < slots; s++) {
+            const float before = host[size_t(s)].empty() ? 0.0f
+                                 : *std::max_element(host[size_t(s)].begin(), host[size_t(s)].end());
+            if (before > 0 && pushes[k][s] > before * detail::kFp8Saturated) host_outgrown += 1;
+        }
+        fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream, outgrown.get());
         fp8_delayed_scales<__nv_fp8_e4m3>(history.get(), slots, len, scale.get(), descale.get(), stride, kStream);
+        EXPECT_EQ(download(outgrown.get(), 1)[0], host_outgrown) << "the outgrown count after push " << k;
         const std::vector<float> h = download(history.get(), history.size());
         const std::vector<float> sc = download(scale.get(), scale.size()), ds = download(descale.get(), descale.size());
         for (int s = 0; s < slots; s++) {
@@ -909,13 +920,32 @@ TEST_F(Fp8Test, DelayedScalesComeFromTheHistory) {
     a[size_t(stride)] = NAN;
     a[size_t(2 * stride)] = -INFINITY;
     cudaCheck(cudaMemcpy(amax.get(), a.data(), amax.bytes(), cudaMemcpyHostToDevice));
-    fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream);
+    fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream, outgrown.get());
     fp8_delayed_scales<__nv_fp8_e4m3>(history.get(), slots, len, scale.get(), descale.get(), stride, kStream);
     const std::vector<float> h = download(history.get(), history.size()), sc = download(scale.get(), scale.size());
     for (int s = 0; s < slots; s++) EXPECT_EQ(h[size_t(s * len)], 0.0f) << "a non-finite amax in slot " << s;
     EXPECT_EQ(sc[0], 448.0f / 0.25f);  // 0, 0.0625, 0.125, 0.25
     EXPECT_EQ(sc[size_t(stride)], 448.0f / 1.0f);
     EXPECT_EQ(sc[size_t(2 * stride)], 1.0f);
+    // Only slot 0's second push (2 after 1) outgrew its history; non-finite amaxes count nothing.
+    EXPECT_EQ(host_outgrown, 1.0f);
+    EXPECT_EQ(download(outgrown.get(), 1)[0], 1.0f) << "after the non-finite amaxes";
+    // At the margin, each from the histories {0.25}, {1.0} and {} (empty): 0.25 x 1.03125 in slot 0 is not
+    // past its history, 0.25 x 1.0625 is; 64 in slot 1 is; slot 2 (empty) counts nothing however large.
+    for (const float a0 : {0.25f * 1.03125f, 0.25f * 1.0625f}) {
+        std::vector<float> hist(history.size(), 0.0f);
+        hist[0] = 0.25f;
+        hist[size_t(len)] = 1.0f;
+        cudaCheck(cudaMemcpy(history.get(), hist.data(), history.bytes(), cudaMemcpyHostToDevice));
+        std::vector<float> b(size_t(slots * stride), 99.0f);
+        b[0] = a0;
+        b[size_t(stride)] = 64.0f;
+        b[size_t(2 * stride)] = 1e30f;
+        cudaCheck(cudaMemcpy(amax.get(), b.data(), amax.bytes(), cudaMemcpyHostToDevice));
+        cudaCheck(cudaMemset(outgrown.get(), 0, outgrown.bytes()));
+        fp8_history_push(history.get(), slots, len, amax.get(), stride, count, kStream, outgrown.get());
+        EXPECT_EQ(download(outgrown.get(), 1)[0], a0 == 0.25f * 1.03125f ? 1.0f : 2.0f) << "slot 0's amax " << a0;
+    }
 }
 
 // The model's FP8 matmuls against its bf16 ones (the file's comment).

@@ -36,8 +36,10 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
     FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). grad.e4m3 changes the
     block weight gradients of a step against all's (E4M3 casts, not E5M2) and keeps them within the FP8
-    gradient tolerance. The trainer's --fp8 values parse to the matmuls they name (this one runs without
-    a GPU).
+    gradient tolerance. After a step whose GELU output and GELU gradient amax histories are cut to 1/64
+    (as after a 64x spike), the model's count of tensors that outgrew their history (fp8_outgrown) is 0
+    after the first step and at least 2 L after the next. The trainer's --fp8 values parse to the matmuls
+    they name (this one runs without a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -672,6 +674,51 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
     const int64_t per_layer = b.numel / c.num_layers, last = b.offset + (c.num_layers - 1) * per_layer;
     EXPECT_EQ(0, std::memcmp(all[1].data() + last, delayed[1].data() + last, size_t(per_layer) * sizeof(floatX)))
         << "step 2: the last layer's qkv bias gradient (column sums of the same bf16 dqkv) must be the cast's";
+}
+
+// Delayed scaling after a spike: after a first step, the GELU output's and the GELU gradient's amax
+// histories (the first 2 x L slots of fp8_history(): each layer's GELU output, then each layer's GELU
+// gradient; llmc/gpt2.cuh fp8_dgelu_slot) are cut to 1/64, as if both tensors had jumped 64x past them.
+// The next step's writes of both then outgrow their histories (and saturate): the model counts them.
+TEST_F(GPT2TrainingTest, OutgrownDelayedScalesAreCounted) {
+    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    const GPT2Config c = config_from_descriptor("d2");
+    const int B = 4, T = 64, L = c.num_layers;
+    const size_t N = size_t(B) * T;
+    const std::vector<float> params = test_parameters(c, 101);
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 102);
+    const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, 103);
+    Stream stream;
+    GPT2 gpu(c, B, T, stream);
+    gpu.set_fp8(kAllFp8);
+    gpu.set_parameters(params);
+    auto d_in = upload(inputs), d_tg = upload(targets);
+    AdamWSettings settings;
+    settings.learning_rate = 3e-3f;
+    settings.weight_decay = 0.1f;
+    gpu.zero_grad();
+    gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+    gpu.backward(d_in.get(), B, T);
+    gpu.update(settings, 1.0f, 1, 7);
+
+    const GPT2::Fp8History h = gpu.fp8_history();
+    ASSERT_NE(h.device, nullptr);
+    ASSERT_GE(h.slots, 2 * L);
+    ASSERT_NE(gpu.fp8_outgrown(), nullptr);
+    EXPECT_EQ(download_scalar(gpu.fp8_outgrown(), stream), 0.0f) << "step 1 measured its scales: nothing outgrown";
+    std::vector<float> history = download(h.device, h.bytes / sizeof(float), stream);
+    for (size_t i = 0; i < size_t(2 * L) * size_t(h.len); i++) history[i] /= 64.0f;
+    cudaCheck(cudaMemcpy(h.device, history.data(), history.size() * sizeof(float), cudaMemcpyHostToDevice));
+    gpu.fp8_history_loaded();
+
+    gpu.zero_grad();
+    gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+    gpu.backward(d_in.get(), B, T);
+    const float outgrown = download_scalar(gpu.fp8_outgrown(), stream);
+    std::printf("  step 2 after the histories were cut to 1/64: %g tensors outgrew their history\n", double(outgrown));
+    // Every layer's GELU output and GELU gradient outgrew its cut history (others may have too).
+    EXPECT_GE(outgrown, float(2 * L));
+    EXPECT_LE(outgrown, float(h.slots));
 }
 
 // grad.e4m3 changes what the gradients' casts write (E4M3, not E5M2): the same step's weight gradients must

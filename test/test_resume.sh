@@ -12,7 +12,9 @@
 #     history has a fifth slot a layer and whose weights must differ from all's), on GPUs that have them
 #     (compute capability 8.9+), whose losses must differ from the bf16 run's (FP8 really ran), from a
 #     checkpoint that holds the delayed scaling's amax history (fp8_history.bin, which inspect_checkpoint
-#     reads); all's checkpoint resumed with qkv.grad.delayed starts a fresh history, with a note;
+#     reads); all's checkpoint resumed with qkv.grad.delayed starts a fresh history, with a note; every
+#     FP8 step record counts the tensors that outgrew their amax history (fp8_outgrown), the same after
+#     the resume;
 #   - a flipped bit in the newest checkpoint: -y 1 says it skips it and resumes from the one before, still
 #     bit-exact; a different batch size or model shape is refused naming the setting; different data is
 #     refused by the DataLoader state;
@@ -134,11 +136,18 @@ if python3 -c "import sys; sys.exit(0 if float('$cap') >= 8.9 else 1)"; then
     grep -q "FP8 matmuls: $line " "$d.out" || { echo "FAIL: no FP8 line ($mode)"; cat "$d.out"; exit 1; }
     python3 - "$dir/straight/log.jsonl" "$d/log.jsonl" <<'PY' || exit 1
 import json, sys
-def losses(path): return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
+def steps(path): return [r for r in map(json.loads, open(path)) if "loss" in r]
+def losses(path): return [r["loss"] for r in steps(path)]
 bf16, fp8 = losses(sys.argv[1]), losses(sys.argv[2])
 if len(fp8) != 30 or bf16 == fp8:
     print("FAIL: the FP8 run's 30 losses must exist and differ from the bf16 run's"); sys.exit(1)
-print("FP8 run: loss %.4f -> %.4f (bf16 %.4f -> %.4f)" % (fp8[0], fp8[-1], bf16[0], bf16[-1]))
+# Delayed scaling's count of tensors that outgrew their history: in every FP8 step record, in no bf16 one.
+outgrown = [r.get("fp8_outgrown") for r in steps(sys.argv[2])]
+if any(not isinstance(k, int) or k < 0 for k in outgrown) or any("fp8_outgrown" in r for r in steps(sys.argv[1])):
+    print("FAIL: fp8_outgrown must be a count >= 0 in every FP8 step record and absent in bf16's: %r" % outgrown[:5])
+    sys.exit(1)
+print("FP8 run: loss %.4f -> %.4f (bf16 %.4f -> %.4f); tensors past their amax history: %d in %d steps"
+      % (fp8[0], fp8[-1], bf16[0], bf16[-1], sum(outgrown), sum(k > 0 for k in outgrown)))
 PY
     [ -s "$d/ckpt_00000010/fp8_history.bin" ] || { echo "FAIL: the FP8 checkpoint has no amax history ($mode)"; ls "$d/ckpt_00000010"; exit 1; }
     ./build/inspect_checkpoint "$d/ckpt_00000010" >"$d.inspect" 2>&1 &&
@@ -148,6 +157,13 @@ PY
     trainer "${common[@]}" --fp8 "$mode" -n 7 -y 1 -o "${d}_r" >"${d}_r.out" 2>&1 ||
         { echo "FAIL: FP8 resume ($mode)"; cat "${d}_r.out"; exit 1; }
     compare_logs "$d/log.jsonl" 11 "${d}_r/log.jsonl"
+    python3 - "$d/log.jsonl" "${d}_r/log.jsonl" <<'PY' || { echo "FAIL: fp8_outgrown after FP8 resume ($mode)"; exit 1; }
+import json, sys
+def counts(path): return {r["step"]: r.get("fp8_outgrown") for r in map(json.loads, open(path)) if "loss" in r}
+straight, resumed = counts(sys.argv[1]), counts(sys.argv[2])
+bad = [s for s in resumed if resumed[s] != straight.get(s)]
+if bad or not resumed: print("resumed counts differ at steps %s" % bad[:10]); sys.exit(1)
+PY
     same_file "$d/model.bin" "${d}_r/model.bin" "final weights after FP8 resume ($mode)"
     echo "bit-exact resume with FP8 matmuls ($mode): ok"
   done
