@@ -20,6 +20,8 @@ alone does (say the same run with its batch split into micro-batches), the scale
 --windows N also prints, for each window of N steps ((0, N], (N, 2N], ..., from --from-step on), the mean
 and the largest |difference| and how many steps are over --max-diff: how a gap grows through a run (the
 last window's mean is the "last N steps" figure docs/performance.md quotes).
+A log whose step records count the FP8 tensors that outgrew their delayed scale's history (fp8_outgrown,
+train_gpt2cu with FP8 delayed scaling) gets a line saying how many, in how many steps, and the first.
 """
 import argparse
 import json
@@ -57,6 +59,26 @@ def load(path):
     if skipped:
         print(f"note: {path}: skipped {skipped} line(s) that are not log records", file=sys.stderr)
     return train, val
+
+
+def outgrown(path):
+    """(total, steps, first step) of the log's fp8_outgrown counts (first None when all are 0), or None when
+    its step records carry none."""
+    total, steps, first, seen = 0, 0, None, False
+    for line in open(path, encoding="utf-8", errors="replace"):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        k = r.get("fp8_outgrown") if isinstance(r, dict) and "loss" in r else None
+        if not isinstance(k, int) or isinstance(k, bool):
+            continue
+        seen = True
+        total += k
+        if k > 0:
+            steps += 1
+            first = r["step"] if first is None else first
+    return (total, steps, first) if seen else None
 
 
 def magnitude(d):
@@ -99,6 +121,11 @@ def main():
         _, ref_line = compare(a, a.reference, tr, vr, t2, v2)
         print(f"{a.reference_label}: {ref_line}")
         ref = [(s, tr[s] - t2[s]) for s in sorted(t2) if s in tr]
+    for path in [a.first, a.second] + ([a.reference] if a.reference else []):
+        o = outgrown(path)
+        if o is not None:
+            print(f"{path}: FP8 tensors past their amax history (fp8_outgrown): {o[0]} in {o[1]} steps"
+                  + (f", the first at step {o[2]}" if o[2] is not None else ""))
     if a.plot:
         plot(a, [(s, t1[s] - t2[s]) for s in sorted(t2) if s in t1], ref)
     sys.exit(0 if ok else 1)

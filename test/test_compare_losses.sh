@@ -6,7 +6,8 @@
 # first fails; a NaN or null loss (either log, train or val) fails; a line cut short by a killed run is
 # skipped with a note; the reported maximum, its step and the mean difference are the ones planted; --reference
 # prints a third log's comparison without changing the verdict; --windows prints each window's mean, max
-# and steps over the limit (the planted gap in its window); --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
+# and steps over the limit (the planted gap in its window); a log with fp8_outgrown counts gets their
+# total, steps and first step; --plot writes a PNG (with a reference). Exit 0 pass, 1 fail, 77 skip (no matplotlib for the plot).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d /tmp/test_compare_losses_XXXXXX)
@@ -41,6 +42,13 @@ with open(f"{d}/nulls.jsonl", "w") as f:
 with open(f"{d}/evaluated.jsonl", "w") as f:
     f.writelines(lines)
     f.write('{"evaluation_of": "out/model.bin"}\n{"step": 0, "val_loss": 9.0}\n{"step": 100, "val_loss": 9.0}\n')
+# train_gpt2cu with FP8 delayed scaling counts the tensors that outgrew their history in each step record.
+with open(f"{d}/outgrown.jsonl", "w") as f:
+    for l in lines:
+        r = json.loads(l)
+        if "loss" in r:
+            r["fp8_outgrown"] = 3 if r["step"] in (12, 40) else 0
+        f.write(json.dumps(r) + "\n")
 with open(f"{d}/killed.jsonl", "w") as f:
     f.writelines(lines[:80])
     f.write('{"step": 79, "lo\n{"resume_from_step": 75}\n')
@@ -83,6 +91,9 @@ run 1 nolog "$dir/absent.jsonl" "$dir/base.jsonl"
 expect_out nolog "no such log: $dir/absent.jsonl"
 run 0 evaluated "$dir/evaluated.jsonl" "$dir/base.jsonl" --max-diff 0.03 --max-val-rel 0.01
 expect_out evaluated "val loss at step 100: 6.000000 vs 6.000000"
+run 0 outgrown "$dir/outgrown.jsonl" "$dir/base.jsonl" --max-diff 0.03
+expect_out outgrown "outgrown.jsonl: FP8 tensors past their amax history (fp8_outgrown): 6 in 2 steps, the first at step 12"
+! grep -q "base.jsonl: FP8" "$dir/outgrown.out" || { echo "FAIL: a log without fp8_outgrown got an outgrown line"; exit 1; }
 # A loss that is NaN or null is a difference no limit accepts: FAIL, the first such step named as the worst.
 run 1 diverged "$dir/diverged.jsonl" "$dir/base.jsonl" --max-diff 0.03
 expect_out diverged "max nan at step 60"
