@@ -168,6 +168,19 @@ if [ $verify -eq 1 ]; then
     exit $?
 fi
 
+# A mutant is judged only by the stages whose programs make would rebuild after its edit, which make can
+# tell only from the dependency file it wrote with the program (-MMD). A program that came from elsewhere
+# (copied in, without its .d) would look up to date after any header's edit, and its mutants would go
+# untested: such programs are removed here so that make all builds them with their dependency files.
+for s in "${stages[@]}"; do
+    set -- $s
+    for t in $(stage_targets "$1" "$2"); do
+        if [ -e "$t" ] && [ ! -e "$t.d" ]; then
+            echo "note: $t has no dependency file ($t.d): rebuilding it, or its mutants' edits would not reach it"
+            rm -f "$t"
+        fi
+    done
+done
 echo "building the unmutated tree (make all)"
 if ! make -j"$jobs" all >"$work/baseline-build.log" 2>&1; then
     echo "FAIL: the unmutated tree does not build"; tail -20 "$work/baseline-build.log"; exit 1

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # dev/gpu_mutations.txt keeps up with the code: every mutation's text is in its file as the list says
 # (dev/gpu_mutation_runs.sh --verify, no GPU or build needed), so that a GPU mutation pass never finds a
-# mutant it cannot make; and --verify reports a text that is not there.
+# mutant it cannot make; and --verify reports a text that is not there. And a pass on a tree whose test
+# program came without its dependency file (copied in: make would call it up to date after any header's
+# edit, and the mutants would go untested) rebuilds that program first and says so (--check, on a tree
+# with a stand-in Makefile, no compiler needed).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +26,26 @@ if bash "$dir/dev/gpu_mutation_runs.sh" --verify >"$dir/out" 2>&1; then
 fi
 grep -q "^BAD  gone: " "$dir/out" && grep -q "^BAD  twice: " "$dir/out" && grep -q "^ok   second " "$dir/out" &&
     grep -q "3 mutations, 2 whose text" "$dir/out" || { echo "FAIL: --verify's report"; cat "$dir/out"; exit 1; }
+
+# A copied-in build/test_fp8 without build/test_fp8.d: removed and rebuilt (with its .d) before the pass,
+# so that the mutant's edit of the header it includes reaches it.
+printf '%s\n' 'second ||| llmc/x.cuh@2 ||| return 1; ||| return 0; ||| the second of two' >"$dir/dev/gpu_mutations.txt"
+cat >"$dir/Makefile" <<'MK'
+all: build/test_fp8 train_gpt2cu
+build/test_fp8 train_gpt2cu: llmc/x.cuh
+	mkdir -p build && echo built >$@ && echo "$@: llmc/x.cuh" >$@.d
+MK
+mkdir -p "$dir/build"
+echo copied >"$dir/build/test_fp8"
+(cd "$dir" && bash dev/gpu_mutation_runs.sh --check --stages test_fp8 --only second --jobs 1) >"$dir/out" 2>&1 ||
+    { echo "FAIL: --check on the stand-in tree"; cat "$dir/out"; exit 1; }
+grep -q "^note: build/test_fp8 has no dependency file" "$dir/out" && [ "$(cat "$dir/build/test_fp8")" = built ] &&
+    [ -e "$dir/build/test_fp8.d" ] || { echo "FAIL: the copied program without its .d was kept"; cat "$dir/out"; exit 1; }
+# With its .d it is kept (make all finds it up to date).
+echo copied >"$dir/build/test_fp8"
+touch "$dir/build/test_fp8"
+(cd "$dir" && bash dev/gpu_mutation_runs.sh --check --stages test_fp8 --only second --jobs 1) >"$dir/out" 2>&1 ||
+    { echo "FAIL: --check on the stand-in tree (second run)"; cat "$dir/out"; exit 1; }
+! grep -q "^note:" "$dir/out" && [ "$(cat "$dir/build/test_fp8")" = copied ] ||
+    { echo "FAIL: a program with its .d was rebuilt"; cat "$dir/out"; exit 1; }
 echo "ok"
