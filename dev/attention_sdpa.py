@@ -7,7 +7,7 @@ these shapes, and how much?
   python3 dev/attention_sdpa.py                      # d12: B=64, NH=12, T=1024, HS=64, causal, bf16
   python3 dev/attention_sdpa.py -b 16 --nh 16        # other shapes (d24: NH=16)
 
-Run it beside ./build/attention_lab in the same session (both are short bursts at similar clocks; the
+Run it right before or after ./build/attention_lab on the same GPU (both are short bursts at similar clocks; the
 trainer runs at the power cap, where every kernel is slower). q, k, v and the output's gradient are
 separate contiguous (B, NH, T, HS) tensors, the backends' own layout, so no copy into it is timed. Each
 backend is first checked against PyTorch's math backend in fp32 on a small batch of the same shape
