@@ -13,7 +13,12 @@
 #                   (killed, survived, no-build), the test that killed it, seconds of its tests
 #   --jobs          builds at once (default: the cores)
 #   --test-jobs     unit-test programs at once on the GPU (default 4); script tests always run one at a time,
-#                   some of them time signals and deadlines
+#                   some of them time signals and deadlines. The programs at once share the cores: each gets
+#                   OMP_NUM_THREADS = cores / J for its CPU reference (unless OMP_NUM_THREADS is set), since
+#                   OpenMP threads spinning on a shared core can slow a test past its time limit; and a test
+#                   that times out beside others is run again alone before it counts as a kill. test_gpt2_gpu
+#                   spends most of its ~150 s in its CPU reference, so at once its runs gain nothing: give
+#                   its stage --test-jobs 1
 #   --no-baseline   skip the run of every test on the unmutated tree (only when it ran at the same commit
 #                   on the same machine; the script says so in its summary)
 #   --baseline-only only build the unmutated tree and run every test on it (then --no-baseline in a later run)
@@ -95,12 +100,14 @@ script_targets="train_gpt2cu train_gpt2 build/convert_model build/inspect_checkp
 stage_targets() {  # stage_targets KIND NAME
     if [ "$1" = unit ]; then echo "build/$2"; else echo "$script_targets"; fi
 }
-# run_stage DIR KIND NAME [VAR=VALUE ...] >>LOG: the test's exit code (124: timed out).
+# run_stage DIR KIND NAME [VAR=VALUE ...] >>LOG: the test's exit code (124: timed out). A unit test's limit is
+# GPU_MUTATION_UNIT_TIMEOUT seconds (default 300; the slowest, test_gpt2_gpu, takes ~150 s alone on an H100).
+unit_timeout=${GPU_MUTATION_UNIT_TIMEOUT:-300}
 run_stage() {
     local dir=$1 kind=$2 name=$3
     shift 3
     if [ "$kind" = unit ]; then
-        (cd "$dir" && timeout -k 10 300 "build/$name")
+        (cd "$dir" && timeout -k 10 "$unit_timeout" "build/$name")
     else
         (cd "$dir" && env "$@" timeout -k 10 400 bash "test/$name")
     fi
@@ -218,6 +225,7 @@ for mid in "${selected[@]}"; do
     d=$work/m/$mid
     mkdir -p "$d"
     for e in "$root"/* "$root"/.ci; do
+        [ -e "$e" ] || continue
         b=$(basename "$e")
         case "$b" in data|out|carry) continue ;; esac
         cp -a "$e" "$d/"
@@ -300,13 +308,31 @@ for s in "${stages[@]}"; do
     [ ${#runnable[@]} -eq 0 ] && continue
     # run_one MID: the test in the mutant's tree; writes the exit code and seconds to files.
     export -f run_stage
+    export unit_timeout
     P=$([ "$kind" = unit ] && echo "$test_jobs" || echo 1)
-    printf '%s\n' "${runnable[@]}" | xargs -P "$P" -I{} bash -c '
+    [ "$P" -gt ${#runnable[@]} ] && P=${#runnable[@]}
+    # The P programs at once split the cores between their OpenMP CPU references.
+    omp=${OMP_NUM_THREADS:-}
+    if [ -z "$omp" ] && [ "$P" -gt 1 ]; then omp=$(($(nproc) / P)); [ "$omp" -ge 1 ] || omp=1; fi
+    run_one='
         t0=$(date +%s.%N)
+        if [ -n "$omp" ]; then export OMP_NUM_THREADS=$omp; fi
         run_stage "$1/m/$2" "${@:3}" >>"$1/$2.log" 2>&1
         echo $? >"$1/$2.rc"
         python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$(date +%s.%N)" \
-            >"$1/$2.secs"' _ "$work" {} $s
+            >"$1/$2.secs"'
+    printf '%s\n' "${runnable[@]}" | omp=$omp xargs -P "$P" -I{} bash -c "$run_one" _ "$work" {} $s
+    # A time-out beside other tests may be theirs, not the mutant's: such a test runs again alone, on every
+    # core, and that run decides.
+    if [ "$P" -gt 1 ]; then
+        for mid in "${runnable[@]}"; do
+            [ "$(cat "$work/$mid.rc")" -eq 124 ] || continue
+            echo "note: $mid: $name timed out beside $((P - 1)) other test(s); running it again alone"
+            secs=$(cat "$work/$mid.secs")
+            seconds[$mid]=$((${seconds[$mid]} + secs))
+            omp=${OMP_NUM_THREADS:-} bash -c "$run_one" _ "$work" "$mid" $s
+        done
+    fi
     for mid in "${runnable[@]}"; do
         rc=$(cat "$work/$mid.rc") secs=$(cat "$work/$mid.secs")
         seconds[$mid]=$((${seconds[$mid]} + secs))

@@ -48,4 +48,36 @@ touch "$dir/build/test_fp8"
     { echo "FAIL: --check on the stand-in tree (second run)"; cat "$dir/out"; exit 1; }
 ! grep -q "^note:" "$dir/out" && [ "$(cat "$dir/build/test_fp8")" = copied ] ||
     { echo "FAIL: a program with its .d was rebuilt"; cat "$dir/out"; exit 1; }
+
+# Unit tests at once share the cores and may time out for it: each of the P at once gets OMP_NUM_THREADS =
+# cores / P, and a time-out beside others is run again alone before it counts. A stand-in nvidia-smi lets
+# the pass run here; the stand-in test_fp8 waits past the limit while another instance holds a lock (the
+# contention), passes alone, and fails alone when the mutation broke it.
+mkdir -p "$dir/bin"
+printf '#!/bin/sh\nexit 0\n' >"$dir/bin/nvidia-smi"
+chmod +x "$dir/bin/nvidia-smi"
+printf '%s\n' 'harmless ||| llmc/x.cuh@1 ||| return 1; ||| return  1; ||| an edit that changes nothing' \
+    'broken ||| llmc/x.cuh@2 ||| return 1; ||| return 0; ||| an edit the stand-in test catches' >"$dir/dev/gpu_mutations.txt"
+cat >"$dir/Makefile" <<'MK'
+all: build/test_fp8 train_gpt2cu
+train_gpt2cu: llmc/x.cuh
+	mkdir -p build && echo built >$@ && echo "$@: llmc/x.cuh" >$@.d
+build/test_fp8: llmc/x.cuh
+	mkdir -p build && echo "$@: llmc/x.cuh" >$@.d
+	{ echo '#!/bin/bash'; \
+	  echo 'echo "$${OMP_NUM_THREADS:-unset}" >>"$$STANDIN_LOCK.omp"'; \
+	  echo 'mkdir "$$STANDIN_LOCK" 2>/dev/null || exec sleep 60'; \
+	  echo 'sleep 1; rmdir "$$STANDIN_LOCK"'; \
+	  if grep -q 'return 0' llmc/x.cuh; then echo 'exit 1'; fi; } >$@ && chmod +x $@
+MK
+rm -rf "$dir/build"
+(cd "$dir" && env -u OMP_NUM_THREADS PATH="$dir/bin:$PATH" STANDIN_LOCK="$dir/lock" GPU_MUTATION_UNIT_TIMEOUT=4 \
+    bash dev/gpu_mutation_runs.sh --stages test_fp8 --no-baseline --test-jobs 2 --jobs 2 --out "$dir/t.tsv") \
+    >"$dir/out" 2>&1 || { echo "FAIL: the pass on the stand-in tree"; cat "$dir/out"; exit 1; }
+threads=$(($(nproc) / 2)); [ $threads -ge 1 ] || threads=1
+grep -q "^note: .*: test_fp8 timed out beside 1 other test(s); running it again alone" "$dir/out" &&
+    grep -q "^broken	killed	test_fp8$" "$dir/out" && grep -q "^harmless	.*	unfinished	" "$dir/out" &&
+    [ "$(head -n 2 "$dir/lock.omp" | sort -u)" = "$threads" ] && [ "$(sed -n 3p "$dir/lock.omp")" = unset ] ||
+    { echo "FAIL: a time-out beside another test was not run again alone, or the threads were not split"
+      cat "$dir/out"; cat "$dir/lock.omp"; exit 1; }
 echo "ok"
