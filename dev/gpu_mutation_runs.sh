@@ -36,7 +36,8 @@
 # still alive rebuild, in parallel, only what the edit touches (make's dependency files decide); a stage
 # whose programs the edit does not touch cannot fail differently from the unmutated tree and is skipped
 # for that mutant. A mutant is killed by the first test that fails (or times out) and survives when all
-# pass. A test that exits 77 (skipped) kills nothing.
+# pass. A test that exits 77 (skipped) kills nothing. A mutant's unit programs run with GTEST_FAIL_FAST=1:
+# they stop at their first failing case.
 # Stages: build/test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu
 #   test_device_file_io test_mc_eval_gpu test_multi_gpu test_fp8 (make test's GPU programs), then the GPU script
 #   tests test_train_gpt2cu.sh test_resume.sh test_train_gpt2_cpu_vs_gpu.sh test_multi_gpu_trainer.sh
@@ -317,6 +318,7 @@ for s in "${stages[@]}"; do
     run_one='
         t0=$(date +%s.%N)
         if [ -n "$omp" ]; then export OMP_NUM_THREADS=$omp; fi
+        export GTEST_FAIL_FAST=1  # the first failure kills the mutant: the rest of the program need not run
         run_stage "$1/m/$2" "${@:3}" >>"$1/$2.log" 2>&1
         echo $? >"$1/$2.rc"
         python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$(date +%s.%N)" \
