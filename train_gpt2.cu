@@ -89,6 +89,7 @@ struct Options {
     bool checkpoint_async = true;
     bool stochastic_rounding = true;
     bool gemm_tune = true;
+    int dw_stream = 0;
     int recompute = 0;
     std::string fp8 = "0";
     int resume = 0;
@@ -188,6 +189,10 @@ inline Flags make_flags(Options& o) {
           "1: each training matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise "
           "the heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises; the "
           "multiple-choice evaluation always runs the heuristic's choice); 0: the heuristic's choice");
+    f.add("", "dw-stream", &o.dw_stream,
+          "backward's weight gradients on a second stream, beside the input gradients (the same numbers): 1 dwte, "
+          "fc's and qkv's; 2 also attproj's and fcproj's (one B x T x C bf16 buffer more); 0 one stream. For bf16 "
+          "steps on one GPU without -r 1; others run on one stream", 0, 2);
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
@@ -498,6 +503,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"save_model", o.save_model, R::Ranks},
         {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
         {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
+        {"dw_stream", format("%d", o.dw_stream), R::MayChange},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
     };
 }
@@ -1158,6 +1164,11 @@ int main(int argc, char** argv) {
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
         model.set_gemm_tuning(opt.gemm_tune);
         model.set_fp8(plan.fp8);
+        model.set_dw_stream(opt.dw_stream);
+        if (root && opt.dw_stream > 0 && model.dw_stream_applies() == 0) {
+            std::printf("note: --dw-stream %d applies to bf16 steps on one GPU without -r 1; backward runs on one "
+                        "stream\n", opt.dw_stream);
+        }
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);

@@ -67,6 +67,19 @@ backward). The history is the only FP8 state: a checkpoint holds it
 and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
 fc.grad) run in bf16.
 
+A second stream for backward's weight gradients (set_dw_stream, the trainer's --dw-stream): a weight
+gradient dW += dout^T x is read by nothing later in backward, so it can run beside the chain of input
+gradients, LayerNorm backwards and attention that every later kernel waits on. Level 1 moves dwte's
+classifier part, and each layer's fc and qkv dW (with their bias gradients) to a stream of its own, with
+its own cuBLASLt handle, workspace and scratch (and qkv's bias sums out of d_fch_ into a buffer of their
+own); level 2 also attproj's and fcproj's, which read the residual stream's gradient, so that the
+LayerNorm backwards then write it into the other of two buffers instead of adding to it in place. Events
+order the streams: the side waits for what it reads, the model's stream waits before it overwrites what
+the side still reads (d_fch_, d_qkv_, the bias sums, the residual gradient's other buffer), and once
+before the encoder's backward (which adds to dwte too). The same kernels run on the same inputs with the
+same algorithms (accumulating matmuls are never tuned), so the results are one stream's bit for bit. It
+applies to a bf16 step on one GPU without -r 1; other steps run on one stream.
+
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
 */
@@ -78,6 +91,7 @@ checkpoint holds (llmc/gpt2_checkpoint.cuh).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -302,6 +316,33 @@ public:
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
+    // Backward's weight gradients on a second stream (the file's comment): 0 one stream, 1 dwte, fc's and
+    // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). The
+    // first call asking for a level allocates what it needs (synchronising the stream). Steps it does not
+    // apply to (FP8 on, several ranks, -r 1) run on one stream: dw_stream_applies().
+    void set_dw_stream(int level) {
+        if (level < 0 || level > 2) fail(kExitUsage, "GPT2: weight-gradient stream level %d, need 0, 1 or 2", level);
+        if (level > 0 && dw_ == nullptr) {
+            cudaCheck(cudaStreamSynchronize(stream_));
+            dw_ = std::make_unique<DwSide>();
+            const int64_t N = int64_t(n_), C = config_.channels;
+            dw_->scratch.allocate(std::max(matmul_backward_scratch_bytes(N, int(4 * C)), size_t(1)));
+            dw_->qkvb_sums.allocate(size_t(N / kAttentionSumRows + 1) * size_t(3 * C));
+            memory_.scratch += dw_->scratch.bytes() + dw_->qkvb_sums.bytes() + dw_->lt.workspace_bytes();
+        }
+        if (level > 1 && dres2_.get() == nullptr) {
+            cudaCheck(cudaStreamSynchronize(stream_));
+            dres2_.allocate(nc_);
+            cudaCheck(cudaMemsetAsync(dres2_.get(), 0xff, dres2_.bytes(), stream_));  // poisoned, as act_grads_
+            memory_.activation_grads += dres2_.bytes();
+        }
+        dw_level_ = level;
+    }
+    int dw_stream() const { return dw_level_; }
+    // The level a backward of this model, as it is set now, runs at.
+    int dw_stream_applies() const {
+        return multi_ != nullptr || gelu_shared() || fp8_.any() ? 0 : dw_level_;
+    }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
     const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
@@ -606,8 +647,30 @@ public:
                  size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
         }
 
+        // Weight gradients on the side stream (set_dw_stream; dw = 0: everything on stream_). fork(): the side
+        // waits for what stream_ has queued so far; mark(e): the side got this far; await(e): stream_ waits
+        // for that.
+        const int dw = dw_stream_applies();
+        const cudaStream_t side = dw > 0 ? dw_->stream.get() : stream_;
+        float* side_scratch = dw > 0 ? reinterpret_cast<float*>(dw_->scratch.get()) : fscratch;
+        const size_t side_bytes = dw > 0 ? dw_->scratch.bytes() : sbytes;
+        auto fork = [&]() {
+            cudaCheck(cudaEventRecord(dw_->ready, stream_));
+            cudaCheck(cudaStreamWaitEvent(side, dw_->ready, 0));
+        };
+        auto mark = [&](cudaEvent_t e) { cudaCheck(cudaEventRecord(e, side)); };
+        auto await = [&](cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(stream_, e, 0)); };
+        // The residual stream's gradient: res[cur]. At level 2 each LayerNorm backward reads it from one buffer
+        // and writes the sum to the other (the side's attproj and fcproj dW still read the old one).
+        floatX* res[2] = {d_residual_, dw >= 2 ? dres2_.get() : d_residual_};
+        int cur = 0;
+
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        if (classifier_grad_rows_ == 0) {
+        if (classifier_grad_rows_ == 0 && dw > 0) {
+            fork();
+            matmul_backward_dw(dw_->lt, gw.wte, nullptr, logits_, lnf_, N, C, Vp, side_scratch, side_bytes, side);
+            matmul_backward_dx(lt_, d_ln_, logits_, w.wte, N, C, Vp, stream_);
+        } else if (classifier_grad_rows_ == 0) {
             matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
         } else {
             // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
@@ -672,8 +735,17 @@ public:
                                    Fp8Epilogue{nullptr, nullptr, a.fch});
                     });
                 }
-                matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, d_residual_, a.fch_gelu,
-                                b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);  // fcprojb: see above
+                if (dw > 0 && l < L - 1) await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
+                if (dw >= 2) {
+                    fork();
+                    matmul_backward_dw(dw_->lt, gb.fcprojw, nullptr, res[cur], a.fch_gelu, N, 4 * C, C, side_scratch,
+                                       side_bytes, side);
+                    mark(dw_->fcproj_done);
+                    matmul_backward_dx(lt_, d_fch_, res[cur], b.fcprojw, N, 4 * C, C, stream_, a.fch);
+                } else {
+                    matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
+                                    b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);  // fcprojb: see above
+                }
             }
             if (fp8_fc_grad) {
                 // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 (E4M3 with fc.grad.e4m3) both ways at the
@@ -705,11 +777,23 @@ public:
             } else {
                 const floatX* ln2 =
                     a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
-                matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes, stream_);
+                if (dw > 0) {
+                    fork();
+                    matmul_backward_dw(dw_->lt, gb.fcw, gb.fcb, d_fch_, ln2, N, C, 4 * C, side_scratch, side_bytes, side);
+                    mark(dw_->fc_done);
+                    matmul_backward_dx(lt_, d_ln_, d_fch_, b.fcw, N, C, 4 * C, stream_);
+                } else {
+                    matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes,
+                                    stream_);
+                }
             }
-            layernorm_backward(d_residual_, gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
+            if (dw >= 2) {
+                if (l < L - 1) await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
+                cur = 1 - cur;
+            }
+            layernorm_backward(res[cur], gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr,
-                               gb.attprojb);
+                               gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
             // residual2 = residual + attproj(attention(qkv(ln1))).
             if (fp8_attproj) {
                 with_grad_format([&](auto format) {
@@ -718,19 +802,30 @@ public:
                                fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
                 });
             }
-            matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, d_residual_, a.atty,
-                            b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
+            if (dw >= 2) {
+                fork();
+                matmul_backward_dw(dw_->lt, gb.attprojw, nullptr, res[cur], a.atty, N, C, C, side_scratch, side_bytes,
+                                   side);
+                mark(dw_->attproj_done);
+                matmul_backward_dx(lt_, d_atty_, res[cur], b.attprojw, N, C, C, stream_);
+            } else {
+                matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
+                                b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
+            }
             // qkv.grad.delayed, with a history: attention's backward writes dqkv in FP8 itself at the layer's
             // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
             const bool dqkv_delayed = fp8_qkv_grad && fp8_.qkv_grad_delayed && fp8_fcproj_w;
             const bool dqkv_fused = dqkv_delayed && !measure && attention_backward_fp8_available(B, T, C, NH);
             // qkv's backward in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
             // block's column sums of dqkv for the bias gradient as it stores it (no pass over dqkv for it), in
-            // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below).
+            // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or
+            // with the side stream (whose fc dW may still read d_fch_) in a buffer of their own.
             float* qkvb_sums = nullptr;
             if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
-                qkvb_sums = reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
+                qkvb_sums = dw > 0 ? dw_->qkvb_sums.get()
+                                   : reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
+            if (dw > 0 && l < L - 1) await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
             if (!dqkv_fused) {
                 attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                    scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr,
@@ -788,19 +883,34 @@ public:
             } else {
                 const floatX* ln1 =
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
-                matmul_backward(lt_, d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, d_qkv_, ln1, b.qkvw, N,
-                                C, 3 * C, fscratch, sbytes, stream_);
-                if (qkvb_sums != nullptr) {
-                    bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, stream_);
+                floatX* qkvb = qkvb_sums != nullptr ? nullptr : gb.qkvb;
+                if (dw > 0) {
+                    fork();
+                    matmul_backward_dw(dw_->lt, gb.qkvw, qkvb, d_qkv_, ln1, N, C, 3 * C, side_scratch, side_bytes, side);
+                    matmul_backward_dx(lt_, d_ln_, d_qkv_, b.qkvw, N, C, 3 * C, stream_);
+                } else {
+                    matmul_backward(lt_, d_ln_, gb.qkvw, qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
                 }
+                if (qkvb_sums != nullptr) {
+                    bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, side);
+                }
+                if (dw > 0) mark(dw_->qkv_done);
             }
-            layernorm_backward(d_residual_, gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
+            if (dw >= 2) {
+                await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
+                cur = 1 - cur;
+            }
+            layernorm_backward(res[cur], gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
                                fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr,
-                               l > 0 ? fcprojb_grad(l - 1) : nullptr);
+                               l > 0 ? fcprojb_grad(l - 1) : nullptr, dw >= 2 ? res[1 - cur] : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
-        encoder_backward(gw.wte, gw.wpe, d_residual_, inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
+        if (dw > 0) {  // every weight gradient is in (the encoder's backward adds to dwte too)
+            mark(dw_->done);
+            await(dw_->done);
+        }
+        encoder_backward(gw.wte, gw.wpe, res[cur], inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
         if (fp8_fcproj_w) {
             // The amaxes this forward and backward measured join the history (the ranks' largest, so that
             // every rank's history, and scales, stay equal).
@@ -1420,6 +1530,20 @@ private:
     __nv_fp8_e4m3* fch_gelu_q_ = nullptr;                 // with FP8 fcproj, per layer (fch_gelu_ then one layer)
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
+    // The weight gradients' stream (set_dw_stream) and what it needs of its own; dres2_: the residual
+    // stream's gradient's second buffer (level 2).
+    struct DwSide {
+        Stream stream;
+        CublasLt lt;
+        // ready: the model's stream got this far (the side waits for it); the others: the side is done with
+        // layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
+        Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
+        DeviceBuffer<char> scratch;     // the bias gradients' partial sums
+        DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
+    };
+    std::unique_ptr<DwSide> dw_;
+    int dw_level_ = 0;
+    DeviceBuffer<floatX> dres2_;
 };
 
 }  // namespace llmc

@@ -26,7 +26,9 @@ Provides:
                      (the residual stream's gradient is the projections' dout), bit for bit what
                      bias_grad_accumulate (llmc/matmul.cuh) adds, without another pass over dinp
                      (where the fused kernel's extra shared memory would cost it blocks an SM, as on
-                     sm_86 and sm_89, bias_grad_accumulate itself runs after it).
+                     sm_86 and sm_89, bias_grad_accumulate itself runs after it). Optionally the
+                     gradient added to is read from another buffer (dres: dinp = dres + ...), so
+                     that it stays intact for readers on another stream.
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
 
 Does not provide: a residual backward kernel (the residual gradient is passed through by accumulating
@@ -332,9 +334,9 @@ inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
 }
 
 namespace detail {
-// dinp[row] += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout, by one
-// warp; returns the lane's max |dinp| (for the amax).
-__device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dout, const floatX* inp,
+// dinp[row] = dres[row] + rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout,
+// by one warp (dres == dinp: in place); returns the lane's max |dinp| (for the amax).
+__device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dres, const floatX* dout, const floatX* inp,
                                                const floatX* weight, const float* mean, const float* rstd, int64_t row,
                                                int C) {
     const int lane = threadIdx.x % kWarpSize;
@@ -353,10 +355,11 @@ __device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dout,
     const float dnorm_mean = warp_sum(dnorm_sum) / float(C);
     const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / float(C);
     floatX* dx = dinp + row * C;
+    const floatX* dr = dres + row * C;
     float out_max = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
         const PackX px = load128(x + c), pd = load128(d + c), pw = load128(weight + c);
-        PackX o = load128(dx + c);
+        PackX o = load128(dr + c);
         for (int k = 0; k < kPackX; k++) {
             const float norm = (float(px[k]) - m) * s;
             const float dnorm = float(pw[k]) * float(pd[k]);
@@ -371,11 +374,12 @@ __device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dout,
 
 // detail::layernorm_backward_row for every row, a warp each.
 static __global__ void __launch_bounds__(kLayerNormBlock)
-    layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dout, const floatX* inp, const floatX* weight,
-                                   const float* mean, const float* rstd, int64_t N, int C, unsigned int* amax) {
+    layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dres, const floatX* dout, const floatX* inp,
+                                   const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
+                                   unsigned int* amax) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
     float out_max = 0.0f;
-    if (row < N) out_max = detail::layernorm_backward_row(dinp, dout, inp, weight, mean, rstd, row, C);
+    if (row < N) out_max = detail::layernorm_backward_row(dinp, dres, dout, inp, weight, mean, rstd, row, C);
     fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
@@ -494,9 +498,9 @@ namespace detail {
 // kSumDinp: a third sum, of the new dinp as stored (bf16), into partial_dinp, in the same order.
 template <int P, bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
-    layernorm_backward_fused_kernel(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
-                                    const floatX* inp, const floatX* weight, const float* mean, const float* rstd,
-                                    int64_t N, int C, unsigned int* amax) {
+    layernorm_backward_fused_kernel(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
+                                    const floatX* dout, const floatX* inp, const floatX* weight, const float* mean,
+                                    const float* rstd, int64_t N, int C, unsigned int* amax) {
     // acc[warp][0 dweight, 1 dbias, 2 dinp][p][half of the pack][lane]: channels (p * 32 + lane) * 8 + 4 *
     // half ..
     extern __shared__ float4 acc[];
@@ -516,14 +520,14 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     }
     float out_max = 0.0f;
     for (int64_t row = chunk * kLayerNormRowsPerChunk + warp; row < row_end; row += kLayerNormRowsPerBlock) {
-        PackX x[P], d[P], o[P];  // the row's inp, dout and dinp
+        PackX x[P], d[P], o[P];  // the row's inp, dout and old dinp (from dres)
 #pragma unroll
         for (int p = 0; p < P; p++) {
             const int c = (p * kWarpSize + lane) * kPackX;
             if (c < C) {
                 x[p] = load128(inp + row * C + c);
                 d[p] = load128(dout + row * C + c);
-                o[p] = load128(dinp + row * C + c);
+                o[p] = load128(dres + row * C + c);
             }
         }
         const float m = mean[row], s = rstd[row];
@@ -625,9 +629,9 @@ inline bool layernorm_backward_fuses(int C) {
     return ceil_div(C, kLayerNormColumnsPerBlock) <= kLayerNormFusedMaxPacks;
 }
 
-inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
-                                          const floatX* inp, const floatX* weight, const float* mean,
-                                          const float* rstd, int64_t N, int C, cudaStream_t stream,
+inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
+                                          const floatX* dout, const floatX* inp, const floatX* weight,
+                                          const float* mean, const float* rstd, int64_t N, int C, cudaStream_t stream,
                                           unsigned int* amax = nullptr) {
     if (!layernorm_backward_fuses(C)) {
         fail(kExitUsage, "layernorm_backward: the fused kernel takes C up to %d, not %d",
@@ -642,8 +646,8 @@ inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* p
         if constexpr (smem > 48 * 1024) {  // at every launch: the setting is the current device's
             cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
         }
-        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(dinp, partial, partial_dinp, dout,
-                                                                                  inp, weight, mean, rstd, N, C, amax);
+        kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(
+            dinp, dres, partial, partial_dinp, dout, inp, weight, mean, rstd, N, C, amax);
     };
     auto with_sums = [&](auto p) {
         if (partial_dinp != nullptr) {
@@ -660,12 +664,12 @@ inline void layernorm_backward_rows_fused(floatX* dinp, float* partial, float* p
     cudaCheckLaunch();
 }
 
-inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, float* partial_dinp, const floatX* dout,
-                                             const floatX* inp, const floatX* weight, const float* mean,
-                                             const float* rstd, int64_t N, int C, cudaStream_t stream,
-                                             unsigned int* amax = nullptr) {
+inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
+                                             const floatX* dout, const floatX* inp, const floatX* weight,
+                                             const float* mean, const float* rstd, int64_t N, int C,
+                                             cudaStream_t stream, unsigned int* amax = nullptr) {
     layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
-                                     stream>>>(dinp, dout, inp, weight, mean, rstd, N, C, amax);
+                                     stream>>>(dinp, dres, dout, inp, weight, mean, rstd, N, C, amax);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
     if (partial_dinp != nullptr) {
@@ -685,11 +689,20 @@ inline void layernorm_backward_rows_separate(floatX* dinp, float* partial, float
 // |dinp| (its values after the addition) into it, as layernorm_forward's. next_dbias (optional, C): +=
 // the column sums of dinp after the addition, bit for bit as bias_grad_accumulate (llmc/matmul.cuh)
 // would add them from dinp (the same 256-row chunks, warps and orders), in the same passes.
+// dres (optional, N x C, not overlapping dinp): the gradient to add to is read from dres instead of dinp,
+// and dinp = dres + the LayerNorm's part, with the same arithmetic; dres is left as it was (GPT2's
+// backward keeps it for weight gradients still running on another stream).
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
                                float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr,
-                               floatX* next_dbias = nullptr) {
-    detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight});
+                               floatX* next_dbias = nullptr, const floatX* dres = nullptr) {
+    detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight, dres});
+    if (dres == nullptr) {
+        dres = dinp;
+    } else if (dres != dinp && dres < dinp + N * C && dinp < dres + N * C) {
+        fail(kExitUsage, "layernorm_backward: dres (%p) and dinp (%p) overlap without being the same rows (N=%lld C=%d)",
+             static_cast<const void*>(dres), static_cast<const void*>(dinp), (long long)N, C);
+    }
     if (scratch_bytes < layernorm_backward_scratch_bytes(N, C)) {
         fail(kExitUsage, "layernorm_backward: scratch of %zu bytes, N=%lld C=%d needs %zu", scratch_bytes,
              (long long)N, C, layernorm_backward_scratch_bytes(N, C));
@@ -701,18 +714,18 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
         if (partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C)) {
             // Where the sums would halve the fused kernel's blocks an SM: without them, and next_dbias from
             // the bias gradient's own pass over dinp (the same bits), in the same part of the scratch.
-            detail::layernorm_backward_rows_fused(dinp, scratch, nullptr, dout, inp, weight, mean, rstd, N, C, stream,
-                                                  amax);
+            detail::layernorm_backward_rows_fused(dinp, dres, scratch, nullptr, dout, inp, weight, mean, rstd, N, C,
+                                                  stream, amax);
             bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);
             next_dbias = nullptr;
             partial_dinp = nullptr;
         } else {
-            detail::layernorm_backward_rows_fused(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C,
-                                                  stream, amax);
+            detail::layernorm_backward_rows_fused(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
+                                                  C, stream, amax);
         }
     } else {
-        detail::layernorm_backward_rows_separate(dinp, scratch, partial_dinp, dout, inp, weight, mean, rstd, N, C,
-                                                 stream, amax);
+        detail::layernorm_backward_rows_separate(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
+                                                 C, stream, amax);
     }
     layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
         dweight, dbias, next_dbias, scratch, partial_dinp, chunks, C);

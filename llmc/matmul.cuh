@@ -534,14 +534,23 @@ inline void matmul_backward_dx(const CublasLt& lt, floatX* dinp, const floatX* d
          0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
 }
 
+// The weight (and bias) gradient half of matmul_backward: dweight += dout^T inp, dbias += dout's column
+// sums. It reads neither dinp nor weight, so it may run on a stream of its own (with its own CublasLt and
+// scratch) beside the input gradient: GPT2's backward does (llmc/gpt2.cuh, set_dw_stream).
+inline void matmul_backward_dw(const CublasLt& lt, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
+                               int64_t N, int C, int OC, float* scratch, size_t scratch_bytes, cudaStream_t stream) {
+    if (N == 0) return;
+    gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
+         0, 1, 1.0f, 1.0f);
+    if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);
+}
+
 inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                             const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
                             size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
     if (N == 0) return;
     if (dinp != nullptr) matmul_backward_dx(lt, dinp, dout, weight, N, C, OC, stream, pre_gelu);
-    gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
-         0, 1, 1.0f, 1.0f);
-    if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);
+    matmul_backward_dw(lt, dweight, dbias, dout, inp, N, C, OC, scratch, scratch_bytes, stream);
 }
 
 }  // namespace llmc

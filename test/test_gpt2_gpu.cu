@@ -26,6 +26,8 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
   - a forward smaller than the allocation (B=1, T=10, as sampling does) matches the CPU.
   - determinism: two fresh models, same weights and batches, 5 training steps: losses, norms and the
     final bf16 parameters bitwise identical.
+  - backward's weight gradients on a second stream (levels 1 and 2): the same losses, norms, gradients and
+    final parameters as one stream, bit for bit, over 3 steps of 2 micro-batches.
   - FP8 mode (every FP8 matmul on; skipped on GPUs without FP8 tensor cores): the forward and backward
     against the CPU at every shape (and again with the classifier's backward in bf16, and with the GELU
     gradient in E4M3), the 10 AdamW steps, gradient accumulation and the determinism test again (with and
@@ -568,6 +570,82 @@ TEST_F(GPT2TrainingTest, TwoRunsAreBitwiseIdentical) {
             << "final parameters differ";
         EXPECT_NE(a.losses.front(), a.losses.back()) << "the steps changed nothing";
     }
+}
+
+// Backward's weight gradients on a second stream (GPT2::set_dw_stream) run the same kernels on the same
+// inputs: levels 1 and 2 must give level 0's losses, gradient norms, final gradients and parameters bit for
+// bit, over steps of two micro-batches (the side stream's accumulation into the gradients of the first
+// micro-batch, and the next micro-batch's forward after it, are ordered too). d2 runs flash attention
+// (whose backward sums dqkv's columns for qkv's bias where the Hopper kernels run), C=96 the cuBLASLt one.
+// A model with -r 1 runs backward on one stream; a level past 2 is refused.
+TEST_F(GPT2TrainingTest, WeightGradientsOnASecondStreamKeepTheBits) {
+    for (const Case& k : {cases()[0], cases()[1]}) {
+        SCOPED_TRACE(k.name);
+        const GPT2Config& c = k.config;
+        const int B = 4, T = 64, steps = 3, micro = 2;
+        const size_t N = size_t(B) * T;
+        const std::vector<float> params = test_parameters(c, 61);
+        std::vector<std::vector<int>> batches;
+        for (int s = 0; s < 2 * steps * micro; s++) {
+            batches.push_back(random_tokens<int>(N, c.vocab_size, 62 + uint64_t(s)));
+        }
+        struct Run {
+            std::vector<float> losses, norms;
+            std::vector<floatX> grads, final_params;
+        };
+        auto run = [&](int level) {
+            Stream stream;
+            GPT2 gpu(c, B, T, stream);
+            gpu.set_dw_stream(level);
+            EXPECT_EQ(gpu.dw_stream_applies(), level);
+            gpu.set_parameters(params);
+            AdamWSettings settings;
+            settings.learning_rate = 3e-3f;
+            settings.weight_decay = 0.1f;
+            Run r;
+            std::vector<DeviceBuffer<int>> d_batches;
+            for (const auto& b : batches) d_batches.push_back(upload(b));
+            for (int s = 0; s < steps; s++) {
+                gpu.zero_grad();
+                for (int m = 0; m < micro; m++) {
+                    const size_t i = size_t(2 * (s * micro + m));
+                    gpu.forward(d_batches[i].get(), d_batches[i + 1].get(), B, T, nullptr, 1.0f / float(N * micro));
+                    gpu.backward(d_batches[i].get(), B, T);
+                    r.losses.push_back(download_scalar(gpu.mean_loss(), stream));
+                }
+                if (s == steps - 1) r.grads = download(gpu.grads(), size_t(gpu.num_parameters()), stream);
+                gpu.update(settings, 1.0f, s + 1, 4321);
+                r.norms.push_back(download_scalar(gpu.grad_norm(), stream));
+            }
+            r.final_params = download(gpu.params(), size_t(gpu.num_parameters()), stream);
+            return r;
+        };
+        const Run base = run(0);
+        for (int level : {1, 2}) {
+            SCOPED_TRACE("level " + std::to_string(level));
+            const Run r = run(level);
+            for (size_t i = 0; i < r.losses.size(); i++) {
+                std::printf("    level %d micro-batch %zu  loss %.9g / %.9g\n", level, i + 1, double(r.losses[i]),
+                            double(base.losses[i]));
+            }
+            EXPECT_EQ(0, std::memcmp(r.losses.data(), base.losses.data(), r.losses.size() * sizeof(float)))
+                << "losses differ";
+            EXPECT_EQ(0, std::memcmp(r.norms.data(), base.norms.data(), r.norms.size() * sizeof(float)))
+                << "norms differ";
+            EXPECT_EQ(0, std::memcmp(r.grads.data(), base.grads.data(), r.grads.size() * sizeof(floatX)))
+                << "the last step's gradients differ";
+            EXPECT_EQ(0, std::memcmp(r.final_params.data(), base.final_params.data(),
+                                     r.final_params.size() * sizeof(floatX)))
+                << "final parameters differ";
+        }
+        EXPECT_NE(base.losses.front(), base.losses.back()) << "the steps changed nothing";
+    }
+    Stream stream;
+    GPT2 recompute(cases()[0].config, 4, 64, stream, nullptr, 0, /*recompute_gelu=*/true);
+    recompute.set_dw_stream(2);
+    EXPECT_EQ(recompute.dw_stream(), 2);
+    EXPECT_EQ(recompute.dw_stream_applies(), 0) << "-r 1 runs backward on one stream";
+    expect_error([&] { recompute.set_dw_stream(3); }, kExitUsage, {"weight-gradient stream level 3, need 0, 1 or 2"});
 }
 
 // FP8 runs a call's matmuls in bf16 when its B x T is not a multiple of 16 (as sampling's B=1 rows are):

@@ -492,13 +492,21 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
         const auto nb0 = random_bf16(size_t(s.C), 27, 4.0f);
         const std::vector<unsigned char> nb0_bits = bytes_of(upload_bf16(nb0).get(), size_t(s.C));
         std::vector<unsigned char> first[4];
-        for (int run = 0; run < 3; run++) {  // the trainer's path twice, then without next_dbias
-            const bool next = run < 2;
+        const std::vector<unsigned char> dinp0_bits = bytes_of(upload_bf16(dinp0).get(), n);
+        // The trainer's path twice, then without next_dbias, then reading the gradient to add to from another
+        // buffer (dres: GPT2's backward with weight gradients on a second stream).
+        for (int run = 0; run < 4; run++) {
+            const bool next = run != 2, from_dres = run == 3;
             auto d_dinp = upload_bf16(dinp0), d_dw = upload_bf16(dw0), d_db = upload_bf16(db0), d_nb = upload_bf16(nb0);
+            auto d_dres = upload_bf16(dinp0);
+            if (from_dres) poison(d_dinp);
             poison(scratch);
             layernorm_backward(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
                                d_rstd.get(), N, s.C, scratch.get(), scratch_bytes, kStream, nullptr,
-                               next ? d_nb.get() : nullptr);
+                               next ? d_nb.get() : nullptr, from_dres ? d_dres.get() : nullptr);
+            if (from_dres) {
+                expect_bitwise("dres left as it was", bytes_of(d_dres.get(), n), dinp0_bits);
+            }
             std::vector<unsigned char> bits[4] = {bytes_of(d_dinp.get(), n), bytes_of(d_dw.get(), size_t(s.C)),
                                                   bytes_of(d_db.get(), size_t(s.C)), bytes_of(d_nb.get(), size_t(s.C))};
             if (run == 0) {
@@ -525,7 +533,7 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
                 expect_close("next_dbias (relative to what was added)", nb, nb_cpu, kTolBf16, &nb0);
                 for (int i = 0; i < 4; i++) first[i] = bits[i];
             } else {
-                SCOPED_TRACE(next ? "run twice" : "without next_dbias");
+                SCOPED_TRACE(from_dres ? "from dres" : next ? "run twice" : "without next_dbias");
                 expect_bitwise("dinp", bits[0], first[0]);
                 expect_bitwise("dweight", bits[1], first[1]);
                 expect_bitwise("dbias", bits[2], first[2]);
@@ -539,42 +547,59 @@ TEST_F(KernelTest, LayerNormBackwardMatchesCpuAndIsDeterministic) {
         // Where the fused kernel runs (C <= 768), the separate row and partial kernels (what larger C runs)
         // must give the same dinp and chunk partials (dinp's column sums included) bit for bit.
         if (detail::layernorm_backward_fuses(s.C)) {
-            SCOPED_TRACE("fused kernel against the separate kernels");
+            SCOPED_TRACE("fused kernel against the separate kernels, in place and from dres");
             const size_t n_partial = scratch_bytes / sizeof(float);
             float* partial_dinp = scratch.get() + layernorm_chunks(N) * 2 * s.C;
-            std::vector<unsigned char> dinp_bits[2], partial_bits[2];
-            unsigned int amax_bits[2] = {0, 0};
+            // way 0: fused, 1: separate, 2 and 3: the same from dres (dinp poisoned, dres left alone).
+            std::vector<unsigned char> dinp_bits[4], partial_bits[4];
+            unsigned int amax_bits[4] = {0, 0, 0, 0};
             float dinp_max = 0.0f;
-            for (int way = 0; way < 2; way++) {
-                auto d_dinp = upload_bf16(dinp0);
+            for (int way = 0; way < 4; way++) {
+                const bool from_dres = way >= 2;
+                auto d_dinp = upload_bf16(dinp0), d_dres = upload_bf16(dinp0);
+                if (from_dres) poison(d_dinp);
                 poison(scratch);
                 DeviceBuffer<unsigned int> amax(1);
                 cudaCheck(cudaMemset(amax.get(), 0, sizeof(unsigned int)));
-                auto rows = way == 0 ? detail::layernorm_backward_rows_fused : detail::layernorm_backward_rows_separate;
-                rows(d_dinp.get(), scratch.get(), partial_dinp, d_dout.get(), d_inp.get(), d_w.get(), d_mean.get(),
-                     d_rstd.get(), N, s.C, kStream, amax.get());
+                auto rows = way % 2 == 0 ? detail::layernorm_backward_rows_fused : detail::layernorm_backward_rows_separate;
+                rows(d_dinp.get(), from_dres ? d_dres.get() : d_dinp.get(), scratch.get(), partial_dinp, d_dout.get(),
+                     d_inp.get(), d_w.get(), d_mean.get(), d_rstd.get(), N, s.C, kStream, amax.get());
                 dinp_bits[way] = bytes_of(d_dinp.get(), n);
                 partial_bits[way] = bytes_of(scratch.get(), n_partial);
                 cudaCheck(cudaMemcpy(&amax_bits[way], amax.get(), sizeof(unsigned int), cudaMemcpyDeviceToHost));
+                if (from_dres) expect_bitwise("dres left as it was", bytes_of(d_dres.get(), n), dinp0_bits);
                 if (way == 0) {
                     for (float v : download_bf16(d_dinp.get(), n)) dinp_max = std::max(dinp_max, std::fabs(v));
                 }
             }
-            expect_bitwise("dinp", dinp_bits[1], dinp_bits[0]);
-            expect_bitwise("dweight, dbias and dinp chunk partials", partial_bits[1], partial_bits[0]);
-            // The amax both ways record for an FP8 copy of dinp: exactly max |dinp|.
-            float amax_f[2];
-            std::memcpy(amax_f, amax_bits, sizeof(amax_f));
-            EXPECT_EQ(amax_f[0], dinp_max) << "fused kernel's amax of dinp";
-            EXPECT_EQ(amax_f[1], dinp_max) << "separate kernels' amax of dinp";
+            const char* names[4] = {"fused", "separate", "fused from dres", "separate from dres"};
+            for (int way = 1; way < 4; way++) {
+                SCOPED_TRACE(names[way]);
+                expect_bitwise("dinp", dinp_bits[way], dinp_bits[0]);
+                expect_bitwise("dweight, dbias and dinp chunk partials", partial_bits[way], partial_bits[0]);
+            }
+            // The amax every way records for an FP8 copy of dinp: exactly max |dinp|.
+            for (int way = 0; way < 4; way++) {
+                float amax_f;
+                std::memcpy(&amax_f, &amax_bits[way], sizeof(amax_f));
+                EXPECT_EQ(amax_f, dinp_max) << names[way] << ": amax of dinp";
+            }
         }
     }
     expect_error([&] {
         DeviceBuffer<floatX> x(16 * 1024);
         DeviceBuffer<float> f(3 * 1024);
-        detail::layernorm_backward_rows_fused(x.get(), f.get(), nullptr, x.get(), x.get(), x.get(), f.get(), f.get(),
-                                              16, 1024, kStream);
+        detail::layernorm_backward_rows_fused(x.get(), x.get(), f.get(), nullptr, x.get(), x.get(), x.get(), f.get(),
+                                              f.get(), 16, 1024, kStream);
     }, kExitUsage, {"layernorm_backward: the fused kernel takes C up to 768, not 1024"});
+    expect_error([&] {  // dinp is rows 1-2 of x, dres rows 0-1: one row overlaps
+        DeviceBuffer<floatX> x(3 * 64), dout(2 * 64), w(64);
+        DeviceBuffer<float> stats(2);
+        const size_t sb = layernorm_backward_scratch_bytes(2, 64);
+        DeviceBuffer<float> scratch(sb / sizeof(float));
+        layernorm_backward(x.get() + 64, w.get(), w.get(), dout.get(), dout.get(), w.get(), stats.get(), stats.get(), 2,
+                           64, scratch.get(), sb, kStream, nullptr, nullptr, x.get());
+    }, kExitUsage, {"layernorm_backward: dres", "and dinp", "overlap"});
 }
 
 // ----------------------------------------------------------------------------------------------------
