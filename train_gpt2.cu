@@ -651,6 +651,12 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
                 model.multi() ? format(", rank 0 on GPU %d", model.multi()->device()).c_str() : "",
                 !data.train ? "none" : data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
+    if (model.dw_stream() > 0) {
+        std::printf("backward: %s\n", model.dw_stream_applies() > 0
+                                          ? format("weight gradients on a second stream (--dw-stream %d)",
+                                                   model.dw_stream_applies()).c_str()
+                                          : "one stream (--dw-stream applies to bf16 steps on one GPU without -r 1)");
+    }
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
     std::printf("GPU memory in use after allocation (all of it, CUDA context included): %s of %s\n",
@@ -1165,10 +1171,6 @@ int main(int argc, char** argv) {
         model.set_gemm_tuning(opt.gemm_tune);
         model.set_fp8(plan.fp8);
         model.set_dw_stream(opt.dw_stream);
-        if (root && opt.dw_stream > 0 && model.dw_stream_applies() == 0) {
-            std::printf("note: --dw-stream %d applies to bf16 steps on one GPU without -r 1; backward runs on one "
-                        "stream\n", opt.dw_stream);
-        }
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);

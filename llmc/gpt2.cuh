@@ -317,11 +317,14 @@ public:
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
     // Backward's weight gradients on a second stream (the file's comment): 0 one stream, 1 dwte, fc's and
-    // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). The
-    // first call asking for a level allocates what it needs (synchronising the stream). Steps it does not
-    // apply to (FP8 on, several ranks, -r 1) run on one stream: dw_stream_applies().
+    // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). It applies
+    // to bf16 steps on one GPU without recompute: set FP8 (set_fp8) first. Where it applies, the first call
+    // asking for a level allocates what it needs (synchronising the stream); elsewhere, and after a later
+    // set_fp8 turning FP8 on, backward runs on one stream (dw_stream_applies() says which).
     void set_dw_stream(int level) {
         if (level < 0 || level > 2) fail(kExitUsage, "GPT2: weight-gradient stream level %d, need 0, 1 or 2", level);
+        dw_level_ = level;
+        if (!dw_stream_possible()) return;
         if (level > 0 && dw_ == nullptr) {
             cudaCheck(cudaStreamSynchronize(stream_));
             dw_ = std::make_unique<DwSide>();
@@ -336,12 +339,12 @@ public:
             cudaCheck(cudaMemsetAsync(dres2_.get(), 0xff, dres2_.bytes(), stream_));  // poisoned, as act_grads_
             memory_.activation_grads += dres2_.bytes();
         }
-        dw_level_ = level;
     }
     int dw_stream() const { return dw_level_; }
-    // The level a backward of this model, as it is set now, runs at.
+    // The level backward runs at, as the model is set now (0: one stream).
     int dw_stream_applies() const {
-        return multi_ != nullptr || gelu_shared() || fp8_.any() ? 0 : dw_level_;
+        if (!dw_stream_possible() || dw_ == nullptr) return 0;
+        return dw_level_ >= 2 && dres2_.get() == nullptr ? 1 : dw_level_;
     }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
@@ -1230,6 +1233,8 @@ private:
         }
         write();
     }
+    // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
+    bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.any(); }
     // Whether a call of N rows runs fcproj in FP8 (else bf16: a bf16 GELU output in the shared buffer).
     bool fp8_fcproj_on(int64_t N) const { return fp8_.fcproj && fp8_.fc && fp8_rows(N) && !recompute_gelu_; }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).

@@ -646,6 +646,18 @@ TEST_F(GPT2TrainingTest, WeightGradientsOnASecondStreamKeepTheBits) {
     EXPECT_EQ(recompute.dw_stream(), 2);
     EXPECT_EQ(recompute.dw_stream_applies(), 0) << "-r 1 runs backward on one stream";
     expect_error([&] { recompute.set_dw_stream(3); }, kExitUsage, {"weight-gradient stream level 3, need 0, 1 or 2"});
+    // What the side stream holds shows in memory(): level 2's second residual gradient buffer among the
+    // activation gradients, its scratch and cuBLASLt workspace in scratch.
+    const GPT2Config& c = cases()[0].config;
+    GPT2 one(c, 4, 64, stream), two(c, 4, 64, stream);
+    two.set_dw_stream(2);
+    EXPECT_EQ(two.memory().activation_grads - one.memory().activation_grads,
+              size_t(4 * 64) * size_t(c.channels) * sizeof(floatX));
+    EXPECT_GT(two.memory().scratch, one.memory().scratch + kCublasWorkspaceBytes - 1);
+    if (fp8_supported()) {
+        two.set_fp8(kAllFp8);
+        EXPECT_EQ(two.dw_stream_applies(), 0) << "FP8 runs backward on one stream";
+    }
 }
 
 // FP8 runs a call's matmuls in bf16 when its B x T is not a multiple of 16 (as sampling's B=1 rows are):
