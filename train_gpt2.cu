@@ -89,7 +89,7 @@ struct Options {
     bool checkpoint_async = true;
     bool stochastic_rounding = true;
     bool gemm_tune = true;
-    int dw_stream = 0;
+    int dw_stream = 2;
     int recompute = 0;
     std::string fp8 = "0";
     int resume = 0;

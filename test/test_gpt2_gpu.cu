@@ -38,7 +38,10 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
     FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). grad.e4m3 changes the
     block weight gradients of a step against all's (E4M3 casts, not E5M2) and keeps them within the FP8
-    gradient tolerance. After a step whose GELU output and GELU gradient amax histories are cut to 1/64
+    gradient tolerance, and it reaches the residual stream's gradient (the last layer's fcproj weight
+    gradient differs from fc.grad.e4m3's). The kept FP8 LayerNorm outputs each keep their own scale: with
+    ln1 and ln2 16x apart, and the step after ln2's weights grew 8x, the gradients match the CPU. After a
+    step whose GELU output and GELU gradient amax histories are cut to 1/64
     (as after a 64x spike), the model's count of tensors that outgrew their history (fp8_outgrown) is 0
     after the first step and at least 2 L after the next. The trainer's --fp8 values parse to the matmuls
     they name (this one runs without a GPU).
@@ -826,6 +829,71 @@ TEST_F(GPT2TrainingTest, GradE4m3CastsTheGradientsInE4m3) {
         EXPECT_GT(rel, 0.0) << t.name << ": grad.e4m3 changed nothing";
         EXPECT_LT(rel, kFp8Tol.grad) << t.name;
     }
+}
+
+// The LayerNorm outputs FP8 keeps for backward (ln1, ln2: E4M3 at delayed scales with fcproj) each have
+// their own scale. With ln1's weights a quarter and ln2's four times test_parameters' (their amaxes ~16x
+// apart), a weight gradient that read one back with the other's descale would be ~16x off; the gradients
+// must match the CPU within the FP8 tolerance. Then ln2's weights grow 8x: the step after that saturates
+// (its scale comes from a history that has not seen the new amax, and measures it), and the step after
+// that must match the CPU again, which it cannot if ln2's scales do not follow their history.
+TEST_F(GPT2TrainingTest, Fp8KeptLayerNormOutputsUseTheirOwnScales) {
+    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    const Case& k = cases()[0];
+    const GPT2Config& c = k.config;
+    const int B = k.B, T = k.T;
+    const size_t N = size_t(B) * T;
+    const auto tensors = param_tensors(c);
+    auto scaled = [&](std::vector<float> p, int i, float f) {
+        const ParamTensorInfo& t = tensors[size_t(i)];
+        for (int64_t j = 0; j < t.numel; j++) p[size_t(t.offset + j)] *= f;  // powers of two: still bf16 values
+        return p;
+    };
+    const std::vector<float> params = scaled(scaled(test_parameters(c, 81), kLn1w, 0.25f), kLn2w, 4.0f);
+    const std::vector<float> grown = scaled(params, kLn2w, 8.0f);
+    const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, 82), targets = random_tokens<int>(N, c.vocab_size, 83);
+    auto d_in = upload(inputs), d_tg = upload(targets);
+    Stream stream;
+    GPT2 gpu(c, B, T, stream);
+    gpu.set_fp8(kAllFp8);
+    auto step_grads = [&]() {
+        gpu.zero_grad();
+        gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+        gpu.backward(d_in.get(), B, T);
+        return download_bf16(gpu.grads(), size_t(gpu.num_parameters()), stream);
+    };
+    auto check = [&](const std::vector<float>& p, const std::vector<float>& got, const std::string& when) {
+        cpu::GPT2<float> ref(c, p);
+        ref.forward(inputs.data(), targets.data(), B, T);
+        ref.zero_grad();
+        ref.backward();
+        for (int i = 0; i < kNumParamTensors; i++) {
+            const ParamTensorInfo& t = tensors[size_t(i)];
+            expect_close(when + ": grad " + t.name, got.data() + t.offset, ref.grads.data() + t.offset,
+                         size_t(t.numel), kFp8Tol.grad);
+        }
+    };
+    gpu.set_parameters(params);
+    check(params, step_grads(), "ln1 and ln2 16x apart");
+    gpu.set_parameters(grown);  // the amax history stays
+    step_grads();
+    check(grown, step_grads(), "the step after ln2's 8x growth reached its history");
+}
+
+// Whether grad.e4m3 reaches past the GELU gradient (fc.grad.e4m3's part of it) to the residual stream's
+// gradient and dqkv: the last layer's fcproj weight gradient reads the final LayerNorm's gradient, cast
+// by fcproj's backward before any GELU gradient exists, so it must differ from fc.grad.e4m3's.
+TEST_F(GPT2TrainingTest, GradE4m3ReachesTheResidualStreamsGradient) {
+    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    const GPT2Config c = config_from_descriptor("d2");
+    const std::vector<floatX> e4m3 = step_gradients("all,grad.e4m3", 4, 64, 71, 1)[0];
+    const std::vector<floatX> dgelu_only = step_gradients("all,fc.grad.e4m3", 4, 64, 71, 1)[0];
+    const ParamTensorInfo t = param_tensors(c)[size_t(kFcprojw)];  // a copy: the table is a temporary
+    const int64_t per_layer = t.numel / c.num_layers, last = t.offset + (c.num_layers - 1) * per_layer;
+    const double rel = relative_difference(e4m3.data() + last, dgelu_only.data() + last, per_layer);
+    std::printf("  last layer's fcprojw gradient, grad.e4m3 against fc.grad.e4m3: %.3e relative\n", rel);
+    EXPECT_GT(rel, 0.0) << "grad.e4m3 changed nothing fc.grad.e4m3 does not";
+    EXPECT_LT(rel, kFp8Tol.grad);
 }
 
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
