@@ -651,11 +651,8 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
                 model.multi() ? format(", rank 0 on GPU %d", model.multi()->device()).c_str() : "",
                 !data.train ? "none" : data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
-    if (model.dw_stream() > 0) {
-        std::printf("backward: %s\n", model.dw_stream_applies() > 0
-                                          ? format("weight gradients on a second stream (--dw-stream %d)",
-                                                   model.dw_stream_applies()).c_str()
-                                          : "one stream (--dw-stream applies to bf16 steps on one GPU without -r 1)");
+    if (model.dw_stream_applies() > 0) {
+        std::printf("backward: weight gradients on a second stream (--dw-stream %d)\n", model.dw_stream_applies());
     }
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
