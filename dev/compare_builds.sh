@@ -9,6 +9,8 @@
 # the results alone must keep them).
 #   bash dev/compare_builds.sh "NAME=REV" ...      e.g. "new=" "old=HEAD~1" or "old=build/old_trainer"
 #   ROUNDS=3 ARGS="-e d12 -b 64 -t 1024 -x 30" bash dev/compare_builds.sh ...
+# Flags after REV (one argument: "NAME=REV FLAGS...") go to that variant's runs only, after ARGS: e.g.
+# "one=build/t --dw-stream 0" "two=build/t --dw-stream 2" compares two settings of one trainer.
 # A revision is built with its own Makefile (for the GPU this machine has, as `make` picks it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +39,19 @@ build_variant() {  # build_variant NAME REV
     git archive "$rev" | tar -x -C "$src"
     make -s -C "$src" train_gpt2cu && cp "$src/train_gpt2cu" "build/cmp_$name"
 }
+declare -A flags
 for spec in "$@"; do
     name=${spec%%=*}
     rev=${spec#*=}
+    flags[$name]=""
+    if [[ "$rev" == *" "* ]]; then
+        flags[$name]=${rev#* }
+        rev=${rev%% *}
+    fi
     [ "$name" = "$spec" ] && { echo "compare_builds: '$spec' is not NAME=REV" >&2; exit 2; }
+    for n in "${names[@]}"; do
+        [ "$n" = "$name" ] && { echo "compare_builds: the name '$name' is given twice" >&2; exit 2; }
+    done
     if [ -n "$rev" ] && ! [ -x "$rev" ] && ! git rev-parse --verify --quiet "$rev^{commit}" >/dev/null 2>&1; then
         echo "compare_builds: '$rev' is neither an executable nor a commit of this repository" >&2
         exit 2
@@ -62,10 +73,10 @@ differs=()
 for r in $(seq 1 "$ROUNDS"); do
     for name in "${names[@]}"; do
         # shellcheck disable=SC2086
-        out=$("./build/cmp_$name" $ARGS -v 0 -s 0 -o "" 2>&1 || true)
+        out=$("./build/cmp_$name" $ARGS ${flags[$name]} -v 0 -s 0 -o "" 2>&1 || true)
         line=$(echo "$out" | grep "^average over" || true)
         ms=$(echo "$line" | sed -E 's/.*: ([0-9.]+) ms\/step.*/\1/')
-        [ -z "$ms" ] && { echo "compare_builds: build/cmp_$name printed no average (ARGS: $ARGS)" >&2; exit 1; }
+        [ -z "$ms" ] && { echo "compare_builds: build/cmp_$name printed no average (ARGS: $ARGS ${flags[$name]})" >&2; exit 1; }
         echo "round $r  $name: $line"
         runs[$name]="${runs[$name]:-} $ms"
         results=$(echo "$out" | grep -E "^step " | sed -E 's/ \| [0-9.]+ ms \|.*//')
