@@ -8,8 +8,8 @@
 #   sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
 #             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
-#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare fp8-lab fp8-throughput
-#             fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc
+#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab
+#             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -23,8 +23,8 @@ cd "$(dirname "$0")/.."
 sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
           long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
           throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
-          matmul-sustain-each gemm-tune-compare fp8-lab fp8-throughput fp8-matmuls fp8-large fp8-loss-d12
-          fp8-loss-d24 llmc"
+          matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab fp8-throughput fp8-matmuls fp8-large
+          fp8-loss-d12 fp8-loss-d24 llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -352,6 +352,13 @@ for section in "$@"; do
                     echo "round $r --gemm-tune $t: $(grep '^average' "$LOGS/gemm_tune.log" | tail -n 1)" | tee -a "$summary"
                 done
             done ;;
+        dw-stream-compare)
+            # Backward's weight gradients on one stream and on a second (levels 1 and 2) in one trainer,
+            # interleaved (dev/compare_builds.sh: the losses and norms must be the same in every run).
+            step "compare_builds --dw-stream 0 1 2" dw_stream.log 420 env ROUNDS=5 \
+                ARGS="-e d12 -b 64 -t 1024 -x 40" bash dev/compare_builds.sh "dw0=./train_gpt2cu --dw-stream 0" \
+                "dw1=./train_gpt2cu --dw-stream 1" "dw2=./train_gpt2cu --dw-stream 2"
+            tail -n 6 "$LOGS/dw_stream.log" >>"$summary" ;;
         matmul-lab)
             # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
             step matmul_lab matmul_lab.log 200 ./build/matmul_lab
