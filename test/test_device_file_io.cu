@@ -71,7 +71,10 @@ protected:
             f.read_exact(t.data(), t.size());
             EXPECT_EQ(t, trailer) << "trailer changed";
         }
-        cudaCheck(cudaMemset(dst.get(), 0xA5, dst.bytes()));
+        // Poisoned on the transfer's stream: file_to_device's copies are ordered after the work queued there.
+        // (A cudaMemset would run on the legacy default stream, which a non-blocking stream does not wait
+        // for: on a busy GPU the poison could land after the copies.)
+        cudaCheck(cudaMemsetAsync(dst.get(), 0xA5, dst.bytes(), stream));
         DeviceFileIO io(read_chunk, direct, readers);
         File f(path, File::Mode::Read);
         f.seek(int64_t(header_bytes));
@@ -203,7 +206,7 @@ TEST_F(DeviceFileIOTest, PinnedMemoryIsTwoChunksAndReused) {
     EXPECT_LE(io.pinned_bytes(), (size_t(8) << 20) + 4096);
     Stream s;
     DeviceBuffer<char> d(size_t(20) << 20);
-    cudaCheck(cudaMemset(d.get(), 1, d.bytes()));
+    cudaCheck(cudaMemsetAsync(d.get(), 1, d.bytes(), s));  // on the stream the writes below read it on
     for (int i = 0; i < 3; i++) {
         File f(file("reuse.bin"), File::Mode::Write);
         io.device_to_file(f, d.get(), d.bytes(), s);
