@@ -663,18 +663,32 @@ public:
         };
         auto mark = [&](cudaEvent_t e) { cudaCheck(cudaEventRecord(e, side)); };
         auto await = [&](cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(stream_, e, 0)); };
+        // A linear layer's backward in bf16 (inp (N x cin) -> out (N x cout) through weight; pre_gelu: its input
+        // went through the GELU, whose backward the dX matmul fuses). With on_side, dW and the bias gradient
+        // go to the side stream after fork(), which then marks `done` (if given), and dX runs on stream_ beside
+        // them; otherwise matmul_backward runs both on stream_. A null dinp skips dX. The same calls either way,
+        // so the same bits.
+        auto linear_backward = [&](bool on_side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
+                                   const floatX* inp, const floatX* weight, int cin, int cout, cudaEvent_t done,
+                                   const floatX* pre_gelu = nullptr) {
+            if (!on_side) {
+                matmul_backward(lt_, dinp, dweight, dbias, dout, inp, weight, N, cin, cout, fscratch, sbytes, stream_,
+                                pre_gelu);
+                return;
+            }
+            fork();
+            matmul_backward_dw(dw_->lt, dweight, dbias, dout, inp, N, cin, cout, side_scratch, side_bytes, side);
+            if (done != nullptr) mark(done);
+            if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, weight, N, cin, cout, stream_, pre_gelu);
+        };
         // The residual stream's gradient: res[cur]. At level 2 each LayerNorm backward reads it from one buffer
         // and writes the sum to the other (the side's attproj and fcproj dW still read the old one).
         floatX* res[2] = {d_residual_, dw >= 2 ? dres2_.get() : d_residual_};
         int cur = 0;
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        if (classifier_grad_rows_ == 0 && dw > 0) {
-            fork();
-            matmul_backward_dw(dw_->lt, gw.wte, nullptr, logits_, lnf_, N, C, Vp, side_scratch, side_bytes, side);
-            matmul_backward_dx(lt_, d_ln_, logits_, w.wte, N, C, Vp, stream_);
-        } else if (classifier_grad_rows_ == 0) {
-            matmul_backward(lt_, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, fscratch, sbytes, stream_);
+        if (classifier_grad_rows_ == 0) {
+            linear_backward(dw > 0, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, C, Vp, nullptr);
         } else {
             // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
             if (classifier_grad_rows_ != N) {
@@ -739,16 +753,8 @@ public:
                     });
                 }
                 if (dw > 0 && l < L - 1) await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
-                if (dw >= 2) {
-                    fork();
-                    matmul_backward_dw(dw_->lt, gb.fcprojw, nullptr, res[cur], a.fch_gelu, N, 4 * C, C, side_scratch,
-                                       side_bytes, side);
-                    mark(dw_->fcproj_done);
-                    matmul_backward_dx(lt_, d_fch_, res[cur], b.fcprojw, N, 4 * C, C, stream_, a.fch);
-                } else {
-                    matmul_backward(lt_, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
-                                    b.fcprojw, N, 4 * C, C, fscratch, sbytes, stream_, a.fch);  // fcprojb: see above
-                }
+                linear_backward(dw >= 2, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
+                                b.fcprojw, 4 * C, C, dw >= 2 ? dw_->fcproj_done.get() : nullptr, a.fch);  // fcprojb: see above
             }
             if (fp8_fc_grad) {
                 // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 (E4M3 with fc.grad.e4m3) both ways at the
@@ -780,15 +786,8 @@ public:
             } else {
                 const floatX* ln2 =
                     a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
-                if (dw > 0) {
-                    fork();
-                    matmul_backward_dw(dw_->lt, gb.fcw, gb.fcb, d_fch_, ln2, N, C, 4 * C, side_scratch, side_bytes, side);
-                    mark(dw_->fc_done);
-                    matmul_backward_dx(lt_, d_ln_, d_fch_, b.fcw, N, C, 4 * C, stream_);
-                } else {
-                    matmul_backward(lt_, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, N, C, 4 * C, fscratch, sbytes,
-                                    stream_);
-                }
+                linear_backward(dw > 0, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, C, 4 * C,
+                                dw > 0 ? dw_->fc_done.get() : nullptr);
             }
             if (dw >= 2) {
                 if (l < L - 1) await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
@@ -805,16 +804,8 @@ public:
                                fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
                 });
             }
-            if (dw >= 2) {
-                fork();
-                matmul_backward_dw(dw_->lt, gb.attprojw, nullptr, res[cur], a.atty, N, C, C, side_scratch, side_bytes,
-                                   side);
-                mark(dw_->attproj_done);
-                matmul_backward_dx(lt_, d_atty_, res[cur], b.attprojw, N, C, C, stream_);
-            } else {
-                matmul_backward(lt_, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
-                                b.attprojw, N, C, C, fscratch, sbytes, stream_);  // attprojb: ln2's backward
-            }
+            linear_backward(dw >= 2, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
+                            b.attprojw, C, C, dw >= 2 ? dw_->attproj_done.get() : nullptr);  // attprojb: ln2's backward
             // qkv.grad.delayed, with a history: attention's backward writes dqkv in FP8 itself at the layer's
             // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
             const bool dqkv_delayed = fp8_qkv_grad && fp8_.qkv_grad_delayed && fp8_fcproj_w;
@@ -887,13 +878,8 @@ public:
                 const floatX* ln1 =
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
                 floatX* qkvb = qkvb_sums != nullptr ? nullptr : gb.qkvb;
-                if (dw > 0) {
-                    fork();
-                    matmul_backward_dw(dw_->lt, gb.qkvw, qkvb, d_qkv_, ln1, N, C, 3 * C, side_scratch, side_bytes, side);
-                    matmul_backward_dx(lt_, d_ln_, d_qkv_, b.qkvw, N, C, 3 * C, stream_);
-                } else {
-                    matmul_backward(lt_, d_ln_, gb.qkvw, qkvb, d_qkv_, ln1, b.qkvw, N, C, 3 * C, fscratch, sbytes, stream_);
-                }
+                // qkv_done is marked below, after the side's bias sums.
+                linear_backward(dw > 0, d_ln_, gb.qkvw, qkvb, d_qkv_, ln1, b.qkvw, C, 3 * C, nullptr);
                 if (qkvb_sums != nullptr) {
                     bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, side);
                 }
