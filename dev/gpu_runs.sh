@@ -14,7 +14,8 @@
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, LLMC_PEER, PROFILE_ARGS).
+# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS,
+# FP8_LOSS_PARALLEL, FP8_LOSS_EVAL, FP8_LOSS_LIMIT, LLMC_PEER, PROFILE_ARGS).
 # Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
 set -u
@@ -180,30 +181,67 @@ for section in "$@"; do
             # FP8_LOSS_ROUNDING_SEEDS (e.g. "2 3"): bf16 again with each of these --rounding-seed values (the same
             # run but for the parameters' stochastic rounding), each compared with the bf16 run: the spread of
             # bf16 runs that differ in rounding alone, to read the FP8 runs' gaps against.
+            # FP8_LOSS_PARALLEL=1 runs them all at once, side by side on the GPU (each run's numbers are the
+            # same as alone: only its speed changes), under one time limit of 590 s for d12's 1000 steps
+            # (FP8_LOSS_LIMIT) instead of 590 s each.
+            # FP8_LOSS_EVAL=1 keeps each run's model (model.bin) and scores it on the first 40 batches of the
+            # training shards in a bf16 forward and in the run's own: whether a gap is in the trained weights
+            # or in how the FP8 forward measures the loss (docs/performance.md, "Worse weights, not a noisier
+            # forward").
             model=${section#fp8-loss-}
             steps=1000
             [ "$model" = d24 ] && steps=500
             runs=(${FP8_LOSS_MODES:-0 1})
             [ "${FP8_LOSS_SPLIT:-0}" = 1 ] && runs+=(split)
             for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do runs+=("rs$seed"); done
+            save=none
+            [ "${FP8_LOSS_EVAL:-0}" = 1 ] && save=llmc
+            pids=()
             for run in "${runs[@]}"; do
                 args=(-b 64 --fp8 "$run")
                 [ "$run" = split ] && args=(-b 32 -d 65536 --fp8 0)
                 [ "${run#rs}" != "$run" ] && args=(-b 64 --fp8 0 --rounding-seed "${run#rs}")
-                smi_run "smi_fp8_loss_${model}_$run.log" step "$model $steps steps ${args[*]}" "fp8_loss_$model.log" 590 \
-                    ./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -t 1024 \
-                    -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100 --save-model none \
-                    "${args[@]}" -o "$LOGS/fp8_loss_${model}_$run"
-                grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
+                train=(./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -t 1024
+                       -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100
+                       --save-model $save "${args[@]}" -o "$LOGS/fp8_loss_${model}_$run")
+                if [ "${FP8_LOSS_PARALLEL:-0}" = 1 ]; then  # each run in its own log; the step lines below
+                    step "$model $steps steps ${args[*]}" "fp8_loss_${model}_$run.log" "${FP8_LOSS_LIMIT:-590}" \
+                        "${train[@]}" &
+                    pids+=($!)
+                else
+                    smi_run "smi_fp8_loss_${model}_$run.log" step "$model $steps steps ${args[*]}" "fp8_loss_$model.log" \
+                        "${FP8_LOSS_LIMIT:-590}" "${train[@]}"
+                    grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
+                fi
             done
+            if [ ${#pids[@]} -gt 0 ]; then
+                for pid in "${pids[@]}"; do wait "$pid"; done
+                for run in "${runs[@]}"; do
+                    echo "$run:" >>"$summary"
+                    grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_${model}_$run.log" | tail -n 3 >>"$summary"
+                done
+            fi
+            if [ "$save" = llmc ]; then
+                for run in "${runs[@]}"; do
+                    forwards=(0)
+                    [ "${run#rs}" = "$run" ] && [ "$run" != split ] && [ "$run" != 0 ] && forwards+=("$run")
+                    for fwd in "${forwards[@]}"; do
+                        step "$model $run's model, --fp8 $fwd" "fp8_loss_eval_$model.log" 120 ./train_gpt2cu \
+                            -e "$LOGS/fp8_loss_${model}_$run/model.bin" -x 0 -j 'data/quickstart_train_*.bin' -b 64 \
+                            -t 1024 -v 1 -m 40 -s 0 -o "" --fp8 "$fwd"
+                        note "  the training shards' loss (40 batches): $(grep "val loss:" \
+                            "$LOGS/fp8_loss_eval_$model.log" | tail -n 1)"
+                    done
+                done
+            fi
             reference=()
             [ -f "$LOGS/fp8_loss_${model}_split/log.jsonl" ] &&
                 reference=(--reference "$LOGS/fp8_loss_${model}_split/log.jsonl" --reference-label "bf16 2x32")
             for fp8 in ${FP8_LOSS_MODES:-0 1}; do
                 [ "$fp8" = 0 ] || [ ! -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] ||
-                    python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
+                    { echo "--fp8 $fp8 against bf16:"; python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
                         "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 --windows 100 \
-                        "${reference[@]}" | tee -a "$summary"
+                        "${reference[@]}"; } | tee -a "$summary"
             done
             for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do
                 [ -f "$LOGS/fp8_loss_${model}_rs$seed/log.jsonl" ] && [ -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] &&
