@@ -94,6 +94,42 @@ def rounded_dlogits(g, targets, V, scheme):
     raise SystemExit(f"unknown scheme {scheme}")
 
 
+def load_slice(shard, n_tokens, B, T):
+    """The first n_tokens + 1 tokens of a token shard, their distinct values renumbered densely (a
+    vocabulary of a few thousand instead of GPT-2's 50257, so that a CPU runs the model in minutes; what
+    these labs measure, how rounding behaves as the targets' probabilities grow, does not depend on the
+    vocabulary's size), and that vocabulary's size."""
+    with open(shard, "rb") as f:
+        header = np.frombuffer(f.read(1024), dtype=np.int32)
+        if header[0] != 20240520 or header[1] not in (1, 2):
+            raise SystemExit(f"{shard}: not a token shard (magic {header[0]}, version {header[1]})")
+        dtype = np.uint16 if header[1] == 1 else np.uint32
+        tokens = np.frombuffer(f.read(), dtype=dtype)[:n_tokens + 1]
+    if len(tokens) < B * T + 1:
+        raise SystemExit(f"{shard}: {len(tokens)} tokens, fewer than one batch of {B} x {T}")
+    vocab, tokens = np.unique(tokens, return_inverse=True)
+    return tokens, len(vocab)
+
+
+def new_small_model(model, V, T, seed):
+    """The configuration of a model descriptor (d2 ..) over V tokens, and its parameters at GPT-2's
+    initialisation (as gpt2_torch.new_model) from the given seed."""
+    L, C, NH = gpt2_torch.DESCRIPTORS[model]
+    c = dict(maxT=max(T, 64), V=V, L=L, NH=NH, C=C, Vp=(V + 127) // 128 * 128)
+    g = torch.Generator().manual_seed(seed)
+    P0 = {}
+    for name, shape in gpt2_torch.shapes(c).items():
+        if name in ("ln1w", "ln2w", "lnfw"):
+            P0[name] = torch.ones(shape)
+        elif name not in gpt2_torch.DECAYED:
+            P0[name] = torch.zeros(shape)
+        else:
+            std = 0.02 / (2 * L) ** 0.5 if name in ("attprojw", "fcprojw") else 0.02
+            P0[name] = torch.randn(shape, generator=g) * std
+    P0["wte"][V:] = 0
+    return c, P0
+
+
 def train(scheme, c, P0, tokens, a):
     torch.manual_seed(0)
     P = {k: v.clone().requires_grad_(True) for k, v in P0.items()}
@@ -136,33 +172,9 @@ def main():
     ap.add_argument("--plot")
     a = ap.parse_args()
     SR_GEN.manual_seed(a.sr_seed)
-    with open(a.shard, "rb") as f:
-        header = np.frombuffer(f.read(1024), dtype=np.int32)
-        if header[0] != 20240520 or header[1] not in (1, 2):
-            raise SystemExit(f"{a.shard}: not a token shard (magic {header[0]}, version {header[1]})")
-        dtype = np.uint16 if header[1] == 1 else np.uint32
-        tokens = np.frombuffer(f.read(), dtype=dtype)[:a.tokens + 1]
-    if len(tokens) < a.B * a.T + 1:
-        raise SystemExit(f"{a.shard}: {len(tokens)} tokens, fewer than one batch of {a.B} x {a.T}")
+    tokens, V = load_slice(a.shard, a.tokens, a.B, a.T)
     torch.set_num_threads(max(1, __import__("os").cpu_count() or 1))
-    # The distinct tokens of the slice, renumbered densely: a vocabulary of a few thousand instead of
-    # GPT-2's 50257, so that a CPU runs it in minutes; what is measured (how the targets' gradients are
-    # rounded as their probabilities grow) does not depend on the vocabulary's size.
-    vocab, tokens = np.unique(tokens, return_inverse=True)
-    L, C, NH = gpt2_torch.DESCRIPTORS[a.model]
-    V = len(vocab)
-    c = dict(maxT=max(a.T, 64), V=V, L=L, NH=NH, C=C, Vp=(V + 127) // 128 * 128)
-    g = torch.Generator().manual_seed(1)
-    P0 = {}
-    for name, shape in gpt2_torch.shapes(c).items():  # GPT-2's initialisation, as gpt2_torch.new_model
-        if name in ("ln1w", "ln2w", "lnfw"):
-            P0[name] = torch.ones(shape)
-        elif name not in gpt2_torch.DECAYED:
-            P0[name] = torch.zeros(shape)
-        else:
-            std = 0.02 / (2 * L) ** 0.5 if name in ("attprojw", "fcprojw") else 0.02
-            P0[name] = torch.randn(shape, generator=g) * std
-    P0["wte"][V:] = 0
+    c, P0 = new_small_model(a.model, V, a.T, seed=1)
     print(f"{a.model}, {len(tokens) - 1} tokens of {V} distinct ({(len(tokens) - 1) // (a.B * a.T)} steps an epoch), "
           f"B={a.B} T={a.T}, {a.steps} steps, lr {a.lr}")
     runs = {s: train(s, c, P0, tokens, a) for s in a.schemes.split(",")}
