@@ -5,7 +5,7 @@ scale kMax / amax, as llmc/fp8.cuh casts them) rounded as each scheme says, ever
 several seeds, and each run's final weights scored in an fp32 forward on the text they trained on.
 
     python3 dev/fp8_weights_lab.py [--tokens 8192] [--steps 600] [--model d2] [-B 8] [-T 64] [--lr 2e-3]
-                                   [--schemes fp32,e4m3,e4m3-sr] [--seeds 1,2,3] [--shard PATH]
+                                   [--schemes fp32,e4m3,e4m3-sr,e4m3-act,e4m3-all] [--seeds 1,2,3] [--shard PATH]
 
 Why: on the GPU, d12's FP8 run (`--fp8 all,qkv.grad.delayed`) ends with a training loss ~0.04 above
 bf16's, and its final weights are that much worse in a bf16 forward too (docs/performance.md, "Worse
@@ -23,7 +23,11 @@ Schemes: fp32 (no copies); e4m3 (round to nearest even, saturating, subnormals k
 rounding, fresh random bits every step). The copies replace qkv's, fc's and fcproj's weights and the
 classifier's wte in the forward (the matmuls `--fp8 all` runs with FP8 weights; attproj's forward stays
 bf16 there and fp32 here; the embedding reads wte as it is), and the gradients flow to the fp32 weights as
-if the copies were the weights (the GPU's dW reads activations and output gradients only). The model is
+if the copies were the weights (the GPU's dW reads activations and output gradients only). e4m3-act rounds
+the same matmuls' inputs instead (the LayerNorm outputs, the GELU output, the final LayerNorm's output;
+each tensor at its own per-tensor scale, to nearest; the weights fp32), as FP8's forward does, and their
+weight gradients read the rounded inputs, as the GPU's FP8 dW reads the kept E4M3 ones; e4m3-all rounds
+both, the weights and the inputs (`--fp8 all`'s forward operands). The model is
 dev/gpt2_torch.py's GPT-2 over the distinct tokens of the first --tokens of the shard, renumbered, read in
 order epoch after epoch (a corpus small enough to memorise, as the quick-start corpus is for d12), AdamW
 (betas 0.9/0.95, weight decay 0.1 on the matrices), warmup over the first tenth of the steps and cosine
@@ -72,25 +76,35 @@ def e4m3_stochastic(y, gen):
     return torch.where(y.abs() < E4M3_MIN_NORMAL, sub, normal).clamp(-E4M3_MAX, E4M3_MAX)
 
 
+SCHEMES = ("fp32", "e4m3", "e4m3-sr", "e4m3-act", "e4m3-all")
+
+
+def rounded(t, stochastic, gen):
+    """t's E4M3 copy at the per-tensor scale kMax / amax, in the forward; the gradient goes to t itself
+    (straight through)."""
+    with torch.no_grad():
+        amax = t.abs().max()
+        scale = E4M3_MAX / amax if amax > 0 else torch.tensor(1.0)
+        y = t * scale
+        q = (e4m3_stochastic(y, gen) if stochastic else e4m3(y)) / scale
+    return t + (q - t).detach()
+
+
 def copies(scheme, gen):
-    """gpt2_torch.forward's weight hook for a scheme: the E4M3 copy in the forward, the gradient to the
-    weight itself (straight through)."""
+    """gpt2_torch.forward's (weight, act) hooks for a scheme: which matmul operands are read through E4M3
+    copies (None: as they are)."""
+    if scheme not in SCHEMES:
+        raise SystemExit(f"unknown scheme {scheme}; one of {', '.join(SCHEMES)}")
     if scheme == "fp32":
-        return None
+        return None, None
 
     def weight(name, w):
-        if name not in QUANTIZED:
-            return w
-        with torch.no_grad():
-            amax = w.abs().max()
-            scale = E4M3_MAX / amax if amax > 0 else torch.tensor(1.0)
-            y = w * scale
-            q = (e4m3(y) if scheme == "e4m3" else e4m3_stochastic(y, gen)) / scale
-        return w + (q - w).detach()
+        return rounded(w, scheme == "e4m3-sr", gen) if name in QUANTIZED else w
 
-    if scheme not in ("e4m3", "e4m3-sr"):
-        raise SystemExit(f"unknown scheme {scheme}")
-    return weight
+    def act(name, x):
+        return rounded(x, False, gen) if name in QUANTIZED else x
+
+    return (None if scheme == "e4m3-act" else weight), (act if scheme in ("e4m3-act", "e4m3-all") else None)
 
 
 def lr_at(step, a):
@@ -108,11 +122,11 @@ def batch(tokens, step, a):
     return chunk[:-1].view(a.B, a.T), chunk[1:].view(a.B, a.T)
 
 
-def slice_loss(P, c, tokens, a, weight):
+def slice_loss(P, c, tokens, a, hooks):
     """The mean loss over every batch of the slice, without gradients."""
     with torch.no_grad():
         n = (len(tokens) - 1) // (a.B * a.T)
-        return float(np.mean([gpt2_torch.forward(P, c, *batch(tokens, s, a), weight=weight)[1].item()
+        return float(np.mean([gpt2_torch.forward(P, c, *batch(tokens, s, a), *hooks)[1].item()
                               for s in range(n)]))
 
 
@@ -120,7 +134,7 @@ def train(scheme, seed, tokens, V, a):
     c, P0 = new_small_model(a.model, V, a.T, seed=seed)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(1000 + seed)
-    weight = copies(scheme, gen)
+    hooks = copies(scheme, gen)
     P = {k: v.clone().requires_grad_(True) for k, v in P0.items()}
     decayed = [P[k] for k in gpt2_torch.NAMES if k in gpt2_torch.DECAYED]
     rest = [P[k] for k in gpt2_torch.NAMES if k not in gpt2_torch.DECAYED]
@@ -131,13 +145,13 @@ def train(scheme, seed, tokens, V, a):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, a)
         x, y = batch(tokens, step, a)
-        _, loss = gpt2_torch.forward(P, c, x, y, weight=weight)
+        _, loss = gpt2_torch.forward(P, c, x, y, *hooks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(P.values()), 1.0)
         opt.step()
         losses.append(loss.item())
-    fp32_forward = slice_loss(P, c, tokens, a, None)
+    fp32_forward = slice_loss(P, c, tokens, a, (None, None))
     own_forward = slice_loss(P, c, tokens, a, copies(scheme, torch.Generator().manual_seed(5)))
     print(f"  {scheme} seed {seed}: last {a.window} steps {np.mean(losses[-a.window:]):.4f}, final weights on the "
           f"slice {fp32_forward:.4f} (fp32 forward), {own_forward:.4f} (its copies)", flush=True)

@@ -65,7 +65,14 @@ dir=$(mktemp -d /tmp/fp8_labs_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 /usr/bin/python3 test/make_synthetic_shards.py "$dir" syn=2000
 out=$(/usr/bin/python3 dev/fp8_weights_lab.py --tokens 1024 --steps 4 -B 2 -T 16 --window 2 --seeds 1 \
-      --shard "$dir/syn_000000.bin" 2>&1) || { echo "FAIL: the weights lab"; echo "$out"; exit 1; }
-echo "$out" | tail -n 4
-echo "$out" | grep -q "e4m3-sr: train" || { echo "FAIL: the weights lab printed no per-seed line"; exit 1; }
+      --schemes fp32,e4m3,e4m3-sr,e4m3-act,e4m3-all --shard "$dir/syn_000000.bin" 2>&1) ||
+    { echo "FAIL: the weights lab"; echo "$out"; exit 1; }
+echo "$out" | tail -n 6
+for s in e4m3 e4m3-sr e4m3-act e4m3-all; do
+    echo "$out" | grep -q " $s: train" || { echo "FAIL: the weights lab printed no per-seed line for $s"; exit 1; }
+done
+# Each scheme rounds something: its run's last window differs from fp32's (a hook left unused would print
+# a difference of exactly zero).
+zero=$(echo "$out" | grep -E " (e4m3|e4m3-sr|e4m3-act|e4m3-all): train [+-]0\.0000 " || true)
+[ -z "$zero" ] || { echo "FAIL: a scheme trained exactly as fp32 did: $zero"; exit 1; }
 echo "ok"
