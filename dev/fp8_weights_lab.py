@@ -67,7 +67,8 @@ def e4m3(y):
 
 def e4m3_stochastic(y, gen):
     """y rounded to one of its two E4M3 neighbours, the upper with probability (y - lower) / (upper -
-    lower): random bits added below the kept mantissa, then cut (fp8_quantize_sr's rule)."""
+    lower): random bits added below the kept mantissa, then cut (the rule of fp8_quantize_sr on the branch
+    fp8-weights-sr)."""
     bits = y.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 20, y.shape, generator=gen, dtype=torch.int32)
     normal = ((bits + noise) & ~0xFFFFF).view(torch.float32)
