@@ -596,15 +596,16 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 // ----------------------------------------------------------------------------------------------------
 // Backward, dQ: block = 64 queries of one (b, h), longest first; loop over the key blocks up to the
 // diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K. The
-// tiles come through the maps (qkv and dout themselves are not read).
+// tiles come through the maps (qkv and dout themselves are not read). First each block computes D of its
+// rows (rowsum(dO * O), from its dO tile and O's rows) and stores it for the dK/dV kernel, which runs after.
 
 // Out: as flash90_dkdv_kernel's.
 template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
-    flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
-                      const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map, int T,
-                      int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
-                      const Flash90Fp8Out f8) {
+    flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const floatX* out, const float* lse,
+                      float* D, const __grid_constant__ CUtensorMap qkv_map,
+                      const __grid_constant__ CUtensorMap dout_map, int T, int NH, float scale_log2, float scale,
+                      unsigned int* amax_bits, float* sums, const Flash90Fp8Out f8) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
@@ -624,7 +625,20 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
     for (int r = 0; r < 2; r++) {
         const int row = row0 + g + 8 * r;
         lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
-        Dr[r] = row < T ? D[int64_t(bh) * T + row] : 0.0f;
+    }
+    // D of the block's rows, as flash_bwd_dot_kernel computes it (the same products, summed in the same
+    // order: kDotLanes lanes a row, 8 products each, then the shuffle tree), so the same bits: O's rows
+    // from global, loaded before the tiles are waited for, dO's from its tile once it is in. Thread tid
+    // takes part sub of row tid / kDotLanes + kDotRowsPerPass p.
+    constexpr int kDotLanes = kHS / 8, kDotRowsPerPass = kWGThreads / kDotLanes;
+    constexpr int kDotPasses = kRows / kDotRowsPerPass;
+    __shared__ float sD[kRows];
+    const int sub = tid % kDotLanes;
+    PackX o_part[kDotPasses];
+#pragma unroll
+    for (int p = 0; p < kDotPasses; p++) {
+        const int t = q0 + tid / kDotLanes + p * kDotRowsPerPass;
+        if (t < T) o_part[p] = load128(out + ((int64_t(b) * T + t) * NH + h) * kHS + sub * 8);
     }
 
     const TileSource q_src{&qkv_map, h * kHS, b}, k_src{&qkv_map, C + h * kHS, b},
@@ -638,6 +652,26 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
             load_kv(0);
         },
         [] {});
+#pragma unroll
+    for (int p = 0; p < kDotPasses; p++) {
+        const int rr = tid / kDotLanes + p * kDotRowsPerPass, t = q0 + rr;
+        float acc = 0.0f;
+        if (t < T) {
+            // Row rr's 16-byte part sub sits at part sub ^ (rr % 8) of its 128 bytes (the 128-byte swizzle).
+            const PackX d = *reinterpret_cast<const PackX*>(sdO + rr * 2 * kHS + ((sub ^ (rr & 7)) << 4));
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc += float(o_part[p][i]) * float(d[i]);
+        }
+#pragma unroll
+        for (int off = kDotLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (sub == 0) {
+            sD[rr] = acc;  // 0 past T, where Dr is 0
+            if (t < T) D[int64_t(bh) * T + t] = acc;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; r++) Dr[r] = sD[16 * warp + g + 8 * r];
 
     uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
@@ -740,7 +774,7 @@ inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, i
 
 namespace flash90_detail {
 
-// Both backward launches (D first), dqkv in bf16 (Out = void) or in FP8 through f8.
+// Both backward launches (dQ, which computes D, then dK/dV), dqkv in bf16 (Out = void) or in FP8 through f8.
 template <class Out>
 inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
                             const float* lse, int B, int T, int NH, float* D, cudaStream_t stream,
@@ -757,18 +791,18 @@ inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, co
     require_aligned16(out, "flash90_backward: out");
     require_aligned16(lse, "flash90_backward: lse");
     require_aligned16(D, "flash90_backward: D");
-    flash_backward_dot<kHS>(D, out, dout, B, T, NH, stream);
     const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
     const CUtensorMap dout_map = rows_tensor_map(dout, int64_t(NH) * kHS, T, B, "dout");
     allow_smem(flash90_dkdv_kernel<Out>, kSmemDkdv);
     allow_smem(flash90_dq_kernel<Out>, kSmemDq);
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
+    // dQ first: it computes D (flash_backward_dot's bits) and leaves it for dK/dV.
+    flash90_dq_kernel<Out><<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, out, lse, D, qkv_map, dout_map, T,
+                                                                  NH, scale_log2, scale, amax_bits, sums, f8);
+    cudaCheckLaunch();
     flash90_dkdv_kernel<Out><<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T,
                                                                       NH, scale_log2, scale, amax_bits, sums, f8);
-    cudaCheckLaunch();
-    flash90_dq_kernel<Out><<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
-                                                                  scale_log2, scale, amax_bits, sums, f8);
     cudaCheckLaunch();
 }
 
