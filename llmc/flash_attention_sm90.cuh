@@ -626,10 +626,9 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
         const int row = row0 + g + 8 * r;
         lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
     }
-    // D of the block's rows, as flash_bwd_dot_kernel computes it (the same products, summed in the same
-    // order: kDotLanes lanes a row, 8 products each, then the shuffle tree), so the same bits: O's rows
-    // from global, loaded before the tiles are waited for, dO's from its tile once it is in. Thread tid
-    // takes part sub of row tid / kDotLanes + kDotRowsPerPass p.
+    // D of the block's rows through row_dot, as flash_bwd_dot_kernel computes it (kDotLanes lanes a row),
+    // so the same bits: O's rows from global, loaded before the tiles are waited for, dO's from its tile
+    // once it is in. Thread tid takes part sub of row tid / kDotLanes + kDotRowsPerPass p.
     constexpr int kDotLanes = kHS / 8, kDotRowsPerPass = kWGThreads / kDotLanes;
     constexpr int kDotPasses = kRows / kDotRowsPerPass;
     __shared__ float sD[kRows];
@@ -655,15 +654,10 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
 #pragma unroll
     for (int p = 0; p < kDotPasses; p++) {
         const int rr = tid / kDotLanes + p * kDotRowsPerPass, t = q0 + rr;
-        float acc = 0.0f;
-        if (t < T) {
-            // Row rr's 16-byte part sub sits at part sub ^ (rr % 8) of its 128 bytes (the 128-byte swizzle).
-            const PackX d = *reinterpret_cast<const PackX*>(sdO + rr * 2 * kHS + ((sub ^ (rr & 7)) << 4));
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc += float(o_part[p][i]) * float(d[i]);
-        }
-#pragma unroll
-        for (int off = kDotLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        // Row rr's 16-byte part sub sits at part sub ^ (rr % 8) of its 128 bytes (the 128-byte swizzle).
+        PackX d;
+        if (t < T) d = *reinterpret_cast<const PackX*>(sdO + rr * 2 * kHS + ((sub ^ (rr & 7)) << 4));
+        const float acc = row_dot<kHS>(t < T, o_part[p], d);
         if (sub == 0) {
             sD[rr] = acc;  // 0 past T, where Dr is 0
             if (t < T) D[int64_t(bh) * T + t] = acc;

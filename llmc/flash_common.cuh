@@ -8,7 +8,7 @@ D = rowsum(dout * out) that both backward passes start with, and the launchers' 
 Provides (namespace llmc::flash_common): smem_addr, pack_bf16, exp2_fast, kLog2e, kLn2, kBlockN (keys per
 step); for_each_element and mask_block over a warp's accumulators in the m16n8 C-fragment layout
 (lane = 4 * g + q: row g, columns 2q..2q+1, then row g + 8), which is also the per-warp layout of wgmma's
-m64 accumulators; store_rows, softmax_step, store_forward_rows; flash_backward_dot (D into scratch);
+m64 accumulators; store_rows, softmax_step, store_forward_rows; row_dot and flash_backward_dot (D into scratch);
 allow_smem and check_args for the launchers.
 
 Does not provide: the kernels' products, tile loads or shared-memory layouts (those differ between the two
@@ -168,6 +168,22 @@ __device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, 
 
 constexpr int kDotThreads = 128;
 
+// One row's D from its HS / 8 lanes (consecutive, aligned within the warp), each holding 8 columns of out
+// (o) and dout (d): the lane's 8 products in order, then the fixed shuffle tree. Every lane of the warp
+// calls it; a lane without a row (valid false) adds 0 and its o and d are not read. The one definition of
+// D's sums, so that every kernel computing D gets the same bits.
+template <int HS>
+__device__ inline float row_dot(bool valid, const PackX& o, const PackX& d) {
+    float acc = 0.0f;
+    if (valid) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc += float(o[i]) * float(d[i]);
+    }
+#pragma unroll
+    for (int off = HS / 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
 template <int HS>
 static __global__ void __launch_bounds__(kDotThreads)
     flash_bwd_dot_kernel(float* D, const floatX* out, const floatX* dout, int B, int T, int NH) {
@@ -175,14 +191,12 @@ static __global__ void __launch_bounds__(kDotThreads)
     const int64_t r = int64_t(blockIdx.x) * (kDotThreads / kLanes) + threadIdx.x / kLanes;  // (b, t, h) order
     const int sub = threadIdx.x % kLanes;
     const bool valid = r < int64_t(B) * T * NH;
-    float acc = 0.0f;
+    PackX o, d;
     if (valid) {
-        const PackX o = load128(out + r * HS + sub * 8), d = load128(dout + r * HS + sub * 8);
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc += float(o[i]) * float(d[i]);
+        o = load128(out + r * HS + sub * 8);
+        d = load128(dout + r * HS + sub * 8);
     }
-#pragma unroll
-    for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    const float acc = row_dot<HS>(valid, o, d);
     if (valid && sub == 0) {
         const int h = int(r % NH);
         const int64_t bt = r / NH;
