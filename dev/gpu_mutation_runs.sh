@@ -29,8 +29,9 @@
 #                   left out (by --stages, or failing on the unmutated tree) is reported unfinished, not
 #                   survived
 #
-# How: the repository is built once (make all) and, unless --no-baseline, every test below runs on it; one
-# that fails there cannot tell a mutant apart and is left out of the pass (the summary counts them).
+# How: the repository is built once (make all; with --stages, only those stages' programs) and, unless
+# --no-baseline, every test below runs on it; one that fails there cannot tell a mutant apart and is left
+# out of the pass (the summary counts them).
 # Each mutant is a copy of the built tree (data/ and .deps/ linked, not copied) with its one edit, so the
 # repository itself is never changed. The tests run in stages, fastest first; at each stage the mutants
 # still alive rebuild, in parallel, only what the edit touches (make's dependency files decide); a stage
@@ -189,8 +190,14 @@ for s in "${stages[@]}"; do
         fi
     done
 done
-echo "building the unmutated tree (make all)"
-if ! make -j"$jobs" all >"$work/baseline-build.log" 2>&1; then
+# With --stages (and not --check, whose mutants build the trainer) only those stages' programs are built:
+# a pass over a few stages then waits for a few programs, not for the whole tree.
+base_targets=all
+if [ -n "$only_stages" ] && [ $check -eq 0 ]; then
+    base_targets=$(for s in "${stages[@]}"; do set -- $s; stage_targets "$1" "$2"; done | tr ' ' '\n' | sort -u | tr '\n' ' ')
+fi
+echo "building the unmutated tree (make $base_targets)"
+if ! make -j"$jobs" $base_targets >"$work/baseline-build.log" 2>&1; then
     echo "FAIL: the unmutated tree does not build"; tail -20 "$work/baseline-build.log"; exit 1
 fi
 baseline_failed=0
