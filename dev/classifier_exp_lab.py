@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""The classifier's input gradient d(lnf) three ways, on the CPU, against an fp64 reference: how much
+precision a classifier without a dlogits pass would keep (docs/lab-notes.md, the bf16 classifier).
+
+  today     dlogits = bf16(dloss (softmax - onehot)), then d(lnf) = dlogits @ wte (fp32 sums)
+  exp       Y = bf16(e^(x - c)) with the target column in it, s = sum of e^(x - c) (fp32), then
+            d(lnf) = (dloss / s) (Y @ wte) - dloss wte[target]; c is fixed before the logits are known,
+            so it is not the row max: here c = max - u, u uniform in [0, --offset) per row (with
+            --offset 0, c is the max, and a target that is the max has Y_t = 1 exactly)
+  exp-notgt the same with Y's target column stored as 0 and its coefficient dloss (p_t - 1) formed in
+            fp32: d(lnf) = (dloss / s) (Y @ wte) + dloss (p_t - 1) wte[target]
+
+Rows are drawn with the target's probability p_t set (0.5, 0.9, 0.99, 0.999): the logits are Gaussian
+(sd 2, GPT-2-like spread) with the target's logit raised until softmax gives p_t. wte is Gaussian (sd
+0.02). Prints each scheme's error relative to the reference's norm, the median over rows.
+
+  python3 dev/classifier_exp_lab.py [--rows 64] [--vocab 50257] [--channels 768] [--seed 0]
+"""
+import argparse
+
+import numpy as np
+
+
+def bf16(a):
+    """Rounds float32 values to the nearest bf16 (ties to even), returned as float32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def rows_with_target_probability(rng, rows, vocab, p_t):
+    """Logits (rows, vocab) float32 and targets whose softmax probability is p_t (to fp64 accuracy)."""
+    x = rng.normal(0.0, 2.0, size=(rows, vocab))
+    targets = rng.integers(0, vocab, size=rows)
+    for i, t in enumerate(targets):
+        others = np.delete(x[i], t)
+        m = others.max()
+        rest = np.exp(others - m).sum()
+        # p_t = e^(x_t - m) / (e^(x_t - m) + rest)  =>  x_t = m + log(p_t rest / (1 - p_t))
+        x[i, t] = m + np.log(p_t * rest / (1.0 - p_t))
+    return x.astype(np.float32), targets
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--channels", type=int, default=768)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offset", type=float, default=4.0, help="c = row max - uniform [0, offset)")
+    args = ap.parse_args()
+    if args.rows < 1 or args.vocab < 2 or args.channels < 1 or not args.offset >= 0:
+        ap.error("--rows and --channels must be >= 1, --vocab >= 2, --offset >= 0")
+    rng = np.random.default_rng(args.seed)
+    wte = bf16(rng.normal(0.0, 0.02, size=(args.vocab, args.channels)).astype(np.float32))
+    dloss = 1.0 / 65536.0
+    print(f"rows {args.rows}, vocab {args.vocab}, channels {args.channels}, seed {args.seed}, offset {args.offset}")
+    print(f"{'p_t':>6} | {'today':>10} | {'exp':>10} | {'exp-notgt':>10}   (median |error| / |reference| over rows)")
+    for p_t in (0.5, 0.9, 0.99, 0.999):
+        x, targets = rows_with_target_probability(rng, args.rows, args.vocab, p_t)
+        rows = np.arange(args.rows)
+        # The reference in fp64 from the same bf16-exact logits.
+        xd = x.astype(np.float64)
+        e = np.exp(xd - xd.max(axis=1, keepdims=True))
+        p = e / e.sum(axis=1, keepdims=True)
+        g = p.copy()
+        g[rows, targets] -= 1.0
+        ref = (dloss * g) @ wte.astype(np.float64)
+
+        # today: bf16 dlogits (formed in fp32), fp32 matmul.
+        x32 = x.astype(np.float32)
+        m32 = x32.max(axis=1, keepdims=True)
+        e32 = np.exp(x32 - m32)
+        s32 = e32.sum(axis=1, keepdims=True, dtype=np.float32)
+        d32 = e32 * (np.float32(dloss) / s32)
+        d32[rows, targets] -= np.float32(dloss)
+        today = bf16(d32) @ wte
+
+        # exp: Y in bf16 with the target column, at an offset c below the row max.
+        c = m32 - rng.uniform(0.0, args.offset, size=(args.rows, 1)).astype(np.float32)
+        ec = np.exp(x32 - c)
+        sc = ec.sum(axis=1, keepdims=True, dtype=np.float32)
+        Y = bf16(ec)
+        scale = np.float32(dloss) / sc
+        exp_all = scale * (Y @ wte) - np.float32(dloss) * wte[targets]
+
+        # exp-notgt: Y's target column 0, its coefficient dloss (p_t - 1) in fp32.
+        Y0 = Y.copy()
+        Y0[rows, targets] = 0.0
+        p_t32 = ec[rows, targets] / sc[:, 0]
+        coef = np.float32(dloss) * (p_t32 - np.float32(1.0))
+        exp_notgt = scale * (Y0 @ wte) + coef[:, None] * wte[targets]
+
+        norm = np.linalg.norm(ref, axis=1)
+        err = [np.median(np.linalg.norm(v.astype(np.float64) - ref, axis=1) / norm) for v in (today, exp_all, exp_notgt)]
+        print(f"{p_t:>6} | {err[0]:>10.2e} | {err[1]:>10.2e} | {err[2]:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()
