@@ -6,11 +6,13 @@ precision a classifier without a dlogits pass would keep (docs/lab-notes.md, the
   exp       Y = bf16(e^(x - c)) with the target column in it, s = sum of e^(x - c) (fp32), then
             d(lnf) = (dloss / s) (Y @ wte) - dloss wte[target]; c is fixed before the logits are known,
             so it is not the row max: here c = max - u, u uniform in [0, --offset) per row (with
-            --offset 0, c is the max, and a target that is the max has Y_t = 1 exactly)
+            --offset 0, c is the max, and a target that is the max has Y_t = 1 exactly); with
+            --c-target, c = x_t, the target's own logit (Y_t = 1 exactly, and Y <= 1 / p_t)
   exp-notgt the same with Y's target column stored as 0 and its coefficient dloss (p_t - 1) formed in
-            fp32: d(lnf) = (dloss / s) (Y @ wte) + dloss (p_t - 1) wte[target]
+            fp32 from the sum of the other columns (the tail): dloss (p_t - 1) = -dloss tail / s, and
+            d(lnf) = (dloss / s) (Y @ wte) - dloss (tail / s) wte[target]
 
-Rows are drawn with the target's probability p_t set (0.5, 0.9, 0.99, 0.999): the logits are Gaussian
+Rows are drawn with the target's probability p_t set (0.5, 0.9, 0.99, 0.999, 0.99999): the logits are Gaussian
 (sd 2, GPT-2-like spread) with the target's logit raised until softmax gives p_t. wte is Gaussian (sd
 0.02). Prints each scheme's error relative to the reference's norm, the median over rows.
 
@@ -49,15 +51,17 @@ def main():
     ap.add_argument("--channels", type=int, default=768)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offset", type=float, default=4.0, help="c = row max - uniform [0, offset)")
+    ap.add_argument("--c-target", action="store_true", help="c = the target's logit instead")
     args = ap.parse_args()
     if args.rows < 1 or args.vocab < 2 or args.channels < 1 or not args.offset >= 0:
         ap.error("--rows and --channels must be >= 1, --vocab >= 2, --offset >= 0")
     rng = np.random.default_rng(args.seed)
     wte = bf16(rng.normal(0.0, 0.02, size=(args.vocab, args.channels)).astype(np.float32))
     dloss = 1.0 / 65536.0
-    print(f"rows {args.rows}, vocab {args.vocab}, channels {args.channels}, seed {args.seed}, offset {args.offset}")
-    print(f"{'p_t':>6} | {'today':>10} | {'exp':>10} | {'exp-notgt':>10}   (median |error| / |reference| over rows)")
-    for p_t in (0.5, 0.9, 0.99, 0.999):
+    where = "the target's logit" if args.c_target else f"the row max - [0, {args.offset})"
+    print(f"rows {args.rows}, vocab {args.vocab}, channels {args.channels}, seed {args.seed}, c = {where}")
+    print(f"{'p_t':>7} | {'today':>10} | {'exp':>10} | {'exp-notgt':>10}   (median |error| / |reference| over rows)")
+    for p_t in (0.5, 0.9, 0.99, 0.999, 0.99999):
         x, targets = rows_with_target_probability(rng, args.rows, args.vocab, p_t)
         rows = np.arange(args.rows)
         # The reference in fp64 from the same bf16-exact logits.
@@ -79,22 +83,29 @@ def main():
 
         # exp: Y in bf16 with the target column, at an offset c below the row max.
         c = m32 - rng.uniform(0.0, args.offset, size=(args.rows, 1)).astype(np.float32)
+        if args.c_target:
+            c = x32[rows, targets][:, None]
         ec = np.exp(x32 - c)
         sc = ec.sum(axis=1, keepdims=True, dtype=np.float32)
         Y = bf16(ec)
         scale = np.float32(dloss) / sc
         exp_all = scale * (Y @ wte) - np.float32(dloss) * wte[targets]
 
-        # exp-notgt: Y's target column 0, its coefficient dloss (p_t - 1) in fp32.
+        # exp-notgt: Y's target column 0; the sum kept as the target's term and the rest (the tail), so
+        # that the coefficient dloss (p_t - 1) = -dloss tail / s is formed in fp32 without cancellation.
         Y0 = Y.copy()
         Y0[rows, targets] = 0.0
-        p_t32 = ec[rows, targets] / sc[:, 0]
-        coef = np.float32(dloss) * (p_t32 - np.float32(1.0))
-        exp_notgt = scale * (Y0 @ wte) + coef[:, None] * wte[targets]
+        ec0 = ec.copy()
+        ec0[rows, targets] = 0.0
+        tail = ec0.sum(axis=1, dtype=np.float32)
+        s0 = ec[rows, targets] + tail
+        scale0 = (np.float32(dloss) / s0)[:, None]
+        coef = -np.float32(dloss) * tail / s0
+        exp_notgt = scale0 * (Y0 @ wte) + coef[:, None] * wte[targets]
 
         norm = np.linalg.norm(ref, axis=1)
         err = [np.median(np.linalg.norm(v.astype(np.float64) - ref, axis=1) / norm) for v in (today, exp_all, exp_notgt)]
-        print(f"{p_t:>6} | {err[0]:>10.2e} | {err[1]:>10.2e} | {err[2]:>10.2e}")
+        print(f"{p_t:>7} | {err[0]:>10.2e} | {err[1]:>10.2e} | {err[2]:>10.2e}")
 
 
 if __name__ == "__main__":
