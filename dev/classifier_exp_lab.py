@@ -12,11 +12,12 @@ precision a classifier without a dlogits pass would keep (docs/lab-notes.md, the
             fp32 from the sum of the other columns (the tail): dloss (p_t - 1) = -dloss tail / s, and
             d(lnf) = (dloss / s) (Y @ wte) - dloss (tail / s) wte[target]
 
-Rows are drawn with the target's probability p_t set (0.5, 0.9, 0.99, 0.999, 0.99999): the logits are Gaussian
-(sd 2, GPT-2-like spread) with the target's logit raised until softmax gives p_t. wte is Gaussian (sd
-0.02). Prints each scheme's error relative to the reference's norm, the median over rows.
+Rows are drawn with the target's probability p_t set (0.5, 0.9, 0.99, 0.999, 0.99999): the logits are
+Gaussian (sd 2, GPT-2-like spread) with the target's logit raised until softmax gives p_t. wte is
+Gaussian (sd 0.02). Prints each scheme's error relative to the reference's norm, the median over rows.
 
   python3 dev/classifier_exp_lab.py [--rows 64] [--vocab 50257] [--channels 768] [--seed 0]
+                                    [--offset 4 | --c-target]
 """
 import argparse
 
@@ -82,6 +83,7 @@ def main():
         today = bf16(d32) @ wte
 
         # exp: Y in bf16 with the target column, at an offset c below the row max.
+        # (drawn with --c-target too, so that both modes see the same rows)
         c = m32 - rng.uniform(0.0, args.offset, size=(args.rows, 1)).astype(np.float32)
         if args.c_target:
             c = x32[rows, targets][:, None]
