@@ -90,6 +90,7 @@ struct Options {
     bool stochastic_rounding = true;
     bool gemm_tune = true;
     int dw_stream = 2;
+    int classifier_exp = 0;
     int recompute = 0;
     std::string fp8 = "0";
     int resume = 0;
@@ -193,6 +194,11 @@ inline Flags make_flags(Options& o) {
           "backward's weight gradients on a second stream, beside the input gradients (the same numbers): 1 dwte, "
           "fc's and qkv's; 2 also attproj's and fcproj's (one B x T x C bf16 buffer more); 0 one stream. For bf16 "
           "steps on one GPU without -r 1; others run on one stream", 0, 2);
+    f.add("", "classifier-exp", &o.classifier_exp,
+          "1: bf16 training steps on Hopper (sm_90a; B x T a multiple of 128, C of 64) run the classifier's forward "
+          "in our own matmul with the softmax's exponentials in its epilogue: no logits written, no softmax pass, "
+          "the loss from fp32 logits (llmc/classifier_sm90.cuh); 0: cuBLASLt's matmul and the fused softmax. "
+          "Evaluation and FP8 lm_head always take the latter", 0, 1);
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
@@ -504,6 +510,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
         {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
         {"dw_stream", format("%d", o.dw_stream), R::MayChange},
+        {"classifier_exp", format("%d", o.classifier_exp), R::MayChange},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
     };
 }
@@ -653,6 +660,12 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     if (model.dw_stream_applies() > 0) {
         std::printf("backward: weight gradients on a second stream (--dw-stream %d)\n", model.dw_stream_applies());
+    }
+    if (model.classifier_exp()) {
+        std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
+                                            ? "the exp forward on training steps (--classifier-exp 1)"
+                                            : "--classifier-exp 1 does not apply here (needs sm_90a, B x T a multiple of "
+                                              "128, C of 64, no FP8 lm_head): cuBLASLt + fused softmax");
     }
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -1168,6 +1181,7 @@ int main(int argc, char** argv) {
         model.set_gemm_tuning(opt.gemm_tune);
         model.set_fp8(plan.fp8);
         model.set_dw_stream(opt.dw_stream);
+        model.set_classifier_exp(opt.classifier_exp == 1);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);

@@ -67,6 +67,15 @@ backward). The history is the only FP8 state: a checkpoint holds it
 and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
 fc.grad) run in bf16.
 
+The classifier's exp forward (set_classifier_exp, the trainer's --classifier-exp): in a bf16 training
+forward on sm_90a (N a multiple of 128, C of 64), the classifier runs in our own matmul whose epilogue
+computes the softmax's exponentials (llmc/classifier_sm90.cuh): the logits buffer receives Y, the
+classifier's gradient up to a row scale, instead of the logits, and no softmax pass runs. lnf is scaled in
+place by each row's dloss / s, so backward's dwte matmul is the usual one on Y; d(lnf) = Y wte is then
+scaled by classifier90_scale_rows. The loss is computed from fp32 logits (the cuBLASLt path rounds them
+to bf16 first), so a run's losses and weights differ from the cuBLASLt path's; evaluation forwards (no
+dloss), FP8 lm_head and other shapes keep cuBLASLt + fused_classifier.
+
 A second stream for backward's weight gradients (set_dw_stream, the trainer's --dw-stream): a weight
 gradient dW += dout^T x is read by nothing later in backward, so it can run beside the chain of input
 gradients, LayerNorm backwards and attention that every later kernel waits on. Level 1 moves dwte's
@@ -98,6 +107,7 @@ checkpoint holds (llmc/gpt2_checkpoint.cuh).
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
+#include "llmc/classifier_sm90.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/encoder.cuh"
@@ -341,6 +351,24 @@ public:
         }
     }
     int dw_stream() const { return dw_level_; }
+    // The classifier's exp forward (the file's comment) for bf16 training forwards where it applies; turning
+    // it on allocates its per-row scratch (memory().scratch grows by about N x 200 floats at GPT-2's Vp).
+    void set_classifier_exp(bool on) {
+        classifier_exp_ = on;
+        if (!on || !classifier90_available() || cls90_sums_.get() != nullptr) return;
+        cudaCheck(cudaStreamSynchronize(stream_));
+        const int64_t N = int64_t(n_);
+        cls90_c_.allocate(size_t(N));
+        cls90_sums_.allocate(size_t(N));
+        cls90_partial_.allocate(classifier90_partial_count(N, config_.padded_vocab_size));
+        memory_.scratch += cls90_c_.bytes() + cls90_sums_.bytes() + cls90_partial_.bytes();
+    }
+    bool classifier_exp() const { return classifier_exp_; }
+    // Whether a training forward of N rows runs the classifier's exp forward, as the model is set now.
+    bool classifier_exp_applies(int64_t N) const {
+        return classifier_exp_ && cls90_sums_.get() != nullptr && !(fp8_.lm_head && fp8_rows(N)) && N <= int64_t(n_) &&
+               classifier90_applies(N, config_.channels, config_.padded_vocab_size);
+    }
     // The level backward runs at, as the model is set now (0: one stream).
     int dw_stream_applies() const {
         if (!dw_stream_possible() || dw_ == nullptr) return 0;
@@ -472,7 +500,8 @@ public:
         return fp8_delayed_.get() == nullptr ? nullptr : fp8_delayed_.get() + 3 * fp8_delayed_slots() * kFp8SlotStride;
     }
     const Fp8Matmuls& fp8() const { return fp8_; }
-    // (B,T,Vp) of the last forward (dlogits after a training one); (M,Vp) after forward_scored.
+    // (B,T,Vp) of the last forward (dlogits after a training one, or Y after the classifier's exp forward:
+    // set_classifier_exp); (M,Vp) after forward_scored.
     const floatX* logits() const { return logits_; }
     const float* losses() const { return losses_; }  // (B,T) of the last forward with targets; (M) after forward_scored
     const float* mean_loss() const { return scalars_.get(); }
@@ -528,10 +557,18 @@ public:
         const int64_t N = int64_t(B) * T;
         const bool fp8_head = fp8_.lm_head && fp8_rows(N);
         const int64_t chunk = fp8_head ? fp8_classifier_chunk(N) : 0;
+        const bool exp_head = targets != nullptr && dloss > 0.0f && classifier_exp_applies(N);
         classifier_grad_rows_ = 0;
+        cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
         if (chunk > 0) {
             fp8_classifier_chunks(targets, N, chunk, dloss);
+        } else if (exp_head) {
+            classifier90_exp_forward(logits_, losses_, lnf_, outer(params_.get()).wte, targets, dloss, N, C,
+                                     c.vocab_size, Vp, {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()},
+                                     stream_);
+            cls90_rows_ = N;
+            cls90_dloss_ = dloss;
         } else if (fp8_head) {
             const auto* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
             fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
@@ -540,7 +577,9 @@ public:
             matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
         }
         if (targets == nullptr) return;
-        if (chunk == 0) fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
+        if (chunk == 0 && !exp_head) {
+            fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
+        }
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
     }
 
@@ -586,6 +625,7 @@ public:
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
         classifier_grad_rows_ = 0;
+        cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, packed);
         // proj_ (rows for the allocated B x T, at least M) was last read by the final residual add.
         gather_positions(proj_, lnf_, scored, M, C, stream_);
@@ -688,7 +728,14 @@ public:
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
         if (classifier_grad_rows_ == 0) {
+            // After the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual,
+            // d(lnf) = Y wte scaled by the rows' dloss / s.
+            if (cls90_rows_ != 0 && cls90_rows_ != N) {
+                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
+                     (long long)N, (long long)cls90_rows_);
+            }
             linear_backward(dw > 0, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, C, Vp, nullptr);
+            if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         } else {
             // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
             if (classifier_grad_rows_ != N) {
@@ -1507,6 +1554,12 @@ private:
     DeviceBuffer<uint8_t> fp8_grad_;  // fc.grad: the GELU gradient in E5M2 (or E4M3), both layouts
     // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
+    // The classifier's exp forward (set_classifier_exp): on, its scratch, and the rows and dloss of the
+    // training forward that ran it (0: the last forward did not).
+    bool classifier_exp_ = false;
+    DeviceBuffer<float> cls90_c_, cls90_sums_, cls90_partial_;
+    int64_t cls90_rows_ = 0;
+    float cls90_dloss_ = 0.0f;
     size_t nc_ = 0, n_ = 0, att_saved_bytes_ = 0;
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;

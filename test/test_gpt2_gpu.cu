@@ -209,8 +209,10 @@ bool long_tests_enabled() {
 
 class GPT2GpuTest : public GpuTest, public ::testing::WithParamInterface<Case> {};
 
-// Logits and loss of an evaluation forward, then the gradients of a training forward and backward.
-void check_forward_backward(const Case& k, const Fp8Matmuls& fp8, const Tolerances& tol) {
+// Logits and loss of an evaluation forward, then the gradients of a training forward and backward. With
+// exp_classifier, the training forward runs the classifier's exp forward (llmc/classifier_sm90.cuh), whose
+// loss comes from fp32 logits: it is checked against the reference instead of against the evaluation's.
+void check_forward_backward(const Case& k, const Fp8Matmuls& fp8, const Tolerances& tol, bool exp_classifier = false) {
     const GPT2Config& c = k.config;
     const int B = k.B, T = k.T, V = c.vocab_size, Vp = c.padded_vocab_size;
     const size_t N = size_t(B) * T;
@@ -226,6 +228,8 @@ void check_forward_backward(const Case& k, const Fp8Matmuls& fp8, const Toleranc
     Stream stream;
     GPT2 gpu(c, B, T, stream);
     gpu.set_fp8(fp8);
+    gpu.set_classifier_exp(exp_classifier);
+    ASSERT_EQ(gpu.classifier_exp_applies(int64_t(N)), exp_classifier) << "the exp forward must run exactly when asked";
     gpu.set_parameters(params);
     auto d_in = upload(inputs), d_tg = upload(targets);
 
@@ -253,12 +257,27 @@ void check_forward_backward(const Case& k, const Fp8Matmuls& fp8, const Toleranc
     gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
     gpu.backward(d_in.get(), B, T);
     const float train_loss = download_scalar(gpu.mean_loss(), stream);
-    EXPECT_EQ(train_loss, eval_loss) << "the training forward must compute the same loss";
+    if (exp_classifier) {
+        std::printf("    training loss %.6f (exp forward), reference %.6f\n", double(train_loss), ref_loss);
+        EXPECT_LE(std::fabs(double(train_loss) - ref_loss), tol.loss * ref_loss);
+        EXPECT_NE(train_loss, eval_loss) << "the exp forward's loss (fp32 logits) should not be the bf16 logits' bit for bit";
+    } else {
+        EXPECT_EQ(train_loss, eval_loss) << "the training forward must compute the same loss";
+    }
     const std::vector<float> grads = download_bf16(gpu.grads(), size_t(gpu.num_parameters()), stream);
     for (int i = 0; i < kNumParamTensors; i++) {
         const ParamTensorInfo& t = gpu.tensor(i);
         expect_close(std::string("grad ") + t.name, grads.data() + t.offset, ref.grads.data() + t.offset,
                      size_t(t.numel), tol.grad);
+    }
+    if (exp_classifier) {  // no atomics anywhere: a second step gives the same bits
+        gpu.zero_grad();
+        gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+        gpu.backward(d_in.get(), B, T);
+        EXPECT_EQ(download_scalar(gpu.mean_loss(), stream), train_loss) << "the exp forward's loss must repeat";
+        const std::vector<float> again = download_bf16(gpu.grads(), size_t(gpu.num_parameters()), stream);
+        EXPECT_TRUE(std::memcmp(again.data(), grads.data(), grads.size() * sizeof(float)) == 0)
+            << "the exp forward's gradients must repeat bit for bit";
     }
 }
 
@@ -281,6 +300,17 @@ TEST_P(GPT2GpuTest, Fp8ForwardAndBackwardMatchCpu) {
     // fcproj.dx without fc.grad: the FP8 matmul with the GELU-gradient epilogue, E4M3 x E4M3.
     check_forward_backward(k, parse_fp8_matmuls("qkv,fc,lm_head,attproj.dx,fcproj.dx,grad.e4m3"), kFp8Tol);
     check_forward_backward(k, kFp8HeadGradBf16, kFp8Tol);
+}
+
+// The bf16 model with the classifier's exp forward on Hopper (sm_90a), at the shapes it takes.
+TEST_P(GPT2GpuTest, ExpClassifierForwardAndBackwardMatchCpu) {
+    const Case& k = GetParam();
+    if (k.long_running && !long_tests_enabled()) GTEST_SKIP() << "skipped: set LLMC_LONG_TESTS=1 to run " << k.name;
+    if (!classifier90_available()) GTEST_SKIP() << "skipped: the exp classifier needs a Hopper GPU and an sm_90a build";
+    if (!classifier90_applies(int64_t(k.B) * k.T, k.config.channels, k.config.padded_vocab_size)) {
+        GTEST_SKIP() << "skipped: " << k.name << " is not a shape the exp classifier takes (C a multiple of 64)";
+    }
+    check_forward_backward(k, Fp8Matmuls{}, kBf16Tol, /*exp_classifier=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GPT2GpuTest, ::testing::ValuesIn(cases()),

@@ -1,0 +1,557 @@
+/*
+The classifier's forward on Hopper (sm_90a) in our own matmul, with the softmax's exponentials in its
+epilogue: no logits are written and no softmax pass reads them.
+
+Provides:
+  classifier90_available():  built for sm_90a (LLMC_SM90A) and running on compute 9.0.
+  classifier90_applies(N, C, Vp): the shapes the kernel takes: N a multiple of 128, C of 64, Vp of 8.
+  classifier90_partial_count(N, Vp): the floats of Classifier90Scratch::partial.
+  classifier90_logits:       logits (N,Vp) bf16 = lnf (N,C) wte (Vp,C)^T, as cuBLASLt's matmul_forward
+                             (dev/classifier_gemm_lab.cu compares the two; the trainer does not use it).
+  classifier90_exp_forward:  for rows with targets, Y (N,Vp) bf16 = e^(x - x_t) with x = lnf wte^T and x_t
+                             the row's target logit, the loss log(s) (s = 1 + the row's sum of Y over the
+                             other columns below V) and s; the padded columns 0. With dloss > 0 (training)
+                             it also makes Y the classifier's gradient up to a row scale: Y's target column
+                             becomes 1 - s (so dlogits = dloss / s * Y exactly, in real arithmetic) and lnf
+                             is scaled in place by dloss / s, so that backward's dwte matmul (Y^T lnf) is the
+                             usual one; d(lnf) = Y wte then needs classifier90_scale_rows. With dloss = 0 the
+                             target column is 0 and lnf is left as it was.
+  classifier90_scale_rows:   x (N,C) bf16 *= dloss / s per row: d(lnf) from the Y wte matmul.
+
+The matmul: persistent, one block of three warpgroups per SM. The first is the producer: one thread asks
+the tensor memory accelerator (TMA) for each k-step's tiles of lnf (128 rows x 64) and wte (256 rows x 64)
+into a ring of kStages shared-memory stages, in the 128-byte swizzle wgmma reads; an mbarrier counts each
+stage's bytes in ("full") and another its release by every consumer thread ("empty"). The other two are
+consumers: each multiplies its 64 of the tile's 128 rows by the 256 wte rows with wgmma.m64n256k16 (bf16
+operands from shared memory, 128 fp32 accumulators a thread), keeping one k-step's products in flight
+while it frees the stage before. Output tiles are 128 x 256, visited in groups of kGroupM row blocks (a
+group's lnf stays in L2 while wte streams past once). The epilogue rounds to bf16, writes each
+warpgroup's 64 x 256 block to shared memory with stmatrix, in the swizzle of the output's TMA map, and
+stores it with TMA (columns past Vp clipped), while the next tile's loads are under way. The exp
+epilogue computes e^(x - x_t) by one ex2 per element from the fp32 accumulator (flushed to 0 below 2^-126;
+the column tests only in the tiles that hold the row's target or the padding) (x_t in fp32 from a
+small kernel before the matmul, one warp a row) and each 256-column tile's row sums (fp32), which a
+kernel after it adds in a fixed order; nothing is atomic, so results repeat bit for bit. The plain
+matmul gives cuBLASLt's bits at GPT-2's shapes (the lab checks all 3.3G logits of d12 B=64).
+
+Y's range: x - x_t <= -log p_t is at most the row's loss, so Y overflows only where a token's loss
+exceeds ~88 nats (s is then inf, and so is the loss: the trainer's divergence guard sees it). Precision:
+the logits are never rounded to bf16 before the softmax, so the loss is exact to fp32 rounding (today's
+path: ~1e-2 per row from the bf16 logits), and Y's entries carry one bf16 rounding as dlogits do, with
+the target's coefficient formed from the tail sum without cancellation (docs/lab-notes.md,
+dev/classifier_exp_lab.py).
+
+Does not provide: ping-pong consumers (the tensor cores wait while an epilogue runs), TMA multicast
+within a cluster, other GPUs (the trainer uses cuBLASLt + fused_classifier there), logits when the exp
+path runs (Y is not the logits).
+*/
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
+#include <cudaTypedefs.h>
+
+#include "llmc/cuda_common.cuh"
+#include "llmc/cuda_utils.cuh"
+#include "llmc/flash_common.cuh"
+#include "llmc/utils.h"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CLASSIFIER90_DEVICE 1
+#else
+#define CLASSIFIER90_DEVICE 0
+#endif
+
+namespace llmc {
+
+// Where classifier90_exp_forward keeps its per-row numbers: c (N) the target logits, partial
+// (classifier90_partial_count) the tiles' row sums, sums (N) s.
+struct Classifier90Scratch {
+    float* c = nullptr;
+    float* partial = nullptr;
+    float* sums = nullptr;
+};
+
+namespace classifier90_detail {
+
+using flash_common::pack_bf16;
+using flash_common::smem_addr;
+
+constexpr int kBM = 128;            // output rows per tile (64 per consumer warpgroup)
+constexpr int kBN = 256;            // output columns per tile (wte rows)
+constexpr int kBK = 64;             // k per stage: one 128-byte swizzled row
+constexpr int kStages = 3;          // the ring of shared-memory stages
+constexpr int kGroupM = 16;         // row blocks per group of the tile order
+constexpr int kThreads = 384;       // producer + two consumer warpgroups
+constexpr int kABytes = kBM * kBK * 2;         // 16 KiB
+constexpr int kBBytes = kBN * kBK * 2;         // 32 KiB
+constexpr int kOutBox = 64;                    // output TMA box: 64 rows x 64 columns (128 bytes)
+constexpr int kOutBoxBytes = 64 * kOutBox * 2; // 8 KiB
+constexpr int kOutWGBytes = 64 * kBN * 2;      // 32 KiB: one consumer's 64 x 256 block, 4 boxes
+constexpr int kSmemData = kStages * (kABytes + kBBytes) + 2 * kOutWGBytes;
+constexpr int kSmem = kSmemData + 1024 + 2 * kStages * 8;  // + alignment slack + the barriers
+constexpr float kExpLog2e = 1.4426950408889634f;
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers (sm_90a).
+
+__device__ inline void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ inline void mbar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ inline void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until the barrier's phase of this parity has completed.
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done = 0;
+    do {
+        asm volatile(
+            "{\n"
+            ".reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n"
+            "}\n"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ inline void tma_load_2d(uint8_t* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+            "r"(smem_addr(dst)),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
+        : "memory");
+}
+__device__ inline void tma_store_2d(const CUtensorMap* map, const uint8_t* src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(c0), "r"(c1), "r"(smem_addr(src))
+                 : "memory");
+}
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ inline void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ inline void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+__device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ inline void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+// Descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
+// apart (the leading offset is unused for this layout).
+__device__ inline uint64_t desc_sw128(uint32_t addr) {
+    return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ inline void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ inline void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of the accumulators across the asynchronous wgmma.
+__device__ inline void fence_acc(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x 256 per warpgroup, fp32) += A (64 x 16, K-major in shared memory) * B (256 x 16, K-major), or
+// d = A * B when scale_d is 0.
+__device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+#if CLASSIFIER90_DEVICE
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "%128, %129, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+#endif
+}
+
+// Tile t of the order: groups of kGroupM row blocks, the row block fastest inside a group.
+__device__ inline void tile_coords(int t, int m_tiles, int n_tiles, int& m_blk, int& n_blk) {
+    const int per_group = kGroupM * n_tiles;
+    const int group = t / per_group, within = t % per_group;
+    const int first = group * kGroupM, rows = min(kGroupM, m_tiles - first);
+    m_blk = first + within % rows;
+    n_blk = within / rows;
+}
+
+__device__ inline float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The exp epilogue on one of a thread's two rows (Half 0: d[4j], d[4j+1]; Half 1: d[4j+2], d[4j+3]):
+// d = e^(x - c) (c2 = c log2 e; an ex2 a value, results below 2^-126 flushed to 0), 0 at the target's column
+// and at columns >= V; returns the sum of the rest. Most rows of most tiles have neither (all_below_v, the
+// target elsewhere) and take the loop without comparisons.
+template <int Half>
+__device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, int col_base, int V, bool all_below_v) {
+    float s = 0.0f;
+    if (all_below_v && (target < n0 || target >= n0 + kBN)) {
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float y = ex2_ftz(fmaf(d[4 * j + 2 * Half + e], kExpLog2e, -c2));
+                s += y;
+                d[4 * j + 2 * Half + e] = y;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int col = col_base + 8 * j + e;
+                const float y =
+                    (col < V && col != target) ? ex2_ftz(fmaf(d[4 * j + 2 * Half + e], kExpLog2e, -c2)) : 0.0f;
+                s += y;
+                d[4 * j + 2 * Half + e] = y;
+            }
+        }
+    }
+    return s;
+}
+
+// Exp = false: out = bf16(lnf wte^T). Exp = true: out = bf16(e^(x - c_row)), 0 at the row's target and at
+// columns >= V; partial[row * n_tiles + n_tile] = the tile's sum of the other columns (fp32).
+template <bool Exp>
+__global__ void __launch_bounds__(kThreads, 1)
+    cls_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    const __grid_constant__ CUtensorMap map_out, int M, int Vp, int V, int K, const float* offsets,
+                    const int* targets, float* partial) {
+#if CLASSIFIER90_DEVICE
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t* sA = smem;
+    uint8_t* sB = sA + kStages * kABytes;
+    uint8_t* sOut = sB + kStages * kBBytes;
+    uint64_t* full = reinterpret_cast<uint64_t*>(sOut + 2 * kOutWGBytes);
+    uint64_t* empty = full + kStages;
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    const int m_tiles = M / kBM, n_tiles = (Vp + kBN - 1) / kBN, n_total = m_tiles * n_tiles, kb_count = K / kBK;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid == 0) {
+            int stage = 0;
+            uint32_t phase = 0;
+            for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
+                int mb, nb;
+                tile_coords(t, m_tiles, n_tiles, mb, nb);
+                for (int kb = 0; kb < kb_count; kb++) {
+                    mbar_wait(&empty[stage], phase ^ 1);
+                    mbar_expect(&full[stage], kABytes + kBBytes);
+                    tma_load_2d(sA + stage * kABytes, &map_a, &full[stage], kb * kBK, mb * kBM);
+                    tma_load_2d(sB + stage * kBBytes, &map_b, &full[stage], kb * kBK, nb * kBN);
+                    if (++stage == kStages) {
+                        stage = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // consumers
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1, warp = tid / 32, lane = tid % 32;
+    uint8_t* my_out = sOut + cw * kOutWGBytes;
+    float d[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
+        int mb, nb;
+        tile_coords(t, m_tiles, n_tiles, mb, nb);
+        int prev = 0;
+        for (int kb = 0; kb < kb_count; kb++) {
+            mbar_wait(&full[stage], phase);
+            const uint32_t a_base = smem_addr(sA + stage * kABytes) + cw * (64 * 128);
+            const uint32_t b_base = smem_addr(sB + stage * kBBytes);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBK / 16; kk++) {
+                wgmma_m64n256k16(d, desc_sw128(a_base + kk * 32), desc_sw128(b_base + kk * 32), (kb | kk) != 0);
+            }
+            wg_commit();
+            if (kb > 0) {
+                wg_wait<1>();
+                fence_acc(d);
+                mbar_arrive(&empty[prev]);
+            }
+            prev = stage;
+            if (++stage == kStages) {
+                stage = 0;
+                phase ^= 1;
+            }
+        }
+        wg_wait<0>();
+        fence_acc(d);
+        mbar_arrive(&empty[prev]);
+
+        // Epilogue. This thread's accumulators: rows r0 = 16 warp + lane / 4 and r0 + 8 of the warpgroup's
+        // 64, columns 8 j + 2 (lane % 4) + {0, 1} for j = 0..31 (d[4j], d[4j+1] on r0; d[4j+2], d[4j+3] on r0 + 8).
+        const int r0 = 16 * warp + lane / 4;
+        const int row0 = mb * kBM + cw * 64 + r0, row1 = row0 + 8;
+        const int col_base = nb * kBN + 2 * (lane % 4);
+        if constexpr (Exp) {
+            const int n0 = nb * kBN;
+            const bool all_below_v = n0 + kBN <= V;
+            float s0 = exp_half<0>(d, offsets[row0] * kExpLog2e, targets[row0], n0, col_base, V, all_below_v);
+            float s1 = exp_half<1>(d, offsets[row1] * kExpLog2e, targets[row1], n0, col_base, V, all_below_v);
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+            s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+            if (lane % 4 == 0) {
+                partial[int64_t(row0) * n_tiles + nb] = s0;
+                partial[int64_t(row1) * n_tiles + nb] = s1;
+            }
+        }
+        // The previous tile's stores must have read the staging block before it is overwritten.
+        if (tid == 0) bulk_wait_read();
+        named_sync(1 + cw, 128);
+        const uint32_t out_base = smem_addr(my_out);
+        const int mi = lane / 8, rr = lane % 8;
+        const int srow = 16 * warp + (mi & 1) * 8 + rr;
+#pragma unroll
+        for (int jj = 0; jj < 16; jj++) {
+            const int j = 2 * jj;
+            const int chunk = j + (mi >> 1);  // 16-byte chunk of the 256-column row this lane addresses
+            const int box = chunk / 8, cc = chunk % 8;
+            const uint32_t addr = out_base + box * kOutBoxBytes + srow * 128 + ((cc ^ (srow & 7)) << 4);
+            stmatrix_x4(addr, pack_bf16(d[4 * j], d[4 * j + 1]), pack_bf16(d[4 * j + 2], d[4 * j + 3]),
+                        pack_bf16(d[4 * j + 4], d[4 * j + 5]), pack_bf16(d[4 * j + 6], d[4 * j + 7]));
+        }
+        fence_proxy_async();
+        named_sync(1 + cw, 128);
+        if (tid == 0) {
+            for (int b = 0; b < kBN / kOutBox; b++) {
+                const int col = nb * kBN + b * kOutBox;
+                if (col < Vp) tma_store_2d(&map_out, my_out + b * kOutBoxBytes, col, mb * kBM + cw * 64);
+            }
+            bulk_commit();
+        }
+    }
+    if (tid == 0) bulk_wait_all();
+#endif
+}
+
+// c[row] = lnf[row] . wte[targets[row]] in fp32 (one warp a row, a fixed order).
+__global__ void target_logit_kernel(float* c, const floatX* lnf, const floatX* wte, const int* targets, int64_t N,
+                                    int C) {
+    const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const floatX* x = lnf + row * C;
+    const floatX* w = wte + int64_t(targets[row]) * C;
+    float acc = 0.0f;
+    for (int k = lane; k < C; k += 32) acc = fmaf(float(x[k]), float(w[k]), acc);
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if (lane == 0) c[row] = acc;
+}
+
+// Per row (one warp): tail = the tiles' sums (a fixed tree), s = 1 + tail, loss = log(s); with dloss > 0
+// also Y[row, target] = 1 - s and lnf[row] *= dloss / s.
+__global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
+                              const int* targets, float dloss, int64_t N, int n_tiles, int C, int Vp) {
+    const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const float* p = partial + row * n_tiles;
+    float t = 0.0f;
+    for (int n = lane; n < n_tiles; n += 32) t += p[n];
+    for (int o = 16; o > 0; o /= 2) t += __shfl_down_sync(0xffffffffu, t, o);
+    const float tail = __shfl_sync(0xffffffffu, t, 0), s = 1.0f + tail;
+    if (lane == 0) {
+        sums[row] = s;
+        losses[row] = logf(s);
+        if (dloss > 0.0f) y[row * Vp + targets[row]] = __float2bfloat16_rn(-tail);
+    }
+    if (dloss > 0.0f) {
+        const float r = dloss / s;
+        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(lnf + row * C);
+        for (int k = lane; k < C / 2; k += 32) {
+            const float2 v = __bfloat1622float2(x[k]);
+            x[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
+        }
+    }
+}
+
+// x[row] *= dloss / sums[row] (one warp a row).
+__global__ void scale_rows_kernel(floatX* x, const float* sums, float dloss, int64_t N, int C) {
+    const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const float r = dloss / sums[row];
+    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(x + row * C);
+    for (int k = lane; k < C / 2; k += 32) {
+        const float2 v = __bfloat1622float2(v2[k]);
+        v2[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
+    }
+}
+
+// The TMA descriptor of a (rows, cols) row-major bf16 matrix read or written in box_rows x box_cols
+// boxes (box_cols x 2 = 128 bytes) with the 128-byte swizzle. The driver's encoder comes through the
+// runtime, so nothing links libcuda.
+inline CUtensorMap tensor_map(const floatX* base, int64_t cols, int64_t rows, int box_cols, int box_rows,
+                              const char* what) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+            fail(kExitCuda, "classifier90: the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or later)");
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    CUtensorMap map{};
+    const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(floatX)};
+    const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)}, elem_strides[2] = {1, 1};
+    const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<floatX*>(base), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fail(kExitCuda, "classifier90: cuTensorMapEncodeTiled for %s (%lld x %lld) failed with CUresult %d", what,
+             (long long)rows, (long long)cols, int(r));
+    }
+    return map;
+}
+
+template <bool Exp>
+inline void launch_gemm(floatX* out, const floatX* lnf, const floatX* wte, int64_t N, int C, int V, int Vp,
+                        const float* c, const int* targets, float* partial, cudaStream_t stream) {
+    static const int sms = [] {
+        int dev = 0, n = 0;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+        cudaCheck(cudaFuncSetAttribute(cls_gemm_kernel<Exp>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        return n;
+    }();
+    const CUtensorMap map_a = tensor_map(lnf, C, N, kBK, kBM, "lnf");
+    const CUtensorMap map_b = tensor_map(wte, C, Vp, kBK, kBN, "wte");
+    const CUtensorMap map_out = tensor_map(out, Vp, N, kOutBox, 64, "logits");
+    const int64_t tiles = (N / kBM) * ((Vp + kBN - 1) / kBN);
+    const int grid = int(std::min<int64_t>(sms, tiles));
+    cls_gemm_kernel<Exp><<<grid, kThreads, kSmem, stream>>>(map_a, map_b, map_out, int(N), Vp, V, C, c, targets,
+                                                             partial);
+    cudaCheckLaunch();
+}
+
+inline void check_shapes(const char* what, int64_t N, int C, int Vp) {
+    if (N % kBM != 0 || C % kBK != 0 || Vp % 8 != 0 || N > (int64_t(1) << 30) / 2) {
+        fail(kExitUsage, "%s: N=%lld C=%d Vp=%d, need N a multiple of %d, C of %d and Vp of 8", what, (long long)N, C,
+             Vp, kBM, kBK);
+    }
+}
+
+}  // namespace classifier90_detail
+
+inline bool classifier90_available() {
+#if defined(LLMC_SM90A)
+    static const bool ok = [] {
+        int dev = 0, major = 0, minor = 0;
+        cudaCheck(cudaGetDevice(&dev));
+        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        return major == 9 && minor == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
+inline bool classifier90_applies(int64_t N, int C, int Vp) {
+    using namespace classifier90_detail;
+    return N > 0 && N % kBM == 0 && C % kBK == 0 && C > 0 && Vp % 8 == 0 && N <= (int64_t(1) << 30) / 2;
+}
+
+inline size_t classifier90_partial_count(int64_t N, int Vp) {
+    return size_t(N) * size_t((Vp + classifier90_detail::kBN - 1) / classifier90_detail::kBN);
+}
+
+inline void classifier90_logits(floatX* logits, const floatX* lnf, const floatX* wte, int64_t N, int C, int Vp,
+                                cudaStream_t stream) {
+    using namespace classifier90_detail;
+    if (!classifier90_available()) fail(kExitUsage, "classifier90_logits: needs a build for sm_90a and a compute 9.0 GPU");
+    check_shapes("classifier90_logits", N, C, Vp);
+    launch_gemm<false>(logits, lnf, wte, N, C, Vp, Vp, nullptr, nullptr, nullptr, stream);
+}
+
+inline void classifier90_exp_forward(floatX* y, float* losses, floatX* lnf, const floatX* wte, const int* targets,
+                                     float dloss, int64_t N, int C, int V, int Vp, const Classifier90Scratch& scratch,
+                                     cudaStream_t stream) {
+    using namespace classifier90_detail;
+    if (!classifier90_available()) {
+        fail(kExitUsage, "classifier90_exp_forward: needs a build for sm_90a and a compute 9.0 GPU");
+    }
+    check_shapes("classifier90_exp_forward", N, C, Vp);
+    if (V < 1 || V > Vp) fail(kExitUsage, "classifier90_exp_forward: V=%d is not in [1, Vp=%d]", V, Vp);
+    const unsigned warp_blocks = unsigned((N + 7) / 8);
+    target_logit_kernel<<<warp_blocks, 256, 0, stream>>>(scratch.c, lnf, wte, targets, N, C);
+    cudaCheckLaunch();
+    launch_gemm<true>(y, lnf, wte, N, C, V, Vp, scratch.c, targets, scratch.partial, stream);
+    finish_kernel<<<warp_blocks, 256, 0, stream>>>(y, losses, scratch.sums, lnf, scratch.partial, targets, dloss, N,
+                                                   (Vp + kBN - 1) / kBN, C, Vp);
+    cudaCheckLaunch();
+}
+
+inline void classifier90_scale_rows(floatX* x, const float* sums, float dloss, int64_t N, int C, cudaStream_t stream) {
+    if (N == 0) return;
+    if (C % 2 != 0) fail(kExitUsage, "classifier90_scale_rows: C=%d is odd", C);
+    classifier90_detail::scale_rows_kernel<<<unsigned((N + 7) / 8), 256, 0, stream>>>(x, sums, dloss, N, C);
+    cudaCheckLaunch();
+}
+
+}  // namespace llmc
