@@ -56,6 +56,7 @@ path runs (Y is not the logits).
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_common.cuh"
+#include "llmc/sm90.cuh"
 #include "llmc/utils.h"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -256,7 +257,7 @@ __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, 
 // Exp = false: out = bf16(lnf wte^T). Exp = true: out = bf16(e^(x - c_row)), 0 at the row's target and at
 // columns >= V; partial[row * n_tiles + n_tile] = the tile's sum of the other columns (fp32).
 template <bool Exp>
-__global__ void __launch_bounds__(kThreads, 1)
+static __global__ void __launch_bounds__(kThreads, 1)
     cls_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_out, int M, int Vp, int V, int K, const float* offsets,
                     const int* targets, float* partial) {
@@ -387,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // c[row] = lnf[row] . wte[targets[row]] in fp32 (one warp a row, a fixed order).
-__global__ void target_logit_kernel(float* c, const floatX* lnf, const floatX* wte, const int* targets, int64_t N,
+static __global__ void target_logit_kernel(float* c, const floatX* lnf, const floatX* wte, const int* targets, int64_t N,
                                     int C) {
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -402,7 +403,7 @@ __global__ void target_logit_kernel(float* c, const floatX* lnf, const floatX* w
 
 // Per row (one warp): tail = the tiles' sums (a fixed tree), s = 1 + tail, loss = log(s); with dloss > 0
 // also Y[row, target] = 1 - s and lnf[row] *= dloss / s.
-__global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
+static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
                               const int* targets, float dloss, int64_t N, int n_tiles, int C, int Vp) {
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -428,7 +429,7 @@ __global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf
 }
 
 // x[row] *= dloss / sums[row] (one warp a row).
-__global__ void scale_rows_kernel(floatX* x, const float* sums, float dloss, int64_t N, int C) {
+static __global__ void scale_rows_kernel(floatX* x, const float* sums, float dloss, int64_t N, int C) {
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= N) return;
@@ -441,19 +442,10 @@ __global__ void scale_rows_kernel(floatX* x, const float* sums, float dloss, int
 }
 
 // The TMA descriptor of a (rows, cols) row-major bf16 matrix read or written in box_rows x box_cols
-// boxes (box_cols x 2 = 128 bytes) with the 128-byte swizzle. The driver's encoder comes through the
-// runtime, so nothing links libcuda.
+// boxes (box_cols x 2 = 128 bytes) with the 128-byte swizzle.
 inline CUtensorMap tensor_map(const floatX* base, int64_t cols, int64_t rows, int box_cols, int box_rows,
                               const char* what) {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-        if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-            fail(kExitCuda, "classifier90: the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or later)");
-        }
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }();
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     CUtensorMap map{};
     const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
     const cuuint64_t strides[1] = {cuuint64_t(cols) * sizeof(floatX)};
@@ -497,20 +489,7 @@ inline void check_shapes(const char* what, int64_t N, int C, int Vp) {
 
 }  // namespace classifier90_detail
 
-inline bool classifier90_available() {
-#if defined(LLMC_SM90A)
-    static const bool ok = [] {
-        int dev = 0, major = 0, minor = 0;
-        cudaCheck(cudaGetDevice(&dev));
-        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        return major == 9 && minor == 0;
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
+inline bool classifier90_available() { return sm90a_available(); }
 
 inline bool classifier90_applies(int64_t N, int C, int Vp) {
     using namespace classifier90_detail;

@@ -55,6 +55,7 @@ across a cluster, software pipelining inside a warpgroup, D computed inside the 
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_common.cuh"
 #include "llmc/fp8.cuh"
+#include "llmc/sm90.cuh"
 #include "llmc/utils.h"
 
 // Device code for sm_90a (wgmma is an "a" feature): __CUDA_ARCH_FEAT_SM90_ALL is defined there only.
@@ -705,18 +706,9 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
 }
 
 // The TMA descriptor of a (B, T, cols) bf16 tensor, cols contiguous, read in 64 x 64 tiles (64 rows of one
-// batch, 64 columns) with the 128-byte swizzle; rows past T are outside the tensor (zero-filled). The
-// driver's encoder is reached through the runtime, so nothing links libcuda.
+// batch, 64 columns) with the 128-byte swizzle; rows past T are outside the tensor (zero-filled).
 inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-        cudaCheck(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-        if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-            fail(kExitCuda, "flash90: the driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12 or later)");
-        }
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }();
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     CUtensorMap map{};
     const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(T), cuuint64_t(B)};
     const cuuint64_t row_bytes = cuuint64_t(cols) * sizeof(floatX);
@@ -735,20 +727,7 @@ inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int 
 }  // namespace flash90_detail
 
 // Whether flash90_forward/flash90_backward can run here: built for sm_90a and running on compute 9.0.
-inline bool flash90_available() {
-#if defined(LLMC_SM90A)
-    static const bool ok = [] {
-        int dev = 0, major = 0, minor = 0;
-        cudaCheck(cudaGetDevice(&dev));
-        cudaCheck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        cudaCheck(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        return major == 9 && minor == 0;
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
+inline bool flash90_available() { return sm90a_available(); }
 
 // As flash_forward<64> (same arguments, same lse), on wgmma. Needs flash90_available().
 inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
