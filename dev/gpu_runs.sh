@@ -14,7 +14,7 @@
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS,
+# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, CLASSIFIER_EXP, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS,
 # FP8_LOSS_PARALLEL, FP8_LOSS_EVAL, FP8_LOSS_LIMIT, LLMC_PEER, PROFILE_ARGS).
 # Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
 # the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
@@ -139,15 +139,20 @@ for section in "$@"; do
         fp8-throughput)
             # d12 T=1024 in bf16 and with the FP8 matmuls that pay (--fp8 1), B=64 (GPU clock and power sampled) and
             # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory. FP8_MODES:
-            # the --fp8 values (default "0 1").
+            # the --fp8 values (default "0 1"); CLASSIFIER_EXP: the --classifier-exp values bf16 runs with
+            # (default "0"; "0 1": both, interleaved; FP8 modes run with 0, since FP8 lm_head takes no other).
             for round in 1 2; do
                 for B in 64 16; do
                     for fp8 in ${FP8_MODES:-0 1}; do
-                        smi=()
-                        [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_r$round.log")
-                        "${smi[@]}" step "d12 B=$B --fp8 $fp8 (round $round)" fp8_throughput.log 120 \
-                            ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8
-                        grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
+                        for cexp in ${CLASSIFIER_EXP:-0}; do
+                            [ "$fp8" != 0 ] && [ "$cexp" != 0 ] && continue
+                            smi=()
+                            [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_c${cexp}_r$round.log")
+                            "${smi[@]}" step "d12 B=$B --fp8 $fp8 --classifier-exp $cexp (round $round)" \
+                                fp8_throughput.log 120 \
+                                ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8 --classifier-exp $cexp
+                            grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
+                        done
                     done
                 done
             done ;;
