@@ -9,7 +9,7 @@
 #             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
 #             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab
-#             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc
+#             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc classifier-lab
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -25,7 +25,7 @@ sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels t
           long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
           throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
           matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab fp8-throughput fp8-matmuls fp8-large
-          fp8-loss-d12 fp8-loss-d24 llmc"
+          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -412,6 +412,11 @@ for section in "$@"; do
             step fp8_lab fp8_lab.log 120 ./build/fp8_lab
             step fp8_lab_fast fp8_lab.log 120 ./build/fp8_lab --fast-accum 1
             grep -A 12 "^matmul" "$LOGS/fp8_lab.log" >>"$summary" ;;
+        classifier-lab)
+            # Our Hopper classifier matmul (plain, and with the exp epilogue) against cuBLASLt and cuBLASLt +
+            # fused_classifier at d12 B=64, after its checks against a double reference (needs sm_90a).
+            step classifier_gemm_lab classifier_lab.log 180 ./build/classifier_gemm_lab
+            grep -E "^(plain|exp|loss)|^variant|^cuBLASLt|^ours" "$LOGS/classifier_lab.log" >>"$summary" ;;
         attention-lab)
             step attention_lab attention.log 300 ./build/attention_lab
             tail -n 20 "$LOGS/attention.log" >>"$summary" ;;
