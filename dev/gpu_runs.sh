@@ -10,6 +10,7 @@
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
 #             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab
 #             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc classifier-lab
+#             classifier-detail
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -25,7 +26,7 @@ sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels t
           long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
           throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
           matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab fp8-throughput fp8-matmuls fp8-large
-          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab"
+          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab classifier-detail"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -440,6 +441,15 @@ for section in "$@"; do
             done
             grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
                 "$LOGS/attention_detail.log" | tee -a "$summary" ;;
+        classifier-detail)
+            # The Hopper classifier matmul's plain and exp kernels (the lab's first launch of each, d12 B=64) under
+            # Nsight Compute: what the exp epilogue adds (the ex2 unit, issue slots, stalls) over the plain one.
+            step "ncu detail classifier" classifier_detail.log 300 ncu --target-processes application-only \
+                --kernel-name regex:cls_gemm_kernel --launch-count 2 --section SpeedOfLight --section LaunchStats \
+                --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
+                --section MemoryWorkloadAnalysis ./build/classifier_gemm_lab --reps 2 --rounds 2
+            grep -E "cls_gemm|Duration|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|L2 Cache Throughput|DRAM Throughput|Stall|Memory Throughput|XU|Pipe" \
+                "$LOGS/classifier_detail.log" | tee -a "$summary" ;;
         compare)
             # Trainers built from other commits, timed against each other in one run:
             # COMPARE="new= old=HEAD~1 ..." (see dev/compare_builds.sh).
