@@ -480,10 +480,15 @@ inline void launch_gemm(floatX* out, const floatX* lnf, const floatX* wte, int64
     cudaCheckLaunch();
 }
 
+// The shapes the kernels take (classifier90_applies), one rule for the check and the query.
+inline bool shapes_ok(int64_t N, int C, int Vp) {
+    return N > 0 && N % kBM == 0 && C > 0 && C % kBK == 0 && Vp % 8 == 0 && N <= (int64_t(1) << 30) / 2;
+}
+
 inline void check_shapes(const char* what, int64_t N, int C, int Vp) {
-    if (N % kBM != 0 || C % kBK != 0 || Vp % 8 != 0 || N > (int64_t(1) << 30) / 2) {
-        fail(kExitUsage, "%s: N=%lld C=%d Vp=%d, need N a multiple of %d, C of %d and Vp of 8", what, (long long)N, C,
-             Vp, kBM, kBK);
+    if (!shapes_ok(N, C, Vp)) {
+        fail(kExitUsage, "%s: N=%lld C=%d Vp=%d, need N and C positive, N a multiple of %d (at most 2^29), C of %d "
+             "and Vp of 8", what, (long long)N, C, Vp, kBM, kBK);
     }
 }
 
@@ -491,10 +496,7 @@ inline void check_shapes(const char* what, int64_t N, int C, int Vp) {
 
 inline bool classifier90_available() { return sm90a_available(); }
 
-inline bool classifier90_applies(int64_t N, int C, int Vp) {
-    using namespace classifier90_detail;
-    return N > 0 && N % kBM == 0 && C % kBK == 0 && C > 0 && Vp % 8 == 0 && N <= (int64_t(1) << 30) / 2;
-}
+inline bool classifier90_applies(int64_t N, int C, int Vp) { return classifier90_detail::shapes_ok(N, C, Vp); }
 
 inline size_t classifier90_partial_count(int64_t N, int Vp) {
     return size_t(N) * size_t((Vp + classifier90_detail::kBN - 1) / classifier90_detail::kBN);
