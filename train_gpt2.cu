@@ -90,7 +90,7 @@ struct Options {
     bool stochastic_rounding = true;
     bool gemm_tune = true;
     int dw_stream = 2;
-    int classifier_exp = 0;
+    int classifier_exp = 1;
     int recompute = 0;
     std::string fp8 = "0";
     int resume = 0;
@@ -197,8 +197,8 @@ inline Flags make_flags(Options& o) {
     f.add("", "classifier-exp", &o.classifier_exp,
           "1: bf16 training steps on Hopper (sm_90a; B x T a multiple of 128, C of 64) run the classifier's forward "
           "in our own matmul with the softmax's exponentials in its epilogue: no logits written, no softmax pass, "
-          "the loss from fp32 logits (llmc/classifier_sm90.cuh); 0: cuBLASLt's matmul and the fused softmax. "
-          "Evaluation and FP8 lm_head always take the latter", 0, 1);
+          "the loss from fp32 logits (llmc/classifier_sm90.cuh); elsewhere, and with 0, cuBLASLt's matmul and the "
+          "fused softmax. Evaluation and FP8 lm_head always take the latter", 0, 1);
     f.add("", "checkpoint-async", &o.checkpoint_async,
           "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
