@@ -28,6 +28,11 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     final bf16 parameters bitwise identical.
   - backward's weight gradients on a second stream (levels 1 and 2): the same losses, norms, gradients and
     final parameters as one stream, bit for bit, over 3 steps of 2 micro-batches.
+  - the classifier's exp forward (Hopper, sm_90a, at the shapes it takes): the mean loss (1e-2), each
+    row's loss against the CPU's (1e-2) and against the evaluation forward's from bf16 logits (max
+    |difference| 1e-2), its output Y against e^(L - L_t) from the evaluation's logits L (1e-2; the target
+    column, -(the row's other values' sum), 1e-2; the padded columns exactly 0), every gradient (5e-2),
+    and a second step's loss and gradients bit for bit.
   - FP8 mode (every FP8 matmul on; skipped on GPUs without FP8 tensor cores): the forward and backward
     against the CPU at every shape (and again with the classifier's backward in bf16, and with the GELU
     gradient in E4M3), the 10 AdamW steps, gradient accumulation and the determinism test again (with and
@@ -184,6 +189,46 @@ double expect_close(const std::string& what, const float* got, const float* ref,
     return rel;
 }
 
+// The exp forward's output Y (what backward reads in place of dlogits, up to a row scale) against the
+// evaluation forward's logits L from the same lnf: Y[r][j] = e^(L_j - L_t) for the other columns j < V (t
+// the row's target), Y[r][t] = -(their sum), and 0 past V. Checked element by element because the loss and
+// the gradients cannot see every slip here: at initialisation each row's softmax is close to uniform, so
+// a tile's rows computed from another row's lnf leave the losses within 1e-4 and the gradients within
+// their tolerance, while Y moves by 9e-2 (2e-3 unmutated, at d2 B=4 T=64).
+void check_exp_output(const std::vector<float>& y, const std::vector<float>& logits, const std::vector<int>& targets,
+                      size_t N, int V, int Vp) {
+    double num = 0, den = 0, num_t = 0, den_t = 0;
+    size_t nonfinite = 0, padded_nonzero = 0;
+    for (size_t r = 0; r < N; r++) {
+        const int t = targets[r];
+        const double lt = logits[r * Vp + t];
+        double tail = 0;
+        for (int j = 0; j < V; j++) {
+            if (j == t) continue;
+            const double want = std::exp(double(logits[r * Vp + j]) - lt), got = y[r * Vp + j];
+            tail += want;
+            if (!std::isfinite(got)) {
+                nonfinite++;
+                continue;
+            }
+            num += (got - want) * (got - want);
+            den += want * want;
+        }
+        const double got_t = y[r * Vp + t];
+        nonfinite += !std::isfinite(got_t);
+        if (std::isfinite(got_t)) num_t += (got_t + tail) * (got_t + tail);
+        den_t += tail * tail;
+        for (int j = V; j < Vp; j++) padded_nonzero += y[r * Vp + j] != 0.0f;
+    }
+    const double rel = std::sqrt(num / den), rel_t = std::sqrt(num_t / den_t);
+    std::printf("    exp forward's Y against e^(L - L_t) from the evaluation's logits: rel err %.2e (tol 1e-2), "
+                "target column %.2e (tol 1e-2)\n", rel, rel_t);
+    EXPECT_EQ(nonfinite, 0u) << "the exp forward's Y has values that are not finite";
+    EXPECT_LE(rel, 1e-2) << "the exp forward's Y must be e^(L - L_t) in the columns other than the target";
+    EXPECT_LE(rel_t, 1e-2) << "the exp forward's Y must hold -(the row's other values' sum) at the target";
+    EXPECT_EQ(padded_nonzero, 0u) << "the exp forward's Y must be 0 in the padded columns";
+}
+
 struct Case {
     std::string name;
     GPT2Config config;
@@ -257,6 +302,7 @@ void check_forward_backward(const Case& k, const Fp8Matmuls& fp8, const Toleranc
 
     gpu.zero_grad();
     gpu.forward(d_in.get(), d_tg.get(), B, T, nullptr, 1.0f / float(N));
+    if (exp_classifier) check_exp_output(download_bf16(gpu.logits(), N * Vp, stream), logits, targets, N, V, Vp);
     gpu.backward(d_in.get(), B, T);
     const float train_loss = download_scalar(gpu.mean_loss(), stream);
     if (exp_classifier) {
