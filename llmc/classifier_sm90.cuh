@@ -41,7 +41,8 @@ path: ~1e-2 per row from the bf16 logits), and Y's entries carry one bf16 roundi
 the target's coefficient formed from the tail sum without cancellation (docs/lab-notes.md,
 dev/classifier_exp_lab.py).
 
-Does not provide: ping-pong consumers (the tensor cores wait while an epilogue runs), TMA multicast
+Does not provide: ping-pong consumers (the tensor cores wait while an epilogue runs; a ping-pong schedule
+on 128 x 128 tiles hid the epilogue but ran its matmul 35% slower: docs/performance.md), TMA multicast
 within a cluster, other GPUs (the trainer uses cuBLASLt + fused_classifier there), logits when the exp
 path runs (Y is not the logits).
 */
