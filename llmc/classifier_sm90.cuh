@@ -314,6 +314,18 @@ static __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
         int mb, nb;
         tile_coords(t, m_tiles, n_tiles, mb, nb);
+        // This thread's rows r0 = 16 warp + lane / 4 and r0 + 8 of the warpgroup's 64; for the exp epilogue
+        // their offsets and targets are loaded here, so their latency passes under the k-loop.
+        const int r0 = 16 * warp + lane / 4;
+        const int row0 = mb * kBM + cw * 64 + r0, row1 = row0 + 8;
+        float c2_0 = 0.0f, c2_1 = 0.0f;
+        int tg0 = 0, tg1 = 0;
+        if constexpr (Exp) {
+            c2_0 = offsets[row0] * kExpLog2e;
+            c2_1 = offsets[row1] * kExpLog2e;
+            tg0 = targets[row0];
+            tg1 = targets[row1];
+        }
         int prev = 0;
         for (int kb = 0; kb < kb_count; kb++) {
             mbar_wait(&full[stage], phase);
@@ -342,14 +354,12 @@ static __global__ void __launch_bounds__(kThreads, 1)
 
         // Epilogue. This thread's accumulators: rows r0 = 16 warp + lane / 4 and r0 + 8 of the warpgroup's
         // 64, columns 8 j + 2 (lane % 4) + {0, 1} for j = 0..31 (d[4j], d[4j+1] on r0; d[4j+2], d[4j+3] on r0 + 8).
-        const int r0 = 16 * warp + lane / 4;
-        const int row0 = mb * kBM + cw * 64 + r0, row1 = row0 + 8;
         const int col_base = nb * kBN + 2 * (lane % 4);
         if constexpr (Exp) {
             const int n0 = nb * kBN;
             const bool all_below_v = n0 + kBN <= V;
-            float s0 = exp_half<0>(d, offsets[row0] * kExpLog2e, targets[row0], n0, col_base, V, all_below_v);
-            float s1 = exp_half<1>(d, offsets[row1] * kExpLog2e, targets[row1], n0, col_base, V, all_below_v);
+            float s0 = exp_half<0>(d, c2_0, tg0, n0, col_base, V, all_below_v);
+            float s1 = exp_half<1>(d, c2_1, tg1, n0, col_base, V, all_below_v);
             s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
             s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
             s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
