@@ -10,7 +10,7 @@
 #             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
 #             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab
 #             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc classifier-lab
-#             classifier-detail
+#             classifier-detail classifier-stalls
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -26,7 +26,7 @@ sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels t
           long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
           throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
           matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab fp8-throughput fp8-matmuls fp8-large
-          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab classifier-detail"
+          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab classifier-detail classifier-stalls"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -450,6 +450,15 @@ for section in "$@"; do
                 --section MemoryWorkloadAnalysis ./build/classifier_gemm_lab --reps 2 --rounds 2
             grep -E "cls_gemm|Duration|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|L2 Cache Throughput|DRAM Throughput|Stall|Memory Throughput|XU|Pipe" \
                 "$LOGS/classifier_detail.log" | tee -a "$summary" ;;
+        classifier-stalls)
+            # Where the Hopper classifier's exp kernel waits, per SASS instruction (the lab's first exp launch,
+            # d12 B=64): Nsight Compute's warp samples and stall reasons, summarised by dev/ncu_stalls.py.
+            step "ncu stalls classifier" classifier_stalls.log 300 ncu --target-processes application-only \
+                --kernel-name-base mangled --kernel-name regex:cls_gemm_kernelILb1E --launch-count 1 --set full \
+                --import-source yes -f -o "$LOGS/classifier_stalls" ./build/classifier_gemm_lab --reps 1 --rounds 2 &&
+                ncu -i "$LOGS/classifier_stalls.ncu-rep" --page source --csv --print-source sass \
+                    >"$LOGS/classifier_stalls_sass.csv" &&
+                python3 dev/ncu_stalls.py "$LOGS/classifier_stalls_sass.csv" --top 25 | tee -a "$summary" ;;
         compare)
             # Trainers built from other commits, timed against each other in one run:
             # COMPARE="new= old=HEAD~1 ..." (see dev/compare_builds.sh).
