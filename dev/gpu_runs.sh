@@ -165,15 +165,20 @@ for section in "$@"; do
             done ;;
         fp8-large)
             # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in bf16 and FP8 (FP8_MODES: the --fp8
-            # values, default "0 1"), with peak memory.
+            # values, default "0 1"), with peak memory, and the SM clock and power of the run that fit.
             for model in d24 d48; do
                 for fp8 in ${FP8_MODES:-0 1}; do
                     for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
+                        smi_start
                         if step "$model B=$B --fp8 $fp8" fp8_large.log 150 \
                             ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o "" --fp8 $fp8; then
+                            smi_stop
                             grep -E "^average|^peak" "$LOGS/fp8_large.log" | tail -n 2 >>"$summary"
+                            smi_summary "smi_fp8_large_${model}_$(echo "$fp8" | tr -c 'a-z0-9\n' '_')"
                             break
                         fi
+                        smi_stop
+                        rm -f "$LOGS/smi.tmp"
                     done
                 done
             done ;;
