@@ -39,6 +39,9 @@ struct DeviceState {
             dev.emplace_back(sizes[i]);
             cudaCheck(cudaMemcpy(dev.back().get(), host.back().data(), sizes[i], cudaMemcpyHostToDevice));
         }
+        // Pageable copies may still be in flight when cudaMemcpy returns; the checkpoint code reads the
+        // tensors on its own non-blocking streams.
+        cudaCheck(cudaDeviceSynchronize());
         for (size_t i = 0; i < sizes.size(); i++) {
             CheckpointTensor t;
             t.file = format("t%zu.bin", i);

@@ -25,6 +25,7 @@ Skipped without a GPU.
 #include <cstring>
 #include <memory>
 #include <string>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -61,11 +62,32 @@ template <class T>
 void upload(DeviceBuffer<T>& d, const std::vector<T>& h) {
     ASSERT_EQ(d.size(), h.size());
     cudaCheck(cudaMemcpy(d.get(), h.data(), d.bytes(), cudaMemcpyHostToDevice));
+    // A copy from pageable memory may still be in flight when cudaMemcpy returns, and the collectives run on
+    // non-blocking streams, which do not wait for the legacy stream's work: wait for it here.
+    cudaCheck(cudaDeviceSynchronize());
 }
 
+// Bitwise equality, naming the count of elements that differ and the first few (index, both values and
+// their bits) when they do.
 template <class T>
-bool bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+::testing::AssertionResult bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+    if (a.size() != b.size()) {
+        return ::testing::AssertionFailure() << "sizes differ: " << a.size() << " and " << b.size();
+    }
+    size_t differ = 0;
+    std::ostringstream first;
+    for (size_t i = 0; i < a.size(); i++) {
+        if (std::memcmp(&a[i], &b[i], sizeof(T)) == 0) continue;
+        if (differ++ < 5) {
+            uint32_t ba = 0, bb = 0;
+            std::memcpy(&ba, &a[i], sizeof(T));
+            std::memcpy(&bb, &b[i], sizeof(T));
+            first << " [" << i << "] " << float(a[i]) << " (0x" << std::hex << ba << ") vs " << float(b[i]) << " (0x"
+                  << bb << std::dec << ")";
+        }
+    }
+    if (differ == 0) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << differ << " of " << a.size() << " elements differ:" << first.str();
 }
 
 // Spins for about `cycles` clock ticks, then writes value into x[0, n): a producer the communication
@@ -180,6 +202,7 @@ TEST_F(MultiGpuTest, ZeroReduceScatterAllGatherRoundTrip) {
         cudaCheck(cudaMemset(params.get(), 0xff, params.bytes()));
         cudaCheck(cudaMemcpy(params.get() + s.begin, updated.data() + s.begin, size_t(s.size()) * sizeof(floatX),
                              cudaMemcpyHostToDevice));
+        cudaCheck(cudaDeviceSynchronize());  // the memset and the copy done before a non-blocking stream reads
         mg_->all_gather_async(params.get(), z, compute_);
         mg_->join(compute_);
         cudaCheck(cudaStreamSynchronize(compute_));
@@ -560,6 +583,7 @@ int role_collectives(MultiGpu& mg, cudaStream_t s) {
         }
         cudaCheck(cudaMemcpy(params.get() + own.begin, slice.data(), slice.size() * sizeof(floatX),
                              cudaMemcpyHostToDevice));
+        cudaCheck(cudaDeviceSynchronize());  // as upload(): the copy done before a non-blocking stream reads
         mg.all_gather_async(params.get(), z, s);
         mg.join(s);
         cudaCheck(cudaStreamSynchronize(s));

@@ -39,6 +39,9 @@ template <class T>
 DeviceBuffer<T> upload(const std::vector<T>& v) {
     DeviceBuffer<T> d(v.size());
     cudaCheck(cudaMemcpy(d.get(), v.data(), d.bytes(), cudaMemcpyHostToDevice));
+    // A copy from pageable memory may still be in flight when cudaMemcpy returns, and the code under test
+    // runs on non-blocking streams, which do not wait for the legacy stream's work: wait for it here.
+    cudaCheck(cudaDeviceSynchronize());
     return d;
 }
 
