@@ -50,6 +50,9 @@ protected:
         std::vector<char> trailer = random_bytes(4099, seed + 3);
         DeviceBuffer<char> src(n + 1), dst(n + 2 * guard);
         if (n) cudaCheck(cudaMemcpy(src.get(), payload.data(), n, cudaMemcpyHostToDevice));
+        // A copy from pageable memory may still be in flight when cudaMemcpy returns, and `stream` may be a
+        // non-blocking one, which does not wait for the legacy stream: the copy lands before the write reads.
+        cudaCheck(cudaDeviceSynchronize());
         std::string path = file("rt.bin");
         {
             DeviceFileIO io(write_chunk, direct);

@@ -891,6 +891,7 @@ TEST_F(GPT2TrainingTest, OutgrownDelayedScalesAreCounted) {
     std::vector<float> history = download(h.device, h.bytes / sizeof(float), stream);
     for (size_t i = 0; i < size_t(2 * L) * size_t(h.len); i++) history[i] /= 64.0f;
     cudaCheck(cudaMemcpy(h.device, history.data(), history.size() * sizeof(float), cudaMemcpyHostToDevice));
+    cudaCheck(cudaDeviceSynchronize());  // landed before the model's non-blocking stream reads it
     gpu.fp8_history_loaded();
 
     gpu.zero_grad();

@@ -215,6 +215,8 @@ std::vector<double> packed_sums(GPT2& model, const McSet& set, bool leak) {
         auto up = [](const std::vector<int>& v) {
             DeviceBuffer<int> d(v.size());
             cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+            // The copy from pageable memory landed before the model's non-blocking stream reads it.
+            cudaCheck(cudaDeviceSynchronize());
             return d;
         };
         const DeviceBuffer<int> in = up(b.inputs), pos = up(b.positions), grp = up(groups), sc = up(b.scored),
@@ -293,6 +295,7 @@ TEST_F(McEvalGpuTest, DeterministicAndLeavesTheTrainingLossAlone) {
     const std::vector<int> tokens = test::random_tokens<int>(size_t(7) * cs.T, uint32_t(c.vocab_size), 5);
     DeviceBuffer<int> d_tokens(tokens.size());
     cudaCheck(cudaMemcpy(d_tokens.get(), tokens.data(), tokens.size() * sizeof(int), cudaMemcpyHostToDevice));
+    cudaCheck(cudaDeviceSynchronize());  // landed before the model's non-blocking stream reads it
     model.forward(d_tokens.get(), d_tokens.get(), 7, cs.T);
     float before = 0, after = 0;
     cudaCheck(cudaStreamSynchronize(stream));

@@ -184,6 +184,8 @@ TEST_F(MultiGpuTest, ZeroReduceScatterAllGatherRoundTrip) {
         const ShardRange s = z.shard(mg_->rank());
         for (const bool sum : {false, true}) {
             cudaCheck(cudaMemset(shard.get(), 0xff, shard.bytes()));  // poison: NaN in bf16
+            // The legacy stream's memset done before the collective on a non-blocking stream writes over it.
+            cudaCheck(cudaDeviceSynchronize());
             if (sum) mg_->reduce_scatter_sum_async(full.get(), shard.get(), z, compute_);
             else mg_->reduce_scatter_mean_async(full.get(), shard.get(), z, compute_);
             mg_->join(compute_);
@@ -562,6 +564,7 @@ int role_collectives(MultiGpu& mg, cudaStream_t s) {
         DeviceBuffer<floatX> d(p), shard(size_t(z.shard_size));
         upload(d, full);
         cudaCheck(cudaMemset(shard.get(), 0xff, shard.bytes()));
+        cudaCheck(cudaDeviceSynchronize());  // the poison in place before a non-blocking stream writes over it
         mg.reduce_scatter_sum_async(d.get(), shard.get(), z, s);
         mg.join(s);
         cudaCheck(cudaStreamSynchronize(s));
