@@ -1,8 +1,9 @@
 /*
 Shared scaffolding for GPU unit tests: a GoogleTest fixture that skips (with a message) when the
 machine has no CUDA GPU, so `make test` passes on CPU-only machines and runs everything on GPU ones;
-and llmc::test::upload / download, synchronous copies of a host vector to a new device buffer and of
-device memory back (after the whole device has finished its work).
+and llmc::test::upload / download, synchronous copies of a host vector to a new device buffer (landed
+before upload returns, so that work on any stream may read it) and of device memory back (after the whole
+device has finished its work).
 */
 #pragma once
 
@@ -18,6 +19,9 @@ template <class T>
 DeviceBuffer<T> upload(const std::vector<T>& v) {
     DeviceBuffer<T> d(v.size());
     cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    // A copy from pageable memory may still be in flight when cudaMemcpy returns, and non-blocking streams
+    // do not wait for the legacy stream's work: wait for it here.
+    cudaCheck(cudaDeviceSynchronize());
     return d;
 }
 

@@ -212,15 +212,9 @@ std::vector<double> packed_sums(GPT2& model, const McSet& set, bool leak) {
         if (leak) {
             for (int& g : groups) g = g > 0 ? 0 : g;
         }
-        auto up = [](const std::vector<int>& v) {
-            DeviceBuffer<int> d(v.size());
-            cudaCheck(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
-            // The copy from pageable memory landed before the model's non-blocking stream reads it.
-            cudaCheck(cudaDeviceSynchronize());
-            return d;
-        };
-        const DeviceBuffer<int> in = up(b.inputs), pos = up(b.positions), grp = up(groups), sc = up(b.scored),
-                                tg = up(b.targets);
+        using test::upload;  // landed before the model's non-blocking stream reads it
+        const DeviceBuffer<int> in = upload(b.inputs), pos = upload(b.positions), grp = upload(groups),
+                                sc = upload(b.scored), tg = upload(b.targets);
         const GPT2::PackedRows rows{pos.get(), grp.get()};
         model.forward_scored(in.get(), b.B, b.T, sc.get(), tg.get(), int64_t(b.scored.size()), nullptr, &rows);
         std::vector<float> losses(b.scored.size());

@@ -32,18 +32,9 @@ Does not check: the collectives (test_multi_gpu) or the trainer end to end (test
 
 using namespace llmc;
 using llmc::test::random_floats;
+using llmc::test::upload;
 
 namespace {
-
-template <class T>
-DeviceBuffer<T> upload(const std::vector<T>& v) {
-    DeviceBuffer<T> d(v.size());
-    cudaCheck(cudaMemcpy(d.get(), v.data(), d.bytes(), cudaMemcpyHostToDevice));
-    // A copy from pageable memory may still be in flight when cudaMemcpy returns, and the code under test
-    // runs on non-blocking streams, which do not wait for the legacy stream's work: wait for it here.
-    cudaCheck(cudaDeviceSynchronize());
-    return d;
-}
 
 // bf16 copy of v (round to nearest), padded with `pad` zeros.
 DeviceBuffer<floatX> upload_bf16(const std::vector<float>& v, size_t pad = 0) {
