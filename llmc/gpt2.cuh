@@ -627,7 +627,8 @@ public:
         classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, packed);
-        // proj_ (rows for the allocated B x T, at least M) was last read by the final residual add.
+        // proj_ (rows for the allocated B x T, at least M) is free after the forward (its last reader, with FP8
+        // fcproj, is the final residual add).
         gather_positions(proj_, lnf_, scored, M, C, stream_);
         matmul_forward(lt_, logits_, proj_, outer(params_.get()).wte, nullptr, M, C, Vp, stream_);
         fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);
@@ -1116,11 +1117,12 @@ private:
                 attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
                                   scratch_.bytes(), stream_);
             }
-            matmul_forward(lt_, proj_, a.atty, b.attprojw, b.attprojb, N, C, C, stream_);
+            // residual2 = residual + attproj(atty), the add in the matmul's epilogue; then LayerNorm.
+            matmul_forward(lt_, a.residual2, a.atty, b.attprojw, b.attprojb, N, C, C, stream_, nullptr, residual);
             layer_norm(a.ln2, a.ln2_q, fp8_ln2_slot(l), fp8_ln2_delayed_slot(l),
                        [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                           fused_residual_layernorm_forward(a.residual2, out, a.ln2_mean, a.ln2_rstd, residual, proj_,
-                                                            b.ln2w, b.ln2b, N, C, stream_, amax, f);
+                           layernorm_forward(out, a.ln2_mean, a.ln2_rstd, a.residual2, b.ln2w, b.ln2b, N, C, stream_,
+                                             amax, f);
                        });
             if (fp8_fcproj) {
                 // The GELU output straight into E4M3 at the layer's delayed scale (its amax measured as it
@@ -1142,22 +1144,31 @@ private:
                 } else {
                     matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
                 }
-                matmul_forward(lt_, proj_, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_);
+                // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue.
+                matmul_forward(lt_, a.residual3, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_, nullptr,
+                               a.residual2);
             }
-            // The residual add closes the block; the next LayerNorm (the next block's, or the final one)
-            // runs in the same pass.
+            // The residual add closes the block (FP8 fcproj: in the next LayerNorm's pass, from proj_); the
+            // next LayerNorm is the next block's, or the final one.
+            auto close_block = [&](floatX* out, float* mean, float* rstd, const floatX* w_ln, const floatX* b_ln,
+                                   unsigned int* amax, LayerNormFp8Out f) {
+                if (fp8_fcproj) {
+                    fused_residual_layernorm_forward(a.residual3, out, mean, rstd, a.residual2, proj_, w_ln, b_ln, N,
+                                                     C, stream_, amax, f);
+                } else {
+                    layernorm_forward(out, mean, rstd, a.residual3, w_ln, b_ln, N, C, stream_, amax, f);
+                }
+            };
             if (l + 1 < L) {
                 const BlockActivations next = acts(l + 1);
                 const BlockTensors<const floatX> nb = block(p, l + 1);
                 layer_norm(next.ln1, next.ln1_q, fp8_ln1_slot(l + 1), fp8_ln1_delayed_slot(l + 1),
                            [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                               fused_residual_layernorm_forward(a.residual3, out, next.ln1_mean, next.ln1_rstd,
-                                                                a.residual2, proj_, nb.ln1w, nb.ln1b, N, C, stream_,
-                                                                amax, f);
+                               close_block(out, next.ln1_mean, next.ln1_rstd, nb.ln1w, nb.ln1b, amax, f);
                            });
             } else {
-                fused_residual_layernorm_forward(a.residual3, lnf_, lnf_mean_, lnf_rstd_, a.residual2, proj_, w.lnfw,
-                                                 w.lnfb, N, C, stream_, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr);
+                close_block(lnf_, lnf_mean_, lnf_rstd_, w.lnfw, w.lnfb, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr,
+                            LayerNormFp8Out{});
             }
         }
     }

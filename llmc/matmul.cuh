@@ -89,7 +89,7 @@ public:
         int rank = 0, candidates = 0, same_bits = 0;
         float first_ms = 0, chosen_ms = 0;
     };
-    using TuneKey = std::array<int64_t, 22>;
+    using TuneKey = std::array<int64_t, 24>;
     const std::map<TuneKey, Tuned>& tuned() const { return tuned_; }
     // For gemm(): the cache (tuning happens inside const calls) and a device word for fingerprints.
     std::map<TuneKey, Tuned>& tune_cache() const { return tuned_; }
@@ -190,8 +190,9 @@ public:
     GemmCall(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a, GemmOperand b,
              void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha, float beta,
              cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
-             floatX* aux = nullptr, int64_t aux_ld = 0)
-        : lt_(lt), stream_(stream), M_(M), N_(N), K_(K), batch_(batch), a_(a), b_(b), d_(d), d_type_(d_type),
+             floatX* aux = nullptr, int64_t aux_ld = 0, const void* c = nullptr)
+        : lt_(lt), stream_(stream), M_(M), N_(N), K_(K), batch_(batch), a_(a), b_(b), d_(d), c_(c != nullptr ? c : d),
+          d_type_(d_type),
           ldd_(ldd), d_stride_(d_stride), alpha_(alpha), beta_(beta), epilogue_(epilogue), has_bias_(bias != nullptr),
           aux_(aux), aux_ld_(aux_ld),
           // Column-major views: a row-major (R, C) buffer with row stride ld is a column-major (C, R) one.
@@ -217,10 +218,11 @@ public:
         align_first_ = alignment_bytes(b.ptr, b.ld, b.batch_stride, 2);
         align_second_ = alignment_bytes(a.ptr, a.ld, a.batch_stride, 2);
         align_d_ = alignment_bytes(d, ldd, d_stride, d_elem);
+        align_c_ = alignment_bytes(c_, ldd, d_stride, d_elem);
         pref_.set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t(lt.workspace_bytes()));
         pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_first_);
         pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_second_);
-        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d_);
+        pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c_);
         pref_.set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d_);
     }
     GemmCall(const GemmCall&) = delete;
@@ -241,7 +243,7 @@ public:
 
     // Runs the matmul with algo (one of heuristics()' results) on the call's stream, in lt's workspace.
     void run(const cublasLtMatmulAlgo_t& algo) const {
-        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha_, b_.ptr, first_.l, a_.ptr, second_.l, &beta_, d_,
+        cublasCheck(cublasLtMatmul(lt_.handle(), desc_.d, &alpha_, b_.ptr, first_.l, a_.ptr, second_.l, &beta_, c_,
                                    out_.l, d_, out_.l, &algo, lt_.workspace(), lt_.workspace_bytes(), stream_));
     }
 
@@ -253,12 +255,12 @@ public:
         std::memcpy(&beta_bits, &beta_, 4);
         return {M_, N_, K_, batch_, a_.ld, a_.transpose, a_.batch_stride, b_.ld, b_.transpose, b_.batch_stride,
                 int64_t(d_type_), ldd_, d_stride_, int64_t(epilogue_), has_bias_, aux_ != nullptr, aux_ld_,
-                align_first_, align_second_, align_d_, alpha_bits, beta_bits};
+                align_first_, align_second_, align_d_, alpha_bits, beta_bits, align_c_, c_ != d_};
     }
 
-    // Whether tune() may run this call several times: the output must not feed the result (beta = 0), and
-    // a GELU input it keeps is fingerprinted for one problem only.
-    bool tunable() const { return beta_ == 0.0f && (aux_ == nullptr || batch_ == 1); }
+    // Whether tune() may run this call several times: the output must not feed the result (beta = 0, or C
+    // a buffer of its own), and a GELU input it keeps is fingerprinted for one problem only.
+    bool tunable() const { return (beta_ == 0.0f || c_ != d_) && (aux_ == nullptr || batch_ == 1); }
 
     // A 64-bit fingerprint of what the call wrote (D, and aux when kept): equal outputs give equal
     // fingerprints; different ones differ but with probability ~2^-64. Synchronises the stream.
@@ -282,6 +284,7 @@ private:
     int batch_;
     GemmOperand a_, b_;
     void* d_;
+    const void* c_;  // C: d_ unless the call reads another buffer
     cudaDataType_t d_type_;
     int64_t ldd_, d_stride_;
     float alpha_, beta_;
@@ -289,7 +292,7 @@ private:
     bool has_bias_;
     const floatX* aux_;
     int64_t aux_ld_;
-    uint32_t align_first_ = 0, align_second_ = 0, align_d_ = 0;
+    uint32_t align_first_ = 0, align_second_ = 0, align_d_ = 0, align_c_ = 0;
     LtMatmulDesc desc_;
     LtLayout first_, second_, out_;
     LtPreference pref_;
@@ -384,8 +387,9 @@ inline cublasLtMatmulAlgo_t tuned_algo(const CublasLt& lt, const GemmCall& call)
 
 }  // namespace detail
 
-// Row-major D (M,N) = alpha * op(A) (M,K) @ op(B) (K,N) + beta * D for each of `batch` problems; D is
-// bf16 (d_type CUDA_R_16BF) or fp32 (CUDA_R_32F), ldd elements between rows. Epilogues (bf16 D only):
+// Row-major D (M,N) = alpha * op(A) (M,K) @ op(B) (K,N) + beta * C for each of `batch` problems, C = D
+// unless c is given (then C is c, laid out as D, and D is written without being read); D is bf16 (d_type
+// CUDA_R_16BF) or fp32 (CUDA_R_32F), ldd elements between rows. Epilogues (bf16 D only):
 //   CUBLASLT_EPILOGUE_BIAS           D += bias (length N, broadcast over rows)
 //   CUBLASLT_EPILOGUE_GELU_AUX(_BIAS) aux = result (+ bias), D = GELU(aux)
 //   CUBLASLT_EPILOGUE_DGELU          D = result * GELU'(aux), aux read
@@ -394,10 +398,10 @@ inline cublasLtMatmulAlgo_t tuned_algo(const CublasLt& lt, const GemmCall& call)
 inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a,
                  GemmOperand b, void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha,
                  float beta, cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
-                 floatX* aux = nullptr, int64_t aux_ld = 0) {
+                 floatX* aux = nullptr, int64_t aux_ld = 0, const void* c = nullptr) {
     if (M == 0 || N == 0 || batch == 0) return;
     const detail::GemmCall call(lt, stream, M, N, K, a, b, d, d_type, ldd, d_stride, batch, alpha, beta, epilogue, bias,
-                                aux, aux_ld);
+                                aux, aux_ld, c);
     if (lt.tuning() && call.tunable()) {
         call.run(detail::tuned_algo(lt, call));
         return;
@@ -508,9 +512,19 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
 // out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
 // that result and out = GELU(pre_gelu), in one cuBLASLt call (its GELU_AUX epilogue: one pass over the
 // 4C-wide activations fewer than a GELU kernel of our own after the matmul, which dev/matmul_lab.cu
-// compares).
+// compares). With residual (N,OC; not with pre_gelu): out = residual + that result, in the same call (C
+// = residual, beta = 1: the sum in fp32 and rounded once), so that the residual stream's add needs no
+// pass of its own; residual may be out itself, or must not overlap it.
 inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
-                           int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr) {
+                           int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr,
+                           const floatX* residual = nullptr) {
+    if (residual != nullptr && pre_gelu != nullptr) {
+        fail(kExitUsage, "matmul_forward: a residual and a GELU output in one call (N=%lld OC=%d)", (long long)N, OC);
+    }
+    if (residual != nullptr && residual != out && residual < out + N * OC && out < residual + N * OC) {
+        fail(kExitUsage, "matmul_forward: residual (%p) and out (%p) overlap without being the same rows",
+             static_cast<const void*>(residual), static_cast<const void*>(out));
+    }
     cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     if (pre_gelu != nullptr) {
         epilogue = bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -518,7 +532,7 @@ inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, c
         epilogue = CUBLASLT_EPILOGUE_BIAS;
     }
     gemm(lt, stream, N, OC, C, GemmOperand{inp, C, false, 0}, GemmOperand{weight, C, true, 0}, out, CUDA_R_16BF, OC, 0,
-         1, 1.0f, 0.0f, epilogue, bias, pre_gelu, OC);
+         1, 1.0f, residual != nullptr ? 1.0f : 0.0f, epilogue, bias, pre_gelu, OC, residual);
 }
 
 // dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when pre_gelu (N,C) is given (the
