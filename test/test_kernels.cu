@@ -644,8 +644,37 @@ TEST_F(KernelTest, MatmulForwardMatchesCpu) {
             expect_close(c.gelu ? "out = GELU(inp @ W^T + b)" : "out", download_bf16(d_out.get(), out_ref.size()),
                          out_ref, kTolBf16);
             if (c.gelu) expect_close("pre_gelu", download_bf16(d_pre.get(), pre_ref.size()), pre_ref, kTolBf16);
+            if (c.gelu) continue;
+            // With a residual (the projections' residual add in the epilogue): out = residual + inp @ W^T (+ b),
+            // into another buffer (the residual left as it was) and in place.
+            const auto res = random_bf16(out_ref.size(), 33, 2.0f);
+            std::vector<float> res_ref(out_ref.size());
+            for (size_t i = 0; i < res_ref.size(); i++) res_ref[i] = res[i] + pre_ref[i];
+            auto d_res = upload_bf16(res);
+            poison(d_out);
+            matmul_forward(lt, d_out.get(), d_inp.get(), d_w.get(), c.bias ? d_b.get() : nullptr, N, c.C, c.OC, kStream,
+                           nullptr, d_res.get());
+            expect_close("out = residual + inp @ W^T (+ b)", download_bf16(d_out.get(), res_ref.size()), res_ref,
+                         kTolBf16);
+            const auto res_after = download_bf16(d_res.get(), res.size());
+            EXPECT_EQ(std::memcmp(res_after.data(), res.data(), res.size() * sizeof(float)), 0)
+                << "the residual changed";
+            matmul_forward(lt, d_res.get(), d_inp.get(), d_w.get(), c.bias ? d_b.get() : nullptr, N, c.C, c.OC, kStream,
+                           nullptr, d_res.get());
+            expect_close("in place: residual += inp @ W^T (+ b)", download_bf16(d_res.get(), res_ref.size()), res_ref,
+                         kTolBf16);
         }
     }
+    expect_error([&] {
+        CublasLt lt2;
+        DeviceBuffer<floatX> x(64 * 64), w(64 * 64), out(64 * 64), pre(64 * 64);
+        matmul_forward(lt2, out.get(), x.get(), w.get(), nullptr, 64, 64, 64, kStream, pre.get(), x.get());
+    }, kExitUsage, {"matmul_forward: a residual and a GELU output in one call"});
+    expect_error([&] {  // out is rows 1-64 of y, the residual rows 0-63
+        CublasLt lt2;
+        DeviceBuffer<floatX> x(64 * 64), w(64 * 64), y(65 * 64);
+        matmul_forward(lt2, y.get() + 64, x.get(), w.get(), nullptr, 64, 64, 64, kStream, nullptr, y.get());
+    }, kExitUsage, {"matmul_forward: residual", "and out", "overlap"});
 }
 
 TEST_F(KernelTest, MatmulBackwardMatchesCpuAndIsDeterministic) {
