@@ -810,6 +810,7 @@ TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
         int C, OC;
         bool bias, gelu, dgelu;  // gelu: GELU epilogue forward; dgelu: dinp through GELU'
         const char* name;
+        bool residual = false;  // the forward adds a residual (C, beta = 1, another buffer than D)
     };
     const Case cases[] = {
         {4096, 768, 2304, true, false, false, "qkv 768 -> 2304 + bias"},
@@ -817,6 +818,7 @@ TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
         {4096, 768, 3072, true, true, false, "fc 768 -> 3072 + bias, GELU"},
         {4096, 3072, 768, true, false, true, "fcproj 3072 -> 768 + bias, dinp through GELU'"},
         {1024, 768, 50304, false, false, false, "LM head 768 -> 50304"},
+        {4096, 3072, 768, true, false, false, "fcproj 3072 -> 768 + bias + the residual", true},
     };
     CublasLt plain, tuned;
     tuned.set_tuning(true);
@@ -828,6 +830,7 @@ TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
         auto d_inp = upload_bf16(random_bf16(n_in, 60)), d_w = upload_bf16(random_bf16(n_w, 61, 0.03f));
         auto d_b = upload_bf16(random_bf16(size_t(c.OC), 62, 0.5f)), d_dout = upload_bf16(random_bf16(n_out, 63));
         auto d_pre_in = upload_bf16(random_bf16(n_in, 64, 2.0f));
+        auto d_res = upload_bf16(random_bf16(n_out, 67, 2.0f));
         const size_t scratch_bytes = matmul_backward_scratch_bytes(c.N, c.OC);
         DeviceBuffer<float> scratch(scratch_bytes / sizeof(float));
         std::vector<unsigned char> bits[2][5];
@@ -840,7 +843,7 @@ TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
                 poison(pre);
                 poison(dinp);
                 matmul_forward(lt, out.get(), d_inp.get(), d_w.get(), c.bias ? d_b.get() : nullptr, c.N, c.C, c.OC,
-                               kStream, c.gelu ? pre.get() : nullptr);
+                               kStream, c.gelu ? pre.get() : nullptr, c.residual ? d_res.get() : nullptr);
                 matmul_backward(lt, dinp.get(), dw.get(), c.bias ? db.get() : nullptr, d_dout.get(), d_inp.get(),
                                 d_w.get(), c.N, c.C, c.OC, scratch.get(), scratch_bytes, kStream,
                                 c.dgelu ? d_pre_in.get() : nullptr);
@@ -863,7 +866,9 @@ TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
             }
         }
     }
-    // Forward and dinp of each case are tuned (the weight gradients accumulate, beta = 1: never tuned).
+    // Forward and dinp of each case are tuned (the weight gradients accumulate into D, beta = 1: never tuned;
+    // the residual's forward reads C from its own buffer, so it is). The last case's dinp, a plain matmul,
+    // is not the fcproj case's, which runs through GELU'.
     EXPECT_EQ(tuned.tuned().size(), 2 * std::size(cases));
     EXPECT_TRUE(plain.tuned().empty());
     int moved = 0;
