@@ -13,6 +13,7 @@ Does not provide: cuBLAS/NCCL checks (beside the code that uses those libraries)
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,13 @@ inline int cuda_device_count() {
         return 0;
     }
     return n;
+}
+
+// Whether n elements from a and n from b share memory without being the same elements (a != b): the
+// aliasing that a kernel reading one and writing the other cannot tolerate, where exactly in place can.
+template <class T>
+inline bool overlaps_partly(const T* a, const T* b, int64_t n) {
+    return a != b && a < b + n && b < a + n;
 }
 
 template <class T>

@@ -699,7 +699,7 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight, dres});
     if (dres == nullptr) {
         dres = dinp;
-    } else if (dres != dinp && dres < dinp + N * C && dinp < dres + N * C) {
+    } else if (overlaps_partly<floatX>(dres, dinp, N * C)) {
         fail(kExitUsage, "layernorm_backward: dres (%p) and dinp (%p) overlap without being the same rows (N=%lld C=%d)",
              static_cast<const void*>(dres), static_cast<const void*>(dinp), (long long)N, C);
     }

@@ -521,7 +521,7 @@ inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, c
     if (residual != nullptr && pre_gelu != nullptr) {
         fail(kExitUsage, "matmul_forward: a residual and a GELU output in one call (N=%lld OC=%d)", (long long)N, OC);
     }
-    if (residual != nullptr && residual != out && residual < out + N * OC && out < residual + N * OC) {
+    if (residual != nullptr && overlaps_partly<floatX>(residual, out, N * OC)) {
         fail(kExitUsage, "matmul_forward: residual (%p) and out (%p) overlap without being the same rows",
              static_cast<const void*>(residual), static_cast<const void*>(out));
     }
