@@ -1,41 +1,38 @@
 #!/usr/bin/env bash
 # Our trainer against llm.c on one GPU, interleaved: each round runs ours once per --fp8 mode, then llm.c,
 # so clock and thermal drift fall on both alike. Both are timed the same way: d12 T=1024 at batch B for
-# STEPS steps, the median ms/step of steps 11..STEPS (llm.c's bench_llmc.sh reports that median; ours is
-# taken from the trainer's per-step lines). Prints every run, then per mode the median over rounds and its
+# 40 steps (what bench_llmc.sh runs), the median ms/step of steps 11-40 (llm.c's bench_llmc.sh reports that
+# median; ours is taken from the trainer's per-step lines). Prints every run, then per mode the median over rounds and its
 # speed-up over llm.c's median.
 #   LLMC_PEER=<folder of bench_llmc.sh> bash dev/bench_vs_llmc.sh
-#   ROUNDS=3 B=64 STEPS=40 MODES="0 all,qkv.grad.delayed" LLMC_PEER=... bash dev/bench_vs_llmc.sh
-# bench_llmc.sh builds llm.c on its first call (about a minute) and always runs it for 40 steps.
+#   ROUNDS=3 B=64 MODES="0 all,qkv.grad.delayed" LLMC_PEER=... bash dev/bench_vs_llmc.sh
+# bench_llmc.sh builds llm.c on its first call (about a minute).
 # Needs ./train_gpt2cu (make train_gpt2cu; TRAINER names another build) and data/ (make data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 B=${B:-64}
-STEPS=${STEPS:-40}
 MODES=${MODES:-"0 all,qkv.grad.delayed"}
 LOGS=${LOGS:-build/bench-vs-llmc}
 TRAINER=${TRAINER:-./train_gpt2cu}
 [ -n "${LLMC_PEER:-}" ] && [ -f "$LLMC_PEER/bench_llmc.sh" ] ||
     { echo "bench_vs_llmc: set LLMC_PEER to the folder holding bench_llmc.sh" >&2; exit 2; }
 [ -x "$TRAINER" ] || { echo "bench_vs_llmc: $TRAINER is missing: run make train_gpt2cu" >&2; exit 2; }
-for v in ROUNDS B STEPS; do
+for v in ROUNDS B; do
     [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "bench_vs_llmc: $v must be a positive whole number, not '${!v}'" >&2; exit 2; }
 done
-[ "$STEPS" -ge 20 ] || { echo "bench_vs_llmc: STEPS must be at least 20 (the median starts at step 11)" >&2; exit 2; }
-gpu=$(nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader 2>/dev/null | head -n 1) ||
-    { echo "bench_vs_llmc: nvidia-smi found no GPU" >&2; exit 2; }
+gpu=$(nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader 2>/dev/null | head -n 1 || true)
 [ -n "$gpu" ] || { echo "bench_vs_llmc: nvidia-smi found no GPU" >&2; exit 2; }
 mkdir -p "$LOGS"
 results="$LOGS/results.txt"
 : >"$results"
 echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 echo "GPU: $gpu"
-echo "d12 B=$B T=1024, $ROUNDS rounds, median ms/step of steps 11..$STEPS"
+echo "d12 B=$B T=1024, $ROUNDS rounds, median ms/step of steps 11-40"
 for round in $(seq 1 "$ROUNDS"); do
     for mode in $MODES; do
         log="$LOGS/ours_${mode//[^a-z0-9]/_}_r$round.log"
-        if ! "$TRAINER" -e d12 -b "$B" -t 1024 -x "$STEPS" -v 0 -s 0 -o "" --fp8 "$mode" >"$log" 2>&1; then
+        if ! "$TRAINER" -e d12 -b "$B" -t 1024 -x 40 -v 0 -s 0 -o "" --fp8 "$mode" >"$log" 2>&1; then
             echo "bench_vs_llmc: our trainer failed (--fp8 $mode, round $round); the end of $log:" >&2
             tail -5 "$log" >&2
             exit 1
