@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
             .add_switch("", "fp64", &o.fp64, "run the model in double precision")
             .add("", "scores", &o.scores, "write every candidate's score to this file");
         if (!flags.parse(argc, argv)) return kExitOk;
-        if (o.model.empty() || o.eval.empty()) fail(kExitUsage, "--model and --eval are needed\n%s", flags.usage().c_str());
+        if (o.model.empty() || o.eval.empty()) fail(kExitUsage, "--model and --eval are needed (see eval_mc --help)");
         std::vector<float> params;
         const ModelFileInfo info = read_model_file(o.model, &params);
         if (o.seq == 0) o.seq = info.config.max_seq_len;

@@ -35,9 +35,9 @@ llm.c's reader assumes K = 4; ours takes any K >= 2 (prepare_eval writes 4 unles
 Also provides, where LLMC_TOKENIZER_ENCODER is defined before the first include of llmc/tokenizer.h
 (the program then links PCRE2): read_hellaswag_jsonl(), HellaSwag's own hellaswag_{train,val}.jsonl (one
 object per line: "ctx", or "ctx_a" and "ctx_b" joined by a space when "ctx" is absent; "endings", a list
-of strings; "label", an integer or a string holding one), encoded with GPT-2's tokenizer as llm.c does:
+of 4 strings; "label", an integer or a string holding one), encoded with GPT-2's tokenizer as llm.c does:
 the context as it is, each ending with a space in front; a row the eval .bin cannot hold (past the 65535th,
-or over 65534 bytes) is refused, naming its line.
+or over 65534 bytes) or llm.c's reader cannot (other than 4 endings) is refused, naming its line.
 
 Does not provide: the GPU scoring (mc_eval.cuh), the evaluation schedule or its logging (the trainers),
 making sets from text (dev/data/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
@@ -45,9 +45,7 @@ making sets from text (dev/data/prepare_eval.cpp), or EleutherAI's text preproce
 #pragma once
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -133,6 +131,13 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
 // ----------------------------------------------------------------------------------------------------
 // The .bin file.
 
+// Refuses an input that is not a regular file, with the system's reason (why_not_regular_file): a FIFO
+// would block the open until a writer comes, and a directory opens and fails only at its first read.
+inline void mc_require_regular_file(const std::string& path) {
+    const std::string why = why_not_regular_file(path);
+    if (!why.empty()) fail(kExitIo, "cannot open '%s' for reading: %s", path.c_str(), why.c_str());
+}
+
 // Writes the set in llm.c's eval format. Everything is checked before the file is created, and the file is
 // written whole or not at all (write_file_atomically), so a failed rewrite leaves the previous one as it was.
 inline void write_mc_file(const std::string& path, const McSet& set) {
@@ -184,6 +189,7 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
 inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelimiter) {
     vocab_size = std::min<int64_t>(vocab_size, kMcDelimiter);
     const char* p = path.c_str();
+    mc_require_regular_file(path);
     File f(path, File::Mode::Read);
     const int64_t size = f.size();
     if (size < kMcHeaderBytes) {
@@ -713,13 +719,15 @@ McResult mc_eval_cpu(cpu::GPT2<Real>& model, const McSet& set, int max_B, int ma
 // ----------------------------------------------------------------------------------------------------
 // HellaSwag's JSONL, for programs that have the encoder.
 #ifdef LLMC_TOKENIZER_ENCODER
-#include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "llmc/tokenizer.h"
 
 namespace llmc {
+
+constexpr size_t kHellaswagEndings = 4;
 
 // One row of HellaSwag's JSONL, as text.
 struct HellaswagRow {
@@ -761,9 +769,11 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
     if (!endings.is_array()) {
         fail(kExitData, "'%s' line %lld: \"endings\" is %s, expected a list of strings", p, ln, endings.type_name());
     }
-    if (endings.size() < 2) {
-        fail(kExitData, "'%s' line %lld: %zu ending(s); a choice needs at least 2 (HellaSwag has 4)", p, ln,
-             endings.size());
+    // HellaSwag's rows have 4 endings, and llm.c's eval reader takes nothing else: a row with another count
+    // would make a file that llm.c's trainer cannot read.
+    if (endings.size() != kHellaswagEndings) {
+        fail(kExitData, "'%s' line %lld: %zu ending(s); HellaSwag's rows have %zu, the only count llm.c's eval "
+             "reader takes", p, ln, endings.size(), kHellaswagEndings);
     }
     for (size_t e = 0; e < endings.size(); e++) {
         if (!endings[e].is_string()) {
@@ -806,8 +816,8 @@ inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& e
 
 // Every non-blank line of a HellaSwag JSONL file, encoded.
 inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) fail(kExitIo, "cannot open '%s' for reading: %s", path.c_str(), std::strerror(errno));
+    mc_require_regular_file(path);
+    std::istringstream in(tokenizer_detail::read_text_file(path));
     McSet set{path, {}};
     Gpt2Encoder::Context ctx(enc);
     std::string line;
@@ -829,7 +839,6 @@ inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& en
         }
         set.items.push_back(std::move(item));
     }
-    if (in.bad()) fail(kExitIo, "read of '%s' failed after line %lld", path.c_str(), (long long)line_no);
     if (set.items.empty()) fail(kExitData, "'%s' holds no HellaSwag rows", path.c_str());
     return set;
 }

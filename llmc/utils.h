@@ -334,6 +334,23 @@ inline bool directory_exists(const std::string& path) {
     return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// Why `path` cannot be read as a regular file, in the system's words: "No such file or directory", "Too
+// many levels of symbolic links", "Permission denied", "Is a directory", "is a FIFO, not a regular file";
+// "" when it names a regular file (or a link to one). For messages: a missing file, a link loop and a
+// directory where a file belongs each get their own reason, not all "does not exist".
+inline std::string why_not_regular_file(const std::string& path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);
+    if (S_ISREG(st.st_mode)) return "";
+    if (S_ISDIR(st.st_mode)) return std::strerror(EISDIR);
+    const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                                              : "something else";
+    return format("is %s, not a regular file", kind);
+}
+
 // The directory that holds `path`: "." for a bare name, "/" for a name in the root.
 inline std::string parent_directory(const std::string& path) {
     size_t slash = path.find_last_of('/');

@@ -12,12 +12,15 @@ ending) padded into one batch, per-position cross-entropy against the next token
 summed (acc: argmin of the sums) and divided by the ending's length (acc_norm: argmin of the means).
 Compared with eval_mc's per-candidate sums: ours fp32 vs PyTorch fp32 within 1e-5 and ours fp64 vs
 PyTorch fp64 within 1e-10 (relative to max(1, |sum|)); both predictions of every item whose two best
-candidates are further apart than 1e-3, and the counts of right answers.
+candidates are further apart than 1e-3, and the counts of right answers; and the acc and acc_norm that
+eval_mc prints, each against its own PyTorch count (the set is one where the two differ, so a report that
+swapped them would not pass).
 
 Usage: /usr/bin/python3 test/mc_eval_torch_ref.py --eval-mc build/eval_mc [--workdir DIR]
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -120,8 +123,9 @@ def main():
     for dtype, flag in ((torch.float32, []), (torch.float64, ["--fp64"])):
         name = str(dtype).replace("torch.", "")
         out = f(f"scores_{name}.tsv")
-        subprocess.run([args.eval_mc, "--model", f("model.bin"), "--eval", f("items.bin"), "--seq", str(T),
-                        "--batch", "5", "--scores", out] + flag, check=True)
+        run = subprocess.run([args.eval_mc, "--model", f("model.bin"), "--eval", f("items.bin"), "--seq", str(T),
+                              "--batch", "5", "--scores", out] + flag, check=True, capture_output=True, text=True)
+        print(run.stdout, end="")
         ours, preds = read_scores(out)
         theirs = torch_scores(P, items, dtype)
         worst, decided = 0.0, 0
@@ -152,10 +156,25 @@ def main():
         ours_right = [sum(preds[i][k] == it["label"] for i, it in enumerate(items)) for k in (0, 1)]
         if decided == 2 * len(items) and ours_right != right:
             failures.append(f"{name}: we count {ours_right} right, PyTorch {right}")
+        # What eval_mc reports, each figure against its own count: PyTorch's where every prediction is
+        # decided, else ours from the per-item predictions checked above.
+        expected = right if decided == 2 * len(items) else ours_right
+        m = re.search(r": (\d+) items, acc ([\d.]+) \((\d+)\), acc_norm ([\d.]+) \((\d+)\)$", run.stdout.strip())
+        if not m:
+            failures.append(f"{name}: eval_mc printed no acc/acc_norm line: {run.stdout!r}")
+        else:
+            for k, label in enumerate(("acc", "acc_norm")):
+                fraction, count = float(m.group(2 + 2 * k)), int(m.group(3 + 2 * k))
+                if int(m.group(1)) != len(items) or count != expected[k] or \
+                        abs(fraction - expected[k] / len(items)) > 1e-4:
+                    failures.append(f"{name}: eval_mc reports {label} {fraction} ({count}) of {m.group(1)} items, "
+                                    f"expected {expected[k] / len(items):.4f} ({expected[k]}) of {len(items)}")
         if decided < len(items):
             failures.append(f"{name}: only {decided} decided predictions; the check would say little")
     if cut < 2:
         failures.append(f"only {cut} items are cut to T; the truncation rule is not exercised")
+    if right[0] == right[1]:
+        failures.append(f"acc and acc_norm both count {right[0]} right: a report that swapped them would pass")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1

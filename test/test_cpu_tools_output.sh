@@ -3,7 +3,9 @@
 #   - a result file (eval_mc --scores, gpt2_cpu_dump --out) whose write fails part way (a file size limit)
 #     leaves the previous file as it was, not a half-written one, and the run exits 3;
 #   - gpt2_cpu_dump's flags: --help prints the usage and exits 0; a malformed or missing value, an
-#     unknown flag and --tokens without --out are usage errors (exit 2) naming the flag.
+#     unknown flag and --tokens without --out are usage errors (exit 2) naming the flag;
+#   - eval_mc without --eval is one error line pointing to --help (exit 2), and a directory given as the
+#     eval file is refused with the system's reason (exit 3).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -82,4 +84,8 @@ expect_exit 2 "--bogus" --model "$dir/model.bin" --bogus 1
 expect_exit 2 "--out" --model "$dir/model.bin" --tokens "$dir/tokens.bin"
 expect_exit 2 "--model" --tokens "$dir/tokens.bin" --out "$dir/d.bin"
 [ ! -e "$dir/d.bin" ] || { echo "FAIL: a refused command line wrote $dir/d.bin"; exit 1; }
-echo "eval_mc and gpt2_cpu_dump: result files replaced whole or not at all; gpt2_cpu_dump's flags checked"
+expect_bin=(build/eval_mc)
+expect_exit 2 "^error: --model and --eval are needed (see eval_mc --help)$" --model "$dir/model.bin"
+[ "$(wc -l <"$dir/out")" = 1 ] || { echo "FAIL: eval_mc printed more than the error:"; cat "$dir/out"; exit 1; }
+expect_exit 3 "^error: cannot open '$dir' for reading: Is a directory$" --model "$dir/model.bin" --eval "$dir"
+echo "eval_mc and gpt2_cpu_dump: result files replaced whole or not at all; their command-line errors checked"

@@ -8,7 +8,8 @@ Checks:
     (size, magic, version, count both ways, delimiter, size field odd, small or past the file, index,
     candidate count, label, empty or overrunning context and ending, slack inside an example, token ids,
     the longest-example field, trailing bytes) refused with the file, the example and the byte offset
-    named; the writer refuses what the format cannot hold or scoring cannot use;
+    named; a directory, a FIFO or a symlink loop refused with the system's reason; the writer refuses
+    what the format cannot hold or scoring cannot use;
   - rows and batches: every row exactly once, in order, inputs/targets equal to a direct construction
     (context cut from the left by the same number of tokens for all candidates when an item is longer
     than T), B and T bounds and T's rounding, ranges of items, the rank split, the errors for an ending
@@ -24,10 +25,14 @@ Checks:
     whatever the batch size, fp64 within 1e-5 of fp32;
   - HellaSwag JSONL (needs .deps/gpt2; skipped otherwise): rows in the file's exact format (with "ctx",
     with only "ctx_a"/"ctx_b", label as a string, blank lines) encoded as llm.c does, ids pinned from
-    encoder.json; every malformed row refused with its line number;
+    encoder.json; every malformed row (a row of other than 4 endings among them, which llm.c cannot read)
+    refused with its line number;
   - prepare_eval: held-out sets obey their rules (windows within a document, word starts, no overlaps,
-    distinct distractors, every label position used, seeded), a shard and a text file in, a HellaSwag
-    JSONL in (same bytes as write_mc_file of the reader's items), and the command-line errors.
+    distinct distractors, every label position used, seeded), also in a text of three passages, where
+    a distractor that ignored its own passage would land in it; a shard and a text file in, a HellaSwag
+    JSONL in (same bytes as write_mc_file of the reader's items); as a command, each error one line with
+    its exit code: the command-line errors, inputs that are not files, a HellaSwag row of 3 endings, a
+    shard token id equal to the vocabulary size.
 PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is test_mc_eval_gpu.cu.
 */
 #define PREPARE_EVAL_NO_MAIN
@@ -41,6 +46,10 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 #include <fstream>
 #include <limits>
 #include <set>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
@@ -271,6 +280,38 @@ TEST(McFile, WriterRefuses) {
     s.items[2].context.assign(40000, 1);
     expect_error([&] { write_mc_file(p, s); }, kExitUsage, {"item 2 takes 80020 bytes", "65534 per example"});
     EXPECT_FALSE(fs::exists(p));
+}
+
+// A directory, a FIFO and a symlink loop where a file belongs: cases holds (path, the system's reason).
+// The FIFO is held open for writing, so that a reader that opens it anyway fails rather than waits.
+class NotFiles {
+public:
+    explicit NotFiles(const TempDir& dir) {
+        fs::create_directory(dir / "adir");
+        fs::create_symlink("loop", dir / "loop");
+        EXPECT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+        writer_ = ::open((dir / "fifo").c_str(), O_RDWR | O_NONBLOCK);
+        EXPECT_GE(writer_, 0);
+        cases = {{dir / "adir", "Is a directory"},
+                 {dir / "loop", "Too many levels of symbolic links"},
+                 {dir / "fifo", "is a FIFO, not a regular file"}};
+    }
+    ~NotFiles() { ::close(writer_); }
+    NotFiles(const NotFiles&) = delete;
+    NotFiles& operator=(const NotFiles&) = delete;
+
+    std::vector<std::pair<std::string, std::string>> cases;
+
+private:
+    int writer_ = -1;
+};
+
+TEST(McFile, NotAFileGivesTheSystemsReason) {
+    TempDir dir("mc_not_files");
+    const NotFiles not_files(dir);
+    for (const auto& [path, why] : not_files.cases) {
+        expect_error([&] { read_mc_file(path); }, kExitIo, {"cannot open '" + path + "' for reading: " + why});
+    }
 }
 
 TEST(McFile, AFailedRewriteLeavesTheOldFileWhole) {
@@ -820,9 +861,10 @@ const char* kHellaswagRows =
     R"(["is using wrap to wrap a pair of skis.", "is ripping level tiles off.", "is holding a rubik's cube.", )"
     R"("starts pulling up roofing on a roof."], "source_id": "activitynet~v_-JhWjGDPHMY"})"
     "\n\n"
-    R"({"ind": 25, "ctx_a": "A man is sitting on a roof.", "ctx_b": "he", "label": "1", "endings": ["a", "b c"]})"
+    R"({"ind": 25, "ctx_a": "A man is sitting on a roof.", "ctx_b": "he", "label": "1", "endings": ["a", "b c", "d", )"
+    R"("e"]})"
     "\r\n"
-    R"({"ind": 26, "ctx_a": "Cooking eggs.", "ctx_b": "", "label": 0, "endings": ["First,", "x", "y"]})"
+    R"({"ind": 26, "ctx_a": "Cooking eggs.", "ctx_b": "", "label": 0, "endings": ["First,", "x", "y", "z"]})"
     "\n";
 
 TEST(Hellaswag, RowsEncodedAsLlmcDoes) {
@@ -849,7 +891,7 @@ TEST(Hellaswag, RowsEncodedAsLlmcDoes) {
     EXPECT_EQ(b.endings[1], encode(" b c"));
     const McItem& c = set.items[2];
     EXPECT_EQ(c.context, encode("Cooking eggs."));
-    EXPECT_EQ(c.endings.size(), 3u);
+    EXPECT_EQ(c.endings.size(), 4u);
 }
 
 TEST(Hellaswag, MalformedRowsNameTheLine) {
@@ -862,28 +904,35 @@ TEST(Hellaswag, MalformedRowsNameTheLine) {
         expect_error([&] { read_hellaswag_jsonl(dir / "bad.jsonl", encoder()); }, kExitData,
                      {dir / "bad.jsonl", "line 2", message});
     };
-    refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": 2)", "is not valid JSON");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": 2)", "is not valid JSON");
     refused(R"(["A b"])", "expected a JSON object, found array");
-    refused(R"({"endings": ["c", "d"], "label": 0})", "no context");
-    refused(R"({"ctx": 5, "endings": ["c", "d"], "label": 0})", "\"ctx\" is number, expected a string");
-    refused(R"({"ctx_a": "A", "ctx_b": 3, "endings": ["c", "d"], "label": 0})", "\"ctx_b\" is number");
-    refused(R"({"ctx": "", "endings": ["c", "d"], "label": 0})", "the context is empty");
+    refused(R"({"endings": ["c", "d", "e", "f"], "label": 0})", "no context");
+    refused(R"({"ctx": 5, "endings": ["c", "d", "e", "f"], "label": 0})", "\"ctx\" is number, expected a string");
+    refused(R"({"ctx_a": "A", "ctx_b": 3, "endings": ["c", "d", "e", "f"], "label": 0})", "\"ctx_b\" is number");
+    refused(R"({"ctx": "", "endings": ["c", "d", "e", "f"], "label": 0})", "the context is empty");
     refused(R"({"ctx": "A b", "label": 0})", "no \"endings\" list");
     refused(R"({"ctx": "A b", "endings": "c d", "label": 0})", "\"endings\" is string, expected a list of strings");
-    refused(R"({"ctx": "A b", "endings": ["c"], "label": 0})", "1 ending(s); a choice needs at least 2");
-    refused(R"({"ctx": "A b", "endings": ["c", 4], "label": 0})", "ending 1 is number, expected a string");
-    refused(R"({"ctx": "A b", "endings": ["c", ""], "label": 0})", "ending 1 is empty");
-    refused(R"({"ctx": "A b", "endings": ["c", "d"]})", "no \"label\"");
-    refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": 1.5})", "\"label\" is 1.5, expected an integer");
-    refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": "x"})", "\"label\" is \"x\", expected an integer");
-    refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": 2})", "label 2 is not one of the 2 endings (0..1)");
-    refused(R"({"ctx": "A b", "endings": ["c", "d"], "label": -1})", "label -1 is not one of the 2 endings");
+    // llm.c's writer and reader take 4 endings and nothing else.
+    refused(R"({"ctx": "A b", "endings": ["c"], "label": 0})", "1 ending(s); HellaSwag's rows have 4");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e"], "label": 0})", "3 ending(s); HellaSwag's rows have 4");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f", "g"], "label": 0})", "5 ending(s)");
+    refused(R"({"ctx": "A b", "endings": ["c", 4, "e", "f"], "label": 0})", "ending 1 is number, expected a string");
+    refused(R"({"ctx": "A b", "endings": ["c", "", "e", "f"], "label": 0})", "ending 1 is empty");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"]})", "no \"label\"");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": 1.5})",
+            "\"label\" is 1.5, expected an integer");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": "x"})",
+            "\"label\" is \"x\", expected an integer");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": 4})",
+            "label 4 is not one of the 4 endings (0..3)");
+    refused(R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": -1})", "label -1 is not one of the 4 endings");
     // Rows the eval .bin cannot hold are the input's fault: named by their line, exit code 4.
     std::string words;
     for (int i = 0; i < 33000; i++) words += " w";
-    write_file(dir / "long.jsonl", good + "\n{\"ctx\": \"A\", \"endings\": [\"" + words + "\", \"d\"], \"label\": 0}\n");
+    write_file(dir / "long.jsonl",
+               good + "\n{\"ctx\": \"A\", \"endings\": [\"" + words + "\", \"d\", \"e\", \"f\"], \"label\": 0}\n");
     expect_error([&] { read_hellaswag_jsonl(dir / "long.jsonl", encoder()); }, kExitData,
-                 {dir / "long.jsonl", "line 2", "context of 1 tokens, 2 endings", "more than the 65534"});
+                 {dir / "long.jsonl", "line 2", "context of 1 tokens, 4 endings", "more than the 65534"});
     std::string many;
     for (int i = 0; i < kMcMaxExamples; i++) many += good + "\n";
     write_file(dir / "many.jsonl", many + good + "\n");
@@ -989,11 +1038,57 @@ TEST(PrepareEval, HeldoutSetFollowsItsRules) {
                  {"stream: 60000 tokens hold only", "non-overlapping passages of 23 + 7 tokens", "fewer --items"});
 }
 
+// In a text of three documents, each holding one passage, the item's own context covers about a quarter
+// of the ending starts: a distractor drawn without excluding it lands there in most of these sets.
+TEST(PrepareEval, DistractorsAvoidTheirOwnPassageInAShortText) {
+    const Tokenizer tok = word_vocab();
+    HeldoutOptions o;
+    o.items = 3;
+    o.context = 40;
+    o.ending = 4;
+    o.choices = 4;
+    for (uint64_t seed = 1; seed <= 10; seed++) {
+        SCOPED_TRACE(format("seed %llu", (unsigned long long)seed));
+        SplitMix64 rng(seed);
+        std::vector<uint32_t> stream;
+        for (int d = 0; d < 3; d++) {
+            stream.push_back(99);
+            for (int k = 0; k < 60; k++) stream.push_back(uint32_t(rng.below(99)));
+        }
+        o.seed = int64_t(seed);
+        const McSet set = make_heldout_set(stream, tok, o, "short");
+        for (const McItem& it : set.items) {
+            std::vector<int32_t> passage = it.context;
+            passage.insert(passage.end(), it.endings[size_t(it.label)].begin(), it.endings[size_t(it.label)].end());
+            const std::vector<int64_t> at = occurrences(stream, passage);
+            ASSERT_EQ(at.size(), 1u);
+            for (size_t e = 0; e < it.endings.size(); e++) {
+                if (int(e) == it.label) continue;
+                for (int64_t q : occurrences(stream, it.endings[e])) {
+                    EXPECT_FALSE(q < at[0] + 44 && q + 4 > at[0]) << "distractor " << e << " at token " << q
+                                                                  << " overlaps its passage at " << at[0];
+                }
+            }
+        }
+    }
+}
+
 int run_tool(std::vector<std::string> args) {
     args.insert(args.begin(), "prepare_eval");
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     return prepare_eval_main(int(argv.size()), argv.data());
+}
+
+// The tool must exit with `code` after printing one line on stderr: "error: " and every part.
+void expect_tool_error(const std::vector<std::string>& args, int code, const std::vector<std::string>& parts) {
+    testing::internal::CaptureStderr();
+    const int rc = run_tool(args);
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(rc, code) << err;
+    EXPECT_EQ(err.rfind("error: ", 0), 0u) << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << "expected one line, got:\n" << err;
+    for (const std::string& p : parts) EXPECT_NE(err.find(p), std::string::npos) << "'" << p << "' not in: " << err;
 }
 
 TEST(PrepareEval, ToolOnShardsTextAndHellaswag) {
@@ -1040,7 +1135,9 @@ TEST(PrepareEval, ToolOnShardsTextAndHellaswag) {
 
 TEST(PrepareEval, CommandLineErrors) {
     TempDir dir("prepare_eval_errors");
-    EXPECT_EQ(run_tool({"--out", dir / "x.bin"}), kExitUsage);
+    // One line and a pointer to --help, not the usage text before it.
+    expect_tool_error({"--out", dir / "x.bin"}, kExitUsage,
+                      {"give either --hellaswag FILE or --heldout FILE", "(see prepare_eval --help)"});
     EXPECT_EQ(run_tool({"--hellaswag", "a.jsonl", "--heldout", "b.bin", "--out", dir / "x.bin"}), kExitUsage);
     EXPECT_EQ(run_tool({"--hellaswag", "a.jsonl"}), kExitUsage);
     EXPECT_EQ(run_tool({"--hellaswag", "a.jsonl", "--out", dir / "x.bin", "--items", "5"}), kExitUsage);
@@ -1052,6 +1149,46 @@ TEST(PrepareEval, CommandLineErrors) {
         EXPECT_EQ(run_tool({"--heldout", dir / "none.bin", "--out", dir / "x.bin", "--quiet"}), kExitIo);
         write_token_shard(dir / "tiny.bin", std::vector<uint32_t>(50, 262).data(), 50, 1);
         EXPECT_EQ(run_tool({"--heldout", dir / "tiny.bin", "--out", dir / "x.bin", "--quiet"}), kExitData);
+    }
+    EXPECT_FALSE(fs::exists(dir / "x.bin"));
+}
+
+TEST(PrepareEval, InputsThatAreNotFilesGiveTheSystemsReason) {
+    REQUIRE_VOCAB();
+    TempDir dir("prepare_eval_not_files");
+    const NotFiles not_files(dir);
+    for (const auto& [path, why] : not_files.cases) {
+        const std::string message = "cannot open '" + path + "' for reading: " + why;
+        expect_tool_error({"--hellaswag", path, "--out", dir / "x.bin"}, kExitIo, {message});
+        expect_tool_error({"--heldout", path, "--out", dir / "x.bin"}, kExitIo, {message});
+    }
+    EXPECT_FALSE(fs::exists(dir / "x.bin"));
+}
+
+TEST(PrepareEval, HellaswagRowsOfOtherThanFourEndingsAreRefused) {
+    REQUIRE_VOCAB();
+    TempDir dir("prepare_eval_endings");
+    write_file(dir / "val.jsonl", R"({"ctx": "A b", "endings": ["c", "d", "e", "f"], "label": 2})"
+                                  "\n"
+                                  R"({"ctx": "A b", "endings": ["c", "d", "e"], "label": 2})"
+                                  "\n");
+    expect_tool_error({"--hellaswag", dir / "val.jsonl", "--out", dir / "x.bin"}, kExitData,
+                      {"'" + dir / "val.jsonl" + "' line 2: 3 ending(s); HellaSwag's rows have 4"});
+    EXPECT_FALSE(fs::exists(dir / "x.bin"));
+}
+
+// A token id equal to the vocabulary size is one past the last token: refused, in either shard version.
+TEST(PrepareEval, ShardTokenAtTheVocabularySizeIsRefused) {
+    REQUIRE_VOCAB();
+    TempDir dir("prepare_eval_vocab");
+    std::vector<uint32_t> ids(2000, 262);  // " the"
+    ids[5] = 50257;
+    for (int version : {1, 2}) {
+        const std::string shard = dir / format("val_v%d.bin", version);
+        write_token_shard(shard, ids.data(), ids.size(), version);
+        expect_tool_error({"--heldout", shard, "--out", dir / "x.bin", "--items", "1"}, kExitData,
+                          {format("shard '%s': token 5 (byte offset %d) has id 50257, not below the vocabulary size "
+                                  "50257", shard.c_str(), 1024 + 5 * 2 * version)});
     }
     EXPECT_FALSE(fs::exists(dir / "x.bin"));
 }

@@ -5,7 +5,8 @@ files the trainers evaluate during training.
 Two sources:
   --hellaswag FILE.jsonl  HellaSwag's own JSONL (hellaswag_val.jsonl), encoded as llm.c's
                           dev/data/hellaswag.py does (context as it is, each ending after a space): the
-                          same items as the .bin that llm.c's script writes.
+                          same items as the .bin that llm.c's script writes. A row without exactly 4
+                          endings is refused, as llm.c's writer and reader refuse it.
   --heldout FILE          (repeatable) held-out text: token shards (names ending .bin, shard.h's format,
                           e.g. data/quickstart_val_000000.bin) or text files (each one document). Makes
                           --items items, each a passage of --context tokens, its true continuation of
@@ -90,10 +91,10 @@ bool parse_args(int argc, char** argv, Options& o) {
     if (!flags.parse(argc, argv)) return false;
     o.h.word_start = !o.any_start;
     if (o.hellaswag.empty() == o.heldout.empty()) {
-        std::fputs(flags.usage().c_str(), stderr);
-        fail(kExitUsage, "give either --hellaswag FILE or --heldout FILE (one or more), not both or neither");
+        fail(kExitUsage, "give either --hellaswag FILE or --heldout FILE (one or more), not both or neither (see "
+             "prepare_eval --help)");
     }
-    if (o.out.empty()) fail(kExitUsage, "--out FILE is needed: where to write the set");
+    if (o.out.empty()) fail(kExitUsage, "--out FILE is needed: where to write the set (see prepare_eval --help)");
     const bool held_flag = flags.was_set("items") || flags.was_set("context") || flags.was_set("ending") ||
                            flags.was_set("choices") || flags.was_set("seed") || o.any_start;
     if (!o.hellaswag.empty() && held_flag) {
@@ -120,6 +121,7 @@ std::vector<uint32_t> read_heldout_tokens(const std::vector<std::string>& inputs
     std::vector<uint32_t> tokens;
     Gpt2Encoder::Context ctx(enc);
     for (const std::string& path : inputs) {
+        mc_require_regular_file(path);
         tokens.push_back(tok.eot());
         if (!ends_with(path, ".bin")) {
             enc.encode_ordinary(ctx, tokenizer_detail::read_text_file(path), tokens);
