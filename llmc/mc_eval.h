@@ -131,13 +131,6 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
 // ----------------------------------------------------------------------------------------------------
 // The .bin file.
 
-// Refuses an input that is not a regular file, with the system's reason (why_not_regular_file): a FIFO
-// would block the open until a writer comes, and a directory opens and fails only at its first read.
-inline void mc_require_regular_file(const std::string& path) {
-    const std::string why = why_not_regular_file(path);
-    if (!why.empty()) fail(kExitIo, "cannot open '%s' for reading: %s", path.c_str(), why.c_str());
-}
-
 // Writes the set in llm.c's eval format. Everything is checked before the file is created, and the file is
 // written whole or not at all (write_file_atomically), so a failed rewrite leaves the previous one as it was.
 inline void write_mc_file(const std::string& path, const McSet& set) {
@@ -189,7 +182,6 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
 inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelimiter) {
     vocab_size = std::min<int64_t>(vocab_size, kMcDelimiter);
     const char* p = path.c_str();
-    mc_require_regular_file(path);
     File f(path, File::Mode::Read);
     const int64_t size = f.size();
     if (size < kMcHeaderBytes) {
@@ -816,7 +808,6 @@ inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& e
 
 // Every non-blank line of a HellaSwag JSONL file, encoded.
 inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
-    mc_require_regular_file(path);
     std::istringstream in(tokenizer_detail::read_text_file(path));
     McSet set{path, {}};
     Gpt2Encoder::Context ctx(enc);

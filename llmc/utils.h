@@ -126,6 +126,23 @@ inline std::string human_bytes(double bytes) {
     return u == 0 ? format("%.0f %s", bytes, units[u]) : format("%.2f %s", bytes, units[u]);
 }
 
+// Why `path` cannot be read as a regular file, in the system's words: "No such file or directory", "Too
+// many levels of symbolic links", "Permission denied", "Is a directory", "is a FIFO, not a regular file";
+// "" when it names a regular file (or a link to one). For messages: a missing file, a link loop and a
+// directory where a file belongs each get their own reason, not all "does not exist".
+inline std::string why_not_regular_file(const std::string& path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);
+    if (S_ISREG(st.st_mode)) return "";
+    if (S_ISDIR(st.st_mode)) return std::strerror(EISDIR);
+    const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                                              : "something else";
+    return format("is %s, not a regular file", kind);
+}
+
 // A file opened through POSIX calls. Reads and writes happen at the file's current position, which
 // the object tracks itself (pread/pwrite), so an error can always name the offset.
 class File {
@@ -162,6 +179,15 @@ public:
             case Mode::ReadWrite: flags |= O_RDWR; break;
         }
         if (direct) flags |= O_DIRECT;
+        // A reader takes regular files only: a FIFO would block the open until a writer came, and a
+        // directory would open and fail only at its first read, with a message that names no cause.
+        if (mode != Mode::Write) {
+            const std::string why = why_not_regular_file(path);
+            if (!why.empty()) {
+                fail(kExitIo, "cannot open '%s' for %s: %s", path.c_str(), mode == Mode::Read ? "reading" : "writing",
+                     why.c_str());
+            }
+        }
         int fd = ::open(path.c_str(), flags, 0644);
         if (fd < 0) {
             int e = errno;
@@ -332,23 +358,6 @@ inline bool regular_file_exists(const std::string& path) {
 inline bool directory_exists(const std::string& path) {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-// Why `path` cannot be read as a regular file, in the system's words: "No such file or directory", "Too
-// many levels of symbolic links", "Permission denied", "Is a directory", "is a FIFO, not a regular file";
-// "" when it names a regular file (or a link to one). For messages: a missing file, a link loop and a
-// directory where a file belongs each get their own reason, not all "does not exist".
-inline std::string why_not_regular_file(const std::string& path) {
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);
-    if (S_ISREG(st.st_mode)) return "";
-    if (S_ISDIR(st.st_mode)) return std::strerror(EISDIR);
-    const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
-                       : S_ISCHR(st.st_mode)  ? "a character device"
-                       : S_ISBLK(st.st_mode)  ? "a block device"
-                                              : "something else";
-    return format("is %s, not a regular file", kind);
 }
 
 // The directory that holds `path`: "." for a bare name, "/" for a name in the root.
