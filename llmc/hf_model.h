@@ -247,6 +247,17 @@ inline bool hf_path_is_file(const std::string& p) {
     return std::filesystem::is_regular_file(p, ec);
 }
 
+// False when nothing is at path, true for a regular file (or a link to one). Anything else there (a folder, a
+// FIFO, a link loop, a folder that may not be searched) is refused with the system's reason and what was
+// expected, not taken for a missing file.
+inline bool hf_file_present(const std::string& path, const char* expected) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0 && errno == ENOENT) return false;
+    const std::string why = why_not_regular_file(path);
+    if (!why.empty()) fail(kExitIo, "'%s': %s (expected %s)", path.c_str(), why.c_str(), expected);
+    return true;
+}
+
 inline nlohmann::json read_json_file(const std::string& path) {
     File f(path, File::Mode::Read);
     const int64_t size = f.size();
@@ -255,17 +266,7 @@ inline nlohmann::json read_json_file(const std::string& path) {
     }
     std::string text(size_t(size), '\0');
     f.read_exact(text.data(), text.size());
-    auto limit_depth = [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-        if (depth > kJsonMaxDepth) {
-            fail(kExitData, "'%s' is JSON nested deeper than %d levels", path.c_str(), kJsonMaxDepth);
-        }
-        return true;
-    };
-    try {
-        return nlohmann::json::parse(text, limit_depth);
-    } catch (const nlohmann::json::parse_error& e) {
-        fail(kExitData, "'%s' is not valid JSON: %s", path.c_str(), e.what());
-    }
+    return parse_json_strictly(text, format("'%s'", path.c_str()), 0);
 }
 
 // Writes `bytes` to path whole or not at all (write_file_atomically), so a reader never sees half a file.
@@ -294,8 +295,10 @@ struct HfFolder {
     std::string dtype;  // "fp32", "bf16", "fp16", or "mixed (...)"
 };
 
-// Which tensors each file holds, for the sharded layout: the index's weight_map, checked against the files.
-inline std::vector<std::string> hf_shard_files(const std::string& dir, const std::string& index_path) {
+// The files of the sharded layout, from the index's weight_map, which is also returned in *weight_map
+// (tensor -> file name) to be checked against the files.
+inline std::vector<std::string> hf_shard_files(const std::string& dir, const std::string& index_path,
+                                               std::map<std::string, std::string>* weight_map) {
     nlohmann::json index = read_json_file(index_path);
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
         fail(kExitData, "'%s' has no weight_map object (a sharded safetensors index maps tensor names to files)",
@@ -313,6 +316,7 @@ inline std::vector<std::string> hf_shard_files(const std::string& dir, const std
                  index_path.c_str(), tensor.c_str(), f.c_str());
         }
         names.insert(f);
+        (*weight_map)[tensor] = f;
     }
     if (names.empty()) fail(kExitData, "'%s': weight_map is empty", index_path.c_str());
     std::vector<std::string> files;
@@ -326,7 +330,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
     HfFolder h;
     h.dir = dir;
     const std::string config_path = dir + "/config.json";
-    if (!hf_path_is_file(config_path)) {
+    if (!hf_file_present(config_path, "config.json, a JSON file")) {
         fail(kExitIo, "'%s' is a directory without config.json, so not a Hugging Face model folder (expected "
              "config.json and model.safetensors)", dir.c_str());
     }
@@ -334,10 +338,11 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
 
     const std::string single = dir + "/model.safetensors", index_path = dir + "/model.safetensors.index.json";
     std::string index_used;
-    if (hf_path_is_file(single)) {
+    std::map<std::string, std::string> weight_map;
+    if (hf_file_present(single, "a safetensors file")) {
         h.files = {single};
-    } else if (hf_path_is_file(index_path)) {
-        h.files = hf_shard_files(dir, index_path);
+    } else if (hf_file_present(index_path, "a JSON file")) {
+        h.files = hf_shard_files(dir, index_path, &weight_map);
         index_used = index_path;
     } else if (hf_path_is_file(dir + "/pytorch_model.bin")) {
         fail(kExitData, "'%s' holds pytorch_model.bin, a Python pickle, which this program does not read; save the "
@@ -351,7 +356,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
     std::map<std::string, size_t> stored;
     std::vector<std::unique_ptr<SafetensorsFile>> files;
     for (size_t i = 0; i < h.files.size(); i++) {
-        if (!hf_path_is_file(h.files[i])) {
+        if (!hf_file_present(h.files[i], "a safetensors file")) {
             fail(kExitIo, "'%s' names the shard '%s', which does not exist", index_used.c_str(), h.files[i].c_str());
         }
         files.push_back(std::make_unique<SafetensorsFile>(h.files[i]));
@@ -363,14 +368,11 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
             }
         }
     }
-    if (!index_used.empty()) {
-        nlohmann::json index = read_json_file(index_used);
-        for (auto& [tensor, file] : index["weight_map"].items()) {
-            auto it = stored.find(tensor);
-            if (it == stored.end() || h.files[it->second] != dir + "/" + file.get<std::string>()) {
-                fail(kExitData, "'%s' puts tensor '%s' in '%s', but that file does not hold it", index_used.c_str(),
-                     tensor.c_str(), file.get<std::string>().c_str());
-            }
+    for (const auto& [tensor, file] : weight_map) {
+        auto it = stored.find(tensor);
+        if (it == stored.end() || h.files[it->second] != dir + "/" + file) {
+            fail(kExitData, "'%s' puts tensor '%s' in '%s', but that file does not hold it", index_used.c_str(),
+                 tensor.c_str(), file.c_str());
         }
     }
 

@@ -9,11 +9,12 @@ Hugging Face folder (config.json + safetensors, hf_model.h).
 
 probe_model() validates everything it can without reading the weights (headers, config.json, tensor
 names, dtypes and shapes), so a trainer can check the shape before it allocates anything.
-load_model_params() reads the weights and checks that the files still match what probe saw. Save
-formats, by the names the trainers' --save-model and the converter take: llmc (version 3, fp32),
-llmc-bf16 (version 5), hf (F32 safetensors), hf-bf16 (BF16 safetensors); bf16 is fp32 rounded to
-nearest even. Errors name the path: "does not exist" and "is a directory" / "is not a directory" are
-kExitIo, contents kExitData, a bad format name kExitUsage.
+load_model_params() reads the weights, checks that the files still match what probe saw, and refuses
+a model that holds a NaN or an infinity (check_params_finite). Save formats, by the names the trainers'
+--save-model and the converter take: llmc (version 3, fp32), llmc-bf16 (version 5), hf (F32
+safetensors), hf-bf16 (BF16 safetensors); bf16 is fp32 rounded to nearest even. Errors name the path:
+"does not exist", the system's reason for a path that cannot be read (a link loop, a FIFO) and "is a
+directory" / "is not a directory" are kExitIo, contents kExitData, a bad format name kExitUsage.
 
 Does not provide: optimizer state or training progress (checkpoints), streaming from or to a GPU
 (device_file_io), or a padded vocabulary other than padded_vocab(V) for Hugging Face folders (their
@@ -22,6 +23,7 @@ config.json holds V only).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -68,9 +70,12 @@ struct ModelInfo {
     }
 };
 
-// True when path names something a model could be loaded from (a file or a directory), so a trainer
-// can tell a path from a descriptor such as "d12".
-inline bool model_path_exists(const std::string& path) { return hf_path_is_file(path) || hf_path_is_dir(path); }
+// True unless nothing is at path, so that a trainer tells a path from a descriptor such as "d12" and hands
+// whatever is there, even what cannot be read (a FIFO, a link loop), to probe_model(), which says why.
+inline bool model_path_exists(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 || errno != ENOENT;
+}
 
 inline ModelInfo probe_model(const std::string& path) {
     ModelInfo info;
@@ -82,12 +87,9 @@ inline ModelInfo probe_model(const std::string& path) {
         info.dtype = info.folder.dtype;
         return info;
     }
-    if (!hf_path_is_file(path)) {
-        std::error_code ec;
-        fail(kExitIo, "model '%s' %s", path.c_str(),
-             std::filesystem::exists(path, ec)
-                 ? "is neither a file nor a directory"
-                 : "does not exist (expected an llm.c model file or a Hugging Face folder)");
+    if (!hf_file_present(path, "an llm.c model file or a Hugging Face folder")) {
+        fail(kExitIo, "model '%s' does not exist (expected an llm.c model file or a Hugging Face folder)",
+             path.c_str());
     }
     File f(path, File::Mode::Read);
     ModelFileInfo m = read_model_header(f);
@@ -97,23 +99,67 @@ inline ModelInfo probe_model(const std::string& path) {
     return info;
 }
 
+// Refuses parameters that hold NaN or infinity, naming the first tensor that holds any (as its file names it)
+// and how many: a model loaded with them trains to nan from the first step, and a conversion would carry
+// them into the new file. One pass over the values; load_model_params() calls it for every format.
+inline void check_params_finite(const ModelInfo& info, const float* params) {
+    auto non_finite = [params](int64_t i) {
+        uint32_t bits;  // by the bits, so that no floating-point flag can assume the test away
+        std::memcpy(&bits, &params[i], sizeof(bits));
+        return (bits & 0x7f800000u) == 0x7f800000u;
+    };
+    auto count = [&](int64_t begin, int64_t end) {
+        int64_t k = 0;
+#pragma omp parallel for reduction(+ : k)
+        for (int64_t i = begin; i < end; i++) k += non_finite(i);
+        return k;
+    };
+    const int64_t total = count(0, num_parameters(info.config));
+    if (total == 0) return;
+    std::string where;
+    if (info.hf) {
+        for (const HfTensorMap& m : hf_tensor_map(info.config)) {
+            const int64_t k = count(m.offset, m.offset + m.numel);
+            if (k == 0) continue;
+            const auto& [file, name] = info.folder.where.at(m.name);
+            where = format(": %lld in tensor '%s' of '%s'", (long long)k, name.c_str(),
+                           info.folder.files[file].c_str());
+            break;
+        }
+    } else {
+        for (const ParamTensorInfo& t : param_tensors(info.config)) {
+            const int64_t k = count(t.offset, t.offset + t.numel);
+            if (k == 0) continue;
+            int64_t first = t.offset;
+            while (!non_finite(first)) first++;
+            where = format(": %lld in tensor %s, the first at offset %lld", (long long)k, t.name,
+                           (long long)(kModelHeaderBytes + first * model_bytes_per_param(info.llmc_version)));
+            break;
+        }
+    }
+    fail(kExitData, "%s '%s': %lld parameter%s not finite (NaN or infinity)%s; a model with non-finite parameters "
+         "can be neither trained nor converted", info.hf ? "Hugging Face model" : "model file", info.path.c_str(),
+         (long long)total, total == 1 ? " is" : "s are", where.c_str());
+}
+
 // The parameters of the model probe_model(path) described: fp32, in param_tensors() order, with the
-// padded vocabulary rows zero.
+// padded vocabulary rows zero; refused where any is not finite (check_params_finite).
 inline std::vector<float> load_model_params(const std::string& path, const ModelInfo& info,
                                             const ModelIoProgress& progress = nullptr) {
     std::vector<float> params;
-    if (!info.hf) {
+    if (info.hf) {
+        if (!hf_path_is_dir(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
+        HfFolder now = probe_hf_folder(path);
+        if (now.config != info.config || now.files != info.folder.files || now.where != info.folder.where) {
+            fail(kExitData, "Hugging Face model '%s' changed since it was first read (now %s, was %s)", path.c_str(),
+                 describe(now.config).c_str(), describe(info.config).c_str());
+        }
+        params.assign(size_t(num_parameters(now.config)), 0.0f);
+        read_hf_params(now, params.data(), progress);
+    } else {
         read_model_file(path, &params, &info.config);
-        return params;
     }
-    if (!hf_path_is_dir(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
-    HfFolder now = probe_hf_folder(path);
-    if (now.config != info.config || now.files != info.folder.files || now.where != info.folder.where) {
-        fail(kExitData, "Hugging Face model '%s' changed since it was first read (now %s, was %s)", path.c_str(),
-             describe(now.config).c_str(), describe(info.config).c_str());
-    }
-    params.assign(size_t(num_parameters(now.config)), 0.0f);
-    read_hf_params(now, params.data(), progress);
+    check_params_finite(info, params.data());
     return params;
 }
 

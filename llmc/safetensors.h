@@ -9,17 +9,19 @@ little-endian. The header may end in spaces (writers pad it so the data starts 8
 
 Provides:
   - SafetensorsFile: opens a file and validates its header before trusting a byte of it: N against the
-    file size and a sane bound, the JSON (parse errors, duplicate names, nesting deeper than
-    kJsonMaxDepth), every entry's dtype (one of the format's names), shape (non-negative integers)
-    against its offsets (END - BEGIN = elements x item size), offsets inside the data section, and no
-    two tensors sharing a byte. find() / require() look
-    a tensor up (require() names the missing tensor), read_floats() reads an F32, F16 or BF16 tensor as
-    fp32 (any other dtype is refused, naming the tensor). Holes in the data section are tolerated.
+    file size and a sane bound, the JSON (parse_json_strictly: parse errors, a NUL byte, a key twice in
+    any object, a number out of range, nesting deeper than kJsonMaxDepth), every entry's dtype (one of
+    the format's names), shape (non-negative integers) against its offsets (END - BEGIN = elements x
+    item size), offsets inside the data section, and no two tensors sharing a byte. find() / require()
+    look a tensor up (require() names the missing tensor), read_floats() reads an F32, F16 or BF16
+    tensor as fp32 (any other dtype is refused, naming the tensor). Holes in the data section are
+    tolerated.
   - SafetensorsWriter: writes F32 or BF16 tensors (from fp32 values, bf16 rounded to nearest even) in
     the order they were declared, streamed, so a caller can produce one tensor at a time, to a new file
     or into an open File (write_file_atomically's); the header is padded with spaces to a multiple of 8
     bytes and carries __metadata__ {"format": "pt"}.
   - fp16_to_float(), and the dtype names and item sizes of the format.
+  - parse_json_strictly(), the JSON parser of every reader of outside JSON files (here and hf_model.h).
 Every failure is an llmc::Error naming the file (and the tensor): kExitData for a malformed or
 truncated file, kExitIo for a read or write that fails.
 
@@ -32,6 +34,7 @@ what the tensors mean (hf_model.h maps GPT-2's names onto ours).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -94,6 +97,63 @@ inline float fp16_to_float(uint16_t h) {
 inline std::string json_excerpt(const nlohmann::json& v) {
     std::string s = v.dump();
     return s.size() <= 80 ? s : s.substr(0, 77) + "...";
+}
+
+// nlohmann's message without its "[json.exception.out_of_range.406] " tag, which tells a user nothing.
+inline std::string json_error_text(const nlohmann::json::exception& e) {
+    const std::string s = e.what();
+    const size_t tag_end = s.rfind("[json.exception.", 0) == 0 ? s.find("] ") : std::string::npos;
+    return tag_end == std::string::npos ? s : s.substr(tag_end + 2);
+}
+
+// JSON text from a file, parsed as strictly as the safetensors reference reader parses a header: besides what
+// is not JSON, it refuses a NUL byte (nlohmann stops reading there and ignores what follows), an object that
+// holds a key twice (nlohmann keeps the last), a number beyond double's range and nesting deeper than
+// kJsonMaxDepth. Each is a kExitData error "<where>: <what>", naming the keys that lead to the fault, the
+// outermost called `top_key` ("tensor" in a safetensors header); text_offset is where the text starts in
+// the file, for the offsets in messages.
+inline nlohmann::json parse_json_strictly(const std::string& text, const std::string& where, int64_t text_offset,
+                                          const char* top_key = "key") {
+    using json = nlohmann::json;
+    auto bad = [&](const std::string& what) { fail(kExitData, "%s: %s", where.c_str(), what.c_str()); };
+    const size_t nul = text.find('\0');
+    if (nul != std::string::npos) {
+        bad(format("a NUL byte at offset %lld, which JSON text cannot hold", (long long)(text_offset + int64_t(nul))));
+    }
+    std::vector<std::string> keys;            // the keys leading to where the parser is
+    std::vector<std::set<std::string>> seen;  // the keys of each object the parser is inside
+    auto location = [&] {
+        std::string s;
+        for (size_t i = 0; i < keys.size(); i++) {
+            s += format("%s%s '%s'", i ? ", " : "", i ? "key" : top_key, keys[i].c_str());
+        }
+        return s;
+    };
+    // Depths as nlohmann counts them: an object starts and ends at its parent's depth; its keys are one deeper.
+    json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+        if (depth > kJsonMaxDepth) bad(format("JSON nested deeper than %d levels", kJsonMaxDepth));
+        if (event == json::parse_event_t::object_start) {
+            seen.emplace_back();
+        } else if (event == json::parse_event_t::object_end) {
+            seen.pop_back();
+            keys.resize(size_t(depth));
+        } else if (event == json::parse_event_t::key) {
+            keys.resize(size_t(depth - 1));
+            keys.push_back(parsed.get<std::string>());
+            if (!seen.back().insert(keys.back()).second) bad(location() + " appears twice");
+        }
+        return true;
+    };
+    std::string what;
+    try {
+        return json::parse(text, on_event);
+    } catch (const json::parse_error& e) {
+        what = format("not valid JSON at offset %lld: %s", (long long)(text_offset + int64_t(e.byte) - 1),
+                      json_error_text(e).c_str());
+    } catch (const json::exception& e) {  // a number out of range, where the keys that lead to it are known
+        what = keys.empty() ? json_error_text(e) : location() + ": " + json_error_text(e);
+    }
+    fail(kExitData, "%s: %s", where.c_str(), what.c_str());
 }
 
 struct SafetensorsTensor {
@@ -184,27 +244,8 @@ private:
         std::string text(size_t(n), '\0');
         file_.read_exact_at(text.data(), text.size(), 8);
         if (text[0] != '{') bad("the header (offset 8) does not start with '{'");
-
-        // nlohmann keeps the last of two equal keys; the format forbids them, so they are caught while parsing.
-        std::string duplicate;
-        std::set<std::string> seen;
-        json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-            if (depth > kJsonMaxDepth) {
-                bad(format("the JSON header (offset 8) is nested deeper than %d levels", kJsonMaxDepth));
-            }
-            if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
-                duplicate.empty()) {
-                duplicate = parsed.get<std::string>();
-            }
-            return true;
-        };
-        json header;
-        try {
-            header = json::parse(text, on_event);
-        } catch (const json::parse_error& e) {
-            bad(format("the JSON header (offset 8, %llu bytes) does not parse: %s", (unsigned long long)n, e.what()));
-        }
-        if (!duplicate.empty()) bad(format("the header names tensor '%s' twice", duplicate.c_str()));
+        const json header = parse_json_strictly(text, format("safetensors file '%s': the JSON header", path().c_str()),
+                                                8, "tensor");
         if (!header.is_object()) bad("the JSON header is not an object");
 
         for (auto& [name, entry] : header.items()) {

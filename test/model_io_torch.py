@@ -15,7 +15,10 @@ below is GPT-2's. Then:
      equal to the source (bf16: PyTorch's round to nearest even), config.json's keys;
   4. build/gpt2_cpu_dump runs the CPU reference model (llmc/gpt2_cpu.h) on the imported model: its loss
      and logits on a few tokens agree with this file's PyTorch forward within 1e-5 in fp32 and 1e-12 in
-     fp64.
+     fp64;
+  5. build/convert_model refuses bad input with the README's exit code and a message naming the file and
+     key or tensor: a missing input, a link loop, an unknown format, NaN or infinite weights (nothing
+     written), a number beyond double's range in config.json, a key twice in a safetensors entry.
 Prints one line per check. Exit status 0 when all pass, 1 otherwise.
 
 Usage: /usr/bin/python3 test/model_io_torch.py --convert build/convert_model --dump build/gpt2_cpu_dump
@@ -361,6 +364,41 @@ def main():
     write_folder(f("relu"), {"model.safetensors": entries}, transformers_like_config(activation_function="relu"))
     ok, _ = conv("-i", f("relu"), "-o", f("x.bin"), expect_rc=4, expect_text="activation_function")
     check("activation_function relu: exit 4 naming the key", ok)
+    # Bad input the JSON library or the weights would let through: refused, and nothing written.
+    nan_sd = dict(sd, **{"transformer.h.1.mlp.c_fc.weight": sd["transformer.h.1.mlp.c_fc.weight"].clone()})
+    nan_sd["transformer.h.1.mlp.c_fc.weight"][3, 5] = float("nan")
+    write_folder(f("nan"), {"model.safetensors": [(n, "F32", tuple(t.shape), raw_of(t, "F32"))
+                                                  for n, t in nan_sd.items()]}, transformers_like_config())
+    ok, _ = conv("-i", f("nan"), "-o", f("nan.bin"), expect_rc=4,
+                 expect_text="1 parameter is not finite (NaN or infinity): 1 in tensor "
+                             "'transformer.h.1.mlp.c_fc.weight'")
+    check("NaN weight in a folder: exit 4 naming the tensor and the count, no file written",
+          ok and not os.path.exists(f("nan.bin")))
+    raw = bytearray(open(f("A.bin"), "rb").read())
+    raw[1024 + 4 * 7:1024 + 4 * 8] = struct.pack("<f", float("inf"))
+    open(f("inf.bin"), "wb").write(raw)
+    ok, _ = conv("-i", f("inf.bin"), "-o", f("inf_hf"), expect_rc=4,
+                 expect_text="1 in tensor wte, the first at offset 1052")
+    check("infinite weight in an llm.c file: exit 4 naming the tensor and offset, no folder written",
+          ok and not os.path.exists(f("inf_hf")))
+    write_folder(f("overflow"), {"model.safetensors": entries}, transformers_like_config())
+    with open(f("overflow", "config.json"), "w") as fh:
+        fh.write(json.dumps(transformers_like_config()).replace('"initializer_range": 0.02',
+                                                               '"initializer_range": 1e999'))
+    ok, _ = conv("-i", f("overflow"), "-o", f("x.bin"), expect_rc=4,
+                 expect_text="config.json': key 'initializer_range': number overflow")
+    check("config.json number overflow: exit 4 naming the file and key", ok)
+    write_folder(f("dup"), {"model.safetensors": entries}, transformers_like_config())
+    st = open(f("dup", "model.safetensors"), "rb").read()
+    n = struct.unpack("<Q", st[:8])[0]
+    header = st[8:8 + n].replace(b'"dtype": "F32"', b'"dtype": "I32", "dtype": "F32"', 1)
+    with open(f("dup", "model.safetensors"), "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header + st[8 + n:])
+    ok, _ = conv("-i", f("dup"), "-o", f("x.bin"), expect_rc=4, expect_text="key 'dtype' appears twice")
+    check("safetensors entry with dtype twice: exit 4", ok)
+    os.symlink("loop", f("loop"))
+    ok, _ = conv("-i", f("loop"), "-o", f("x.bin"), expect_rc=3, expect_text="Too many levels of symbolic links")
+    check("symbolic link loop as input: exit 3 with the system's reason", ok)
     ok, r = run([args.convert, "--help"])
     check("--help prints the flags", ok and "--tokenizer-dir" in r.stdout)
 

@@ -5,13 +5,17 @@ points both trainers use (llmc/model_io.h).
 
 Covered: safetensors written and read back (F32, BF16, empty and scalar tensors, values written across
 tensor boundaries, the 8-byte-padded header and its metadata); fp16 -> fp32 for every half value; every
-malformed-header case refused with exit code 4 and the file and tensor named; Hugging Face folders
+malformed-header case refused with exit code 4 and the file and tensor named, JSON that nlohmann alone
+would accept or throw on (a NUL byte, a key twice at any depth, a number beyond double's range) in
+headers, config.json and the shard index among them; Hugging Face folders
 whose Conv1D weights are checked element by element against our layout, round trips (llm.c v3 ->
 folder -> v3 and v5 -> bf16 folder -> v5 byte for byte, folder -> v3 -> folder with the same tensors),
 sharded folders, names without the "transformer." prefix, tied lm_head, ignored attention-mask
 buffers, and the refusal of what our GPT-2 cannot compute (config keys, untied or unknown tensors,
-wrong shapes and dtypes, a changed folder); the tokenizer files of an export; the path errors ("does
-not exist", "is a directory"). PyTorch- and numpy-side checks are in test/test_model_io_torch.sh.
+wrong shapes and dtypes, a changed folder, NaN or infinite weights in every format); the tokenizer
+files of an export; the path errors ("does not exist", "is a directory", a link loop, a FIFO).
+PyTorch- and numpy-side checks, and the converter's command-line errors, are in
+test/test_model_io_torch.sh.
 */
 #include <gtest/gtest.h>
 
@@ -20,11 +24,14 @@ not exist", "is a directory"). PyTorch- and numpy-side checks are in test/test_m
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -258,9 +265,16 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingFileAndTensor) {
     const std::string d16(16, '\1');
     const std::vector<BadHeader> cases = {
         {"length past the end", "{}", "", {"header length 4096", "past the end"}, 4096},
+        // Past the file by less than the 8 bytes of the length field itself: still the header's fault.
+        {"length past the end by 8", "{}", "", {"header length 10", "past the end of the 10-byte file"}, 10},
         {"length absurd", "{}", "", {"header length", "not in [2, 100000000]"}, uint64_t(1) << 40},
         {"length zero", "{}", "", {"header length 0"}, 0},
-        {"not JSON", R"({"w":{"dtype":"F32",)", d16, {"does not parse"}},
+        {"not JSON", R"({"w":{"dtype":"F32",)", d16, {"not valid JSON at offset 28"}},
+        {"number overflow", R"({"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,16]}})", d16,
+         {"tensor 'w', key 'shape'", "number overflow parsing '1e999'"}},
+        // nlohmann stops reading at a NUL; the reference reader refuses the header.
+        {"NUL padding", "{" + ok_entry + "}" + std::string(6, '\0'), d16, {"NUL byte at offset 65"}},
+        {"NUL then more", "{" + ok_entry + std::string(1, '\0') + R"(,"v":1})", d16, {"NUL byte at offset 64"}},
         {"not an object", "[1,2]", "", {"does not start with '{'"}},
         {"entry not an object", R"({"w":[1]})", "", {"tensor 'w'", "not an object"}},
         {"no dtype", R"({"w":{"shape":[1],"data_offsets":[0,4]}})", d16, {"tensor 'w'", "no 'dtype'"}},
@@ -282,6 +296,8 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingFileAndTensor) {
          {"tensor 'w'", "past the end"}},
         {"shape vs offsets", R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", d16,
          {"tensor 'w'", "needs 24 bytes", "span 16"}},
+        {"offsets longer than the shape", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", d16,
+         {"tensor 'w'", "needs 8 bytes", "span 16"}},
         {"offsets reversed", R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", d16,
          {"tensor 'w'", "end before they begin"}},
         {"offsets past the end", R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[4,20]}})", d16,
@@ -290,7 +306,11 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingFileAndTensor) {
          {"tensor 'w'", "not [begin, end]"}},
         {"overlap", "{" + ok_entry + R"(,"v":{"dtype":"BF16","shape":[3],"data_offsets":[10,16]}})", d16,
          {"'w' [0, 16]", "'v' [10, 16]", "overlap"}},
-        {"duplicate name", "{" + ok_entry + "," + ok_entry + "}", d16, {"names tensor 'w' twice"}},
+        {"duplicate name", "{" + ok_entry + "," + ok_entry + "}", d16, {"tensor 'w' appears twice"}},
+        {"duplicate dtype", R"({"w":{"dtype":"I64","dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})", d16,
+         {"tensor 'w', key 'dtype' appears twice"}},
+        {"duplicate metadata key", "{" + ok_entry + R"(,"__metadata__":{"format":"pt","format":"pt"}})", d16,
+         {"tensor '__metadata__', key 'format' appears twice"}},
         {"metadata not strings", "{" + ok_entry + R"(,"__metadata__":{"format":1}})", d16,
          {"__metadata__ entry 'format'"}},
     };
@@ -302,6 +322,9 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingFileAndTensor) {
         parts.push_back(path);
         expect_error([&] { SafetensorsFile f(path); }, kExitData, parts);
     }
+    // Spaces after the JSON are the format's padding, not a fault.
+    raw_safetensors(dir / "padded.safetensors", "{" + ok_entry + "}     ", d16);
+    EXPECT_EQ(SafetensorsFile(dir / "padded.safetensors").require("w").numel, 4);
     spit(dir / "short.safetensors", "abc");
     expect_error([&] { SafetensorsFile f(dir / "short.safetensors"); }, kExitData, {"short.safetensors", "3 bytes"});
 }
@@ -535,6 +558,13 @@ TEST(HfModel, ShardedFoldersLoadThroughTheIndex) {
     }
     EXPECT_EQ(q, expected);
 
+    std::string text = index.dump();
+    ASSERT_NE(text.find("\"total_size\":0"), std::string::npos);
+    spit(d + "/model.safetensors.index.json", text.replace(text.find("\"total_size\":0"), 14, "\"total_size\":1e999"));
+    expect_error([&] { probe_model(d); }, kExitData,
+                 {"model.safetensors.index.json", "key 'metadata', key 'total_size'", "number overflow"});
+    spit(d + "/model.safetensors.index.json", index.dump());
+
     // Saving into a sharded folder would leave its shards beside the new file: refused.
     expect_error([&] { save_model(d, ModelFormat::Hf, c, p.data()); }, kExitIo, {"sharded", d});
 
@@ -614,6 +644,18 @@ TEST(HfModel, ConfigKeysOurModelCannotComputeAreRefused) {
     }
     spit(dir / "m/config.json", "{\"model_type\": ");
     expect_error([&] { probe_model(dir / "m"); }, kExitData, {"config.json", "not valid JSON"});
+    // What nlohmann would throw past a parse error, or read past: a number beyond double's range, a NUL.
+    std::string text = hf_config_json(c, "float32").dump();
+    const size_t at = text.find("\"initializer_range\":0.02");
+    ASSERT_NE(at, std::string::npos);
+    spit(dir / "m/config.json", std::string(text).replace(at, 25, "\"initializer_range\":1e999"));
+    expect_error([&] { probe_model(dir / "m"); }, kExitData,
+                 {dir / "m/config.json", "key 'initializer_range'", "number overflow parsing '1e999'"});
+    spit(dir / "m/config.json", text + std::string(1, '\0') + "{\"n_layer\": 7}");
+    expect_error([&] { probe_model(dir / "m"); }, kExitData,
+                 {dir / "m/config.json", format("NUL byte at offset %zu", text.size())});
+    spit(dir / "m/config.json", "{\"n_layer\": 2, " + text.substr(1));
+    expect_error([&] { probe_model(dir / "m"); }, kExitData, {dir / "m/config.json", "key 'n_layer' appears twice"});
 }
 
 TEST(HfModel, TensorsThatDoNotFitAreRefusedByName) {
@@ -720,6 +762,39 @@ TEST(HfModel, FolderChangedBetweenProbeAndLoadIsRefused) {
     expect_error([&] { load_model_params(dir / "m", info); }, kExitData, {"changed since"});
 }
 
+// A model that holds a NaN or an infinity trains to nan from the first step: every format is refused at
+// load (load_model_params, which both trainers and the converter use), naming the file, tensor and count.
+TEST(HfModel, NonFiniteParametersAreRefusedNamingFileTensorAndCount) {
+    TempDir dir("nonfinite");
+    GPT2Config c = tiny_config();
+    std::vector<float> p = random_params(c, 29);
+    const auto t = param_tensors(c);
+    // Extremes that are finite must pass: the largest bfloat16, the smallest subnormal, negative zero.
+    p[size_t(t[kLnfb].offset)] = 0x1.fep127f;
+    p[size_t(t[kLnfb].offset + 1)] = -std::numeric_limits<float>::denorm_min();
+    p[size_t(t[kLnfb].offset + 2)] = -0.0f;
+    save_model(dir / "ok.bin", ModelFormat::Llmc, c, p.data());
+    EXPECT_EQ(load(dir / "ok.bin"), p);
+
+    const int64_t first = t[kFcw].offset + 4 * 24 * 24 + 5;  // in the second layer's fcw
+    p[size_t(first)] = NAN;
+    p[size_t(first + 7)] = -INFINITY;
+    p[size_t(t[kLnfw].offset)] = INFINITY;
+    for (ModelFormat f : {ModelFormat::Llmc, ModelFormat::LlmcBf16}) {
+        SCOPED_TRACE(model_format_name(f));
+        save_model(dir / "m.bin", f, c, p.data());
+        const int64_t bytes = f == ModelFormat::Llmc ? 4 : 2;
+        expect_error([&] { load(dir / "m.bin"); }, kExitData,
+                     {"model file '" + dir / "m.bin'", "3 parameters are not finite",
+                      format("2 in tensor fcw, the first at offset %lld", (long long)(1024 + first * bytes))});
+    }
+    // Named as the folder names them.
+    save_model(dir / "hf", ModelFormat::HfBf16, c, p.data());
+    expect_error([&] { load(dir / "hf"); }, kExitData,
+                 {"Hugging Face model '" + dir / "hf'", "3 parameters are not finite",
+                  "2 in tensor 'transformer.h.1.mlp.c_fc.weight' of '" + dir / "hf/model.safetensors'"});
+}
+
 TEST(HfModel, LmHeadChangedBetweenProbeAndReadIsRefused) {
     // read_hf_params() reopens the files probe_hf_folder() checked; a head that grew meanwhile would be
     // compared with wte past wte's end.
@@ -768,6 +843,19 @@ TEST(HfModel, PathErrorsSayWhatThePathIs) {
     GPT2Config c = tiny_config();
     std::vector<float> p = random_params(c, 22);
     expect_error([&] { probe_model(dir / "nothing"); }, kExitIo, {"nothing", "does not exist"});
+    // What is there but cannot be read gets the system's reason, not "does not exist".
+    ASSERT_EQ(::symlink("loop", (dir / "loop").c_str()), 0);
+    expect_error([&] { probe_model(dir / "loop"); }, kExitIo,
+                 {dir / "loop", "Too many levels of symbolic links", "expected an llm.c model file"});
+    ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+    expect_error([&] { probe_model(dir / "fifo"); }, kExitIo, {dir / "fifo", "is a FIFO, not a regular file"});
+    EXPECT_TRUE(model_path_exists(dir / "loop"));  // so that a trainer asks probe_model, which says why
+    EXPECT_TRUE(model_path_exists(dir / "fifo"));
+    EXPECT_FALSE(model_path_exists(dir / "nothing"));
+    std::filesystem::create_directories(dir / "looped");
+    ASSERT_EQ(::symlink("config.json", (dir / "looped/config.json").c_str()), 0);
+    expect_error([&] { probe_model(dir / "looped"); }, kExitIo,
+                 {dir / "looped/config.json", "Too many levels of symbolic links"});
     std::filesystem::create_directories(dir / "empty");
     expect_error([&] { probe_model(dir / "empty"); }, kExitIo, {"empty", "is a directory without config.json"});
     expect_error([&] { save_model(dir / "empty", ModelFormat::Llmc, c, p.data()); }, kExitIo,

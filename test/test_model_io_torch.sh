@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hugging Face folders made by PyTorch and numpy (not our code) imported by build/convert_model, the
 # llm.c files and folders it writes parsed back with numpy, and the CPU reference model's loss on an
-# imported folder against PyTorch's. See test/model_io_torch.py for what is compared.
+# imported folder against PyTorch's, and build/convert_model's refusals of bad input (exit code and
+# message). See test/model_io_torch.py for what is compared.
 # Exit 0 pass, 1 fail, 77 skip (no PyTorch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
