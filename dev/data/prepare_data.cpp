@@ -11,16 +11,23 @@ order (document k is validation when floor((k+1)F) > floor(kF)). Each split is c
 --shard-tokens tokens (the last one shorter), written as OUT/NAME_train_000000.bin, ... and
 OUT/NAME_val_000000.bin, ... in shard.h's format, version 1 (uint16 tokens). Files are read in the order
 above, or with --shuffle-files SEED in a seeded permutation of that order (the DataLoader's splitmix64
-permutation, the same on every machine), so that each shard mixes documents of every source. Shards of the same name
-left by an earlier run beyond the new count are removed, so that a glob never mixes two runs; so are
-they when the run fails after writing shards of that split (which then holds this run's shards so far).
+permutation, the same on every machine), so that each shard mixes documents of every source. A folder
+below an input that leads back to a folder it is in (a link such as sub/up -> ..) is skipped with a
+warning.
+
+The output is all or nothing: shards are written into OUT/.NAME.partial (the same file system) and moved
+into OUT only when every input has been encoded, replacing every shard of the same name an earlier run
+left there, so that a glob never mixes two runs. A run that fails (bad input, a full disk) or is stopped
+by SIGINT or SIGTERM removes that folder and leaves OUT as it was; a folder left by a killed run is
+removed by the next run of the same name. While a run lasts, both sets take disk space.
 
 Work is spread over --threads threads (default: one per core). The main thread reads the inputs into
 chunks of about 1 MiB of whole documents (a longer text document is cut where tokenizer.h's
 safe_split_point() allows), workers encode chunks, and the main thread writes results in input order.
 Chunks do not depend on the thread count, so the shards are byte-identical whatever it is.
 
-Also writes llm.c's tokenizer file (--write-tokenizer), which the trainer loads for decoding.
+Also writes llm.c's tokenizer file (--write-tokenizer), which the trainer loads for decoding: whole or
+not at all, and with inputs only once they have been encoded, just before the shards are published.
 
 Before any work the output folder is created if missing and proven writable (a small file written,
 synced and removed), and so is the folder of --write-tokenizer, so that a read-only or full disk fails
@@ -29,8 +36,10 @@ file, a JSONL file of blank lines) and about a text input whose bytes are mostly
 than a quarter invalid UTF-8 or control characters: a binary file, or text in another encoding); it
 encodes them all the same.
 
-Errors name the file (and line, for JSONL) and exit with utils.h's codes: 2 usage, 3 unreadable input
-or unwritable output, 4 bad JSON or vocabulary files. Does not: deduplicate, filter, shuffle, or
+Errors name the file (and line, for JSONL; for a path that is no regular file, such as a FIFO or a link
+loop, the system's reason) and exit with utils.h's codes: 2 usage, 3 unreadable input or unwritable
+output, 4 bad JSON or vocabulary files; a run stopped by a signal prints its error line and then ends by
+that signal. Does not: deduplicate, filter, shuffle, or
 know any special token but <|endoftext|>; --shuffle-files moves whole files, not the lines of a JSONL
 file or the parts of a text.
 */
@@ -42,9 +51,12 @@ file or the parts of a text.
 #include <chrono>
 #include <condition_variable>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <string>
@@ -55,6 +67,7 @@ file or the parts of a text.
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "dev/data/jsonl.h"
 #include "llmc/flags.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"
@@ -123,8 +136,7 @@ bool parse_args(int argc, char** argv, Options& o) {
         fail(kExitUsage, "choose the validation split either by file (--val) or by fraction (--val-fraction), not both");
     }
     if (o.train_inputs.empty() && o.val_inputs.empty() && o.write_tokenizer.empty()) {
-        std::fputs(flags.usage().c_str(), stderr);
-        fail(kExitUsage, "no input given");
+        fail(kExitUsage, "no input given (see --help)");
     }
     return true;
 }
@@ -141,17 +153,32 @@ struct Input {
     int64_t bytes;
 };
 
-void list_files(const std::string& path, std::vector<std::string>& out) {
+// A folder being walked, to recognise a link that leads back to it.
+struct WalkedFolder {
+    dev_t device;
+    ino_t inode;
+    std::string path;
+};
+
+// Appends the regular files at or below `path` (with their sizes), in byte order of the path. `walking`
+// holds the folders above `path`: a folder that is one of them is a loop, skipped with a warning.
+void list_files(const std::string& path, std::vector<std::pair<std::string, int64_t>>& out,
+                std::vector<WalkedFolder>& walking) {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) {
-        int e = errno;
-        fail(kExitIo, "cannot read input '%s': %s", path.c_str(), std::strerror(e));
+    if (::stat(path.c_str(), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISDIR(st.st_mode))) {
+        fail(kExitIo, "cannot read input '%s': %s", path.c_str(), why_not_regular_file(path).c_str());
     }
     if (S_ISREG(st.st_mode)) {
-        out.push_back(path);
+        out.emplace_back(path, static_cast<int64_t>(st.st_size));
         return;
     }
-    if (!S_ISDIR(st.st_mode)) fail(kExitIo, "input '%s' is neither a file nor a folder", path.c_str());
+    for (const WalkedFolder& f : walking) {
+        if (f.device == st.st_dev && f.inode == st.st_ino) {
+            std::fprintf(stderr, "warning: skipping '%s': it leads back to '%s', a folder it is in\n", path.c_str(),
+                         f.path.c_str());
+            return;
+        }
+    }
     DIR* dir = ::opendir(path.c_str());
     if (!dir) {
         int e = errno;
@@ -165,7 +192,9 @@ void list_files(const std::string& path, std::vector<std::string>& out) {
     ::closedir(dir);
     std::sort(names.begin(), names.end());
     std::string prefix = path.back() == '/' ? path : path + "/";
-    for (const std::string& n : names) list_files(prefix + n, out);
+    walking.push_back({st.st_dev, st.st_ino, path});
+    for (const std::string& n : names) list_files(prefix + n, out, walking);
+    walking.pop_back();
 }
 
 bool ends_with(const std::string& s, const char* suffix) {
@@ -177,17 +206,13 @@ std::vector<Input> resolve_inputs(const Options& o) {
     std::vector<Input> inputs;
     auto add = [&](const std::vector<std::string>& paths, Split split) {
         for (const std::string& p : paths) {
-            std::vector<std::string> files;
-            list_files(p, files);
+            std::vector<std::pair<std::string, int64_t>> files;
+            std::vector<WalkedFolder> walking;
+            list_files(p, files, walking);
             if (files.empty()) fail(kExitIo, "folder '%s' holds no files", p.c_str());
-            for (const std::string& f : files) {
+            for (const auto& [f, bytes] : files) {
                 bool jsonl = o.format == Format::Jsonl || (o.format == Format::Auto && ends_with(f, ".jsonl"));
-                struct stat st;
-                if (::stat(f.c_str(), &st) != 0) {
-                    int e = errno;
-                    fail(kExitIo, "cannot read input '%s': %s", f.c_str(), std::strerror(e));
-                }
-                inputs.push_back({f, split, jsonl, static_cast<int64_t>(st.st_size)});
+                inputs.push_back({f, split, jsonl, bytes});
             }
         }
     };
@@ -369,13 +394,6 @@ int64_t count_not_text(std::string_view s) {
     return bad;
 }
 
-// nlohmann's message starts "[json.exception.parse_error.101] parse error at line 1, column 5: ";
-// the line is ours to give, so keep only what follows the column.
-std::string json_error_text(const std::string& what) {
-    size_t col = what.find("column ");
-    return col == std::string::npos ? what : what.substr(col);
-}
-
 void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::vector<Input>& inputs,
                   const std::string& text_field, const Chunk& chunk, EncodedChunk& out) {
     out.tokens.clear();
@@ -399,24 +417,9 @@ void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::
             std::string_view line = seg.substr(pos, end - pos);
             pos = end + 1;
             if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-            nlohmann::json doc;
-            try {
-                doc = nlohmann::json::parse(line.begin(), line.end());
-            } catch (const nlohmann::json::parse_error& e) {
-                fail(kExitData, "%s:%lld: not valid JSON: %s", in.path.c_str(), (long long)line_no,
-                     json_error_text(e.what()).c_str());
-            }
-            if (!doc.is_object()) {
-                fail(kExitData, "%s:%lld: expected a JSON object with a \"%s\" field, got %s", in.path.c_str(),
-                     (long long)line_no, text_field.c_str(), doc.type_name());
-            }
-            auto field = doc.find(text_field);
-            if (field == doc.end() || !field->is_string()) {
-                fail(kExitData, "%s:%lld: expected a string field \"%s\"%s", in.path.c_str(), (long long)line_no,
-                     text_field.c_str(), field == doc.end() ? ", which this object lacks" : "");
-            }
+            const std::string text = jsonl_document_text(line, in.path, line_no, text_field);
             out.tokens.push_back(enc.eot());
-            enc.encode_ordinary(ctx, field->get_ref<const std::string&>(), out.tokens);
+            enc.encode_ordinary(ctx, text, out.tokens);
             out.parts.push_back({out.tokens.size(), s.input, true, 0});
         }
     }
@@ -424,13 +427,35 @@ void encode_chunk(const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx, const std::
 
 // ---- output ----
 
-std::string shard_path(const Options& o, int split, int64_t index) {
-    return format("%s/%s_%s_%06lld.bin", o.out_dir.c_str(), o.name.c_str(), split_name(split), (long long)index);
+std::string shard_path(const std::string& dir, const std::string& name, int split, int64_t index) {
+    return format("%s/%s_%s_%06lld.bin", dir.c_str(), name.c_str(), split_name(split), (long long)index);
 }
+
+// The folder inside OUT that holds this run's shards until they are published, and afterwards the
+// earlier run's shards they replaced (in replaced/); removed with its contents when the run ends.
+class Staging {
+public:
+    explicit Staging(const Options& o) : dir_(o.out_dir + "/." + o.name + ".partial") {
+        std::error_code e;
+        std::filesystem::remove_all(dir_, e);  // left by a killed run
+        if (e) fail(kExitIo, "cannot remove '%s', left by an earlier run: %s", dir_.c_str(), e.message().c_str());
+        make_directories(replaced());
+    }
+    ~Staging() {
+        std::error_code e;
+        std::filesystem::remove_all(dir_, e);
+    }
+    const std::string& dir() const { return dir_; }
+    std::string replaced() const { return dir_ + "/replaced"; }
+
+private:
+    std::string dir_;
+};
 
 class ShardWriter {
 public:
-    ShardWriter(const Options& o, int split, int version) : o_(o), split_(split), version_(version) {}
+    ShardWriter(const Options& o, const std::string& dir, int split, int version)
+        : o_(o), dir_(dir), split_(split), version_(version) {}
 
     void append(const uint32_t* tokens, size_t n) {
         while (n > 0) {
@@ -450,18 +475,13 @@ public:
 
 private:
     void flush() {
-        std::string path = shard_path(o_, split_, shards_);
-        std::string tmp = path + ".tmp";
-        write_token_shard(tmp, buffer_.data(), buffer_.size(), version_);
-        if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
-        }
+        write_token_shard(shard_path(dir_, o_.name, split_, shards_), buffer_.data(), buffer_.size(), version_);
         shards_++;
         buffer_.clear();
     }
 
     const Options& o_;
+    std::string dir_;
     int split_;
     int version_;
     std::vector<uint32_t> buffer_;
@@ -469,19 +489,60 @@ private:
     int64_t total_ = 0;
 };
 
-// Removes NAME_SPLIT_NNNNNN.bin files numbered at or above `keep` (left by an earlier, longer run).
-int remove_stale_shards(const Options& o, int split, int64_t keep) {
-    int removed = 0;
-    for (int64_t i = keep;; i++) {
-        std::string p = shard_path(o, split, i);
-        if (::unlink(p.c_str()) != 0) break;
-        removed++;
+// Moves the staged shards into OUT in place of every shard of this name an earlier run left there (numbered
+// from 0 up), which move into the staging folder. A rename that fails undoes those before it, so that OUT
+// holds one set or the other, whole. Returns how many earlier shards were replaced.
+int64_t publish_shards(const Options& o, const Staging& staging, const ShardWriter* const writers[2]) {
+    std::vector<std::pair<std::string, std::string>> moves;
+    for (int s : {kTrain, kVal}) {
+        for (int64_t i = 0; regular_file_exists(shard_path(o.out_dir, o.name, s, i)); i++) {
+            moves.emplace_back(shard_path(o.out_dir, o.name, s, i), shard_path(staging.replaced(), o.name, s, i));
+        }
     }
-    return removed;
+    const int64_t replaced = static_cast<int64_t>(moves.size());
+    for (int s : {kTrain, kVal}) {
+        for (int64_t i = 0; i < writers[s]->shards(); i++) {
+            moves.emplace_back(shard_path(staging.dir(), o.name, s, i), shard_path(o.out_dir, o.name, s, i));
+        }
+    }
+    size_t done = 0;
+    try {
+        for (; done < moves.size(); done++) {
+            const auto& [from, to] = moves[done];
+            if (std::rename(from.c_str(), to.c_str()) != 0) {
+                int e = errno;
+                fail(kExitIo, "cannot move '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
+            }
+        }
+        sync_directory(o.out_dir);
+    } catch (...) {
+        while (done > 0) {
+            done--;
+            std::rename(moves[done].second.c_str(), moves[done].first.c_str());
+        }
+        throw;
+    }
+    return replaced;
 }
 
-// The folder of --write-tokenizer must exist already (it is not created) and be writable.
-void check_tokenizer_folder(const std::string& path) {
+// The signal (SIGINT, SIGTERM) that asked the run to stop, or 0. The run checks it between chunks and
+// before publishing, and stops as a failed run does, leaving OUT as it was.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void stop_if_asked(const Options& o) {
+    if (g_stop_signal != 0) {
+        fail(kExitError, "stopped by a signal (%s): nothing was published, '%s' is as it was", strsignal(g_stop_signal),
+             o.out_dir.c_str());
+    }
+}
+
+// The folder of --write-tokenizer must exist already (it is not created) and be writable, and the path
+// name a regular file or nothing.
+void check_tokenizer_path(const std::string& path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0 ? !S_ISREG(st.st_mode) : errno != ENOENT) {
+        fail(kExitIo, "--write-tokenizer '%s': %s", path.c_str(), why_not_regular_file(path).c_str());
+    }
     const std::string dir = parent_directory(path);
     if (!directory_exists(dir)) {
         fail(kExitIo, "--write-tokenizer '%s': the folder '%s' does not exist", path.c_str(), dir.c_str());
@@ -649,6 +710,7 @@ RunStats run_pipeline(const Options& o, const Gpt2Encoder& enc, const std::vecto
     try {
         ChunkReader reader(inputs, static_cast<size_t>(o.chunk_bytes));
         for (;;) {
+            stop_if_asked(o);
             std::unique_ptr<Slot> slot;
             if (free_slots.empty()) {
                 slot = std::make_unique<Slot>();
@@ -713,6 +775,11 @@ void warn_about_inputs(const std::vector<Input>& inputs, const RunStats& stats) 
     if (binary > kMaxLines) std::fprintf(stderr, "warning: %d more inputs are mostly not UTF-8 text\n", binary - kMaxLines);
 }
 
+void write_tokenizer(const Options& o, const Tokenizer& tok) {
+    write_tokenizer_bin(tok, o.write_tokenizer);
+    if (!o.quiet) std::printf("wrote %s (%zu tokens, end-of-text %u)\n", o.write_tokenizer.c_str(), tok.size(), tok.eot());
+}
+
 }  // namespace
 
 // The whole tool, callable in-process: test/test_tokenizer.cpp includes this file with
@@ -725,23 +792,22 @@ int prepare_data_main(int argc, char** argv) {
         if (!inputs.empty()) {
             require_writable_directory(o.out_dir, "output folder");
         }
-        if (!o.write_tokenizer.empty()) check_tokenizer_folder(o.write_tokenizer);
+        if (!o.write_tokenizer.empty()) check_tokenizer_path(o.write_tokenizer);
 
         auto t0 = std::chrono::steady_clock::now();
         for (const std::string& f : {o.encoder_json, o.vocab_bpe}) {
-            if (::access(f.c_str(), R_OK) != 0) {
-                int e = errno;
+            const std::string why = why_not_regular_file(f);
+            if (!why.empty()) {
                 fail(kExitIo, "cannot read GPT-2's vocabulary file '%s': %s; scripts/setup.sh puts it in .deps/gpt2 (run "
                      "from the repository root), or name the files with --encoder-json and --vocab-bpe",
-                     f.c_str(), std::strerror(e));
+                     f.c_str(), why.c_str());
             }
         }
         Tokenizer tok = load_gpt2_vocab_files(o.encoder_json, o.vocab_bpe);
-        if (!o.write_tokenizer.empty()) {
-            write_tokenizer_bin(tok, o.write_tokenizer);
-            if (!o.quiet) std::printf("wrote %s (%zu tokens, end-of-text %u)\n", o.write_tokenizer.c_str(), tok.size(), tok.eot());
+        if (inputs.empty()) {
+            write_tokenizer(o, tok);
+            return kExitOk;
         }
-        if (inputs.empty()) return kExitOk;
         Gpt2Encoder enc(tok);
         double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -753,23 +819,16 @@ int prepare_data_main(int argc, char** argv) {
                         enc.jit() ? "" : " (PCRE2 without JIT: slower)");
         }
         int version = tok.size() <= 65536 ? 1 : 2;
-        ShardWriter train(o, kTrain, version), val(o, kVal, version);
+        Staging staging(o);
+        ShardWriter train(o, staging.dir(), kTrain, version), val(o, staging.dir(), kVal, version);
         ShardWriter* writers[2] = {&train, &val};
-        RunStats stats;
-        try {
-            stats = run_pipeline(o, enc, inputs, writers);
-            train.finish();
-            val.finish();
-        } catch (...) {
-            // A split this run has begun writing has replaced an earlier run's first shards; its later
-            // ones go too, so that a glob over the split never mixes the two runs, even after an error.
-            for (int s : {kTrain, kVal}) {
-                if (writers[s]->shards() > 0) remove_stale_shards(o, s, writers[s]->shards());
-            }
-            throw;
-        }
+        RunStats stats = run_pipeline(o, enc, inputs, writers);
+        train.finish();
+        val.finish();
+        stop_if_asked(o);
+        if (!o.write_tokenizer.empty()) write_tokenizer(o, tok);
+        int64_t replaced = publish_shards(o, staging, writers);
 
-        int removed = remove_stale_shards(o, kTrain, train.shards()) + remove_stale_shards(o, kVal, val.shards());
         warn_about_inputs(inputs, stats);
         if (!o.quiet) {
             for (int s : {kTrain, kVal}) {
@@ -780,9 +839,12 @@ int prepare_data_main(int argc, char** argv) {
                 }
                 std::printf("  %-5s %8lld documents %12lld tokens in %lld shard%s: %s%s\n", split_name(s),
                             (long long)stats.documents[s], (long long)w.tokens(), (long long)w.shards(),
-                            w.shards() == 1 ? "" : "s", shard_path(o, s, 0).c_str(), w.shards() > 1 ? " ..." : "");
+                            w.shards() == 1 ? "" : "s", shard_path(o.out_dir, o.name, s, 0).c_str(),
+                            w.shards() > 1 ? " ..." : "");
             }
-            if (removed > 0) std::printf("  removed %d shard%s left by an earlier run\n", removed, removed == 1 ? "" : "s");
+            if (replaced > 0) {
+                std::printf("  replaced %lld shard%s of an earlier run\n", (long long)replaced, replaced == 1 ? "" : "s");
+            }
             std::printf("  %.1f MB in %.2f s: %.1f MB/s, %.0f tokens/s\n", stats.bytes / 1e6, stats.encode_seconds,
                         stats.bytes / 1e6 / std::max(stats.encode_seconds, 1e-9),
                         (train.tokens() + val.tokens()) / std::max(stats.encode_seconds, 1e-9));
@@ -796,5 +858,17 @@ int prepare_data_main(int argc, char** argv) {
 }
 
 #ifndef PREPARE_DATA_NO_MAIN
-int main(int argc, char** argv) { return prepare_data_main(argc, argv); }
+int main(int argc, char** argv) {
+    for (int sig : {SIGINT, SIGTERM}) {
+        struct sigaction sa = {}, old = {};
+        sa.sa_handler = [](int s) { g_stop_signal = s; };
+        sa.sa_flags = SA_RESETHAND;  // a second signal stops the process at once
+        ::sigaction(sig, nullptr, &old);
+        if (old.sa_handler != SIG_IGN) ::sigaction(sig, &sa, nullptr);  // as nohup and `cmd &` leave it
+    }
+    int code = prepare_data_main(argc, argv);
+    // Having cleaned up, end as the signal would have, so that a calling shell or script sees it.
+    if (code != kExitOk && g_stop_signal != 0) std::raise(g_stop_signal);
+    return code;
+}
 #endif
