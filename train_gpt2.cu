@@ -5,8 +5,9 @@ weights, AdamW moments, LayerNorm statistics and losses); this file is the progr
 
 main() reads top to bottom as the run: parse and check the flags, the model's shape and the data (all
 before anything touches CUDA, so a bad command line fails the same way with or without a GPU), plan the
-run, meet the other ranks, build or load the model, open the data, maybe resume, then loop {evaluate,
-sample, train a step, log, checkpoint} and write the model. A step talks to the host once: the losses
+run, check that it fits in host memory, meet the other ranks, build or load the model, open the data,
+allocate the rest, only then start log.jsonl (so that a run that cannot start leaves an earlier run's log
+as it was), maybe resume, then loop {evaluate, sample, train a step, log, checkpoint} and write the model. A step talks to the host once: the losses
 and the gradient norm come back through one copy into pinned memory.
 
 Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
@@ -35,6 +36,7 @@ far), activation recomputation beyond the GELU (-r 1).
 #include <vector>
 
 #include "llmc/checkpoint.cuh"
+#include "llmc/chunk_pipeline.h"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/dataloader.h"
 #include "llmc/dataloader_gpu.cuh"
@@ -230,17 +232,13 @@ inline Flags make_flags(Options& o) {
     f.add("", "prompt-ids", &o.prompt_ids, "samples continue these comma-separated token ids (default: <|endoftext|>)");
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, kMax<int>);
     f.add("", "dry-run", &o.dry_run, "1: check the flags, the model and the data, print the plan, and exit without a GPU");
-    f.add("", "max-bad-steps", &o.max_bad_steps,
-          "a step whose loss or gradient norm is not finite is skipped (the model unchanged); stop with exit code 6 "
-          "after this many in a row", 1, kMax<int>);
+    add_step_guard_flags(f, &o.max_bad_steps, &o.nan_at_step);
     f.add("", "loss-spike", &o.loss_spike,
           "also skip an update whose loss is above this many times the mean of the last 50 applied steps (0: off)",
           0.0f, kMax<float>);
     f.add("", "time-limit", &o.time_limit,
           "checkpoint and stop (exit code 7) before this much wall-clock time has passed: seconds, 90m, 23.5h or "
           "H:MM:SS (\"\": no limit)");
-    f.add("", "nan-at-step", &o.nan_at_step, "for tests: make step N's first micro-batch loss NaN (0: never)", 0,
-          kMax<int>);
     f.add("", "multi-gpu", &o.multi_gpu,
           "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank", -1, 1);
     f.add("", "rendezvous", &o.rendezvous,
@@ -284,7 +282,7 @@ inline ModelSource resolve_model(const std::string& model) {
     } else if (model.size() >= 2 && model[0] == 'd' && model.find_first_not_of("0123456789", 1) == std::string::npos) {
         src.config = config_from_descriptor(model);
     } else if (model.find('/') != std::string::npos || model.find('.') != std::string::npos) {
-        fail(kExitIo, "-e/--model: '%s' does not exist", model.c_str());
+        fail(kExitIo, "-e/--model '%s': %s", model.c_str(), why_not_regular_file(model).c_str());
     } else {
         fail(kExitUsage, "-e/--model '%s' is neither a model file or folder nor a descriptor (d2, d6, d12, d24, d36, d48)",
              model.c_str());
@@ -517,6 +515,23 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
 
 // ----------------------------------------------------------------------------------------------------
 // The run's pieces, in the order main() calls them.
+
+// Refuses a run that would not fit in host memory (llmc/run_settings.h), before anything is allocated: the
+// fp32 parameters built or read on the host (and gathered there for an export at the end), the data
+// loaders' rings of pinned batches (DataLoaderConfig's prefetch depth, B x (T+1) tokens each), and the
+// pinned chunks of the disk <-> GPU copies (the data's upload, checkpoints, the saved model).
+inline void check_host_memory(const Options& o, const Plan& plan) {
+    const double params = double(num_parameters(plan.config)) * sizeof(float);
+    const double loaders = double(plan.trains()) + double(plan.validate());
+    const double batches = loaders * DataLoaderConfig().prefetch * o.B * (o.T + 1.0) *
+                           (plan.config.vocab_size <= 65536 ? sizeof(uint16_t) : sizeof(uint32_t));
+    const double staging = 3 * 2 * double(kDefaultChunkBytes);
+    require_host_memory(params + batches + staging,
+                        format("the fp32 parameters %s, batches for -b %d -t %d %s, copy buffers %s",
+                               human_bytes(params).c_str(), o.B, o.T, human_bytes(batches).c_str(),
+                               human_bytes(staging).c_str()),
+                        "use a smaller model, or lower -b or -t");
+}
 
 struct Device {
     std::string name;
@@ -848,11 +863,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     }
     s.loss /= grad_accum;
     if (outgrown != nullptr) s.fp8_outgrown = int(h[2 + grad_accum]);
-    if (std::isnan(h[1 + grad_accum])) {
-        s.skipped = !std::isfinite(s.norm) ? format("the gradient norm is %g", s.norm)
-                    : !finite_losses       ? std::string("a loss is not finite")
-                                           : format("the loss %.4f is a spike (limit %.4f)", s.loss, double(loss_limit));
-    }
+    if (std::isnan(h[1 + grad_accum])) s.skipped = skip_reason(s.norm, finite_losses, s.loss, double(loss_limit));
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return s;
 }
@@ -909,7 +920,7 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
                          m >= 0 ? format("%.4f", m).c_str() : "null",
                          s.fp8_outgrown >= 0 ? format(",\"fp8_outgrown\":%d", s.fp8_outgrown).c_str() : ""));
-    if (!s.skipped.empty()) out.log.write(format("{\"step\":%d,\"skipped\":\"%s\"}", step + 1, s.skipped.c_str()));
+    if (!s.skipped.empty()) out.log.write(skipped_record(step + 1, s.skipped));
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -1076,8 +1087,9 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
          candidates.size(), o.output_dir.c_str());
 }
 
-// The trained model in every format --save-model names (with ZeRO-1 every rank takes part in the gather).
-inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan, bool root) {
+// The trained model in every format --save-model names (with ZeRO-1 every rank takes part in the gather);
+// a failed write says in log.jsonl which files there are not this run's (save_run_outputs).
+inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan, bool root, JsonlLog& log) {
     if (o.output_dir.empty() || plan.save_formats.empty()) return;
     require_finite_parameters(model, plan.max_steps, "the trained model");
     SaveOptions save;
@@ -1086,16 +1098,18 @@ inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan,
         save.tokenizer_dir = tokenizer_for_export(o.vocab_dir, plan.config.vocab_size, &note);
         if (!note.empty() && root) std::printf("note: %s\n", note.c_str());
     }
-    for (ModelFormat f : plan.save_formats) {
-        const std::string path = saved_model_path(o.output_dir, f);
+    std::vector<std::string> paths;
+    for (ModelFormat f : plan.save_formats) paths.push_back(saved_model_path(o.output_dir, f));
+    save_run_outputs(log, plan.max_steps, paths, [&](size_t i) {
+        const ModelFormat f = plan.save_formats[i];
         if (f == ModelFormat::Llmc) {
             DeviceFileIO io;
-            if (root || model.sharded()) write_trained_model(model, path, io, root);
+            if (root || model.sharded()) write_trained_model(model, paths[i], io, root);
         } else {
-            export_trained_model(model, path, f, save, root);
+            export_trained_model(model, paths[i], f, save, root);
         }
-        std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
-    }
+        std::printf("wrote %s (%s)\n", paths[i].c_str(), model_format_name(f));
+    });
 }
 
 // Several ranks: each prints a checksum of its bf16 parameters to stderr, so replicas that drifted apart
@@ -1139,6 +1153,7 @@ int main(int argc, char** argv) {
         // A run that trains nothing writes a model only when asked: `-e gpt2 -x 0` with the default -o must
         // not replace the model an earlier run left there.
         if (opt.max_steps == 0 && !flags.was_set("save-model")) opt.save_model = "none";
+        check_output_flags(flags, opt.output_dir, opt.save_model, !parse_save_formats(opt.save_model).empty());
         const ModelSource source = resolve_model(opt.model);
         const Plan plan = plan_run(opt, source.config, resolve_ranks(opt));
         const std::vector<RunSetting> settings = run_settings(opt, plan);
@@ -1156,6 +1171,7 @@ int main(int argc, char** argv) {
             print_plan(flags, opt, plan, source);
             return kExitOk;
         }
+        check_host_memory(opt, plan);
         const std::vector<CheckpointEntry> candidates =
             opt.resume == 1 ? list_checkpoints(opt.output_dir) : std::vector<CheckpointEntry>();
         install_stop_signals();
@@ -1172,7 +1188,6 @@ int main(int argc, char** argv) {
             fail(kExitIo, "rank %d: cannot silence stdout: %s", plan.parallel.ranks.rank, std::strerror(errno));
         }
         const Device device = open_device(multi ? multi->device() : 0);
-        Outputs out(opt, root, /*append_log=*/!candidates.empty());
         print_plan(flags, opt, plan, source);
 
         // The model and the data, from the start or from a checkpoint.
@@ -1186,18 +1201,20 @@ int main(int argc, char** argv) {
         Data data(opt, plan, stream);
         print_device(device, model, data);
         if (multi) multi->check_same(uint64_t(candidates.size()), "the number of checkpoints found to resume from");
-        // Stopping early: the step guard (restored with the rest on resume), signals and --time-limit.
-        RunControl control(run_limits(opt, plan, model.num_parameters()), started);
-        const int start_step =
-            opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, control) : 0;
-        // Every rank must have resumed from the same checkpoint (each validated it on its own).
-        if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
         std::unique_ptr<Checkpointer> ckpt =
             opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
         LoopBuffers buf(plan, opt.T);
         std::unique_ptr<McEvalGpu> mc = plan.evaluate_mc() ? std::make_unique<McEvalGpu>(model) : nullptr;
         if (mc) mc->reserve(plan.eval);  // allocated now, not at the first evaluation
+        // Everything is allocated: only now may an earlier run's log.jsonl be replaced (a resume appends).
+        Outputs out(opt, root, /*append_log=*/!candidates.empty());
+        // Stopping early: the step guard (restored with the rest on resume), signals and --time-limit.
+        RunControl control(run_limits(opt, plan, model.num_parameters()), started);
+        const int start_step =
+            opt.resume == 1 ? resume_from_checkpoint(candidates, opt, plan, model, data, out, control) : 0;
+        // Every rank must have resumed from the same checkpoint (each validated it on its own).
+        if (multi && opt.resume == 1) multi->check_same(uint64_t(start_step), "the step resumed from");
         Throughput tp{flops_per_token(plan.config, opt.T), device.peak_flops * plan.parallel.ranks.world,
                       plan.tokens_per_step};
         CheckpointReport report;
@@ -1278,7 +1295,7 @@ int main(int argc, char** argv) {
         // The summary and the trained model.
         print_summary(tp, plan, first_val, last_val);
         if (multi) multi->heartbeat("writing the model", 3600);
-        save_trained_models(model, opt, plan, root);
+        save_trained_models(model, opt, plan, root, out.log);
         print_parameter_checksum(model);
         if (multi) multi->barrier();  // no rank tears NCCL down while another still needs it
         return int(kExitOk);

@@ -13,10 +13,15 @@ descriptors (d2 ... d48) and model files, a model can have an explicit shape (--
 --heads, --vocab, --max-seq-len), for tiny models on tiny vocabularies.
 
 A run: check the flags; create the output directory and prove it writable (a missing one is created; an
-unwritable one fails at once, before any work); build or load the model; open the data; start log.jsonl
-(so that a refused command line leaves an earlier run's log as it was); then loop {evaluate, sample,
-train one step} and write the model. -x 0 trains nothing: it evaluates and samples a
-model, e.g. `./train_gpt2 -e model.bin -x 0 -g 20 --temperature 0 --prompt-ids 464,3290`.
+unwritable one fails at once, before any work); learn the model's shape; check that the run fits in host
+memory (a run too big is refused with both figures, llmc/run_settings.h); open the data; build or load
+the model with all the memory its training takes; start log.jsonl (so that a refused command line or a
+shortage of memory leaves an earlier run's log as it was); then loop {evaluate, sample, train one step}
+and write the model. The step guard is the GPU trainer's: a step whose loss or gradient norm is not
+finite leaves the model as it was and is logged as skipped, --max-bad-steps of them in a row end the run
+with exit code 6 (llmc/run_control.h), and no model file is written from parameters that are not finite.
+-x 0 trains nothing: it evaluates and samples a model, e.g.
+`./train_gpt2 -e model.bin -x 0 -g 20 --temperature 0 --prompt-ids 464,3290`.
 
 Numbers do not depend on OMP_NUM_THREADS (gpt2_cpu.h reduces in a fixed order).
 
@@ -45,8 +50,10 @@ those.
 #include "llmc/model_file.h"
 #include "llmc/model_io.h"
 #include "llmc/prompt.h"
-#include "llmc/sampler.h"
+#include "llmc/run_control.h"
 #include "llmc/run_log.h"
+#include "llmc/run_settings.h"
+#include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
@@ -98,6 +105,8 @@ struct Options {
     int eval_every = 250;
     int eval_max_items = -1;
     int log_every = 1;
+    int max_bad_steps = 8;
+    int nan_at_step = 0;
 };
 
 Flags make_flags(Options& o) {
@@ -153,6 +162,7 @@ Flags make_flags(Options& o) {
           INT32_MAX);
     f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, INT32_MAX);
     f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, INT32_MAX);
+    add_step_guard_flags(f, &o.max_bad_steps, &o.nan_at_step);
     return f;
 }
 
@@ -170,6 +180,7 @@ void check_options(const Flags& flags, const Options& o) {
     if (o.eval_max_items == 0) fail(kExitUsage, "--eval-max-items 0: must be -1 (all) or at least 1");
     if (o.total_batch == 0) fail(kExitUsage, "-d/--total-batch 0: must be -1 (B*T) or positive");
     if (o.train_pattern.empty() && o.max_steps != 0) fail(kExitUsage, "-i/--train: no training shards named");
+    check_output_flags(flags, o.output_dir, o.save_model, !parse_save_formats(o.save_model).empty());
     LRSchedule::parse_kind(o.schedule);
 }
 
@@ -183,7 +194,8 @@ struct Outputs {
     Tokenizer tokenizer;
     bool have_tokenizer = false;
 
-    // Checks the directory now; log.jsonl is started by open_log() once the whole command line is checked.
+    // Checks the directory now; log.jsonl is started by open_log() once the run is known to start (the
+    // command line checked, the model built and its memory allocated).
     explicit Outputs(const std::string& output_dir) : dir(output_dir) {
         if (!dir.empty()) require_writable_directory(dir, "-o/--output-dir");
     }
@@ -208,41 +220,42 @@ struct Outputs {
 // ----------------------------------------------------------------------------------------------------
 // The model.
 
-struct StartingModel {
+// Where the model comes from: a -e path (an llm.c model file or a Hugging Face folder, llmc/model_io.h),
+// probed now and its weights read once the run is known to fit in memory, or a new model.
+struct ModelSource {
     GPT2Config config;
-    std::vector<float> params;  // fp32, in param_tensors() order, padded vocabulary rows included
-    std::string origin;         // for the start-up line
+    ModelInfo info;      // info.path is empty for a new model
+    std::string origin;  // for the start-up line
 };
 
-// The one place that reads a model from a -e path (an llm.c model file or a Hugging Face folder,
-// llmc/model_io.h): its shape and fp32 parameters.
-StartingModel load_model(const std::string& path) {
-    StartingModel m;
-    const ModelInfo info = probe_model(path);
-    m.params = load_model_params(path, info);
-    m.config = info.config;
-    m.origin = info.describe();
-    return m;
-}
-
-StartingModel starting_model(const Options& o) {
-    if (model_path_exists(o.model) && o.layers == 0) return load_model(o.model);
-    StartingModel m;
-    if (o.layers > 0) {
+ModelSource resolve_model(const Options& o) {
+    ModelSource m;
+    if (o.layers == 0 && model_path_exists(o.model)) {
+        m.info = probe_model(o.model);
+        m.config = m.info.config;
+        m.origin = m.info.describe();
+    } else if (o.layers > 0) {
         m.config = make_config(o.layers, o.channels, o.heads, o.vocab, o.max_seq_len);
         m.origin = format("new, explicit shape (seed %lld)", (long long)o.seed);
     } else if (o.model.size() >= 2 && o.model[0] == 'd' && o.model.find_first_not_of("0123456789", 1) == std::string::npos) {
         m.config = config_from_descriptor(o.model);
         m.origin = format("new %s (seed %lld)", o.model.c_str(), (long long)o.seed);
     } else if (o.model.find('/') != std::string::npos || o.model.find('.') != std::string::npos) {
-        fail(kExitIo, "-e/--model: model file '%s' does not exist", o.model.c_str());
+        fail(kExitIo, "-e/--model '%s': %s", o.model.c_str(), why_not_regular_file(o.model).c_str());
     } else {
         fail(kExitUsage, "-e/--model '%s' is neither a model file nor a descriptor (d2, d6, d12, d24, d36, d48)",
              o.model.c_str());
     }
-    m.params.resize(size_t(num_parameters(m.config)));
-    init_parameters(m.config, uint64_t(o.seed), m.params.data());
     return m;
+}
+
+// The parameters: the -e model's weights, or a new model's initialisation from --seed.
+void load_parameters(cpu::GPT2<float>& model, const ModelSource& src, uint64_t seed) {
+    if (src.info.path.empty()) {
+        init_parameters(src.config, seed, model.params.data());
+    } else {
+        model.params = load_model_params(src.info.path, src.info);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -296,6 +309,24 @@ Plan plan_run(const Flags& flags, const Options& o, const GPT2Config& c) {
     return p;
 }
 
+// Refuses a run that would not fit in host memory (llmc/run_settings.h), before the model is built or the
+// data opened: the parameters and their gradients, AdamW's m and v when it trains, a copy of the
+// parameters (a model file read or written), the activations of the (B, T) batches and of a sample's
+// longest forward, and the data loaders' buffers.
+void check_host_memory(const Options& o, const Plan& plan, const GPT2Config& c) {
+    const bool trains = o.max_steps != 0;
+    const bool batches = trains || (!o.val_pattern.empty() && o.val_every > 0) || !plan.eval.items.empty();
+    const double model = double(num_parameters(c)) * sizeof(float) * (trains ? 5 : 3);
+    const int sample_T = std::max<int>(1, int(plan.prompt.size())) + plan.gen_tokens;
+    const double acts = (batches ? cpu::GPT2<float>::activation_bytes(c, o.B, o.T) : 0) +
+                        (plan.gen_tokens > 0 ? cpu::GPT2<float>::activation_bytes(c, 1, sample_T) : 0);
+    const double loaders = 6.0 * o.B * (o.T + 1) * sizeof(int32_t);
+    require_host_memory(model + acts + loaders,
+                        format("the model%s %s, activations for -b %d -t %d %s", trains ? " and AdamW's state" : "",
+                               human_bytes(model).c_str(), o.B, o.T, human_bytes(acts).c_str()),
+                        "lower -b or -t");
+}
+
 DataLoaderConfig loader_config(const std::string& pattern, const Options& o, const GPT2Config& c, bool shuffle) {
     DataLoaderConfig d;
     d.pattern = pattern;
@@ -330,7 +361,7 @@ struct Data {
     }
 };
 
-void print_startup(const Flags& flags, const Options& o, const Plan& plan, const StartingModel& start, const Data& data) {
+void print_startup(const Flags& flags, const Options& o, const Plan& plan, const ModelSource& start, const Data& data) {
     std::fputs(flags.settings_table().c_str(), stdout);
     std::printf("model: %s, %s, %lld parameters, %.1f MFLOP per token (6N + 6LCT)\n", start.origin.c_str(),
                 describe(start.config).c_str(), (long long)num_parameters(start.config),
@@ -385,25 +416,35 @@ double evaluate(cpu::GPT2<float>& model, DataLoader& val, int steps, int B, int 
 
 struct StepStats {
     double loss = 0, norm = 0, seconds = 0;
+    std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
 // One optimizer step over grad_accum batches. backward() adds each batch's mean-loss gradient, so the
 // sum is divided by grad_accum (in the norm and, with the clip factor, in the update) to give the
-// gradient of the mean over all of them.
+// gradient of the mean over all of them. The step guard: when a loss or the norm is not finite, the
+// update is skipped (the parameters and AdamW's moments stay as they were) and the stats say why.
 StepStats train_step(cpu::GPT2<float>& model, DataLoader& train, const Options& o, int grad_accum, int step, double lr,
                      Batch& batch) {
     const auto t0 = std::chrono::steady_clock::now();
     StepStats s;
+    bool finite_losses = true;
     model.zero_grad();
     for (int micro = 0; micro < grad_accum; micro++) {
         batch.next(train);
-        s.loss += model.forward(batch.inputs.data(), batch.targets.data(), o.B, o.T);
+        double loss = model.forward(batch.inputs.data(), batch.targets.data(), o.B, o.T);
+        if (micro == 0 && step + 1 == o.nan_at_step) loss = NAN;
+        finite_losses = finite_losses && std::isfinite(loss);
+        s.loss += loss;
         model.backward();
     }
     s.loss /= grad_accum;
     s.norm = model.grad_norm() / grad_accum;
-    const cpu::AdamW adamw{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
-    model.update(adamw, step + 1, cpu::clip_scale(s.norm, o.grad_clip) / grad_accum);
+    if (finite_losses && std::isfinite(s.norm)) {
+        const cpu::AdamW adamw{lr, o.beta1, o.beta2, o.eps, o.weight_decay};
+        model.update(adamw, step + 1, cpu::clip_scale(s.norm, o.grad_clip) / grad_accum);
+    } else {
+        s.skipped = skip_reason(s.norm, finite_losses, s.loss, INFINITY);
+    }
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return s;
 }
@@ -426,15 +467,17 @@ void log_step(Outputs& out, const Throughput& tp, const Plan& plan, int step, in
               const StepStats& s, bool print) {
     const double tok_per_s = double(plan.tokens_per_step) / s.seconds;
     if (print) {
-        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.0f ms | %.0f tok/s | ETA %s\n", step + 1, max_steps,
+        std::printf("step %5d/%d | loss %.6f | lr %.2e | norm %.4f | %.0f ms | %.0f tok/s | ETA %s%s\n", step + 1, max_steps,
                     s.loss, lr, s.norm, s.seconds * 1e3, tok_per_s,
-                    duration_text(tp.per_step(s.seconds) * (max_steps - step - 1)).c_str());
+                    duration_text(tp.per_step(s.seconds) * (max_steps - step - 1)).c_str(),
+                    s.skipped.empty() ? "" : format(" | update skipped: %s", s.skipped.c_str()).c_str());
         std::fflush(stdout);
     }
     // 17 digits: the loss reads back as the same double, so logs compare bitwise.
     out.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f}", step + 1,
                      json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                      json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s));
+    if (!s.skipped.empty()) out.write(skipped_record(step + 1, s.skipped));
 }
 
 // n tokens after the prompt (or an end-of-text token), the forward rerun over the tokens so far for each.
@@ -467,22 +510,27 @@ void print_sample(cpu::GPT2<float>& model, const Options& o, const Plan& plan, O
     out.write(format("{\"step\":%d,\"sample\":%s}", step, json_ids(ids).c_str()));
 }
 
-// Each format --save-model names (llmc/model_io.h writes through a temporary name, so an interrupted
-// write never leaves a torn model where a good one was, e.g. when -e and the output are the same file).
-void save_models(const cpu::GPT2<float>& model, const Options& o, const Plan& plan) {
+// Each format --save-model names, after step `step`, from finite parameters only. llmc/model_io.h writes
+// through a temporary name, so an interrupted or failed write never leaves a torn model where a good one
+// was (e.g. when -e and the output are the same file); save_run_outputs says in the log which files are
+// then not this run's.
+void save_models(const cpu::GPT2<float>& model, const Options& o, const Plan& plan, Outputs& out, int step) {
     if (plan.save.empty()) return;
+    if (!std::all_of(model.params.begin(), model.params.end(), [](float v) { return std::isfinite(v); })) {
+        fail(kExitDiverged, "step %d: the parameters are not finite; the trained model is not written", step);
+    }
     SaveOptions save;
     if (std::any_of(plan.save.begin(), plan.save.end(), is_hf_format)) {
         std::string note;
         save.tokenizer_dir = tokenizer_for_export(o.vocab_dir, model.config().vocab_size, &note);
         if (!note.empty()) std::printf("note: %s\n", note.c_str());
     }
-    const std::vector<float> p = model.params_as_float();
-    for (ModelFormat f : plan.save) {
-        const std::string path = saved_model_path(o.output_dir, f);
-        save_model(path, f, model.config(), p.data(), save);
-        std::printf("wrote %s (%s)\n", path.c_str(), model_format_name(f));
-    }
+    std::vector<std::string> paths;
+    for (ModelFormat f : plan.save) paths.push_back(saved_model_path(o.output_dir, f));
+    save_run_outputs(out.log, step, paths, [&](size_t i) {
+        save_model(paths[i], plan.save[i], model.config(), model.params.data(), save);
+        std::printf("wrote %s (%s)\n", paths[i].c_str(), model_format_name(plan.save[i]));
+    });
 }
 
 // Multiple-choice accuracy with the fp32 model (llmc/mc_eval.h's CPU reference), printed and logged.
@@ -501,24 +549,31 @@ void evaluate_choices(cpu::GPT2<float>& model, const Options& o, const Plan& pla
 }  // namespace
 
 int main(int argc, char** argv) {
+    const auto started = std::chrono::steady_clock::now();
     return run_main([&]() -> int {
         // Flags, then the output directory: a mistake in either ends the run before any work. An earlier
-        // run's log.jsonl there is replaced only once the model, the plan and the data are checked too.
+        // run's log.jsonl there is replaced only once the model, the plan, the data and the memory are
+        // checked and the model is built too.
         Options opt;
         Flags flags = make_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         check_options(flags, opt);
         Outputs out(opt.output_dir);
 
-        // The model, the plan and the data.
-        StartingModel start = starting_model(opt);
-        Plan plan = plan_run(flags, opt, start.config);
-        Data data(opt, start.config, plan);
+        // The model's shape, the plan, the memory the run needs (before any is allocated) and the data.
+        const ModelSource source = resolve_model(opt);
+        Plan plan = plan_run(flags, opt, source.config);
+        check_host_memory(opt, plan, source.config);
+        Data data(opt, source.config, plan);
         if (plan.gen_tokens > 0) out.load_tokenizer(opt.tokenizer);
+        print_startup(flags, opt, plan, source, data);
+        cpu::GPT2<float> model(source.config);
+        load_parameters(model, source, uint64_t(opt.seed));
+        if (data.train) model.reserve(opt.B, opt.T);
         out.open_log(opt.max_steps == 0, opt.model);
-        print_startup(flags, opt, plan, start, data);
-        cpu::GPT2<float> model(start.config, start.params);
-        start.params = std::vector<float>();
+        RunControl::Limits limits;
+        limits.max_bad_steps = opt.max_bad_steps;
+        RunControl guard(limits, started);  // the step guard's count of skipped steps in a row
 
         // The loop: evaluate and sample between steps (and after the last), train in between.
         Batch batch;
@@ -544,7 +599,8 @@ int main(int argc, char** argv) {
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, batch);
             tp.add(step, data.max_steps, s.seconds);
             log_step(out, tp, plan, step, data.max_steps, lr, s,
-                     (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps);
+                     (step + 1) % opt.log_every == 0 || step + 1 == data.max_steps || !s.skipped.empty());
+            guard.after_step(step + 1, s.loss, s.skipped);
         }
 
         // The summary and the trained model.
@@ -553,7 +609,7 @@ int main(int argc, char** argv) {
                         double(plan.tokens_per_step) / tp.per_step(0));
         }
         if (data.val) std::printf("val loss: %.6f -> %.6f\n", first_val, last_val);
-        save_models(model, opt, plan);
+        save_models(model, opt, plan, out, data.max_steps);
         return int(kExitOk);
     });
 }

@@ -8,7 +8,9 @@ gradient checks by finite differences):
     cross-entropy), usable alone to check a GPU kernel;
   - GPT2<Real>: parameters and gradients as one flat array in param_tensors() order (so any tensor can
     be compared with the GPU's), the activations of the last forward, forward() -> mean loss and logits
-    (B, T, Vp), backward() -> gradients of every parameter, grad_norm(), and AdamW.
+    (B, T, Vp), backward() -> gradients of every parameter, grad_norm(), and AdamW; reserve() allocates
+    up front what training on (B, T) batches takes, and activation_bytes() says how much of it the
+    activations are.
 The model: learned position embeddings, pre-LayerNorm blocks (eps 1e-5), causal multi-head attention
 (scale 1/sqrt(HS)), tanh-GELU MLP of width 4C, final LayerNorm, classifier tied to wte without a bias.
 The softmax and the loss run over the first V logits only; the Vp - V padded logits are produced (they
@@ -466,6 +468,21 @@ public:
 
     void zero_grad() { std::fill(grads.begin(), grads.end(), Real(0)); }
 
+    // Allocates now what training on (B, T) batches needs (the activations, their gradients and AdamW's m
+    // and v), so that a run meets a shortage of memory before it starts rather than at its first step.
+    void reserve(int B, int T) {
+        allocate_activations(B, T);
+        allocate_moments();
+    }
+
+    // Host bytes of the activations and their gradients that a forward and backward on (B, T) batches
+    // allocate (allocate_activations), so that a caller can check them against the memory at hand first.
+    static double activation_bytes(const GPT2Config& c, int B, int T) {
+        const double L = c.num_layers, NH = c.num_heads, N = double(B) * T, NC = N * c.channels;
+        const double reals = NC * (16 + 18 * L) + N * (4 * L + 3) + 3 * N * c.padded_vocab_size + L * NH * N * T;
+        return reals * sizeof(Real) + 2 * N * sizeof(int);
+    }
+
     // Adds the gradient of the last forward's mean loss to grads (call zero_grad() first unless
     // accumulating over several batches).
     void backward() {
@@ -534,10 +551,7 @@ public:
     // decoupled weight decay (param -= lr * wd * param) applies only to tensors marked decayed.
     void update(const AdamW& opt, int step, double grad_scale = 1.0) {
         if (step < 1) fail(kExitUsage, "GPT2 update: step %d, AdamW steps count from 1", step);
-        if (adam_m.empty()) {
-            adam_m.assign(params.size(), Real(0));
-            adam_v.assign(params.size(), Real(0));
-        }
+        allocate_moments();
         const Real lr = Real(opt.learning_rate), b1 = Real(opt.beta1), b2 = Real(opt.beta2), eps = Real(opt.eps);
         const Real bc1 = Real(1) - std::pow(b1, Real(step)), bc2 = Real(1) - std::pow(b2, Real(step));
         const Real scale = Real(grad_scale);
@@ -571,6 +585,12 @@ private:
                      tokens[i], config_.vocab_size);
             }
         }
+    }
+
+    void allocate_moments() {
+        if (!adam_m.empty()) return;
+        adam_m.assign(params.size(), Real(0));
+        adam_v.assign(params.size(), Real(0));
     }
 
     void allocate_activations(int B, int T) {

@@ -1,6 +1,8 @@
 /*
 A training run's record, shared by both trainers: log.jsonl (one JSON object per line, appended by a
-resumed run) and the small formatting helpers the step lines use.
+resumed run), the small formatting helpers the step lines use, the step guard's words for a skipped
+update (skip_reason), and the writing of the trained model (save_run_outputs), which says in the log
+when it fails.
 
 The records the trainers write, one per line (scripts/plot.py reads them):
   {"step":S,"loss":L,"lr":X,"norm":N,"ms":M,"tok_per_s":R,"mfu":F}   after each optimizer step S (from 1)
@@ -9,6 +11,8 @@ The records the trainers write, one per line (scripts/plot.py reads them):
   {"step":S,"sample":[ids...]}                                        a sample's generated token ids
   {"step":S,"skipped":"what was not finite"}                          an update skipped by the guard
   {"step":S,"stopped":"why"}                                          stopped early (signal, --time-limit)
+  {"step":S,"save_failed":"why","earlier_files":[paths...]}           the trained model could not be written;
+                                                                      the files named are not this run's
   {"resume_from_step":S}                                              a resumed run continues here
   {"evaluation_of":"MODEL"}                                           a run that trains nothing (-x 0) follows
 Train losses go out with 17 significant digits, so that a double reads back exactly and logs compare
@@ -17,6 +21,9 @@ A run that trains nothing (-x 0: it evaluates, samples or exports a model) into 
 log.jsonl already holds records appends its own after an evaluation_of line rather than replace the log
 (open_run_log), so that an earlier run's record is never lost; scripts/plot.py and dev/compare_losses.py
 leave the lines after it out of that run's curves (up to a resume_from_step line).
+A model file is replaced only by a complete one, so a save that fails (a full disk) leaves an earlier
+run's model.bin beside this run's log.jsonl: the save_failed record and the error name such files, so
+that nobody takes them for this run's result.
 
 Does not provide: stdout formatting of the step line (each trainer prints its own).
 */
@@ -107,6 +114,48 @@ inline std::string duration_text(double seconds) {
     if (s >= 3600) return format("%ldh%02ldm", s / 3600, (s / 60) % 60);
     if (s >= 60) return format("%ldm%02lds", s / 60, s % 60);
     return format("%lds", s);
+}
+
+// Why the step guard skipped an update, as its {"skipped":...} record says: the gradient norm not finite,
+// else a loss not finite, else the mean loss above loss_limit (--loss-spike's).
+inline std::string skip_reason(double norm, bool losses_finite, double loss, double loss_limit) {
+    if (!std::isfinite(norm)) return format("the gradient norm is %g", norm);
+    if (!losses_finite) return "a loss is not finite";
+    return format("the loss %.4f is a spike (limit %.4f)", loss, loss_limit);
+}
+
+inline std::string skipped_record(int step, const std::string& why) {
+    return format("{\"step\":%d,\"skipped\":%s}", step, json_string(why).c_str());
+}
+
+// Writes the trained model's files: write(i) writes paths[i] (each replaced only by a complete file). When
+// one fails, the files from there on that are already on disk are an earlier run's (or the starting model's),
+// not this run's: the log gets {"step":S,"save_failed":"why","earlier_files":[...]} and the error names them.
+template <class Write>
+void save_run_outputs(JsonlLog& log, int step, const std::vector<std::string>& paths, Write&& write) {
+    size_t i = 0;
+    try {
+        for (; i < paths.size(); i++) write(i);
+    } catch (const Error& e) {
+        std::string earlier, listed;
+        for (size_t k = i; k < paths.size(); k++) {
+            struct stat st;
+            if (::lstat(paths[k].c_str(), &st) != 0) continue;
+            earlier += (earlier.empty() ? "" : ",") + json_string(paths[k]);
+            listed += (listed.empty() ? "" : ", ") + paths[k];
+        }
+        bool logged = true;
+        try {  // the space the failed file held is free again, but the error is what matters
+            log.write(format("{\"step\":%d,\"save_failed\":%s,\"earlier_files\":[%s]}", step,
+                             json_string(e.what()).c_str(), earlier.c_str()));
+        } catch (const Error&) {
+            logged = false;
+        }
+        if (listed.empty()) throw;
+        fail(e.exit_code(), "%s; so %s %s from before this run, not its result%s", e.what(), listed.c_str(),
+             listed.find(", ") == std::string::npos ? "is" : "are",
+             logged ? " (log.jsonl's last line says so)" : "");
+    }
 }
 
 }  // namespace llmc

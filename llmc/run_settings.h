@@ -1,23 +1,38 @@
 /*
-A run's settings, declared once as a list of (key, value, role), and what the trainers derive from it:
-- recorded_settings(): what a checkpoint's manifest records (the MustMatch and MayChange ones);
-- must_match_keys(): the keys a resume refuses to see changed (they fix shapes, batches, random streams);
-  the MayChange ones are reported on resume and apply from the resumed step on;
-- settings_hash(): what the ranks of a data-parallel run compare at start-up: every setting, the Ranks
-  ones included, since those decide the sequence of collectives (validation, sampling, checkpoints, the
-  data's shards).
+What the two trainers share about a run's settings:
+- the settings, declared once as a list of (key, value, role), and what the trainers derive from it:
+  recorded_settings(), what a checkpoint's manifest records (the MustMatch and MayChange ones);
+  must_match_keys(), the keys a resume refuses to see changed (they fix shapes, batches, random streams;
+  the MayChange ones are reported on resume and apply from the resumed step on); settings_hash(), what
+  the ranks of a data-parallel run compare at start-up: every setting, the Ranks ones included, since
+  those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards);
+- the flags both take with one meaning (add_step_guard_flags) and the checks across them that both make
+  (check_output_flags);
+- the host memory check made before a run allocates (require_host_memory): what the run needs against
+  what the system, `ulimit -v` and a memory cgroup leave it, so that a run too big is refused with both
+  figures instead of failing half-way through its allocations or being killed without a word.
 
-Does not provide: the settings themselves (each trainer lists its own), or the comparison with a
-checkpoint (settings_differences in llmc/checkpoint.h).
+Does not provide: each trainer's own settings and its estimate of the memory it needs, or the comparison
+with a checkpoint (settings_differences in llmc/checkpoint.h).
 */
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "llmc/flags.h"
 #include "llmc/hash.h"
+#include "llmc/utils.h"
 
 namespace llmc {
 
@@ -48,6 +63,104 @@ inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
     std::string text;
     for (const RunSetting& s : all) text += s.key + "=" + s.value + ";";
     return fnv1a64(text);
+}
+
+// The step guard's flags (llmc/run_control.h), with one meaning in both trainers.
+inline void add_step_guard_flags(Flags& f, int* max_bad_steps, int* nan_at_step) {
+    f.add("", "max-bad-steps", max_bad_steps,
+          "a step whose loss or gradient norm is not finite is skipped (the model unchanged); stop with exit code 6 "
+          "after this many in a row", 1, std::numeric_limits<int>::max());
+    f.add("", "nan-at-step", nan_at_step, "for tests: make step N's first micro-batch loss NaN (0: never)", 0,
+          std::numeric_limits<int>::max());
+}
+
+// A model asked for (--save-model given, naming a format) where nothing may be written (-o "") is a
+// contradiction: refused rather than resolved by training and silently writing nothing. saves: whether
+// --save-model's value names any format.
+inline void check_output_flags(const Flags& flags, const std::string& output_dir, const std::string& save_model,
+                               bool saves) {
+    if (output_dir.empty() && saves && flags.was_set("save-model")) {
+        fail(kExitUsage, "--save-model %s needs an output directory, but -o/--output-dir is \"\" (write nothing): "
+             "give -o DIR, or drop --save-model", save_model.c_str());
+    }
+}
+
+// Host memory this process can still take (bytes; infinity when nothing says), and what limits it: the
+// least of MemAvailable (/proc/meminfo), the address-space limit (RLIMIT_AS, `ulimit -v`) less what the
+// process maps already, and for the process's memory cgroup (v2 or v1) and each above it, the cgroup's
+// limit less what it holds that cannot be reclaimed (its use less its page cache).
+struct HostMemory {
+    double bytes = INFINITY;
+    std::string limit;
+};
+
+inline HostMemory available_host_memory() {
+    HostMemory m;
+    auto take = [&m](double bytes, std::string limit) {
+        if (bytes < m.bytes) m = {std::max(0.0, bytes), std::move(limit)};
+    };
+    auto read_text = [](const std::string& path) {
+        std::ifstream f(path);
+        std::stringstream ss;
+        ss << f.rdbuf();
+        return ss.str();
+    };
+    auto field = [](const std::string& text, const std::string& key) -> double {  // "key value" lines; -1: none
+        std::istringstream in(text);
+        std::string k;
+        double v;
+        while (in >> k >> v) {
+            if (k == key) return v;
+            in.ignore(1 << 20, '\n');
+        }
+        return -1;
+    };
+    const double kib = field(read_text("/proc/meminfo"), "MemAvailable:");
+    if (kib >= 0) take(kib * 1024, "MemAvailable in /proc/meminfo");
+    struct rlimit rl;
+    if (::getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+        double pages = 0;
+        std::istringstream(read_text("/proc/self/statm")) >> pages;
+        const double mapped = pages * double(::sysconf(_SC_PAGESIZE));
+        take(double(rl.rlim_cur) - mapped, format("the address-space limit, ulimit -v %llu, less the %s this process "
+             "maps already", (unsigned long long)(rl.rlim_cur >> 10), human_bytes(mapped).c_str()));
+    }
+    // /proc/self/cgroup: "0::PATH" for cgroup v2, "N:...memory...:PATH" for v1's memory controller. Each
+    // cgroup from the process's up to its mount's root (which is the container's own inside a container).
+    std::istringstream lines(read_text("/proc/self/cgroup"));
+    for (std::string line; std::getline(lines, line);) {
+        const size_t a = line.find(':'), b = line.find(':', a + 1);
+        if (a == std::string::npos || b == std::string::npos) continue;
+        const std::string controllers = line.substr(a + 1, b - a - 1);
+        const bool v2 = controllers.empty();
+        if (!v2 && ("," + controllers + ",").find(",memory,") == std::string::npos) continue;
+        const std::string mount = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+        std::string dir = mount + line.substr(b + 1);
+        while (dir.size() > mount.size() && dir.back() == '/') dir.pop_back();
+        for (;; dir = dir.substr(0, dir.find_last_of('/'))) {
+            const std::string max_file = dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes");
+            const double max = std::strtod(read_text(max_file).c_str(), nullptr);  // "max" (none) reads as 0
+            if (max > 0 && max < 1e18) {
+                double used = 0;
+                std::istringstream(read_text(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"))) >> used;
+                const double cache = field(read_text(dir + "/memory.stat"), v2 ? "file" : "total_cache");
+                take(max - used + std::max(0.0, cache), format("the memory cgroup's limit, %s, less what the cgroup "
+                     "holds", max_file.c_str()));
+            }
+            if (dir.size() <= mount.size()) break;
+        }
+    }
+    return m;
+}
+
+// Refuses (exit code 1) a run that needs more host memory than available_host_memory() leaves it, before it
+// allocates anything: one line with both figures, what the need is made of (what), what limits it, and
+// what to lower (advice).
+inline void require_host_memory(double need, const std::string& what, const char* advice) {
+    const HostMemory m = available_host_memory();
+    if (need <= m.bytes) return;
+    fail(kExitError, "the run needs %s of host memory (%s), and %s is available (%s); %s", human_bytes(need).c_str(),
+         what.c_str(), human_bytes(m.bytes).c_str(), m.limit.c_str(), advice);
 }
 
 }  // namespace llmc

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Long runs that survive (train_gpt2cu): the step guard, stopping on a signal or a time limit, resume.
-# Without a GPU: the flags' command-line errors, then exit 77. With a GPU, on synthetic shards:
+# Without a GPU: the flags' command-line errors, and the CPU trainer's (train_gpt2's) step guard, the GPU
+# trainer's in its flags and meaning: one injected bad step (--nan-at-step 2) is skipped and logged, and
+# leaves the model as it was (the model after 2 steps is byte for byte the one after 1); with
+# --max-bad-steps 1 it stops the run with exit code 6 and no model.bin; then exit 77. With a GPU, on
+# synthetic shards:
 #   - divergence: -l 1e4 drives d2 to non-finite losses; the run stops with exit code 6 within
 #     --max-bad-steps + 1 steps of the first skipped step, every checkpoint on disk is whole and finite
 #     (build/inspect_checkpoint), and -y 1 from the newest one reproduces the diverging run's step records
@@ -24,7 +28,7 @@
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make -s train_gpt2cu build/inspect_checkpoint
+make -s train_gpt2 train_gpt2cu build/inspect_checkpoint
 dir=$(mktemp -d /tmp/test_survival_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 trainer() { timeout -k 10 180 ./train_gpt2cu "$@"; }
@@ -35,7 +39,27 @@ expect_exit 2 "--time-limit 'soon': expected seconds" --time-limit soon
 expect_exit 2 "--time-limit '1:xx': expected seconds" --time-limit 1:xx
 expect_exit 2 "--loss-spike 0.5: must be 0 (off) or above 1" --loss-spike 0.5
 expect_exit 2 "flag --max-bad-steps: '0' is not an integer at least 1" --max-bad-steps 0
+expect_bin=(./train_gpt2)
+expect_exit 2 "flag --max-bad-steps: '0' is not an integer at least 1" --max-bad-steps 0
 echo "flags: ok"
+
+# --- the CPU trainer's step guard ----------------------------------------------------------------------
+python3 test/make_synthetic_shards.py "$dir" cpu_train=4000 >/dev/null
+cpu=(--layers 1 --channels 16 --heads 2 --max-seq-len 16 -i "$dir/cpu_train_*.bin" -j "" -b 2 -t 16 -k constant
+     --tokenizer "$dir/none.bin")
+./train_gpt2 "${cpu[@]}" -x 1 -o "$dir/cpu1" >"$dir/cpu1.log" 2>&1 || { echo "FAIL: train_gpt2 -x 1"; cat "$dir/cpu1.log"; exit 1; }
+./train_gpt2 "${cpu[@]}" -x 2 --nan-at-step 2 -o "$dir/cpu2" >"$dir/cpu2.log" 2>&1 ||
+    { echo "FAIL: train_gpt2 with one bad step failed"; cat "$dir/cpu2.log"; exit 1; }
+grep -q '^step     2/2 | loss nan .* | update skipped: a loss is not finite$' "$dir/cpu2.log" ||
+    { echo "FAIL: train_gpt2 did not print step 2 as skipped"; cat "$dir/cpu2.log"; exit 1; }
+grep -q '^{"step":2,"skipped":"a loss is not finite"}$' "$dir/cpu2/log.jsonl" ||
+    { echo "FAIL: train_gpt2 did not log step 2 as skipped"; cat "$dir/cpu2/log.jsonl"; exit 1; }
+cmp -s "$dir/cpu1/model.bin" "$dir/cpu2/model.bin" ||
+    { echo "FAIL: train_gpt2's skipped step 2 changed the model (it differs from the model after step 1)"; exit 1; }
+expect_exit 6 "error: step 2: 1 steps in a row were skipped (the last because a loss is not finite)" \
+    "${cpu[@]}" -x 4 --nan-at-step 2 --max-bad-steps 1 -o "$dir/cpu_bad"
+[ ! -e "$dir/cpu_bad/model.bin" ] || { echo "FAIL: a run stopped by the step guard wrote model.bin"; exit 1; }
+echo "train_gpt2's step guard: a bad step skipped and logged, the model unchanged; --max-bad-steps stops with exit 6 and no model: ok"
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "skipped: no NVIDIA GPU (the command-line checks above passed)"

@@ -4,7 +4,10 @@
 # asks for GPT-2 small (d12), whose set-up alone takes seconds. Cases: a path below a regular file,
 # /dev/full, a directory without write permission (run as nobody when root), a read-only file system
 # and a full one (tmpfs mounts in a user namespace, where the system allows one; else those two are
-# left out with a note). A missing directory is created, parents included.
+# left out with a note). A missing directory is created, parents included. A disk that fills while the
+# trained model is written over an earlier run's (also on such a tmpfs) fails with exit code 3 and keeps
+# the earlier model.bin whole; the error and the last line of the new log.jsonl beside it say that this
+# model.bin is from before the run, so that nobody takes it for the run's result.
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +55,30 @@ else
 fi
 
 # Read-only and full file systems: tmpfs mounts inside a user and mount namespace.
-mkdir "$dir/ro" "$dir/full"
+mkdir "$dir/ro" "$dir/full" "$dir/fills"
+# expect_save_fails: a run whose final save meets a full disk, over the model.bin of an earlier run.
+expect_save_fails() {
+    local out=$dir/fills/run rc=0
+    local tiny=(-i "$dir/syn_train_*.bin" -j "" --layers 1 --channels 8 --heads 2 --max-seq-len 16 -b 2 -t 8 -x 2)
+    ./train_gpt2 "${tiny[@]}" --seed 1 -o "$out" >"$dir/out" 2>&1 || { echo "FAIL: the earlier run"; cat "$dir/out"; exit 1; }
+    cp "$out/model.bin" "$dir/earlier.bin"
+    # Fill the disk but for 64 KiB: room for the new run's log.jsonl, not for its 1.6 MB model.bin.
+    dd if=/dev/zero of="$dir/fills/spare" bs=64k count=1 2>/dev/null
+    dd if=/dev/zero of="$dir/fills/fill" bs=64k 2>/dev/null || true
+    rm "$dir/fills/spare"
+    ./train_gpt2 "${tiny[@]}" --seed 2 -o "$out" >"$dir/out" 2>&1 || rc=$?
+    if [ $rc -ne 3 ] || ! grep -q "^error: .*No space left on device.*; so $out/model.bin is from before this run, not its result (log.jsonl's last line says so)$" "$dir/out"; then
+        echo "FAIL: a save onto a full disk exited $rc (expected 3, saying that $out/model.bin is an earlier run's):"
+        cat "$dir/out"; exit 1
+    fi
+    cmp -s "$out/model.bin" "$dir/earlier.bin" || { echo "FAIL: the failed save changed the earlier model.bin"; exit 1; }
+    tail -n 1 "$out/log.jsonl" | grep -q "^{\"step\":2,\"save_failed\":\".*No space left on device.*\",\"earlier_files\":\[\"$out/model.bin\"\]}$" ||
+        { echo "FAIL: log.jsonl does not end with the failed save:"; cat "$out/log.jsonl"; exit 1; }
+    grep -q '"step":2,"loss"' "$out/log.jsonl" || { echo "FAIL: log.jsonl is not the new run's"; exit 1; }
+    echo "a full disk at the final save: exit 3, the earlier model.bin whole, marked as such in the error and the log: ok"
+}
 if unshare -rm true 2>/dev/null; then
-    export -f expect_refused
+    export -f expect_refused expect_save_fails
     export dir
     big_list=$(printf '%q ' "${big[@]}")
     unshare -rm bash -c "
@@ -66,9 +90,12 @@ if unshare -rm true 2>/dev/null; then
         expect_refused 'read-only file system (existing directory)' '$dir/ro' 'Read-only file system'
         expect_refused 'read-only file system (new directory)' '$dir/ro/out' 'Read-only file system'
         expect_refused 'full file system (existing directory)' '$dir/full' 'No space left on device'
+        mount -t tmpfs -o size=4m tmpfs '$dir/fills'
+        expect_save_fails
     "
 else
-    echo "note: no user namespaces here (unshare -rm): the read-only and full file system cases are left out"
+    echo "note: no user namespaces here (unshare -rm): the read-only and full file system cases (at start-up and at"
+    echo "      the final save) are left out"
 fi
 
 # A missing directory, parents included, is created; the run then trains (a tiny model) and writes there.

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The GPU trainer (train_gpt2cu) end to end. Without a GPU: its command-line errors (exit code 2, or 3
-# for a missing model file, each with its message), which are checked before CUDA is touched; then
-# exit 77. With a GPU, on synthetic shards (a noisy Markov chain over 97 GPT-2 token ids) and d2:
+# for a missing model file, each with its message), which are checked before CUDA is touched, and the
+# inputs it refuses before then too: a Hugging Face folder whose config.json holds 1e999 (exit 4, the file
+# named), and a run that needs more host memory than `ulimit -v` leaves (exit 1, both figures; an earlier
+# log.jsonl in -o byte for byte as it was); then exit 77. With a GPU, first the refusals that come after
+# CUDA starts, each leaving the earlier log.jsonl as it was: an llm.c model file with a NaN weight (exit 4,
+# the tensor named) and a batch that does not fit in GPU memory (-b 4096 -t 1024, exit 5); then, on
+# synthetic shards (a noisy Markov chain over 97 GPT-2 token ids) and d2:
 #   - 40 steps: 40 step lines with loss, lr, norm, ms, tok/s, MFU and ETA; log.jsonl with 40 step
 #     records (loss, lr, norm, ms, tok_per_s, mfu) and 5 validation records; the validation loss falls
 #     by a fifth and the train loss falls; samples are printed; model.bin is an llm.c version 3 file of
@@ -17,7 +22,7 @@
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make -s train_gpt2cu
+make -s train_gpt2cu train_gpt2
 dir=$(mktemp -d /tmp/train_gpt2cu_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 
@@ -33,7 +38,7 @@ expect_exit 2 "flag -y: '2' is not an integer from 0 to 1" -y 2
 expect_exit 2 "needs an output directory (-o)" -n 5 -o ""
 expect_exit 2 "unknown learning rate schedule" -k exponential
 expect_exit 2 "unknown model descriptor" -e d5
-expect_exit 3 "does not exist" -e "$dir/missing.bin"
+expect_exit 3 "'$dir/missing.bin': No such file or directory" -e "$dir/missing.bin"
 expect_exit 2 "flag -r: '2' is not an integer from 0 to 1" -r 2
 expect_exit 2 "flag -nk: '-1' is not an integer at least 0" -nk -1
 expect_exit 2 "must be below 1" --beta2 1
@@ -74,10 +79,51 @@ rm -rf "$dir/earlier/ckpt_00000040"
 expect_exit 0 "micro-batch 4 x 64" "${plan[@]}" -o "$dir/earlier"
 echo "plans: ok"
 
+# Inputs refused before CUDA starts. expect_log_kept DIR: DIR/log.jsonl is still the earlier run's.
+earlier_log() { mkdir -p "$1" && echo '{"step":1,"loss":4.5}' >"$1/log.jsonl"; }
+expect_log_kept() {
+    [ "$(cat "$1/log.jsonl")" = '{"step":1,"loss":4.5}' ] ||
+        { echo "FAIL: a run that never started changed $1/log.jsonl to '$(cat "$1/log.jsonl")'"; exit 1; }
+}
+./train_gpt2 -e d2 -x 0 -j "" --save-model llmc,hf -o "$dir/d2" >/dev/null
+cp -r "$dir/d2/hf" "$dir/hf_overflow"
+python3 - "$dir/hf_overflow/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["initializer_range"] = "OVERFLOW"
+open(sys.argv[1], "w").write(json.dumps(c).replace('"OVERFLOW"', "1e999"))
+PY
+expect_exit 4 "$dir/hf_overflow/config.json" "${plan[@]}" -e "$dir/hf_overflow"
+earlier_log "$dir/memory"
+expect_bin=(bash -c 'ulimit -v 4000000 && exec ./train_gpt2cu "$@"' train_gpt2cu)
+expect_exit 1 "^error: the run needs .* of host memory (the fp32 parameters .*), and .* is available (.*); use a smaller model" \
+    -e d48 -i "$dir/syn_train_*.bin" -j "" -b 1 -t 64 -o "$dir/memory"
+expect_log_kept "$dir/memory"
+expect_bin=(./train_gpt2cu)
+echo "refused before CUDA: a config.json number out of range, too little host memory (the log kept): ok"
+
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "skipped: no NVIDIA GPU (the command-line checks above passed)"
     exit 77
 fi
+
+# Refused after CUDA starts, before the run does: the earlier log.jsonl stays.
+python3 - "$dir/d2/model.bin" "$dir/nan.bin" <<'PY'
+import struct, sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[1024 + 4 * 5:1024 + 4 * 6] = struct.pack("<f", float("nan"))  # the 6th value of wte, the first tensor
+open(sys.argv[2], "wb").write(b)
+PY
+earlier_log "$dir/nan_run"
+expect_exit 4 "'$dir/nan.bin': .*not finite.* in tensor wte" \
+    -e "$dir/nan.bin" -i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 64 -x 2 -o "$dir/nan_run"
+expect_log_kept "$dir/nan_run"
+python3 test/make_synthetic_shards.py "$dir" syn_big=4200000 >/dev/null
+earlier_log "$dir/oom"
+expect_exit 5 "out of memory" -e d2 -i "$dir/syn_big_*.bin" -j "" -b 4096 -t 1024 -x 1 -o "$dir/oom"
+expect_log_kept "$dir/oom"
+rm "$dir"/syn_big_*.bin
+echo "refused after CUDA starts: a NaN weight (the tensor named), a batch too big for the GPU (the log kept): ok"
 
 tok=()
 [ -f data/gpt2_tokenizer.bin ] && tok=(--tokenizer data/gpt2_tokenizer.bin)

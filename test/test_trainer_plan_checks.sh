@@ -2,6 +2,13 @@
 # The trainers' checks of a command line against the model and the data, before any work, on synthetic
 # shards (no GPU needed: train_gpt2cu is run with --dry-run 1, train_gpt2 trains a tiny model):
 #   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
+#   - a run that needs more host memory than it has (-b 4096 -t 1024, or `ulimit -v`) is refused by
+#     train_gpt2 before it allocates (exit 1, the need and what is available, which limit), and the earlier
+#     log.jsonl stays byte for byte;
+#   - -o "" with --save-model naming a format is a contradiction (exit 2, both flags named), in both
+#     trainers; -o "" alone, or with --save-model none, writes nothing as before;
+#   - -e naming what is not a model says why in the system's words, in both trainers: a missing path, a
+#     link loop, a FIFO, a directory without config.json;
 #   - -d asking for more micro-steps than a step can count (2^31 - 1) is refused by both trainers (exit 2),
 #     not wrapped around or cut short behind the printed plan;
 #   - -x 0 (evaluate or sample a model) needs no training data in either trainer;
@@ -31,6 +38,50 @@ expect_exit 2 "no shard file matches" "${tiny[@]}" -t 16 -i "$dir/none_*.bin" -o
 [ "$(cat "$dir/run/log.jsonl")" = '{"step":1,"loss":4.5}' ] ||
     { echo "FAIL: a refused command line changed $dir/run/log.jsonl to '$(cat "$dir/run/log.jsonl")'"; exit 1; }
 echo "a refused command line leaves log.jsonl as it was: ok"
+
+# Too little host memory: refused before anything is allocated, naming both figures; the earlier log stays.
+cp "$dir/run/log.jsonl" "$dir/log.before"
+expect_bin=(bash -c 'ulimit -v 400000 && exec ./train_gpt2 "$@"' train_gpt2)
+expect_exit 1 "is available (the address-space limit, ulimit -v 400000, less the .* this process maps already); lower -b or -t" \
+    -e d2 -i "$dir/syn_train_*.bin" -j "" -b 1 -t 1024 -o "$dir/run"
+[ "$(grep -c '^error: the run needs .* of host memory' "$dir/out")" = 1 ] ||
+    { echo "FAIL: expected one error line naming the host memory needed:"; cat "$dir/out"; exit 1; }
+log_kept() {
+    cmp -s "$dir/run/log.jsonl" "$dir/log.before" ||
+        { echo "FAIL: a run refused for memory changed $dir/run/log.jsonl to '$(cat "$dir/run/log.jsonl")'"; exit 1; }
+}
+log_kept
+expect_bin=(./train_gpt2)
+expect_exit 1 "TiB of host memory (the model and AdamW's state .*, activations for -b 4096 -t 1024 .*); lower -b or -t" \
+    -e d2 -i "$dir/syn_train_*.bin" -j "" -b 4096 -t 1024 -o "$dir/run"
+log_kept
+echo "too little host memory: refused with the figures, the earlier log.jsonl byte for byte: ok"
+
+# -o "" writes nothing; a model asked for there is a contradiction, refused in both trainers.
+expect_bin=(./train_gpt2)
+expect_exit 2 "--save-model llmc,hf needs an output directory, but -o/--output-dir is \"\"" \
+    "${tiny[@]}" -t 16 -x 1 -o "" --save-model llmc,hf
+expect_exit 0 "val loss" "${tiny[@]}" -t 16 -x 1 -m 1 -o "" --save-model none
+expect_bin=(./train_gpt2cu)
+expect_exit 2 "--save-model hf needs an output directory, but -o/--output-dir is \"\"" "${gpu[@]}" --save-model hf
+expect_exit 2 "--save-model llmc needs an output directory" "${gpu[@]}" -x 0 --save-model llmc
+expect_exit 0 "micro-batch 4 x 64" "${gpu[@]}" --save-model none
+echo "-o \"\" with --save-model: refused: ok"
+
+# -e that names no model file: the system's reason, not "does not exist" for everything.
+mkfifo "$dir/fifo"
+ln -s loop_b "$dir/loop_a"
+ln -s loop_a "$dir/loop_b"
+mkdir "$dir/folder"
+for trainer in ./train_gpt2 ./train_gpt2cu; do
+    expect_bin=("$trainer")
+    expect_exit 3 "'$dir/missing.bin': No such file or directory" -e "$dir/missing.bin" -o ""
+    expect_exit 3 "'$dir/loop_a': Too many levels of symbolic links" -e "$dir/loop_a" -o ""
+    expect_exit 3 "'$dir/fifo': is a FIFO, not a regular file" -e "$dir/fifo" -o ""
+    expect_exit 3 "'$dir/folder' is a directory without config.json" -e "$dir/folder" -o ""
+done
+echo "-e naming a missing path, a link loop, a FIFO, a directory: the system's reason: ok"
+expect_bin=(./train_gpt2)
 
 # -d / (B*T) beyond 2^31 - 1 micro-steps: a usage error in both trainers.
 expect_exit 2 "-d/--total-batch 1099511627776 needs 1099511627776 micro-steps of B\*T = 1\*1 = 1 tokens" \
