@@ -87,15 +87,20 @@ inline int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
     return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
-extern "C" inline void llmc_on_stop_signal(int sig) {
-    const int64_t now = monotonic_ns();
-    if (g_stop_signal != 0) {
-        if (now - g_stop_signal_ns.load() < kStopSignalRepeatNs) return;  // the first one again
-        std::signal(sig, SIG_DFL);  // a second signal ends the run at once
-        std::raise(sig);
-    }
-    g_stop_signal_ns.store(now);
+// Takes up a stop signal that came at now_ns (CLOCK_MONOTONIC): the first is recorded, the first again
+// (within kStopSignalRepeatNs of it) changes nothing, and a second request gives false. The handler's
+// clock is a parameter so that the window can be tested without waiting it out.
+inline bool take_stop_signal(int sig, int64_t now_ns) {
+    if (g_stop_signal != 0) return now_ns - g_stop_signal_ns.load() < kStopSignalRepeatNs;
+    g_stop_signal_ns.store(now_ns);
     g_stop_signal = sig;
+    return true;
+}
+
+extern "C" inline void llmc_on_stop_signal(int sig) {
+    if (take_stop_signal(sig, monotonic_ns())) return;
+    std::signal(sig, SIG_DFL);  // a second request ends the run at once
+    std::raise(sig);
 }
 
 inline void install_stop_signals() {

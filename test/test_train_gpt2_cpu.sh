@@ -7,7 +7,10 @@
 #     greedy sample; the validation loss must also fall by a third;
 #   - the same log.jsonl numbers with OMP_NUM_THREADS=1 and 2;
 #   - the written model loads back (-e FILE -x 0) to the same validation loss, and a greedy sample from
-#     --prompt-ids follows the chain the model learned; -x 0 writes no model unless asked; a Hugging Face
+#     --prompt-ids follows the chain the model learned; its exports (llm.c files and Hugging Face folders,
+#     fp32 and bf16, the same bytes from the trainer and from build/convert_model) load back to that loss
+#     (bf16: within 2e-3), and a reader written here from the formats' specifications finds the trained
+#     weights in each; -x 0 writes no model unless asked; a Hugging Face
 #     export beside a tokenizer for another vocabulary is written without tokenizer files, with a note;
 #     -x 0 into the trained folder appends to its log.jsonl (after an evaluation_of line), never replaces it;
 #   - -d (gradient accumulation over two batches) gives the losses and norm of one batch twice as big;
@@ -16,7 +19,7 @@
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-make -s train_gpt2
+make -s train_gpt2 build/convert_model
 dir=$(mktemp -d /tmp/train_gpt2_cpu_XXXXXX)
 trap 'rm -rf "$dir"' EXIT
 
@@ -44,7 +47,7 @@ tiny=(--layers 2 --channels 32 --heads 2 --vocab 97 --max-seq-len 32)
 common=(-i "$dir/syn_train_*.bin" -j "$dir/syn_val_*.bin" -b 4 -t 16 -m 16 --seed 7 --tokenizer "$dir/none.bin")
 run=("${common[@]}" "${tiny[@]}" -x 150 -l 3e-3 -u 10 -k cosine -q 0.1 -v 50 -s 150 -g 12 --temperature 0
      --log-every 50)
-OMP_NUM_THREADS=2 ./train_gpt2 "${run[@]}" -o "$dir/a" | tee "$dir/log_a"
+OMP_NUM_THREADS=2 ./train_gpt2 "${run[@]}" --save-model llmc,hf -o "$dir/a" | tee "$dir/log_a"
 OMP_NUM_THREADS=1 ./train_gpt2 "${run[@]}" -o "$dir/b" >"$dir/log_b"
 grep -q "note: tokenizer '$dir/none.bin' not found" "$dir/log_a" || { echo "FAIL: no note about the tokenizer"; exit 1; }
 
@@ -111,8 +114,107 @@ print("greedy sample after the prompt 5,38 follows the chain in %d of %d steps: 
 if ids != [75, 43, 13, 94, 79, 71, 15, 11, 80, 78, 64, 63] or follow < 10:
     print("FAIL: the greedy sample does not continue the prompt along the learned chain"); sys.exit(1)
 PY
-./train_gpt2 "${common[@]}" -e "$dir/a/model.bin" -x 0 -v 0 --save-model llmc,llmc-bf16 -o "$dir/d" >/dev/null
-cmp -s "$dir/a/model.bin" "$dir/d/model.bin" || { echo "FAIL: -x 0 --save-model llmc changed the model file"; exit 1; }
+
+# Export and import. Each export of the trained model loads back (-e, -x 0) to the trained model's
+# validation loss: the fp32 ones (model.bin, hf/) to all 9 digits log.jsonl gives, with the same greedy
+# sample; the bf16 ones (model_bf16.bin, hf_bf16/) to each other's exactly, and within 2e-3 of fp32's
+# (rounding to bf16 moves it by 2e-4 here). Written again from hf/, by the trainer and by
+# build/convert_model, every format comes out byte for byte the same.
+val_of() { python3 -c 'import json,sys; print([r for r in map(json.loads, open(sys.argv[1])) if "val_loss" in r][-1]["val_loss"])' "$1/log.jsonl"; }
+trained=$(val_of "$dir/a")
+[ "$(val_of "$dir/c")" = "$trained" ] || { echo "FAIL: model.bin loads back to val loss $(val_of "$dir/c"), trained $trained"; exit 1; }
+./train_gpt2 "${common[@]}" -e "$dir/a/hf" -x 0 -g 12 --temperature 0 --prompt-ids 5,38 -o "$dir/c_hf" >/dev/null
+cmp -s "$dir/c/log.jsonl" "$dir/c_hf/log.jsonl" ||
+    { echo "FAIL: the Hugging Face export evaluates and samples unlike model.bin:"; cat "$dir/c/log.jsonl" "$dir/c_hf/log.jsonl"; exit 1; }
+./train_gpt2 "${common[@]}" -e "$dir/a/hf" -x 0 -v 0 --save-model llmc,llmc-bf16,hf-bf16 -o "$dir/d" >/dev/null
+convert() { build/convert_model -q -i "$dir/$1" -o "$dir/$2" -f "$3"; }
+convert a/model.bin conv/hf hf
+convert a/hf conv/model.bin llmc
+convert a/hf conv/model_bf16.bin llmc-bf16
+convert d/model_bf16.bin conv/hf_bf16 hf-bf16
+for pair in a/model.bin:d/model.bin a/model.bin:conv/model.bin a/hf/model.safetensors:conv/hf/model.safetensors \
+        a/hf/config.json:conv/hf/config.json d/model_bf16.bin:conv/model_bf16.bin \
+        d/hf_bf16/model.safetensors:conv/hf_bf16/model.safetensors d/hf_bf16/config.json:conv/hf_bf16/config.json; do
+    cmp -s "$dir/${pair%%:*}" "$dir/${pair#*:}" || { echo "FAIL: ${pair#*:} differs from ${pair%%:*}"; exit 1; }
+done
+for m in model_bf16.bin hf_bf16; do ./train_gpt2 "${common[@]}" -e "$dir/d/$m" -x 0 -o "$dir/r_$m" >/dev/null; done
+python3 - "$trained" "$(val_of "$dir/r_model_bf16.bin")" "$(val_of "$dir/r_hf_bf16")" <<'PY' || exit 1
+import sys
+fp32, bin16, hf16 = map(float, sys.argv[1:])
+if bin16 != hf16 or abs(bin16 - fp32) > 2e-3:
+    print("FAIL: val loss %.9g from model_bf16.bin, %.9g from hf_bf16/, expected one value within 2e-3 of fp32's %.9g"
+          % (bin16, hf16, fp32)); sys.exit(1)
+print("exports load back: fp32 val loss %.9g exactly, bf16 %.9g from both formats" % (fp32, bin16))
+PY
+# What the files hold, by a reader written here from the formats' specifications (llm.c's header and
+# tensor order; safetensors; transformers' GPT-2 names, with Conv1D weights stored (in, out)), so that a
+# bug our writer and reader share (two tensors swapped, a transpose left out on both sides) fails too:
+# every file holds the trained weights, the bf16 ones rounded to nearest even.
+python3 - "$dir" <<'PY' || exit 1
+import json, struct, sys
+from array import array
+d = sys.argv[1]
+L, NH, C, V, Vp, T = 2, 2, 32, 97, 128, 32
+def fail(msg):
+    print("FAIL:", msg); sys.exit(1)
+def bf16(values):  # fp32 -> bf16 bits, rounded to nearest even (no NaN here)
+    return array("H", [((u + 0x7fff + ((u >> 16) & 1)) >> 16) & 0xffff for u in array("I", values.tobytes())])
+# llm.c's model file: 256 int32 (magic 20240326, version 3 = fp32 or 5 = bf16, maxT, V, L, NH, C, Vp, then
+# zeros) and these tensors back to back, weights (out, in), wte with Vp rows.
+layout = [("wte", Vp * C), ("wpe", T * C), ("ln1w", L * C), ("ln1b", L * C), ("qkvw", L * 3 * C * C), ("qkvb", L * 3 * C),
+          ("attprojw", L * C * C), ("attprojb", L * C), ("ln2w", L * C), ("ln2b", L * C), ("fcw", L * 4 * C * C),
+          ("fcb", L * 4 * C), ("fcprojw", L * 4 * C * C), ("fcprojb", L * C), ("lnfw", C), ("lnfb", C)]
+def llmc_file(name, version):
+    b = open("%s/%s" % (d, name), "rb").read()
+    header = struct.unpack("<256i", b[:1024])
+    if header[:8] != (20240326, version, T, V, L, NH, C, Vp) or any(header[8:]):
+        fail("%s: header %s, expected %s" % (name, header[:8], (20240326, version, T, V, L, NH, C, Vp)))
+    data = array("f" if version == 3 else "H", b[1024:])
+    if len(data) != sum(n for _, n in layout): fail("%s: %d parameters" % (name, len(data)))
+    tensors, at = {}, 0
+    for key, n in layout:
+        tensors[key], at = data[at:at + n], at + n
+    return tensors
+p = llmc_file("a/model.bin", 3)
+if any(p["wte"][V * C:]): fail("model.bin: the padded rows of wte are not zero")
+if any(llmc_file("d/model_bf16.bin", 5)[k] != bf16(p[k]) for k, _ in layout): fail("model_bf16.bin is not model.bin in bf16")
+# transformers' GPT-2 state dict (as save_pretrained writes it: "transformer." names, no tied lm_head).
+def transposed(a, rows, cols):  # (rows, cols) -> (cols, rows)
+    return array("f", [a[r * cols + c] for c in range(cols) for r in range(rows)])
+want = {"wte.weight": ([V, C], p["wte"][:V * C]), "wpe.weight": ([T, C], p["wpe"]), "ln_f.weight": ([C], p["lnfw"]),
+        "ln_f.bias": ([C], p["lnfb"])}
+for l in range(L):
+    part = lambda key, n: p[key][l * n:(l + 1) * n]
+    for hf, key, n in (("ln_1.weight", "ln1w", C), ("ln_1.bias", "ln1b", C), ("attn.c_attn.bias", "qkvb", 3 * C),
+                       ("attn.c_proj.bias", "attprojb", C), ("ln_2.weight", "ln2w", C), ("ln_2.bias", "ln2b", C),
+                       ("mlp.c_fc.bias", "fcb", 4 * C), ("mlp.c_proj.bias", "fcprojb", C)):
+        want["h.%d.%s" % (l, hf)] = ([n], part(key, n))
+    for hf, key, rows, cols in (("attn.c_attn.weight", "qkvw", 3 * C, C), ("attn.c_proj.weight", "attprojw", C, C),
+                                ("mlp.c_fc.weight", "fcw", 4 * C, C), ("mlp.c_proj.weight", "fcprojw", C, 4 * C)):
+        want["h.%d.%s" % (l, hf)] = ([cols, rows], transposed(part(key, rows * cols), rows, cols))
+def hf_folder(name, dtype, torch_dtype, stored):
+    config = json.load(open("%s/%s/config.json" % (d, name)))
+    for key, value in (("model_type", "gpt2"), ("n_layer", L), ("n_head", NH), ("n_embd", C), ("n_positions", T),
+                       ("vocab_size", V), ("activation_function", "gelu_new"), ("layer_norm_epsilon", 1e-5),
+                       ("tie_word_embeddings", True), ("torch_dtype", torch_dtype)):
+        if config.get(key) != value: fail("%s/config.json: %s is %r, expected %r" % (name, key, config.get(key), value))
+    b = open("%s/%s/model.safetensors" % (d, name), "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]  # the JSON header's length, then the header, then the data
+    header = json.loads(b[8:8 + n])
+    header.pop("__metadata__", None)
+    names = set("transformer." + k for k in want)
+    if set(header) != names: fail("%s: tensors %s missing, %s not expected" % (name, names - set(header), set(header) - names))
+    for key, (shape, values) in want.items():
+        t = header["transformer." + key]
+        begin, end = t["data_offsets"]
+        got = array("f" if dtype == "F32" else "H", b[8 + n + begin:8 + n + end])
+        if t["dtype"] != dtype or t["shape"] != shape or got != stored(values):
+            fail("%s: tensor %s (%s %s) does not hold the trained model's (%s %s)" % (name, key, t["dtype"], t["shape"],
+                                                                                     dtype, shape))
+hf_folder("a/hf", "F32", "float32", lambda values: values)
+hf_folder("d/hf_bf16", "BF16", "bfloat16", bf16)
+print("model.bin, model_bf16.bin, hf/ and hf_bf16/ hold the trained weights, read by the formats' specifications: ok")
+PY
 # -x 0 into the training run's own folder keeps that run's log: its records are appended after an
 # evaluation_of line.
 cp "$dir/a/log.jsonl" "$dir/a_log_before"
@@ -122,7 +224,6 @@ cmp -s "$dir/a_log_before" <(head -c "$n" "$dir/a/log.jsonl") &&
     [ "$(tail -n +$(($(wc -l <"$dir/a_log_before") + 1)) "$dir/a/log.jsonl" | head -n 1)" = "{\"evaluation_of\":\"$dir/a/model.bin\"}" ] &&
     grep -q '"step":0,"sample"' "$dir/a/log.jsonl" && grep -q "holds an earlier run's records" "$dir/ax0.out" ||
     { echo "FAIL: -x 0 into a trained folder must keep its log and append after an evaluation_of line"; cat "$dir/ax0.out"; tail -3 "$dir/a/log.jsonl"; exit 1; }
-[ -f "$dir/d/model_bf16.bin" ] || { echo "FAIL: no model_bf16.bin"; exit 1; }
 # A Hugging Face export of this 97-token model next to a --vocab-dir of GPT-2's 50257-token tokenizer
 # (made here: the sizes are what counts): the folder without tokenizer files, and a note saying why.
 mkdir -p "$dir/gpt2tok"
@@ -187,6 +288,6 @@ expect_exit 2 "longer than the model's maximum sequence length 32" "${flags[@]}"
 expect_exit 2 "not a multiple of B\*T = 2\*8 = 16" "${flags[@]}" -d 24
 expect_exit 2 "--prompt-ids: token 97 is outside the model's vocabulary \[0, 97)" "${flags[@]}" -g 4 --prompt-ids 1,97
 expect_exit 2 "'x' is not a token id" "${flags[@]}" -g 4 --prompt-ids 1,x
-expect_exit 3 "model file '$dir/missing.bin' does not exist" -e "$dir/missing.bin" -o ""
+expect_exit 3 "-e/--model '$dir/missing.bin': No such file or directory" -e "$dir/missing.bin" -o ""
 expect_exit 2 "unknown model descriptor 'd5'" -e d5 -o ""
 echo "ok"
