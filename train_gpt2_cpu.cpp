@@ -573,6 +573,7 @@ int main(int argc, char** argv) {
         out.open_log(opt.max_steps == 0, opt.model);
         RunControl::Limits limits;
         limits.max_bad_steps = opt.max_bad_steps;
+        limits.checkpoints = false;
         RunControl guard(limits, started);  // the step guard's count of skipped steps in a row
 
         // The loop: evaluate and sample between steps (and after the last), train in between.

@@ -122,6 +122,7 @@ public:
         double time_limit_s = 0;      // 0: none
         std::string time_limit_text;  // as given, for the message
         double checkpoint_seconds = 0;  // a guess of one save's time until one has been measured
+        bool checkpoints = true;        // whether the run writes checkpoints (-y 1 can resume it)
     };
     // started: when the process started (--time-limit counts from there, as a scheduler does).
     RunControl(Limits limits, std::chrono::steady_clock::time_point started)
@@ -146,8 +147,10 @@ public:
         if (++bad_run_ >= lim_.max_bad_steps) {
             fail(kExitDiverged,
                  "step %d: %d steps in a row were skipped (the last because %s); stopping. The model is as it was "
-                 "before them, and so is every checkpoint written since: resume with -y 1 and a lower learning rate, "
-                 "a longer warmup or a smaller --grad-clip", step, bad_run_, skipped.c_str());
+                 "before them%s a lower learning rate, a longer warmup or a smaller --grad-clip", step, bad_run_,
+                 skipped.c_str(),
+                 lim_.checkpoints ? ", and so is every checkpoint written since: resume with -y 1 and"
+                                  : ", and no model file was written: run again with");
         }
     }
     // The guard's bookkeeping for a checkpoint (the losses of the last applied steps behind --loss-spike

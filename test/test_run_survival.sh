@@ -56,7 +56,7 @@ grep -q '^{"step":2,"skipped":"a loss is not finite"}$' "$dir/cpu2/log.jsonl" ||
     { echo "FAIL: train_gpt2 did not log step 2 as skipped"; cat "$dir/cpu2/log.jsonl"; exit 1; }
 cmp -s "$dir/cpu1/model.bin" "$dir/cpu2/model.bin" ||
     { echo "FAIL: train_gpt2's skipped step 2 changed the model (it differs from the model after step 1)"; exit 1; }
-expect_exit 6 "error: step 2: 1 steps in a row were skipped (the last because a loss is not finite)" \
+expect_exit 6 "error: step 2: 1 steps in a row were skipped (the last because a loss is not finite); stopping. The model is as it was before them, and no model file was written: run again with a lower" \
     "${cpu[@]}" -x 4 --nan-at-step 2 --max-bad-steps 1 -o "$dir/cpu_bad"
 [ ! -e "$dir/cpu_bad/model.bin" ] || { echo "FAIL: a run stopped by the step guard wrote model.bin"; exit 1; }
 echo "train_gpt2's step guard: a bad step skipped and logged, the model unchanged; --max-bad-steps stops with exit 6 and no model: ok"
