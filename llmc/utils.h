@@ -85,12 +85,26 @@ inline std::vector<std::string> split(const std::string& text, char sep) {
     }
 }
 
+// `text` with its control characters written as escapes (\n, \r, \xNN; tabs kept), so that what a file
+// holds, quoted in a message, cannot break the message's one line.
+inline std::string escape_controls(const std::string& text) {
+    std::string out;
+    out.reserve(text.size());
+    for (unsigned char c : text) {
+        if (c == '\n') out += "\\n";
+        else if (c == '\r') out += "\\r";
+        else if ((c < 0x20 && c != '\t') || c == 0x7f) out += format("\\x%02x", c);
+        else out += char(c);
+    }
+    return out;
+}
+
 [[noreturn]] __attribute__((format(printf, 2, 3))) inline void fail(int exit_code, const char* fmt, ...) {
     va_list args;
     va_start(args, fmt);
     std::string s = vformat(fmt, args);
     va_end(args);
-    throw Error(exit_code, s);
+    throw Error(exit_code, escape_controls(s));
 }
 
 // Runs fn and converts an escaping exception into a message on stderr and an exit code, so that user

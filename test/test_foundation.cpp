@@ -118,6 +118,18 @@ TEST(Hash, Checksum64IsPinned) {
     for (size_t k = 0; k < 8; k++) EXPECT_EQ(checksum64(s.data(), 7 * k), want[k]) << 7 * k << " bytes";
 }
 
+TEST(Errors, WhatAFileHoldsCannotBreakTheMessagesLine) {
+    // A reader quotes names from the file it refuses; a newline or another control byte among them would
+    // split the one "error: ..." line the README promises.
+    try {
+        llmc::fail(llmc::kExitData, "token '%s' in '%s'", "a\nb\r\x01\x7f", "f\tg");
+        FAIL() << "fail() returned";
+    } catch (const llmc::Error& e) {
+        EXPECT_EQ(std::string(e.what()), "token 'a\\nb\\r\\x01\\x7f' in 'f\tg'");
+        EXPECT_EQ(e.exit_code(), llmc::kExitData);
+    }
+}
+
 TEST(Filesystem, KindsOfPaths) {
     TempDir dir("fs_kinds");
     write_bytes(dir / "file", "x");
