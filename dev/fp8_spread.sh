@@ -7,6 +7,8 @@
 # verdict, for both figures: |mean(arm) - mean(bf16)| <= max(bf16's range, 0.3% of bf16's mean), and every
 # run of the arm within 0.5% of bf16's mean.
 #   ARMS="0 1 all,qkv.grad.delayed" SEEDS="1 2 3 4" MODEL=d12 STEPS=600 bash dev/fp8_spread.sh
+# An arm may carry flags of its own after a colon, each NAME=VALUE ("0:--classifier-exp=0": bf16 with the
+# cuBLASLt classifier), to tell an FP8 matmul's effect from another path's.
 # Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"), MODEL (d12), STEPS
 # (600), B (64), T (1024), TRAIN / VAL (data/code_train_*.bin, data/code_val_*.bin), PARALLEL (runs at
 # once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread), PLOT (a PNG of
@@ -38,10 +40,14 @@ for arm in $ARMS; do for seed in $SEEDS; do runs+=("$arm|$seed"); done; done
 running=0
 for r in "${runs[@]}"; do
     arm=${r%|*} seed=${r#*|}
-    out="$LOGS/${arm//,/+}_seed$seed"
+    IFS=: read -r -a parts <<<"$arm"
+    flags=()
+    for f in "${parts[@]:1}"; do flags+=("${f%%=*}" "${f#*=}"); done
+    out="$LOGS/$(printf %s "$arm" | tr ',:=' '+@~')_seed$seed"
     rm -rf "$out"
-    echo "fp8_spread: --fp8 $arm --seed $seed -> $out"
-    "$TRAINER" "${args[@]}" --fp8 "$arm" --seed "$seed" --rounding-seed "$seed" -o "$out" >"$out.txt" 2>&1 &
+    echo "fp8_spread: --fp8 ${parts[0]} ${flags[*]} --seed $seed -> $out"
+    "$TRAINER" "${args[@]}" --fp8 "${parts[0]}" "${flags[@]}" --seed "$seed" --rounding-seed "$seed" -o "$out" \
+        >"$out.txt" 2>&1 &
     running=$((running + 1))
     if [ $running -ge "$PARALLEL" ]; then wait -n || die "a run failed (its output: $LOGS/*.txt)"; running=$((running - 1)); fi
 done
@@ -61,7 +67,7 @@ for name in sorted(os.listdir(logs)):
         if "val_loss" in j: val[j["step"]] = j["val_loss"]
         elif "loss" in j: train[j["step"]] = j["loss"]
     last = max(train)
-    runs.setdefault(arm.replace("+", ","), []).append(
+    runs.setdefault(arm.replace("+", ",").replace("@", ":").replace("~", "="), []).append(
         (int(seed), val[max(val)], st.mean(train[s] for s in train if s > last - 100), val))
 ref = runs["0"]
 def verdict(rows, k):
