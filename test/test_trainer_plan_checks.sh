@@ -2,7 +2,7 @@
 # The trainers' checks of a command line against the model and the data, before any work, on synthetic
 # shards (no GPU needed: train_gpt2cu is run with --dry-run 1, train_gpt2 trains a tiny model):
 #   - a command line refused (exit 2) leaves an earlier run's log.jsonl in -o as it was;
-#   - a run that needs more host memory than it has (-b 4096 -t 1024, or `ulimit -v`) is refused by
+#   - a run that needs more host memory than it has (-b 4096 -t 1024, `ulimit -v`, a memory cgroup) is refused by
 #     train_gpt2 before it allocates (exit 1, the need and what is available, which limit), and the earlier
 #     log.jsonl stays byte for byte;
 #   - -o "" with --save-model naming a format is a contradiction (exit 2, both flags named), in both
@@ -55,6 +55,21 @@ expect_bin=(./train_gpt2)
 expect_exit 1 "TiB of host memory (the model and AdamW's state .*, activations for -b 4096 -t 1024 .*); lower -b or -t" \
     -e d2 -i "$dir/syn_train_*.bin" -j "" -b 4096 -t 1024 -o "$dir/run"
 log_kept
+# A memory cgroup (how Slurm, Kubernetes and Docker bound a job), where this machine lets us make one: its
+# limit less what it holds is what the run may take; without the check the kernel kills the run mid-way,
+# with no error line.
+cg=/sys/fs/cgroup/memory/llmc_plan_checks_$$
+if mkdir "$cg" 2>/dev/null && echo $((300 << 20)) >"$cg/memory.limit_in_bytes" 2>/dev/null; then
+    trap 'rm -rf "$dir"; rmdir "$cg" 2>/dev/null' EXIT
+    expect_bin=(bash -c 'echo $$ >"$0/cgroup.procs" && exec ./train_gpt2 "$@"' "$cg")
+    expect_exit 1 "GiB of host memory (.*), and .* is available (the memory cgroup's limit, $cg/memory.limit_in_bytes, less what the cgroup holds); lower -b or -t" \
+        -e d2 -i "$dir/syn_train_*.bin" -j "" -b 16 -t 1024 -o "$dir/run"
+    log_kept
+    echo "a run over its memory cgroup's limit: refused before it allocates, the log kept: ok"
+else
+    rmdir "$cg" 2>/dev/null || true
+    echo "note: no memory cgroup can be made here (cgroup v1 memory controller, writable): that case not checked"
+fi
 echo "too little host memory: refused with the figures, the earlier log.jsonl byte for byte: ok"
 
 # -o "" writes nothing; a model asked for there is a contradiction, refused in both trainers.
