@@ -20,7 +20,7 @@ activation and takes O(T^2) memory per row.
 #include "llmc/flags.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"
-#include "llmc/model_file.h"
+#include "llmc/model_io.h"
 #include "llmc/utils.h"
 
 using namespace llmc;
@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
     return run_main([&] {
         Options o;
         Flags flags("eval_mc", "Scores a model file on a multiple-choice set with the CPU reference model.");
-        flags.add("", "model", &o.model, "the model file (llm.c's .bin, fp32 or bf16)")
+        flags.add("", "model", &o.model, "the model: an llm.c model file (fp32 or bf16) or a Hugging Face folder")
             .add("", "eval", &o.eval, "the multiple-choice set (llm.c's eval .bin)")
             .add("", "batch", &o.batch, "rows per forward", 1, 4096)
             .add("", "seq", &o.seq, "positions per row (0: the model's maxT)", 0, 1 << 20)
@@ -72,8 +72,8 @@ int main(int argc, char** argv) {
             .add("", "scores", &o.scores, "write every candidate's score to this file");
         if (!flags.parse(argc, argv)) return kExitOk;
         if (o.model.empty() || o.eval.empty()) fail(kExitUsage, "--model and --eval are needed (see eval_mc --help)");
-        std::vector<float> params;
-        const ModelFileInfo info = read_model_file(o.model, &params);
+        const ModelInfo info = probe_model(o.model);
+        const std::vector<float> params = load_model_params(o.model, info);
         if (o.seq == 0) o.seq = info.config.max_seq_len;
         McSet set = read_mc_file(o.eval, info.config.vocab_size);
         if (o.items > 0 && o.items < int64_t(set.items.size())) set.items.resize(size_t(o.items));

@@ -5,7 +5,7 @@
 #   - gpt2_cpu_dump's flags: --help prints the usage and exits 0; a malformed or missing value, an
 #     unknown flag and --tokens without --out are usage errors (exit 2) naming the flag;
 #   - eval_mc without --eval is one error line pointing to --help (exit 2), and a directory given as the
-#     eval file is refused with the system's reason (exit 3).
+#     eval file is refused with the system's reason (exit 3); a model with a NaN weight is refused (exit 4).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,4 +88,14 @@ expect_bin=(build/eval_mc)
 expect_exit 2 "^error: --model and --eval are needed (see eval_mc --help)$" --model "$dir/model.bin"
 [ "$(wc -l <"$dir/out")" = 1 ] || { echo "FAIL: eval_mc printed more than the error:"; cat "$dir/out"; exit 1; }
 expect_exit 3 "^error: cannot open '$dir' for reading: Is a directory$" --model "$dir/model.bin" --eval "$dir"
+# A NaN weight: the model is refused (exit 4, the tensor named), not scored to a nan accuracy.
+python3 - "$dir" <<'PY'
+import struct, sys
+d = sys.argv[1]
+b = bytearray(open(d + "/model.bin", "rb").read())
+b[1024 + 4 * 5:1024 + 4 * 6] = struct.pack("<f", float("nan"))
+open(d + "/nan.bin", "wb").write(b)
+PY
+expect_exit 4 "^error: model file '$dir/nan.bin': 1 parameter is not finite (NaN or infinity): 1 in tensor wte" \
+    --model "$dir/nan.bin" --eval "$dir/set.bin"
 echo "eval_mc and gpt2_cpu_dump: result files replaced whole or not at all; their command-line errors checked"
