@@ -11,7 +11,8 @@
 # cuBLASLt classifier), to tell an FP8 matmul's effect from another path's.
 # Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"), MODEL (d12), STEPS
 # (600), B (64), T (1024), TRAIN / VAL (data/code_train_*.bin, data/code_val_*.bin), PARALLEL (runs at
-# once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread), PLOT (a PNG of
+# once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread; a run whose log
+# there reached STEPS' validation is kept, not repeated, so a sweep can be finished in parts), PLOT (a PNG of
 # each arm's mean validation curve with its range as a band; none when empty), TRAINER (./train_gpt2cu).
 # The hyperparameters are GPT-2 124M's (lr 6e-4, 50 warmup steps, cosine to 10%, weight decay 0.1).
 set -euo pipefail
@@ -44,6 +45,9 @@ for r in "${runs[@]}"; do
     flags=()
     for f in "${parts[@]:1}"; do flags+=("${f%%=*}" "${f#*=}"); done
     out="$LOGS/$(printf %s "$arm" | tr ',:=' '+@~')_seed$seed"
+    if [ -f "$out/log.jsonl" ] && grep -Eq "^\\{\"step\": ?$STEPS, ?\"val_loss\"" "$out/log.jsonl"; then
+        echo "fp8_spread: --fp8 $arm --seed $seed: finished earlier ($out), kept"; continue
+    fi
     rm -rf "$out"
     echo "fp8_spread: --fp8 ${parts[0]} ${flags[*]} --seed $seed -> $out"
     "$TRAINER" "${args[@]}" --fp8 "${parts[0]}" "${flags[@]}" --seed "$seed" --rounding-seed "$seed" -o "$out" \
