@@ -408,7 +408,8 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.decay_fraction = o.decay_fraction;
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
     p.save_formats = parse_save_formats(o.save_model);
-    p.fp8 = parse_fp8_matmuls(o.fp8);
+    if (o.fp8 != "0" && o.fp8 != "1") fail(kExitUsage, "--fp8 %s: use 1 (FP8 matmuls) or 0 (bf16)", o.fp8.c_str());
+    p.fp8 = fp8_recipe(o.fp8 == "1");
     if (p.fp8.any() && c.channels % 16 != 0) {
         fail(kExitUsage, "--fp8 %s: FP8 matmuls need channels a multiple of 16, not %d", o.fp8.c_str(), c.channels);
     }
@@ -604,12 +605,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
     if (plan.fp8.any()) {
-        const char* grads = plan.fp8.grad_e4m3 ? (plan.fp8.lm_head_grad ? "E4M3 gradients but the classifier's (E5M2)"
-                                                                        : "E4M3 gradients")
-                            : plan.fp8.fc_grad_e4m3 && o.recompute != 1 ? "E5M2 gradients but the GELU gradient in E4M3"
-                                                                         : "E5M2 gradients";
-        std::printf("FP8 matmuls: %s (E4M3 activations and weights, %s, per-tensor scales); the rest bf16\n",
-                    plan.fp8.describe().c_str(), grads);
+        std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients, per-tensor scales); the rest bf16\n",
+                    plan.fp8.describe().c_str());
         if (plan.fp8.fcproj && o.recompute == 1) {
             std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16%s\n",
                         plan.fp8.fc_grad ? " and fc.grad" : "",

@@ -5,14 +5,14 @@
 # median; ours is taken from the trainer's per-step lines). Prints every run, then per mode the median over rounds and its
 # speed-up over llm.c's median.
 #   LLMC_PEER=<folder of bench_llmc.sh> bash dev/bench_vs_llmc.sh
-#   ROUNDS=3 B=64 MODES="0 all,qkv.grad.delayed" LLMC_PEER=... bash dev/bench_vs_llmc.sh
+#   ROUNDS=3 B=64 MODES="0 1" LLMC_PEER=... bash dev/bench_vs_llmc.sh
 # bench_llmc.sh builds llm.c on its first call (about a minute).
 # Needs ./train_gpt2cu (make train_gpt2cu; TRAINER names another build) and data/ (make data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 B=${B:-64}
-MODES=${MODES:-"0 all,qkv.grad.delayed"}
+MODES=${MODES:-"0 1"}
 LOGS=${LOGS:-build/bench-vs-llmc}
 TRAINER=${TRAINER:-./train_gpt2cu}
 [ -n "${LLMC_PEER:-}" ] && [ -f "$LLMC_PEER/bench_llmc.sh" ] ||

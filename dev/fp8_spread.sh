@@ -6,23 +6,25 @@
 # validation loss and the mean training loss of the last 100 steps; per arm their mean and range; and the
 # verdict, for both figures: |mean(arm) - mean(bf16)| <= max(bf16's range, 0.3% of bf16's mean), and every
 # run of the arm within 0.5% of bf16's mean.
-#   ARMS="0 1 all,qkv.grad.delayed" SEEDS="1 2 3 4" MODEL=d12 STEPS=600 bash dev/fp8_spread.sh
+#   ARMS="0 1" SEEDS="1 2 3 4" MODEL=d12 STEPS=600 bash dev/fp8_spread.sh
 # An arm may carry flags of its own after a colon, each NAME=VALUE ("0:--classifier-exp=0": bf16 with the
 # cuBLASLt classifier), to tell an FP8 matmul's effect from another path's.
 # Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"), MODEL (d12), STEPS
 # (600), B (64), T (1024), TRAIN / VAL (data/code_train_*.bin, data/code_val_*.bin), PARALLEL (runs at
 # once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread; a run whose log
 # there reached STEPS' validation is kept, not repeated, so a sweep can be finished in parts), PLOT (a PNG of
-# each arm's mean validation curve with its range as a band; none when empty), TRAINER (./train_gpt2cu).
+# each arm's mean validation curve with its range as a band; none when empty), TRAINER (./train_gpt2cu),
+# RUN (1; 0: train nothing, only report on the finished runs in LOGS, e.g. runs made on several machines).
 # The hyperparameters are GPT-2 124M's (lr 6e-4, 50 warmup steps, cosine to 10%, weight decay 0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARMS=${ARMS:-0 1}; SEEDS=${SEEDS:-1 2}; MODEL=${MODEL:-d12}; STEPS=${STEPS:-600}; B=${B:-64}; T=${T:-1024}
 TRAIN=${TRAIN:-data/code_train_*.bin}; VAL=${VAL:-data/code_val_*.bin}; PARALLEL=${PARALLEL:-2}
-LOGS=${LOGS:-build/fp8-spread}; PLOT=${PLOT:-}; TRAINER=${TRAINER:-./train_gpt2cu}
+LOGS=${LOGS:-build/fp8-spread}; PLOT=${PLOT:-}; TRAINER=${TRAINER:-./train_gpt2cu}; RUN=${RUN:-1}
 die() { echo "fp8_spread: error: $*" >&2; exit 2; }
 case " $ARMS " in *" 0 "*) ;; *) ARMS="0 $ARMS" ;; esac
 for v in STEPS B T PARALLEL; do [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer, not '${!v}'"; done
+if [ "$RUN" = 1 ]; then
 [ -x "$TRAINER" ] || die "no trainer at $TRAINER (make train_gpt2cu)"
 # The run must not read a token twice: the training shards' token counts (header[2]) against STEPS x B x T.
 python3 - "$STEPS" "$B" "$T" $TRAIN <<'PY' || exit 2
@@ -56,6 +58,7 @@ for r in "${runs[@]}"; do
     if [ $running -ge "$PARALLEL" ]; then wait -n || die "a run failed (its output: $LOGS/*.txt)"; running=$((running - 1)); fi
 done
 while [ $running -gt 0 ]; do wait -n || die "a run failed (its output: $LOGS/*.txt)"; running=$((running - 1)); done
+fi
 python3 - "$LOGS" "$PLOT" $ARMS <<'PY'
 import json, os, statistics as st, sys
 logs, plot, arms = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -89,19 +92,37 @@ for arm in arms:
     v, t = verdict(runs[arm], 1), verdict(runs[arm], 2)
     print("%-26s %.4f  %.4f  %+.2f%%              %.4f  %.4f  %+.2f%%              %s" % (
         arm, v[0], v[1], v[2], t[0], t[1], t[2], "reference" if arm == "0" else "pass" if v[3] and t[3] else "fail"))
+# The run clause on bf16's own runs, and each arm against bf16 paired by seed (the same initialisation and
+# data order), tell what the spread is made of.
+for k, what in ((1, "final val"), (2, "last 100")):
+    m = st.mean(r[k] for r in ref)
+    print("bf16's own runs within 0.5%% of their mean (%s): %d of %d" % (what, sum(abs(r[k] - m) <= 0.005 * m for r in ref), len(ref)))
+by_seed = {r[0]: r for r in ref}
+for arm in arms[1:]:
+    d = [100 * (r[1] / by_seed[r[0]][1] - 1) for r in runs[arm] if r[0] in by_seed]
+    if d:
+        print("%-26s against bf16's run of the same seed (final val): mean %+.2f%%, from %+.2f%% to %+.2f%% (%d seeds)"
+              % (arm, st.mean(d), min(d), max(d), len(d)))
 if plot:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ref_steps = sorted(set.intersection(*(set(r[3]) for r in ref)))
+    ref_mean = {s: st.mean(r[3][s] for r in ref) for s in ref_steps}
     for arm in arms:
         steps = sorted(set.intersection(*(set(r[3]) for r in runs[arm])))
-        steps = [s for s in steps if s > 0]
+        steps = [s for s in steps if s >= 200 and s in ref_mean]
         curves = [[r[3][s] for s in steps] for r in runs[arm]]
-        mean = [st.mean(c) for c in zip(*curves)]
-        ax.plot(steps, mean, label="--fp8 %s (%d runs)" % (arm, len(curves)))
-        ax.fill_between(steps, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)], alpha=0.25)
+        label = "--fp8 %s (%d runs)" % (arm, len(curves))
+        ax.plot(steps, [st.mean(c) for c in zip(*curves)], label=label)
+        ax.fill_between(steps, [min(c) for c in zip(*curves)], [max(c) for c in zip(*curves)], alpha=0.2)
+        pct = [[100 * (v / ref_mean[s] - 1) for v, s in zip(c, steps)] for c in curves]
+        rel.plot(steps, [st.mean(c) for c in zip(*pct)], label=label)
+        rel.fill_between(steps, [min(c) for c in zip(*pct)], [max(c) for c in zip(*pct)], alpha=0.2)
     ax.set_xlabel("step"); ax.set_ylabel("validation loss"); ax.legend(); ax.grid(alpha=0.3)
+    rel.set_xlabel("step"); rel.set_ylabel("validation loss vs bf16's mean (%)"); rel.grid(alpha=0.3)
+    rel.set_title("mean and range of each arm's runs", fontsize=10)
     fig.tight_layout(); fig.savefig(plot, dpi=110)
     print("plot: %s" % plot)
 PY

@@ -54,11 +54,7 @@ is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 
 it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
 output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
 transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
-its columns for fc's bias (fc.grad.e4m3: the GELU gradient in E4M3 instead, 3 mantissa bits to E5M2's 2,
-for a tensor whose range one per-tensor scale covers; an option while the loss comparisons decide).
-grad.e4m3 does the same for every gradient named above that E5M2 holds (the residual stream's, dqkv, the
-GELU gradient), the classifier's dlogits excepted. qkv.grad.delayed gives dqkv a delayed scale of its own
-too, so attention's backward writes it in FP8 itself, in both layouts with the bias's column sums
+its columns for fc's bias. qkv.grad.delayed gives dqkv a delayed scale of its own too, so attention's backward writes it in FP8 itself, in both layouts with the bias's column sums
 (llmc/attention.cuh attention_backward_fp8; the bytes and sums the cast would make at that scale), and
 neither bf16 dqkv nor the cast pass exists; the first step, or a shape its kernels do not take, casts as
 qkv.grad does. backward adds the amaxes measured in the step to the history (one entry per training forward and
@@ -155,24 +151,20 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
-// Which of the model's matmuls run with FP8 operands (the file's comment); the rest stay bf16.
+// Which of the model's matmuls run with FP8 operands (the file's comment; the trainer's --fp8 1 turns
+// them all on: fp8_recipe()); the rest stay bf16. The matmuls are named apart because a shape or setting
+// can keep some of them in bf16 (rows not a multiple of 16, recompute, attention without its FP8 kernels).
 struct Fp8Matmuls {
     bool qkv = false, fc = false, lm_head = false;  // forward
     bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
-    bool lm_head_grad = false;                      // the classifier's backward, both matmuls (needs lm_head)
-    bool qkv_grad = false;                          // qkv's backward, dX and dW (needs qkv)
-    bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3; needs fc)
-    bool fc_grad = false;                           // fc's backward, fcproj's dX (the GELU gradient; needs fcproj)
-    bool fc_grad_e4m3 = false;                      // fc.grad with the GELU gradient in E4M3 instead (implies fc.grad)
-    bool grad_e4m3 = false;                         // every gradient operand in E4M3 but the classifier's dlogits
-    bool qkv_grad_delayed = false;  // qkv.grad with dqkv at a delayed scale, written in FP8 by attention's
-                                    // backward itself (implies qkv.grad; needs fcproj, whose history it joins)
+    bool lm_head_grad = false;                      // the classifier's backward, both matmuls
+    bool qkv_grad = false;                          // qkv's backward, dX and dW
+    bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3)
+    bool fc_grad = false;                           // fc's backward, fcproj's dX (the GELU gradient)
+    bool qkv_grad_delayed = false;  // dqkv at a delayed scale, written in FP8 by attention's backward itself
     bool any() const {
         return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
     }
-    // Whether a backward matmul other than the classifier's reads a gradient in FP8 (what grad.e4m3 changes).
-    bool any_grad() const { return attproj_dx || fcproj_dx || qkv_grad || fcproj || fc_grad; }
-    bool dgelu_e4m3() const { return fc_grad_e4m3 || grad_e4m3; }  // the GELU gradient's format (fc.grad)
     std::string describe() const {
         std::string s;
         auto add = [&](bool on, const char* name) {
@@ -187,76 +179,16 @@ struct Fp8Matmuls {
         add(qkv_grad, "qkv.grad");
         add(fcproj, "fcproj");
         add(fc_grad, "fc.grad");
-        add(fc_grad_e4m3, "fc.grad.e4m3");
-        add(grad_e4m3, "grad.e4m3");
         add(qkv_grad_delayed, "qkv.grad.delayed");
         return s.empty() ? "none" : s;
     }
 };
 
-// "0" or "none": no FP8; "1": qkv, fc, lm_head, attproj.dx and lm_head.grad (fcproj.dx, whose FP8 matmul
-// with the GELU gradient epilogue is slower than bf16's on the H200, is left out, and qkv.grad and fcproj);
-// "all": every matmul Fp8Matmuls names (the GELU gradient in E5M2); else a comma-separated list of qkv, fc,
-// lm_head, attproj.dx, fcproj.dx, lm_head.grad (which needs lm_head), qkv.grad (which needs qkv), fcproj
-// (which needs fc), fc.grad (which needs fcproj), fc.grad.e4m3 (fc.grad with the GELU gradient in E4M3)
-// and grad.e4m3 (every gradient those matmuls read in E4M3: the residual stream's, dqkv, the GELU
-// gradient; not the classifier's dlogits) and qkv.grad.delayed (qkv.grad with dqkv at a delayed scale,
-// written in FP8 by attention's backward itself; needs qkv and fcproj), in which 1 and all stand for their
-// matmuls (so "1,qkv.grad" is 1 and qkv.grad, "all,fc.grad.e4m3" all with the E4M3 GELU gradient).
-inline Fp8Matmuls parse_fp8_matmuls(const std::string& text) {
+// --fp8 1: every matmul above in FP8 (docs/performance.md measures it against bf16).
+inline Fp8Matmuls fp8_recipe(bool on) {
     Fp8Matmuls m;
-    if (text == "0" || text == "none" || text.empty()) return m;
-    for (const std::string& name : split(text, ',')) {
-        if (name == "1") {  // what pays at d12 (docs/performance.md)
-            m.qkv = m.fc = m.lm_head = m.attproj_dx = m.lm_head_grad = true;
-        } else if (name == "all") {
-            m.qkv = m.fc = m.lm_head = m.attproj_dx = m.fcproj_dx = m.lm_head_grad = m.qkv_grad = m.fcproj = true;
-            m.fc_grad = true;
-        } else if (name == "qkv") {
-            m.qkv = true;
-        } else if (name == "fc") {
-            m.fc = true;
-        } else if (name == "lm_head") {
-            m.lm_head = true;
-        } else if (name == "attproj.dx") {
-            m.attproj_dx = true;
-        } else if (name == "fcproj.dx") {
-            m.fcproj_dx = true;
-        } else if (name == "lm_head.grad") {
-            m.lm_head_grad = true;
-        } else if (name == "qkv.grad") {
-            m.qkv_grad = true;
-        } else if (name == "fcproj") {
-            m.fcproj = true;
-        } else if (name == "fc.grad") {
-            m.fc_grad = true;
-        } else if (name == "fc.grad.e4m3") {
-            m.fc_grad = m.fc_grad_e4m3 = true;
-        } else if (name == "grad.e4m3") {
-            m.grad_e4m3 = true;
-        } else if (name == "qkv.grad.delayed") {
-            m.qkv_grad = m.qkv_grad_delayed = true;
-        } else {
-            fail(kExitUsage, "--fp8 %s: unknown matmul '%s'; use 0, 1, all, or a comma-separated list of 1, all, qkv, "
-                 "fc, lm_head, attproj.dx, fcproj.dx, lm_head.grad, qkv.grad, fcproj, fc.grad, fc.grad.e4m3, grad.e4m3, "
-                 "qkv.grad.delayed", text.c_str(), name.c_str());
-        }
-    }
-    if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "--fp8 %s: lm_head.grad needs lm_head too", text.c_str());
-    if (m.qkv_grad && !m.qkv) {
-        fail(kExitUsage, "--fp8 %s: %s needs qkv too", text.c_str(), m.qkv_grad_delayed ? "qkv.grad.delayed" : "qkv.grad");
-    }
-    if (m.qkv_grad_delayed && !m.fcproj) {
-        fail(kExitUsage, "--fp8 %s: qkv.grad.delayed needs fcproj too (its amax history is fcproj's)", text.c_str());
-    }
-    if (m.fcproj && !m.fc) fail(kExitUsage, "--fp8 %s: fcproj needs fc too", text.c_str());
-    if (m.fc_grad && !m.fcproj) {
-        fail(kExitUsage, "--fp8 %s: %s needs fcproj too", text.c_str(), m.fc_grad_e4m3 ? "fc.grad.e4m3" : "fc.grad");
-    }
-    if (m.grad_e4m3 && !m.any_grad()) {
-        fail(kExitUsage, "--fp8 %s: grad.e4m3 needs a backward matmul in FP8 (attproj.dx, fcproj.dx, qkv.grad, fcproj "
-             "or fc.grad)", text.c_str());
-    }
+    m.qkv = m.fc = m.lm_head = m.attproj_dx = m.fcproj_dx = m.lm_head_grad = m.qkv_grad = m.fcproj = m.fc_grad = on;
+    m.qkv_grad_delayed = on;
     return m;
 }
 
@@ -429,12 +361,8 @@ public:
         if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
         if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
         if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
-        if (m.fc_grad_e4m3 && !m.fc_grad) fail(kExitUsage, "FP8 fc.grad.e4m3 needs fc.grad (%s)", m.describe().c_str());
         if (m.qkv_grad_delayed && !(m.qkv_grad && m.fcproj)) {
             fail(kExitUsage, "FP8 qkv.grad.delayed needs qkv.grad and fcproj (%s)", m.describe().c_str());
-        }
-        if (m.grad_e4m3 && !m.any_grad()) {
-            fail(kExitUsage, "FP8 grad.e4m3 needs a gradient matmul (%s)", m.describe().c_str());
         }
         const size_t L = size_t(c.num_layers), C = size_t(c.channels);
         const bool on[kFp8WeightKinds] = {m.qkv,      m.fc,     m.attproj_dx, m.fcproj_dx || m.fc_grad,
@@ -458,7 +386,7 @@ public:
             cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
             cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
         }
-        // fc.grad: the GELU's gradient in E5M2 (fc.grad.e4m3: E4M3), row-major (N, 4C) and transposed (4C, N).
+        // fc.grad: the GELU's gradient in E5M2, row-major (N, 4C) and transposed (4C, N).
         if (m.fc_grad) fp8_grad_.allocate(8 * nc_);
         memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes() + fp8_delayed_.bytes() +
                       fp8_history_.bytes() + fp8_grad_.bytes();
@@ -679,8 +607,8 @@ public:
         // spent), ln1 in d_fch_ (layer l's fc gradient is).
         const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
         const bool fp8_qkv_grad = fp8_.qkv_grad && fp8_rows(N);
-        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2 (E4M3 with grad.e4m3),
-        // transposed, and the byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient
+        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2, transposed,
+        // and the byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient
         // is spent), after the row-major copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
         const bool fp8_fcproj_w = fp8_fcproj_on(N);
         const bool fp8_fc_grad = fp8_fcproj_w && fp8_.fc_grad;
@@ -767,8 +695,8 @@ public:
             // holds the last layer's forward output: recompute layer l's.
             if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
             if (fp8_fcproj_w) {
-                with_grad_format([&](auto format) {
-                    using G = decltype(format);
+                {  // the gradient in E5M2
+                    using G = __nv_fp8_e5m2;
                     uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
                     auto* g8 = reinterpret_cast<G*>(at);
                     auto* g8t = reinterpret_cast<G*>(at + nc_);
@@ -790,22 +718,22 @@ public:
                     fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_delayed_descale(l),
                                gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                     bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
-                });
+                }
             } else {
                 if (fp8_fcproj) {
-                    with_grad_format([&](auto format) {
-                        const auto* g8 = fp8_cast_operand<decltype(format)>(d_residual_, N * C, kFp8Grad);
+                    {  // the gradient in E5M2
+                        const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
                         fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
                                    fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
                                    Fp8Epilogue{nullptr, nullptr, a.fch});
-                    });
+                    }
                 }
                 if (dw > 0 && l < L - 1) await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
                 linear_backward(dw >= 2, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
                                 b.fcprojw, 4 * C, C, dw >= 2 ? dw_->fcproj_done.get() : nullptr, a.fch);  // fcprojb: see above
             }
             if (fp8_fc_grad) {
-                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 (E4M3 with fc.grad.e4m3) both ways at the
+                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 both ways at the
                 // layer's delayed scale (its amax measured for the next; without a history, a first pass at scale
                 // 1 measures it), its column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's
                 // copy), dW += dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
@@ -813,8 +741,8 @@ public:
                 auto* sums = reinterpret_cast<float*>(d_ln_);
                 auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot));
                 auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
-                auto fc_backward = [&](auto format) {
-                    using G = decltype(format);
+                {
+                    using G = __nv_fp8_e5m2;
                     auto* q = reinterpret_cast<G*>(fp8_grad_.get());
                     G* qt = q + 4 * nc_;
                     auto cast = [&]() {
@@ -829,8 +757,7 @@ public:
                                fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
                     fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
                                gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                };
-                fp8_.dgelu_e4m3() ? fc_backward(__nv_fp8_e4m3{}) : fc_backward(__nv_fp8_e5m2{});
+                }
             } else {
                 const floatX* ln2 =
                     a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
@@ -846,11 +773,11 @@ public:
                                gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
             // residual2 = residual + attproj(attention(qkv(ln1))).
             if (fp8_attproj) {
-                with_grad_format([&](auto format) {
-                    const auto* g8 = fp8_cast_operand<decltype(format)>(d_residual_, N * C, kFp8Grad);
+                {  // the gradient in E5M2
+                    const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
                     fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
                                fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
-                });
+                }
             }
             linear_backward(dw >= 2, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
                             b.attprojw, C, C, dw >= 2 ? dw_->attproj_done.get() : nullptr);  // attprojb: ln2's backward
@@ -874,8 +801,8 @@ public:
                                    qkvb_sums);
             }
             if (fp8_qkv_grad) {
-                with_grad_format([&](auto format) {
-                    // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2 (E4M3 with grad.e4m3)
+                {  // the gradient in E5M2
+                    // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2
                     // in both layouts (one cast, its amax recorded by attention's backward) and ln1^T (a byte
                     // transpose of the kept E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias
                     // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv. With
@@ -883,7 +810,7 @@ public:
                     // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for
                     // the history; without one (the first step, or a shape its kernels do not take) the cast
                     // runs as above and its amax joins the history.
-                    using G = decltype(format);
+                    using G = __nv_fp8_e5m2;
                     auto* g8 = reinterpret_cast<G*>(d_fch_);
                     G* g8t = g8 + N * 3 * C;
                     auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
@@ -921,7 +848,7 @@ public:
                                gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
                     bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C,
                                             stream_);
-                });
+                }
             } else {
                 const floatX* ln1 =
                     a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
@@ -1051,24 +978,21 @@ private:
         if (fp8_fcproj) {
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_delayed_scale(0),
                                               fp8_delayed_descale(0), kFp8SlotStride, stream_);
-            auto dgelu_scales = [&](auto format) {
-                fp8_delayed_scales<decltype(format)>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
-                                                     fp8_delayed_scale(fp8_dgelu_slot(0)),
-                                                     fp8_delayed_descale(fp8_dgelu_slot(0)), kFp8SlotStride, stream_);
-            };
-            fp8_.dgelu_e4m3() ? dgelu_scales(__nv_fp8_e4m3{}) : dgelu_scales(__nv_fp8_e5m2{});
+            fp8_delayed_scales<__nv_fp8_e5m2>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
+                                              fp8_delayed_scale(fp8_dgelu_slot(0)),
+                                              fp8_delayed_descale(fp8_dgelu_slot(0)), kFp8SlotStride, stream_);
             // ln1's and ln2's slots, one after the other.
             const int ln_slots = fp8_ln1_delayed_slot(0);
             fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
                                               kFp8HistoryLen, fp8_delayed_scale(ln_slots),
                                               fp8_delayed_descale(ln_slots), kFp8SlotStride, stream_);
             if (fp8_.qkv_grad_delayed) {
-                with_grad_format([&](auto format) {
-                    fp8_delayed_scales<decltype(format)>(
+                {  // the gradient in E5M2
+                    fp8_delayed_scales<__nv_fp8_e5m2>(
                         fp8_history_.get() + size_t(fp8_dqkv_slot(0)) * kFp8HistoryLen, L, kFp8HistoryLen,
                         fp8_delayed_scale(fp8_dqkv_slot(0)), fp8_delayed_descale(fp8_dqkv_slot(0)), kFp8SlotStride,
                         stream_);
-                });
+                }
             }
         }
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
@@ -1229,7 +1153,7 @@ private:
     // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
     // aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
     // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3), the
-    // gradient's (E5M2, or E4M3 with grad.e4m3), each reused by one matmul after another, and the classifier's dlogits (E5M2).
+    // gradient's (E5M2), each reused by one matmul after another, and the classifier's dlogits (E5M2).
     // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
     // Engine does for the forward; the backward ones promote as usual.
     static constexpr bool kFp8FastAccumForward = true;
@@ -1324,16 +1248,6 @@ private:
         Fp8* q = reinterpret_cast<Fp8*>(d_qkv_);
         fp8_cast(q, x, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
         return q;
-    }
-    // f(__nv_fp8_e4m3{}) with grad.e4m3, else f(__nv_fp8_e5m2{}): the format of the gradients backward casts
-    // for its FP8 matmuls (the residual stream's, dqkv; the GELU gradient's is dgelu_e4m3()).
-    template <class F>
-    void with_grad_format(F&& f) const {
-        if (fp8_.grad_e4m3) {
-            f(__nv_fp8_e4m3{});
-        } else {
-            f(__nv_fp8_e5m2{});
-        }
     }
     // The LayerNorm output forward just wrote to d_ln_ (n values, its amax in the slot) into its kept FP8
     // copy q; the slot's descale set.

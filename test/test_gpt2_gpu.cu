@@ -34,22 +34,19 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     column, -(the row's other values' sum), 1e-2; the padded columns exactly 0), every gradient (5e-2),
     and a second step's loss and gradients bit for bit.
   - FP8 mode (every FP8 matmul on; skipped on GPUs without FP8 tensor cores): the forward and backward
-    against the CPU at every shape (and again with the classifier's backward in bf16, and with the GELU
-    gradient in E4M3), the 10 AdamW steps, gradient accumulation and the determinism test again (with and
-    without fc.grad.e4m3), with the FP8
+    against the CPU at every shape (the trainer's recipe; every FP8 matmul with dqkv cast at its own max;
+    what -r 1 leaves of the recipe; the classifier's backward in bf16), the 10 AdamW steps, gradient
+    accumulation and the determinism test again (with dqkv cast and at its delayed scale), with the FP8
     tolerances (kFp8Tol: logits 0.15, loss 1e-2, each gradient tensor 0.25, step losses 2e-2 and norms
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
     kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise (but for the weight
     gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
-    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). grad.e4m3 changes the
-    block weight gradients of a step against all's (E4M3 casts, not E5M2) and keeps them within the FP8
-    gradient tolerance, and it reaches the residual stream's gradient (the last layer's fcproj weight
-    gradient differs from fc.grad.e4m3's). The kept FP8 LayerNorm outputs each keep their own scale: with
+    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). The kept FP8 LayerNorm outputs each keep their own scale: with
     ln1 and ln2 16x apart, and the step after ln2's weights grew 4x, the gradients match the CPU. After a
     step whose GELU output and GELU gradient amax histories are cut to 1/64
     (as after a 64x spike), the model's count of tensors that outgrew their history (fp8_outgrown) is 0
-    after the first step and at least 2 L after the next. The trainer's --fp8 values parse to the matmuls
-    they name (this one runs without a GPU).
+    after the first step and at least 2 L after the next. The trainer's --fp8 1 names every FP8 matmul (this one
+    runs without a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -345,18 +342,19 @@ TEST_P(GPT2GpuTest, ForwardAndBackwardMatchCpu) {
     check_forward_backward(k, Fp8Matmuls{}, kBf16Tol);
 }
 
-// The same with every FP8 matmul on (also with the GELU gradient in E4M3, and with every gradient but the
-// classifier's in E4M3), and with all but the classifier's backward (skipped on GPUs without FP8 tensor
-// cores).
+// The same with the trainer's FP8 recipe (--fp8 1), with every FP8 matmul on but dqkv's delayed scale
+// (dqkv cast at its own max, as where attention's FP8 backward does not apply), with what -r 1 leaves of
+// the recipe (fcproj and fc.grad in bf16: fcproj's dX is the FP8 matmul with the GELU-gradient epilogue),
+// and with all but the classifier's backward (skipped on GPUs without FP8 tensor cores).
 TEST_P(GPT2GpuTest, Fp8ForwardAndBackwardMatchCpu) {
     const Case& k = GetParam();
     if (k.long_running && !long_tests_enabled()) GTEST_SKIP() << "skipped: set LLMC_LONG_TESTS=1 to run " << k.name;
     if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
+    check_forward_backward(k, fp8_recipe(true), kFp8Tol);
     check_forward_backward(k, kAllFp8, kFp8Tol);
-    check_forward_backward(k, parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol);
-    check_forward_backward(k, parse_fp8_matmuls("all,grad.e4m3"), kFp8Tol);
-    // fcproj.dx without fc.grad: the FP8 matmul with the GELU-gradient epilogue, E4M3 x E4M3.
-    check_forward_backward(k, parse_fp8_matmuls("qkv,fc,lm_head,attproj.dx,fcproj.dx,grad.e4m3"), kFp8Tol);
+    Fp8Matmuls recompute = fp8_recipe(true);
+    recompute.fcproj = recompute.fc_grad = recompute.qkv_grad_delayed = false;
+    check_forward_backward(k, recompute, kFp8Tol);
     check_forward_backward(k, kFp8HeadGradBf16, kFp8Tol);
 }
 
@@ -380,16 +378,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GPT2GpuTest, ::testing::ValuesIn(cases()),
 
 class GPT2TrainingTest : public GpuTest {};
 
-// bf16, then where the GPU has FP8 tensor cores every FP8 matmul, every one with the GELU gradient in
-// E4M3 (over several steps: its delayed scales, which a single step never uses, must be E4M3's), and every
-// one with dqkv at its delayed scale (which also only the steps after the first use; the C=96 model's
+// bf16, then where the GPU has FP8 tensor cores every FP8 matmul with dqkv cast at its own max, and the
+// trainer's recipe, dqkv at its delayed scale (which only the steps after the first use; the C=96 model's
 // head size runs the cast instead).
 std::vector<std::pair<Fp8Matmuls, Tolerances>> modes() {
     std::vector<std::pair<Fp8Matmuls, Tolerances>> m{{Fp8Matmuls{}, kBf16Tol}};
     if (fp8_supported()) {
         m.push_back({kAllFp8, kFp8Tol});
-        m.push_back({parse_fp8_matmuls("all,fc.grad.e4m3"), kFp8Tol});
-        m.push_back({parse_fp8_matmuls("all,qkv.grad.delayed"), kFp8Tol});
+        m.push_back({fp8_recipe(true), kFp8Tol});
     } else {
         std::printf("  (FP8 mode not run: this GPU has no FP8 tensor cores)\n");
     }
@@ -757,42 +753,13 @@ TEST_F(GPT2TrainingTest, WeightGradientsOnASecondStreamKeepTheBits) {
 // which read the LayerNorm outputs FP8 keeps for backward (in E4M3, read back to bf16: so close to
 // bf16's, within the forward FP8 tolerance, not equal). At B x T = 256 FP8 gives other bits (so the mode
 // really is on).
-// The trainer's --fp8 values (no GPU needed).
-TEST(Fp8Matmuls, ParsesTheTrainersValues) {
-    EXPECT_EQ(parse_fp8_matmuls("0").describe(), "none");
-    EXPECT_EQ(parse_fp8_matmuls("1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad");
-    EXPECT_EQ(parse_fp8_matmuls("all").describe(),
-              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
-    EXPECT_EQ(parse_fp8_matmuls("fcproj,fc").describe(), "fc,fcproj");
-    EXPECT_EQ(parse_fp8_matmuls("fc.grad,fcproj,fc").describe(), "fc,fcproj,fc.grad");
-    EXPECT_EQ(parse_fp8_matmuls("1,qkv.grad,fcproj,fc.grad").describe(),
-              "qkv,fc,lm_head,attproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
-    EXPECT_EQ(parse_fp8_matmuls("fcproj,1").describe(), "qkv,fc,lm_head,attproj.dx,lm_head.grad,fcproj");
-    expect_error([] { parse_fp8_matmuls("qkv,fcproj"); }, kExitUsage, {"fcproj needs fc"});
-    expect_error([] { parse_fp8_matmuls("fc,fc.grad"); }, kExitUsage, {"fc.grad needs fcproj"});
-    EXPECT_EQ(parse_fp8_matmuls("lm_head.grad,lm_head").describe(), "lm_head,lm_head.grad");
-    EXPECT_EQ(parse_fp8_matmuls("qkv.grad,qkv").describe(), "qkv,qkv.grad");
-    expect_error([] { parse_fp8_matmuls("qkv,lm_head.grad"); }, kExitUsage, {"lm_head.grad needs lm_head"});
-    expect_error([] { parse_fp8_matmuls("fc,qkv.grad"); }, kExitUsage, {"qkv.grad needs qkv"});
-    expect_error([] { parse_fp8_matmuls("qkv,lm_head.dx"); }, kExitUsage, {"unknown matmul 'lm_head.dx'"});
-    EXPECT_EQ(parse_fp8_matmuls("all,fc.grad.e4m3").describe(),
-              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,fc.grad.e4m3");
-    EXPECT_EQ(parse_fp8_matmuls("fc,fcproj,fc.grad.e4m3").describe(), "fc,fcproj,fc.grad,fc.grad.e4m3");
-    EXPECT_EQ(parse_fp8_matmuls("1,all").describe(), parse_fp8_matmuls("all").describe());
-    expect_error([] { parse_fp8_matmuls("fc,fc.grad.e4m3"); }, kExitUsage, {"fc.grad.e4m3 needs fcproj"});
-    EXPECT_EQ(parse_fp8_matmuls("all,grad.e4m3").describe(),
-              "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,grad.e4m3");
-    EXPECT_TRUE(parse_fp8_matmuls("1,grad.e4m3").grad_e4m3);
-    EXPECT_TRUE(parse_fp8_matmuls("all,grad.e4m3").dgelu_e4m3());
-    EXPECT_FALSE(parse_fp8_matmuls("all").dgelu_e4m3());
-    expect_error([] { parse_fp8_matmuls("qkv,fc,lm_head,grad.e4m3"); }, kExitUsage,
-                 {"grad.e4m3 needs a backward matmul in FP8"});
-    EXPECT_EQ(parse_fp8_matmuls("all,qkv.grad.delayed").describe(),
+// The trainer's --fp8 values (no GPU needed): 0 none, 1 every FP8 matmul the model has.
+TEST(Fp8Matmuls, TheRecipe) {
+    EXPECT_FALSE(fp8_recipe(false).any());
+    EXPECT_EQ(fp8_recipe(false).describe(), "none");
+    EXPECT_EQ(fp8_recipe(true).describe(),
               "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad,qkv.grad.delayed");
-    EXPECT_TRUE(parse_fp8_matmuls("qkv,fc,fcproj,qkv.grad.delayed").qkv_grad);
-    EXPECT_FALSE(parse_fp8_matmuls("all").qkv_grad_delayed);
-    expect_error([] { parse_fp8_matmuls("fc,fcproj,qkv.grad.delayed"); }, kExitUsage, {"qkv.grad.delayed needs qkv"});
-    expect_error([] { parse_fp8_matmuls("1,qkv.grad.delayed"); }, kExitUsage, {"qkv.grad.delayed needs fcproj"});
+    EXPECT_EQ(kAllFp8.describe(), "qkv,fc,lm_head,attproj.dx,fcproj.dx,lm_head.grad,qkv.grad,fcproj,fc.grad");
 }
 
 // ||got - want|| / ||want|| over n bf16 values (a tensor of two gradient arrays).
@@ -806,16 +773,16 @@ double relative_difference(const floatX* got, const floatX* want, int64_t n) {
     return std::sqrt(diff / norm);
 }
 
-// A d2 model at B x T with --fp8 `fp8`, the parameters test_parameters(c, seed), one batch (tokens from
+// A d2 model at B x T with the FP8 matmuls `fp8`, the parameters test_parameters(c, seed), one batch (tokens from
 // seeds seed + 1, seed + 2): each of `steps` training steps' gradients, an AdamW step after each but the last.
-std::vector<std::vector<floatX>> step_gradients(const char* fp8, int B, int T, uint64_t seed, int steps) {
+std::vector<std::vector<floatX>> step_gradients(const Fp8Matmuls& fp8, int B, int T, uint64_t seed, int steps) {
     const GPT2Config c = config_from_descriptor("d2");
     const size_t N = size_t(B) * T;
     const std::vector<int> inputs = random_tokens<int>(N, c.vocab_size, seed + 1);
     const std::vector<int> targets = random_tokens<int>(N, c.vocab_size, seed + 2);
     Stream stream;
     GPT2 gpu(c, B, T, stream);
-    gpu.set_fp8(parse_fp8_matmuls(fp8));
+    gpu.set_fp8(fp8);
     gpu.set_parameters(test_parameters(c, seed));
     auto d_in = upload(inputs), d_tg = upload(targets);
     AdamWSettings settings;
@@ -843,7 +810,7 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
         GTEST_SKIP() << "skipped: attention_backward_fp8 needs the sm_90a kernels (a GPU_ARCH=90 build on compute 9.0)";
     }
     // Steps 1 and 2 (the same batch, one AdamW step after the first).
-    const auto all = step_gradients("all", B, T, 81, 2), delayed = step_gradients("all,qkv.grad.delayed", B, T, 81, 2);
+    const auto all = step_gradients(kAllFp8, B, T, 81, 2), delayed = step_gradients(fp8_recipe(true), B, T, 81, 2);
     EXPECT_EQ(0, std::memcmp(all[0].data(), delayed[0].data(), all[0].size() * sizeof(floatX)))
         << "step 1 (no history): qkv.grad.delayed must cast dqkv as qkv.grad does";
     const auto tensors = param_tensors(c);
@@ -904,23 +871,6 @@ TEST_F(GPT2TrainingTest, OutgrownDelayedScalesAreCounted) {
     EXPECT_LE(outgrown, float(h.slots));
 }
 
-// grad.e4m3 changes what the gradients' casts write (E4M3, not E5M2): the same step's weight gradients must
-// differ from `all`'s somewhere, and stay close to them.
-TEST_F(GPT2TrainingTest, GradE4m3CastsTheGradientsInE4m3) {
-    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
-    const GPT2Config c = config_from_descriptor("d2");
-    const std::vector<floatX> e5m2 = step_gradients("all", 4, 64, 71, 1)[0];
-    const std::vector<floatX> e4m3 = step_gradients("all,grad.e4m3", 4, 64, 71, 1)[0];
-    const auto tensors = param_tensors(c);
-    for (int i : {int(kQkvw), int(kAttprojw), int(kFcw), int(kFcprojw)}) {
-        const ParamTensorInfo& t = tensors[size_t(i)];
-        const double rel = relative_difference(e4m3.data() + t.offset, e5m2.data() + t.offset, t.numel);
-        std::printf("  %s gradient, grad.e4m3 against E5M2: %.3e relative\n", t.name, rel);
-        EXPECT_GT(rel, 0.0) << t.name << ": grad.e4m3 changed nothing";
-        EXPECT_LT(rel, kFp8Tol.grad) << t.name;
-    }
-}
-
 // The LayerNorm outputs FP8 keeps for backward (ln1, ln2: E4M3 at delayed scales with fcproj) each have
 // their own scale. With ln1's weights a quarter and ln2's four times test_parameters' (their amaxes ~16x
 // apart), a weight gradient that read one back with the other's descale would be ~16x off; the gradients
@@ -975,22 +925,6 @@ TEST_F(GPT2TrainingTest, Fp8KeptLayerNormOutputsUseTheirOwnScales) {
     model->set_parameters(grown);  // the amax history stays
     step_grads();
     check(grown, step_grads(), "the step after ln2's 4x growth reached its history");
-}
-
-// Whether grad.e4m3 reaches past the GELU gradient (fc.grad.e4m3's part of it) to the residual stream's
-// gradient and dqkv: the last layer's fcproj weight gradient reads the final LayerNorm's gradient, cast
-// by fcproj's backward before any GELU gradient exists, so it must differ from fc.grad.e4m3's.
-TEST_F(GPT2TrainingTest, GradE4m3ReachesTheResidualStreamsGradient) {
-    if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
-    const GPT2Config c = config_from_descriptor("d2");
-    const std::vector<floatX> e4m3 = step_gradients("all,grad.e4m3", 4, 64, 71, 1)[0];
-    const std::vector<floatX> dgelu_only = step_gradients("all,fc.grad.e4m3", 4, 64, 71, 1)[0];
-    const ParamTensorInfo t = param_tensors(c)[size_t(kFcprojw)];  // a copy: the table is a temporary
-    const int64_t per_layer = t.numel / c.num_layers, last = t.offset + (c.num_layers - 1) * per_layer;
-    const double rel = relative_difference(e4m3.data() + last, dgelu_only.data() + last, per_layer);
-    std::printf("  last layer's fcprojw gradient, grad.e4m3 against fc.grad.e4m3: %.3e relative\n", rel);
-    EXPECT_GT(rel, 0.0) << "grad.e4m3 changed nothing fc.grad.e4m3 does not";
-    EXPECT_LT(rel, kFp8Tol.grad);
 }
 
 TEST_F(GPT2TrainingTest, Fp8FallsBackToBf16ForRowsNotMultiplesOf16) {
