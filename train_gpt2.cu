@@ -296,7 +296,10 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"beta1", num(o.beta1), R::MayChange},
         {"beta2", num(o.beta2), R::MayChange},
         {"eps", num(o.eps), R::MayChange},
-        {"stochastic_rounding", o.stochastic_rounding ? "1" : "0", R::MayChange},
+        // No longer flags, always on; still recorded, so that resuming a checkpoint written with one of them
+        // off says that it changed.
+        {"stochastic_rounding", "1", R::MayChange},
+        {"classifier_exp", "1", R::MayChange},
         {"rounding_seed", format("%lld", (long long)rounding_seed(o)), R::MayChange},
         {"recompute", format("%d", o.recompute), R::MayChange},
         {"fp8", p.fp8.describe(), R::MayChange},
@@ -312,14 +315,10 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"eval_items", format("%zu", p.eval.items.size()), R::Ranks},
         {"gen_tokens", format("%d", p.gen_tokens), R::Ranks},
         {"checkpoint_every", format("%d", o.checkpoint_every), R::Ranks},
-        {"checkpoint_async", o.checkpoint_async ? "1" : "0", R::Ranks},
         {"resume", format("%d", o.resume), R::Ranks},
         {"output_dir", o.output_dir, R::Ranks},
         {"save_model", o.save_model, R::Ranks},
         {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
-        {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
-        {"dw_stream", format("%d", o.dw_stream), R::MayChange},
-        {"classifier_exp", format("%d", o.classifier_exp), R::MayChange},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
     };
 }
@@ -450,8 +449,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
     }
     if (!plan.prompt.empty()) std::printf("prompt: %zu token(s) %s\n", plan.prompt.size(), json_ids(plan.prompt).c_str());
     if (o.checkpoint_every > 0) {
-        std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
-                    o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",
+        std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, written in the background; keep %s%s\n",
+                    o.checkpoint_every, o.output_dir.c_str(),
                     o.keep_last > 0 ? format("the newest %d", o.keep_last).c_str() : "all",
                     o.keep_last > 0 && o.keep_every > 0 ? format(" and every %d-th step", o.keep_every).c_str() : "");
     }
@@ -485,14 +484,12 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
                 !data.train ? "none" : data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     if (model.dw_stream_applies() > 0) {
-        std::printf("backward: weight gradients on a second stream (--dw-stream %d)\n", model.dw_stream_applies());
+        std::printf("backward: weight gradients on a second stream (level %d)\n", model.dw_stream_applies());
     }
-    if (model.classifier_exp()) {
-        std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
-                                            ? "the exp forward on training steps (--classifier-exp 1)"
-                                            : "--classifier-exp 1 does not apply here (needs sm_90a, B x T a multiple of "
-                                              "128, C of 64, no FP8 lm_head): cuBLASLt + fused softmax");
-    }
+    std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
+                                        ? "the exp forward on training steps"
+                                        : "the exp forward does not apply here (needs sm_90a, B x T a multiple of 128, C "
+                                          "of 64, no FP8 lm_head): cuBLASLt + fused softmax");
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
     std::printf("GPU memory in use after allocation (all of it, CUDA context included): %s of %s\n",
@@ -650,7 +647,6 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     settings.beta1 = o.beta1;
     settings.beta2 = o.beta2;
     settings.eps = o.eps;
-    settings.stochastic_rounding = o.stochastic_rounding;
     settings.weight_decay = o.weight_decay;
     float* stats = buf.step_stats.get();
     model.update(settings, o.grad_clip, step + 1, uint64_t(rounding_seed(o)), stats, stats + 1, grad_accum, loss_limit);
@@ -700,7 +696,7 @@ struct Throughput {
     }
 };
 
-// After the first step, what --gemm-tune chose (it tunes each matmul shape at its first call).
+// After the first step, what the cuBLASLt tuning chose (it tunes each matmul shape at its first call).
 inline void print_gemm_tuning(const CublasLt& lt) {
     int moved = 0;
     double first = 0, chosen = 0;
@@ -1004,17 +1000,20 @@ int main(int argc, char** argv) {
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
-        model.set_gemm_tuning(opt.gemm_tune);
+        // Measured and decided, so not flags: cuBLASLt's fastest algorithm among those
+        // that give bitwise the heuristic's result, backward's weight gradients on a second stream where that
+        // applies (bf16 steps on one GPU without -r 1), and the classifier's exp forward where it applies.
+        model.set_gemm_tuning(true);
         model.set_fp8(plan.fp8);
-        model.set_dw_stream(opt.dw_stream);
-        model.set_classifier_exp(opt.classifier_exp == 1);
+        model.set_dw_stream(2);
+        model.set_classifier_exp(true);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);
         if (multi) multi->check_same(uint64_t(candidates.size()), "the number of checkpoints found to resume from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
         std::unique_ptr<Checkpointer> ckpt =
-            opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
+            opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), /*async=*/true) : nullptr;
         LoopBuffers buf(plan, opt.T);
         std::unique_ptr<McEvalGpu> mc = plan.evaluate_mc() ? std::make_unique<McEvalGpu>(model) : nullptr;
         if (mc) mc->reserve(plan.eval);  // allocated now, not at the first evaluation
@@ -1062,7 +1061,7 @@ int main(int argc, char** argv) {
             if (multi) multi->heartbeat("training");
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf);
             tp.add(step, plan.max_steps, s.seconds);
-            if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
+            if (root && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, plan.max_steps, lr, s,
                      (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps || !s.skipped.empty());
             control.after_step(step + 1, s.loss, s.skipped);

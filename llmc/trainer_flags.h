@@ -51,8 +51,6 @@ struct TrainerOptions {
     int layers, channels, heads, vocab, max_seq_len;
     // train_gpt2cu alone.
     int checkpoint_every, keep_last, keep_every, recompute, resume;
-    bool stochastic_rounding, gemm_tune, checkpoint_async;
-    int dw_stream, classifier_exp;
     std::string fp8;
     int64_t rounding_seed;  // -1: seed
     int64_t data_on_gpu_mib;
@@ -191,23 +189,6 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
           "multiple of 64, else dqkv is cast as with qkv.grad); 0: bf16 everywhere. "
           "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
           "weight gradients stay bf16");
-    t.add(Gpu, "", "stochastic-rounding", &o.stochastic_rounding, true,
-          "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
-    t.add(Gpu, "", "gemm-tune", &o.gemm_tune, true,
-          "1: each training matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise "
-          "the heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises; the "
-          "multiple-choice evaluation always runs the heuristic's choice); 0: the heuristic's choice");
-    t.add(Gpu, "", "dw-stream", &o.dw_stream, 2,
-          "backward's weight gradients on a second stream, beside the input gradients (the same numbers): 1 dwte, "
-          "fc's and qkv's; 2 also attproj's and fcproj's (one B x T x C bf16 buffer more); 0 one stream. For bf16 "
-          "steps on one GPU without -r 1; others run on one stream", 0, 2);
-    t.add(Gpu, "", "classifier-exp", &o.classifier_exp, 1,
-          "1: bf16 training steps on Hopper (sm_90a; B x T a multiple of 128, C of 64) run the classifier's forward "
-          "in our own matmul with the softmax's exponentials in its epilogue: no logits written, no softmax pass, "
-          "the loss from fp32 logits (llmc/classifier_sm90.cuh); elsewhere, and with 0, cuBLASLt's matmul and the "
-          "fused softmax. Evaluation and FP8 lm_head always take the latter", 0, 1);
-    t.add(Gpu, "", "checkpoint-async", &o.checkpoint_async, true,
-          "write checkpoints in the background from a device snapshot (0: training waits for the write)");
     t.add(Gpu, "y", "resume", &o.resume, 0, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
     t.add(Both, "k", "schedule", &o.schedule, "cosine", "learning-rate schedule: cosine, linear, constant or wsd");
     t.add(Both, "", "decay-fraction", &o.decay_fraction, 0.2, "wsd: fraction of the steps spent decaying at the end", 0, 1);
