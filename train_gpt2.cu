@@ -42,7 +42,6 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/dataloader.h"
 #include "llmc/dataloader_gpu.cuh"
 #include "llmc/device_file_io.cuh"
-#include "llmc/flags.h"
 #include "llmc/gpt2.cuh"
 #include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"

@@ -44,7 +44,6 @@ those.
 #include <omp.h>
 
 #include "llmc/dataloader.h"
-#include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"

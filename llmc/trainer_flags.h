@@ -3,8 +3,7 @@ The two trainers' command line, from one table: every flag once, with its letter
 field's), default, range, help and the trainers that take it (train_gpt2, the CPU trainer; train_gpt2cu,
 the GPU trainer). A flag both take means the same in both. Where their texts, defaults or ranges differ,
 the row says so (cpu ? ... : ...): a CPU wants a smaller model and batch, and it computes the optimizer's
-settings in double where the GPU trainer computes them in float (Real). The table sets every field's
-default, also for flags the trainer does not take, so the fields those leave alone hold known values.
+settings in double where the GPU trainer computes them in float (Real).
 
 Flags that exist for tests only are listed apart, at the end of --help under "for tests:".
 
@@ -29,6 +28,8 @@ namespace llmc {
 
 enum class Trainer { Cpu, Gpu };
 
+// The flags' fields. Their defaults are the table's: trainer_flags() sets every field, also those of flags
+// the trainer does not take.
 template <Trainer kTrainer>
 struct TrainerOptions {
     using Real = std::conditional_t<kTrainer == Trainer::Cpu, double, float>;
@@ -69,37 +70,26 @@ constexpr T kMax = std::numeric_limits<T>::max();
 
 namespace detail {
 
-template <class T>
-struct Same {
-    using type = T;
-};
-
-// Adds a row to the trainer's Flags when the row names that trainer; sets the field's default either way.
+// The table's rows: each sets its field's default and adds its flag to the trainer's Flags when the row
+// names that trainer (to a scratch Flags otherwise).
 class TrainerFlagTable {
 public:
     enum Takes : unsigned { Cpu = 1, Gpu = 2, Both = 3 };
 
     TrainerFlagTable(Flags& f, Trainer t) : f_(f), mine_(t == Trainer::Cpu ? Cpu : Gpu) {}
 
-    template <class T>
-    void add(Takes who, const char* short_name, const char* long_name, T* target, typename Same<T>::type def,
-             const char* help) {
-        *target = def;
-        if (who & mine_) f_.add(short_name, long_name, target, help);
-    }
-    // With the range [lo, hi]; ranged false: no range (for a trainer that takes any value).
-    template <class T>
-    void add(Takes who, const char* short_name, const char* long_name, T* target, typename Same<T>::type def,
-             const char* help, Flags::Bound<T> lo, Flags::Bound<T> hi, bool ranged = true) {
-        *target = def;
-        if (!(who & mine_)) return;
-        if (ranged) f_.add(short_name, long_name, target, help, lo, hi);
-        else f_.add(short_name, long_name, target, help);
+    // def: converted to the field's type (not deduced from it); range: none, or the bounds lo, hi.
+    template <class T, class... Range>
+    void add(Takes who, const char* short_name, const char* long_name, T* field, std::common_type_t<T> def,
+             const char* help, Range... range) {
+        *field = def;
+        (who & mine_ ? f_ : others_).add(short_name, long_name, field, help, range...);
     }
     void group(const char* heading) { f_.group(heading); }
 
 private:
     Flags& f_;
+    Flags others_{"", ""};
     Takes mine_;
 };
 
@@ -207,8 +197,9 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
           "against)", -1, kMax<int64_t>);
     t.add(Both, "", "temperature", &o.temperature, 1, "sampling temperature (0: greedy)", 0, cpu ? 1e6f : kMax<float>);
     t.add(Both, "", "top-k", &o.top_k, 0, "sample from the k most likely tokens (0: all)", 0, kMax<int>);
-    t.add(Both, "", "sample-seed", &o.sample_seed, 42, "seed of the sampler (the same for every sample of a run)", 0,
-          kMax<int64_t>, /*ranged=*/cpu);
+    const char* sample_seed = "seed of the sampler (the same for every sample of a run)";
+    if (cpu) t.add(Cpu, "", "sample-seed", &o.sample_seed, 42, sample_seed, 0, kMax<int64_t>);
+    else t.add(Gpu, "", "sample-seed", &o.sample_seed, 42, sample_seed);  // any value, taken as a uint64_t
     t.add(Both, "", "tokenizer", &o.tokenizer, "data/gpt2_tokenizer.bin",
           "tokenizer file for decoding samples (ids are printed without it)");
     t.add(Gpu, "", "data-on-gpu-mib", &o.data_on_gpu_mib, 1024,
