@@ -12,6 +12,7 @@ and the gradient norm come back through one copy into pinned memory.
 
 Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
 -v -m -s -g -n -y -k -r -z); every flag has a long name, and --help lists them with defaults and ranges.
+The table of flags is one with the CPU trainer's (llmc/trainer_flags.h).
 
 Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs
 (llmc/gpt2_checkpoint.h); -y 1 resumes from the newest valid one in the output directory. The run's
@@ -41,7 +42,6 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/dataloader.h"
 #include "llmc/dataloader_gpu.cuh"
 #include "llmc/device_file_io.cuh"
-#include "llmc/flags.h"
 #include "llmc/gpt2.cuh"
 #include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"
@@ -58,208 +58,18 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
+#include "llmc/trainer_flags.h"
 #include "llmc/utils.h"
 
 namespace llmc {
 
 // ----------------------------------------------------------------------------------------------------
-// The command line: every flag, its default and its range, in one table.
+// The command line: the trainers' one flag table (llmc/trainer_flags.h).
 
-struct Options {
-    std::string train_pattern = "data/quickstart_train_*.bin";
-    std::string val_pattern = "data/quickstart_val_*.bin";
-    std::string model = "d12";
-    std::string output_dir = "out";
-    int B = 4;
-    int T = 1024;
-    int64_t total_batch = -1;
-    float lr = 3e-4f;
-    int warmup = 0;
-    float final_lr_fraction = 1.0f;
-    float weight_decay = 0.0f;
-    int max_steps = -1;
-    int val_every = 20;
-    int val_max_steps = 20;
-    int sample_every = 20;
-    std::string eval_file;
-    int eval_every = 250;
-    int eval_max_items = -1;
-    int gen_tokens = 64;
-    int checkpoint_every = 0;
-    int keep_last = 0;
-    int keep_every = 0;
-    bool checkpoint_async = true;
-    bool stochastic_rounding = true;
-    bool gemm_tune = true;
-    int dw_stream = 2;
-    int classifier_exp = 1;
-    int recompute = 0;
-    std::string fp8 = "0";
-    int resume = 0;
-    std::string schedule = "cosine";
-    float decay_fraction = 0.2f;
-    float grad_clip = 1.0f;
-    float beta1 = 0.9f;
-    float beta2 = 0.95f;
-    float eps = 1e-8f;
-    int64_t seed = 1337;
-    int64_t rounding_seed = -1;  // -1: seed
-    float temperature = 1.0f;
-    int top_k = 0;
-    int64_t sample_seed = 42;
-    std::string tokenizer = "data/gpt2_tokenizer.bin";
-    int64_t data_on_gpu_mib = 1024;
-    bool shuffle = true;
-    std::string save_model = "llmc";
-    std::string vocab_dir = ".deps/gpt2";
-    std::string prompt;
-    std::string prompt_ids;
-    int log_every = 1;
-    bool dry_run = false;
-    int max_bad_steps = 8;
-    float loss_spike = 0.0f;
-    std::string time_limit;
-    int nan_at_step = 0;
-    // Several GPUs.
-    int multi_gpu = -1;  // -1: NCCL when there are several ranks; 0: never; 1: always (also for one rank)
-    std::string rendezvous;
-    std::string rendezvous_job;
-    int rank = -1, world_size = -1, local_rank = -1;
-    int zero_stage = -1;  // -1: 1 on the NCCL path, else 0
-    double nccl_timeout = kDefaultRendezvousTimeout;
-    double hang_timeout = kDefaultHangTimeout;
-};
+using Options = TrainerOptions<Trainer::Gpu>;
 
 // The seed of the bf16 parameters' stochastic rounding: --rounding-seed, or --seed when it is -1.
 inline int64_t rounding_seed(const Options& o) { return o.rounding_seed >= 0 ? o.rounding_seed : o.seed; }
-
-template <class T>
-constexpr T kMax = std::numeric_limits<T>::max();
-
-inline Flags make_flags(Options& o) {
-    Flags f("train_gpt2cu", "Trains GPT-2 on one GPU, or data parallel on several (NCCL): bf16 parameters, gradients and "
-                            "activations; fp32 master weights, AdamW moments, LayerNorm statistics and losses.");
-    f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
-    f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
-    f.add("e", "model", &o.model,
-          "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder (config.json + safetensors), "
-          "or a new model d2 d6 d12 d24 d36 d48");
-    f.add("o", "output-dir", &o.output_dir, "directory for log.jsonl, checkpoints and model.bin (created if missing); \"\" writes nothing");
-    f.add("b", "batch-size", &o.B, "micro-batch size B (sequences per forward/backward)", 1, kMax<int>);
-    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)", 1, kMax<int>);
-    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)",
-          -1, kMax<int64_t>);
-    f.add("l", "lr", &o.lr, "peak learning rate", 0.0f, kMax<float>);
-    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps", 0, kMax<int>);
-    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak", 0.0f, 1.0f);
-    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)", 0.0f, kMax<float>);
-    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data)", -1, kMax<int>);
-    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)", 0, kMax<int>);
-    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)", -1, kMax<int>);
-    f.add("", "eval", &o.eval_file,
-          "multiple-choice evaluation file (llm.c's eval .bin, e.g. HellaSwag from build/prepare_eval): accuracy every "
-          "--eval-every steps and at the end (\"\": none)");
-    f.add("", "eval-every", &o.eval_every, "evaluate on --eval every N steps and at the end (0: at the end only)", 0,
-          kMax<int>);
-    f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, kMax<int>);
-    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, kMax<int>);
-    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (0: no sample; at most T - 1)", 0, kMax<int>);
-    f.add("n", "checkpoint-every", &o.checkpoint_every,
-          "checkpoint every N steps and at the last (0: never) into <output-dir>/ckpt_<step>/", 0, kMax<int>);
-    f.add("nk", "keep-last", &o.keep_last, "keep only the newest N checkpoints (0: keep all)", 0, kMax<int>);
-    f.add("nm", "keep-every", &o.keep_every, "with -nk: also keep forever every checkpoint whose step is a multiple of N",
-          0, kMax<int>);
-    f.add("r", "recompute", &o.recompute,
-          "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
-          "slower; llm.c's default); 0: keep them all", 0, 1);
-    f.add("", "fp8", &o.fp8,
-          "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
-          "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
-          "fcproj.dx, qkv.grad (qkv's backward, both matmuls), fcproj (fcproj's forward and weight gradient, "
-          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) "
-          "and fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs "
-          "fcproj); or a comma-separated list of them, 1 and all (1,fcproj: 1 and fcproj), where "
-          "fc.grad.e4m3 is fc.grad with the GELU gradient in E4M3 (all,fc.grad.e4m3) and grad.e4m3 every "
-          "gradient those matmuls read in E4M3, the classifier's dlogits excepted (all,grad.e4m3), and "
-          "qkv.grad.delayed qkv.grad with dqkv written in FP8 by attention's backward itself at such a scale, "
-          "no cast pass (all,qkv.grad.delayed; needs fcproj; where attention runs its Hopper kernels and T is a "
-          "multiple of 64, else dqkv is cast as with qkv.grad); 0: bf16 everywhere. "
-          "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
-          "weight gradients stay bf16");
-    f.add("", "stochastic-rounding", &o.stochastic_rounding,
-          "1: bf16 parameters are the master weights rounded stochastically (seeded); 0: rounded to nearest");
-    f.add("", "gemm-tune", &o.gemm_tune,
-          "1: each training matmul shape's first call times cuBLASLt's candidate algorithms that give bitwise "
-          "the heuristic's result and keeps the fastest (same numbers, faster; step 1 synchronises; the "
-          "multiple-choice evaluation always runs the heuristic's choice); 0: the heuristic's choice");
-    f.add("", "dw-stream", &o.dw_stream,
-          "backward's weight gradients on a second stream, beside the input gradients (the same numbers): 1 dwte, "
-          "fc's and qkv's; 2 also attproj's and fcproj's (one B x T x C bf16 buffer more); 0 one stream. For bf16 "
-          "steps on one GPU without -r 1; others run on one stream", 0, 2);
-    f.add("", "classifier-exp", &o.classifier_exp,
-          "1: bf16 training steps on Hopper (sm_90a; B x T a multiple of 128, C of 64) run the classifier's forward "
-          "in our own matmul with the softmax's exponentials in its epilogue: no logits written, no softmax pass, "
-          "the loss from fp32 logits (llmc/classifier_sm90.cuh); elsewhere, and with 0, cuBLASLt's matmul and the "
-          "fused softmax. Evaluation and FP8 lm_head always take the latter", 0, 1);
-    f.add("", "checkpoint-async", &o.checkpoint_async,
-          "write checkpoints in the background from a device snapshot (0: training waits for the write)");
-    f.add("y", "resume", &o.resume, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
-    f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
-    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end", 0.0f, 1.0f);
-    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)", 0.0f, kMax<float>);
-    f.add("", "beta1", &o.beta1, "AdamW beta1, below 1", 0.0f, 1.0f);
-    f.add("", "beta2", &o.beta2, "AdamW beta2, below 1", 0.0f, 1.0f);
-    f.add("", "eps", &o.eps, "AdamW epsilon, above 0", 0.0f, kMax<float>);
-    f.add("", "seed", &o.seed, "seed of initialisation, data order and stochastic rounding", 0, kMax<int64_t>);
-    f.add("", "rounding-seed", &o.rounding_seed,
-          "seed of the stochastic rounding alone (-1: --seed): another value changes nothing but the rounding "
-          "of the bf16 parameters, another run of the same training (the noise a precision change is judged "
-          "against)", -1, kMax<int64_t>);
-    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0.0f, kMax<float>);
-    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, kMax<int>);
-    f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)");
-    f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
-    f.add("", "data-on-gpu-mib", &o.data_on_gpu_mib, "keep the token shards in GPU memory when they fit in this many MiB, the training and the validation shards each (0: stream)",
-          0, kMax<int64_t>);
-    f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
-    f.add("", "save-model", &o.save_model,
-          "formats of the trained model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c "
-          "v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; with -x 0 "
-          "only when given");
-    f.add("", "vocab-dir", &o.vocab_dir,
-          "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, and used to encode --prompt");
-    f.add("", "prompt", &o.prompt, "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
-    f.add("", "prompt-ids", &o.prompt_ids, "samples continue these comma-separated token ids (default: <|endoftext|>)");
-    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, kMax<int>);
-    f.add("", "dry-run", &o.dry_run, "1: check the flags, the model and the data, print the plan, and exit without a GPU");
-    add_step_guard_flags(f, &o.max_bad_steps, &o.nan_at_step);
-    f.add("", "loss-spike", &o.loss_spike,
-          "also skip an update whose loss is above this many times the mean of the last 50 applied steps (0: off)",
-          0.0f, kMax<float>);
-    f.add("", "time-limit", &o.time_limit,
-          "checkpoint and stop (exit code 7) before this much wall-clock time has passed: seconds, 90m, 23.5h or "
-          "H:MM:SS (\"\": no limit)");
-    f.add("", "multi-gpu", &o.multi_gpu,
-          "data parallel over NCCL: 1 always (also one rank), 0 never, -1 when the launcher or flags say >1 rank", -1, 1);
-    f.add("", "rendezvous", &o.rendezvous,
-          "where the ranks meet: file:DIR, DIR or tcp://HOST:PORT (\"\": /tmp on one node, none for one rank)");
-    f.add("", "rendezvous-job", &o.rendezvous_job, "name of this launch in the rendezvous (default: from the launcher)");
-    f.add("", "rank", &o.rank, "this process's rank (-1: from mpirun/srun's environment, else 0)", -1, kMax<int>);
-    f.add("", "world-size", &o.world_size, "number of ranks, with --rank (-1: from the environment, else 1)", -1, kMax<int>);
-    f.add("", "local-rank", &o.local_rank, "this rank's GPU on its node (-1: from the environment, else the rank)", -1,
-          kMax<int>);
-    f.add("z", "zero-stage", &o.zero_stage,
-          "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
-    // At most 1e8 s (three years): the waits count microseconds and nanoseconds in 64 bits, and a longer
-    // one (a huge value meant as "for ever") overflowed into a deadline already past.
-    f.add("", "nccl-timeout", &o.nccl_timeout, "seconds to wait for the other ranks at start-up and for NCCL set-up, and for their parts of a checkpoint", 0.0,
-          1e8);
-    f.add("", "hang-timeout", &o.hang_timeout,
-          "data parallel: end the run (and abort NCCL) when this rank shows no progress for this many seconds: a "
-          "step, a validation, a sample, a checkpoint save or load, start-up (0: never)",
-          0.0, kMax<double>);
-    return f;
-}
 
 // ----------------------------------------------------------------------------------------------------
 // The plan: everything derived from the flags, the model's shape, the ranks and the data, checked
@@ -486,7 +296,10 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"beta1", num(o.beta1), R::MayChange},
         {"beta2", num(o.beta2), R::MayChange},
         {"eps", num(o.eps), R::MayChange},
-        {"stochastic_rounding", o.stochastic_rounding ? "1" : "0", R::MayChange},
+        // No longer flags, always on; still recorded, so that resuming a checkpoint written with one of them
+        // off says that it changed.
+        {"stochastic_rounding", "1", R::MayChange},
+        {"classifier_exp", "1", R::MayChange},
         {"rounding_seed", format("%lld", (long long)rounding_seed(o)), R::MayChange},
         {"recompute", format("%d", o.recompute), R::MayChange},
         {"fp8", p.fp8.describe(), R::MayChange},
@@ -502,14 +315,10 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"eval_items", format("%zu", p.eval.items.size()), R::Ranks},
         {"gen_tokens", format("%d", p.gen_tokens), R::Ranks},
         {"checkpoint_every", format("%d", o.checkpoint_every), R::Ranks},
-        {"checkpoint_async", o.checkpoint_async ? "1" : "0", R::Ranks},
         {"resume", format("%d", o.resume), R::Ranks},
         {"output_dir", o.output_dir, R::Ranks},
         {"save_model", o.save_model, R::Ranks},
         {"data_on_gpu_mib", format("%lld", (long long)o.data_on_gpu_mib), R::Ranks},
-        {"gemm_tune", o.gemm_tune ? "1" : "0", R::Ranks},
-        {"dw_stream", format("%d", o.dw_stream), R::MayChange},
-        {"classifier_exp", format("%d", o.classifier_exp), R::MayChange},
         {"hang_timeout", num(o.hang_timeout), R::Ranks},
     };
 }
@@ -636,8 +445,8 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
     }
     if (!plan.prompt.empty()) std::printf("prompt: %zu token(s) %s\n", plan.prompt.size(), json_ids(plan.prompt).c_str());
     if (o.checkpoint_every > 0) {
-        std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, %s; keep %s%s\n", o.checkpoint_every,
-                    o.output_dir.c_str(), o.checkpoint_async ? "written in the background" : "written synchronously",
+        std::printf("checkpoints: every %d steps into %s/ckpt_<step>/, written in the background; keep %s%s\n",
+                    o.checkpoint_every, o.output_dir.c_str(),
                     o.keep_last > 0 ? format("the newest %d", o.keep_last).c_str() : "all",
                     o.keep_last > 0 && o.keep_every > 0 ? format(" and every %d-th step", o.keep_every).c_str() : "");
     }
@@ -671,14 +480,12 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
                 !data.train ? "none" : data.train->resident() ? "on the GPU" : "streamed");
     std::fputs(memory_table(model, data.device_bytes()).c_str(), stdout);
     if (model.dw_stream_applies() > 0) {
-        std::printf("backward: weight gradients on a second stream (--dw-stream %d)\n", model.dw_stream_applies());
+        std::printf("backward: weight gradients on a second stream (level %d)\n", model.dw_stream_applies());
     }
-    if (model.classifier_exp()) {
-        std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
-                                            ? "the exp forward on training steps (--classifier-exp 1)"
-                                            : "--classifier-exp 1 does not apply here (needs sm_90a, B x T a multiple of "
-                                              "128, C of 64, no FP8 lm_head): cuBLASLt + fused softmax");
-    }
+    std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
+                                        ? "the exp forward on training steps"
+                                        : "the exp forward does not apply here (needs sm_90a, B x T a multiple of 128, C "
+                                          "of 64, no FP8 lm_head): cuBLASLt + fused softmax");
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
     std::printf("GPU memory in use after allocation (all of it, CUDA context included): %s of %s\n",
@@ -836,7 +643,6 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     settings.beta1 = o.beta1;
     settings.beta2 = o.beta2;
     settings.eps = o.eps;
-    settings.stochastic_rounding = o.stochastic_rounding;
     settings.weight_decay = o.weight_decay;
     float* stats = buf.step_stats.get();
     model.update(settings, o.grad_clip, step + 1, uint64_t(rounding_seed(o)), stats, stats + 1, grad_accum, loss_limit);
@@ -886,7 +692,7 @@ struct Throughput {
     }
 };
 
-// After the first step, what --gemm-tune chose (it tunes each matmul shape at its first call).
+// After the first step, what the cuBLASLt tuning chose (it tunes each matmul shape at its first call).
 inline void print_gemm_tuning(const CublasLt& lt) {
     int moved = 0;
     double first = 0, chosen = 0;
@@ -1145,7 +951,7 @@ int main(int argc, char** argv) {
     return run_main([&]() -> int {
         // Flags, the model's shape, the ranks and the data, checked before anything touches CUDA.
         Options opt;
-        Flags flags = make_flags(opt);
+        Flags flags = trainer_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         // A run that trains nothing writes a model only when asked: `-e gpt2 -x 0` with the default -o must
         // not replace the model an earlier run left there.
@@ -1190,17 +996,20 @@ int main(int argc, char** argv) {
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
-        model.set_gemm_tuning(opt.gemm_tune);
+        // Measured and decided, so not flags: cuBLASLt's fastest algorithm among those
+        // that give bitwise the heuristic's result, backward's weight gradients on a second stream where that
+        // applies (bf16 steps on one GPU without -r 1), and the classifier's exp forward where it applies.
+        model.set_gemm_tuning(true);
         model.set_fp8(plan.fp8);
-        model.set_dw_stream(opt.dw_stream);
-        model.set_classifier_exp(opt.classifier_exp == 1);
+        model.set_dw_stream(2);
+        model.set_classifier_exp(true);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));
         Data data(opt, plan, stream);
         print_device(device, model, data);
         if (multi) multi->check_same(uint64_t(candidates.size()), "the number of checkpoints found to resume from");
         // Made after the model, so that it is destroyed first: no save is in flight when the model goes away.
         std::unique_ptr<Checkpointer> ckpt =
-            opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), opt.checkpoint_async) : nullptr;
+            opt.checkpoint_every > 0 ? make_checkpointer(opt, model, multi.get(), /*async=*/true) : nullptr;
         LoopBuffers buf(plan, opt.T);
         std::unique_ptr<McEvalGpu> mc = plan.evaluate_mc() ? std::make_unique<McEvalGpu>(model) : nullptr;
         if (mc) mc->reserve(plan.eval);  // allocated now, not at the first evaluation
@@ -1248,7 +1057,7 @@ int main(int argc, char** argv) {
             if (multi) multi->heartbeat("training");
             const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf);
             tp.add(step, plan.max_steps, s.seconds);
-            if (root && opt.gemm_tune && step == start_step) print_gemm_tuning(model.cublas());
+            if (root && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, plan.max_steps, lr, s,
                      (step + 1) % opt.log_every == 0 || step + 1 == plan.max_steps || !s.skipped.empty());
             control.after_step(step + 1, s.loss, s.skipped);

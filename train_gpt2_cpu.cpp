@@ -2,15 +2,16 @@
 train_gpt2: GPT-2 training on the CPU with the fp32 reference model (llmc/gpt2_cpu.h), the quick start
 for a machine without a GPU and a way to train tiny models.
 
-It speaks the GPU trainer's language: the same flags with the same letters and meanings (-i -j -e -o -b
--t -d -l -u -q -k -c -x -v -m -s -g and the long-only ones; --help lists them with their ranges), the
-same DataLoader (llmc/dataloader.h: comma-separated globs, training samples shuffled by --seed, so the
-same flags give the same batches as train_gpt2cu), the same learning-rate schedules (llmc/schedule.h),
-the same initialisation for a seed, the same sampler (llmc/sampler.h) and the same log.jsonl lines
-({"step":S,"loss":..,"lr":..,"norm":..,"ms":..,"tok_per_s":..}, {"step":S,"val_loss":..} and
-{"step":S,"sample":[ids]}), so one script plots or compares the runs of both. Besides the GPU trainer's
-descriptors (d2 ... d48) and model files, a model can have an explicit shape (--layers, --channels,
---heads, --vocab, --max-seq-len), for tiny models on tiny vocabularies.
+It speaks the GPU trainer's language: the same flags with the same letters and meanings, from one table
+(llmc/trainer_flags.h: -i -j -e -o -b -t -d -l -u -q -k -c -x -v -m -s -g and the long-only ones; --help
+lists them with their ranges), the same DataLoader (llmc/dataloader.h: comma-separated globs, training
+samples shuffled by --seed, so the same flags give the same batches as train_gpt2cu), the same
+learning-rate schedules (llmc/schedule.h), the same initialisation for a seed, the same sampler
+(llmc/sampler.h) and the same log.jsonl lines ({"step":S,"loss":..,"lr":..,"norm":..,"ms":..,
+"tok_per_s":..}, {"step":S,"val_loss":..} and {"step":S,"sample":[ids]}), so one script plots or compares
+the runs of both. Besides the GPU trainer's descriptors (d2 ... d48) and model files, a model can have an
+explicit shape (--layers, --channels, --heads, --vocab, --max-seq-len), for tiny models on tiny
+vocabularies.
 
 A run: check the flags; create the output directory and prove it writable (a missing one is created; an
 unwritable one fails at once, before any work); learn the model's shape; check that the run fits in host
@@ -43,7 +44,6 @@ those.
 #include <omp.h>
 
 #include "llmc/dataloader.h"
-#include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"
@@ -56,6 +56,7 @@ those.
 #include "llmc/sampler.h"
 #include "llmc/schedule.h"
 #include "llmc/tokenizer.h"
+#include "llmc/trainer_flags.h"
 #include "llmc/utils.h"
 
 using namespace llmc;
@@ -63,108 +64,12 @@ using namespace llmc;
 namespace {
 
 // ----------------------------------------------------------------------------------------------------
-// The command line. Defaults follow train_gpt2cu except where a CPU wants smaller numbers: the model
-// (d2), the batch (4 x 64), the steps (50), the learning rate and weight decay for tiny models, and no
-// sample unless -g asks for one (each sampled token reruns the whole forward).
+// The command line: the trainers' one flag table (llmc/trainer_flags.h). Defaults follow train_gpt2cu
+// except where a CPU wants smaller numbers: the model (d2), the batch (4 x 64), the steps (50), the
+// learning rate and weight decay for tiny models, and no sample unless -g asks for one (each sampled
+// token reruns the whole forward).
 
-struct Options {
-    std::string train_pattern = "data/quickstart_train_*.bin";
-    std::string val_pattern = "data/quickstart_val_*.bin";
-    std::string model = "d2";
-    int layers = 0, channels = 0, heads = 0;
-    int vocab = kGPT2VocabSize;
-    int max_seq_len = kGPT2MaxSeqLen;
-    std::string output_dir = "out";
-    int B = 4;
-    int T = 64;
-    int64_t total_batch = -1;
-    double lr = 1e-3;
-    int warmup = 0;
-    double final_lr_fraction = 1.0;
-    std::string schedule = "cosine";
-    double decay_fraction = 0.2;
-    double weight_decay = 0.1;
-    int max_steps = 50;
-    int val_every = 20;
-    int val_max_steps = 20;
-    int sample_every = 20;
-    int gen_tokens = 0;
-    double grad_clip = 1.0;
-    double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-    int64_t seed = 1337;
-    float temperature = 1.0f;
-    int top_k = 0;
-    int64_t sample_seed = 42;
-    std::string prompt;
-    std::string prompt_ids;
-    std::string tokenizer = "data/gpt2_tokenizer.bin";
-    bool shuffle = true;
-    std::string save_model = "llmc";
-    std::string vocab_dir = ".deps/gpt2";
-    std::string eval_file;
-    int eval_every = 250;
-    int eval_max_items = -1;
-    int log_every = 1;
-    int max_bad_steps = 8;
-    int nan_at_step = 0;
-};
-
-Flags make_flags(Options& o) {
-    Flags f("train_gpt2", "Trains GPT-2 on the CPU (fp32 reference model; threads: OMP_NUM_THREADS). Flags as train_gpt2cu's.");
-    f.add("i", "train", &o.train_pattern, "training token shards: a glob or comma-separated globs");
-    f.add("j", "val", &o.val_pattern, "validation token shards; \"\" for none");
-    f.add("e", "model", &o.model,
-          "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder, or a new model d2 ... d48");
-    f.add("", "layers", &o.layers, "explicit shape instead of -e: layers (with --channels and --heads)", 1, 4096);
-    f.add("", "channels", &o.channels, "explicit shape: channels", 1, 65536);
-    f.add("", "heads", &o.heads, "explicit shape: attention heads", 1, 65536);
-    f.add("", "vocab", &o.vocab, "explicit shape: vocabulary size", 1, 1 << 24);
-    f.add("", "max-seq-len", &o.max_seq_len, "explicit shape: position embeddings", 1, 1 << 20);
-    f.add("o", "output-dir", &o.output_dir,
-          "directory for log.jsonl and model.bin (created if missing, checked at start-up); \"\" writes nothing");
-    f.add("b", "batch-size", &o.B, "batch size B (sequences per forward/backward)", 1, 1 << 16);
-    f.add("t", "seq-len", &o.T, "sequence length T (at most the model's maxT)", 1, 1 << 20);
-    f.add("d", "total-batch", &o.total_batch, "tokens per optimizer step, a multiple of B*T (-1: B*T)", int64_t(-1),
-          int64_t(1) << 40);
-    f.add("l", "lr", &o.lr, "peak learning rate", 0.0, 10.0);
-    f.add("u", "warmup", &o.warmup, "learning-rate warmup steps", 0, 1 << 30);
-    f.add("q", "final-lr-fraction", &o.final_lr_fraction, "final learning rate as a fraction of the peak", 0.0, 1.0);
-    f.add("k", "schedule", &o.schedule, "learning-rate schedule: cosine, linear, constant or wsd");
-    f.add("", "decay-fraction", &o.decay_fraction, "wsd: fraction of the steps spent decaying at the end", 0.0, 1.0);
-    f.add("c", "weight-decay", &o.weight_decay, "AdamW weight decay (weight matrices only)", 0.0, 10.0);
-    f.add("x", "max-steps", &o.max_steps, "optimizer steps (-1: one epoch of the training data; 0: evaluate and sample only)",
-          -1, INT32_MAX);
-    f.add("v", "val-every", &o.val_every, "validation loss every N steps and at the end (0: never)", 0, INT32_MAX);
-    f.add("m", "val-max-steps", &o.val_max_steps, "batches per validation (-1: the whole validation set)", -1, INT32_MAX);
-    f.add("s", "sample-every", &o.sample_every, "sample text every N steps and at the end (0: never)", 0, INT32_MAX);
-    f.add("g", "gen-tokens", &o.gen_tokens, "tokens per sample (0: no sample; at most maxT minus the prompt)", 0, 1 << 20);
-    f.add("", "grad-clip", &o.grad_clip, "clip the global gradient norm to this (0: off)", 0.0, 1e30);
-    f.add("", "beta1", &o.beta1, "AdamW beta1", 0.0, 0.999999);
-    f.add("", "beta2", &o.beta2, "AdamW beta2", 0.0, 0.999999);
-    f.add("", "eps", &o.eps, "AdamW epsilon", 1e-30, 1.0);
-    f.add("", "seed", &o.seed, "seed of initialisation and data order", int64_t(0), INT64_MAX);
-    f.add("", "temperature", &o.temperature, "sampling temperature (0: greedy)", 0.0f, 1e6f);
-    f.add("", "top-k", &o.top_k, "sample from the k most likely tokens (0: all)", 0, INT32_MAX);
-    f.add("", "sample-seed", &o.sample_seed, "seed of the sampler (the same for every sample of a run)", int64_t(0),
-          INT64_MAX);
-    f.add("", "prompt", &o.prompt, "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
-    f.add("", "prompt-ids", &o.prompt_ids, "comma-separated token ids each sample continues (\"\": <|endoftext|>)");
-    f.add("", "tokenizer", &o.tokenizer, "tokenizer file for decoding samples (ids are printed without it)");
-    f.add("", "shuffle", &o.shuffle, "shuffle the training samples (0: shards in name order, samples in file order)");
-    f.add("", "save-model", &o.save_model,
-          "formats of the model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c v3), "
-          "llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; with -x 0 "
-          "only when given");
-    f.add("", "vocab-dir", &o.vocab_dir, "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, used by --prompt");
-    f.add("", "eval", &o.eval_file,
-          "multiple-choice evaluation file (llm.c's eval .bin): accuracy every --eval-every steps and at the end");
-    f.add("", "eval-every", &o.eval_every, "evaluate on --eval every N steps and at the end (0: at the end only)", 0,
-          INT32_MAX);
-    f.add("", "eval-max-items", &o.eval_max_items, "evaluate on the first N items of --eval (-1: all)", -1, INT32_MAX);
-    f.add("", "log-every", &o.log_every, "print the step line every N steps (every step goes to log.jsonl)", 1, INT32_MAX);
-    add_step_guard_flags(f, &o.max_bad_steps, &o.nan_at_step);
-    return f;
-}
+using Options = TrainerOptions<Trainer::Cpu>;
 
 // What the flag table's ranges cannot say, checked before any work.
 void check_options(const Flags& flags, const Options& o) {
@@ -555,7 +460,7 @@ int main(int argc, char** argv) {
         // run's log.jsonl there is replaced only once the model, the plan, the data and the memory are
         // checked and the model is built too.
         Options opt;
-        Flags flags = make_flags(opt);
+        Flags flags = trainer_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
         check_options(flags, opt);
         Outputs out(opt.output_dir);

@@ -9,8 +9,9 @@ target variable, a default (the variable's value when the flag is added) and a h
 occurrence of a repeatable flag. Integer flags take whole numbers only, also written 1e6, 2.5k or 3M;
 a fraction ("2.5"), hexadecimal or a value past 64 bits is refused, never truncated or wrapped. Numeric
 flags may carry an inclusive range. A program that takes positional arguments (file names) names a
-vector for them with positional(); elsewhere a positional argument is an error. Unknown flags, missing,
-malformed or out-of-range values are usage errors (exit code 2) that name the flag.
+vector for them with positional(); elsewhere a positional argument is an error. Flags added after
+group("heading:") are listed apart at the end of the usage, under that heading (e.g. test hooks). Unknown
+flags, missing, malformed or out-of-range values are usage errors (exit code 2) that name the flag.
 
 Does not provide: cross-flag validation or enumerated values (the program checks those after parsing,
 with its own messages), a "--" end of flags.
@@ -44,7 +45,8 @@ public:
     // short_name without the dash ("b"), or "" for long-only flags; long_name without dashes ("batch-size").
     template <class T>
     Flags& add(const char* short_name, const char* long_name, T* target, const char* help) {
-        specs_.push_back({short_name, long_name, Target(target), help, value_string(Target(target)), false, false, {}});
+        specs_.push_back({short_name, long_name, Target(target), help, value_string(Target(target)), false, false, {},
+                          group_});
         return *this;
     }
 
@@ -69,6 +71,12 @@ public:
     Flags& add_switch(const char* short_name, const char* long_name, bool* target, const char* help) {
         add(short_name, long_name, target, help);
         specs_.back().is_switch = true;
+        return *this;
+    }
+
+    // Flags added from now on are listed after the others (and -h), under `heading` ("for tests:").
+    Flags& group(const char* heading) {
+        group_ = heading;
         return *this;
     }
 
@@ -130,18 +138,24 @@ public:
     std::string usage() const {
         std::string out = format("usage: %s [flags]%s%s%s\n%s\n\nflags:\n", program_.c_str(), positional_ ? " " : "",
                                  positional_ ? positional_name_ : "", positional_ ? "..." : "", summary_.c_str());
-        for (const Spec& s : specs_) {
+        auto line = [](const Spec& s) {
             std::string names = s.short_name[0] ? format("-%s, --%s", s.short_name, s.long_name) : format("    --%s", s.long_name);
-            if (s.is_switch) {
-                out += format("  %-30s %s\n", names.c_str(), s.help);
-                continue;
-            }
+            if (s.is_switch) return format("  %-30s %s\n", names.c_str(), s.help);
             const std::string range = s.range.on ? ", " + range_text(s) : "";
-            out += format("  %-30s %s (default: %s%s)\n", (names + " " + type_name(s.target)).c_str(), s.help,
+            return format("  %-30s %s (default: %s%s)\n", (names + " " + type_name(s.target)).c_str(), s.help,
                           s.default_value.empty() ? "\"\"" : s.default_value.c_str(), range.c_str());
+        };
+        for (const Spec& s : specs_) {
+            if (!s.group[0]) out += line(s);
         }
         if (positional_) out += format("  %-30s %s\n", (std::string(positional_name_) + "...").c_str(), positional_help_);
         out += format("  %-30s %s\n", "-h, --help", "print this text and exit");
+        std::string heading;
+        for (const Spec& s : specs_) {
+            if (!s.group[0]) continue;
+            if (heading != s.group) out += format("\n%s\n", (heading = s.group).c_str());
+            out += line(s);
+        }
         return out;
     }
 
@@ -183,6 +197,7 @@ private:
         bool set;
         bool is_switch;
         Range range;
+        const char* group;  // "" for the main list
     };
 
     Spec* find_long(const std::string& name) {
@@ -327,6 +342,7 @@ private:
 
     std::string program_, summary_;
     std::vector<Spec> specs_;
+    const char* group_ = "";
     std::vector<std::string>* positional_ = nullptr;
     const char* positional_name_ = "";
     const char* positional_help_ = "";

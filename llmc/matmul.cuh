@@ -22,7 +22,7 @@ are reproducible on one GPU model and toolkit with one stream per workspace (cuB
 cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
 
 Algorithm choice: gemm() runs the heuristic's first choice, unless the CublasLt has tuning on
-(set_tuning; the trainer's --gemm-tune). Then the first beta = 0 call of each distinct shape, layout and
+(set_tuning; the trainer always tunes). Then the first beta = 0 call of each distinct shape, layout and
 epilogue runs the heuristic's first choice and fingerprints its output (D, and the GELU input it keeps),
 runs each other candidate the heuristic offers (up to kTuneCandidates), keeps those whose output has the
 same fingerprint (the same bits: same arithmetic, so runs stay reproducible whichever wins), times them

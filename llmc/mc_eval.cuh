@@ -32,7 +32,7 @@ cuBLASLt path) one layer at a time, in buffers the model grows to the largest ba
 start's d12 (B x T = 32 x 512, rows of 124 positions) ~0.4 GB. reserve(set) allocates them ahead (the
 trainer does, before its first step).
 
-The model's cuBLASLt tuning (--gemm-tune) is off during a run and restored after it: the evaluation's
+The model's cuBLASLt tuning (GPT2::set_gemm_tuning) is off during a run and restored after it: the evaluation's
 shapes (B' x T' and M differ from training's) are run a few dozen times per evaluation and a run has few
 evaluations, so tuning them at their first call (timing up to 8 candidates several times each) costs more
 than it could save. The heuristic's first choice, run instead, is deterministic for a given shape, GPU and

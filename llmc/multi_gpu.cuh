@@ -94,11 +94,6 @@ inline UniqueId new_unique_id() {
     return id;
 }
 
-// Long enough for any phase of a run without a heartbeat (a checkpoint of the largest model written by
-// one rank to a slow disk while the others wait in their next collective), short enough that a rank
-// whose peer died on the same node (where NCCL notices nothing) frees its GPU the same hour.
-constexpr double kDefaultHangTimeout = 900.0;
-
 struct MultiGpuOptions {
     std::string rendezvous;                            // the --rendezvous value ("" = the default for the ranks)
     double init_timeout_s = kDefaultRendezvousTimeout;  // rendezvous and communicator set-up

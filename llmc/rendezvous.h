@@ -78,6 +78,11 @@ constexpr size_t kUniqueIdBytes = 128;
 using UniqueId = std::array<char, kUniqueIdBytes>;
 
 constexpr double kDefaultRendezvousTimeout = 300.0;  // seconds; a large job's ranks may start minutes apart
+// The default of MultiGpuOptions::hang_timeout_s (llmc/multi_gpu.cuh), in seconds: long enough for any
+// phase of a run without a heartbeat (a checkpoint of the largest model written by one rank to a slow disk
+// while the others wait in their next collective), short enough that a rank whose peer died on the same
+// node (where NCCL notices nothing) frees its GPU the same hour.
+constexpr double kDefaultHangTimeout = 900.0;
 
 // ------------------------------------------------------------------------------------------------
 // Ranks from flags or the launcher's environment.

@@ -6,14 +6,12 @@ What the two trainers share about a run's settings:
   the MayChange ones are reported on resume and apply from the resumed step on); settings_hash(), what
   the ranks of a data-parallel run compare at start-up: every setting, the Ranks ones included, since
   those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards);
-- the flags both take with one meaning (add_step_guard_flags) and the checks across them that both make
-  (check_output_flags);
 - the host memory check made before a run allocates (require_host_memory): what the run needs against
   what the system, `ulimit -v` and a memory cgroup leave it, so that a run too big is refused with both
   figures instead of failing half-way through its allocations or being killed without a word.
 
-Does not provide: each trainer's own settings and its estimate of the memory it needs, or the comparison
-with a checkpoint (settings_differences in llmc/checkpoint.h).
+Does not provide: the flags (llmc/trainer_flags.h), each trainer's estimate of the memory it needs, or
+the comparison with a checkpoint (settings_differences in llmc/checkpoint.h).
 */
 #pragma once
 
@@ -30,7 +28,6 @@ with a checkpoint (settings_differences in llmc/checkpoint.h).
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "llmc/flags.h"
 #include "llmc/hash.h"
 #include "llmc/utils.h"
 
@@ -63,26 +60,6 @@ inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
     std::string text;
     for (const RunSetting& s : all) text += s.key + "=" + s.value + ";";
     return fnv1a64(text);
-}
-
-// The step guard's flags (llmc/run_control.h), with one meaning in both trainers.
-inline void add_step_guard_flags(Flags& f, int* max_bad_steps, int* nan_at_step) {
-    f.add("", "max-bad-steps", max_bad_steps,
-          "a step whose loss or gradient norm is not finite is skipped (the model unchanged); stop with exit code 6 "
-          "after this many in a row", 1, std::numeric_limits<int>::max());
-    f.add("", "nan-at-step", nan_at_step, "for tests: make step N's first micro-batch loss NaN (0: never)", 0,
-          std::numeric_limits<int>::max());
-}
-
-// A model asked for (--save-model given, naming a format) where nothing may be written (-o "") is a
-// contradiction: refused rather than resolved by training and silently writing nothing. saves: whether
-// --save-model's value names any format.
-inline void check_output_flags(const Flags& flags, const std::string& output_dir, const std::string& save_model,
-                               bool saves) {
-    if (output_dir.empty() && saves && flags.was_set("save-model")) {
-        fail(kExitUsage, "--save-model %s needs an output directory, but -o/--output-dir is \"\" (write nothing): "
-             "give -o DIR, or drop --save-model", save_model.c_str());
-    }
 }
 
 // Host memory this process can still take (bytes; infinity when nothing says), and what limits it: the

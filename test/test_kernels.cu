@@ -802,8 +802,8 @@ std::vector<float> qkv_part(const std::vector<float>& x, int64_t N, int C, int p
     return r;
 }
 
-// --gemm-tune: with tuning on, every linear-layer matmul gives bitwise what the heuristic's first choice
-// gives, at d12's layer widths and the LM head's; a second call of a tuned shape uses the cache.
+// cuBLASLt tuning (always on in the trainer): every linear-layer matmul gives bitwise what the heuristic's
+// first choice gives, at d12's layer widths and the LM head's; a second call of a tuned shape uses the cache.
 TEST_F(KernelTest, MatmulTuningKeepsTheBits) {
     struct Case {
         int64_t N;

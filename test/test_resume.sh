@@ -4,8 +4,8 @@
 #   - bit-exact resume: a 30-step run (-d: 2 micro-steps per step, shuffled, 3 small shards, so the
 #     steps cross shard and epoch boundaries; checkpoints every 10) against a run resumed from its step-10
 #     checkpoint (-y 1): steps 11..30 have bitwise identical losses (log.jsonl, 17 digits) and norms, and
-#     the final model.bin is byte-identical; the same with the data streamed from the host and the
-#     synchronous save; cadence flags may change on resume;
+#     the final model.bin is byte-identical; the same with the data streamed from the host; cadence flags
+#     may change on resume;
 #   - the checkpoint directory: the files, manifest, model.bin readable as an llm.c v3 file (-e loads it),
 #     rotation (-nk 2 -nm 20 keeps 20, 30 and the newest), no .tmp left;
 #   - the same bit-exact resume with the FP8 matmuls on (--fp8 1), on GPUs that have them (compute
@@ -16,11 +16,13 @@
 #   - a flipped bit in the newest checkpoint: -y 1 says it skips it and resumes from the one before, still
 #     bit-exact; a different batch size or model shape is refused naming the setting; different data is
 #     refused by the DataLoader state;
-#   - kill -9 at random moments, 20 trials (RESUME_KILL_TRIALS=N for fewer; alternating async and sync
-#     saves), each in its own directory: killed once or twice and restarted with -y 1, every restart
-#     resumes from a valid checkpoint (or starts, before the first one) without an error, every step
-#     record any attempt wrote equals the straight run's bitwise, and the finished run's model.bin equals
-#     the straight run's. Every run not killed on purpose has a time limit.
+#   - kill -9 at random moments, 20 trials (RESUME_KILL_TRIALS=N for fewer), each in its own directory:
+#     killed once or twice and restarted with -y 1, every restart resumes from a valid checkpoint (or
+#     starts, before the first one) without an error, every step record any attempt wrote equals the
+#     straight run's bitwise, and the finished run's model.bin equals the straight run's. Every run not
+#     killed on purpose has a time limit.
+# Synchronous saves (a run without -n that must stop) are test_run_survival.sh's; that they write what
+# asynchronous ones do is test_checkpoint_gpu's.
 # Exit 0 pass, 1 fail, 77 skip (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -105,11 +107,10 @@ echo "straight run, layout, rotation: ok"
 # Bit-exact resume from step 10 (checkpoint made by a separate 10-step-cadence run with the same settings,
 # since rotation removed the straight run's).
 trainer "${common[@]}" -n 10 -o "$dir/all" >"$dir/all.out" 2>&1 || { echo "FAIL: the run for step-10 checkpoints"; cat "$dir/all.out"; exit 1; }
-for variant in async sync streamed; do
+for variant in async streamed; do
     rm -rf "$dir/r_$variant" && mkdir -p "$dir/r_$variant"
     cp -r "$dir/all/ckpt_00000010" "$dir/r_$variant/"
     extra=()
-    [ $variant = sync ] && extra=(--checkpoint-async 0)
     [ $variant = streamed ] && extra=(--data-on-gpu-mib 0)
     # Cadence flags differ on purpose: they may change on resume.
     trainer "${common[@]}" "${extra[@]}" -n 7 -v 5 --log-every 3 -y 1 -o "$dir/r_$variant" >"$dir/r_$variant.out" ||
@@ -119,7 +120,7 @@ for variant in async sync streamed; do
     compare_logs "$dir/straight/log.jsonl" 11 "$dir/r_$variant/log.jsonl"
     same_file "$dir/straight/model.bin" "$dir/r_$variant/model.bin" "final weights after resume ($variant)"
 done
-echo "bit-exact resume (async, sync, streamed): ok"
+echo "bit-exact resume (async, streamed): ok"
 
 # The same in FP8 mode. Its only state is FP8 fcproj's amax history (fp8_history.bin): a resume that lost it
 # would measure afresh at its first step, with other scales than the straight run's.
@@ -207,7 +208,7 @@ echo "incompatible configurations refused: ok"
 
 # kill -9 at random moments: each trial starts a run in its own directory with -y 1 (nothing to resume),
 # kills it at a random moment of the straight run's duration, restarts it with -y 1 and (every other trial)
-# kills that too, then lets a last -y 1 finish. Saves alternate between async and sync.
+# kills that too, then lets a last -y 1 finish.
 kill_at() {  # kill_at FRACTION-OF-STRAIGHT-RUN OUT ARGS...: runs ARGS in the background, kill -9 after a random time
     local frac=$1 out=$2 pid delay
     shift 2
@@ -225,8 +226,7 @@ check_clean() {  # check_clean OUT: no error, no skipped checkpoint
 trials=${RESUME_KILL_TRIALS:-20}  # fewer when GPU time is short
 for trial in $(seq 1 "$trials"); do
     kdir="$dir/kill_$trial"
-    mode=$((trial % 2))
-    args=("${common[@]}" -n 2 -nk 2 --checkpoint-async $mode -y 1 -o "$kdir")
+    args=("${common[@]}" -n 2 -nk 2 -y 1 -o "$kdir")
     kill_at 1.0 "$dir/k${trial}_a.out" "${args[@]}"
     check_clean "$dir/k${trial}_a.out"
     if [ $((trial % 2)) -eq 0 ]; then
@@ -235,7 +235,7 @@ for trial in $(seq 1 "$trials"); do
     fi
     trainer "${args[@]}" >"$dir/k${trial}_c.out" 2>&1 || { echo "FAIL: trial $trial, the final restart:"; cat "$dir/k${trial}_c.out"; exit 1; }
     check_clean "$dir/k${trial}_c.out"
-    echo "trial $trial ($([ $mode = 1 ] && echo async || echo sync)): $(grep -ohE 'resume: (restored [^:]*: step [0-9]+|no checkpoint)|killed after .*' "$dir/k${trial}"_*.out | sed 's|/tmp/[^ ]*/||' | tr '\n' ';')"
+    echo "trial $trial: $(grep -ohE 'resume: (restored [^:]*: step [0-9]+|no checkpoint)|killed after .*' "$dir/k${trial}"_*.out | sed 's|/tmp/[^ ]*/||' | tr '\n' ';')"
     compare_logs "$dir/straight/log.jsonl" 1 "$kdir/log.jsonl"
     same_file "$dir/straight/model.bin" "$kdir/model.bin" "final weights after kill -9 (trial $trial)"
     ls "$kdir" | grep -q '\.tmp$' && { echo "FAIL: a .tmp directory was left in $kdir"; ls "$kdir"; exit 1; }

@@ -16,9 +16,9 @@
 #   - SIGTERM at random moments after start-up (the first log record), SURVIVAL_TRIALS trials (default 10)
 #     on the single-GPU path and 4 through NCCL with one rank (ZeRO-1): each run exits with code 7 within
 #     one step plus a checkpoint save (the limit: 20 s), and -y 1 then finishes the run with every step
-#     record and the final model.bin bitwise equal to an uninterrupted run's; the trials alternate async
-#     and sync saves, and validation and checkpoints are frequent, so signals land in steps, saves and
-#     validations alike; at least half the trials must have been stopped by their signal;
+#     record and the final model.bin bitwise equal to an uninterrupted run's; validation and checkpoints
+#     are frequent, so signals land in steps, saves and validations alike; at least half the trials must
+#     have been stopped by their signal;
 #   - --time-limit 6s: the run stops by itself with exit code 7 before 6 s, and -y 1 finishes it bitwise;
 #   - the same stop delivered twice at once (two SIGINTs 20 ms apart, as from a terminal's process group
 #     and a launcher passing it on) is one request: exit 7 with a checkpoint;
@@ -161,7 +161,6 @@ for t in $(seq 1 $((trials + nccl_trials))); do
     extra=()
     ref=$dir/straight
     if [ "$t" -gt "$trials" ]; then extra=(--multi-gpu 1 -z 1); ref=$dir/straight_nccl; fi
-    [ $((t % 2)) -eq 0 ] && extra+=(--checkpoint-async 0)
     out=$dir/sig$t
     start_trainer "$out" "$out.log" "${base[@]}" "${sig_common[@]}" "${extra[@]}"
     # A moment within the training: steps, validations and checkpoint saves alike.

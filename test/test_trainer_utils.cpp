@@ -205,6 +205,26 @@ TEST(Flags, SwitchesRepeatsAndPositionals) {
     EXPECT_NE(u.find("-q, --quiet                    print errors only\n"), std::string::npos) << u;
 }
 
+// Flags added after group() are listed apart, after -h, under the group's heading; they parse as any other.
+TEST(Flags, GroupedFlagsComeLastUnderTheirHeading) {
+    Settings s;
+    int hook = 0;
+    Flags f = make_flags(s);
+    f.group("for tests:").add("", "hook", &hook, "a test hook");
+    f.add("k", "kept", &s.batch, "also in the group");
+    const std::string u = f.usage();
+    const size_t help = u.find("-h, --help"), heading = u.find("\nfor tests:\n"), hook_line = u.find("--hook <int>");
+    ASSERT_NE(heading, std::string::npos) << u;
+    EXPECT_LT(u.find("-y, --resume"), help) << u;
+    EXPECT_LT(help, heading) << u;
+    EXPECT_LT(heading, hook_line) << u;
+    EXPECT_LT(hook_line, u.find("-k, --kept")) << u;
+    EXPECT_EQ(u.find("for tests:", heading + 2), std::string::npos) << "one heading per group\n" << u;
+    ASSERT_TRUE(parse(f, {"--hook", "3", "-b", "2"}));
+    EXPECT_EQ(hook, 3);
+    EXPECT_NE(f.settings_table().find("| hook                             | 3 *"), std::string::npos) << f.settings_table();
+}
+
 TEST(Flags, RangesSwitchesAndPositionalsAreChecked) {
     std::string m;
     EXPECT_EQ(tool_usage_error({"--threads", "0"}, &m), kExitUsage);
