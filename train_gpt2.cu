@@ -218,10 +218,9 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.decay_fraction = o.decay_fraction;
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
     p.save_formats = parse_save_formats(o.save_model);
-    if (o.fp8 != "0" && o.fp8 != "1") fail(kExitUsage, "--fp8 %s: use 1 (FP8 matmuls) or 0 (bf16)", o.fp8.c_str());
-    p.fp8 = fp8_recipe(o.fp8 == "1");
+    p.fp8 = fp8_recipe(o.fp8 == 1);
     if (p.fp8.any() && c.channels % 16 != 0) {
-        fail(kExitUsage, "--fp8 %s: FP8 matmuls need channels a multiple of 16, not %d", o.fp8.c_str(), c.channels);
+        fail(kExitUsage, "--fp8 1: FP8 matmuls need channels a multiple of 16, not %d", c.channels);
     }
     if (!o.eval_file.empty()) {
         p.eval = read_mc_file(o.eval_file, c.vocab_size);

@@ -51,8 +51,7 @@ struct TrainerOptions {
     // train_gpt2 alone: an explicit shape instead of -e.
     int layers, channels, heads, vocab, max_seq_len;
     // train_gpt2cu alone.
-    int checkpoint_every, keep_last, keep_every, recompute, resume;
-    std::string fp8;
+    int checkpoint_every, keep_last, keep_every, recompute, resume, fp8;
     int64_t rounding_seed;  // -1: seed
     int64_t data_on_gpu_mib;
     bool dry_run;
@@ -165,20 +164,11 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
     t.add(Gpu, "r", "recompute", &o.recompute, 0,
           "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
           "slower; llm.c's default); 0: keep them all", 0, 1);
-    t.add(Gpu, "", "fp8", &o.fp8, "0",
-          "FP8 matmuls (GPUs of compute capability 8.9+): 1 for qkv, fc, lm_head (forward), attproj.dx (a "
-          "backward input gradient) and lm_head.grad (the classifier's backward, both matmuls); all: those, "
-          "fcproj.dx, qkv.grad (qkv's backward, both matmuls), fcproj (fcproj's forward and weight gradient, "
-          "the GELU output in E4M3 at a scale from its last 16 training steps' max; needs fc, not with -r 1) "
-          "and fc.grad (fc's backward and fcproj's dX, the GELU gradient in E5M2 at such a scale; needs "
-          "fcproj); or a comma-separated list of them, 1 and all (1,fcproj: 1 and fcproj), where "
-          "fc.grad.e4m3 is fc.grad with the GELU gradient in E4M3 (all,fc.grad.e4m3) and grad.e4m3 every "
-          "gradient those matmuls read in E4M3, the classifier's dlogits excepted (all,grad.e4m3), and "
-          "qkv.grad.delayed qkv.grad with dqkv written in FP8 by attention's backward itself at such a scale, "
-          "no cast pass (all,qkv.grad.delayed; needs fcproj; where attention runs its Hopper kernels and T is a "
-          "multiple of 64, else dqkv is cast as with qkv.grad); 0: bf16 everywhere. "
-          "Other per-tensor scales from each tensor's own max (dlogits: from dloss); attention and the other "
-          "weight gradients stay bf16");
+    t.add(Gpu, "", "fp8", &o.fp8, 0,
+          "1: FP8 matmuls (GPUs of compute capability 8.9+): every matmul but attention's and some weight "
+          "gradients' takes E4M3 activations and weights and E5M2 gradients, at per-tensor scales (delayed "
+          "ones, from the last 16 steps' max, where the writer needs the scale first); 0: bf16 everywhere",
+          0, 1);
     t.add(Gpu, "y", "resume", &o.resume, 0, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
     t.add(Both, "k", "schedule", &o.schedule, "cosine", "learning-rate schedule: cosine, linear, constant or wsd");
     t.add(Both, "", "decay-fraction", &o.decay_fraction, 0.2, "wsd: fraction of the steps spent decaying at the end", 0, 1);
