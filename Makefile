@@ -9,7 +9,8 @@
 #   test/test_*.cpp  CPU unit tests (GoogleTest)         -> build/test_*
 #   test/test_*.cu   GPU unit tests (GoogleTest + CUDA)  -> build/test_*
 #   test/test_*.sh   script tests (exit 0 pass, 77 skip) -> run in place
-#   dev/*.cu, dev/*.cpp, dev/data/*.cpp  labs and tools  -> build/*
+#   dev/tools/*.cpp  the tools users run (prepare_data, convert_model, ...) -> build/*
+#   dev/*.cu         GPU benchmarks                                          -> build/*
 # A binary that needs extra libraries gets a LDLIBS_<name> line below.
 
 CUDA_HOME ?= /usr/local/cuda
@@ -64,9 +65,9 @@ endif
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))
 GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
 SCRIPT_TESTS := $(wildcard test/test_*.sh)
-DEV_BINARIES := $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu)) \
-                $(patsubst dev/%.cpp,$(BUILD)/%,$(wildcard dev/*.cpp)) \
-                $(patsubst dev/data/%.cpp,$(BUILD)/%,$(wildcard dev/data/*.cpp))
+DEV_BINARIES := $(patsubst dev/tools/%.cpp,$(BUILD)/%,$(wildcard dev/tools/*.cpp)) \
+                $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu)) \
+                $(patsubst dev/%.cpp,$(BUILD)/%,$(wildcard dev/*.cpp))
 TRAINERS := train_gpt2cu train_gpt2
 
 ifeq ($(HAVE_PCRE2),)
@@ -102,7 +103,7 @@ $(BUILD)/%: dev/%.cu | $(BUILD)
 $(BUILD)/%: dev/%.cpp | $(BUILD)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
-$(BUILD)/%: dev/data/%.cpp | $(BUILD)
+$(BUILD)/%: dev/tools/%.cpp | $(BUILD)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
 $(BUILD):
