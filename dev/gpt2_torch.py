@@ -1,6 +1,6 @@
 """GPT-2 in PyTorch, in llm.c's parameter layout: the one definition that the PyTorch reference trainer
-(dev/train_gpt2_torch.py) and the check of the CPU reference model (test/gpt2_torch_ref.py) both use, so
-that the model they compare against ours is the same model.
+(dev/train_gpt2_torch.py) and the check of the CPU reference model (test/oracles/gpt2_torch_ref.py) both
+use, so that the model they compare against ours is the same model.
 
 A configuration c is a dict with maxT, V, Vp, L, NH, C (llmc/gpt2_config.h's names); parameters P are a
 dict of tensors named and shaped as llmc/gpt2_config.h's param_tensors().
