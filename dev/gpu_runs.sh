@@ -110,11 +110,11 @@ for section in "$@"; do
                 compute-sanitizer --tool memcheck --target-processes application-only ./build/test_device_file_io
             grep -h "ERROR SUMMARY" "$LOGS/sanitizer.log" | tee -a "$summary" ;;
         bench-io)
-            step bench_device_file_io bench_io.log 500 ./build/bench_device_file_io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
+            step "bench_io file-io" bench_io.log 500 ./build/bench_io file-io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
             grep -E "target|peak extra" "$LOGS/bench_io.log" | tee -a "$summary" ;;
         dataloader)
             step test_dataloader_gpu tests.log 200 ./build/test_dataloader_gpu
-            step bench_dataloader bench_dataloader.log 300 ./build/bench_dataloader
+            step "bench_io dataloader" bench_dataloader.log 300 ./build/bench_io dataloader
             tail -n 12 "$LOGS/bench_dataloader.log" >>"$summary" ;;
         kernels)
             step test_kernels kernels.log 300 ./build/test_kernels ;;
@@ -263,7 +263,7 @@ for section in "$@"; do
         resume)
             step test_resume.sh trainer.log 500 bash test/test_resume.sh ;;
         bench-checkpoint)
-            step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
+            step "bench_io checkpoint" bench_checkpoint.log 300 ./build/bench_io checkpoint /tmp/bench_checkpoint 3
             tail -n 12 "$LOGS/bench_checkpoint.log" >>"$summary" ;;
         torch)
             # The training-dynamics check against PyTorch: the same d12 start and batches, 300 steps each. The batches are
