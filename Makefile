@@ -6,10 +6,12 @@
 #   make fuzz       fuzz every reader of outside bytes for FUZZ_SECONDS each (clang + libFuzzer; docs/fuzzing.md)
 #
 # Sources are found by name, so adding a file needs no edit here:
-#   test/test_*.cpp  CPU unit tests (GoogleTest)         -> build/test_*
-#   test/test_*.cu   GPU unit tests (GoogleTest + CUDA)  -> build/test_*
-#   test/test_*.sh   script tests (exit 0 pass, 77 skip) -> run in place
-#   dev/*.cu, dev/*.cpp, dev/data/*.cpp  labs and tools  -> build/*
+#   test/test_*.cpp     CPU unit tests (GoogleTest)                    -> build/test_*
+#   test/test_*.cu      GPU unit tests (GoogleTest + CUDA)             -> build/test_*
+#   test/test_*.sh      script tests (exit 0 pass, 77 skip)            -> run in place
+#   test/oracles/*.cpp  what script tests run beside a reference       -> build/*
+#   dev/tools/*.cpp     the tools users run (prepare_data, ...)        -> build/*
+#   dev/*.cu            GPU benchmarks                                 -> build/*
 # A binary that needs extra libraries gets a LDLIBS_<name> line below.
 
 CUDA_HOME ?= /usr/local/cuda
@@ -64,9 +66,9 @@ endif
 CPU_TESTS := $(patsubst test/%.cpp,$(BUILD)/%,$(wildcard test/test_*.cpp))
 GPU_TESTS := $(patsubst test/%.cu,$(BUILD)/%,$(wildcard test/test_*.cu))
 SCRIPT_TESTS := $(wildcard test/test_*.sh)
-DEV_BINARIES := $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu)) \
-                $(patsubst dev/%.cpp,$(BUILD)/%,$(wildcard dev/*.cpp)) \
-                $(patsubst dev/data/%.cpp,$(BUILD)/%,$(wildcard dev/data/*.cpp))
+DEV_BINARIES := $(patsubst dev/tools/%.cpp,$(BUILD)/%,$(wildcard dev/tools/*.cpp)) \
+                $(patsubst dev/%.cu,$(BUILD)/%,$(wildcard dev/*.cu))
+ORACLES := $(patsubst test/oracles/%.cpp,$(BUILD)/%,$(wildcard test/oracles/*.cpp))
 TRAINERS := train_gpt2cu train_gpt2
 
 ifeq ($(HAVE_PCRE2),)
@@ -75,7 +77,7 @@ CPU_TESTS := $(filter-out $(SKIPPED_PCRE2),$(CPU_TESTS))
 DEV_BINARIES := $(filter-out $(SKIPPED_PCRE2),$(DEV_BINARIES))
 endif
 
-ALL := $(TRAINERS) $(DEV_BINARIES) $(CPU_TESTS) $(GPU_TESTS)
+ALL := $(TRAINERS) $(DEV_BINARIES) $(ORACLES) $(CPU_TESTS) $(GPU_TESTS)
 
 .PHONY: all test clean data fuzz
 all: $(ALL)
@@ -99,10 +101,10 @@ $(BUILD)/%: test/%.cu | $(BUILD)
 $(BUILD)/%: dev/%.cu | $(BUILD)
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) $< -o $@ $(CUDA_LIBS) $(LDLIBS_$*)
 
-$(BUILD)/%: dev/%.cpp | $(BUILD)
+$(BUILD)/%: dev/tools/%.cpp | $(BUILD)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
-$(BUILD)/%: dev/data/%.cpp | $(BUILD)
+$(BUILD)/%: test/oracles/%.cpp | $(BUILD)
 	$(CXX) $(CPPFLAGS) $(CXXFLAGS) $< -o $@ $(HOST_LIBS) $(LDLIBS_$*)
 
 $(BUILD):

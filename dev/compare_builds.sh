@@ -1,25 +1,105 @@
 #!/usr/bin/env bash
-# Runs trainers built from different commits against each other, in one run on one GPU: each NAME=REV is
-# built from git revision REV (empty: the working tree as it is; the path of an executable: that trainer,
-# built elsewhere) as build/cmp_NAME, in parallel, then all are run ROUNDS times, interleaved (a b c a b
-# c ...), so clock and thermal drift fall on every variant alike. Prints each run's average ms/step (the
-# trainer's own "average over N steps" line: CUDA events, step 1 left out), then per variant the median
-# over rounds and its ratio to the first variant, and whether every run printed the same per-step losses
-# and gradient norms as the first variant's first run (same seed and flags: a change that should leave
-# the results alone must keep them).
+# Trainers built from different commits against each other, on one GPU. Each NAME=REV is built from git
+# revision REV (empty: the working tree as it is; the path of an executable: that trainer, built
+# elsewhere) as build/cmp_NAME, in parallel (a revision with its own Makefile, for the GPU this machine
+# has, as `make` picks it). Flags after REV (one argument: "NAME=REV FLAGS...") go to that variant's runs
+# only: e.g. "one=build/t --dw-stream 0" "two=build/t --dw-stream 2" compares two settings of one trainer.
+#
+# Timing (the default):
 #   bash dev/compare_builds.sh "NAME=REV" ...      e.g. "new=" "old=HEAD~1" or "old=build/old_trainer"
 #   ROUNDS=3 ARGS="-e d12 -b 64 -t 1024 -x 30" bash dev/compare_builds.sh ...
-# Flags after REV (one argument: "NAME=REV FLAGS...") go to that variant's runs only, after ARGS: e.g.
-# "one=build/t --dw-stream 0" "two=build/t --dw-stream 2" compares two settings of one trainer.
-# A revision is built with its own Makefile (for the GPU this machine has, as `make` picks it).
+# runs them all ROUNDS times, interleaved (a b c a b c ...), so clock and thermal drift fall on every
+# variant alike. Prints each run's average ms/step (the trainer's own "average over N steps" line: CUDA
+# events, step 1 left out), then per variant the median over rounds and its ratio to the first variant,
+# and whether every run printed the same per-step losses and gradient norms as the first variant's first
+# run (same seed and flags: a change that should leave the results alone must keep them).
+#
+# Bitwise (do two builds compute the same bits?):
+#   bash dev/compare_builds.sh --bitwise "OLD=REV" "NEW=REV"     e.g. old=HEAD~1 new=
+# runs the same training scenarios with both and compares, exactly: every step's loss and gradient norm
+# and every validation loss (log.jsonl), the final model.bin, and every .bin file of every checkpoint,
+# which must be the same files on both sides (not manifest.txt, which records each run's own output
+# folder). Needs the quick-start shards (make data). Scenarios (d6 and d12, shuffled data, gradient
+# accumulation):
+#   d6-ckpt     d6 B=8 T=256, 2 micro-steps, 20 steps, validation every 10, checkpoints at 10 and 20
+#   d6-resume   the same run stopped at step 10, then resumed with -y 1 up to 20
+#   d6-zero1    d6 as d6-ckpt on the NCCL path with one rank, ZeRO-1 (sharded checkpoint layout)
+#   d12-accum   d12 B=16 T=1024, 2 micro-steps, 12 steps, checkpoint at 12
+# Prints one PASS/FAIL line per scenario; exits 1 if any scenario differs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 ARGS=${ARGS:-"-e d12 -b 64 -t 1024 -x 30"}
+bitwise=0
+if [ "${1:-}" = --bitwise ]; then
+    bitwise=1
+    shift
+    [ $# -eq 2 ] || { echo "compare_builds: --bitwise takes two variants, OLD=REV NEW=REV" >&2; exit 2; }
+    ls data/quickstart_train_*.bin >/dev/null 2>&1 || { echo "data/ is missing: run make data first" >&2; exit 1; }
+fi
 if [ $# -lt 1 ]; then
-    sed -n '2,12p' "$0" >&2
+    sed -n "2,$(($(grep -n '^set -euo' "$0" | head -n 1 | cut -d: -f1) - 1))p" "$0" >&2
     exit 2
 fi
+# --bitwise: bitwise_run VARIANT OUTDIR ARGS... runs build/cmp_VARIANT with the scenario's arguments, then
+# the variant's own flags; a failure is recorded in OUTDIR.errors, for that scenario's verdict.
+bitwise_run() {
+    local bin=build/cmp_$1 own=${flags[$1]} out=$2
+    shift 2
+    # shellcheck disable=SC2086
+    timeout -k 10 300 "$bin" "${data[@]}" -o "$out" "$@" $own >>"$out.log" 2>&1 ||
+        echo "  $bin $* $own exited $?" >>"$out.errors"
+}
+
+# The numbers a run produced, one line each: steps (loss, norm) and validations, in log order.
+numbers() {
+    python3 - "$1/log.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if not line:
+        continue
+    r = json.loads(line)
+    if "loss" in r:
+        print("step", r["step"], repr(r["loss"]), repr(r["norm"]))
+    elif "val_loss" in r:
+        print("val", r["step"], repr(r["val_loss"]))
+PY
+}
+
+bitwise_compare() {  # bitwise_compare SCENARIO: the runs in $work/old/SCENARIO and $work/new/SCENARIO
+    local name=$1 a=$work/old/$1 b=$work/new/$1 why=""
+    if [ -s "$a.errors" ] || [ -s "$b.errors" ]; then
+        why="a run failed: $(cat "$a.errors" "$b.errors" 2>/dev/null | tr '\n' ' ')"
+    fi
+    if [ -z "$why" ] && ! cmp -s <(numbers "$a") <(numbers "$b"); then
+        why="log numbers differ: $(diff <(numbers "$a") <(numbers "$b") | head -n 3 | tr '\n' ' ')"
+    fi
+    local n_files=0
+    if [ -z "$why" ]; then
+        # Both sides' lists first: a file only one build writes (say an extra checkpoint) is a difference too.
+        local only
+        only=$(diff <(cd "$a" && find . -name '*.bin' | sort) <(cd "$b" && find . -name '*.bin' | sort) |
+               sed -n 's/^< \(.*\)/\1 (old only)/p; s/^> \(.*\)/\1 (new only)/p' | head -n 3 | tr '\n' ' ')
+        [ -n "$only" ] && why="not the same files: $only"
+    fi
+    if [ -z "$why" ]; then
+        while IFS= read -r f; do
+            n_files=$((n_files + 1))
+            cmp -s "$a/$f" "$b/$f" || { why="$f differs"; break; }
+        done < <(cd "$a" && find . -name '*.bin' | sort)
+        [ -z "$why" ] && [ "$n_files" -eq 0 ] && why="no model or checkpoint files were written"
+    fi
+    local steps
+    steps=$(numbers "$a" | grep -c '^step' || true)
+    if [ -z "$why" ]; then
+        echo "PASS $name: $steps steps, losses, norms, validation losses and $n_files .bin files bitwise equal"
+    else
+        echo "FAIL $name: $why"
+        failed=1
+    fi
+}
+
 names=()
 pids=()
 mkdir -p build
@@ -67,6 +147,27 @@ for i in "${!pids[@]}"; do
         exit 1
     fi
 done
+if [ $bitwise = 1 ]; then
+    set +e
+    old=${names[0]} new=${names[1]}
+    work=$(mktemp -d /tmp/compare_builds_XXXXXX)
+    trap 'rm -rf "$work"' EXIT
+    data=(-i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -s 0 --seed 7 -l 1e-3 -u 5 -c 0.1)
+    failed=0
+    for side in old new; do
+        variant=${!side}
+        mkdir -p "$work/$side"
+        d6=(-e d6 -b 8 -t 256 -d 4096 -v 10 -m 4)
+        bitwise_run "$variant" "$work/$side/d6-ckpt" "${d6[@]}" -x 20 -n 10
+        bitwise_run "$variant" "$work/$side/d6-resume" "${d6[@]}" -x 10 -n 10 --save-model 0
+        bitwise_run "$variant" "$work/$side/d6-resume" "${d6[@]}" -x 20 -n 10 -y 1
+        bitwise_run "$variant" "$work/$side/d6-zero1" "${d6[@]}" -x 20 -n 10 --multi-gpu 1 -z 1
+        bitwise_run "$variant" "$work/$side/d12-accum" -e d12 -b 16 -t 1024 -d 32768 -v 6 -m 2 -x 12 -n 12
+    done
+    for scenario in d6-ckpt d6-resume d6-zero1 d12-accum; do bitwise_compare "$scenario"; done
+    exit $failed
+fi
+
 declare -A runs
 reference=""
 differs=()

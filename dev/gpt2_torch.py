@@ -1,6 +1,6 @@
 """GPT-2 in PyTorch, in llm.c's parameter layout: the one definition that the PyTorch reference trainer
-(dev/train_gpt2_torch.py) and the check of the CPU reference model (test/gpt2_torch_ref.py) both use, so
-that the model they compare against ours is the same model.
+(dev/train_gpt2_torch.py) and the check of the CPU reference model (test/oracles/gpt2_torch_ref.py) both
+use, so that the model they compare against ours is the same model.
 
 A configuration c is a dict with maxT, V, Vp, L, NH, C (llmc/gpt2_config.h's names); parameters P are a
 dict of tensors named and shaped as llmc/gpt2_config.h's param_tensors().
@@ -106,27 +106,22 @@ def causal_attention(q, k, v):
     return att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
 
 
-def forward(P, c, idx, targets, weight=None, act=None):
-    """Logits (B, T, Vp) and the mean cross-entropy of the targets over the first V logits. weight(name, W),
-    when given, replaces each matmul's weight as that matmul reads it (name: qkvw, attprojw, fcw, fcprojw,
-    or lm_head for the classifier's wte; the embedding reads wte as it is): a lab's rounded copies.
-    act(name, X) likewise replaces each matmul's input (the same names)."""
+def forward(P, c, idx, targets):
+    """Logits (B, T, Vp) and the mean cross-entropy of the targets over the first V logits."""
     L, NH, C, V = c["L"], c["NH"], c["C"], c["V"]
     B, T = idx.shape
-    W = weight if weight is not None else (lambda name, w: w)
-    A = act if act is not None else (lambda name, x: x)
     x = F.embedding(idx, P["wte"]) + P["wpe"][:T]
     for l in range(L):
         h = F.layer_norm(x, (C,), P["ln1w"][l], P["ln1b"][l], LN_EPS)
-        q, k, v = F.linear(A("qkvw", h), W("qkvw", P["qkvw"][l]), P["qkvb"][l]).split(C, dim=2)
+        q, k, v = F.linear(h, P["qkvw"][l], P["qkvb"][l]).split(C, dim=2)
         q, k, v = (t.view(B, T, NH, C // NH).transpose(1, 2) for t in (q, k, v))
         y = causal_attention(q, k, v).transpose(1, 2).reshape(B, T, C)
-        x = x + F.linear(A("attprojw", y), W("attprojw", P["attprojw"][l]), P["attprojb"][l])
+        x = x + F.linear(y, P["attprojw"][l], P["attprojb"][l])
         h = F.layer_norm(x, (C,), P["ln2w"][l], P["ln2b"][l], LN_EPS)
-        h = F.gelu(F.linear(A("fcw", h), W("fcw", P["fcw"][l]), P["fcb"][l]), approximate="tanh")
-        x = x + F.linear(A("fcprojw", h), W("fcprojw", P["fcprojw"][l]), P["fcprojb"][l])
+        h = F.gelu(F.linear(h, P["fcw"][l], P["fcb"][l]), approximate="tanh")
+        x = x + F.linear(h, P["fcprojw"][l], P["fcprojb"][l])
     x = F.layer_norm(x, (C,), P["lnfw"], P["lnfb"], LN_EPS)
-    logits = F.linear(A("lm_head", x), W("lm_head", P["wte"]))
+    logits = F.linear(x, P["wte"])
     real = logits[..., :V]
     if real.dtype in (torch.float16, torch.bfloat16):  # under autocast: the loss in fp32
         real = real.float()

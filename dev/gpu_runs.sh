@@ -1,32 +1,28 @@
 #!/usr/bin/env bash
 # The project's GPU measurements in named sections, for any machine with an NVIDIA GPU: build, GPU tests,
-# sanitizer, benchmarks, the trainer against PyTorch, kernel labs and profiles. Each section's log goes to
-# $LOGS (default build/gpu-logs) and a summary (date, commit, GPU, then one line per step and the figures
+# sanitizer, benchmarks, the trainer against PyTorch and llm.c, Nsight Compute details of its kernels. Each
+# section's log goes to $LOGS (default build/gpu-logs) and a summary (date, commit, GPU, then one line per step and the figures
 # each section reports) is printed last and kept in $LOGS/summary.txt. docs/performance.md says which
 # sections made which figures.
 #   bash dev/gpu_runs.sh SECTION...
-#   sections: build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput
-#             quickstart long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput
-#             attention-lab throughput-large profile profile-real attention-ncu attention-detail compare
-#             matmul-lab matmul-sustain matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab
-#             fp8-throughput fp8-matmuls fp8-large fp8-loss-d12 fp8-loss-d24 llmc classifier-lab
-#             classifier-detail classifier-stalls
+#   sections: build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
+#             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large
+#             attention-detail compare gemm-tune-compare dw-stream-compare fp8-throughput fp8-matmuls
+#             fp8-large fp8-loss-d12 fp8-loss-d24 llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
-# default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, SUSTAIN_S, SUSTAIN_EACH_S,
-# ATTN_KERNELS, COMPARE, FP8_SETS, FP8_MODES, CLASSIFIER_EXP, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS,
-# FP8_LOSS_PARALLEL, FP8_LOSS_EVAL, FP8_LOSS_LIMIT, LLMC_PEER, PROFILE_ARGS).
-# Most sections need data/ from `make data`. The tokenizer section needs build/prepare_data (built where
-# the PCRE2 headers are installed), .deps/gpt2 and data/corpus.
+# default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, ATTN_KERNELS, COMPARE,
+# FP8_SETS, FP8_MODES, CLASSIFIER_EXP, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS, FP8_LOSS_PARALLEL,
+# FP8_LOSS_EVAL, FP8_LOSS_LIMIT, LLMC_PEER).
+# Most sections need data/ from `make data`.
 set -u
 cd "$(dirname "$0")/.."
 # The sections, as the case below names them: a misspelt one stops the script before anything runs.
-sections="build tests io-tests sanitizer bench-io dataloader tokenizer kernels trainer throughput quickstart
-          long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput attention-lab
-          throughput-large profile profile-real attention-ncu attention-detail compare matmul-lab matmul-sustain
-          matmul-sustain-each gemm-tune-compare dw-stream-compare fp8-lab fp8-throughput fp8-matmuls fp8-large
-          fp8-loss-d12 fp8-loss-d24 llmc classifier-lab classifier-detail classifier-stalls"
+sections="build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
+          resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large attention-detail
+          compare gemm-tune-compare dw-stream-compare fp8-throughput fp8-matmuls fp8-large fp8-loss-d12
+          fp8-loss-d24 llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -114,15 +110,12 @@ for section in "$@"; do
                 compute-sanitizer --tool memcheck --target-processes application-only ./build/test_device_file_io
             grep -h "ERROR SUMMARY" "$LOGS/sanitizer.log" | tee -a "$summary" ;;
         bench-io)
-            step bench_device_file_io bench_io.log 500 ./build/bench_device_file_io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
+            step "bench_io file-io" bench_io.log 500 ./build/bench_io file-io --dir /tmp --sizes-gib "${IO_SIZES:-1,4}" --reps 3
             grep -E "target|peak extra" "$LOGS/bench_io.log" | tee -a "$summary" ;;
         dataloader)
             step test_dataloader_gpu tests.log 200 ./build/test_dataloader_gpu
-            step bench_dataloader bench_dataloader.log 300 ./build/bench_dataloader
+            step "bench_io dataloader" bench_dataloader.log 300 ./build/bench_io dataloader
             tail -n 12 "$LOGS/bench_dataloader.log" >>"$summary" ;;
-        tokenizer)
-            step bench_tokenizer bench_tokenizer.log 300 python3 dev/bench_tokenizer.py --threads 16
-            tail -n 8 "$LOGS/bench_tokenizer.log" >>"$summary" ;;
         kernels)
             step test_kernels kernels.log 300 ./build/test_kernels ;;
         trainer)
@@ -185,13 +178,14 @@ for section in "$@"; do
         fp8-loss-d12|fp8-loss-d24)
             # Training quality with FP8: the same run in bf16 and with --fp8 1 on the quick-start corpus
             # (data/quickstart_*), B=64 T=1024, the README's hyperparameters; d12 1000 steps, d24 500. The
-            # logs go to $LOGS/fp8_loss_<model>_<mode>/; dev/compare_losses.py compares them from step 51.
-            # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 first, the others compared with it).
+            # logs go to $LOGS/fp8_loss_<model>_<mode>/ (log.jsonl: every step's loss); the summary gets each
+            # run's average, peak memory and last validation loss.
+            # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 is bf16, the reference).
             # FP8_LOSS_SPLIT=1 also runs bf16 with each step in two micro-batches of 32 (-b 32 -d 65536: the
-            # same arithmetic but for the order of the sums), the reference each comparison prints beside it.
+            # same arithmetic but for the order of the sums): how far a change of rounding alone moves a run.
             # FP8_LOSS_ROUNDING_SEEDS (e.g. "2 3"): bf16 again with each of these --rounding-seed values (the same
-            # run but for the parameters' stochastic rounding), each compared with the bf16 run: the spread of
-            # bf16 runs that differ in rounding alone, to read the FP8 runs' gaps against.
+            # run but for the parameters' stochastic rounding): the spread of bf16 runs that differ in rounding
+            # alone, to read the FP8 runs' gaps against (dev/fp8_spread.sh makes that judgement over seeds).
             # FP8_LOSS_PARALLEL=1 runs them all at once, side by side on the GPU (each run's numbers are the
             # same as alone: only its speed changes), under one time limit of 590 s for d12's 1000 steps
             # (FP8_LOSS_LIMIT) instead of 590 s each.
@@ -244,23 +238,7 @@ for section in "$@"; do
                             "$LOGS/fp8_loss_eval_$model.log" | tail -n 1)"
                     done
                 done
-            fi
-            reference=()
-            [ -f "$LOGS/fp8_loss_${model}_split/log.jsonl" ] &&
-                reference=(--reference "$LOGS/fp8_loss_${model}_split/log.jsonl" --reference-label "bf16 2x32")
-            for fp8 in ${FP8_LOSS_MODES:-0 1}; do
-                [ "$fp8" = 0 ] || [ ! -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] ||
-                    { echo "--fp8 $fp8 against bf16:"; python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_$fp8/log.jsonl" \
-                        "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 --windows 100 \
-                        "${reference[@]}"; } | tee -a "$summary"
-            done
-            for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do
-                [ -f "$LOGS/fp8_loss_${model}_rs$seed/log.jsonl" ] && [ -f "$LOGS/fp8_loss_${model}_0/log.jsonl" ] &&
-                    { echo "bf16 with --rounding-seed $seed against bf16:";
-                      python3 dev/compare_losses.py "$LOGS/fp8_loss_${model}_rs$seed/log.jsonl" \
-                          "$LOGS/fp8_loss_${model}_0/log.jsonl" --max-diff 0.03 --max-val-rel 0.01 --from-step 51 \
-                          --windows 100; } | tee -a "$summary"
-            done ;;
+            fi ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a
             # comparison in the same run: LLMC_PEER is the folder holding bench_llmc.sh.
@@ -280,32 +258,12 @@ for section in "$@"; do
                     done
                 done
             done ;;
-        profile)
-            # Per-kernel GPU time of d12 B=64 T=1024 (3 steps under Nsight Compute, kernels serialised), from
-            # the last step only: the first also runs the gemm tuner's trial matmuls. PROFILE_ARGS: more
-            # trainer options (e.g. "--fp8 all").
-            step "ncu d12 B=64 ${PROFILE_ARGS:-}" profile.log 500 ncu --target-processes application-only --csv \
-                --print-units base --metrics gpu__time_duration.sum --log-file "$LOGS/ncu.csv" \
-                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o "" ${PROFILE_ARGS:-}
-            python3 dev/ncu_summary.py "$LOGS/ncu.csv" --last-step adamw_kernel | tee -a "$summary" ;;
-        profile-real)
-            # The same per-kernel table with ncu leaving clocks and caches alone. The kernels still run one by
-            # one with ncu's pauses between them, so the GPU draws less power and may hold higher clocks than
-            # in a plain run (an H200 at d12 B=64 sits at its 700 W cap, ~1.5 GHz): the total is not the plain
-            # run's kernel time. nvidia-smi samples the SM clock, power and clock-event reasons in a plain run.
-            step "ncu d12 B=64 (real clocks)" profile_real.log 500 ncu --target-processes application-only --csv --print-units base \
-                --clock-control none --cache-control none --metrics gpu__time_duration.sum --log-file "$LOGS/ncu_real.csv" \
-                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 3 -v 0 -s 0 -o ""
-            python3 dev/ncu_summary.py "$LOGS/ncu_real.csv" --last-step adamw_kernel | tee -a "$summary"
-            smi_run smi.log step "train_gpt2cu d12 B=64 (smi)" profile_real.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 \
-                -v 0 -s 0 -o ""
-            tail -n 3 "$LOGS/profile_real.log" >>"$summary" ;;
         long-tests)
             step "test_gpt2_gpu T=1024" trainer.log 400 env LLMC_LONG_TESTS=1 ./build/test_gpt2_gpu --gtest_filter='*T_1024*' ;;
         resume)
             step test_resume.sh trainer.log 500 bash test/test_resume.sh ;;
         bench-checkpoint)
-            step bench_checkpoint bench_checkpoint.log 300 ./build/bench_checkpoint /tmp/bench_checkpoint 3
+            step "bench_io checkpoint" bench_checkpoint.log 300 ./build/bench_io checkpoint /tmp/bench_checkpoint 3
             tail -n 12 "$LOGS/bench_checkpoint.log" >>"$summary" ;;
         torch)
             # The training-dynamics check against PyTorch: the same d12 start and batches, 300 steps each. The batches are
@@ -330,17 +288,17 @@ for section in "$@"; do
             step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hot[@]}" \
                 --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
             grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
-            # Ours with the bf16 parameters rounded to nearest (as autocast does) against the same torch run:
-            # what stochastic rounding contributes to the difference.
+            # Ours with the bf16 parameters rounded to nearest (as autocast does), on the hot setting: its log
+            # beside the others in dynamics.tgz, its last validation loss in the summary.
             step "ours 300 steps (hot, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
                 "${hot[@]}" --stochastic-rounding 0 -s 0 -o out/ours_hot_rn
             cp out/ours_hot_rn/log.jsonl out/dynamics/ours_hot_rn.jsonl
-            python3 dev/compare_losses.py out/dynamics/ours_hot_rn.jsonl out/dynamics/torch_hot.jsonl | tee -a "$LOGS/torch.log" |
-                sed "s/^/ours round-to-nearest vs torch bf16 (hot): /" >>"$summary"
+            grep -E '"val_loss"' out/ours_hot_rn/log.jsonl | tail -n 1 | sed "s/^/ours round-to-nearest (hot), last validation: /" >>"$summary"
             tar czf "$LOGS/dynamics.tgz" -C out dynamics ;;
         torch-mild|torch-hot)
             # The training-dynamics check in one setting, quickly: ours with stochastic rounding (the default)
-            # and with round to nearest, against one torch bf16 run, and torch fp32 against torch bf16. hot: the setting of the torch section
+            # against one torch bf16 run (train_gpt2_torch.py --compare), torch fp32 against torch bf16, and ours
+            # with round to nearest (its last validation loss). hot: the setting of the torch section
             # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $LOGS/dynamics_NAME.tgz.
             name=${section#torch-}
             lr=6e-4
@@ -358,19 +316,18 @@ for section in "$@"; do
                 step "ours 300 steps ($name, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
                     "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
             fi
-            step "torch 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
-                --log out/dynamics/torch_$name.jsonl
+            step "torch 300 steps ($name) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" \
+                "${hp[@]}" --compare out/ours_$name/log.jsonl --log out/dynamics/torch_$name.jsonl
+            grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/ours vs torch bf16 ($name): /" >>"$summary"
             if [ "${DYN_EXTRA:-1}" != 0 ]; then
                 # The noise floor of this setting: PyTorch in fp32 (no autocast, no TF32) against its own bf16 run.
                 step "torch fp32 300 steps ($name)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hp[@]}" \
-                    --precision fp32 --log out/dynamics/torch_fp32_$name.jsonl
-                python3 dev/compare_losses.py out/dynamics/torch_fp32_$name.jsonl out/dynamics/torch_$name.jsonl | tee -a "$LOGS/torch.log" |
-                    sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
+                    --precision fp32 --compare out/dynamics/torch_$name.jsonl --log out/dynamics/torch_fp32_$name.jsonl
+                grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 ($name): /" >>"$summary"
             fi
             for v in "${variants[@]}"; do
                 cp out/ours_$v/log.jsonl out/dynamics/ours_$v.jsonl
-                python3 dev/compare_losses.py out/dynamics/ours_$v.jsonl out/dynamics/torch_$name.jsonl | tee -a "$LOGS/torch.log" |
-                    sed "s/^/ours ($v) vs torch bf16 ($name): /" >>"$summary"
+                grep -E '"val_loss"' out/ours_$v/log.jsonl | tail -n 1 | sed "s/^/ours ($v), last validation: /" >>"$summary"
             done
             tar czf "$LOGS/dynamics_$name.tgz" -C out dynamics ;;
         torch-throughput)
@@ -382,16 +339,6 @@ for section in "$@"; do
                 "${smi[@]}" step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
                 grep -E "^average|^peak" "$LOGS/torch_throughput.log" | tail -n 2 >>"$summary"
             done ;;
-        matmul-sustain)
-            # The step's matmuls alone, back to back for 20 s: their time at the clock the power cap leaves.
-            smi_run smi_matmul.log step "matmul_lab --sustain" matmul_sustain.log 120 ./build/matmul_lab --sustain ${SUSTAIN_S:-20}
-            tail -n 19 "$LOGS/matmul_sustain.log" >>"$summary" ;;
-        matmul-sustain-each)
-            # Every heuristic result of each matmul, each back to back for SUSTAIN_EACH_S seconds: the ranking
-            # at the power cap (where energy per run decides speed) against the sweep's short bursts.
-            smi_run smi_matmul_each.log step "matmul_lab --sustain-each" matmul_sustain_each.log 300 ./build/matmul_lab \
-                --algos 8 --sustain-each ${SUSTAIN_EACH_S:-0.4}
-            grep -E "rank 0 .* best rank|rank 0 skipped" "$LOGS/matmul_sustain_each.log" >>"$summary" ;;
         gemm-tune-compare)
             # The trainer with and without its gemm tuner (which picks by short timed bursts), interleaved.
             for r in 1 2 3; do
@@ -408,31 +355,6 @@ for section in "$@"; do
                 ARGS="-e d12 -b 64 -t 1024 -x 40" bash dev/compare_builds.sh "dw0=./train_gpt2cu --dw-stream 0" \
                 "dw1=./train_gpt2cu --dw-stream 1" "dw2=./train_gpt2cu --dw-stream 2"
             tail -n 6 "$LOGS/dw_stream.log" >>"$summary" ;;
-        matmul-lab)
-            # Every cuBLASLt algorithm the heuristic offers for each matmul of a d12 B=64 step, timed.
-            step matmul_lab matmul_lab.log 200 ./build/matmul_lab
-            tail -n 40 "$LOGS/matmul_lab.log" >>"$summary" ;;
-        fp8-lab)
-            # The forward matmuls of a d12 B=64 step with E4M3 operands against bf16, without and with fast
-            # accumulation: speed, the casts' cost, and the error.
-            step fp8_lab fp8_lab.log 120 ./build/fp8_lab
-            step fp8_lab_fast fp8_lab.log 120 ./build/fp8_lab --fast-accum 1
-            grep -A 12 "^matmul" "$LOGS/fp8_lab.log" >>"$summary" ;;
-        classifier-lab)
-            # Our Hopper classifier matmul (plain, and with the exp epilogue) against cuBLASLt and cuBLASLt +
-            # fused_classifier at d12 B=64, after its checks against a double reference (needs sm_90a).
-            step classifier_gemm_lab classifier_lab.log 180 ./build/classifier_gemm_lab
-            grep -E "^(plain|exp|loss)|^variant|^cuBLASLt|^ours" "$LOGS/classifier_lab.log" >>"$summary" ;;
-        attention-lab)
-            step attention_lab attention.log 300 ./build/attention_lab
-            tail -n 20 "$LOGS/attention.log" >>"$summary" ;;
-        attention-ncu)
-            # The lab's flash kernels under Nsight Compute, which holds the clocks fixed: median time per
-            # launch of each variant (template arguments) and grid, free of clock drift between variants.
-            step "ncu attention_lab" attention_ncu.log 400 ncu --target-processes application-only --csv --print-units base \
-                --metrics gpu__time_duration.sum --kernel-name regex:flash --log-file "$LOGS/attention_ncu.csv" ./build/attention_lab
-            python3 dev/ncu_summary.py "$LOGS/attention_ncu.csv" --variants | grep -E "kernel \||, (192|768), 1\)" |
-                tee -a "$summary" ;;
         attention-detail)
             # One d12 B=64 launch of each flash kernel in the trainer (the second step's first), with Nsight
             # Compute's throughput, occupancy, warp-stall and instruction sections, to see what bounds them.
@@ -446,24 +368,6 @@ for section in "$@"; do
             done
             grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
                 "$LOGS/attention_detail.log" | tee -a "$summary" ;;
-        classifier-detail)
-            # The Hopper classifier matmul's plain and exp kernels (the lab's first launch of each, d12 B=64) under
-            # Nsight Compute: what the exp epilogue adds (the ex2 unit, issue slots, stalls) over the plain one.
-            step "ncu detail classifier" classifier_detail.log 300 ncu --target-processes application-only \
-                --kernel-name regex:cls_gemm_kernel --launch-count 2 --section SpeedOfLight --section LaunchStats \
-                --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
-                --section MemoryWorkloadAnalysis ./build/classifier_gemm_lab --reps 2 --rounds 2
-            grep -E "cls_gemm|Duration|Compute \(SM\) Throughput|Registers Per|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|L2 Cache Throughput|DRAM Throughput|Stall|Memory Throughput|XU|Pipe" \
-                "$LOGS/classifier_detail.log" | tee -a "$summary" ;;
-        classifier-stalls)
-            # Where the Hopper classifier's exp kernel waits, per SASS instruction (the lab's first exp launch,
-            # d12 B=64): Nsight Compute's warp samples and stall reasons, summarised by dev/ncu_stalls.py.
-            step "ncu stalls classifier" classifier_stalls.log 300 ncu --target-processes application-only \
-                --kernel-name-base mangled --kernel-name regex:cls_gemm_kernelILb1E --launch-count 1 --set full \
-                --import-source yes -f -o "$LOGS/classifier_stalls" ./build/classifier_gemm_lab --reps 1 --rounds 2 &&
-                ncu -i "$LOGS/classifier_stalls.ncu-rep" --page source --csv --print-source sass \
-                    >"$LOGS/classifier_stalls_sass.csv" &&
-                python3 dev/ncu_stalls.py "$LOGS/classifier_stalls_sass.csv" --top 25 | tee -a "$summary" ;;
         compare)
             # Trainers built from other commits, timed against each other in one run:
             # COMPARE="new= old=HEAD~1 ..." (see dev/compare_builds.sh).

@@ -21,7 +21,7 @@ throughput (steps after the first) and the peak GPU memory; with --compare LOG.j
 log) it also prints both losses per step and the largest relative difference.
 
 The model itself is dev/gpt2_torch.py's, which the check of the CPU reference model
-(test/gpt2_torch_ref.py) uses too. Not provided: sampling, checkpoints, several GPUs.
+(test/oracles/gpt2_torch_ref.py) uses too. Not provided: sampling, checkpoints, several GPUs.
 
 Example (the same start and data for both):
   ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 --save-model llmc -o out/init              # writes out/init/model.bin

@@ -15,8 +15,8 @@ Provides:
   attention_scratch_bytes(B, NH, T, HS): scratch bytes of either direction: flash: D (B,NH,T) fp32
                       (backward only); cuBLASLt: permuted copies of q, k, v, y, dq, dk, dv plus the scores
                       (B,NH,T,Tp) in fp32 and bf16.
-  attention_forward_cublaslt, attention_backward_cublaslt: the cuBLASLt path, for any head size (the
-                      kernel lab dev/attention_lab.cu times it against flash). Forward: q, k, v permuted to
+  attention_forward_cublaslt, attention_backward_cublaslt: the cuBLASLt path, for any head size (timed
+                      against flash: docs/performance.md, "Flash attention kernels"). Forward: q, k, v permuted to
                       (B,NH,T,HS); preatt = scale * q @ k^T in fp32 (one batched matmul over B*NH); a causal
                       softmax in fp32 (one warp per row) writes att; y = att @ v; y permuted back into out.
                       Backward: datt = dy @ v^T (fp32), dv = att^T @ dy, dpreatt = softmax backward with the

@@ -7,7 +7,8 @@ Provides:
   classifier90_applies(N, C, Vp): the shapes the kernel takes: N a multiple of 128, C of 64, Vp of 8.
   classifier90_partial_count(N, Vp): the floats of Classifier90Scratch::partial.
   classifier90_logits:       logits (N,Vp) bf16 = lnf (N,C) wte (Vp,C)^T, as cuBLASLt's matmul_forward
-                             (dev/classifier_gemm_lab.cu compares the two; the trainer does not use it).
+                             (the trainer does not use it; docs/performance.md,
+                             "The classifier's exp forward", times the two).
   classifier90_exp_forward:  for rows with targets, Y (N,Vp) bf16 = e^(x - x_t) with x = lnf wte^T and x_t
                              the row's target logit, the loss log(s) (s = 1 + the row's sum of Y over the
                              other columns below V) and s; the padded columns 0. With dloss > 0 (training)
@@ -32,14 +33,13 @@ epilogue computes e^(x - x_t) by one ex2 per element from the fp32 accumulator (
 the column tests only in the tiles that hold the row's target or the padding) (x_t in fp32 from a
 small kernel before the matmul, one warp a row) and each 256-column tile's row sums (fp32), which a
 kernel after it adds in a fixed order; nothing is atomic, so results repeat bit for bit. The plain
-matmul gives cuBLASLt's bits at GPT-2's shapes (the lab checks all 3.3G logits of d12 B=64).
+matmul gives cuBLASLt's bits at GPT-2's shapes (a lab checked all 3.3G logits of d12 B=64).
 
 Y's range: x - x_t <= -log p_t is at most the row's loss, so Y overflows only where a token's loss
 exceeds ~88 nats (s is then inf, and so is the loss: the trainer's divergence guard sees it). Precision:
 the logits are never rounded to bf16 before the softmax, so the loss is exact to fp32 rounding (today's
 path: ~1e-2 per row from the bf16 logits), and Y's entries carry one bf16 rounding as dlogits do, with
-the target's coefficient formed from the tail sum without cancellation (docs/lab-notes.md,
-dev/classifier_exp_lab.py).
+the target's coefficient formed from the tail sum without cancellation (docs/lab-notes.md).
 
 Does not provide: ping-pong consumers (the tensor cores wait while an epilogue runs; a ping-pong schedule
 on 128 x 128 tiles hid the epilogue but ran its matmul 35% slower: docs/performance.md), TMA multicast

@@ -4,8 +4,7 @@ CUDA error checking and RAII owners for CUDA resources.
 Provides: cudaCheck(call) and cudaCheckLaunch() that raise an llmc::Error (exit code kExitCuda) naming
 the call, the source location and CUDA's error text; cuda_device_count() that answers 0 rather than
 failing on a machine without a GPU or driver; and move-only owners for device memory, pinned host
-memory, streams and events, so that no early return or exception leaks them; median_ms, the labs'
-timing of a kernel or matmul between events.
+memory, streams and events, so that no early return or exception leaks them.
 
 Does not provide: cuBLAS/NCCL checks (beside the code that uses those libraries) or any kernels.
 */
@@ -169,25 +168,5 @@ public:
 private:
     cudaEvent_t e_ = nullptr;
 };
-
-// The median time of `reps` runs of f on `stream` (each between two events) after `warmup` untimed ones, in
-// ms: the labs' measure of one kernel or matmul.
-template <class F>
-float median_ms(cudaStream_t stream, int warmup, int reps, F f) {
-    for (int i = 0; i < warmup; i++) f();
-    Event start(true), stop(true);
-    std::vector<float> ms;
-    for (int i = 0; i < reps; i++) {
-        cudaCheck(cudaEventRecord(start, stream));
-        f();
-        cudaCheck(cudaEventRecord(stop, stream));
-        cudaCheck(cudaEventSynchronize(stop));
-        float t = 0;
-        cudaCheck(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
 
 }  // namespace llmc

@@ -34,8 +34,8 @@ shared memory, which the launchers request.
 
 Does not provide: other head sizes (llmc/attention.cuh keeps a cuBLASLt path for them), dropout, masks
 other than causal; the Hopper (wgmma) kernels for HS 64 are in llmc/flash_attention_sm90.cuh. Design,
-register and shared-memory budgets, checks and timings: dev/ATTENTION.md; the kernel lab (fp32 reference,
-every tiling, timing against the cuBLASLt path): dev/attention_lab.cu.
+register and shared-memory budgets, the tilings tried and their timings against the cuBLASLt path:
+docs/lab-notes.md and docs/performance.md, "Flash attention".
 */
 #pragma once
 
@@ -560,8 +560,8 @@ inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes
 
 // How the trainer runs these kernels, per head size: whether a kernel double-buffers the tiles it streams
 // (pipe) and how many 16-row tiles each warp holds (tiles: 1 or 2; 2 only for HS 64, where the registers
-// allow it). Every choice gives the same bits; these are the fastest measured, and dev/attention_lab.cu
-// checks and times the others. On an sm_90a build on Hopper, HS 64 runs llmc/flash_attention_sm90.cuh
+// allow it). Every choice gives the same bits; these are the fastest measured (docs/performance.md,
+// "Flash attention kernels"). On an sm_90a build on Hopper, HS 64 runs llmc/flash_attention_sm90.cuh
 // instead.
 struct FlashTiling {
     bool fwd_pipe;

@@ -31,15 +31,14 @@ one (O += P V: keys are the reduction), so nothing is transposed by hand.
 Numerics as the mma.sync kernels, with the softmax, masks and stores they share (llmc/flash_common.cuh):
 bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and D in fp32, dQ in its own pass
 without atomics, so results are bitwise reproducible; and the same bits as those kernels: each
-accumulator takes the same 16-wide k-steps in the same order as there, which dev/attention_lab.cu
-requires (besides the fp32 reference); test/test_kernels.cu checks what the trainer runs against the CPU
-reference.
+accumulator takes the same 16-wide k-steps in the same order as there; test/test_kernels.cu checks what
+the trainer runs against the CPU reference.
 
 The fixed operands never enter registers: held there across the key loop, ptxas serialises the wgmma
 (its C7512 / C7520 remarks) and has given them the same registers as P's fragments.
 
 Does not provide: head sizes other than 64, non-causal attention, several warpgroups per block or tiles
-loaded with cp.async (both slower; dev/attention_lab.cu keeps them), warp specialisation, TMA multicast
+loaded with cp.async (both slower: docs/lab-notes.md, "Flash attention"), warp specialisation, TMA multicast
 across a cluster, software pipelining inside a warpgroup, D computed inside the dQ kernel.
 */
 #pragma once

@@ -1,7 +1,7 @@
 /*
 FP8 building blocks (GPUs of compute capability 8.9 and 9.x: Ada, Hopper): per-tensor scaled casts from
 bf16 and the cuBLASLt FP8 matmul. The model's FP8 mode (llmc/gpt2.cuh, the trainer's --fp8) is built on
-them; dev/fp8_lab.cu measures them.
+them; docs/performance.md, "FP8 matmuls in the lab", measures them.
 
 Formats: E4M3 (3 mantissa bits, largest 448) for activations and weights, E5M2 (2 bits, largest 57344)
 for gradients. A tensor x is stored as q = fp8(x * scale) with scale = kMax / amax (amax = max |x|), so

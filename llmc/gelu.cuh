@@ -7,8 +7,8 @@ of 8), which the model runs to recompute the MLP's GELU output in the backward p
 backward passes themselves run GELU in the matmuls' cuBLASLt epilogues (llmc/matmul.cuh: GELU_AUX
 forward, DGELU backward).
 
-Does not provide: the exact (erf) GELU; a GELU backward kernel (the DGELU epilogue does that work;
-dev/matmul_lab.cu keeps one to compare with it).
+Does not provide: the exact (erf) GELU; a GELU backward kernel (the DGELU epilogue does that work,
+faster than a kernel of its own: docs/lab-notes.md, "Other kernels").
 */
 #pragma once
 

@@ -6,8 +6,8 @@ CublasLt, the RAII owner of a cuBLASLt handle and its workspace (one per stream:
 workspace would race); gemm(), a row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with
 optional epilogues (bias, GELU keeping its input, GELU gradient), used by the linear layers below and by
 attention.cuh (its cuBLASLt setup, detail::GemmCall, also lists every algorithm the heuristic offers
-and runs any one of them: dev/matmul_lab.cu times them); and the linear layer of the model with the CPU
-reference's argument meanings (llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
+and runs any one of them); and the linear layer of the model with the CPU reference's argument meanings
+(llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
   matmul_forward:  out (N,OC) = inp (N,C) @ weight^T + bias; with pre_gelu, out = GELU(that) and
                    pre_gelu keeps that (the fused fc + GELU of the MLP);
   matmul_backward: dinp = dout @ weight (OVERWRITTEN, unlike the CPU reference, which adds: activation
@@ -27,13 +27,13 @@ epilogue runs the heuristic's first choice and fingerprints its output (D, and t
 runs each other candidate the heuristic offers (up to kTuneCandidates), keeps those whose output has the
 same fingerprint (the same bits: same arithmetic, so runs stay reproducible whichever wins), times them
 and the first choice, and from then on runs the fastest for that key. Those first calls synchronise the
-stream. dev/matmul_lab.cu times the candidates. Calls with beta != 0 (the weight gradients, which
+stream. Calls with beta != 0 (the weight gradients, which
 accumulate) always run the first choice.
 
 Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds: it found nothing faster than
 the heuristic's candidates for the GELU epilogues), cuBLASLt's bias-gradient epilogues (slower than our
 kernel, and they refuse fp32 output), or GELU as a kernel of its own after a plain matmul (slower than the
-epilogues; dev/matmul_lab.cu compares the two).
+epilogues: docs/lab-notes.md, "Other kernels").
 */
 #pragma once
 
@@ -183,7 +183,7 @@ namespace detail {
 
 // The cuBLASLt setup of one gemm() call (descriptor, layouts, heuristic preference), built from gemm()'s
 // own arguments: heuristics() lists the algorithms cuBLASLt's heuristic offers, best first, and run()
-// runs any one of them. gemm() runs the first; dev/matmul_lab.cu times them all for the trainer's calls.
+// runs any one of them. gemm() runs the first; the gemm tuner (set_tuning) times the others.
 // Holds the operand pointers, alpha and beta (cuBLASLt reads them at each run()), and lt by reference.
 class GemmCall {
 public:
@@ -511,10 +511,10 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
 
 // out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
 // that result and out = GELU(pre_gelu), in one cuBLASLt call (its GELU_AUX epilogue: one pass over the
-// 4C-wide activations fewer than a GELU kernel of our own after the matmul, which dev/matmul_lab.cu
-// compares). With residual (N,OC; not with pre_gelu): out = residual + that result, in the same call (C
-// = residual, beta = 1: the sum in fp32 and rounded once), so that the residual stream's add needs no
-// pass of its own; residual may be out itself, or must not overlap it.
+// 4C-wide activations fewer than a GELU kernel of our own after the matmul). With residual (N,OC; not
+// with pre_gelu): out = residual + that result, in the same call (C = residual, beta = 1: the sum in fp32
+// and rounded once), so that the residual stream's add needs no pass of its own; residual may be out
+// itself, or must not overlap it.
 inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
                            int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr,
                            const floatX* residual = nullptr) {

@@ -40,7 +40,7 @@ the context as it is, each ending with a space in front; a row the eval .bin can
 or over 65534 bytes) or llm.c's reader cannot (other than 4 endings) is refused, naming its line.
 
 Does not provide: the GPU scoring (mc_eval.cuh), the evaluation schedule or its logging (the trainers),
-making sets from text (dev/data/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
+making sets from text (dev/tools/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
 */
 #pragma once
 

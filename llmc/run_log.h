@@ -19,8 +19,8 @@ Train losses go out with 17 significant digits, so that a double reads back exac
 bitwise; validation losses with 9.
 A run that trains nothing (-x 0: it evaluates, samples or exports a model) into a directory whose
 log.jsonl already holds records appends its own after an evaluation_of line rather than replace the log
-(open_run_log), so that an earlier run's record is never lost; scripts/plot.py and dev/compare_losses.py
-leave the lines after it out of that run's curves (up to a resume_from_step line).
+(open_run_log), so that an earlier run's record is never lost; scripts/plot.py leaves the lines after it
+out of that run's curves (up to a resume_from_step line).
 A model file is replaced only by a complete one, so a save that fails (a full disk) leaves an earlier
 run's model.bin beside this run's log.jsonl: the save_failed record and the error name such files, so
 that nobody takes them for this run's result.

@@ -52,7 +52,7 @@ says why each input was refused.
 #include "llmc/shard.h"
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
-#include "dev/data/jsonl.h"
+#include "dev/tools/jsonl.h"
 
 namespace {
 

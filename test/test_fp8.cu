@@ -49,7 +49,8 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
     at d12's widths, cast and called as the model does
     (fast accumulation forward),
     against the bf16 matmul (llmc/matmul.cuh) on the same bf16 operands: within 0.06 relative
-    (Frobenius) forward, GELU input included (E4M3 on both operands: dev/fp8_lab.cu measured 3.8e-2),
+    (Frobenius) forward, GELU input included (E4M3 on both operands: a lab measured 3.8e-2,
+    docs/performance.md, "FP8 matmuls in the lab"),
     0.10 backward (E5M2 gradient: 5.9e-2), and any element within 0.2 (forward) or 0.3 (backward) of
     max |D| (the classifier's and qkv's backward: 0.10 and 0.3, dW accumulating onto a gradient already
     there);

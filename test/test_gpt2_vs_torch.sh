@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU reference GPT-2 against PyTorch (Debian's python3-torch, CPU) on a tiny model written to a
 # model file by PyTorch: logits, loss, every gradient and the losses of 10 AdamW steps, in fp32 and
-# fp64, and the model file writer/reader both ways. See test/gpt2_torch_ref.py for what is compared.
+# fp64, and the model file writer/reader both ways. See test/oracles/gpt2_torch_ref.py for what is compared.
 # Exit 0 pass, 1 fail, 77 skip (no PyTorch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,4 @@ fi
 make -s build/gpt2_cpu_dump
 workdir=$(mktemp -d /tmp/gpt2_vs_torch_XXXXXX)
 trap 'rm -rf "$workdir"' EXIT
-OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} /usr/bin/python3 test/gpt2_torch_ref.py --dump build/gpt2_cpu_dump --workdir "$workdir"
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} /usr/bin/python3 test/oracles/gpt2_torch_ref.py --dump build/gpt2_cpu_dump --workdir "$workdir"

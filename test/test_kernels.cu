@@ -2,7 +2,7 @@
 GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh with
 flash_attention.cuh, and flash_attention_sm90.cuh where it runs (Hopper), gelu.cuh, classifier.cuh,
 global_norm.cuh, adamw.cuh) against the fp32 CPU reference (llmc/gpt2_cpu.h): the kernels the trainer runs,
-as it runs them (variants it does not run are checked by the kernel labs in dev/).
+as it runs them.
 
 Every kernel gets random inputs rounded to bf16; the CPU reference runs in fp32 on exactly those
 values. Shapes are deliberately not multiples of the block sizes (T=37 and 97, C=48 and 96, NH=3,

@@ -1,6 +1,6 @@
 /*
 CPU tests of multiple-choice evaluation (llmc/mc_eval.h) and of the tool that makes sets
-(dev/data/prepare_eval.cpp, included here and run in-process).
+(dev/tools/prepare_eval.cpp, included here and run in-process).
 
 Checks:
   - the eval .bin: a hand-made set written byte for byte as llm.c's layout says; random sets (2 to 6
@@ -36,7 +36,7 @@ Checks:
 PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is test_mc_eval_gpu.cu.
 */
 #define PREPARE_EVAL_NO_MAIN
-#include "dev/data/prepare_eval.cpp"
+#include "dev/tools/prepare_eval.cpp"
 
 #include <gtest/gtest.h>
 

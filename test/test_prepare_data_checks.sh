@@ -16,9 +16,35 @@
 #     and for each text input of which more than a quarter of the bytes are not UTF-8 text (invalid
 #     UTF-8, surrogates, overlong forms, control characters), and none for the others (UTF-8 text with
 #     a BOM, emoji and tabs; a little Latin-1), which are encoded all the same.
-# Exit 0 pass, 1 fail, 77 skip (no PCRE2 headers to build the tool, or no GPT-2 vocabulary in .deps/).
+# First, with nothing to build or read: scripts/prepare_corpus.sh (`make data`) runs tools from build/; run on
+# its own (as test_tokenizer_reference.sh does when the corpus is missing, or by hand on a fresh clone), it
+# must build each of them first, or it stops after the encoding with "build/...: No such file or
+# directory": every build/ tool the script runs is a target of a make line that comes before it.
+# Exit 0 pass, 1 fail, 77 skip (no PCRE2 headers to build the tool, or no GPT-2 vocabulary in .deps/; the
+# prepare_corpus.sh check runs before either is looked for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+script=scripts/prepare_corpus.sh
+fails=0
+built=""
+while IFS= read -r line; do
+    case "$line" in
+        *make\ *build/*) built="$built $(grep -oE 'build/[A-Za-z0-9_]+' <<<"$line" | tr '\n' ' ')" ;;
+        build/*)
+            tool=$(grep -oE '^build/[A-Za-z0-9_]+' <<<"$line")
+            if [[ " $built " != *" $tool "* ]]; then
+                echo "FAIL: $script runs $tool before any make line builds it (built:$built)"
+                fails=1
+            fi
+            ;;
+    esac
+done < <(sed -E 's/^[[:space:]]+//' "$script")
+ran=$(grep -cE '^[[:space:]]*build/' "$script")
+[ "$ran" -ge 2 ] || { echo "FAIL: expected $script to run build/prepare_data and build/prepare_eval, found $ran"; fails=1; }
+[ $fails = 0 ] || exit 1
+echo "ok: every build/ tool $script runs is built first"
+
 if [ ! -f /usr/include/pcre2.h ]; then echo "skipped: no PCRE2 headers (libpcre2-dev) to build prepare_data"; exit 77; fi
 if [ ! -f .deps/gpt2/encoder.json ] || [ ! -f .deps/gpt2/vocab.bpe ]; then
     echo "skipped: GPT-2's vocabulary is not in .deps/gpt2 (scripts/setup.sh)"; exit 77

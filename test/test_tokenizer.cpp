@@ -1,6 +1,6 @@
 /*
 CPU tests of the GPT-2 tokenizer (llmc/tokenizer.h) and the data preparation tool
-(dev/data/prepare_data.cpp, included here and run in-process so that these tests need no other binary).
+(dev/tools/prepare_data.cpp, included here and run in-process so that these tests need no other binary).
 
 Checks: ids fixed by tiktoken for a few texts; BPE against a plain O(n^2) transcription of tiktoken's
 merge loop on single pieces (words, digit and symbol runs, long runs, non-ASCII, invalid bytes);
@@ -17,7 +17,7 @@ The GPT-2 vocabulary comes from .deps/gpt2 (scripts/setup.sh); tests that need i
 saying so, where it is missing.
 */
 #define PREPARE_DATA_NO_MAIN
-#include "dev/data/prepare_data.cpp"
+#include "dev/tools/prepare_data.cpp"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Our GPT-2 token ids against a reference no one here wrote: npm tiktoken@1.0.22 under node
 # (get_encoding("gpt2").encode_ordinary), through the whole path: build/prepare_data writes shards,
-# test/tiktoken_ids.mjs reads them and compares every token. Zero mismatches allowed, on:
+# test/oracles/tiktoken_ids.mjs reads them and compares every token. Zero mismatches allowed, on:
 #   1. the quick-start corpus (data/corpus, made by scripts/prepare_corpus.sh when missing), as train
 #      and val splits, with shards of 1 M tokens so that documents straddle shard boundaries;
 #   2. test/data/tokenizer_hard_cases.txt as one document. It holds invalid UTF-8, which a JavaScript
@@ -36,17 +36,17 @@ tool() { build/prepare_data --quiet --threads 2 "$@"; }
 
 echo "== 1. quick-start corpus"
 tool --out "$tmp/corpus" --name c --shard-tokens 1000000 --val data/corpus/val data/corpus/train
-node test/tiktoken_ids.mjs compare "$tmp"/corpus/c_train_*.bin "$tmp"/corpus/c_val_*.bin -- data/corpus/train data/corpus/val
+node test/oracles/tiktoken_ids.mjs compare "$tmp"/corpus/c_train_*.bin "$tmp"/corpus/c_val_*.bin -- data/corpus/train data/corpus/val
 
-node test/tiktoken_ids.mjs cases test/data/tokenizer_hard_cases.txt "$tmp/cases"
+node test/oracles/tiktoken_ids.mjs cases test/data/tokenizer_hard_cases.txt "$tmp/cases"
 echo "== 2. hard cases, one document"
 tool --out "$tmp/hard" --name whole "$tmp/cases/hard_cases_replaced.txt"
-node test/tiktoken_ids.mjs compare "$tmp"/hard/whole_train_*.bin -- "$tmp/cases/hard_cases_replaced.txt"
+node test/oracles/tiktoken_ids.mjs compare "$tmp"/hard/whole_train_*.bin -- "$tmp/cases/hard_cases_replaced.txt"
 echo "== 3. hard cases, one document per line (JSONL)"
 tool --out "$tmp/hard" --name lines "$tmp/cases/hard_cases_lines.jsonl"
-node test/tiktoken_ids.mjs compare "$tmp"/hard/lines_train_*.bin -- "$tmp/cases/hard_cases_lines.jsonl"
+node test/oracles/tiktoken_ids.mjs compare "$tmp"/hard/lines_train_*.bin -- "$tmp/cases/hard_cases_lines.jsonl"
 echo "== 4. every Unicode scalar value"
 tool --out "$tmp/sweep" --name sweep "$tmp/cases/unicode_sweep.txt"
-node test/tiktoken_ids.mjs compare "$tmp"/sweep/sweep_train_*.bin -- "$tmp/cases/unicode_sweep.txt"
+node test/oracles/tiktoken_ids.mjs compare "$tmp"/sweep/sweep_train_*.bin -- "$tmp/cases/unicode_sweep.txt"
 
 echo "all token ids identical to tiktoken"

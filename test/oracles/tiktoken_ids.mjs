@@ -1,7 +1,7 @@
 // Reference token ids from npm tiktoken@1.0.22 (get_encoding("gpt2"), encode_ordinary), for
 // test/test_tokenizer_reference.sh. Two commands:
 //
-//   node test/tiktoken_ids.mjs compare SHARD... -- INPUT...
+//   node test/oracles/tiktoken_ids.mjs compare SHARD... -- INPUT...
 //     Reads the inputs the way build/prepare_data does (a folder means its files, recursively, in byte
 //     order of the name; a .jsonl file is one document per non-blank line, its "text" field; any other
 //     file is one document), encodes each document with tiktoken after an <|endoftext|> (50256), and
@@ -9,7 +9,7 @@
 //     mismatch with its context and exits 1, or prints the count and exits 0. Inputs must be valid
 //     UTF-8: JavaScript strings cannot carry other bytes, so such a comparison would mean nothing.
 //
-//   node test/tiktoken_ids.mjs cases HARD_CASES OUTDIR
+//   node test/oracles/tiktoken_ids.mjs cases HARD_CASES OUTDIR
 //     Writes what the comparisons of hard cases need: OUTDIR/hard_cases_replaced.txt (the file decoded
 //     as the WHATWG decoder does, each invalid sequence replaced by U+FFFD, written back as UTF-8),
 //     OUTDIR/hard_cases_lines.jsonl (each line of that text as its own document, so that whitespace
@@ -26,7 +26,7 @@ import { fileURLToPath } from "node:url";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const tiktokenPath =
-  process.env.TIKTOKEN_CJS ?? path.join(here, "..", ".deps", "npm", "tiktoken-1.0.22", "package", "tiktoken.cjs");
+  process.env.TIKTOKEN_CJS ?? path.join(here, "..", "..", ".deps", "npm", "tiktoken-1.0.22", "package", "tiktoken.cjs");
 const EOT = 50256;
 
 function die(msg) {

@@ -1,6 +1,6 @@
 /*
 Runs the CPU reference GPT-2 on a given model file and batches and dumps what it computed, for the
-comparison with PyTorch (test/gpt2_torch_ref.py, driven by test/test_gpt2_vs_torch.sh).
+comparison with PyTorch (test/oracles/gpt2_torch_ref.py, driven by test/test_gpt2_vs_torch.sh).
 
     gpt2_cpu_dump --model M.bin [--tokens TOK --out OUT.bin [--fp64] [--steps 10] [--lr ...] ...]
                   [--write-model W.bin --write-version 3|5]

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """PyTorch check of multiple-choice scoring (llmc/mc_eval.h, through build/eval_mc and the CPU model).
 
-Writes a tiny GPT-2 (test/gpt2_torch_ref.py's model and model-file writer) and a set of random items in
-llm.c's eval .bin layout, written here independently of our writer, the way llm.c's
+Writes a tiny GPT-2 (test/oracles/gpt2_torch_ref.py's model and model-file writer) and a set of random
+items in llm.c's eval .bin layout, written here independently of our writer, the way llm.c's
 dev/data/data_common.py write_evalfile lays it out (its K = 4 assert aside: items have 2 to 5 endings).
 Some contexts are longer than the T the set is scored with, so the left-truncation rule is exercised:
 kept = min(context, T + 1 - longest ending), the same for every candidate of an item.
@@ -16,7 +16,7 @@ candidates are further apart than 1e-3, and the counts of right answers; and the
 eval_mc prints, each against its own PyTorch count (the set is one where the two differ, so a report that
 swapped them would not pass).
 
-Usage: /usr/bin/python3 test/mc_eval_torch_ref.py --eval-mc build/eval_mc [--workdir DIR]
+Usage: /usr/bin/python3 test/oracles/mc_eval_torch_ref.py --eval-mc build/eval_mc [--workdir DIR]
 """
 import argparse
 import os

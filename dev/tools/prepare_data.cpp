@@ -67,7 +67,7 @@ file or the parts of a text.
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "dev/data/jsonl.h"
+#include "dev/tools/jsonl.h"
 #include "llmc/flags.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"

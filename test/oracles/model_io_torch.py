@@ -21,7 +21,7 @@ below is GPT-2's. Then:
      written), a number beyond double's range in config.json, a key twice in a safetensors entry.
 Prints one line per check. Exit status 0 when all pass, 1 otherwise.
 
-Usage: /usr/bin/python3 test/model_io_torch.py --convert build/convert_model --dump build/gpt2_cpu_dump
+Usage: /usr/bin/python3 test/oracles/model_io_torch.py --convert build/convert_model --dump build/gpt2_cpu_dump
            [--workdir DIR]
 """
 import argparse

@@ -12,7 +12,7 @@ compares:
     the fp32 -> bf16 conversion (round to nearest even, ties included) and the bf16 -> fp32 reading.
 Prints the worst case per quantity. Exit status 0 when everything agrees, 1 otherwise.
 
-Usage: /usr/bin/python3 test/gpt2_torch_ref.py --dump build/gpt2_cpu_dump [--workdir DIR]
+Usage: /usr/bin/python3 test/oracles/gpt2_torch_ref.py --dump build/gpt2_cpu_dump [--workdir DIR]
 """
 import argparse
 import os
@@ -24,7 +24,7 @@ import tempfile
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "dev"))
 from gpt2_torch import DECAYED, NAMES, forward, model_header, shapes, write_model  # noqa: E402
 
 # A tiny model with an odd vocabulary (67, padded to 128) and T < maxT, so that padded rows and unused
