@@ -7,8 +7,8 @@
 # verdict, for both figures: |mean(arm) - mean(bf16)| <= max(bf16's range, 0.3% of bf16's mean), and every
 # run of the arm within 0.5% of bf16's mean.
 #   ARMS="0 1" SEEDS="1 2 3 4" MODEL=d12 STEPS=600 bash dev/fp8_spread.sh
-# An arm may carry flags of its own after a colon, each NAME=VALUE ("0:--classifier-exp=0": bf16 with the
-# cuBLASLt classifier), to tell an FP8 matmul's effect from another path's.
+# An arm may carry flags of its own after a colon, each NAME=VALUE ("0:-r=1": bf16 with the GELU
+# recomputed), to tell an FP8 matmul's effect from another setting's.
 # Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"), MODEL (d12), STEPS
 # (600), B (64), T (1024), TRAIN / VAL (data/code_train_*.bin, data/code_val_*.bin), PARALLEL (runs at
 # once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread; a run whose log

@@ -7,22 +7,19 @@
 #   bash dev/gpu_runs.sh SECTION...
 #   sections: build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large
-#             attention-detail compare gemm-tune-compare dw-stream-compare fp8-throughput fp8-matmuls
-#             fp8-large fp8-loss-d12 fp8-loss-d24 llmc
+#             attention-detail compare fp8-throughput fp8-large llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, ATTN_KERNELS, COMPARE,
-# FP8_SETS, FP8_MODES, CLASSIFIER_EXP, FP8_LOSS_MODES, FP8_LOSS_SPLIT, FP8_LOSS_ROUNDING_SEEDS, FP8_LOSS_PARALLEL,
-# FP8_LOSS_EVAL, FP8_LOSS_LIMIT, LLMC_PEER).
+# FP8_MODES, LLMC_PEER). FP8 against bf16's loss: dev/fp8_spread.sh.
 # Most sections need data/ from `make data`.
 set -u
 cd "$(dirname "$0")/.."
 # The sections, as the case below names them: a misspelt one stops the script before anything runs.
 sections="build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
           resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large attention-detail
-          compare gemm-tune-compare dw-stream-compare fp8-throughput fp8-matmuls fp8-large fp8-loss-d12
-          fp8-loss-d24 llmc"
+          compare fp8-throughput fp8-large llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -131,30 +128,18 @@ for section in "$@"; do
                     "$LOGS/throughput.log" | tail -n 5 >>"$summary"
             done ;;
         fp8-throughput)
-            # d12 T=1024 in bf16 and with the FP8 matmuls that pay (--fp8 1), B=64 (GPU clock and power sampled) and
-            # B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory. FP8_MODES:
-            # the --fp8 values (default "0 1"); CLASSIFIER_EXP: the --classifier-exp values bf16 runs with
-            # (default "0"; "0 1": both, interleaved; FP8 modes run with 0, since FP8 lm_head takes no other).
+            # d12 T=1024 in bf16 and FP8 (FP8_MODES: the --fp8 values, default "0 1"), B=64 (GPU clock and power
+            # sampled) and B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory.
             for round in 1 2; do
                 for B in 64 16; do
                     for fp8 in ${FP8_MODES:-0 1}; do
-                        for cexp in ${CLASSIFIER_EXP:-0}; do
-                            [ "$fp8" != 0 ] && [ "$cexp" != 0 ] && continue
-                            smi=()
-                            [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_c${cexp}_r$round.log")
-                            "${smi[@]}" step "d12 B=$B --fp8 $fp8 --classifier-exp $cexp (round $round)" \
-                                fp8_throughput.log 120 \
-                                ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8 --classifier-exp $cexp
-                            grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
-                        done
+                        smi=()
+                        [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_r$round.log")
+                        "${smi[@]}" step "d12 B=$B --fp8 $fp8 (round $round)" fp8_throughput.log 120 \
+                            ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8
+                        grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
                     done
                 done
-            done ;;
-        fp8-matmuls)
-            # Which FP8 matmuls pay: d12 B=64 with each one alone (and FP8_SETS, comma lists separated by spaces).
-            for set in ${FP8_SETS:-0 qkv fc lm_head attproj.dx fcproj.dx lm_head,lm_head.grad 1}; do
-                step "d12 B=64 --fp8 $set" fp8_matmuls.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 "$set"
-                grep -E "^average" "$LOGS/fp8_matmuls.log" | tail -n 1 >>"$summary"
             done ;;
         fp8-large)
             # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in bf16 and FP8 (FP8_MODES: the --fp8
@@ -175,70 +160,6 @@ for section in "$@"; do
                     done
                 done
             done ;;
-        fp8-loss-d12|fp8-loss-d24)
-            # Training quality with FP8: the same run in bf16 and with --fp8 1 on the quick-start corpus
-            # (data/quickstart_*), B=64 T=1024, the README's hyperparameters; d12 1000 steps, d24 500. The
-            # logs go to $LOGS/fp8_loss_<model>_<mode>/ (log.jsonl: every step's loss); the summary gets each
-            # run's average, peak memory and last validation loss.
-            # FP8_LOSS_MODES: the --fp8 values to run (default "0 1"; 0 is bf16, the reference).
-            # FP8_LOSS_SPLIT=1 also runs bf16 with each step in two micro-batches of 32 (-b 32 -d 65536: the
-            # same arithmetic but for the order of the sums): how far a change of rounding alone moves a run.
-            # FP8_LOSS_ROUNDING_SEEDS (e.g. "2 3"): bf16 again with each of these --rounding-seed values (the same
-            # run but for the parameters' stochastic rounding): the spread of bf16 runs that differ in rounding
-            # alone, to read the FP8 runs' gaps against (dev/fp8_spread.sh makes that judgement over seeds).
-            # FP8_LOSS_PARALLEL=1 runs them all at once, side by side on the GPU (each run's numbers are the
-            # same as alone: only its speed changes), under one time limit of 590 s for d12's 1000 steps
-            # (FP8_LOSS_LIMIT) instead of 590 s each.
-            # FP8_LOSS_EVAL=1 keeps each run's model (model.bin) and scores it on the first 40 batches of the
-            # training shards in a bf16 forward and in the run's own: whether a gap is in the trained weights
-            # or in how the FP8 forward measures the loss (docs/performance.md, "Worse weights, not a noisier
-            # forward").
-            model=${section#fp8-loss-}
-            steps=1000
-            [ "$model" = d24 ] && steps=500
-            runs=(${FP8_LOSS_MODES:-0 1})
-            [ "${FP8_LOSS_SPLIT:-0}" = 1 ] && runs+=(split)
-            for seed in ${FP8_LOSS_ROUNDING_SEEDS:-}; do runs+=("rs$seed"); done
-            save=none
-            [ "${FP8_LOSS_EVAL:-0}" = 1 ] && save=llmc
-            pids=()
-            for run in "${runs[@]}"; do
-                args=(-b 64 --fp8 "$run")
-                [ "$run" = split ] && args=(-b 32 -d 65536 --fp8 0)
-                [ "${run#rs}" != "$run" ] && args=(-b 64 --fp8 0 --rounding-seed "${run#rs}")
-                train=(./train_gpt2cu -e $model -i 'data/quickstart_train_*.bin' -j 'data/quickstart_val_*.bin' -t 1024
-                       -l 6e-4 -u 100 -k cosine -q 0.1 -c 0.1 -x $steps -v 100 -m 20 -s 0 --log-every 100
-                       --save-model $save "${args[@]}" -o "$LOGS/fp8_loss_${model}_$run")
-                if [ "${FP8_LOSS_PARALLEL:-0}" = 1 ]; then  # each run in its own log; the step lines below
-                    step "$model $steps steps ${args[*]}" "fp8_loss_${model}_$run.log" "${FP8_LOSS_LIMIT:-590}" \
-                        "${train[@]}" &
-                    pids+=($!)
-                else
-                    smi_run "smi_fp8_loss_${model}_$run.log" step "$model $steps steps ${args[*]}" "fp8_loss_$model.log" \
-                        "${FP8_LOSS_LIMIT:-590}" "${train[@]}"
-                    grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_$model.log" | tail -n 3 >>"$summary"
-                fi
-            done
-            if [ ${#pids[@]} -gt 0 ]; then
-                for pid in "${pids[@]}"; do wait "$pid"; done
-                for run in "${runs[@]}"; do
-                    echo "$run:" >>"$summary"
-                    grep -E "^average|^peak|val loss" "$LOGS/fp8_loss_${model}_$run.log" | tail -n 3 >>"$summary"
-                done
-            fi
-            if [ "$save" = llmc ]; then
-                for run in "${runs[@]}"; do
-                    forwards=(0)
-                    [ "${run#rs}" = "$run" ] && [ "$run" != split ] && [ "$run" != 0 ] && forwards+=("$run")
-                    for fwd in "${forwards[@]}"; do
-                        step "$model $run's model, --fp8 $fwd" "fp8_loss_eval_$model.log" 120 ./train_gpt2cu \
-                            -e "$LOGS/fp8_loss_${model}_$run/model.bin" -x 0 -j 'data/quickstart_train_*.bin' -b 64 \
-                            -t 1024 -v 1 -m 40 -s 0 -o "" --fp8 "$fwd"
-                        note "  the training shards' loss (40 batches): $(grep "val loss:" \
-                            "$LOGS/fp8_loss_eval_$model.log" | tail -n 1)"
-                    done
-                done
-            fi ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a
             # comparison in the same run: LLMC_PEER is the folder holding bench_llmc.sh.
@@ -288,17 +209,10 @@ for section in "$@"; do
             step "torch fp32 300 steps (hot)" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" "${hot[@]}" \
                 --precision fp32 --compare out/dynamics/torch_hot.jsonl --log out/dynamics/torch_fp32_hot.jsonl
             grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/torch fp32 vs torch bf16 (hot): /" >>"$summary"
-            # Ours with the bf16 parameters rounded to nearest (as autocast does), on the hot setting: its log
-            # beside the others in dynamics.tgz, its last validation loss in the summary.
-            step "ours 300 steps (hot, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
-                "${hot[@]}" --stochastic-rounding 0 -s 0 -o out/ours_hot_rn
-            cp out/ours_hot_rn/log.jsonl out/dynamics/ours_hot_rn.jsonl
-            grep -E '"val_loss"' out/ours_hot_rn/log.jsonl | tail -n 1 | sed "s/^/ours round-to-nearest (hot), last validation: /" >>"$summary"
             tar czf "$LOGS/dynamics.tgz" -C out dynamics ;;
         torch-mild|torch-hot)
-            # The training-dynamics check in one setting, quickly: ours with stochastic rounding (the default)
-            # against one torch bf16 run (train_gpt2_torch.py --compare), torch fp32 against torch bf16, and ours
-            # with round to nearest (its last validation loss). hot: the setting of the torch section
+            # The training-dynamics check in one setting, quickly: ours against one torch bf16 run
+            # (train_gpt2_torch.py --compare), and torch fp32 against torch bf16. hot: the setting of the torch section
             # (B=16, lr 6e-4, 30 warmup steps); mild: the same at lr 3e-4. Logs in $LOGS/dynamics_NAME.tgz.
             name=${section#torch-}
             lr=6e-4
@@ -308,14 +222,9 @@ for section in "$@"; do
             mkdir -p out/dynamics
             [ -f out/init/model.bin ] || step "d12 init" torch.log 120 ./train_gpt2cu -e d12 -x 0 -v 0 -s 0 --save-model llmc -o out/init
             step "ours 300 steps ($name)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" "${hp[@]}" -s 0 -o out/ours_$name
-            # DYN_EXTRA=0 leaves out ours with round to nearest and PyTorch fp32 (the noise floor), when only
-            # the default trainer against PyTorch bf16 is in question.
+            # DYN_EXTRA=0 leaves out PyTorch fp32 (the noise floor), when only the trainer against PyTorch bf16
+            # is in question.
             variants=($name)
-            if [ "${DYN_EXTRA:-1}" != 0 ]; then
-                variants+=(${name}_rn)
-                step "ours 300 steps ($name, round to nearest)" torch.log 200 ./train_gpt2cu -e out/init/model.bin "${order[@]}" \
-                    "${hp[@]}" --stochastic-rounding 0 -s 0 -o out/ours_${name}_rn
-            fi
             step "torch 300 steps ($name) + compare" torch.log 300 python3 dev/train_gpt2_torch.py -e out/init/model.bin "${order[@]}" \
                 "${hp[@]}" --compare out/ours_$name/log.jsonl --log out/dynamics/torch_$name.jsonl
             grep -E "PASS|FAIL" "$LOGS/torch.log" | tail -n 1 | sed "s/^/ours vs torch bf16 ($name): /" >>"$summary"
@@ -339,22 +248,6 @@ for section in "$@"; do
                 "${smi[@]}" step "torch d12 B=$B compiled" torch_throughput.log 300 python3 dev/train_gpt2_torch.py -e d12 -b $B -t 1024 -x 30 -v 0 --compile 1
                 grep -E "^average|^peak" "$LOGS/torch_throughput.log" | tail -n 2 >>"$summary"
             done ;;
-        gemm-tune-compare)
-            # The trainer with and without its gemm tuner (which picks by short timed bursts), interleaved.
-            for r in 1 2 3; do
-                for t in 1 0; do
-                    step "train_gpt2cu --gemm-tune $t" gemm_tune.log 120 ./train_gpt2cu -e d12 -b 64 -t 1024 -x 30 -v 0 -s 0 \
-                        -o "" --gemm-tune $t
-                    echo "round $r --gemm-tune $t: $(grep '^average' "$LOGS/gemm_tune.log" | tail -n 1)" | tee -a "$summary"
-                done
-            done ;;
-        dw-stream-compare)
-            # Backward's weight gradients on one stream and on a second (levels 1 and 2) in one trainer,
-            # interleaved (dev/compare_builds.sh: the losses and norms must be the same in every run).
-            step "compare_builds --dw-stream 0 1 2" dw_stream.log 420 env ROUNDS=5 \
-                ARGS="-e d12 -b 64 -t 1024 -x 40" bash dev/compare_builds.sh "dw0=./train_gpt2cu --dw-stream 0" \
-                "dw1=./train_gpt2cu --dw-stream 1" "dw2=./train_gpt2cu --dw-stream 2"
-            tail -n 6 "$LOGS/dw_stream.log" >>"$summary" ;;
         attention-detail)
             # One d12 B=64 launch of each flash kernel in the trainer (the second step's first), with Nsight
             # Compute's throughput, occupancy, warp-stall and instruction sections, to see what bounds them.
