@@ -276,7 +276,7 @@ public:
     GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0,
          bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
-          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
+          adamw_table_(adamw_tensors(tensors_)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
           recompute_gelu_(recompute_gelu) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
