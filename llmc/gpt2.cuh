@@ -90,7 +90,7 @@ same algorithms (accumulating matmuls are never tuned), so the results are one s
 applies to a bf16 step on one GPU without -r 1; other steps run on one stream.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
-checkpoint holds (llmc/gpt2_checkpoint.cuh).
+checkpoint holds (llmc/checkpoint.cuh).
 */
 #pragma once
 
@@ -383,7 +383,7 @@ public:
     // and moments this rank holds (all of them without ZeRO-1).
     const ZeroLayout& zero_layout() const { return layout_; }
     ShardRange owned() const { return sharded() ? owned_ : ShardRange{0, num_params_}; }
-    // The device buffers a checkpoint saves (llmc/gpt2_checkpoint.cuh): bf16 parameters (all of them, in
+    // The device buffers a checkpoint saves (llmc/checkpoint.cuh): bf16 parameters (all of them, in
     // every layout), and the master weights and AdamW moments of owned().
     struct State {
         floatX* params;
