@@ -268,40 +268,6 @@ inline std::string read_text_file(const std::string& path) {
 // ----------------------------------------------------------------------------------------------------
 // Chunk checksums, taken while writing and checked while reading.
 
-// Collects the checksums of one file's chunks as a ChunkHook sees them (from any thread).
-class ChunkRecorder {
-public:
-    ChunkHook hook() {
-        return [this](const char* p, size_t n, uint64_t off) {
-            const uint64_t s = checksum64(p, n);
-            std::lock_guard<std::mutex> lock(mu_);
-            chunks_.push_back({off, uint64_t(n), s});
-        };
-    }
-    // The record of a file of `size` bytes; every byte must have passed through the hook once.
-    FileRecord finish(const std::string& name, uint64_t size) {
-        FileRecord f;
-        f.name = name;
-        f.size = size;
-        f.chunks = chunks_;
-        std::sort(f.chunks.begin(), f.chunks.end(), [](const ChunkSum& a, const ChunkSum& b) { return a.offset < b.offset; });
-        uint64_t at = 0;
-        for (const ChunkSum& c : f.chunks) {
-            if (c.offset != at) break;
-            at += c.bytes;
-        }
-        if (at != size) {
-            fail(kExitError, "checkpoint file '%s': checksummed chunks cover %llu of %llu bytes (a write bypassed the hook)",
-                 name.c_str(), (unsigned long long)at, (unsigned long long)size);
-        }
-        return f;
-    }
-
-private:
-    std::mutex mu_;
-    std::vector<ChunkSum> chunks_;
-};
-
 // Checks chunks against a FileRecord as a ChunkHook sees them; finish() then requires that every chunk
 // was seen. A chunk whose boundaries do not match the record is an error too (the reader must cut the file
 // the way the writer did: the same chunk size, the same start).
@@ -457,27 +423,6 @@ inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep)
     return m;
 }
 
-struct FoundCheckpoint {
-    std::string path;  // empty: none valid
-    CheckpointManifest manifest;
-    std::vector<std::string> skipped;  // "<dir>: <why>" for each newer one that failed validation
-};
-
-// The newest checkpoint in out_dir that passes validate_checkpoint(deep).
-inline FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) {
-    FoundCheckpoint found;
-    for (const CheckpointEntry& e : list_checkpoints(out_dir)) {
-        try {
-            found.manifest = validate_checkpoint(e.path, deep);
-            found.path = e.path;
-            return found;
-        } catch (const Error& err) {
-            found.skipped.push_back(e.path + ": " + err.what());
-        }
-    }
-    return found;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Publishing and retention.
 
@@ -599,18 +544,33 @@ public:
     }
 
     // Creates `name` in the temporary directory; fill(file, hook) writes it, passing every byte through
-    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory); then the
-    // file is fsynced and closed and its chunk checksums recorded.
+    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory), which
+    // checksums each chunk (from any thread); then the file is fsynced and closed and its chunks recorded.
     void add_file(const std::string& name, const std::function<void(File&, const ChunkHook&)>& fill) {
         File f(tmp_ + "/" + name, File::Mode::Write);
-        ChunkRecorder rec;
-        const ChunkHook hook = rec.hook();
-        fill(f, hook);
-        const uint64_t size = uint64_t(f.size());
+        FileRecord rec;
+        rec.name = name;
+        std::mutex mu;
+        fill(f, [&](const char* p, size_t n, uint64_t off) {
+            const uint64_t s = checksum64(p, n);
+            std::lock_guard<std::mutex> lock(mu);
+            rec.chunks.push_back({off, uint64_t(n), s});
+        });
+        rec.size = uint64_t(f.size());
         f.sync();
         f.close();
-        files_.push_back(rec.finish(name, size));
-        bytes_ += size;
+        std::sort(rec.chunks.begin(), rec.chunks.end(), [](const ChunkSum& a, const ChunkSum& b) { return a.offset < b.offset; });
+        uint64_t at = 0;
+        for (const ChunkSum& c : rec.chunks) {
+            if (c.offset != at) break;
+            at += c.bytes;
+        }
+        if (at != rec.size) {
+            fail(kExitError, "checkpoint file '%s': checksummed chunks cover %llu of %llu bytes (a write bypassed the hook)",
+                 name.c_str(), (unsigned long long)at, (unsigned long long)rec.size);
+        }
+        bytes_ += rec.size;
+        files_.push_back(std::move(rec));
     }
 
     // Rank 0 (or the only rank): writes the manifest (meta with the recorded files of every rank and this
@@ -650,7 +610,6 @@ public:
         return final_;
     }
 
-    const std::string& temporary_path() const { return tmp_; }
     uint64_t bytes_written() const { return bytes_; }  // this rank's files (rank 0: and the others' too)
 
 private:

@@ -76,6 +76,28 @@ std::string write_checkpoint(const std::string& out, int64_t step, const Synthet
     return w.commit(m);
 }
 
+// The newest checkpoint in out_dir that passes validate_checkpoint(deep), and why each newer one did not
+// (the choice a resume makes, without its votes between ranks).
+struct FoundCheckpoint {
+    std::string path;  // empty: none valid
+    CheckpointManifest manifest;
+    std::vector<std::string> skipped;  // "<dir>: <why>"
+};
+
+FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) {
+    FoundCheckpoint found;
+    for (const CheckpointEntry& e : list_checkpoints(out_dir)) {
+        try {
+            found.manifest = validate_checkpoint(e.path, deep);
+            found.path = e.path;
+            return found;
+        } catch (const Error& err) {
+            found.skipped.push_back(e.path + ": " + err.what());
+        }
+    }
+    return found;
+}
+
 std::string error_of(const std::function<void()>& fn) {
     try {
         fn();
