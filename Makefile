@@ -51,10 +51,13 @@ LDLIBS_test_mc_eval := -lpcre2-8
 # NCCL (multi-GPU communication) is linked only into the binaries that use llmc/multi_gpu.cuh; CUDA_LIBS'
 # -L$(CUDA_HOME)/lib64 finds it where CUDA ships it, and the system path where the distribution does.
 LDLIBS_test_multi_gpu := -lnccl
-# train_gpt2.cu (data parallel) uses it, and so does every test that #includes llmc/gpt2.cuh.
+# train_gpt2.cu (data parallel) uses it, and so does every program that #includes llmc/gpt2.cuh (also
+# through llmc/checkpoint.cuh).
 LDLIBS_train_gpt2cu := -lnccl
 LDLIBS_test_gpt2_gpu := -lnccl
 LDLIBS_test_mc_eval_gpu := -lnccl
+LDLIBS_test_checkpoint_gpu := -lnccl
+LDLIBS_bench_checkpoint := -lnccl
 HAVE_PCRE2 := $(wildcard /usr/include/pcre2.h)
 # The trainers encode --prompt "text" when PCRE2 is there; without it they take --prompt-ids only.
 ifneq ($(HAVE_PCRE2),)

@@ -15,7 +15,7 @@ Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -
 The table of flags is one with the CPU trainer's (llmc/trainer_flags.h).
 
 Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs
-(llmc/gpt2_checkpoint.h); -y 1 resumes from the newest valid one in the output directory. The run's
+(llmc/checkpoint.h); -y 1 resumes from the newest valid one in the output directory. The run's
 settings are declared once (run_settings): the checkpoint records them, a resume checks the ones that fix
 shapes, batches and random streams, and the ranks of a data-parallel run must agree on all of them.
 
@@ -43,7 +43,6 @@ far), activation recomputation beyond the GELU (-r 1).
 #include "llmc/dataloader_gpu.cuh"
 #include "llmc/device_file_io.cuh"
 #include "llmc/gpt2.cuh"
-#include "llmc/gpt2_checkpoint.cuh"
 #include "llmc/gpt2_config.h"
 #include "llmc/model_file.h"
 #include "llmc/mc_eval.cuh"

@@ -4,10 +4,10 @@ bf16 parameters out. The same update as GPT2::update in llmc/gpt2_cpu.h (bias-co
 decoupled weight decay on the tensors flagged for it, gradients multiplied by a scale for clipping).
 
 Provides: AdamWSettings (learning rate, betas, eps, weight decay); AdamWTensors, a small table of
-(offset, size, decayed) ranges of one flat parameter buffer, made from param_tensors() for GPT-2; and
-adamw_update(), one launch over all of them (block row y of the grid serves tensor y, so the decay
-flag is uniform per block; a thread takes 4 neighbouring elements when the offsets and buffers allow
-128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32;
+(offset, size, decayed) ranges of one flat parameter buffer, given by the model (GPT-2: param_tensors();
+this file knows no model); and adamw_update(), one launch over all of them (block row y of the grid serves
+tensor y, so the decay flag is uniform per block; a thread takes 4 neighbouring elements when the offsets
+and buffers allow 128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32;
 master -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
 stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
 in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
@@ -32,7 +32,6 @@ to bf16 (convert_to_bf16 in cuda_common.cuh).
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
-#include "llmc/gpt2_config.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -68,9 +67,11 @@ struct AdamWTensors {
     }
 };
 
-inline AdamWTensors adamw_tensors(const GPT2Config& config) {
+// The table of every tensor in `infos`, each with an offset, numel and decayed (GPT-2's param_tensors()).
+template <class Infos>
+AdamWTensors adamw_tensors(const Infos& infos) {
     AdamWTensors t;
-    for (const ParamTensorInfo& info : param_tensors(config)) t.add(info.offset, info.numel, info.decayed);
+    for (const auto& info : infos) t.add(info.offset, info.numel, info.decayed);
     return t;
 }
 

@@ -1,34 +1,22 @@
 /*
-Checkpoints of device state: the Checkpointer (synchronous or asynchronous save) and the verified load.
-
-A checkpoint's device part is a list of CheckpointTensors: a file name, optional host bytes written
-first (the model file header), and the device memory behind it. Saving writes each through the
-disk <-> GPU layer (DeviceFileIO) with a chunk hook that checksums every chunk while it sits in the
-pinned staging buffer; checkpoint.h turns the files into a checkpoint directory (temporary name, fsync,
-one rename) and rotates old ones.
-
-Synchronous save: the files are written from the live device buffers on the caller's stream; training
-waits for the whole write. Asynchronous save: the tensors are first copied into spare device buffers
-(allocated once, in the constructor: device-to-device, a few milliseconds even for large models) on a
-side stream that starts after the work already queued on the compute stream, and the compute stream
-waits only for that copy; a background thread then writes the spare buffers to disk while training goes
-on. A new save first waits for the previous one; wait() ends any save in flight and raises its error,
-if any, on the calling thread (the destructor also waits, so the program never leaves with a save in
-flight). The load reads every tensor back through DeviceFileIO, checking each chunk against the manifest
-before it is copied to the device, and fails (kExitData) on the first mismatch.
-
-Does not provide: the choice of what a checkpoint holds, its settings or the resume policy (the trainer),
-or host-pinned snapshots (a spare device copy is faster and the H200 has the memory).
+The checkpoint, device side: the model's buffers behind the files of llmc/checkpoint.h; the Checkpointer,
+which saves them synchronously or, from a spare device copy taken on a side stream, asynchronously in a
+background thread; the load back into the model, every chunk checked against the manifest before its
+bytes reach the device, with the optimizer state re-sharded when the number of ranks or the layout
+changed; and the trained model file a run writes at the end.
 */
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -36,8 +24,14 @@ or host-pinned snapshots (a spare device copy is faster and the H200 has the mem
 #include "llmc/checkpoint.h"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/device_file_io.cuh"
+#include "llmc/gpt2.cuh"
+#include "llmc/model_io.h"
+#include "llmc/utils.h"
 
 namespace llmc {
+
+// ----------------------------------------------------------------------------------------------------
+// Saving device memory.
 
 struct CheckpointTensor {
     std::string file;          // file name inside the checkpoint directory
@@ -56,13 +50,17 @@ struct CheckpointReport {
     std::vector<std::string> removed;  // checkpoints rotation removed
 };
 
+// Saves checkpoints, each through a CheckpointWriter, every byte passing DeviceFileIO's pinned staging
+// buffer where its chunk is checksummed. Synchronous: written from the live buffers on the caller's stream.
+// Asynchronous: copied first into spare device buffers (allocated once, here) on a side stream that starts
+// after the work already queued on the compute stream, which waits only for that copy; a background thread
+// then writes the copy. A new save first waits for the previous one; wait() ends any save in flight and
+// raises its error, if any, on the calling thread (the destructor waits too).
 class Checkpointer {
 public:
     // layout: the tensors every save will hold (their sizes size the spare buffers of an async one).
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, size_t chunk_bytes = kDefaultChunkBytes)
-        : async_(async), io_(chunk_bytes) {
-        init(layout);
-    }
+        : Checkpointer(layout, async, 0, 1, nullptr, 600, chunk_bytes) {}
     // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save first has rank 0
     // prepare the directory, then holds all ranks at `any_failed` (a vote of every rank, true when any rank
     // passed true: each passes whether its previous save failed or, rank 0, its preparation did), so that
@@ -70,14 +68,9 @@ public:
     // on, instead of waiting for a rank that left; rank 0 waits up to part_timeout_s for the others.
     // `layout` is this rank's files only.
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, int rank, int world,
-                 std::function<bool(bool)> any_failed, double part_timeout_s)
+                 std::function<bool(bool)> any_failed, double part_timeout_s, size_t chunk_bytes = kDefaultChunkBytes)
         : async_(async), rank_(rank), world_(world), any_failed_(std::move(any_failed)), part_timeout_s_(part_timeout_s),
-          io_(kDefaultChunkBytes) {
-        init(layout);
-    }
-
-private:
-    void init(const std::vector<CheckpointTensor>& layout) {
+          io_(chunk_bytes) {
         cudaCheck(cudaGetDevice(&device_));
         if (async_) {
             for (const CheckpointTensor& t : layout) {
@@ -86,8 +79,6 @@ private:
             }
         }
     }
-
-public:
     Checkpointer(const Checkpointer&) = delete;
     Checkpointer& operator=(const Checkpointer&) = delete;
     ~Checkpointer() {
@@ -228,61 +219,8 @@ private:
     bool has_report_ = false;
 };
 
-// Loads `tensors` from the checkpoint directory `dir` (whose manifest is m) into device memory. Each file
-// must have the recorded size and exactly the tensor's header plus bytes; every chunk is checked against
-// its checksum in the pinned buffer before it goes to the device. Returns once the bytes are on the device.
-inline void load_checkpoint_tensors(const std::string& dir, const CheckpointManifest& m,
-                                    const std::vector<CheckpointTensor>& tensors, DeviceFileIO& io, cudaStream_t stream) {
-    for (const CheckpointTensor& t : tensors) {
-        const std::string path = dir + "/" + t.file;
-        const FileRecord* rec = m.file(t.file);
-        if (!rec) fail(kExitData, "checkpoint '%s' has no file '%s'", dir.c_str(), t.file.c_str());
-        const uint64_t expect = t.header.size() + t.bytes;
-        if (rec->size != expect) {
-            fail(kExitData, "'%s' holds %llu bytes; this model needs %llu (a different model shape?)", path.c_str(),
-                 (unsigned long long)rec->size, (unsigned long long)expect);
-        }
-        File f(path, File::Mode::Read);
-        if (uint64_t(f.size()) != rec->size) {
-            fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (truncated?)", path.c_str(), (long long)f.size(),
-                 (unsigned long long)rec->size);
-        }
-        const uint64_t h = t.header.size();
-        const ChunkPlanner plan(int64_t(h), t.bytes, io.chunk_bytes(), io.direct() ? kDirectAlignment : 0);
-        if (!chunks_match_plan(*rec, h, t.bytes, plan)) {
-            // Written with another chunk size: read by its recorded chunks (each checked whole), host-staged.
-            f.close();
-            std::vector<char> header(h);
-            char* out = static_cast<char*>(t.device);
-            read_array_range(dir, m, {{t.file, 0, 0, int64_t(expect)}}, 1, 0, int64_t(expect),
-                             [&](uint64_t at, const char* p, size_t len) {
-                                 const size_t head = at < h ? std::min<size_t>(len, size_t(h - at)) : 0;
-                                 if (head > 0) std::memcpy(header.data() + at, p, head);
-                                 if (len > head) {
-                                     cudaCheck(cudaMemcpyAsync(out + (at + head - h), p + head, len - head,
-                                                               cudaMemcpyHostToDevice, stream));
-                                     cudaCheck(cudaStreamSynchronize(stream));  // p is reused for the next chunk
-                                 }
-                             });
-            if (header != t.header) {
-                fail(kExitData, "'%s': its header differs from this model's (a different model shape or format)",
-                     path.c_str());
-            }
-            continue;
-        }
-        ChunkVerifier v(*rec, path);
-        if (!t.header.empty()) {
-            std::vector<char> header(t.header.size());
-            read_verified(f, header.data(), header.size(), v, *rec);
-            if (header != t.header) {
-                fail(kExitData, "'%s': its header differs from this model's (a different model shape or format)",
-                     path.c_str());
-            }
-        }
-        io.file_to_device(t.device, f, t.bytes, stream, v.hook());
-        v.finish();
-    }
-}
+// ----------------------------------------------------------------------------------------------------
+// Loading device memory.
 
 // Loads elements [first, last) of a flat array held by `segments` of a checkpoint (read_array_range: every
 // chunk checked) into device memory at dst. Synchronous; for a resume on a different number of ranks, where
@@ -294,6 +232,236 @@ inline void load_array_range(const std::string& dir, const CheckpointManifest& m
         cudaCheck(cudaMemcpyAsync(out + at, p, n, cudaMemcpyHostToDevice, stream));
         cudaCheck(cudaStreamSynchronize(stream));  // p is reused for the next chunk
     });
+}
+
+// Loads `tensors` from the checkpoint directory `dir` (whose manifest is m) into device memory. Each file
+// must have the recorded size and exactly the tensor's header plus bytes; every chunk is checked against
+// its checksum in the pinned buffer before it goes to the device. Returns once the bytes are on the device.
+inline void load_checkpoint_tensors(const std::string& dir, const CheckpointManifest& m,
+                                    const std::vector<CheckpointTensor>& tensors, DeviceFileIO& io, cudaStream_t stream) {
+    for (const CheckpointTensor& t : tensors) {
+        const std::string path = dir + "/" + t.file;
+        const FileRecord* rec = m.file(t.file);
+        if (!rec) fail(kExitData, "checkpoint '%s' has no file '%s'", dir.c_str(), t.file.c_str());
+        const uint64_t h = t.header.size();
+        if (rec->size != h + t.bytes) {
+            fail(kExitData, "'%s' holds %llu bytes; this model needs %llu (a different model shape?)", path.c_str(),
+                 (unsigned long long)rec->size, (unsigned long long)(h + t.bytes));
+        }
+        File f(path, File::Mode::Read);
+        if (uint64_t(f.size()) != rec->size) {
+            fail(kExitData, "'%s' is %lld bytes, the manifest records %llu (truncated?)", path.c_str(), (long long)f.size(),
+                 (unsigned long long)rec->size);
+        }
+        std::vector<char> header(h);
+        auto check_header = [&] {
+            if (header != t.header) {
+                fail(kExitData, "'%s': its header differs from this model's (a different model shape or format)",
+                     path.c_str());
+            }
+        };
+        const ChunkPlanner plan(int64_t(h), t.bytes, io.chunk_bytes(), io.direct() ? kDirectAlignment : 0);
+        if (!chunks_match_plan(*rec, h, t.bytes, plan)) {
+            // Written with another chunk size: read by its recorded chunks (each checked whole), host-staged.
+            f.close();
+            header = read_file_head(dir, m, t.file, h);
+            load_array_range(dir, m, {{t.file, h, 0, int64_t(t.bytes)}}, 1, 0, int64_t(t.bytes), t.device, stream);
+            check_header();
+            continue;
+        }
+        ChunkVerifier v(*rec, path);
+        if (h > 0) {
+            read_verified(f, header.data(), header.size(), v, *rec);
+            check_header();
+        }
+        io.file_to_device(t.device, f, t.bytes, stream, v.hook());
+        v.finish();
+    }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// GPT-2's checkpoint: the model's buffers behind the files, and the load back into the model.
+
+namespace detail {
+inline int rank_of(const GPT2& model) { return model.multi() != nullptr ? model.multi()->rank() : 0; }
+
+// The sharded layout's model.bin: the bf16 parameters (identical on every rank) as an llm.c version 5 file.
+inline CheckpointTensor bf16_model_tensor(GPT2& model) {
+    return {kCkptModelFile, model_file_header(model.config(), kModelVersionBf16), model.state().params,
+            size_t(model.num_parameters()) * sizeof(floatX)};
+}
+
+// Rank `rank`'s optimizer-state files in the sharded layout.
+inline std::vector<CheckpointTensor> shard_tensors(GPT2& model, int rank) {
+    const GPT2::State s = model.state();
+    const size_t k = size_t(model.zero_layout().owned(rank).size());
+    return {{state_shard_file(StateKind::Master, rank), {}, s.master, k * sizeof(float)},
+            {state_shard_file(StateKind::AdamM, rank), {}, s.adam_m, k * sizeof(float)},
+            {state_shard_file(StateKind::AdamV, rank), {}, s.adam_v, k * sizeof(float)}};
+}
+}  // namespace detail
+
+// The device state this rank's part of a checkpoint holds, in file order (llmc/checkpoint.h: the layouts),
+// and with FP8 fcproj its amax history, which a bitwise resume needs (rank 0's: every rank's is the same).
+inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
+    const GPT2::State s = model.state();
+    const size_t n = size_t(model.num_parameters());
+    std::vector<CheckpointTensor> t;
+    const int rank = detail::rank_of(model);
+    if (!model.sharded()) {
+        t = {{kCkptModelFile, model_file_header(model.config(), kModelVersionFp32), s.master, n * sizeof(float)},
+             {kCkptParamsFile, {}, s.params, n * sizeof(floatX)},
+             {kCkptAdamMFile, {}, s.adam_m, n * sizeof(float)},
+             {kCkptAdamVFile, {}, s.adam_v, n * sizeof(float)}};
+    } else {
+        if (rank == 0) t.push_back(detail::bf16_model_tensor(model));
+        for (CheckpointTensor& st : detail::shard_tensors(model, rank)) t.push_back(std::move(st));
+    }
+    const GPT2::Fp8History h = model.fp8_history();
+    if (h.device != nullptr && rank == 0) t.push_back({kCkptFp8HistoryFile, fp8_history_header(h.slots, h.len),
+                                                       h.device, h.bytes});
+    return t;
+}
+
+// The manifest settings that describe the layout of checkpoint_tensors() across the ranks.
+inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settings(const GPT2& model) {
+    return state_layout_settings(model.sharded() ? &model.zero_layout() : nullptr);
+}
+
+// Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
+// number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each file
+// is streamed straight to the device (every chunk checked); otherwise (a resume on another number of
+// ranks, or between the whole and the sharded layout) this rank's range of the master weights and
+// moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
+// Returns a description of what was re-sharded, empty when nothing was.
+// history_note (when not null) is set to what happened to the FP8 amax history when it was not restored
+// bit for bit ("" when it was, or when this run keeps none).
+inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io,
+                                   std::string* history_note = nullptr) {
+    const int64_t num_params = model.num_parameters();
+    const StateLayout saved = read_state_layout(dir, m, num_params);
+    const GPT2::State s = model.state();
+    const ShardRange target = model.owned();
+    cudaStream_t stream = model.stream();
+    // FP8 fcproj's amax history: restored when the checkpoint has one of this run's shape (a run with FP8
+    // fcproj wrote it), else empty (the next forward measures): none saved, or another number of slots (the
+    // run that saved it had qkv.grad.delayed on and this one not, or the reverse: --fp8 may change on resume).
+    const GPT2::Fp8History h = model.fp8_history();
+    if (history_note != nullptr) history_note->clear();
+    if (h.device != nullptr) {
+        const FileRecord* rec = m.file(kCkptFp8HistoryFile);
+        const std::vector<char> header = fp8_history_header(h.slots, h.len);
+        if (rec != nullptr && rec->size != header.size() + h.bytes) {
+            model.fp8_history_reset();
+            if (history_note != nullptr) {
+                *history_note = format("its FP8 amax history (%llu bytes) is another FP8 mode's (this one's: %llu bytes, "
+                                       "%d slots): starting with an empty one, so the next step measures its scales",
+                                       (unsigned long long)rec->size, (unsigned long long)(header.size() + h.bytes),
+                                       h.slots);
+            }
+        } else if (rec != nullptr) {
+            load_checkpoint_tensors(dir, m, {{kCkptFp8HistoryFile, header, h.device, h.bytes}}, io, stream);
+            model.fp8_history_loaded();
+        } else {
+            model.fp8_history_reset();
+            if (history_note != nullptr) {
+                *history_note = "it has no FP8 amax history (saved without FP8 fcproj): the next step measures its scales";
+            }
+        }
+    }
+    // The parameters are whole in both layouts.
+    load_checkpoint_tensors(dir, m,
+                            {saved.sharded ? detail::bf16_model_tensor(model)
+                                           : CheckpointTensor{kCkptParamsFile, {}, s.params,
+                                                              size_t(num_params) * sizeof(floatX)}},
+                            io, stream);
+    if (!saved.sharded && !model.sharded()) {
+        const std::vector<CheckpointTensor> t = checkpoint_tensors(model);
+        load_checkpoint_tensors(dir, m, {t[0], t[2], t[3]}, io, stream);  // model.bin, adam_m.bin, adam_v.bin
+        return "";
+    }
+    const int rank = detail::rank_of(model);
+    if (saved.sharded && model.sharded() && int(saved.master.size()) == model.zero_layout().world &&
+        saved.master[size_t(rank)].begin == target.begin &&
+        saved.master[size_t(rank)].begin + saved.master[size_t(rank)].count == target.end) {
+        load_checkpoint_tensors(dir, m, detail::shard_tensors(model, rank), io, stream);
+        return "";
+    }
+    // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
+    // must be this model's before its weights are trusted.
+    const std::vector<char> header = model_file_header(model.config(), kModelVersionFp32);
+    if (!saved.sharded && read_file_head(dir, m, kCkptModelFile, header.size()) != header) {
+        fail(kExitData, "'%s/%s': its header differs from this model's", dir.c_str(), kCkptModelFile);
+    }
+    load_array_range(dir, m, saved.master, sizeof(float), target.begin, target.end, s.master, stream);
+    load_array_range(dir, m, saved.adam_m, sizeof(float), target.begin, target.end, s.adam_m, stream);
+    load_array_range(dir, m, saved.adam_v, sizeof(float), target.begin, target.end, s.adam_v, stream);
+    return format("optimizer state of %s re-sharded to %s",
+                  saved.sharded ? format("%zu rank(s)", saved.master.size()).c_str() : "one whole copy",
+                  model.sharded() ? format("rank %d of %d (parameters %lld..%lld)", rank, model.zero_layout().world,
+                                           (long long)target.begin, (long long)target.end).c_str()
+                                  : "one whole copy");
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The trained model, which a run writes at the end (not part of a checkpoint).
+
+namespace detail {
+// The fp32 master weights of all N parameters on the device: the model's own, or with ZeRO-1 (every rank
+// must call) `full` gathered from the ranks' shards, on the model's stream.
+inline const float* all_master_weights(GPT2& model, DeviceBuffer<float>& full) {
+    const GPT2::State s = model.state();
+    if (!model.sharded()) return s.master;
+    const ZeroLayout& layout = model.zero_layout();
+    MultiGpu* multi = model.multi();
+    cudaStream_t stream = model.stream();
+    full.allocate(size_t(layout.padded_total()));
+    cudaCheck(cudaMemsetAsync(full.get(), 0, full.bytes(), stream));
+    cudaCheck(cudaMemcpyAsync(full.get() + layout.shard(multi->rank()).begin, s.master,
+                              size_t(layout.shard_size) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    multi->all_gather_async(full.get(), layout, stream);
+    multi->join(stream);
+    return full.get();
+}
+}  // namespace detail
+
+// Writes the fp32 master weights as an llm.c model file (version 3), whole or not at all
+// (write_file_atomically), so a reader never sees half a file. With ZeRO-1 every rank must call it (the
+// shards are gathered first); only a rank with `write` writes.
+inline void write_trained_model(GPT2& model, const std::string& path, DeviceFileIO& io, bool write = true) {
+    DeviceBuffer<float> full;
+    const float* master = detail::all_master_weights(model, full);
+    if (model.sharded()) cudaCheck(cudaStreamSynchronize(model.stream()));
+    if (!write) return;
+    const std::vector<char> h = model_file_header(model.config(), kModelVersionFp32);
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(h.data(), h.size());
+        io.device_to_file(f, master, size_t(model.num_parameters()) * sizeof(float), model.stream());
+    });
+}
+
+// Writes the trained model in `format` (llmc/model_io.h) at path: the fp32 formats hold the master weights
+// (with ZeRO-1 every rank must call, for the gather), the bf16 ones the bf16 parameters the model computes
+// with (so their loss is the model's own). Only a rank with `write` writes.
+inline void export_trained_model(GPT2& model, const std::string& path, ModelFormat format, const SaveOptions& options,
+                                 bool write = true) {
+    const bool fp32 = format == ModelFormat::Llmc || format == ModelFormat::Hf;
+    if (!fp32 && !write) return;
+    const size_t n = size_t(model.num_parameters());
+    cudaStream_t stream = model.stream();
+    std::vector<float> params(n);
+    if (fp32) {
+        DeviceBuffer<float> full;
+        const float* master = detail::all_master_weights(model, full);
+        cudaCheck(cudaMemcpyAsync(params.data(), master, n * sizeof(float), cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+    } else {
+        std::vector<floatX> bf16(n);
+        cudaCheck(cudaMemcpyAsync(bf16.data(), model.state().params, n * sizeof(floatX), cudaMemcpyDeviceToHost, stream));
+        cudaCheck(cudaStreamSynchronize(stream));
+        for (size_t i = 0; i < n; i++) params[i] = __bfloat162float(bf16[i]);
+    }
+    if (write) save_model(path, format, model.config(), params.data(), options);
 }
 
 }  // namespace llmc

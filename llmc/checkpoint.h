@@ -1,25 +1,15 @@
 /*
-Checkpoints on disk, the CPU side: the directory layout, the manifest, chunk checksums, validation,
-discovery of the newest valid checkpoint, and rotation. Everything here works on plain files, so it is
-tested without a GPU; checkpoint.cuh puts device memory behind it.
+The checkpoint, host side: what a GPT-2 training checkpoint holds on disk, and how it is written, verified,
+published, rotated and read back, on plain files (tested without a GPU). The device side (snapshot,
+asynchronous writer, load into the model, re-sharding) is llmc/checkpoint.cuh.
 
-A checkpoint of step S is the directory <out>/ckpt_<S, 8 digits>/. It is built as ckpt_<S>.tmp/: each data
-file is written, fsynced and closed, then manifest.txt (written last, fsynced), then the directory is
-fsynced, renamed to its final name in one step, and <out> is fsynced. A directory with the final name is
-therefore complete unless its files were damaged afterwards, which the checksums catch: every file is
-recorded in the manifest as a list of chunks (offset, length, 64-bit checksum), computed while each chunk
-sat in the staging buffer on its way to the disk. The manifest is text, ends with a checksum of itself,
-and also carries the run's settings (key value lines), small binary blobs (hex; the DataLoader state) and
-the step.
-
-Several ranks (data parallel with ZeRO-1) write one checkpoint together into the same directory: each
-rank its own files, ranks other than 0 a part_<rank>.txt with their files' records, and rank 0 the
-manifest over all of them and the rename, once every part is there (CheckpointWriter). read_array_range()
-reads any element range of an array spread over several ranks' files, checking every chunk it touches,
-which is what a resume on a different number of ranks needs.
-
-Does not provide: anything that touches a GPU (checkpoint.cuh), or the choice of what goes into a
-checkpoint (llmc/gpt2_checkpoint.h says what a GPT-2 training checkpoint holds).
+<out>/ckpt_<step, 8 digits>/ holds, in the layout that the setting state_layout names (none: whole),
+  whole:    model.bin (llm.c version 3 header, fp32 master weights), params_bf16.bin, adam_m.bin, adam_v.bin
+  sharded:  model.bin (llm.c version 5 header, bf16 parameters) and, per rank r, master_<r>.bin,
+            adam_m_<r>.bin and adam_v_<r>.bin over the range that the setting state_shard_<r> records
+with FP8 fcproj also fp8_history.bin, and manifest.txt: the step, the run's settings, small blobs (the
+DataLoader's and step guard's state) and every file's chunk checksums, ending with its own checksum. It is
+written as ckpt_<step>.tmp/ and renamed into place once complete (CheckpointWriter).
 */
 #pragma once
 
@@ -45,13 +35,52 @@ checkpoint (llmc/gpt2_checkpoint.h says what a GPT-2 training checkpoint holds).
 
 #include "llmc/chunk_pipeline.h"
 #include "llmc/hash.h"
+#include "llmc/model_file.h"
 #include "llmc/utils.h"
+#include "llmc/zero.h"
 
 namespace llmc {
 
 constexpr int kCheckpointVersion = 1;
 constexpr const char* kManifestName = "manifest.txt";
 constexpr const char* kManifestMagic = "llmc-checkpoint";
+
+// ----------------------------------------------------------------------------------------------------
+// The files.
+
+constexpr const char* kCkptModelFile = "model.bin";  // both layouts
+constexpr const char* kCkptParamsFile = "params_bf16.bin";
+constexpr const char* kCkptAdamMFile = "adam_m.bin";
+constexpr const char* kCkptAdamVFile = "adam_v.bin";
+constexpr const char* kCkptFp8HistoryFile = "fp8_history.bin";  // rank 0's (every rank's is the same)
+
+// The sharded layout's optimizer-state files, one of each per rank.
+enum class StateKind { Master, AdamM, AdamV };
+
+inline std::string state_shard_file(StateKind kind, int rank) {
+    const char* stem = kind == StateKind::Master ? "master" : kind == StateKind::AdamM ? "adam_m" : "adam_v";
+    return format("%s_%05d.bin", stem, rank);
+}
+
+// model.bin's header: an llm.c model file's (kModelVersionFp32 in the whole layout, Bf16 in the sharded one).
+inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
+    int32_t h[kModelHeaderInts];
+    make_model_header(c, version, h);
+    return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
+}
+
+// fp8_history.bin's header: the magic, then int32 version 2 (version 1, before the LayerNorm outputs had
+// slots, held 2 x layers), slots, entries per slot, 0; then the fp32 history (GPT2::fp8_history).
+constexpr const char* kFp8HistoryMagic = "LLMCFP8H";
+constexpr size_t kFp8HistoryHeaderBytes = 24;
+
+inline std::vector<char> fp8_history_header(int slots, int len) {
+    std::vector<char> header(kFp8HistoryHeaderBytes);
+    std::memcpy(header.data(), kFp8HistoryMagic, 8);
+    const int32_t v[4] = {2, slots, len, 0};
+    std::memcpy(header.data() + 8, v, sizeof(v));
+    return header;
+}
 
 // ----------------------------------------------------------------------------------------------------
 // The manifest.
@@ -236,47 +265,8 @@ inline std::string read_text_file(const std::string& path) {
     return s;
 }
 
-inline CheckpointManifest read_manifest(const std::string& dir) {
-    const std::string path = dir + "/" + kManifestName;
-    return parse_manifest(read_text_file(path), path);
-}
-
 // ----------------------------------------------------------------------------------------------------
-// Checksums while writing and while reading.
-
-// Collects the checksums of one file's chunks as a ChunkHook sees them (from any thread).
-class ChunkRecorder {
-public:
-    ChunkHook hook() {
-        return [this](const char* p, size_t n, uint64_t off) {
-            const uint64_t s = checksum64(p, n);
-            std::lock_guard<std::mutex> lock(mu_);
-            chunks_.push_back({off, uint64_t(n), s});
-        };
-    }
-    // The record of a file of `size` bytes; every byte must have passed through the hook once.
-    FileRecord finish(const std::string& name, uint64_t size) {
-        FileRecord f;
-        f.name = name;
-        f.size = size;
-        f.chunks = chunks_;
-        std::sort(f.chunks.begin(), f.chunks.end(), [](const ChunkSum& a, const ChunkSum& b) { return a.offset < b.offset; });
-        uint64_t at = 0;
-        for (const ChunkSum& c : f.chunks) {
-            if (c.offset != at) break;
-            at += c.bytes;
-        }
-        if (at != size) {
-            fail(kExitError, "checkpoint file '%s': checksummed chunks cover %llu of %llu bytes (a write bypassed the hook)",
-                 name.c_str(), (unsigned long long)at, (unsigned long long)size);
-        }
-        return f;
-    }
-
-private:
-    std::mutex mu_;
-    std::vector<ChunkSum> chunks_;
-};
+// Chunk checksums, taken while writing and checked while reading.
 
 // Checks chunks against a FileRecord as a ChunkHook sees them; finish() then requires that every chunk
 // was seen. A chunk whose boundaries do not match the record is an error too (the reader must cut the file
@@ -332,9 +322,8 @@ inline void write_chunked(File& f, const void* data, size_t n, const ChunkHook& 
 
 // Whether the recorded chunks of bytes [from, from + n) are exactly the pieces `plan` (a ChunkPlanner for
 // that span, the cut DeviceFileIO reads it in) makes of them, so the reads can be checked chunk by chunk.
-// True for a checkpoint written with the reader's chunk size; false for one written with another (an
-// earlier kDefaultChunkBytes, another writer's) or when direct I/O cuts the span differently, which is then
-// read by its recorded chunks instead.
+// False for a checkpoint written with another chunk size, or when direct I/O cuts the span differently:
+// it is then read by its recorded chunks instead.
 inline bool chunks_match_plan(const FileRecord& rec, uint64_t from, uint64_t n, ChunkPlanner plan) {
     Chunk piece;
     uint64_t at = from;
@@ -366,7 +355,7 @@ inline void read_verified(File& f, void* dst, size_t n, ChunkVerifier& verifier,
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Layout, discovery and validation.
+// Finding and validating checkpoints.
 
 inline std::string checkpoint_dir_name(int64_t step) { return format("ckpt_%08lld", (long long)step); }
 
@@ -406,9 +395,9 @@ inline std::vector<CheckpointEntry> list_checkpoints(const std::string& out_dir)
 // listed file exists with the recorded size, and (deep) every chunk's checksum. Returns the manifest;
 // raises kExitData / kExitIo naming the problem.
 inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep) {
-    CheckpointManifest m = read_manifest(dir);
-    const std::string name = std::filesystem::path(dir).filename().string();
-    const int64_t named = checkpoint_step_of(name);
+    const std::string manifest_path = dir + "/" + kManifestName;
+    CheckpointManifest m = parse_manifest(read_text_file(manifest_path), manifest_path);
+    const int64_t named = checkpoint_step_of(std::filesystem::path(dir).filename().string());
     if (named >= 0 && named != m.step) {
         fail(kExitData, "checkpoint '%s' holds step %lld, its name says %lld", dir.c_str(), (long long)m.step,
              (long long)named);
@@ -434,26 +423,8 @@ inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep)
     return m;
 }
 
-struct FoundCheckpoint {
-    std::string path;  // empty: none valid
-    CheckpointManifest manifest;
-    std::vector<std::string> skipped;  // "<dir>: <why>" for each newer one that failed validation
-};
-
-// The newest checkpoint in out_dir that passes validate_checkpoint(deep).
-inline FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) {
-    FoundCheckpoint found;
-    for (const CheckpointEntry& e : list_checkpoints(out_dir)) {
-        try {
-            found.manifest = validate_checkpoint(e.path, deep);
-            found.path = e.path;
-            return found;
-        } catch (const Error& err) {
-            found.skipped.push_back(e.path + ": " + err.what());
-        }
-    }
-    return found;
-}
+// ----------------------------------------------------------------------------------------------------
+// Publishing and retention.
 
 namespace detail {
 // Swaps the names of two directories in one step (renameat2 with RENAME_EXCHANGE); 0, or -1 with errno.
@@ -461,6 +432,20 @@ namespace detail {
 inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
     return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
 };
+
+inline void rename_or_fail(const std::string& from, const std::string& to) {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+        const int e = errno;
+        fail(kExitIo, "cannot rename '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
+    }
+}
+
+inline void write_synced(const std::string& path, const std::string& text) {
+    File f(path, File::Mode::Write);
+    f.write_all(text.data(), text.size());
+    f.sync();
+    f.close();
+}
 }  // namespace detail
 
 inline void remove_tree(const std::string& path) {
@@ -503,22 +488,25 @@ inline void remove_stale_temporaries(const std::string& out_dir) {
     for (const std::string& s : stale) remove_tree(s);
 }
 
-// ----------------------------------------------------------------------------------------------------
-// Writing.
-
 // The name under which rank r (> 0) of a several-rank save publishes the records of its files inside the
 // temporary directory; rank 0 merges them into the manifest.
 inline std::string checkpoint_part_name(int rank) { return format("part_%05d.txt", rank); }
 
-// Several ranks build one checkpoint: before any rank writes, rank 0 calls this (it removes leftovers of
-// interrupted saves, a stale temporary directory of this very step included, and creates a fresh one), and
-// the caller then holds every rank at a barrier, so no rank writes into a directory about to be removed.
-inline std::string prepare_shared_checkpoint(const std::string& out_dir, int64_t step) {
+// A fresh temporary directory for the checkpoint of `step`, after removing the leftovers of interrupted
+// saves (a stale temporary directory of this very step included).
+inline std::string create_checkpoint_temporary(const std::string& out_dir, int64_t step) {
     const std::string tmp = out_dir + "/" + checkpoint_dir_name(step) + ".tmp";
     remove_stale_temporaries(out_dir);
     std::error_code ec;
     std::filesystem::create_directories(tmp, ec);
     if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp.c_str(), ec.message().c_str());
+    return tmp;
+}
+
+// Several ranks build one checkpoint: before any rank writes, rank 0 calls this, and the caller then holds
+// every rank at a barrier, so no rank writes into a directory about to be removed.
+inline std::string prepare_shared_checkpoint(const std::string& out_dir, int64_t step) {
+    const std::string tmp = create_checkpoint_temporary(out_dir, step);
     sync_directory(out_dir);
     return tmp;
 }
@@ -539,18 +527,13 @@ public:
         if (world_ < 1 || rank_ < 0 || rank_ >= world_) fail(kExitError, "CheckpointWriter: rank %d of %d", rank_, world_);
         final_ = out_dir_ + "/" + checkpoint_dir_name(step);
         tmp_ = final_ + ".tmp";
-        if (world_ > 1) {
-            std::error_code ec;
-            if (!std::filesystem::is_directory(tmp_, ec)) {
-                fail(kExitIo, "checkpoint directory '%s' does not exist on rank %d: every rank's output directory must "
-                              "be the same shared directory, prepared by rank 0", tmp_.c_str(), rank_);
-            }
-            return;
-        }
-        remove_stale_temporaries(out_dir_);
         std::error_code ec;
-        std::filesystem::create_directories(tmp_, ec);
-        if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp_.c_str(), ec.message().c_str());
+        if (world_ == 1) {
+            create_checkpoint_temporary(out_dir_, step);
+        } else if (!std::filesystem::is_directory(tmp_, ec)) {
+            fail(kExitIo, "checkpoint directory '%s' does not exist on rank %d: every rank's output directory must "
+                          "be the same shared directory, prepared by rank 0", tmp_.c_str(), rank_);
+        }
     }
     CheckpointWriter(const CheckpointWriter&) = delete;
     CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -561,18 +544,33 @@ public:
     }
 
     // Creates `name` in the temporary directory; fill(file, hook) writes it, passing every byte through
-    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory); then the
-    // file is fsynced and closed and its chunk checksums recorded.
+    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory), which
+    // checksums each chunk (from any thread); then the file is fsynced and closed and its chunks recorded.
     void add_file(const std::string& name, const std::function<void(File&, const ChunkHook&)>& fill) {
         File f(tmp_ + "/" + name, File::Mode::Write);
-        ChunkRecorder rec;
-        const ChunkHook hook = rec.hook();
-        fill(f, hook);
-        const uint64_t size = uint64_t(f.size());
+        FileRecord rec;
+        rec.name = name;
+        std::mutex mu;
+        fill(f, [&](const char* p, size_t n, uint64_t off) {
+            const uint64_t s = checksum64(p, n);
+            std::lock_guard<std::mutex> lock(mu);
+            rec.chunks.push_back({off, uint64_t(n), s});
+        });
+        rec.size = uint64_t(f.size());
         f.sync();
         f.close();
-        files_.push_back(rec.finish(name, size));
-        bytes_ += size;
+        std::sort(rec.chunks.begin(), rec.chunks.end(), [](const ChunkSum& a, const ChunkSum& b) { return a.offset < b.offset; });
+        uint64_t at = 0;
+        for (const ChunkSum& c : rec.chunks) {
+            if (c.offset != at) break;
+            at += c.bytes;
+        }
+        if (at != rec.size) {
+            fail(kExitError, "checkpoint file '%s': checksummed chunks cover %llu of %llu bytes (a write bypassed the hook)",
+                 name.c_str(), (unsigned long long)at, (unsigned long long)rec.size);
+        }
+        bytes_ += rec.size;
+        files_.push_back(std::move(rec));
     }
 
     // Rank 0 (or the only rank): writes the manifest (meta with the recorded files of every rank and this
@@ -595,19 +593,15 @@ public:
             }
         }
         const std::string text = encode_manifest(meta);
-        File f(tmp_ + "/" + kManifestName, File::Mode::Write);
-        f.write_all(text.data(), text.size());
-        f.sync();
-        f.close();
+        detail::write_synced(tmp_ + "/" + kManifestName, text);
         bytes_ += text.size();
         sync_directory(tmp_);
         std::error_code ec;
         std::string replaced;  // an older checkpoint of this step, moved out of the way
         if (std::filesystem::exists(final_, ec)) {
             replaced = replace_same_step();
-        } else if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e));
+        } else {
+            detail::rename_or_fail(tmp_, final_);
         }
         committed_ = true;
         sync_directory(out_dir_);
@@ -616,7 +610,6 @@ public:
         return final_;
     }
 
-    const std::string& temporary_path() const { return tmp_; }
     uint64_t bytes_written() const { return bytes_; }  // this rank's files (rank 0: and the others' too)
 
 private:
@@ -634,14 +627,8 @@ private:
         }
         const std::string aside = final_ + ".replaced.tmp";
         remove_tree(aside);
-        if (std::rename(final_.c_str(), aside.c_str()) != 0) {
-            const int e2 = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", final_.c_str(), aside.c_str(), std::strerror(e2));
-        }
-        if (std::rename(tmp_.c_str(), final_.c_str()) != 0) {
-            const int e2 = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp_.c_str(), final_.c_str(), std::strerror(e2));
-        }
+        detail::rename_or_fail(final_, aside);
+        detail::rename_or_fail(tmp_, final_);
         return aside;
     }
 
@@ -651,12 +638,8 @@ private:
         part.settings.push_back({"rank", format("%d", rank_)});
         part.settings.push_back({"world", format("%d", world_)});
         part.files = files_;
-        const std::string text = encode_manifest(part);
         const std::string path = tmp_ + "/" + checkpoint_part_name(rank_);
-        File f(path + ".tmp", File::Mode::Write);
-        f.write_all(text.data(), text.size());
-        f.sync();
-        f.close();
+        detail::write_synced(path + ".tmp", encode_manifest(part));
         // The moment the part appears, rank 0 may merge it and rename the directory to its final name, so
         // the directory is opened before the rename and synced through that descriptor, which follows it.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -721,7 +704,7 @@ private:
 };
 
 // ----------------------------------------------------------------------------------------------------
-// Reading a range of a flat array spread over files (resume on a different number of ranks).
+// Reading arrays back, in either layout, on any number of ranks.
 
 // Elements [begin, begin + count) of a flat array are stored in `file`, from byte `offset` on.
 struct ArraySegment {
@@ -772,6 +755,99 @@ inline void read_array_range(const std::string& dir, const CheckpointManifest& m
         fail(kExitData, "checkpoint '%s': its files hold %lld of the %lld elements %lld..%lld", dir.c_str(),
              (long long)covered, (long long)(last - first), (long long)first, (long long)last);
     }
+}
+
+// Bytes [0, n) of the checkpoint file `file` (a header), every chunk they touch checked.
+inline std::vector<char> read_file_head(const std::string& dir, const CheckpointManifest& m, const std::string& file,
+                                        size_t n) {
+    std::vector<char> out(n);
+    read_array_range(dir, m, {{file, 0, 0, int64_t(n)}}, 1, 0, int64_t(n),
+                     [&](uint64_t at, const char* p, size_t len) { std::memcpy(out.data() + at, p, len); });
+    return out;
+}
+
+// The settings that record a layout: a sharded one (the ranges of `layout`), or the whole one (null).
+inline std::vector<std::pair<std::string, std::string>> state_layout_settings(const ZeroLayout* layout) {
+    if (layout == nullptr) return {{"state_layout", "whole"}};
+    std::vector<std::pair<std::string, std::string>> kv = {{"state_layout", "sharded"},
+                                                            {"state_ranks", format("%d", layout->world)}};
+    for (int r = 0; r < layout->world; r++) {
+        const ShardRange o = layout->owned(r);
+        kv.push_back({format("state_shard_%d", r), format("%lld %lld", (long long)o.begin, (long long)o.size())});
+    }
+    return kv;
+}
+
+// A checkpoint's layout, read back from its manifest: the files and ranges that hold each array.
+struct StateLayout {
+    bool sharded = false;
+    std::vector<ArraySegment> master, adam_m, adam_v;  // fp32 elements; sharded: one per saved rank, in rank order
+    ArraySegment params;                               // bf16 elements, all N
+};
+
+// Parses the layout of the checkpoint in `dir` (manifest m) for a model of num_params parameters. A
+// checkpoint without the setting is a whole one (the format of checkpoints written before sharded ones
+// existed). The saved ranges come from the manifest, not from a recomputed ZeroLayout, so that a change of
+// alignment between runs cannot misplace state. Raises kExitData naming what is malformed: an unknown
+// layout, a missing or bad rank count or range, ranges that do not tile [0, num_params) in rank order.
+inline StateLayout read_state_layout(const std::string& dir, const CheckpointManifest& m, int64_t num_params) {
+    StateLayout out;
+    const std::string* kind = m.setting("state_layout");
+    if (kind && *kind != "whole" && *kind != "sharded") {
+        fail(kExitData, "'%s': unknown state_layout '%s'", dir.c_str(), kind->c_str());
+    }
+    out.sharded = kind && *kind == "sharded";
+    if (!out.sharded) {
+        out.master = {{kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params}};
+        out.adam_m = {{kCkptAdamMFile, 0, 0, num_params}};
+        out.adam_v = {{kCkptAdamVFile, 0, 0, num_params}};
+        out.params = {kCkptParamsFile, 0, 0, num_params};
+        return out;
+    }
+    const std::string* ranks = m.setting("state_ranks");
+    char* end = nullptr;
+    const long w = ranks ? std::strtol(ranks->c_str(), &end, 10) : 0;
+    if (!ranks || *end != '\0' || w < 1 || w > (1 << 20)) {
+        fail(kExitData, "'%s': a sharded checkpoint without a valid state_ranks setting", dir.c_str());
+    }
+    for (int r = 0; r < int(w); r++) {
+        const std::string* range = m.setting(format("state_shard_%d", r));
+        long long begin = -1, count = -1;
+        char extra = 0;
+        if (!range || std::sscanf(range->c_str(), "%lld %lld %c", &begin, &count, &extra) != 2 || begin < 0 ||
+            count < 0) {
+            fail(kExitData, "'%s': the range of rank %d's shard is missing or malformed", dir.c_str(), r);
+        }
+        out.master.push_back({state_shard_file(StateKind::Master, r), 0, begin, count});
+        out.adam_m.push_back({state_shard_file(StateKind::AdamM, r), 0, begin, count});
+        out.adam_v.push_back({state_shard_file(StateKind::AdamV, r), 0, begin, count});
+    }
+    auto shard = [&](int r) { return dir + "/" + out.master[size_t(r)].file; };
+    for (int r = 0; r < int(w); r++) {
+        const ArraySegment& s = out.master[size_t(r)];
+        // Checked apart from the tiling below, where begin + count of a hostile manifest could overflow.
+        if (s.count > 0 && (s.begin >= num_params || s.count > num_params - s.begin)) {
+            fail(kExitData, "optimizer shard '%s' (rank %d): range begin %lld count %lld reaches past the model's %lld "
+                 "parameters", shard(r).c_str(), r, (long long)s.begin, (long long)s.count, (long long)num_params);
+        }
+    }
+    int64_t next = 0;
+    for (int r = 0; r < int(w); r++) {
+        const ArraySegment& s = out.master[size_t(r)];
+        if (s.count == 0) continue;
+        if (s.begin != next) {
+            fail(kExitData, "optimizer shard '%s' (rank %d) starts at parameter %lld, expected %lld (%s)",
+                 shard(r).c_str(), r, (long long)s.begin, (long long)next,
+                 s.begin > next ? "a gap: parameters no shard holds" : "it overlaps the previous rank's shard");
+        }
+        next = s.begin + s.count;
+    }
+    if (next != num_params) {
+        fail(kExitData, "optimizer checkpoint: the shards hold parameters [0, %lld), the model has %lld", (long long)next,
+             (long long)num_params);
+    }
+    out.params = {kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params};
+    return out;
 }
 
 // ----------------------------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ same algorithms (accumulating matmuls are never tuned), so the results are one s
 applies to a bf16 step on one GPU without -r 1; other steps run on one stream.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
-checkpoint holds (llmc/gpt2_checkpoint.cuh).
+checkpoint holds (llmc/checkpoint.cuh).
 */
 #pragma once
 
@@ -208,7 +208,7 @@ public:
     GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0,
          bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
-          adamw_table_(adamw_tensors(config)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
+          adamw_table_(adamw_tensors(tensors_)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
           recompute_gelu_(recompute_gelu) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
@@ -315,7 +315,7 @@ public:
     // and moments this rank holds (all of them without ZeRO-1).
     const ZeroLayout& zero_layout() const { return layout_; }
     ShardRange owned() const { return sharded() ? owned_ : ShardRange{0, num_params_}; }
-    // The device buffers a checkpoint saves (llmc/gpt2_checkpoint.cuh): bf16 parameters (all of them, in
+    // The device buffers a checkpoint saves (llmc/checkpoint.cuh): bf16 parameters (all of them, in
     // every layout), and the master weights and AdamW moments of owned().
     struct State {
         floatX* params;

@@ -45,7 +45,6 @@ says why each input was refused.
 
 #include "llmc/checkpoint.h"
 #include "llmc/dataloader.h"
-#include "llmc/gpt2_checkpoint.h"
 #include "llmc/mc_eval.h"
 #include "llmc/model_io.h"
 #include "llmc/run_control.h"
@@ -668,7 +667,7 @@ void run_manifest(const std::string& in) {
         RunControl guard(RunControl::Limits{}, std::chrono::steady_clock::now());
         attempt([&] { guard.restore(*blob, fx.dir); });
     }
-    const StateLayout layout = read_state_layout(fx.dir, m, fx.params, uint64_t(kModelHeaderBytes));
+    const StateLayout layout = read_state_layout(fx.dir, m, fx.params);
     std::vector<char> array(size_t(fx.params) * 4);
     auto read = [&](const std::vector<ArraySegment>& segments, size_t elem_bytes) {
         read_array_range(fx.dir, m, segments, elem_bytes, 0, fx.params, [&](uint64_t at, const char* p, size_t n) {

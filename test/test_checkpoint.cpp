@@ -6,8 +6,9 @@ newest is damaged, rotation (keep-last, keep-every, later steps left alone), and
 incompatible settings with a message naming what differs; several ranks writing one checkpoint
 (concurrent writers, a missing rank, a stale part of an earlier attempt, a rank still busy with its part
 when rank 0 publishes) and reading any rank's range back on another number of ranks, with damaged chunks
-caught. The GPU path (snapshot, async writer) is
-tested in test_checkpoint_gpu.cu.
+caught; the recorded layout read back, and re-sharding from every number of ranks to every other (with
+layouts that do not tile the parameters refused by file). The GPU path (snapshot, async writer) is tested
+in test_checkpoint_gpu.cu.
 */
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@ tested in test_checkpoint_gpu.cu.
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,7 +25,6 @@ tested in test_checkpoint_gpu.cu.
 #include <stdio.h>
 
 #include "llmc/checkpoint.h"
-#include "llmc/gpt2_checkpoint.h"
 #include "llmc/utils.h"
 #include "llmc/zero.h"
 #include "test/expect_error.h"
@@ -31,6 +32,7 @@ tested in test_checkpoint_gpu.cu.
 
 using namespace llmc;
 using llmc::test::random_bytes;
+using llmc::test::random_floats;
 using llmc::test::read_bytes;
 using llmc::test::write_bytes;
 using llmc::test::TempDir;
@@ -72,6 +74,28 @@ std::string write_checkpoint(const std::string& out, int64_t step, const Synthet
     m.settings = base_settings();
     m.blobs = {{"train_loader", s.loader}, {"empty", {}}};
     return w.commit(m);
+}
+
+// The newest checkpoint in out_dir that passes validate_checkpoint(deep), and why each newer one did not
+// (the choice a resume makes, without its votes between ranks).
+struct FoundCheckpoint {
+    std::string path;  // empty: none valid
+    CheckpointManifest manifest;
+    std::vector<std::string> skipped;  // "<dir>: <why>"
+};
+
+FoundCheckpoint find_newest_valid(const std::string& out_dir, bool deep) {
+    FoundCheckpoint found;
+    for (const CheckpointEntry& e : list_checkpoints(out_dir)) {
+        try {
+            found.manifest = validate_checkpoint(e.path, deep);
+            found.path = e.path;
+            return found;
+        } catch (const Error& err) {
+            found.skipped.push_back(e.path + ": " + err.what());
+        }
+    }
+    return found;
 }
 
 std::string error_of(const std::function<void()>& fn) {
@@ -531,7 +555,7 @@ TEST(SeveralRanks, OneCheckpointFromConcurrentWritersReadBackOnOtherRankCounts) 
     for (int r = 0; r < world; r++) EXPECT_NE(m.file(state_shard_file(StateKind::Master, r)), nullptr) << r;
     EXPECT_EQ(find_newest_valid(out, true).path, dir);
     // The manifest's layout settings give back exactly the segments the ranks wrote.
-    const StateLayout saved = read_state_layout(dir, m, kShardedElems, 1024);
+    const StateLayout saved = read_state_layout(dir, m, kShardedElems);
     ASSERT_TRUE(saved.sharded);
     ASSERT_EQ(saved.master.size(), size_t(world));
     for (int r = 0; r < world; r++) {
@@ -609,9 +633,9 @@ TEST(StateLayout, SettingsRoundTripForEveryRankCountAndTheWholeLayout) {
             const ZeroLayout layout = zero_layout(n, w);
             CheckpointManifest m;
             m.settings = state_layout_settings(&layout);
-            const StateLayout got = read_state_layout("ck", m, n, 1024);
+            const StateLayout got = read_state_layout("ck", m, n);
             ASSERT_TRUE(got.sharded);
-            ASSERT_EQ(got.shards.size(), size_t(w));
+            ASSERT_EQ(got.master.size(), size_t(w));
             int64_t at = 0;
             for (int r = 0; r < w; r++) {
                 const ShardRange own = layout.owned(r);
@@ -637,7 +661,7 @@ TEST(StateLayout, SettingsRoundTripForEveryRankCountAndTheWholeLayout) {
     for (bool named : {true, false}) {
         CheckpointManifest m;
         if (named) m.settings = state_layout_settings(nullptr);
-        const StateLayout got = read_state_layout("ck", m, 500, 1024);
+        const StateLayout got = read_state_layout("ck", m, 500);
         EXPECT_FALSE(got.sharded);
         ASSERT_EQ(got.master.size(), 1u);
         EXPECT_EQ(got.master[0].file, "model.bin");
@@ -661,7 +685,7 @@ TEST(StateLayout, MalformedSettingsAreRefusedByName) {
             }
             m.settings.push_back(kv);
         }
-        return error_of([&] { read_state_layout("ck", m, 1000, 1024); });
+        return error_of([&] { read_state_layout("ck", m, 1000); });
     };
     const std::string bad_kind = "striped", abc = "abc", zero = "0", one_number = "12", three = "0 300 7",
                       negative = "-5 10", gap = "400 300", overlap = "300 400";
@@ -677,6 +701,136 @@ TEST(StateLayout, MalformedSettingsAreRefusedByName) {
     EXPECT_NE(with("state_shard_1", &overlap), "") << "ranks 1 and 2 overlap";
     const std::string ok1 = format("%lld %lld", (long long)layout.owned(1).begin, (long long)layout.owned(1).size());
     EXPECT_EQ(with("state_shard_1", &ok1), "") << "the unchanged settings parse";
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Re-sharding: an optimizer array saved by one number of ranks read back, range by range, by another,
+// through the layout the manifest records (read_state_layout, then read_array_range: the resume's path).
+
+namespace {
+
+// The sharded layout's master_<r>.bin files of `full` as `world` ranks at `alignment` save them, written
+// straight into `dir` in chunks of `chunk` bytes; returns the manifest recording them (no CheckpointWriter:
+// hundreds of these are made).
+CheckpointManifest save_shards(const std::string& dir, const std::vector<float>& full, int world, int64_t alignment,
+                               size_t chunk = kSmallChunk) {
+    const ZeroLayout z = zero_layout(int64_t(full.size()), world, alignment);
+    CheckpointManifest m;
+    m.settings = state_layout_settings(&z);
+    for (int r = 0; r < world; r++) {
+        const ShardRange o = z.owned(r);
+        const char* p = reinterpret_cast<const char*>(full.data() + o.begin);
+        FileRecord rec;
+        rec.name = state_shard_file(StateKind::Master, r);
+        rec.size = uint64_t(o.size()) * sizeof(float);
+        write_bytes(dir + "/" + rec.name, p, size_t(rec.size));
+        for (uint64_t at = 0; at < rec.size; at += chunk) {
+            const uint64_t len = std::min<uint64_t>(chunk, rec.size - at);
+            rec.chunks.push_back({at, len, checksum64(p + at, size_t(len))});
+        }
+        m.files.push_back(rec);
+    }
+    return m;
+}
+
+std::vector<float> read_floats(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segs,
+                               int64_t first, int64_t last) {
+    std::vector<float> out(size_t(last - first), -12345.0f);  // poison
+    read_array_range(dir, m, segs, sizeof(float), first, last, [&](uint64_t at, const char* p, size_t n) {
+        ASSERT_LE(at + n, out.size() * sizeof(float));
+        std::memcpy(reinterpret_cast<char*>(out.data()) + at, p, n);
+    });
+    return out;
+}
+
+}  // namespace
+
+TEST(Reshard, EveryWorldSizeToEveryOther) {
+    for (int64_t alignment : {1, 4, 128}) {
+        for (int64_t n : {1, 2, 3, 7, 8, 9, 31, 127, 128, 129, 257, 1000, 1031}) {
+            const std::vector<float> full = random_floats(size_t(n), uint64_t(n) * 31 + uint64_t(alignment), 1000.0f);
+            for (int w_old = 1; w_old <= 8; w_old++) {
+                TempDir dir("ckpt_reshard");
+                const CheckpointManifest m = save_shards(dir.path(), full, w_old, alignment);
+                const StateLayout saved = read_state_layout(dir.path(), m, n);
+                for (int w_new = 1; w_new <= 8; w_new++) {
+                    SCOPED_TRACE("N=" + std::to_string(n) + " A=" + std::to_string(alignment) + " " +
+                                 std::to_string(w_old) + "->" + std::to_string(w_new));
+                    // The new run may use another alignment too: re-sharding reads the saved ranges.
+                    const ZeroLayout to = zero_layout(n, w_new, alignment == 128 ? 4 : 128);
+                    std::vector<float> rebuilt;
+                    for (int r = 0; r < w_new; r++) {
+                        const ShardRange o = to.owned(r);
+                        const std::vector<float> shard = read_floats(dir.path(), m, saved.master, o.begin, o.end);
+                        rebuilt.insert(rebuilt.end(), shard.begin(), shard.end());
+                    }
+                    ASSERT_EQ(rebuilt, full);
+                }
+            }
+        }
+    }
+}
+
+TEST(Reshard, PiecesAreMinimal) {
+    // 10 elements saved by 3 ranks at alignment 1 ([0,4) [4,8) [8,10)), each file one chunk, read back by 2
+    // ranks ([0,5) [5,10)): one piece per saved shard a range touches, each as long as the overlap.
+    TempDir dir("ckpt_reshard_pieces");
+    const std::vector<float> full = random_floats(10, 3, 1000.0f);
+    const CheckpointManifest m = save_shards(dir.path(), full, 3, 1, size_t(1) << 20);
+    const StateLayout saved = read_state_layout(dir.path(), m, 10);
+    const ZeroLayout to = zero_layout(10, 2, 1);
+    const std::vector<std::vector<std::pair<uint64_t, size_t>>> expect = {{{0, 16}, {16, 4}}, {{0, 12}, {12, 8}}};
+    for (int r = 0; r < 2; r++) {
+        const ShardRange o = to.owned(r);
+        std::vector<std::pair<uint64_t, size_t>> pieces;
+        std::vector<float> got(size_t(o.size()));
+        read_array_range(dir.path(), m, saved.master, sizeof(float), o.begin, o.end,
+                         [&](uint64_t at, const char* p, size_t n) {
+                             pieces.push_back({at, n});
+                             std::memcpy(reinterpret_cast<char*>(got.data()) + at, p, n);
+                         });
+        EXPECT_EQ(pieces, expect[size_t(r)]) << "rank " << r;
+        EXPECT_EQ(got, std::vector<float>(full.begin() + o.begin, full.begin() + o.end)) << "rank " << r;
+    }
+}
+
+TEST(Reshard, SegmentsGivenOutOfOrder) {
+    TempDir dir("ckpt_reshard_order");
+    const std::vector<float> full = random_floats(333, 5, 1000.0f);
+    const CheckpointManifest m = save_shards(dir.path(), full, 5, 4);
+    std::vector<ArraySegment> segs = read_state_layout(dir.path(), m, 333).master;
+    std::swap(segs[0], segs[3]);
+    EXPECT_EQ(read_floats(dir.path(), m, segs, 0, 333), full);
+}
+
+// Each way the recorded ranges can fail to tile the parameters is refused naming the shard's file.
+TEST(Reshard, DamagedLayoutsAreNamed) {
+    TempDir dir("ckpt_reshard_damaged");
+    const CheckpointManifest good = save_shards(dir.path(), random_floats(100, 7, 1000.0f), 4, 4);
+    auto with_range = [&](int rank, int64_t begin_delta, int64_t count) {
+        CheckpointManifest m = good;
+        const StateLayout s = read_state_layout(dir.path(), good, 100);
+        for (auto& kv : m.settings) {
+            if (kv.first == format("state_shard_%d", rank)) {
+                kv.second = format("%lld %lld", (long long)(s.master[size_t(rank)].begin + begin_delta), (long long)count);
+            }
+        }
+        return m;
+    };
+    const StateLayout s = read_state_layout(dir.path(), good, 100);
+    const std::string d = dir.path();
+    expect_error([&] { read_state_layout(d, with_range(2, 1, s.master[2].count - 1), 100); }, kExitData,
+                 {"master_00002.bin", "a gap"});
+    expect_error([&] { read_state_layout(d, with_range(1, 0, s.master[1].count + 1), 100); }, kExitData,
+                 {"master_00002.bin", "overlaps"});
+    expect_error([&] { read_state_layout(d, good, 101); }, kExitData, {"[0, 100)", "has 101"});
+    // A range past the model (here one whose end does not fit in 64 bits) is named with its file.
+    expect_error([&] { read_state_layout(d, with_range(3, 0, std::numeric_limits<int64_t>::max()), 100); }, kExitData,
+                 {"master_00003.bin", "past the model's 100 parameters"});
+    // Segments that leave part of a range uncovered.
+    std::vector<ArraySegment> partial = s.master;
+    partial.erase(partial.begin() + 1);
+    expect_error([&] { read_floats(d, good, partial, 0, 100); }, kExitData, {"its files hold 72 of the 100 elements"});
 }
 
 // ----------------------------------------------------------------------------------------------------

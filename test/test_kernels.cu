@@ -1451,7 +1451,7 @@ TEST_F(KernelTest, AdamWMatchesCpuRoundsStochasticallyAndIsReproducible) {
             for (size_t i = 0; i < n; i++) wrong += p[i] != bf16_round(master0[i]);
             EXPECT_EQ(wrong, 0u) << "convert_to_bf16 is not round-to-nearest";
         }
-        const AdamWTensors table = adamw_tensors(config);
+        const AdamWTensors table = adamw_tensors(param_tensors(config));
         for (int k = 0; k < steps; k++) {
             auto d_grads = upload_bf16(grads[size_t(k)]);
             const bool scaled = grad_scales[k] != 1.0f;

@@ -64,18 +64,18 @@ void inspect(const std::string& dir, bool quiet) {
         const std::string path = dir + "/" + rec.name;
         int64_t offset = 0;
         bool bf16 = rec.name.find("bf16") != std::string::npos;
-        if (rec.name == "model.bin") {
+        if (rec.name == kCkptModelFile) {
             File f(path, File::Mode::Read);
             const ModelFileInfo info = read_model_header(f);
             offset = kModelHeaderBytes;
             bf16 = info.version == kModelVersionBf16;
         }
-        if (rec.name == "fp8_history.bin") {  // FP8 fcproj's amax history: a 24-byte header, then fp32
+        if (rec.name == kCkptFp8HistoryFile) {  // FP8 fcproj's amax history: its header, then fp32
             File f(path, File::Mode::Read);
             char magic[8] = {};
             f.read_exact(magic, sizeof(magic));
-            if (std::memcmp(magic, "LLMCFP8H", 8) != 0) fail(kExitData, "'%s': not an FP8 amax history", path.c_str());
-            offset = 24;
+            if (std::memcmp(magic, kFp8HistoryMagic, 8) != 0) fail(kExitData, "'%s': not an FP8 amax history", path.c_str());
+            offset = int64_t(kFp8HistoryHeaderBytes);
         }
         if (rec.name.size() < 4 || rec.name.compare(rec.name.size() - 4, 4, ".bin") != 0) continue;
         const int64_t bad = count_non_finite(path, offset, bf16);
