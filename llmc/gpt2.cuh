@@ -152,6 +152,29 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
+// Backward's second stream for weight gradients (GPT2::set_dw_stream; docs/design.md) and what it needs of its
+// own: a cuBLASLt handle (and workspace), scratch for the bias gradients' partial sums and for attention's
+// column sums of dqkv. fork(): the side waits for what the model's stream (main) has queued so far; mark(e):
+// the side got this far; await(e): main waits for that.
+struct DwSide {
+    explicit DwSide(cudaStream_t main_stream) : main(main_stream) {}
+    cudaStream_t main;
+    Stream stream;
+    CublasLt lt;
+    // ready: the model's stream got this far (the side waits for it); the others: the side is done with
+    // layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
+    Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
+    DeviceBuffer<char> scratch;     // the bias gradients' partial sums
+    DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
+
+    void fork() {
+        cudaCheck(cudaEventRecord(ready, main));
+        cudaCheck(cudaStreamWaitEvent(stream, ready, 0));
+    }
+    void mark(cudaEvent_t e) { cudaCheck(cudaEventRecord(e, stream)); }
+    void await(cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(main, e, 0)); }
+};
+
 class GPT2 {
 public:
     // Device memory by kind, for the start-up table.
@@ -226,7 +249,7 @@ public:
         if (!dw_stream_possible()) return;
         if (level > 0 && dw_ == nullptr) {
             cudaCheck(cudaStreamSynchronize(stream_));
-            dw_ = std::make_unique<DwSide>();
+            dw_ = std::make_unique<DwSide>(stream_);
             const int64_t N = int64_t(n_), C = config_.channels;
             dw_->scratch.allocate(std::max(matmul_backward_scratch_bytes(N, int(4 * C)), size_t(1)));
             dw_->qkvb_sums.allocate(size_t(N / kAttentionSumRows + 1) * size_t(3 * C));
@@ -507,36 +530,14 @@ public:
                  size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
         }
 
-        // Weight gradients on the side stream (set_dw_stream; dw = 0: everything on stream_). fork(): the side
-        // waits for what stream_ has queued so far; mark(e): the side got this far; await(e): stream_ waits
-        // for that.
+        // Weight gradients on the side stream (set_dw_stream; dw = 0: everything on stream_).
         const int dw = dw_stream_applies();
         const cudaStream_t side = dw > 0 ? dw_->stream.get() : stream_;
-        float* side_scratch = dw > 0 ? reinterpret_cast<float*>(dw_->scratch.get()) : fscratch;
-        const size_t side_bytes = dw > 0 ? dw_->scratch.bytes() : sbytes;
-        auto fork = [&]() {
-            cudaCheck(cudaEventRecord(dw_->ready, stream_));
-            cudaCheck(cudaStreamWaitEvent(side, dw_->ready, 0));
-        };
-        auto mark = [&](cudaEvent_t e) { cudaCheck(cudaEventRecord(e, side)); };
-        auto await = [&](cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(stream_, e, 0)); };
-        // A linear layer's backward in bf16 (inp (N x cin) -> out (N x cout) through weight; pre_gelu: its input
-        // went through the GELU, whose backward the dX matmul fuses). With on_side, dW and the bias gradient
-        // go to the side stream after fork(), which then marks `done` (if given), and dX runs on stream_ beside
-        // them; otherwise matmul_backward runs both on stream_. A null dinp skips dX. The same calls either way,
-        // so the same bits.
         auto linear_backward = [&](bool on_side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                                    const floatX* inp, const floatX* weight, int cin, int cout, cudaEvent_t done,
                                    const floatX* pre_gelu = nullptr) {
-            if (!on_side) {
-                matmul_backward(lt_, dinp, dweight, dbias, dout, inp, weight, N, cin, cout, fscratch, sbytes, stream_,
-                                pre_gelu);
-                return;
-            }
-            fork();
-            matmul_backward_dw(dw_->lt, dweight, dbias, dout, inp, N, cin, cout, side_scratch, side_bytes, side);
-            if (done != nullptr) mark(done);
-            if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, weight, N, cin, cout, stream_, pre_gelu);
+            linear_backward_bf16(on_side ? dw_.get() : nullptr, dinp, dweight, dbias, dout, inp, weight, N, cin, cout,
+                                 done, pre_gelu);
         };
         // The residual stream's gradient: res[cur]. At level 2 each LayerNorm backward reads it from one buffer
         // and writes the sum to the other (the side's attproj and fcproj dW still read the old one).
@@ -616,7 +617,7 @@ public:
                                    Fp8Epilogue{nullptr, nullptr, a.fch});
                     }
                 }
-                if (dw > 0 && l < L - 1) await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
+                if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
                 linear_backward(dw >= 2, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
                                 b.fcprojw, 4 * C, C, dw >= 2 ? dw_->fcproj_done.get() : nullptr, a.fch);  // fcprojb: see above
             }
@@ -653,7 +654,7 @@ public:
                                 dw > 0 ? dw_->fc_done.get() : nullptr);
             }
             if (dw >= 2) {
-                if (l < L - 1) await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
+                if (l < L - 1) dw_->await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
@@ -682,7 +683,7 @@ public:
                 qkvb_sums = dw > 0 ? dw_->qkvb_sums.get()
                                    : reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
-            if (dw > 0 && l < L - 1) await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
+            if (dw > 0 && l < L - 1) dw_->await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
             if (!dqkv_fused) {
                 attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
                                    scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_.reset_amax(kFp8Grad) : nullptr,
@@ -746,10 +747,10 @@ public:
                 if (qkvb_sums != nullptr) {
                     bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, side);
                 }
-                if (dw > 0) mark(dw_->qkv_done);
+                if (dw > 0) dw_->mark(dw_->qkv_done);
             }
             if (dw >= 2) {
-                await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
+                dw_->await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
@@ -759,8 +760,8 @@ public:
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
         if (dw > 0) {  // every weight gradient is in (the encoder's backward adds to dwte too)
-            mark(dw_->done);
-            await(dw_->done);
+            dw_->mark(dw_->done);
+            dw_->await(dw_->done);
         }
         encoder_backward(gw.wte, gw.wpe, res[cur], inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
         if (fp8_fcproj_w) {
@@ -961,6 +962,24 @@ private:
         }
     }
 
+    // A linear layer's backward in bf16 (inp (N x cin) -> out (N x cout) through weight; pre_gelu: its input
+    // went through the GELU, whose backward the dX matmul fuses). With a side stream, dW and the bias gradient
+    // go to it after fork(), which then marks `done` (if given), and dX runs on stream_ beside them; otherwise
+    // matmul_backward runs both on stream_. A null dinp skips dX. The same calls either way, so the same bits.
+    void linear_backward_bf16(DwSide* side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
+                              const floatX* inp, const floatX* weight, int64_t N, int cin, int cout, cudaEvent_t done,
+                              const floatX* pre_gelu) {
+        if (side == nullptr) {
+            matmul_backward(lt_, dinp, dweight, dbias, dout, inp, weight, N, cin, cout,
+                            reinterpret_cast<float*>(scratch_.get()), scratch_.bytes(), stream_, pre_gelu);
+            return;
+        }
+        side->fork();
+        matmul_backward_dw(side->lt, dweight, dbias, dout, inp, N, cin, cout, reinterpret_cast<float*>(side->scratch.get()),
+                           side->scratch.bytes(), side->stream);
+        if (done != nullptr) side->mark(done);
+        if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, weight, N, cin, cout, stream_, pre_gelu);
+    }
     // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
     bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.on.any(); }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
@@ -1134,17 +1153,8 @@ private:
     __nv_fp8_e4m3* fch_gelu_q_ = nullptr;                 // with FP8 fcproj, per layer (fch_gelu_ then one layer)
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
-    // The weight gradients' stream (set_dw_stream) and what it needs of its own; dres2_: the residual
-    // stream's gradient's second buffer (level 2).
-    struct DwSide {
-        Stream stream;
-        CublasLt lt;
-        // ready: the model's stream got this far (the side waits for it); the others: the side is done with
-        // layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
-        Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
-        DeviceBuffer<char> scratch;     // the bias gradients' partial sums
-        DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
-    };
+    // The weight gradients' stream (set_dw_stream); dres2_: the residual stream's gradient's second buffer
+    // (level 2).
     std::unique_ptr<DwSide> dw_;
     int dw_level_ = 0;
     DeviceBuffer<floatX> dres2_;
