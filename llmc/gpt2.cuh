@@ -152,6 +152,30 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
+// A matmul's input (N x cin): bf16 x; where an FP8 matmul reads it, E4M3 q at descale, and for an FP8
+// weight gradient qt, its transpose (cin x N; made from q by linear_backward where q is given).
+struct LinearIn {
+    const floatX* x = nullptr;
+    const __nv_fp8_e4m3* q = nullptr;
+    const float* descale = nullptr;
+    __nv_fp8_e4m3* qt = nullptr;
+};
+// An FP8 matmul's E4M3 output at a (delayed) scale, recording its amax.
+struct LinearOut8 {
+    __nv_fp8_e4m3* q = nullptr;
+    const float* scale = nullptr;
+    float* amax = nullptr;
+};
+// A linear layer's output gradient (N x cout): bf16 x; where FP8 matmuls read it, E5M2 q (for dX) and
+// qt (transposed, for dW) at descale, with the partial column sums its cast made (ceil(N / 64) x cout).
+struct LinearGrad {
+    const floatX* x = nullptr;
+    const __nv_fp8_e5m2* q = nullptr;
+    const __nv_fp8_e5m2* qt = nullptr;
+    const float* descale = nullptr;
+    const float* sums = nullptr;
+};
+
 // Backward's second stream for weight gradients (GPT2::set_dw_stream; docs/design.md) and what it needs of its
 // own: a cuBLASLt handle (and workspace), scratch for the bias gradients' partial sums and for attention's
 // column sums of dqkv. fork(): the side waits for what the model's stream (main) has queued so far; mark(e):
@@ -396,24 +420,24 @@ public:
         const bool fp8_head = fp8_.on.lm_head && fp8_.rows(N);
         const int64_t chunk = fp8_head ? fp8_.classifier_chunk(N) : 0;
         const bool exp_head = targets != nullptr && dloss > 0.0f && classifier_exp_applies(N);
+        const floatX* wte = outer(params_.get()).wte;
         classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
+        // The classifier: in FP8 chunks with its backward (lm_head.grad), our exp forward, or one matmul.
         if (chunk > 0) {
             classifier_grad_rows_ =
                 fp8_.classifier_chunks(lt_, {lnf_, logits_, losses_, d_ln_, d_qkv_, nc_}, targets, N, chunk, dloss);
         } else if (exp_head) {
-            classifier90_exp_forward(logits_, losses_, lnf_, outer(params_.get()).wte, targets, dloss, N, C,
-                                     c.vocab_size, Vp, {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()},
-                                     stream_);
+            classifier90_exp_forward(logits_, losses_, lnf_, wte, targets, dloss, N, C, c.vocab_size, Vp,
+                                     {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()}, stream_);
             cls90_rows_ = N;
             cls90_dloss_ = dloss;
-        } else if (fp8_head) {
-            const auto* x = fp8_.cast<__nv_fp8_e4m3>(d_qkv_, lnf_, N * C, kFp8Act);
-            fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_.weight(kFp8WeightKinds, 0), fp8_.descale(kFp8Act),
-                       fp8_.descale(fp8_.weight_slot(kFp8WeightKinds, 0)), logits_, Fp8Epilogue{}, kFp8FastAccumForward);
         } else {
-            matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
+            const LinearIn x = fp8_head ? LinearIn{nullptr, fp8_.cast<__nv_fp8_e4m3>(d_qkv_, lnf_, N * C, kFp8Act),
+                                                   fp8_.descale(kFp8Act)}
+                                        : LinearIn{lnf_};
+            linear_forward(logits_, x, kFp8Wte, 0, wte, nullptr, N, C, Vp);
         }
         if (targets == nullptr) return;
         if (chunk == 0 && !exp_head) {
@@ -512,64 +536,52 @@ public:
         const OuterTensors<floatX> gw = outer(g);
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
-        // FP8 dX of attproj and fcproj: their dD is the residual stream's gradient, whose amax the
-        // LayerNorm backward that writes it records. LayerNorm outputs kept in FP8 come back to bf16 for
-        // the weight gradients in buffers free at that point: ln2 in d_qkv_ (layer l+1's qkv gradient is
-        // spent), ln1 in d_fch_ (layer l's fc gradient is).
+        // FP8 (docs/design.md): attproj's and fcproj's dX read the residual stream's gradient in E5M2 (its amax
+        // recorded by the LayerNorm backward that writes it), qkv.grad both of qkv's matmuls. With delayed
+        // scaling (fcproj_w) fcproj's dW reads that gradient transposed too, fc.grad runs fc's backward in
+        // FP8, and qkv.grad.delayed dqkv at a delayed scale.
         const bool fp8_fcproj = fp8_.on.fcproj_dx && fp8_.rows(N), fp8_attproj = fp8_.on.attproj_dx && fp8_.rows(N);
         const bool fp8_qkv_grad = fp8_.on.qkv_grad && fp8_.rows(N);
-        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2, transposed,
-        // and the byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient
-        // is spent), after the row-major copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
         const bool fp8_fcproj_w = fp8_.fcproj_on(N);
         const bool fp8_fc_grad = fp8_fcproj_w && fp8_.on.fc_grad;
         const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
         const bool measure = fp8_fcproj_w && fp8_.measuring();
+        const bool dqkv_delayed = fp8_qkv_grad && fp8_.on.qkv_grad_delayed && fp8_fcproj_w;
         if (fp8_fcproj_w && sbytes < size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float)) {
             fail(kExitError, "GPT2 backward: scratch of %zu bytes, FP8 fcproj's bias sums need %zu", sbytes,
                  size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
         }
-
-        // Weight gradients on the side stream (set_dw_stream; dw = 0: everything on stream_).
+        // The weight gradients' side stream (set_dw_stream; dw = 0: everything on stream_). The residual
+        // stream's gradient is res[cur]: at level 2 each LayerNorm backward reads it from one buffer and
+        // writes the sum to the other (the side's attproj and fcproj dW still read the old one).
         const int dw = dw_stream_applies();
-        const cudaStream_t side = dw > 0 ? dw_->stream.get() : stream_;
-        auto linear_backward = [&](bool on_side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
-                                   const floatX* inp, const floatX* weight, int cin, int cout, cudaEvent_t done,
-                                   const floatX* pre_gelu = nullptr) {
-            linear_backward_bf16(on_side ? dw_.get() : nullptr, dinp, dweight, dbias, dout, inp, weight, N, cin, cout,
-                                 done, pre_gelu);
-        };
-        // The residual stream's gradient: res[cur]. At level 2 each LayerNorm backward reads it from one buffer
-        // and writes the sum to the other (the side's attproj and fcproj dW still read the old one).
         floatX* res[2] = {d_residual_, dw >= 2 ? dres2_.get() : d_residual_};
         int cur = 0;
 
-        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        if (classifier_grad_rows_ == 0) {
-            // After the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual,
-            // d(lnf) = Y wte scaled by the rows' dloss / s.
-            if (cls90_rows_ != 0 && cls90_rows_ != N) {
-                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
-                     (long long)N, (long long)cls90_rows_);
-            }
-            linear_backward(dw > 0, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, C, Vp, nullptr);
-            if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
-        } else {
-            // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
-            if (classifier_grad_rows_ != N) {
-                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
-                     (long long)N, (long long)classifier_grad_rows_);
-            }
-            fp8_matmul(lt_, stream_, Vp, C, N, fp8_.dlogits_transposed(logits_, N), GPT2Fp8::lnf_transposed(d_qkv_, nc_), fp8_.descale(kFp8Dlogits),
-                       fp8_.descale(kFp8Act), gw.wte, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below. After
+        // the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual, d(lnf) = Y wte
+        // scaled by the rows' dloss / s. After FP8 lm_head.grad's forward, d(lnf) is in d_ln_ already and
+        // dwte reads dlogits^T and lnf^T in FP8.
+        const int64_t head_rows = classifier_grad_rows_ != 0 ? classifier_grad_rows_ : cls90_rows_;
+        if (head_rows != 0 && head_rows != N) {
+            fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
+                 (long long)N, (long long)head_rows);
         }
+        const bool fp8_head = classifier_grad_rows_ != 0;
+        linear_backward(fp8_head ? nullptr : d_ln_, gw.wte, nullptr,
+                        fp8_head ? LinearGrad{nullptr, nullptr, fp8_.dlogits_transposed(logits_, N),
+                                              fp8_.descale(kFp8Dlogits)}
+                                 : LinearGrad{logits_},
+                        fp8_head ? LinearIn{nullptr, nullptr, fp8_.descale(kFp8Act), GPT2Fp8::lnf_transposed(d_qkv_, nc_)}
+                                 : LinearIn{lnf_},
+                        w.wte, -1, 0, N, C, Vp, nullptr, 1, nullptr);
+        if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
-        // adds into it, so it starts from zero.
+        // adds into it, so it starts from zero. Each LayerNorm backward also adds the column sums of the
+        // residual gradient it leaves into the bias gradient of the projection that gradient flows into next
+        // (fcproj, attproj): what that projection's matmul_backward would add from it, bit for bit, without
+        // another pass over it. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
-        // Each LayerNorm backward also adds the column sums of the residual gradient it leaves into the bias
-        // gradient of the projection that gradient flows into next (fcproj, attproj): what that projection's
-        // matmul_backward would add from it, bit for bit, without another pass over it. (With FP8 fcproj, its
-        // gradient cast sums the columns instead.)
         auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
                            C, fscratch, sbytes, stream_, grad_amax ? fp8_.reset_amax(kFp8Grad) : nullptr,
@@ -579,80 +591,24 @@ public:
             const BlockTensors<floatX> gb = block(g, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
-            // With recompute (or FP8 fcproj's shared bf16 GELU buffer in a bf16 call), the one GELU buffer
-            // holds the last layer's forward output: recompute layer l's.
+            // residual3 = residual2 + fcproj(GELU(fch)): the GELU's backward is fused into fcproj's dX (with
+            // fc.grad, into fc's gradient cast). With recompute (or FP8 fcproj's shared bf16 GELU buffer in a
+            // bf16 call), the one GELU buffer holds the last layer's forward output: recompute layer l's. FP8
+            // fcproj's dW reads the kept E4M3 GELU output, transposed into d_qkv_ after the gradient's copies.
             if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            if (fp8_fcproj_w) {
-                {  // the gradient in E5M2
-                    using G = __nv_fp8_e5m2;
-                    uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
-                    auto* g8 = reinterpret_cast<G*>(at);
-                    auto* g8t = reinterpret_cast<G*>(at + nc_);
-                    auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
-                    fp8_cast_pair(fp8_fcproj || fp8_fc_grad ? g8 : nullptr, g8t, N, d_residual_, N, C,
-                                  fp8_.amax_slot(kFp8Grad), fp8_.descale(kFp8Grad), stream_, fscratch);
-                    if (fp8_fc_grad) {
-                        // fc.grad: the product alone (the GELU gradient comes with the cast below).
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_.weight(kFp8FcprojT, l), fp8_.descale(kFp8Grad),
-                                   fp8_.descale(fp8_.weight_slot(kFp8FcprojT, l)), d_fch_);
-                    } else if (fp8_fcproj) {
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_.weight(kFp8FcprojT, l), fp8_.descale(kFp8Grad),
-                                   fp8_.descale(fp8_.weight_slot(kFp8FcprojT, l)), d_fch_,
-                                   Fp8Epilogue{nullptr, nullptr, a.fch});
-                    } else {
-                        matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
-                    }
-                    fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
-                    fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_.descale(kFp8Grad), fp8_.delayed_descale(l),
-                               gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                    bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
-                }
-            } else {
-                if (fp8_fcproj) {
-                    {  // the gradient in E5M2
-                        const auto* g8 = fp8_.cast<__nv_fp8_e5m2>(d_qkv_, d_residual_, N * C, kFp8Grad);
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_.weight(kFp8FcprojT, l), fp8_.descale(kFp8Grad),
-                                   fp8_.descale(fp8_.weight_slot(kFp8FcprojT, l)), d_fch_,
-                                   Fp8Epilogue{nullptr, nullptr, a.fch});
-                    }
-                }
-                if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
-                linear_backward(dw >= 2, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
-                                b.fcprojw, 4 * C, C, dw >= 2 ? dw_->fcproj_done.get() : nullptr, a.fch);  // fcprojb: see above
-            }
-            if (fp8_fc_grad) {
-                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 both ways at the
-                // layer's delayed scale (its amax measured for the next; without a history, a first pass at scale
-                // 1 measures it), its column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's
-                // copy), dW += dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
-                const int slot = fp8_.dgelu_slot(l);
-                auto* sums = reinterpret_cast<float*>(d_ln_);
-                auto* amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot));
-                auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
-                {
-                    using G = __nv_fp8_e5m2;
-                    G* q = fp8_.dgelu();
-                    G* qt = q + 4 * nc_;
-                    auto cast = [&]() {
-                        cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-                        fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_.delayed_scale(slot), amax, stream_,
-                                            sums);
-                    };
-                    fp8_.run_delayed<G>(slot, measure, cast);
-                    bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
-                    fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
-                    fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_.weight(kFp8FcT, l), fp8_.delayed_descale(slot),
-                               fp8_.descale(fp8_.weight_slot(kFp8FcT, l)), d_ln_);
-                    fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_.delayed_descale(slot), fp8_.ln2_descale(l, N),
-                               gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                }
-            } else {
-                const floatX* ln2 =
-                    a.ln2 != nullptr ? a.ln2 : fp8_.dequantized(d_qkv_, a.ln2_q, N * C, fp8_.ln2_descale(l, N));
-                linear_backward(dw > 0, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, C, 4 * C,
-                                dw > 0 ? dw_->fc_done.get() : nullptr);
-            }
+            const LinearGrad dres3 = residual_grad(res[cur], N, fp8_fcproj || fp8_fc_grad, fp8_fcproj_w);
+            const LinearIn gelu = fp8_fcproj_w ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l),
+                                                          reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_) + 2 * nc_}
+                                               : LinearIn{a.fch_gelu};
+            if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
+            linear_backward(d_fch_, gb.fcprojw, fp8_fcproj_w ? gb.fcprojb : nullptr, dres3, gelu, b.fcprojw, kFp8FcprojT,
+                            l, N, 4 * C, C, fp8_fc_grad ? nullptr : a.fch, 2, &DwSide::fcproj_done);
+            // fch = ln2 fcw^T + fcb. fc.grad casts its gradient (dgelu_grad), taking fc's bias gradient from it
+            // first. ln2 kept in E4M3 is read in d_qkv_ (layer l+1's qkv gradient is spent).
+            const LinearGrad dfch = fp8_fc_grad ? dgelu_grad(a, l, N, measure, gb.fcb) : LinearGrad{d_fch_};
+            const LinearIn ln2 = ln_for_dw(a.ln2, a.ln2_q, fp8_.ln2_descale(l, N), fp8_fc_grad, d_qkv_, N);
+            linear_backward(d_ln_, gb.fcw, fp8_fc_grad ? nullptr : gb.fcb, dfch, ln2, b.fcw, kFp8FcT, l, N, C, 4 * C,
+                            nullptr, 1, &DwSide::fc_done);
             if (dw >= 2) {
                 if (l < L - 1) dw_->await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
                 cur = 1 - cur;
@@ -660,95 +616,30 @@ public:
             layernorm_backward(res[cur], gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
                                fscratch, sbytes, stream_, fp8_attproj ? fp8_.reset_amax(kFp8Grad) : nullptr,
                                gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
-            // residual2 = residual + attproj(attention(qkv(ln1))).
-            if (fp8_attproj) {
-                {  // the gradient in E5M2
-                    const auto* g8 = fp8_.cast<__nv_fp8_e5m2>(d_qkv_, d_residual_, N * C, kFp8Grad);
-                    fp8_matmul(lt_, stream_, N, C, C, g8, fp8_.weight(kFp8AttprojT, l), fp8_.descale(kFp8Grad),
-                               fp8_.descale(fp8_.weight_slot(kFp8AttprojT, l)), d_atty_);
-                }
-            }
-            linear_backward(dw >= 2, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
-                            b.attprojw, C, C, dw >= 2 ? dw_->attproj_done.get() : nullptr);  // attprojb: ln2's backward
-            // qkv.grad.delayed, with a history: attention's backward writes dqkv in FP8 itself at the layer's
-            // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
-            const bool dqkv_delayed = fp8_qkv_grad && fp8_.on.qkv_grad_delayed && fp8_fcproj_w;
-            const bool dqkv_fused = dqkv_delayed && !measure && attention_backward_fp8_available(B, T, C, NH);
-            // qkv's backward in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
-            // block's column sums of dqkv for the bias gradient as it stores it (no pass over dqkv for it), in
-            // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or
-            // with the side stream (whose fc dW may still read d_fch_) in a buffer of their own.
+            // residual2 = residual + attproj(atty) (attprojb: ln2's backward).
+            linear_backward(d_atty_, gb.attprojw, nullptr, residual_grad(res[cur], N, fp8_attproj, false), {a.atty},
+                            b.attprojw, kFp8AttprojT, l, N, C, C, nullptr, 2, &DwSide::attproj_done);
+            // qkv's bias gradient in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
+            // block's column sums of dqkv as it stores it (no pass over dqkv for them), in d_fch_'s last bytes
+            // (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or with the side stream
+            // (whose fc dW may still read d_fch_) in a buffer of their own.
             float* qkvb_sums = nullptr;
             if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
                 qkvb_sums = dw > 0 ? dw_->qkvb_sums.get()
                                    : reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
             if (dw > 0 && l < L - 1) dw_->await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
-            if (!dqkv_fused) {
-                attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                   scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                                   qkvb_sums);
+            const LinearGrad dqkv = attention_grad(a, B, T, fp8_qkv_grad, dqkv_delayed ? fp8_.dqkv_slot(l) : -1, measure,
+                                                   qkvb_sums);
+            // qkv.grad: ln1^T after dqkv's copies in d_fch_; a bf16 dW reads ln1 kept in E4M3 in d_fch_.
+            const LinearIn ln1 = ln_for_dw(a.ln1, a.ln1_q, fp8_.ln1_descale(l, N), fp8_qkv_grad,
+                                            reinterpret_cast<uint8_t*>(d_fch_) + (fp8_qkv_grad ? 6 * N * C : 0), N);
+            linear_backward(d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, dqkv, ln1, b.qkvw, kFp8QkvT, l, N,
+                            C, 3 * C, nullptr, 1, nullptr);  // qkv_done is marked below, after the side's bias sums
+            if (qkvb_sums != nullptr) {
+                bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, dw > 0 ? dw_->stream.get() : stream_);
             }
-            if (fp8_qkv_grad) {
-                {  // the gradient in E5M2
-                    // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2
-                    // in both layouts (one cast, its amax recorded by attention's backward) and ln1^T (a byte
-                    // transpose of the kept E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias
-                    // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv. With
-                    // qkv.grad.delayed and a history, attention's backward writes both layouts and the column
-                    // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for
-                    // the history; without one (the first step, or a shape its kernels do not take) the cast
-                    // runs as above and its amax joins the history.
-                    using G = __nv_fp8_e5m2;
-                    auto* g8 = reinterpret_cast<G*>(d_fch_);
-                    G* g8t = g8 + N * 3 * C;
-                    auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
-                    // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C
-                    // bytes).
-                    auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
-                    static_assert(flash90_detail::kRows == kFp8CastPairRows,
-                                  "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
-                    const int slot = dqkv_delayed ? fp8_.dqkv_slot(l) : 0;
-                    auto* delayed_amax = dqkv_delayed ? reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot)) : nullptr;
-                    const float* descale = fp8_.descale(kFp8Grad);
-                    if (dqkv_fused) {
-                        cudaCheck(cudaMemsetAsync(delayed_amax, 0, sizeof(unsigned int), stream_));
-                        Flash90Fp8Out f;
-                        f.q = reinterpret_cast<uint8_t*>(g8);
-                        f.qt = reinterpret_cast<uint8_t*>(g8t);
-                        f.sums = bias_partial;
-                        f.scale = fp8_.delayed_scale(slot);
-                        f.amax_bits = delayed_amax;
-                        attention_backward_fp8<G>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                                  scratch_.get(), sbytes, stream_);
-                        descale = fp8_.delayed_descale(slot);
-                    } else {
-                        if (dqkv_delayed) {
-                            cudaCheck(cudaMemcpyAsync(delayed_amax, fp8_.amax_slot(kFp8Grad), sizeof(unsigned int),
-                                                      cudaMemcpyDeviceToDevice, stream_));
-                        }
-                        fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_.amax_slot(kFp8Grad), fp8_.descale(kFp8Grad),
-                                      stream_, bias_partial);
-                    }
-                    fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
-                    fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_.weight(kFp8QkvT, l), descale,
-                               fp8_.descale(fp8_.weight_slot(kFp8QkvT, l)), d_ln_);
-                    fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, descale, fp8_.ln1_descale(l, N),
-                               gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                    bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C,
-                                            stream_);
-                }
-            } else {
-                const floatX* ln1 =
-                    a.ln1 != nullptr ? a.ln1 : fp8_.dequantized(d_fch_, a.ln1_q, N * C, fp8_.ln1_descale(l, N));
-                floatX* qkvb = qkvb_sums != nullptr ? nullptr : gb.qkvb;
-                // qkv_done is marked below, after the side's bias sums.
-                linear_backward(dw > 0, d_ln_, gb.qkvw, qkvb, d_qkv_, ln1, b.qkvw, C, 3 * C, nullptr);
-                if (qkvb_sums != nullptr) {
-                    bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, side);
-                }
-                if (dw > 0) dw_->mark(dw_->qkv_done);
-            }
+            if (dw > 0) dw_->mark(dw_->qkv_done);
             if (dw >= 2) {
                 dw_->await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
                 cur = 1 - cur;
@@ -764,11 +655,7 @@ public:
             dw_->await(dw_->done);
         }
         encoder_backward(gw.wte, gw.wpe, res[cur], inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
-        if (fp8_fcproj_w) {
-            // The amaxes this forward and backward measured join the history (the ranks' largest, so that
-            // every rank's history, and scales, stay equal).
-            fp8_.push_history(multi_);
-        }
+        if (fp8_fcproj_w) fp8_.push_history(multi_);  // the amaxes this step measured join the history
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
@@ -854,51 +741,19 @@ private:
         const OuterTensors<const floatX> w = outer(p);
         fp8_.cast_weights([&](int l) { return block(p, l); }, w.wte);
         const bool fp8_qkv = fp8_.on.qkv && fp8_.rows(N), fp8_fc = fp8_.on.fc && fp8_.rows(N);
-        const bool fp8_fcproj = fp8_.fcproj_on(N);
-        // Without a history (the first forward), each layer's fc runs first at scale 1 to measure its amax.
-        const bool measure = fp8_fcproj && fp8_.measuring();
-        if (fp8_fcproj) {
-            fp8_.set_delayed_scales();
-        }
+        // FP8 fcproj: delayed scaling. Without a history (the first forward), each tensor written at a
+        // delayed scale is written twice, the first time at scale 1 to measure its amax (run_delayed).
+        const bool fp8_fcproj = fp8_.fcproj_on(N), measure = fp8_fcproj && fp8_.measuring();
+        if (fp8_fcproj) fp8_.set_delayed_scales();
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
-        // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q): with delayed scaling (FP8 fcproj) the LayerNorm
-        // writes it in E4M3 itself at its delayed scale, recording the amax for the history (without a
-        // history it runs twice, the first time to measure); otherwise it is written in bf16 to d_ln_ (free
-        // in forward) with its amax, then cast into its layer's FP8 slot, and a call in bf16 (rows not a
-        // multiple of 16) reads the bf16 one. run(out, amax, fp8) runs the LayerNorm.
-        auto ln_out = [&](floatX* bf16) { return bf16 != nullptr ? bf16 : d_ln_; };
-        auto layer_norm = [&](floatX* bf16, __nv_fp8_e4m3* q, int slot, int delayed, auto&& run) {
-            if (bf16 != nullptr) {
-                run(bf16, nullptr, LayerNormFp8Out{});
-            } else if (!fp8_fcproj) {
-                run(d_ln_, fp8_.reset_amax(slot), LayerNormFp8Out{});
-                fp8_.cast<__nv_fp8_e4m3>(q, d_ln_, N * C, slot);
-            } else {
-                auto* amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(delayed));
-                auto once = [&]() {
-                    cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-                    run(nullptr, amax, LayerNormFp8Out{q, fp8_.delayed_scale(delayed)});
-                };
-                fp8_.run_delayed<__nv_fp8_e4m3>(delayed, measure, once);
-            }
-        };
-        const BlockActivations first = acts(0);
-        layer_norm(first.ln1, first.ln1_q, fp8_.ln1_slot(0), fp8_.ln1_delayed_slot(0),
-                   [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                       layernorm_forward(out, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w,
-                                         block(p, 0).ln1b, N, C, stream_, amax, f);
-                   });
+        layernorm_at(0, false, N, fp8_fcproj, measure, nullptr);
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            if (fp8_qkv) {
-                fp8_matmul(lt_, stream_, N, 3 * C, C, a.ln1_q, fp8_.weight(kFp8Qkv, l), fp8_.ln1_descale(l, N),
-                           fp8_.descale(fp8_.weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb}, kFp8FastAccumForward);
-            } else {
-                matmul_forward(lt_, a.qkv, ln_out(a.ln1), b.qkvw, b.qkvb, N, C, 3 * C, stream_);
-            }
+            linear_forward(a.qkv, ln_input(a.ln1, a.ln1_q, fp8_qkv, fp8_.ln1_descale(l, N)), kFp8Qkv, l, b.qkvw, b.qkvb, N,
+                           C, 3 * C);
             if (packed != nullptr) {
                 attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
                                            NH, packed_scratch_.get(), packed_scratch_.bytes(), stream_, packed->groups);
@@ -906,80 +761,223 @@ private:
                 attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
                                   scratch_.bytes(), stream_);
             }
-            // residual2 = residual + attproj(atty), the add in the matmul's epilogue; then LayerNorm.
-            matmul_forward(lt_, a.residual2, a.atty, b.attprojw, b.attprojb, N, C, C, stream_, nullptr, residual);
-            layer_norm(a.ln2, a.ln2_q, fp8_.ln2_slot(l), fp8_.ln2_delayed_slot(l),
-                       [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                           layernorm_forward(out, a.ln2_mean, a.ln2_rstd, a.residual2, b.ln2w, b.ln2b, N, C, stream_,
-                                             amax, f);
-                       });
-            if (fp8_fcproj) {
-                // The GELU output straight into E4M3 at the layer's delayed scale (its amax measured as it
-                // is written), then fcproj from it.
-                auto fc = [&]() {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_.weight(kFp8Fc, l), fp8_.ln2_descale(l, N),
-                               fp8_.descale(fp8_.weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_.delayed_scale(l),
-                               fp8_.delayed_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
-                };
-                fp8_.run_delayed<__nv_fp8_e4m3>(l, measure, fc);
-                fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_.weight(kFp8Fcproj, l), fp8_.delayed_descale(l),
-                           fp8_.descale(fp8_.weight_slot(kFp8Fcproj, l)), proj_, Fp8Epilogue{b.fcprojb},
-                           kFp8FastAccumForward);
-            } else {
-                if (fp8_fc) {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_.weight(kFp8Fc, l), fp8_.ln2_descale(l, N),
-                               fp8_.descale(fp8_.weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
-                               kFp8FastAccumForward);
-                } else {
-                    matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
-                }
-                // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue.
-                matmul_forward(lt_, a.residual3, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_, nullptr,
-                               a.residual2);
-            }
-            // The residual add closes the block (FP8 fcproj: in the next LayerNorm's pass, from proj_); the
-            // next LayerNorm is the next block's, or the final one.
-            auto close_block = [&](floatX* out, float* mean, float* rstd, const floatX* w_ln, const floatX* b_ln,
-                                   unsigned int* amax, LayerNormFp8Out f) {
-                if (fp8_fcproj) {
-                    fused_residual_layernorm_forward(a.residual3, out, mean, rstd, a.residual2, proj_, w_ln, b_ln, N,
-                                                     C, stream_, amax, f);
-                } else {
-                    layernorm_forward(out, mean, rstd, a.residual3, w_ln, b_ln, N, C, stream_, amax, f);
-                }
-            };
-            if (l + 1 < L) {
-                const BlockActivations next = acts(l + 1);
-                const BlockTensors<const floatX> nb = block(p, l + 1);
-                layer_norm(next.ln1, next.ln1_q, fp8_.ln1_slot(l + 1), fp8_.ln1_delayed_slot(l + 1),
-                           [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                               close_block(out, next.ln1_mean, next.ln1_rstd, nb.ln1w, nb.ln1b, amax, f);
-                           });
-            } else {
-                close_block(lnf_, lnf_mean_, lnf_rstd_, w.lnfw, w.lnfb, lnf_amax ? fp8_.reset_amax(kFp8Act) : nullptr,
-                            LayerNormFp8Out{});
-            }
+            // residual2 = residual + attproj(atty), the add in the matmul's epilogue.
+            linear_forward(a.residual2, {a.atty}, -1, l, b.attprojw, b.attprojb, N, C, C, nullptr, residual);
+            layernorm_at(l, true, N, fp8_fcproj, measure, nullptr);
+            // The GELU output (GELU in the matmul's epilogue, keeping its input fch); with FP8 fcproj straight
+            // into E4M3 at the layer's delayed scale (its amax measured as it is written).
+            fp8_.run_delayed<__nv_fp8_e4m3>(l, measure, [&]() {
+                linear_forward(a.fch_gelu, ln_input(a.ln2, a.ln2_q, fp8_fc, fp8_.ln2_descale(l, N)), kFp8Fc, l, b.fcw,
+                               b.fcb, N, C, 4 * C, a.fch, nullptr,
+                               fp8_fcproj ? LinearOut8{a.fch_gelu_q, fp8_.delayed_scale(l), fp8_.delayed_amax(l)}
+                                          : LinearOut8{});
+            });
+            // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue; with FP8 fcproj,
+            // whose matmul writes proj_, in the next LayerNorm's pass.
+            linear_forward(fp8_fcproj ? proj_ : a.residual3,
+                           fp8_fcproj ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l)} : LinearIn{a.fch_gelu},
+                           kFp8Fcproj, l, b.fcprojw, b.fcprojb, N, 4 * C, C, nullptr, fp8_fcproj ? nullptr : a.residual2);
+            // The next block's ln1, or the final LayerNorm.
+            layernorm_at(l + 1, false, N, fp8_fcproj, measure,
+                         l + 1 == L && lnf_amax ? fp8_.reset_amax(kFp8Act) : nullptr);
         }
     }
 
-    // A linear layer's backward in bf16 (inp (N x cin) -> out (N x cout) through weight; pre_gelu: its input
-    // went through the GELU, whose backward the dX matmul fuses). With a side stream, dW and the bias gradient
-    // go to it after fork(), which then marks `done` (if given), and dX runs on stream_ beside them; otherwise
-    // matmul_backward runs both on stream_. A null dinp skips dX. The same calls either way, so the same bits.
-    void linear_backward_bf16(DwSide* side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
-                              const floatX* inp, const floatX* weight, int64_t N, int cin, int cout, cudaEvent_t done,
-                              const floatX* pre_gelu) {
-        if (side == nullptr) {
-            matmul_backward(lt_, dinp, dweight, dbias, dout, inp, weight, N, cin, cout,
-                            reinterpret_cast<float*>(scratch_.get()), scratch_.bytes(), stream_, pre_gelu);
+    // The LayerNorm before layer l's qkv (ln1; l = L: the final one, into lnf_) or fc (ln2 = true), with the
+    // residual add closing block l - 1 fused in where FP8 fcproj left it to it (residual2 + proj_ written
+    // to residual3 on the way). Its output: bf16 where the model keeps it so (lnf always; amax: its amax
+    // recorded there), else kept in E4M3 only: with delayed scaling written so by the LayerNorm itself at
+    // its delayed scale, recording the amax for the history (measure: written twice, the first time to
+    // measure); otherwise written in bf16 to d_ln_ (free in forward; a call in bf16 reads it there) with
+    // its amax, then cast into the layer's FP8 copy.
+    void layernorm_at(int l, bool ln2, int64_t N, bool delayed, bool measure, unsigned int* amax) {
+        const int L = config_.num_layers, C = config_.channels;
+        const floatX* p = params_.get();
+        const BlockActivations a = acts(std::min(l, L - 1)), prev = acts(std::max(l - 1, 0));
+        const bool final = l == L;
+        const floatX* w = final ? outer(p).lnfw : ln2 ? block(p, l).ln2w : block(p, l).ln1w;
+        const floatX* bias = final ? outer(p).lnfb : ln2 ? block(p, l).ln2b : block(p, l).ln1b;
+        float* mean = final ? lnf_mean_ : ln2 ? a.ln2_mean : a.ln1_mean;
+        float* rstd = final ? lnf_rstd_ : ln2 ? a.ln2_rstd : a.ln1_rstd;
+        floatX* out = final ? lnf_ : ln2 ? a.ln2 : a.ln1;
+        __nv_fp8_e4m3* q = ln2 ? a.ln2_q : a.ln1_q;
+        auto run = [&](floatX* o, unsigned int* o_amax, LayerNormFp8Out f) {
+            if (ln2) {
+                layernorm_forward(o, mean, rstd, a.residual2, w, bias, N, C, stream_, o_amax, f);
+            } else if (l == 0) {
+                layernorm_forward(o, mean, rstd, encoded_, w, bias, N, C, stream_, o_amax, f);
+            } else if (delayed) {
+                fused_residual_layernorm_forward(prev.residual3, o, mean, rstd, prev.residual2, proj_, w, bias, N, C,
+                                                 stream_, o_amax, f);
+            } else {
+                layernorm_forward(o, mean, rstd, prev.residual3, w, bias, N, C, stream_, o_amax, f);
+            }
+        };
+        if (out != nullptr) {
+            run(out, amax, LayerNormFp8Out{});
+        } else if (!delayed) {
+            const int slot = ln2 ? fp8_.ln2_slot(l) : fp8_.ln1_slot(l);
+            run(d_ln_, fp8_.reset_amax(slot), LayerNormFp8Out{});
+            fp8_.cast<__nv_fp8_e4m3>(q, d_ln_, N * C, slot);
+        } else {
+            const int slot = ln2 ? fp8_.ln2_delayed_slot(l) : fp8_.ln1_delayed_slot(l);
+            auto* slot_amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot));
+            fp8_.run_delayed<__nv_fp8_e4m3>(slot, measure, [&]() {
+                cudaCheck(cudaMemsetAsync(slot_amax, 0, sizeof(unsigned int), stream_));
+                run(nullptr, slot_amax, LayerNormFp8Out{q, fp8_.delayed_scale(slot)});
+            });
+        }
+    }
+
+    // The LayerNorm output a forward matmul reads: kept E4M3 where it runs in FP8, else bf16 (in d_ln_,
+    // layernorm_at's, where only the FP8 copy is kept).
+    LinearIn ln_input(const floatX* x, const __nv_fp8_e4m3* q, bool fp8, const float* descale) const {
+        return fp8 ? LinearIn{nullptr, q, descale} : LinearIn{x != nullptr ? x : d_ln_};
+    }
+
+    // A linear layer's forward: out (N x cout) = in (N x cin) W^T (+ bias), in FP8 where in.q is given (against
+    // W's E4M3 copy, `kind` of layer l, fast accumulation; with out8, into E4M3 instead of out), else bf16.
+    // pre_gelu: GELU in the epilogue, its input kept there; residual: out = residual + that (bf16).
+    void linear_forward(floatX* out, const LinearIn& in, int kind, int l, const floatX* w, const floatX* bias,
+                        int64_t N, int cin, int cout, floatX* pre_gelu = nullptr, const floatX* residual = nullptr,
+                        const LinearOut8& out8 = {}) {
+        if (in.q == nullptr) {
+            matmul_forward(lt_, out, in.x, w, bias, N, cin, cout, stream_, pre_gelu, residual);
             return;
         }
-        side->fork();
-        matmul_backward_dw(side->lt, dweight, dbias, dout, inp, N, cin, cout, reinterpret_cast<float*>(side->scratch.get()),
-                           side->scratch.bytes(), side->stream);
-        if (done != nullptr) side->mark(done);
-        if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, weight, N, cin, cout, stream_, pre_gelu);
+        const Fp8Epilogue e{bias, pre_gelu, nullptr};
+        const __nv_fp8_e4m3* w8 = fp8_.weight(kind, l);
+        if (out8.q != nullptr) {
+            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out8.q,
+                       out8.scale, out8.amax, e, kFp8FastAccumForward);
+        } else {
+            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out, e,
+                       kFp8FastAccumForward);
+        }
     }
+
+    // A linear layer's backward (in (N x cin) -> out (N x cout) through w; dout: out's gradient). dinp = dout W
+    // (times GELU'(pre_gelu) where given: the GELU's backward fused), skipped where dinp is null; dweight +=
+    // dout^T in; dbias += dout's column sums where given. dX runs in FP8 where dout.q is given (against W^T's
+    // E4M3 copy, kind_t of layer l), dW where dout.qt is (against in.qt, transposed from in.q between the two
+    // where given; the bias from dout.sums); else bf16, a bf16 dW on the side stream where set_dw_stream's
+    // level is side_level or above: after fork(), marking `done` there after it, dX on stream_ beside it.
+    void linear_backward(floatX* dinp, floatX* dweight, floatX* dbias, const LinearGrad& dout, const LinearIn& in,
+                         const floatX* w, int kind_t, int l, int64_t N, int cin, int cout, const floatX* pre_gelu,
+                         int side_level, Event DwSide::*done) {
+        DwSide* side = dout.qt == nullptr && dw_stream_applies() >= side_level ? dw_.get() : nullptr;
+        if (side != nullptr) {
+            side->fork();
+            matmul_backward_dw(side->lt, dweight, dbias, dout.x, in.x, N, cin, cout,
+                               reinterpret_cast<float*>(side->scratch.get()), side->scratch.bytes(), side->stream);
+            if (done != nullptr) side->mark(side->*done);
+        }
+        if (dinp != nullptr && dout.q != nullptr) {
+            fp8_matmul(lt_, stream_, N, cin, cout, dout.q, fp8_.weight(kind_t, l), dout.descale,
+                       fp8_.weight_descale(kind_t, l), dinp, Fp8Epilogue{nullptr, nullptr, pre_gelu});
+        } else if (dinp != nullptr) {
+            matmul_backward_dx(lt_, dinp, dout.x, w, N, cin, cout, stream_, pre_gelu);
+        }
+        if (side != nullptr) return;
+        if (dout.qt == nullptr) {
+            matmul_backward_dw(lt_, dweight, dbias, dout.x, in.x, N, cin, cout, reinterpret_cast<float*>(scratch_.get()),
+                               scratch_.bytes(), stream_);
+            return;
+        }
+        if (in.q != nullptr) fp8_transpose(in.qt, N, in.q, N, cin, stream_);
+        fp8_matmul(lt_, stream_, cout, cin, N, dout.qt, in.qt, dout.descale, in.descale, dweight,
+                   Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        if (dbias != nullptr) bias_grad_from_partials(dbias, dout.sums, ceil_div<int64_t>(N, kFp8CastPairRows), cout, stream_);
+    }
+
+    // The residual stream's gradient dres as attproj's or fcproj's backward reads it: bf16, and in E5M2 in
+    // d_qkv_ (free before attention's backward writes it) where dX is FP8 (its amax recorded by the LayerNorm
+    // backward that wrote it); with FP8 fcproj's dW (pair) also transposed after it (one cast, which sums
+    // its columns into the scratch for the bias gradient).
+    LinearGrad residual_grad(floatX* dres, int64_t N, bool dx_fp8, bool pair) {
+        const int C = config_.channels;
+        auto* q = reinterpret_cast<__nv_fp8_e5m2*>(d_qkv_);
+        if (pair) {
+            auto* sums = reinterpret_cast<float*>(scratch_.get());
+            fp8_cast_pair(dx_fp8 ? q : nullptr, q + nc_, N, dres, N, C, fp8_.amax_slot(kFp8Grad),
+                          fp8_.descale(kFp8Grad), stream_, sums);
+            return {dres, dx_fp8 ? q : nullptr, q + nc_, fp8_.descale(kFp8Grad), sums};
+        }
+        if (!dx_fp8) return {dres};
+        return {dres, fp8_.cast<__nv_fp8_e5m2>(q, dres, N * C, kFp8Grad), nullptr, fp8_.descale(kFp8Grad)};
+    }
+    // fc.grad: fc's gradient, d_fch_ * GELU'(fch), cast in E5M2 both ways at layer l's delayed scale (its
+    // amax measured for the next; measure: a first pass measures it), its column sums in d_ln_ (free until
+    // fc's dX) added to fc's bias gradient dbias at once.
+    LinearGrad dgelu_grad(const BlockActivations& a, int l, int64_t N, bool measure, floatX* dbias) {
+        const int C = config_.channels, slot = fp8_.dgelu_slot(l);
+        auto* sums = reinterpret_cast<float*>(d_ln_);
+        auto* amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot));
+        __nv_fp8_e5m2* q = fp8_.dgelu();
+        __nv_fp8_e5m2* qt = q + 4 * nc_;
+        fp8_.run_delayed<__nv_fp8_e5m2>(slot, measure, [&]() {
+            cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+            fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_.delayed_scale(slot), amax, stream_, sums);
+        });
+        bias_grad_from_partials(dbias, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
+        return {d_fch_, q, qt, fp8_.delayed_descale(slot)};
+    }
+    // A LayerNorm output a weight gradient reads (ln1, ln2): bf16 as kept; kept in E4M3 only (q, at descale):
+    // for an FP8 dW (fp8) its byte transpose into stage, for a bf16 one back in bf16 there.
+    LinearIn ln_for_dw(const floatX* x, const __nv_fp8_e4m3* q, const float* descale, bool fp8, void* stage,
+                        int64_t N) {
+        if (fp8) {
+            auto* qt = reinterpret_cast<__nv_fp8_e4m3*>(stage);
+            fp8_transpose(qt, N, q, N, config_.channels, stream_);
+            return {nullptr, nullptr, descale, qt};
+        }
+        return {x != nullptr ? x : fp8_.dequantized(reinterpret_cast<floatX*>(stage), q, N * config_.channels, descale)};
+    }
+    // Attention's backward: dqkv, the gradient qkv's backward reads, in bf16 in d_qkv_ (with attention's column
+    // sums for the bias in qkvb_sums where given). With qkv.grad also in E5M2 in both layouts in d_fch_ (layer
+    // l's fc gradient is spent), ln1^T's room after them, then the bias gradient's partial sums (ceil(N/64) x
+    // 3C floats fit in d_fch_'s last N C bytes): one cast pass, its amax recorded by attention's backward.
+    // With qkv.grad.delayed (delayed_slot >= 0) and a history, attention's backward writes both copies and the
+    // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for the history;
+    // without one (the first step, or a shape its kernels do not take) the cast runs and its amax joins it.
+    LinearGrad attention_grad(const BlockActivations& a, int B, int T, bool fp8, int delayed_slot, bool measure,
+                              float* qkvb_sums) {
+        using G = __nv_fp8_e5m2;
+        static_assert(flash90_detail::kRows == kFp8CastPairRows,
+                      "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
+        const int C = config_.channels, NH = config_.num_heads;
+        const int64_t N = int64_t(B) * T;
+        const bool fused = delayed_slot >= 0 && !measure && attention_backward_fp8_available(B, T, C, NH);
+        if (!fused) {
+            attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                               scratch_.get(), scratch_.bytes(), stream_, fp8 ? fp8_.reset_amax(kFp8Grad) : nullptr,
+                               qkvb_sums);
+        }
+        if (!fp8) return {d_qkv_};
+        auto* g8 = reinterpret_cast<G*>(d_fch_);
+        G* g8t = g8 + N * 3 * C;
+        auto* sums = reinterpret_cast<float*>(g8t + N * 3 * C + N * C);
+        auto* delayed_amax = delayed_slot >= 0 ? reinterpret_cast<unsigned int*>(fp8_.delayed_amax(delayed_slot)) : nullptr;
+        if (!fused) {
+            if (delayed_slot >= 0) {
+                cudaCheck(cudaMemcpyAsync(delayed_amax, fp8_.amax_slot(kFp8Grad), sizeof(unsigned int),
+                                          cudaMemcpyDeviceToDevice, stream_));
+            }
+            fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_.amax_slot(kFp8Grad), fp8_.descale(kFp8Grad), stream_, sums);
+            return {d_qkv_, g8, g8t, fp8_.descale(kFp8Grad), sums};
+        }
+        cudaCheck(cudaMemsetAsync(delayed_amax, 0, sizeof(unsigned int), stream_));
+        Flash90Fp8Out f;
+        f.q = reinterpret_cast<uint8_t*>(g8);
+        f.qt = reinterpret_cast<uint8_t*>(g8t);
+        f.sums = sums;
+        f.scale = fp8_.delayed_scale(delayed_slot);
+        f.amax_bits = delayed_amax;
+        attention_backward_fp8<G>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                                  scratch_.get(), scratch_.bytes(), stream_);
+        return {nullptr, g8, g8t, fp8_.delayed_descale(delayed_slot), sums};
+    }
+
     // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
     bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.on.any(); }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
