@@ -5,85 +5,29 @@ built from the layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
 
 Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
 and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
-weights and rounds them stochastically into the bf16 parameters the model computes with. The bias
-gradients are column sums of the output gradients in fixed orders; where a kernel reads or writes that
-gradient anyway it adds them up on the way (the LayerNorm backward for attproj and fcproj where its
-shared memory allows, attention's backward for qkv where its wgmma kernels run), so no pass over it is
-spent on them.
+weights and rounds them stochastically into the bf16 parameters the model computes with.
+
+Reading order: forward() (the classifier) with forward_to_lnf() (the embedding, the blocks, the final
+LayerNorm), and backward(), each show the layer sequence once. Every matmul goes through linear_forward or
+linear_backward, which run it in bf16, or in FP8 where its operands come with FP8 copies (LinearIn,
+LinearGrad); the helpers below them make those copies. The options change what runs in a step, never
+the layer sequence:
+  - FP8 (set_fp8, the trainer's --fp8): chosen matmuls with FP8 operands. The FP8 state (the weights'
+    copies, the scales, delayed scaling's history) is GPT2Fp8, llmc/gpt2_fp8.cuh.
+  - The classifier's exp forward (set_classifier_exp, --classifier-exp): bf16 training forwards on
+    Hopper run the classifier in llmc/classifier_sm90.cuh, whose epilogue computes the exponentials.
+  - A second stream for backward's weight gradients (set_dw_stream, --dw-stream; DwSide): bf16 on one
+    GPU without recompute; the same bits as one stream.
+  - Recompute (the constructor's recompute_gelu, -r 1): one GELU buffer, recomputed in backward.
+docs/design.md ("The model", "Inside the model") says how each works and why. Some buffers deliberately
+hold different tensors at different points of a step (d_qkv_, d_fch_, d_ln_, proj_, logits_ and the
+scratch): each use says what it holds there and why the buffer is free then.
 
 Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks
 (per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
 moments are sharded: llmc/zero.h); update() divides the norm and the clip scale by the number of ranks
 in fp32 (an exact 1/W, which bf16 lacks for most W) and all-gathers the parameters. One rank through
 NCCL computes the same bits as the single-GPU path.
-
-FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 operands (llmc/fp8.cuh) with
-per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
-E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
-LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's
-gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call),
-and the classifier's backward (lm_head.grad): the fused classifier writes dlogits in E5M2 with a static
-scale (|dlogit| <= dloss) instead of bf16, a byte transpose makes the K-major copy the weight gradient
-needs, and d(lnf) = dlogits wte and dwte += dlogits^T lnf are FP8 matmuls (wte^T and lnf^T cast in
-E4M3). So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
-the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows at a time and leaves
-dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
-forward's bit for bit. With qkv.grad, qkv's backward is FP8 too: attention's backward records dqkv's
-amax as it writes it, one pass casts dqkv to E5M2 both row-major (for dX, against qkv's weight
-transposed in E4M3) and transposed (for dW, against a byte transpose of the kept E4M3 ln1), and sums
-bf16 dqkv's columns for the bias gradient on the way.
-The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
-(read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
-each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
-only (as Transformer Engine keeps its FP8 inputs): half the bytes of bf16, more than paying for the
-weights' copies; their bf16 weight gradients read them back in bf16. Everything else stays bf16,
-including the other weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
-matmuls in bf16 (its forward gives bf16's bits; its backward still reads the kept FP8 LayerNorm
-outputs).
-With fcproj, fcproj's forward and weight gradient are FP8 as well, and their operand (the GELU output)
-never exists in bf16: fc's FP8 matmul writes it in E4M3 (GELU epilogue; its bf16 input, which the GELU
-gradient needs, as the epilogue's aux), so its scale must be known before the amax is: delayed scaling.
-Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training steps and writes with
-448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first step without a history runs fc (and
-each LayerNorm below) twice, the first time only to measure. backward makes the K-major copies dW needs:
-a byte transpose of the E4M3 GELU output and the residual stream's gradient cast transposed in E5M2
-(row-major as well for fcproj.dx, in the same pass, which also sums its columns for the bias gradient).
-The LayerNorm outputs kept in E4M3 (ln1, ln2) are then written by the LayerNorm kernels themselves at
-delayed scales too (no bf16 copy, no cast pass). With fc.grad, fc's backward is FP8 too: fcproj's dX
-is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 5x slower than without
-it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
-output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
-transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
-its columns for fc's bias. qkv.grad.delayed gives dqkv a delayed scale of its own too, so attention's backward writes it in FP8 itself, in both layouts with the bias's column sums
-(llmc/attention.cuh attention_backward_fp8; the bytes and sums the cast would make at that scale), and
-neither bf16 dqkv nor the cast pass exists; the first step, or a shape its kernels do not take, casts as
-qkv.grad does. backward adds the amaxes measured in the step to the history (one entry per training forward and
-backward). The history is the only FP8 state: a checkpoint holds it
-(fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
-and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
-fc.grad) run in bf16.
-
-The classifier's exp forward (set_classifier_exp, the trainer's --classifier-exp): in a bf16 training
-forward on sm_90a (N a multiple of 128, C of 64), the classifier runs in our own matmul whose epilogue
-computes the softmax's exponentials (llmc/classifier_sm90.cuh): the logits buffer receives Y, the
-classifier's gradient up to a row scale, instead of the logits, and no softmax pass runs. lnf is scaled in
-place by each row's dloss / s, so backward's dwte matmul is the usual one on Y; d(lnf) = Y wte is then
-scaled by classifier90_scale_rows. The loss is computed from fp32 logits (the cuBLASLt path rounds them
-to bf16 first), so a run's losses and weights differ from the cuBLASLt path's; evaluation forwards (no
-dloss), FP8 lm_head and other shapes keep cuBLASLt + fused_classifier.
-
-A second stream for backward's weight gradients (set_dw_stream, the trainer's --dw-stream): a weight
-gradient dW += dout^T x is read by nothing later in backward, so it can run beside the chain of input
-gradients, LayerNorm backwards and attention that every later kernel waits on. Level 1 moves dwte's
-classifier part, and each layer's fc and qkv dW (with their bias gradients) to a stream of its own, with
-its own cuBLASLt handle, workspace and scratch (and qkv's bias sums out of d_fch_ into a buffer of their
-own); level 2 also attproj's and fcproj's, which read the residual stream's gradient, so that the
-LayerNorm backwards then write it into the other of two buffers instead of adding to it in place. Events
-order the streams: the side waits for what it reads, the model's stream waits before it overwrites what
-the side still reads (d_fch_, d_qkv_, the bias sums, the residual gradient's other buffer), and once
-before the encoder's backward (which adds to dwte too). The same kernels run on the same inputs with the
-same algorithms (accumulating matmuls are never tuned), so the results are one stream's bit for bit. It
-applies to a bf16 step on one GPU without -r 1; other steps run on one stream.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/gpt2_checkpoint.cuh).
@@ -262,7 +206,7 @@ public:
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
-    // Backward's weight gradients on a second stream (the file's comment): 0 one stream, 1 dwte, fc's and
+    // Backward's weight gradients on a second stream (docs/design.md): 0 one stream, 1 dwte, fc's and
     // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). It applies
     // to bf16 steps on one GPU without recompute: set FP8 (set_fp8) first. Where it applies, the first call
     // asking for a level allocates what it needs (synchronising the stream); elsewhere, and after a later
@@ -287,7 +231,7 @@ public:
         }
     }
     int dw_stream() const { return dw_level_; }
-    // The classifier's exp forward (the file's comment) for bf16 training forwards where it applies; turning
+    // The classifier's exp forward (docs/design.md) for bf16 training forwards where it applies; turning
     // it on allocates its per-row scratch (memory().scratch grows by about N x 200 floats at GPT-2's Vp).
     void set_classifier_exp(bool on) {
         classifier_exp_ = on;
@@ -330,7 +274,7 @@ public:
         return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
     }
 
-    // FP8 matmuls (the file's comment): which ones, from now on. Allocates the weights' FP8 copies
+    // FP8 matmuls (docs/design.md): which ones, from now on. Allocates the weights' FP8 copies
     // (memory().fp8) and, when the qkv or fc choice changes, the activations again (the LayerNorm outputs
     // those matmuls read are kept in FP8: memory().activations shrinks), so a backward() needs a forward()
     // after it. Fails on a GPU without FP8 tensor cores, or for shapes the FP8 matmuls cannot take
@@ -348,7 +292,7 @@ public:
         memory_.fp8 = fp8_.allocate(nc_);
     }
 
-    // Delayed scaling's state (FP8 fcproj: each layer's GELU-output amax history, the file's comment), for a
+    // Delayed scaling's state (FP8 fcproj: the amax history, llmc/gpt2_fp8.cuh), for a
     // checkpoint: device (null without FP8 fcproj) holds slots x len floats, newest first, then the count
     // of training forwards they cover (a float, at most len) and padding. After writing it, call
     // fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures again).
