@@ -96,41 +96,15 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
-// A matmul's input (N x cin): bf16 x; where an FP8 matmul reads it, E4M3 q at descale, and for an FP8
-// weight gradient qt, its transpose (cin x N; made from q by linear_backward where q is given).
-struct LinearIn {
-    const floatX* x = nullptr;
-    const __nv_fp8_e4m3* q = nullptr;
-    const float* descale = nullptr;
-    __nv_fp8_e4m3* qt = nullptr;
-};
-// An FP8 matmul's E4M3 output at a (delayed) scale, recording its amax.
-struct LinearOut8 {
-    __nv_fp8_e4m3* q = nullptr;
-    const float* scale = nullptr;
-    float* amax = nullptr;
-};
-// A linear layer's output gradient (N x cout): bf16 x; where FP8 matmuls read it, E5M2 q (for dX) and
-// qt (transposed, for dW) at descale, with the partial column sums its cast made (ceil(N / 64) x cout).
-struct LinearGrad {
-    const floatX* x = nullptr;
-    const __nv_fp8_e5m2* q = nullptr;
-    const __nv_fp8_e5m2* qt = nullptr;
-    const float* descale = nullptr;
-    const float* sums = nullptr;
-};
-
-// Backward's second stream for weight gradients (GPT2::set_dw_stream; docs/design.md) and what it needs of its
-// own: a cuBLASLt handle (and workspace), scratch for the bias gradients' partial sums and for attention's
-// column sums of dqkv. fork(): the side waits for what the model's stream (main) has queued so far; mark(e):
-// the side got this far; await(e): main waits for that.
+// Backward's second stream for weight gradients (GPT2::set_dw_stream; docs/design.md), with a cuBLASLt
+// handle (and workspace) and scratch of its own. fork(): the side waits for what the model's stream (main)
+// has queued so far; mark(e): the side got this far; await(e): main waits for that.
 struct DwSide {
     explicit DwSide(cudaStream_t main_stream) : main(main_stream) {}
     cudaStream_t main;
     Stream stream;
     CublasLt lt;
-    // ready: the model's stream got this far (the side waits for it); the others: the side is done with
-    // layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
+    // fork()'s, then: the side is done with layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
     Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
     DeviceBuffer<char> scratch;     // the bias gradients' partial sums
     DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
@@ -189,7 +163,7 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
-        fp8_.allocate_slots();
+        fp8_.allocate_slots(nc_);
         cudaCheck(cudaStreamSynchronize(stream_));
     }
     GPT2(const GPT2&) = delete;
@@ -289,21 +263,17 @@ public:
             acts_.allocate(0);
             carve_activations();
         }
-        memory_.fp8 = fp8_.allocate(nc_);
+        memory_.fp8 = fp8_.allocate();
     }
 
-    // Delayed scaling's state (FP8 fcproj: the amax history, llmc/gpt2_fp8.cuh), for a
-    // checkpoint: device (null without FP8 fcproj) holds slots x len floats, newest first, then the count
-    // of training forwards they cover (a float, at most len) and padding. After writing it, call
-    // fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures again).
+    // Delayed scaling's state (FP8 fcproj: the amax history, llmc/gpt2_fp8.cuh Fp8History), for a checkpoint.
+    // After writing it, call fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures).
     using Fp8History = llmc::Fp8History;
     Fp8History fp8_history() { return fp8_.history(); }
     void fp8_history_reset() { fp8_.history_reset(); }
     void fp8_history_loaded() { fp8_.history_loaded(); }
-    // Delayed scaling's count of the tensors whose amax outgrew their history (a float on the device, null
-    // without delayed scaling): fp8_history_push adds to it after each training backward (llmc/fp8.cuh), and
-    // nothing resets it; a caller that wants it per step zeroes it before the step. A write that outgrew
-    // its history saturated (its largest values clipped at the format's largest).
+    // Delayed scaling's count of the tensors whose amax outgrew their history (a device float, null without
+    // delayed scaling; GPT2Fp8::outgrown says when it grows): a caller that wants it per step zeroes it first.
     float* fp8_outgrown() const { return fp8_.outgrown(); }
     const Fp8Matmuls& fp8() const { return fp8_.on; }
     // (B,T,Vp) of the last forward (dlogits after a training one, or Y after the classifier's exp forward:
@@ -540,17 +510,20 @@ public:
             // bf16 call), the one GELU buffer holds the last layer's forward output: recompute layer l's. FP8
             // fcproj's dW reads the kept E4M3 GELU output, transposed into d_qkv_ after the gradient's copies.
             if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            const LinearGrad dres3 = residual_grad(res[cur], N, fp8_fcproj || fp8_fc_grad, fp8_fcproj_w);
+            // The residual gradient's E5M2 copies in d_qkv_ (free until attention's backward writes it).
+            const LinearGrad dres3 = fp8_.grad(res[cur], N, C, d_qkv_, fp8_fcproj || fp8_fc_grad, fp8_fcproj_w, fscratch);
             const LinearIn gelu = fp8_fcproj_w ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l),
                                                           reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_) + 2 * nc_}
                                                : LinearIn{a.fch_gelu};
             if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
             linear_backward(d_fch_, gb.fcprojw, fp8_fcproj_w ? gb.fcprojb : nullptr, dres3, gelu, b.fcprojw, kFp8FcprojT,
                             l, N, 4 * C, C, fp8_fc_grad ? nullptr : a.fch, 2, &DwSide::fcproj_done);
-            // fch = ln2 fcw^T + fcb. fc.grad casts its gradient (dgelu_grad), taking fc's bias gradient from it
-            // first. ln2 kept in E4M3 is read in d_qkv_ (layer l+1's qkv gradient is spent).
-            const LinearGrad dfch = fp8_fc_grad ? dgelu_grad(a, l, N, measure, gb.fcb) : LinearGrad{d_fch_};
-            const LinearIn ln2 = ln_for_dw(a.ln2, a.ln2_q, fp8_.ln2_descale(l, N), fp8_fc_grad, d_qkv_, N);
+            // fch = ln2 fcw^T + fcb. fc.grad casts its gradient (GPT2Fp8::dgelu_grad), taking fc's bias gradient
+            // from it first. ln2 kept in E4M3 is read in d_qkv_ (layer l+1's qkv gradient is spent).
+            const LinearGrad dfch = fp8_fc_grad ? fp8_.dgelu_grad(d_fch_, a.fch, N, l, measure,
+                                                                  reinterpret_cast<float*>(d_ln_), gb.fcb)
+                                                : LinearGrad{d_fch_};
+            const LinearIn ln2 = fp8_.dw_input(a.ln2, a.ln2_q, fp8_.ln2_descale(l, N), fp8_fc_grad, d_qkv_, N);
             linear_backward(d_ln_, gb.fcw, fp8_fc_grad ? nullptr : gb.fcb, dfch, ln2, b.fcw, kFp8FcT, l, N, C, 4 * C,
                             nullptr, 1, &DwSide::fc_done);
             if (dw >= 2) {
@@ -561,7 +534,7 @@ public:
                                fscratch, sbytes, stream_, fp8_attproj ? fp8_.reset_amax(kFp8Grad) : nullptr,
                                gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
             // residual2 = residual + attproj(atty) (attprojb: ln2's backward).
-            linear_backward(d_atty_, gb.attprojw, nullptr, residual_grad(res[cur], N, fp8_attproj, false), {a.atty},
+            linear_backward(d_atty_, gb.attprojw, nullptr, fp8_.grad(res[cur], N, C, d_qkv_, fp8_attproj, false, fscratch), {a.atty},
                             b.attprojw, kFp8AttprojT, l, N, C, C, nullptr, 2, &DwSide::attproj_done);
             // qkv's bias gradient in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
             // block's column sums of dqkv as it stores it (no pass over dqkv for them), in d_fch_'s last bytes
@@ -576,8 +549,8 @@ public:
             const LinearGrad dqkv = attention_grad(a, B, T, fp8_qkv_grad, dqkv_delayed ? fp8_.dqkv_slot(l) : -1, measure,
                                                    qkvb_sums);
             // qkv.grad: ln1^T after dqkv's copies in d_fch_; a bf16 dW reads ln1 kept in E4M3 in d_fch_.
-            const LinearIn ln1 = ln_for_dw(a.ln1, a.ln1_q, fp8_.ln1_descale(l, N), fp8_qkv_grad,
-                                            reinterpret_cast<uint8_t*>(d_fch_) + (fp8_qkv_grad ? 6 * N * C : 0), N);
+            const LinearIn ln1 = fp8_.dw_input(a.ln1, a.ln1_q, fp8_.ln1_descale(l, N), fp8_qkv_grad,
+                                               reinterpret_cast<uint8_t*>(d_fch_) + (fp8_qkv_grad ? 6 * N * C : 0), N);
             linear_backward(d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, dqkv, ln1, b.qkvw, kFp8QkvT, l, N,
                             C, 3 * C, nullptr, 1, nullptr);  // qkv_done is marked below, after the side's bias sums
             if (qkvb_sums != nullptr) {
@@ -729,11 +702,8 @@ private:
 
     // The LayerNorm before layer l's qkv (ln1; l = L: the final one, into lnf_) or fc (ln2 = true), with the
     // residual add closing block l - 1 fused in where FP8 fcproj left it to it (residual2 + proj_ written
-    // to residual3 on the way). Its output: bf16 where the model keeps it so (lnf always; amax: its amax
-    // recorded there), else kept in E4M3 only: with delayed scaling written so by the LayerNorm itself at
-    // its delayed scale, recording the amax for the history (measure: written twice, the first time to
-    // measure); otherwise written in bf16 to d_ln_ (free in forward; a call in bf16 reads it there) with
-    // its amax, then cast into the layer's FP8 copy.
+    // to residual3 on the way). Its output: bf16, or kept in E4M3 (GPT2Fp8::layernorm_out; d_ln_ is free in
+    // forward); amax: the bf16 output's amax recorded there.
     void layernorm_at(int l, bool ln2, int64_t N, bool delayed, bool measure, unsigned int* amax) {
         const int L = config_.num_layers, C = config_.channels;
         const floatX* p = params_.get();
@@ -744,7 +714,6 @@ private:
         float* mean = final ? lnf_mean_ : ln2 ? a.ln2_mean : a.ln1_mean;
         float* rstd = final ? lnf_rstd_ : ln2 ? a.ln2_rstd : a.ln1_rstd;
         floatX* out = final ? lnf_ : ln2 ? a.ln2 : a.ln1;
-        __nv_fp8_e4m3* q = ln2 ? a.ln2_q : a.ln1_q;
         auto run = [&](floatX* o, unsigned int* o_amax, LayerNormFp8Out f) {
             if (ln2) {
                 layernorm_forward(o, mean, rstd, a.residual2, w, bias, N, C, stream_, o_amax, f);
@@ -757,20 +726,9 @@ private:
                 layernorm_forward(o, mean, rstd, prev.residual3, w, bias, N, C, stream_, o_amax, f);
             }
         };
-        if (out != nullptr) {
-            run(out, amax, LayerNormFp8Out{});
-        } else if (!delayed) {
-            const int slot = ln2 ? fp8_.ln2_slot(l) : fp8_.ln1_slot(l);
-            run(d_ln_, fp8_.reset_amax(slot), LayerNormFp8Out{});
-            fp8_.cast<__nv_fp8_e4m3>(q, d_ln_, N * C, slot);
-        } else {
-            const int slot = ln2 ? fp8_.ln2_delayed_slot(l) : fp8_.ln1_delayed_slot(l);
-            auto* slot_amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot));
-            fp8_.run_delayed<__nv_fp8_e4m3>(slot, measure, [&]() {
-                cudaCheck(cudaMemsetAsync(slot_amax, 0, sizeof(unsigned int), stream_));
-                run(nullptr, slot_amax, LayerNormFp8Out{q, fp8_.delayed_scale(slot)});
-            });
-        }
+        fp8_.layernorm_out(out, amax, ln2 ? a.ln2_q : a.ln1_q, ln2 ? fp8_.ln2_slot(l) : fp8_.ln1_slot(l),
+                           ln2 ? fp8_.ln2_delayed_slot(l) : fp8_.ln1_delayed_slot(l), delayed, measure, d_ln_, N * C,
+                           run);
     }
 
     // The LayerNorm output a forward matmul reads: kept E4M3 where it runs in FP8, else bf16 (in d_ln_,
@@ -834,94 +792,27 @@ private:
         if (dbias != nullptr) bias_grad_from_partials(dbias, dout.sums, ceil_div<int64_t>(N, kFp8CastPairRows), cout, stream_);
     }
 
-    // The residual stream's gradient dres as attproj's or fcproj's backward reads it: bf16, and in E5M2 in
-    // d_qkv_ (free before attention's backward writes it) where dX is FP8 (its amax recorded by the LayerNorm
-    // backward that wrote it); with FP8 fcproj's dW (pair) also transposed after it (one cast, which sums
-    // its columns into the scratch for the bias gradient).
-    LinearGrad residual_grad(floatX* dres, int64_t N, bool dx_fp8, bool pair) {
-        const int C = config_.channels;
-        auto* q = reinterpret_cast<__nv_fp8_e5m2*>(d_qkv_);
-        if (pair) {
-            auto* sums = reinterpret_cast<float*>(scratch_.get());
-            fp8_cast_pair(dx_fp8 ? q : nullptr, q + nc_, N, dres, N, C, fp8_.amax_slot(kFp8Grad),
-                          fp8_.descale(kFp8Grad), stream_, sums);
-            return {dres, dx_fp8 ? q : nullptr, q + nc_, fp8_.descale(kFp8Grad), sums};
-        }
-        if (!dx_fp8) return {dres};
-        return {dres, fp8_.cast<__nv_fp8_e5m2>(q, dres, N * C, kFp8Grad), nullptr, fp8_.descale(kFp8Grad)};
-    }
-    // fc.grad: fc's gradient, d_fch_ * GELU'(fch), cast in E5M2 both ways at layer l's delayed scale (its
-    // amax measured for the next; measure: a first pass measures it), its column sums in d_ln_ (free until
-    // fc's dX) added to fc's bias gradient dbias at once.
-    LinearGrad dgelu_grad(const BlockActivations& a, int l, int64_t N, bool measure, floatX* dbias) {
-        const int C = config_.channels, slot = fp8_.dgelu_slot(l);
-        auto* sums = reinterpret_cast<float*>(d_ln_);
-        auto* amax = reinterpret_cast<unsigned int*>(fp8_.delayed_amax(slot));
-        __nv_fp8_e5m2* q = fp8_.dgelu();
-        __nv_fp8_e5m2* qt = q + 4 * nc_;
-        fp8_.run_delayed<__nv_fp8_e5m2>(slot, measure, [&]() {
-            cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-            fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_.delayed_scale(slot), amax, stream_, sums);
-        });
-        bias_grad_from_partials(dbias, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
-        return {d_fch_, q, qt, fp8_.delayed_descale(slot)};
-    }
-    // A LayerNorm output a weight gradient reads (ln1, ln2): bf16 as kept; kept in E4M3 only (q, at descale):
-    // for an FP8 dW (fp8) its byte transpose into stage, for a bf16 one back in bf16 there.
-    LinearIn ln_for_dw(const floatX* x, const __nv_fp8_e4m3* q, const float* descale, bool fp8, void* stage,
-                        int64_t N) {
-        if (fp8) {
-            auto* qt = reinterpret_cast<__nv_fp8_e4m3*>(stage);
-            fp8_transpose(qt, N, q, N, config_.channels, stream_);
-            return {nullptr, nullptr, descale, qt};
-        }
-        return {x != nullptr ? x : fp8_.dequantized(reinterpret_cast<floatX*>(stage), q, N * config_.channels, descale)};
-    }
     // Attention's backward: dqkv, the gradient qkv's backward reads, in bf16 in d_qkv_ (with attention's column
-    // sums for the bias in qkvb_sums where given). With qkv.grad also in E5M2 in both layouts in d_fch_ (layer
-    // l's fc gradient is spent), ln1^T's room after them, then the bias gradient's partial sums (ceil(N/64) x
-    // 3C floats fit in d_fch_'s last N C bytes): one cast pass, its amax recorded by attention's backward.
-    // With qkv.grad.delayed (delayed_slot >= 0) and a history, attention's backward writes both copies and the
-    // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for the history;
-    // without one (the first step, or a shape its kernels do not take) the cast runs and its amax joins it.
+    // sums for the bias in qkvb_sums where given), with qkv.grad also in E5M2 in d_fch_ (layer l's fc gradient
+    // is spent): GPT2Fp8::dqkv. With qkv.grad.delayed (delayed_slot >= 0) and a history, attention's backward
+    // writes the E5M2 copies and the sums itself at the layer's delayed scale (no bf16 dqkv, no cast); without
+    // one (the first step, or a shape its kernels do not take) a cast makes them and its amax joins the history.
     LinearGrad attention_grad(const BlockActivations& a, int B, int T, bool fp8, int delayed_slot, bool measure,
                               float* qkvb_sums) {
-        using G = __nv_fp8_e5m2;
-        static_assert(flash90_detail::kRows == kFp8CastPairRows,
-                      "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
         const int C = config_.channels, NH = config_.num_heads;
         const int64_t N = int64_t(B) * T;
-        const bool fused = delayed_slot >= 0 && !measure && attention_backward_fp8_available(B, T, C, NH);
-        if (!fused) {
-            attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                               scratch_.get(), scratch_.bytes(), stream_, fp8 ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                               qkvb_sums);
+        if (delayed_slot >= 0 && !measure && attention_backward_fp8_available(B, T, C, NH)) {
+            Flash90Fp8Out f;
+            const LinearGrad g = fp8_.dqkv(nullptr, d_fch_, N, delayed_slot, &f);
+            attention_backward_fp8<__nv_fp8_e5m2>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                                                  scratch_.get(), scratch_.bytes(), stream_);
+            return g;
         }
-        if (!fp8) return {d_qkv_};
-        auto* g8 = reinterpret_cast<G*>(d_fch_);
-        G* g8t = g8 + N * 3 * C;
-        auto* sums = reinterpret_cast<float*>(g8t + N * 3 * C + N * C);
-        auto* delayed_amax = delayed_slot >= 0 ? reinterpret_cast<unsigned int*>(fp8_.delayed_amax(delayed_slot)) : nullptr;
-        if (!fused) {
-            if (delayed_slot >= 0) {
-                cudaCheck(cudaMemcpyAsync(delayed_amax, fp8_.amax_slot(kFp8Grad), sizeof(unsigned int),
-                                          cudaMemcpyDeviceToDevice, stream_));
-            }
-            fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_.amax_slot(kFp8Grad), fp8_.descale(kFp8Grad), stream_, sums);
-            return {d_qkv_, g8, g8t, fp8_.descale(kFp8Grad), sums};
-        }
-        cudaCheck(cudaMemsetAsync(delayed_amax, 0, sizeof(unsigned int), stream_));
-        Flash90Fp8Out f;
-        f.q = reinterpret_cast<uint8_t*>(g8);
-        f.qt = reinterpret_cast<uint8_t*>(g8t);
-        f.sums = sums;
-        f.scale = fp8_.delayed_scale(delayed_slot);
-        f.amax_bits = delayed_amax;
-        attention_backward_fp8<G>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                  scratch_.get(), scratch_.bytes(), stream_);
-        return {nullptr, g8, g8t, fp8_.delayed_descale(delayed_slot), sums};
+        attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                           scratch_.get(), scratch_.bytes(), stream_, fp8 ? fp8_.reset_amax(kFp8Grad) : nullptr,
+                           qkvb_sums);
+        return fp8 ? fp8_.dqkv(d_qkv_, d_fch_, N, delayed_slot, nullptr) : LinearGrad{d_qkv_};
     }
-
     // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
     bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.on.any(); }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).

@@ -1,9 +1,11 @@
 /*
-The GPT-2 model's FP8 state (llmc/gpt2.cuh owns one; docs/design.md, "FP8", says what runs in FP8 and why):
-which matmuls run with FP8 operands (Fp8Matmuls, the trainer's --fp8 1 = fp8_recipe(true)), the weights'
-E4M3 copies and their casts, the amax and descale slots of every FP8 tensor, delayed scaling (the scales,
-the amax history a checkpoint holds, and the first step that measures before it writes), and the FP8
-classifier (its forward and most of its backward, a chunk of rows at a time).
+The GPT-2 model's FP8 state (llmc/gpt2.cuh owns one; docs/design.md, "Inside the model", says what runs in
+FP8 and why): which matmuls run with FP8 operands (Fp8Matmuls, the trainer's --fp8 1 = fp8_recipe(true)),
+the weights' E4M3 copies and their casts, the amax and descale slots of every FP8 tensor, delayed scaling
+(the scales, the amax history a checkpoint holds, and the first step that measures before it writes), the
+FP8 copies of the activations and gradients the model's matmuls read (LinearIn, LinearGrad, LinearOut8:
+a tensor in bf16 with its FP8 copies), and the FP8 classifier (its forward and most of its backward, a
+chunk of rows at a time).
 
 Slots: every FP8 tensor's amax and descale sit in 16-byte slots (cuBLASLt wants its scale pointers
 aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
@@ -13,9 +15,9 @@ Delayed scaling has slots of its own, each an amax, a scale and a descale: layer
 GELU gradient at dgelu_slot(l), its kept ln1 and ln2 at ln1_delayed_slot(l) and ln2_delayed_slot(l), and
 with qkv.grad.delayed its dqkv at dqkv_slot(l).
 
-The model's buffers it writes into (its staging in d_qkv_ and d_ln_, the classifier's in logits_) are
-passed in by the model, which says where each may go (llmc/gpt2.cuh). Does not provide: the FP8 kernels
-and matmuls themselves (llmc/fp8.cuh), or the model's forward and backward.
+The model's buffers it writes into (staging in d_qkv_, d_fch_ and d_ln_, the classifier's in the logits)
+are passed in by the model, which says why each is free there (llmc/gpt2.cuh). Does not provide: the FP8
+kernels and matmuls themselves (llmc/fp8.cuh), or the model's forward and backward.
 */
 #pragma once
 
@@ -24,11 +26,13 @@ and matmuls themselves (llmc/fp8.cuh), or the model's forward and backward.
 #include <string>
 #include <vector>
 
+#include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/gpt2_config.h"
+#include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/multi_gpu.cuh"
 #include "llmc/utils.h"
@@ -85,6 +89,30 @@ struct Fp8History {
     int slots, len;
 };
 
+// A matmul's input (N x cin): bf16 x; where an FP8 matmul reads it, E4M3 q at descale, and for an FP8
+// weight gradient qt, its transpose (cin x N; made from q by linear_backward where q is given).
+struct LinearIn {
+    const floatX* x = nullptr;
+    const __nv_fp8_e4m3* q = nullptr;
+    const float* descale = nullptr;
+    __nv_fp8_e4m3* qt = nullptr;
+};
+// An FP8 matmul's E4M3 output at a (delayed) scale, recording its amax.
+struct LinearOut8 {
+    __nv_fp8_e4m3* q = nullptr;
+    const float* scale = nullptr;
+    float* amax = nullptr;
+};
+// A linear layer's output gradient (N x cout): bf16 x; where FP8 matmuls read it, E5M2 q (for dX) and
+// qt (transposed, for dW) at descale, with the partial column sums its cast made (ceil(N / 64) x cout).
+struct LinearGrad {
+    const floatX* x = nullptr;
+    const __nv_fp8_e5m2* q = nullptr;
+    const __nv_fp8_e5m2* qt = nullptr;
+    const float* descale = nullptr;
+    const float* sums = nullptr;
+};
+
 // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
 // Engine does for the forward; the backward ones promote as usual.
 constexpr bool kFp8FastAccumForward = true;
@@ -103,13 +131,14 @@ constexpr int kFp8DelayedKinds = 4;
 // matmul runs on the model's stream.
 class GPT2Fp8 {
 public:
-    Fp8Matmuls on;  // set(): which matmuls run in FP8
+    Fp8Matmuls on;  // reset(): which matmuls run in FP8
 
     GPT2Fp8(const GPT2Config& config, bool recompute_gelu, cudaStream_t stream)
         : config_(config), recompute_gelu_(recompute_gelu), stream_(stream) {}
 
-    // The amax and descale slots (tiny: allocated with the model, FP8 or not).
-    void allocate_slots() {
+    // The amax and descale slots (tiny: allocated with the model, FP8 or not); nc: the model's B x T x C.
+    void allocate_slots(size_t nc) {
+        nc_ = nc;
         amax_.allocate(size_t(kFp8SlotStride) * size_t(slot(kFp8Dlogits) + 1));
         descale_.allocate(amax_.size());
         cudaCheck(cudaMemsetAsync(amax_.get(), 0, amax_.bytes(), stream_));
@@ -117,8 +146,7 @@ public:
     }
     // GPT2::set_fp8 in three steps (the model lays its activations out again between the second and the
     // third): fails on a GPU without FP8 tensor cores; the new choice, every FP8 buffer freed; the shapes
-    // checked and the buffers for the choice allocated (nc: the model's B x T x C). Returns their bytes
-    // (memory().fp8; 0 without FP8).
+    // checked and the buffers for the choice allocated. Returns their bytes (memory().fp8; 0 without FP8).
     static void check_supported(const Fp8Matmuls& m) {
         if (m.any() && !fp8_supported()) {
             fail(kExitUsage, "FP8 matmuls (%s) need a GPU with FP8 tensor cores (compute capability 8.9 or higher)",
@@ -135,7 +163,7 @@ public:
         history_count_ = 0;
         stale_ = true;
     }
-    size_t allocate(size_t nc) {
+    size_t allocate() {
         const Fp8Matmuls& m = on;
         if (!m.any()) return 0;
         const GPT2Config& c = config_;
@@ -172,7 +200,7 @@ public:
             cudaCheck(cudaMemsetAsync(history_.get(), 0, history_.bytes(), stream_));
         }
         // fc.grad: the GELU's gradient in E5M2, row-major (N, 4C) and transposed (4C, N).
-        if (m.fc_grad) grad_.allocate(8 * nc);
+        if (m.fc_grad) grad_.allocate(8 * nc_);
         return weights_.bytes() + amax_.bytes() + descale_.bytes() + delayed_.bytes() + history_.bytes() +
                grad_.bytes();
     }
@@ -361,11 +389,103 @@ public:
         }
         history_count_ = int(count);
     }
+    // The count of the tensors whose amax outgrew their history (a float on the device, null without delayed
+    // scaling): fp8_history_push adds to it after each training backward (llmc/fp8.cuh), and nothing resets
+    // it. A write that outgrew its history saturated (its largest values clipped at the format's largest).
     float* outgrown() const {
         return delayed_.get() == nullptr ? nullptr : delayed_.get() + 3 * delayed_slots() * kFp8SlotStride;
     }
-    // fc.grad's GELU gradient in E5M2: row-major (N, 4C), then transposed.
-    __nv_fp8_e5m2* dgelu() const { return reinterpret_cast<__nv_fp8_e5m2*>(grad_.get()); }
+
+    // The FP8 operands of the model's matmuls (llmc/gpt2.cuh's linear_forward and linear_backward read them),
+    // each in a buffer of the model's the caller says is free (stage).
+    //
+    // A LayerNorm output a matmul reads (ln1, ln2; run(out, amax, f) runs the LayerNorm): written in bf16 to
+    // out where the model keeps it so (amax: its amax recorded there), else kept in E4M3 only, in q. With
+    // delayed scaling (delayed) the LayerNorm writes it so itself at delayed_slot's scale, recording the amax
+    // for the history (measure: twice, the first time to measure); otherwise it writes it in bf16 to stage (a
+    // call in bf16 reads it there) with its amax, and a cast makes q (slot).
+    template <class Run>
+    void layernorm_out(floatX* out, unsigned int* amax, __nv_fp8_e4m3* q, int slot, int delayed_slot, bool delayed,
+                       bool measure, floatX* stage, int64_t n, Run&& run) {
+        if (out != nullptr) {
+            run(out, amax, LayerNormFp8Out{});
+        } else if (!delayed) {
+            run(stage, reset_amax(slot), LayerNormFp8Out{});
+            cast<__nv_fp8_e4m3>(q, stage, n, slot);
+        } else {
+            auto* a = reinterpret_cast<unsigned int*>(delayed_amax(delayed_slot));
+            run_delayed<__nv_fp8_e4m3>(delayed_slot, measure, [&]() {
+                cudaCheck(cudaMemsetAsync(a, 0, sizeof(unsigned int), stream_));
+                run(nullptr, a, LayerNormFp8Out{q, delayed_scale(delayed_slot)});
+            });
+        }
+    }
+    // A LayerNorm output a weight gradient reads (ln1, ln2): bf16 x as kept; kept in E4M3 only (q, at descale):
+    // for an FP8 dW its byte transpose into stage, for a bf16 one back in bf16 there.
+    LinearIn dw_input(const floatX* x, const __nv_fp8_e4m3* q, const float* descale, bool fp8, void* stage, int64_t N) {
+        if (fp8) {
+            auto* qt = reinterpret_cast<__nv_fp8_e4m3*>(stage);
+            fp8_transpose(qt, N, q, N, config_.channels, stream_);
+            return {nullptr, nullptr, descale, qt};
+        }
+        return {x != nullptr ? x : dequantized(reinterpret_cast<floatX*>(stage), q, N * config_.channels, descale)};
+    }
+    // A bf16 gradient x (N x C; its amax in kFp8Grad's slot, recorded by the kernel that wrote it) for an FP8
+    // dX (dx): E5M2 in stage; with pair also transposed nc_ bytes on, for an FP8 dW (one pass, which sums its
+    // columns into sums for the bias gradient).
+    LinearGrad grad(const floatX* x, int64_t N, int C, void* stage, bool dx, bool pair, float* sums) {
+        auto* q = reinterpret_cast<__nv_fp8_e5m2*>(stage);
+        if (pair) {
+            fp8_cast_pair(dx ? q : nullptr, q + nc_, N, x, N, C, amax_slot(kFp8Grad), descale(kFp8Grad), stream_, sums);
+            return {x, dx ? q : nullptr, q + nc_, descale(kFp8Grad), sums};
+        }
+        if (!dx) return {x};
+        return {x, cast<__nv_fp8_e5m2>(q, x, N * C, kFp8Grad), nullptr, descale(kFp8Grad)};
+    }
+    // fc.grad: fc's gradient, dfch * GELU'(fch) (N x 4C), cast in E5M2 both ways (in grad_) at layer l's delayed
+    // scale (its amax measured for the next; measure: a first pass measures it), its column sums in sums
+    // (the model's d_ln_, free until fc's dX) added to fc's bias gradient dbias at once.
+    LinearGrad dgelu_grad(const floatX* dfch, const floatX* fch, int64_t N, int l, bool measure, float* sums,
+                          floatX* dbias) {
+        const int C = config_.channels, s = dgelu_slot(l);
+        auto* amax = reinterpret_cast<unsigned int*>(delayed_amax(s));
+        auto* q = reinterpret_cast<__nv_fp8_e5m2*>(grad_.get());
+        __nv_fp8_e5m2* qt = q + 4 * nc_;
+        run_delayed<__nv_fp8_e5m2>(s, measure, [&]() {
+            cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+            fp8_dgelu_cast_pair(q, qt, N, dfch, fch, N, 4 * C, delayed_scale(s), amax, stream_, sums);
+        });
+        bias_grad_from_partials(dbias, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
+        return {dfch, q, qt, delayed_descale(s)};
+    }
+    // qkv.grad's dqkv (N x 3C) in E5M2 in stage (the model's d_fch_): row-major, transposed, room for ln1^T (N x
+    // C), then the bias gradient's partial sums (ceil(N/64) x 3C floats). Without fused, cast from bf16 (its
+    // amax recorded by attention's backward, and with delayed_slot >= 0 kept for that slot's history too);
+    // with fused, what attention_backward_fp8 is to write at delayed_slot's scale (its amax zeroed first).
+    LinearGrad dqkv(const floatX* bf16, void* stage, int64_t N, int delayed_slot, Flash90Fp8Out* fused) {
+        static_assert(flash90_detail::kRows == kFp8CastPairRows,
+                      "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
+        const int C = config_.channels;
+        auto* q = reinterpret_cast<__nv_fp8_e5m2*>(stage);
+        __nv_fp8_e5m2* qt = q + N * 3 * C;
+        auto* sums = reinterpret_cast<float*>(qt + N * 3 * C + N * C);
+        auto* amax = delayed_slot >= 0 ? reinterpret_cast<unsigned int*>(delayed_amax(delayed_slot)) : nullptr;
+        if (fused == nullptr) {
+            if (delayed_slot >= 0) {
+                cudaCheck(cudaMemcpyAsync(amax, amax_slot(kFp8Grad), sizeof(unsigned int), cudaMemcpyDeviceToDevice,
+                                          stream_));
+            }
+            fp8_cast_pair(q, qt, N, bf16, N, 3 * C, amax_slot(kFp8Grad), descale(kFp8Grad), stream_, sums);
+            return {bf16, q, qt, descale(kFp8Grad), sums};
+        }
+        cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
+        fused->q = reinterpret_cast<uint8_t*>(q);
+        fused->qt = reinterpret_cast<uint8_t*>(qt);
+        fused->sums = sums;
+        fused->scale = delayed_scale(delayed_slot);
+        fused->amax_bits = amax;
+        return {nullptr, q, qt, delayed_descale(delayed_slot), sums};
+    }
 
     // The classifier with FP8 lm_head.grad, `chunk` rows at a time (classifier_chunk), in the model's
     // buffers (Head); with targets the losses, and in training (dloss > 0) also the classifier's backward
@@ -441,6 +561,7 @@ private:
     GPT2Config config_;
     bool recompute_gelu_;
     cudaStream_t stream_;
+    size_t nc_ = 0;  // the model's B x T x C
     DeviceBuffer<__nv_fp8_e4m3> weights_;     // the copies; weight_at_: where each kind starts, wte's last
     size_t weight_at_[kFp8WeightKinds + 1] = {};
     bool stale_ = true;
@@ -452,7 +573,7 @@ private:
     // training forwards it covers (mirrors the count stored after it).
     DeviceBuffer<float> delayed_, history_;
     int history_count_ = 0;
-    DeviceBuffer<uint8_t> grad_;  // fc.grad: dgelu()
+    DeviceBuffer<uint8_t> grad_;  // fc.grad: the GELU gradient in E5M2, row-major (N, 4C) and transposed
 };
 
 }  // namespace llmc
