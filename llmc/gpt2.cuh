@@ -338,7 +338,8 @@ public:
         classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
-        // The classifier: in FP8 chunks with its backward (lm_head.grad), our exp forward, or one matmul.
+        // The classifier: in FP8 chunks with most of its backward (lm_head.grad), our exp forward, or one
+        // matmul. Its FP8 staging goes to d_qkv_ and d_ln_, which forward leaves free.
         if (chunk > 0) {
             classifier_grad_rows_ =
                 fp8_.classifier_chunks(lt_, {lnf_, logits_, losses_, d_ln_, d_qkv_, nc_}, targets, N, chunk, dloss);
