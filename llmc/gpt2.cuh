@@ -5,85 +5,29 @@ built from the layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
 
 Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
 and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
-weights and rounds them stochastically into the bf16 parameters the model computes with. The bias
-gradients are column sums of the output gradients in fixed orders; where a kernel reads or writes that
-gradient anyway it adds them up on the way (the LayerNorm backward for attproj and fcproj where its
-shared memory allows, attention's backward for qkv where its wgmma kernels run), so no pass over it is
-spent on them.
+weights and rounds them stochastically into the bf16 parameters the model computes with.
+
+Reading order: forward() (the classifier) with forward_to_lnf() (the embedding, the blocks, the final
+LayerNorm), and backward(), each show the layer sequence once. Every matmul goes through linear_forward or
+linear_backward, which run it in bf16, or in FP8 where its operands come with FP8 copies (LinearIn,
+LinearGrad); the helpers below them make those copies. The options change what runs in a step, never
+the layer sequence:
+  - FP8 (set_fp8, the trainer's --fp8): chosen matmuls with FP8 operands. The FP8 state (the weights'
+    copies, the scales, delayed scaling's history) is GPT2Fp8, llmc/gpt2_fp8.cuh.
+  - The classifier's exp forward (set_classifier_exp, --classifier-exp): bf16 training forwards on
+    Hopper run the classifier in llmc/classifier_sm90.cuh, whose epilogue computes the exponentials.
+  - A second stream for backward's weight gradients (set_dw_stream, --dw-stream; DwSide): bf16 on one
+    GPU without recompute; the same bits as one stream.
+  - Recompute (the constructor's recompute_gelu, -r 1): one GELU buffer, recomputed in backward.
+docs/design.md ("The model", "Inside the model") says how each works and why. Some buffers deliberately
+hold different tensors at different points of a step (d_qkv_, d_fch_, d_ln_, proj_, logits_ and the
+scratch): each use says what it holds there and why the buffer is free then.
 
 Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks
 (per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
 moments are sharded: llmc/zero.h); update() divides the norm and the clip scale by the number of ranks
 in fp32 (an exact 1/W, which bf16 lacks for most W) and all-gathers the parameters. One rank through
 NCCL computes the same bits as the single-GPU path.
-
-FP8 (set_fp8, the trainer's --fp8; off by default): chosen matmuls take FP8 operands (llmc/fp8.cuh) with
-per-tensor current scaling: the forward's qkv and fc (the LayerNorm output in E4M3 times the weight in
-E4M3; fast accumulation, as Transformer Engine's forward), the classifier's forward (the final
-LayerNorm's output times wte), and the backward's dX of attproj and fcproj (the residual stream's
-gradient in E5M2 times the transposed weight in E4M3, fcproj's with the GELU gradient in the same call),
-and the classifier's backward (lm_head.grad): the fused classifier writes dlogits in E5M2 with a static
-scale (|dlogit| <= dloss) instead of bf16, a byte transpose makes the K-major copy the weight gradient
-needs, and d(lnf) = dlogits wte and dwte += dlogits^T lnf are FP8 matmuls (wte^T and lnf^T cast in
-E4M3). So that the FP8 dlogits and their transpose fit where the bf16 logits were, a training forward runs
-the classifier (matmul, loss, dlogits, transpose, d(lnf)) a quarter of the rows at a time and leaves
-dwte's matmul to backward; evaluation runs the same chunks, so its logits and losses are the training
-forward's bit for bit. With qkv.grad, qkv's backward is FP8 too: attention's backward records dqkv's
-amax as it writes it, one pass casts dqkv to E5M2 both row-major (for dX, against qkv's weight
-transposed in E4M3) and transposed (for dW, against a byte transpose of the kept E4M3 ln1), and sums
-bf16 dqkv's columns for the bias gradient on the way.
-The LayerNorm kernels record the amax of what they write, so each FP8 activation costs one cast pass
-(read bf16, write FP8) and no amax pass; the weights are cast (both layouts where needed) once after
-each change of the parameters. The LayerNorm outputs that qkv and fc read are kept for backward in FP8
-only (as Transformer Engine keeps its FP8 inputs): half the bytes of bf16, more than paying for the
-weights' copies; their bf16 weight gradients read them back in bf16. Everything else stays bf16,
-including the other weight-gradient matmuls and the attention. A call whose B x T is not a multiple of 16 runs its
-matmuls in bf16 (its forward gives bf16's bits; its backward still reads the kept FP8 LayerNorm
-outputs).
-With fcproj, fcproj's forward and weight gradient are FP8 as well, and their operand (the GELU output)
-never exists in bf16: fc's FP8 matmul writes it in E4M3 (GELU epilogue; its bf16 input, which the GELU
-gradient needs, as the epilogue's aux), so its scale must be known before the amax is: delayed scaling.
-Each layer keeps the amax cuBLASLt measured in its last kFp8HistoryLen training steps and writes with
-448 / their largest (llmc/fp8.cuh: fp8_delayed_scales); the first step without a history runs fc (and
-each LayerNorm below) twice, the first time only to measure. backward makes the K-major copies dW needs:
-a byte transpose of the E4M3 GELU output and the residual stream's gradient cast transposed in E5M2
-(row-major as well for fcproj.dx, in the same pass, which also sums its columns for the bias gradient).
-The LayerNorm outputs kept in E4M3 (ln1, ln2) are then written by the LayerNorm kernels themselves at
-delayed scales too (no bf16 copy, no cast pass). With fc.grad, fc's backward is FP8 too: fcproj's dX
-is a plain FP8 matmul (cuBLASLt's FP8 kernel with the GELU-gradient epilogue is 5x slower than without
-it on the H200), and one pass (fp8_dgelu_cast_pair) multiplies it by GELU'(fc's
-output) and writes the result in E5M2 row-major (for dX, against fc's weight transposed in E4M3) and
-transposed (for dW, against a byte transpose of the kept E4M3 ln2), at a delayed scale as well, summing
-its columns for fc's bias. qkv.grad.delayed gives dqkv a delayed scale of its own too, so attention's backward writes it in FP8 itself, in both layouts with the bias's column sums
-(llmc/attention.cuh attention_backward_fp8; the bytes and sums the cast would make at that scale), and
-neither bf16 dqkv nor the cast pass exists; the first step, or a shape its kernels do not take, casts as
-qkv.grad does. backward adds the amaxes measured in the step to the history (one entry per training forward and
-backward). The history is the only FP8 state: a checkpoint holds it
-(fp8_history()), so a resume continues bit for bit; everything else comes from the tensors themselves,
-and a run is as deterministic as in bf16. With recompute_gelu or rows not a multiple of 16, fcproj (and
-fc.grad) run in bf16.
-
-The classifier's exp forward (set_classifier_exp, the trainer's --classifier-exp): in a bf16 training
-forward on sm_90a (N a multiple of 128, C of 64), the classifier runs in our own matmul whose epilogue
-computes the softmax's exponentials (llmc/classifier_sm90.cuh): the logits buffer receives Y, the
-classifier's gradient up to a row scale, instead of the logits, and no softmax pass runs. lnf is scaled in
-place by each row's dloss / s, so backward's dwte matmul is the usual one on Y; d(lnf) = Y wte is then
-scaled by classifier90_scale_rows. The loss is computed from fp32 logits (the cuBLASLt path rounds them
-to bf16 first), so a run's losses and weights differ from the cuBLASLt path's; evaluation forwards (no
-dloss), FP8 lm_head and other shapes keep cuBLASLt + fused_classifier.
-
-A second stream for backward's weight gradients (set_dw_stream, the trainer's --dw-stream): a weight
-gradient dW += dout^T x is read by nothing later in backward, so it can run beside the chain of input
-gradients, LayerNorm backwards and attention that every later kernel waits on. Level 1 moves dwte's
-classifier part, and each layer's fc and qkv dW (with their bias gradients) to a stream of its own, with
-its own cuBLASLt handle, workspace and scratch (and qkv's bias sums out of d_fch_ into a buffer of their
-own); level 2 also attproj's and fcproj's, which read the residual stream's gradient, so that the
-LayerNorm backwards then write it into the other of two buffers instead of adding to it in place. Events
-order the streams: the side waits for what it reads, the model's stream waits before it overwrites what
-the side still reads (d_fch_, d_qkv_, the bias sums, the residual gradient's other buffer), and once
-before the encoder's backward (which adds to dwte too). The same kernels run on the same inputs with the
-same algorithms (accumulating matmuls are never tuned), so the results are one stream's bit for bit. It
-applies to a bf16 step on one GPU without -r 1; other steps run on one stream.
 
 Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
 checkpoint holds (llmc/checkpoint.cuh).
@@ -108,6 +52,7 @@ checkpoint holds (llmc/checkpoint.cuh).
 #include "llmc/cuda_utils.cuh"
 #include "llmc/encoder.cuh"
 #include "llmc/fp8.cuh"
+#include "llmc/gpt2_fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
@@ -151,46 +96,26 @@ struct BlockActivations {
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
-// Which of the model's matmuls run with FP8 operands (the file's comment; the trainer's --fp8 1 turns
-// them all on: fp8_recipe()); the rest stay bf16. The matmuls are named apart because a shape or setting
-// can keep some of them in bf16 (rows not a multiple of 16, recompute, attention without its FP8 kernels).
-struct Fp8Matmuls {
-    bool qkv = false, fc = false, lm_head = false;  // forward
-    bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
-    bool lm_head_grad = false;                      // the classifier's backward, both matmuls
-    bool qkv_grad = false;                          // qkv's backward, dX and dW
-    bool fcproj = false;                            // fcproj's forward and dW (the GELU output in E4M3)
-    bool fc_grad = false;                           // fc's backward, fcproj's dX (the GELU gradient)
-    bool qkv_grad_delayed = false;  // dqkv at a delayed scale, written in FP8 by attention's backward itself
-    bool any() const {
-        return qkv || fc || lm_head || attproj_dx || fcproj_dx || lm_head_grad || qkv_grad || fcproj || fc_grad;
-    }
-    std::string describe() const {
-        std::string s;
-        auto add = [&](bool on, const char* name) {
-            if (on) s += (s.empty() ? "" : ",") + std::string(name);
-        };
-        add(qkv, "qkv");
-        add(fc, "fc");
-        add(lm_head, "lm_head");
-        add(attproj_dx, "attproj.dx");
-        add(fcproj_dx, "fcproj.dx");
-        add(lm_head_grad, "lm_head.grad");
-        add(qkv_grad, "qkv.grad");
-        add(fcproj, "fcproj");
-        add(fc_grad, "fc.grad");
-        add(qkv_grad_delayed, "qkv.grad.delayed");
-        return s.empty() ? "none" : s;
-    }
-};
+// Backward's second stream for weight gradients (GPT2::set_dw_stream; docs/design.md), with a cuBLASLt
+// handle (and workspace) and scratch of its own. fork(): the side waits for what the model's stream (main)
+// has queued so far; mark(e): the side got this far; await(e): main waits for that.
+struct DwSide {
+    explicit DwSide(cudaStream_t main_stream) : main(main_stream) {}
+    cudaStream_t main;
+    Stream stream;
+    CublasLt lt;
+    // fork()'s, then: the side is done with layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
+    Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
+    DeviceBuffer<char> scratch;     // the bias gradients' partial sums
+    DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
 
-// --fp8 1: every matmul above in FP8 (docs/performance.md measures it against bf16).
-inline Fp8Matmuls fp8_recipe(bool on) {
-    Fp8Matmuls m;
-    m.qkv = m.fc = m.lm_head = m.attproj_dx = m.fcproj_dx = m.lm_head_grad = m.qkv_grad = m.fcproj = m.fc_grad = on;
-    m.qkv_grad_delayed = on;
-    return m;
-}
+    void fork() {
+        cudaCheck(cudaEventRecord(ready, main));
+        cudaCheck(cudaStreamWaitEvent(stream, ready, 0));
+    }
+    void mark(cudaEvent_t e) { cudaCheck(cudaEventRecord(e, stream)); }
+    void await(cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(main, e, 0)); }
+};
 
 class GPT2 {
 public:
@@ -209,7 +134,7 @@ public:
          bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
           adamw_table_(adamw_tensors(tensors_)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
-          recompute_gelu_(recompute_gelu) {
+          recompute_gelu_(recompute_gelu), fp8_(config, recompute_gelu, stream) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
         if (B < 1 || T < 1 || T > config.max_seq_len) {
@@ -238,10 +163,7 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
-        fp8_amax_.allocate(size_t(kFp8SlotStride) * size_t(fp8_slot(kFp8Dlogits) + 1));
-        fp8_descale_.allocate(fp8_amax_.size());
-        cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, fp8_amax_.bytes(), stream_));
-        cudaCheck(cudaMemsetAsync(fp8_descale_.get(), 0, fp8_descale_.bytes(), stream_));
+        fp8_.allocate_slots(nc_);
         cudaCheck(cudaStreamSynchronize(stream_));
     }
     GPT2(const GPT2&) = delete;
@@ -258,7 +180,7 @@ public:
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
-    // Backward's weight gradients on a second stream (the file's comment): 0 one stream, 1 dwte, fc's and
+    // Backward's weight gradients on a second stream (docs/design.md): 0 one stream, 1 dwte, fc's and
     // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). It applies
     // to bf16 steps on one GPU without recompute: set FP8 (set_fp8) first. Where it applies, the first call
     // asking for a level allocates what it needs (synchronising the stream); elsewhere, and after a later
@@ -269,7 +191,7 @@ public:
         if (!dw_stream_possible()) return;
         if (level > 0 && dw_ == nullptr) {
             cudaCheck(cudaStreamSynchronize(stream_));
-            dw_ = std::make_unique<DwSide>();
+            dw_ = std::make_unique<DwSide>(stream_);
             const int64_t N = int64_t(n_), C = config_.channels;
             dw_->scratch.allocate(std::max(matmul_backward_scratch_bytes(N, int(4 * C)), size_t(1)));
             dw_->qkvb_sums.allocate(size_t(N / kAttentionSumRows + 1) * size_t(3 * C));
@@ -283,7 +205,7 @@ public:
         }
     }
     int dw_stream() const { return dw_level_; }
-    // The classifier's exp forward (the file's comment) for bf16 training forwards where it applies; turning
+    // The classifier's exp forward (docs/design.md) for bf16 training forwards where it applies; turning
     // it on allocates its per-row scratch (memory().scratch grows by about N x 200 floats at GPT-2's Vp).
     void set_classifier_exp(bool on) {
         classifier_exp_ = on;
@@ -298,7 +220,7 @@ public:
     bool classifier_exp() const { return classifier_exp_; }
     // Whether a training forward of N rows runs the classifier's exp forward, as the model is set now.
     bool classifier_exp_applies(int64_t N) const {
-        return classifier_exp_ && cls90_sums_.get() != nullptr && !(fp8_.lm_head && fp8_rows(N)) && N <= int64_t(n_) &&
+        return classifier_exp_ && cls90_sums_.get() != nullptr && !(fp8_.on.lm_head && fp8_.rows(N)) && N <= int64_t(n_) &&
                classifier90_applies(N, config_.channels, config_.padded_vocab_size);
     }
     // The level backward runs at, as the model is set now (0: one stream).
@@ -322,112 +244,38 @@ public:
         float *master, *adam_m, *adam_v;
     };
     State state() {
-        fp8_weights_stale_ = true;  // the caller may write the parameters
+        fp8_.weights_changed();  // the caller may write the parameters
         return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
     }
 
-    // FP8 matmuls (the file's comment): which ones, from now on. Allocates the weights' FP8 copies
+    // FP8 matmuls (docs/design.md): which ones, from now on. Allocates the weights' FP8 copies
     // (memory().fp8) and, when the qkv or fc choice changes, the activations again (the LayerNorm outputs
     // those matmuls read are kept in FP8: memory().activations shrinks), so a backward() needs a forward()
     // after it. Fails on a GPU without FP8 tensor cores, or for shapes the FP8 matmuls cannot take
     // (channels and, for lm_head, the padded vocabulary multiples of 16).
     void set_fp8(const Fp8Matmuls& m) {
         cudaCheck(cudaStreamSynchronize(stream_));  // a step in flight may still read the old copies
-        if (m.any() && !fp8_supported()) {
-            fail(kExitUsage, "FP8 matmuls (%s) need a GPU with FP8 tensor cores (compute capability 8.9 or higher)",
-                 m.describe().c_str());
-        }
-        const bool relayout = m.qkv != fp8_.qkv || m.fc != fp8_.fc || m.fcproj != fp8_.fcproj;
-        fp8_ = m;
-        fp8_weights_.allocate(0);
-        fp8_amax_jobs_.allocate(0);
-        fp8_delayed_.allocate(0);
-        fp8_history_.allocate(0);
-        fp8_grad_.allocate(0);
-        fp8_history_count_ = 0;
+        GPT2Fp8::check_supported(m);
+        const bool relayout = m.qkv != fp8_.on.qkv || m.fc != fp8_.on.fc || m.fcproj != fp8_.on.fcproj;
+        fp8_.reset(m);
         memory_.fp8 = 0;
-        fp8_weights_stale_ = true;
         if (relayout) {
             acts_.allocate(0);
             carve_activations();
         }
-        if (!m.any()) return;
-        const GPT2Config& c = config_;
-        if (c.channels % 16 != 0) fail(kExitUsage, "FP8 matmuls need channels a multiple of 16, not %d", c.channels);
-        if (m.lm_head && c.padded_vocab_size % 16 != 0) {
-            fail(kExitUsage, "FP8 lm_head needs the padded vocabulary a multiple of 16, not %d", c.padded_vocab_size);
-        }
-        if (m.lm_head_grad && !m.lm_head) fail(kExitUsage, "FP8 lm_head.grad needs lm_head too (%s)", m.describe().c_str());
-        if (m.qkv_grad && !m.qkv) fail(kExitUsage, "FP8 qkv.grad needs qkv too (%s)", m.describe().c_str());
-        if (m.fcproj && !m.fc) fail(kExitUsage, "FP8 fcproj needs fc too (%s)", m.describe().c_str());
-        if (m.fc_grad && !m.fcproj) fail(kExitUsage, "FP8 fc.grad needs fcproj too (%s)", m.describe().c_str());
-        if (m.qkv_grad_delayed && !(m.qkv_grad && m.fcproj)) {
-            fail(kExitUsage, "FP8 qkv.grad.delayed needs qkv.grad and fcproj (%s)", m.describe().c_str());
-        }
-        const size_t L = size_t(c.num_layers), C = size_t(c.channels);
-        const bool on[kFp8WeightKinds] = {m.qkv,      m.fc,     m.attproj_dx, m.fcproj_dx || m.fc_grad,
-                                          m.qkv_grad, m.fcproj, m.fc_grad};
-        size_t at = 0;
-        for (int k = 0; k < kFp8WeightKinds; k++) {
-            fp8_weight_at_[k] = at;
-            if (on[k]) at += L * fp8_layer_weight_size(k);
-        }
-        fp8_weight_at_[kFp8WeightKinds] = at;
-        if (m.lm_head) at += size_t(c.padded_vocab_size) * C;
-        if (m.lm_head_grad) at += size_t(c.padded_vocab_size) * C;  // wte^T, for the classifier's dX
-        fp8_weights_.allocate(at);
-        if (m.fcproj) {
-            // Delayed scaling (the GELU output, and the GELU's gradient with fc.grad): per slot an amax, a
-            // scale and a descale (each in 16-byte slots, as cuBLASLt wants its pointers), then the count of
-            // tensors that outgrew their history (fp8_outgrown); and the history with its count after it.
-            const size_t slots = fp8_delayed_slots();
-            fp8_delayed_.allocate(3 * slots * kFp8SlotStride + kFp8SlotStride);
-            fp8_history_.allocate(slots * kFp8HistoryLen + kFp8SlotStride);
-            cudaCheck(cudaMemsetAsync(fp8_delayed_.get(), 0, fp8_delayed_.bytes(), stream_));
-            cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
-        }
-        // fc.grad: the GELU's gradient in E5M2, row-major (N, 4C) and transposed (4C, N).
-        if (m.fc_grad) fp8_grad_.allocate(8 * nc_);
-        memory_.fp8 = fp8_weights_.bytes() + fp8_amax_.bytes() + fp8_descale_.bytes() + fp8_delayed_.bytes() +
-                      fp8_history_.bytes() + fp8_grad_.bytes();
+        memory_.fp8 = fp8_.allocate();
     }
 
-    // Delayed scaling's state (FP8 fcproj: each layer's GELU-output amax history, the file's comment), for a
-    // checkpoint: device (null without FP8 fcproj) holds slots x len floats, newest first, then the count
-    // of training forwards they cover (a float, at most len) and padding. After writing it, call
-    // fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures again).
-    struct Fp8History {
-        float* device;
-        size_t bytes;
-        int slots, len;
-    };
-    Fp8History fp8_history() {
-        return {fp8_history_.get(), fp8_history_.bytes(), int(fp8_delayed_slots()), kFp8HistoryLen};
-    }
-    void fp8_history_reset() {
-        if (fp8_history_.get() == nullptr) return;
-        cudaCheck(cudaMemsetAsync(fp8_history_.get(), 0, fp8_history_.bytes(), stream_));
-        fp8_history_count_ = 0;
-    }
-    void fp8_history_loaded() {
-        if (fp8_history_.get() == nullptr) return;
-        float count = 0.0f;
-        cudaCheck(cudaMemcpyAsync(&count, fp8_history_.get() + fp8_history_count_at(),
-                                  sizeof(float), cudaMemcpyDeviceToHost, stream_));
-        cudaCheck(cudaStreamSynchronize(stream_));
-        if (!(count >= 0.0f && count <= float(kFp8HistoryLen))) {
-            fail(kExitData, "FP8 amax history: its count %g is not in [0, %d]", count, kFp8HistoryLen);
-        }
-        fp8_history_count_ = int(count);
-    }
-    // Delayed scaling's count of the tensors whose amax outgrew their history (a float on the device, null
-    // without delayed scaling): fp8_history_push adds to it after each training backward (llmc/fp8.cuh), and
-    // nothing resets it; a caller that wants it per step zeroes it before the step. A write that outgrew
-    // its history saturated (its largest values clipped at the format's largest).
-    float* fp8_outgrown() const {
-        return fp8_delayed_.get() == nullptr ? nullptr : fp8_delayed_.get() + 3 * fp8_delayed_slots() * kFp8SlotStride;
-    }
-    const Fp8Matmuls& fp8() const { return fp8_; }
+    // Delayed scaling's state (FP8 fcproj: the amax history, llmc/gpt2_fp8.cuh Fp8History), for a checkpoint.
+    // After writing it, call fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures).
+    using Fp8History = llmc::Fp8History;
+    Fp8History fp8_history() { return fp8_.history(); }
+    void fp8_history_reset() { fp8_.history_reset(); }
+    void fp8_history_loaded() { fp8_.history_loaded(); }
+    // Delayed scaling's count of the tensors whose amax outgrew their history (a device float, null without
+    // delayed scaling; GPT2Fp8::outgrown says when it grows): a caller that wants it per step zeroes it first.
+    float* fp8_outgrown() const { return fp8_.outgrown(); }
+    const Fp8Matmuls& fp8() const { return fp8_.on; }
     // (B,T,Vp) of the last forward (dlogits after a training one, or Y after the classifier's exp forward:
     // set_classifier_exp); (M,Vp) after forward_scored.
     const floatX* logits() const { return logits_; }
@@ -470,7 +318,7 @@ public:
         }
         cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
-        fp8_weights_stale_ = true;
+        fp8_.weights_changed();
         cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
     }
 
@@ -483,26 +331,28 @@ public:
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
-        const bool fp8_head = fp8_.lm_head && fp8_rows(N);
-        const int64_t chunk = fp8_head ? fp8_classifier_chunk(N) : 0;
+        const bool fp8_head = fp8_.on.lm_head && fp8_.rows(N);
+        const int64_t chunk = fp8_head ? fp8_.classifier_chunk(N) : 0;
         const bool exp_head = targets != nullptr && dloss > 0.0f && classifier_exp_applies(N);
+        const floatX* wte = outer(params_.get()).wte;
         classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, nullptr, fp8_head);
+        // The classifier: in FP8 chunks with most of its backward (lm_head.grad), our exp forward, or one
+        // matmul. Its FP8 staging goes to d_qkv_ and d_ln_, which forward leaves free.
         if (chunk > 0) {
-            fp8_classifier_chunks(targets, N, chunk, dloss);
+            classifier_grad_rows_ =
+                fp8_.classifier_chunks(lt_, {lnf_, logits_, losses_, d_ln_, d_qkv_, nc_}, targets, N, chunk, dloss);
         } else if (exp_head) {
-            classifier90_exp_forward(logits_, losses_, lnf_, outer(params_.get()).wte, targets, dloss, N, C,
-                                     c.vocab_size, Vp, {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()},
-                                     stream_);
+            classifier90_exp_forward(logits_, losses_, lnf_, wte, targets, dloss, N, C, c.vocab_size, Vp,
+                                     {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()}, stream_);
             cls90_rows_ = N;
             cls90_dloss_ = dloss;
-        } else if (fp8_head) {
-            const auto* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
-            fp8_matmul(lt_, stream_, N, Vp, C, x, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
-                       fp8_descale(fp8_weight_slot(kFp8WeightKinds, 0)), logits_, Fp8Epilogue{}, kFp8FastAccumForward);
         } else {
-            matmul_forward(lt_, logits_, lnf_, outer(params_.get()).wte, nullptr, N, C, Vp, stream_);
+            const LinearIn x = fp8_head ? LinearIn{nullptr, fp8_.cast<__nv_fp8_e4m3>(d_qkv_, lnf_, N * C, kFp8Act),
+                                                   fp8_.descale(kFp8Act)}
+                                        : LinearIn{lnf_};
+            linear_forward(logits_, x, kFp8Wte, 0, wte, nullptr, N, C, Vp);
         }
         if (targets == nullptr) return;
         if (chunk == 0 && !exp_head) {
@@ -601,292 +451,129 @@ public:
         const OuterTensors<floatX> gw = outer(g);
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
-        // FP8 dX of attproj and fcproj: their dD is the residual stream's gradient, whose amax the
-        // LayerNorm backward that writes it records. LayerNorm outputs kept in FP8 come back to bf16 for
-        // the weight gradients in buffers free at that point: ln2 in d_qkv_ (layer l+1's qkv gradient is
-        // spent), ln1 in d_fch_ (layer l's fc gradient is).
-        const bool fp8_fcproj = fp8_.fcproj_dx && fp8_rows(N), fp8_attproj = fp8_.attproj_dx && fp8_rows(N);
-        const bool fp8_qkv_grad = fp8_.qkv_grad && fp8_rows(N);
-        // FP8 fcproj's dW: its K-major operands (the residual stream's gradient in E5M2, transposed,
-        // and the byte transpose of the kept E4M3 GELU output) in d_qkv_ (layer l+1's qkv gradient
-        // is spent), after the row-major copy fcproj.dx reads; the bias gradient's partial sums in the scratch.
-        const bool fp8_fcproj_w = fp8_fcproj_on(N);
-        const bool fp8_fc_grad = fp8_fcproj_w && fp8_.fc_grad;
+        // FP8 (docs/design.md): attproj's and fcproj's dX read the residual stream's gradient in E5M2 (its amax
+        // recorded by the LayerNorm backward that writes it), qkv.grad both of qkv's matmuls. With delayed
+        // scaling (fcproj_w) fcproj's dW reads that gradient transposed too, fc.grad runs fc's backward in
+        // FP8, and qkv.grad.delayed dqkv at a delayed scale.
+        const bool fp8_fcproj = fp8_.on.fcproj_dx && fp8_.rows(N), fp8_attproj = fp8_.on.attproj_dx && fp8_.rows(N);
+        const bool fp8_qkv_grad = fp8_.on.qkv_grad && fp8_.rows(N);
+        const bool fp8_fcproj_w = fp8_.fcproj_on(N);
+        const bool fp8_fc_grad = fp8_fcproj_w && fp8_.on.fc_grad;
         const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
-        const bool measure = fp8_fcproj_w && fp8_history_count_ == 0;
+        const bool measure = fp8_fcproj_w && fp8_.measuring();
+        const bool dqkv_delayed = fp8_qkv_grad && fp8_.on.qkv_grad_delayed && fp8_fcproj_w;
         if (fp8_fcproj_w && sbytes < size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float)) {
             fail(kExitError, "GPT2 backward: scratch of %zu bytes, FP8 fcproj's bias sums need %zu", sbytes,
                  size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
         }
-
-        // Weight gradients on the side stream (set_dw_stream; dw = 0: everything on stream_). fork(): the side
-        // waits for what stream_ has queued so far; mark(e): the side got this far; await(e): stream_ waits
-        // for that.
+        // The weight gradients' side stream (set_dw_stream; dw = 0: everything on stream_). The residual
+        // stream's gradient is res[cur]: at level 2 each LayerNorm backward reads it from one buffer and
+        // writes the sum to the other (the side's attproj and fcproj dW still read the old one).
         const int dw = dw_stream_applies();
-        const cudaStream_t side = dw > 0 ? dw_->stream.get() : stream_;
-        float* side_scratch = dw > 0 ? reinterpret_cast<float*>(dw_->scratch.get()) : fscratch;
-        const size_t side_bytes = dw > 0 ? dw_->scratch.bytes() : sbytes;
-        auto fork = [&]() {
-            cudaCheck(cudaEventRecord(dw_->ready, stream_));
-            cudaCheck(cudaStreamWaitEvent(side, dw_->ready, 0));
-        };
-        auto mark = [&](cudaEvent_t e) { cudaCheck(cudaEventRecord(e, side)); };
-        auto await = [&](cudaEvent_t e) { cudaCheck(cudaStreamWaitEvent(stream_, e, 0)); };
-        // A linear layer's backward in bf16 (inp (N x cin) -> out (N x cout) through weight; pre_gelu: its input
-        // went through the GELU, whose backward the dX matmul fuses). With on_side, dW and the bias gradient
-        // go to the side stream after fork(), which then marks `done` (if given), and dX runs on stream_ beside
-        // them; otherwise matmul_backward runs both on stream_. A null dinp skips dX. The same calls either way,
-        // so the same bits.
-        auto linear_backward = [&](bool on_side, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
-                                   const floatX* inp, const floatX* weight, int cin, int cout, cudaEvent_t done,
-                                   const floatX* pre_gelu = nullptr) {
-            if (!on_side) {
-                matmul_backward(lt_, dinp, dweight, dbias, dout, inp, weight, N, cin, cout, fscratch, sbytes, stream_,
-                                pre_gelu);
-                return;
-            }
-            fork();
-            matmul_backward_dw(dw_->lt, dweight, dbias, dout, inp, N, cin, cout, side_scratch, side_bytes, side);
-            if (done != nullptr) mark(done);
-            if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, weight, N, cin, cout, stream_, pre_gelu);
-        };
-        // The residual stream's gradient: res[cur]. At level 2 each LayerNorm backward reads it from one buffer
-        // and writes the sum to the other (the side's attproj and fcproj dW still read the old one).
         floatX* res[2] = {d_residual_, dw >= 2 ? dres2_.get() : d_residual_};
         int cur = 0;
 
-        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below.
-        if (classifier_grad_rows_ == 0) {
-            // After the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual,
-            // d(lnf) = Y wte scaled by the rows' dloss / s.
-            if (cls90_rows_ != 0 && cls90_rows_ != N) {
-                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
-                     (long long)N, (long long)cls90_rows_);
-            }
-            linear_backward(dw > 0, d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, C, Vp, nullptr);
-            if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
-        } else {
-            // FP8 lm_head.grad: forward left d(lnf) in d_ln_, dlogits^T and lnf^T in FP8.
-            if (classifier_grad_rows_ != N) {
-                fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
-                     (long long)N, (long long)classifier_grad_rows_);
-            }
-            fp8_matmul(lt_, stream_, Vp, C, N, fp8_dlogits_transposed(N), fp8_lnf_transposed(), fp8_descale(kFp8Dlogits),
-                       fp8_descale(kFp8Act), gw.wte, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        // The classifier shares wte with the embedding: its part of dwte is added here, the rest below. After
+        // the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual, d(lnf) = Y wte
+        // scaled by the rows' dloss / s. After FP8 lm_head.grad's forward, d(lnf) is in d_ln_ already and
+        // dwte reads dlogits^T and lnf^T in FP8.
+        const int64_t head_rows = classifier_grad_rows_ != 0 ? classifier_grad_rows_ : cls90_rows_;
+        if (head_rows != 0 && head_rows != N) {
+            fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
+                 (long long)N, (long long)head_rows);
         }
+        const bool fp8_head = classifier_grad_rows_ != 0;
+        linear_backward(fp8_head ? nullptr : d_ln_, gw.wte, nullptr,
+                        fp8_head ? LinearGrad{nullptr, nullptr, fp8_.dlogits_transposed(logits_, N),
+                                              fp8_.descale(kFp8Dlogits)}
+                                 : LinearGrad{logits_},
+                        fp8_head ? LinearIn{nullptr, nullptr, fp8_.descale(kFp8Act), GPT2Fp8::lnf_transposed(d_qkv_, nc_)}
+                                 : LinearIn{lnf_},
+                        w.wte, -1, 0, N, C, Vp, nullptr, 1, nullptr);
+        if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
-        // adds into it, so it starts from zero.
+        // adds into it, so it starts from zero. Each LayerNorm backward also adds the column sums of the
+        // residual gradient it leaves into the bias gradient of the projection that gradient flows into next
+        // (fcproj, attproj): what that projection's matmul_backward would add from it, bit for bit, without
+        // another pass over it. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
-        // Each LayerNorm backward also adds the column sums of the residual gradient it leaves into the bias
-        // gradient of the projection that gradient flows into next (fcproj, attproj): what that projection's
-        // matmul_backward would add from it, bit for bit, without another pass over it. (With FP8 fcproj, its
-        // gradient cast sums the columns instead.)
         auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
-                           C, fscratch, sbytes, stream_, grad_amax ? fp8_reset_amax(kFp8Grad) : nullptr,
+                           C, fscratch, sbytes, stream_, grad_amax ? fp8_.reset_amax(kFp8Grad) : nullptr,
                            fcprojb_grad(L - 1));
         for (int l = L - 1; l >= 0; l--) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockTensors<floatX> gb = block(g, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            // residual3 = residual2 + fcproj(gelu(fc(ln2))): the GELU's backward is fused into this matmul.
-            // With recompute (or FP8 fcproj's shared bf16 GELU buffer in a bf16 call), the one GELU buffer
-            // holds the last layer's forward output: recompute layer l's.
+            // residual3 = residual2 + fcproj(GELU(fch)): the GELU's backward is fused into fcproj's dX (with
+            // fc.grad, into fc's gradient cast). With recompute (or FP8 fcproj's shared bf16 GELU buffer in a
+            // bf16 call), the one GELU buffer holds the last layer's forward output: recompute layer l's. FP8
+            // fcproj's dW reads the kept E4M3 GELU output, transposed into d_qkv_ after the gradient's copies.
             if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            if (fp8_fcproj_w) {
-                {  // the gradient in E5M2
-                    using G = __nv_fp8_e5m2;
-                    uint8_t* at = reinterpret_cast<uint8_t*>(d_qkv_);
-                    auto* g8 = reinterpret_cast<G*>(at);
-                    auto* g8t = reinterpret_cast<G*>(at + nc_);
-                    auto* gelu_t = reinterpret_cast<__nv_fp8_e4m3*>(at + 2 * nc_);
-                    fp8_cast_pair(fp8_fcproj || fp8_fc_grad ? g8 : nullptr, g8t, N, d_residual_, N, C,
-                                  fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad), stream_, fscratch);
-                    if (fp8_fc_grad) {
-                        // fc.grad: the product alone (the GELU gradient comes with the cast below).
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_);
-                    } else if (fp8_fcproj) {
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
-                                   Fp8Epilogue{nullptr, nullptr, a.fch});
-                    } else {
-                        matmul_backward_dx(lt_, d_fch_, d_residual_, b.fcprojw, N, 4 * C, C, stream_, a.fch);
-                    }
-                    fp8_transpose(gelu_t, N, a.fch_gelu_q, N, 4 * C, stream_);
-                    fp8_matmul(lt_, stream_, C, 4 * C, N, g8t, gelu_t, fp8_descale(kFp8Grad), fp8_delayed_descale(l),
-                               gb.fcprojw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                    bias_grad_from_partials(gb.fcprojb, fscratch, ceil_div<int64_t>(N, kFp8CastPairRows), C, stream_);
-                }
-            } else {
-                if (fp8_fcproj) {
-                    {  // the gradient in E5M2
-                        const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
-                        fp8_matmul(lt_, stream_, N, 4 * C, C, g8, fp8_weight(kFp8FcprojT, l), fp8_descale(kFp8Grad),
-                                   fp8_descale(fp8_weight_slot(kFp8FcprojT, l)), d_fch_,
-                                   Fp8Epilogue{nullptr, nullptr, a.fch});
-                    }
-                }
-                if (dw > 0 && l < L - 1) await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
-                linear_backward(dw >= 2, fp8_fcproj ? nullptr : d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu,
-                                b.fcprojw, 4 * C, C, dw >= 2 ? dw_->fcproj_done.get() : nullptr, a.fch);  // fcprojb: see above
-            }
-            if (fp8_fc_grad) {
-                // fc.grad: dfch = d_fch_ * GELU'(fch) cast in E5M2 both ways at the
-                // layer's delayed scale (its amax measured for the next; without a history, a first pass at scale
-                // 1 measures it), its column sums for the bias in d_ln_ (free until dX below); dX = dfch W (W^T's
-                // copy), dW += dfch^T ln2 (ln2^T: a byte transpose of the kept E4M3 ln2, in d_qkv_).
-                const int slot = fp8_dgelu_slot(l);
-                auto* sums = reinterpret_cast<float*>(d_ln_);
-                auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot));
-                auto* ln2t = reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_);
-                {
-                    using G = __nv_fp8_e5m2;
-                    auto* q = reinterpret_cast<G*>(fp8_grad_.get());
-                    G* qt = q + 4 * nc_;
-                    auto cast = [&]() {
-                        cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-                        fp8_dgelu_cast_pair(q, qt, N, d_fch_, a.fch, N, 4 * C, fp8_delayed_scale(slot), amax, stream_,
-                                            sums);
-                    };
-                    run_delayed<G>(slot, measure, cast);
-                    bias_grad_from_partials(gb.fcb, sums, ceil_div<int64_t>(N, kFp8CastPairRows), 4 * C, stream_);
-                    fp8_transpose(ln2t, N, a.ln2_q, N, C, stream_);
-                    fp8_matmul(lt_, stream_, N, C, 4 * C, q, fp8_weight(kFp8FcT, l), fp8_delayed_descale(slot),
-                               fp8_descale(fp8_weight_slot(kFp8FcT, l)), d_ln_);
-                    fp8_matmul(lt_, stream_, 4 * C, C, N, qt, ln2t, fp8_delayed_descale(slot), fp8_ln2_descale(l, N),
-                               gb.fcw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                }
-            } else {
-                const floatX* ln2 =
-                    a.ln2 != nullptr ? a.ln2 : dequantized(d_qkv_, a.ln2_q, N * C, fp8_ln2_descale(l, N));
-                linear_backward(dw > 0, d_ln_, gb.fcw, gb.fcb, d_fch_, ln2, b.fcw, C, 4 * C,
-                                dw > 0 ? dw_->fc_done.get() : nullptr);
-            }
+            // The residual gradient's E5M2 copies in d_qkv_ (free until attention's backward writes it).
+            const LinearGrad dres3 = fp8_.grad(res[cur], N, C, d_qkv_, fp8_fcproj || fp8_fc_grad, fp8_fcproj_w, fscratch);
+            const LinearIn gelu = fp8_fcproj_w ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l),
+                                                          reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_) + 2 * nc_}
+                                               : LinearIn{a.fch_gelu};
+            if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
+            linear_backward(d_fch_, gb.fcprojw, fp8_fcproj_w ? gb.fcprojb : nullptr, dres3, gelu, b.fcprojw, kFp8FcprojT,
+                            l, N, 4 * C, C, fp8_fc_grad ? nullptr : a.fch, 2, &DwSide::fcproj_done);
+            // fch = ln2 fcw^T + fcb. fc.grad casts its gradient (GPT2Fp8::dgelu_grad), taking fc's bias gradient
+            // from it first. ln2 kept in E4M3 is read in d_qkv_ (layer l+1's qkv gradient is spent).
+            const LinearGrad dfch = fp8_fc_grad ? fp8_.dgelu_grad(d_fch_, a.fch, N, l, measure,
+                                                                  reinterpret_cast<float*>(d_ln_), gb.fcb)
+                                                : LinearGrad{d_fch_};
+            const LinearIn ln2 = fp8_.dw_input(a.ln2, a.ln2_q, fp8_.ln2_descale(l, N), fp8_fc_grad, d_qkv_, N);
+            linear_backward(d_ln_, gb.fcw, fp8_fc_grad ? nullptr : gb.fcb, dfch, ln2, b.fcw, kFp8FcT, l, N, C, 4 * C,
+                            nullptr, 1, &DwSide::fc_done);
             if (dw >= 2) {
-                if (l < L - 1) await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
+                if (l < L - 1) dw_->await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
-                               fscratch, sbytes, stream_, fp8_attproj ? fp8_reset_amax(kFp8Grad) : nullptr,
+                               fscratch, sbytes, stream_, fp8_attproj ? fp8_.reset_amax(kFp8Grad) : nullptr,
                                gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
-            // residual2 = residual + attproj(attention(qkv(ln1))).
-            if (fp8_attproj) {
-                {  // the gradient in E5M2
-                    const auto* g8 = fp8_cast_operand<__nv_fp8_e5m2>(d_residual_, N * C, kFp8Grad);
-                    fp8_matmul(lt_, stream_, N, C, C, g8, fp8_weight(kFp8AttprojT, l), fp8_descale(kFp8Grad),
-                               fp8_descale(fp8_weight_slot(kFp8AttprojT, l)), d_atty_);
-                }
-            }
-            linear_backward(dw >= 2, fp8_attproj ? nullptr : d_atty_, gb.attprojw, nullptr, res[cur], a.atty,
-                            b.attprojw, C, C, dw >= 2 ? dw_->attproj_done.get() : nullptr);  // attprojb: ln2's backward
-            // qkv.grad.delayed, with a history: attention's backward writes dqkv in FP8 itself at the layer's
-            // delayed scale (below); otherwise in bf16, its amax recorded for the cast (and for the history).
-            const bool dqkv_delayed = fp8_qkv_grad && fp8_.qkv_grad_delayed && fp8_fcproj_w;
-            const bool dqkv_fused = dqkv_delayed && !measure && attention_backward_fp8_available(B, T, C, NH);
-            // qkv's backward in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
-            // block's column sums of dqkv for the bias gradient as it stores it (no pass over dqkv for it), in
-            // d_fch_'s last bytes (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or
-            // with the side stream (whose fc dW may still read d_fch_) in a buffer of their own.
+            // residual2 = residual + attproj(atty) (attprojb: ln2's backward).
+            linear_backward(d_atty_, gb.attprojw, nullptr, fp8_.grad(res[cur], N, C, d_qkv_, fp8_attproj, false, fscratch), {a.atty},
+                            b.attprojw, kFp8AttprojT, l, N, C, C, nullptr, 2, &DwSide::attproj_done);
+            // qkv's bias gradient in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
+            // block's column sums of dqkv as it stores it (no pass over dqkv for them), in d_fch_'s last bytes
+            // (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or with the side stream
+            // (whose fc dW may still read d_fch_) in a buffer of their own.
             float* qkvb_sums = nullptr;
             if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
                 qkvb_sums = dw > 0 ? dw_->qkvb_sums.get()
                                    : reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
-            if (dw > 0 && l < L - 1) await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
-            if (!dqkv_fused) {
-                attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                   scratch_.get(), sbytes, stream_, fp8_qkv_grad ? fp8_reset_amax(kFp8Grad) : nullptr,
-                                   qkvb_sums);
+            if (dw > 0 && l < L - 1) dw_->await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
+            const LinearGrad dqkv = attention_grad(a, B, T, fp8_qkv_grad, dqkv_delayed ? fp8_.dqkv_slot(l) : -1, measure,
+                                                   qkvb_sums);
+            // qkv.grad: ln1^T after dqkv's copies in d_fch_; a bf16 dW reads ln1 kept in E4M3 in d_fch_.
+            const LinearIn ln1 = fp8_.dw_input(a.ln1, a.ln1_q, fp8_.ln1_descale(l, N), fp8_qkv_grad,
+                                               reinterpret_cast<uint8_t*>(d_fch_) + (fp8_qkv_grad ? 6 * N * C : 0), N);
+            linear_backward(d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, dqkv, ln1, b.qkvw, kFp8QkvT, l, N,
+                            C, 3 * C, nullptr, 1, nullptr);  // qkv_done is marked below, after the side's bias sums
+            if (qkvb_sums != nullptr) {
+                bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, dw > 0 ? dw_->stream.get() : stream_);
             }
-            if (fp8_qkv_grad) {
-                {  // the gradient in E5M2
-                    // qkv.grad: d_fch_ (layer l's fc gradient is spent) holds dqkv in E5M2
-                    // in both layouts (one cast, its amax recorded by attention's backward) and ln1^T (a byte
-                    // transpose of the kept E4M3 ln1). dX = dqkv W (W^T's copy), dW += dqkv^T ln1; the bias
-                    // gradient from bf16 dqkv's column sums, which the cast adds up as it reads dqkv. With
-                    // qkv.grad.delayed and a history, attention's backward writes both layouts and the column
-                    // sums itself at the layer's delayed scale (no bf16 dqkv, no cast), recording the amax for
-                    // the history; without one (the first step, or a shape its kernels do not take) the cast
-                    // runs as above and its amax joins the history.
-                    using G = __nv_fp8_e5m2;
-                    auto* g8 = reinterpret_cast<G*>(d_fch_);
-                    G* g8t = g8 + N * 3 * C;
-                    auto* ln1t = reinterpret_cast<__nv_fp8_e4m3*>(g8t + N * 3 * C);
-                    // The bias gradient's partial sums after them (ceil(N/64) x 3C floats fit in d_fch_'s last N C
-                    // bytes).
-                    auto* bias_partial = reinterpret_cast<float*>(ln1t + N * C);
-                    static_assert(flash90_detail::kRows == kFp8CastPairRows,
-                                  "attention's FP8 column sums and the cast's must cover the same 64-row blocks");
-                    const int slot = dqkv_delayed ? fp8_dqkv_slot(l) : 0;
-                    auto* delayed_amax = dqkv_delayed ? reinterpret_cast<unsigned int*>(fp8_delayed_amax(slot)) : nullptr;
-                    const float* descale = fp8_descale(kFp8Grad);
-                    if (dqkv_fused) {
-                        cudaCheck(cudaMemsetAsync(delayed_amax, 0, sizeof(unsigned int), stream_));
-                        Flash90Fp8Out f;
-                        f.q = reinterpret_cast<uint8_t*>(g8);
-                        f.qt = reinterpret_cast<uint8_t*>(g8t);
-                        f.sums = bias_partial;
-                        f.scale = fp8_delayed_scale(slot);
-                        f.amax_bits = delayed_amax;
-                        attention_backward_fp8<G>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                                  scratch_.get(), sbytes, stream_);
-                        descale = fp8_delayed_descale(slot);
-                    } else {
-                        if (dqkv_delayed) {
-                            cudaCheck(cudaMemcpyAsync(delayed_amax, fp8_amax_slot(kFp8Grad), sizeof(unsigned int),
-                                                      cudaMemcpyDeviceToDevice, stream_));
-                        }
-                        fp8_cast_pair(g8, g8t, N, d_qkv_, N, 3 * C, fp8_amax_slot(kFp8Grad), fp8_descale(kFp8Grad),
-                                      stream_, bias_partial);
-                    }
-                    fp8_transpose(ln1t, N, a.ln1_q, N, C, stream_);
-                    fp8_matmul(lt_, stream_, N, C, 3 * C, g8, fp8_weight(kFp8QkvT, l), descale,
-                               fp8_descale(fp8_weight_slot(kFp8QkvT, l)), d_ln_);
-                    fp8_matmul(lt_, stream_, 3 * C, C, N, g8t, ln1t, descale, fp8_ln1_descale(l, N),
-                               gb.qkvw, Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-                    bias_grad_from_partials(gb.qkvb, bias_partial, ceil_div<int64_t>(N, kFp8CastPairRows), 3 * C,
-                                            stream_);
-                }
-            } else {
-                const floatX* ln1 =
-                    a.ln1 != nullptr ? a.ln1 : dequantized(d_fch_, a.ln1_q, N * C, fp8_ln1_descale(l, N));
-                floatX* qkvb = qkvb_sums != nullptr ? nullptr : gb.qkvb;
-                // qkv_done is marked below, after the side's bias sums.
-                linear_backward(dw > 0, d_ln_, gb.qkvw, qkvb, d_qkv_, ln1, b.qkvw, C, 3 * C, nullptr);
-                if (qkvb_sums != nullptr) {
-                    bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, side);
-                }
-                if (dw > 0) mark(dw_->qkv_done);
-            }
+            if (dw > 0) dw_->mark(dw_->qkv_done);
             if (dw >= 2) {
-                await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
+                dw_->await(dw_->fcproj_done);  // this layer's fcproj dW reads the other buffer
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
-                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_reset_amax(kFp8Grad) : nullptr,
+                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_.reset_amax(kFp8Grad) : nullptr,
                                l > 0 ? fcprojb_grad(l - 1) : nullptr, dw >= 2 ? res[1 - cur] : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
         if (dw > 0) {  // every weight gradient is in (the encoder's backward adds to dwte too)
-            mark(dw_->done);
-            await(dw_->done);
+            dw_->mark(dw_->done);
+            dw_->await(dw_->done);
         }
         encoder_backward(gw.wte, gw.wpe, res[cur], inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
-        if (fp8_fcproj_w) {
-            // The amaxes this forward and backward measured join the history (the ranks' largest, so that
-            // every rank's history, and scales, stay equal).
-            const int slots = int(fp8_delayed_slots());
-            if (multi_ != nullptr) {
-                multi_->all_reduce_max_async(fp8_delayed_amax(0), size_t(slots) * kFp8SlotStride, stream_);
-                multi_->join(stream_);
-            }
-            fp8_history_push(fp8_history_.get(), slots, kFp8HistoryLen, fp8_delayed_amax(0), kFp8SlotStride,
-                             fp8_history_.get() + fp8_history_count_at(), stream_, fp8_outgrown());
-            fp8_history_count_ = std::min(fp8_history_count_ + 1, kFp8HistoryLen);
-        }
+        if (fp8_fcproj_w) fp8_.push_history(multi_);  // the amaxes this step measured join the history
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
@@ -913,7 +600,7 @@ public:
         // The gradients are summed over the ranks (bf16 has no exact 1/W for most W); the norm and the clip
         // scale divide by W in fp32, so AdamW sees the mean gradient.
         const int ranks = multi_ != nullptr ? multi_->world() : 1;
-        fp8_weights_stale_ = true;
+        fp8_.weights_changed();
         if (multi_ != nullptr) multi_->join(stream_);
         if (!sharded()) {
             global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_, ranks);
@@ -970,70 +657,21 @@ private:
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         const OuterTensors<const floatX> w = outer(p);
-        if (fp8_.any() && fp8_weights_stale_) cast_fp8_weights();
-        const bool fp8_qkv = fp8_.qkv && fp8_rows(N), fp8_fc = fp8_.fc && fp8_rows(N);
-        const bool fp8_fcproj = fp8_fcproj_on(N);
-        // Without a history (the first forward), each layer's fc runs first at scale 1 to measure its amax.
-        const bool measure = fp8_fcproj && fp8_history_count_ == 0;
-        if (fp8_fcproj) {
-            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get(), L, kFp8HistoryLen, fp8_delayed_scale(0),
-                                              fp8_delayed_descale(0), kFp8SlotStride, stream_);
-            fp8_delayed_scales<__nv_fp8_e5m2>(fp8_history_.get() + size_t(L) * kFp8HistoryLen, L, kFp8HistoryLen,
-                                              fp8_delayed_scale(fp8_dgelu_slot(0)),
-                                              fp8_delayed_descale(fp8_dgelu_slot(0)), kFp8SlotStride, stream_);
-            // ln1's and ln2's slots, one after the other.
-            const int ln_slots = fp8_ln1_delayed_slot(0);
-            fp8_delayed_scales<__nv_fp8_e4m3>(fp8_history_.get() + size_t(ln_slots) * kFp8HistoryLen, 2 * L,
-                                              kFp8HistoryLen, fp8_delayed_scale(ln_slots),
-                                              fp8_delayed_descale(ln_slots), kFp8SlotStride, stream_);
-            if (fp8_.qkv_grad_delayed) {
-                {  // the gradient in E5M2
-                    fp8_delayed_scales<__nv_fp8_e5m2>(
-                        fp8_history_.get() + size_t(fp8_dqkv_slot(0)) * kFp8HistoryLen, L, kFp8HistoryLen,
-                        fp8_delayed_scale(fp8_dqkv_slot(0)), fp8_delayed_descale(fp8_dqkv_slot(0)), kFp8SlotStride,
-                        stream_);
-                }
-            }
-        }
+        fp8_.cast_weights([&](int l) { return block(p, l); }, w.wte);
+        const bool fp8_qkv = fp8_.on.qkv && fp8_.rows(N), fp8_fc = fp8_.on.fc && fp8_.rows(N);
+        // FP8 fcproj: delayed scaling. Without a history (the first forward), each tensor written at a
+        // delayed scale is written twice, the first time at scale 1 to measure its amax (run_delayed).
+        const bool fp8_fcproj = fp8_.fcproj_on(N), measure = fp8_fcproj && fp8_.measuring();
+        if (fp8_fcproj) fp8_.set_delayed_scales();
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
-        // A LayerNorm output kept in FP8 (a.ln1_q, a.ln2_q): with delayed scaling (FP8 fcproj) the LayerNorm
-        // writes it in E4M3 itself at its delayed scale, recording the amax for the history (without a
-        // history it runs twice, the first time to measure); otherwise it is written in bf16 to d_ln_ (free
-        // in forward) with its amax, then cast into its layer's FP8 slot, and a call in bf16 (rows not a
-        // multiple of 16) reads the bf16 one. run(out, amax, fp8) runs the LayerNorm.
-        auto ln_out = [&](floatX* bf16) { return bf16 != nullptr ? bf16 : d_ln_; };
-        auto layer_norm = [&](floatX* bf16, __nv_fp8_e4m3* q, int slot, int delayed, auto&& run) {
-            if (bf16 != nullptr) {
-                run(bf16, nullptr, LayerNormFp8Out{});
-            } else if (!fp8_fcproj) {
-                run(d_ln_, fp8_reset_amax(slot), LayerNormFp8Out{});
-                keep_fp8(q, N * C, slot);
-            } else {
-                auto* amax = reinterpret_cast<unsigned int*>(fp8_delayed_amax(delayed));
-                auto once = [&]() {
-                    cudaCheck(cudaMemsetAsync(amax, 0, sizeof(unsigned int), stream_));
-                    run(nullptr, amax, LayerNormFp8Out{q, fp8_delayed_scale(delayed)});
-                };
-                run_delayed<__nv_fp8_e4m3>(delayed, measure, once);
-            }
-        };
-        const BlockActivations first = acts(0);
-        layer_norm(first.ln1, first.ln1_q, fp8_ln1_slot(0), fp8_ln1_delayed_slot(0),
-                   [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                       layernorm_forward(out, first.ln1_mean, first.ln1_rstd, encoded_, block(p, 0).ln1w,
-                                         block(p, 0).ln1b, N, C, stream_, amax, f);
-                   });
+        layernorm_at(0, false, N, fp8_fcproj, measure, nullptr);
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            if (fp8_qkv) {
-                fp8_matmul(lt_, stream_, N, 3 * C, C, a.ln1_q, fp8_weight(kFp8Qkv, l), fp8_ln1_descale(l, N),
-                           fp8_descale(fp8_weight_slot(kFp8Qkv, l)), a.qkv, Fp8Epilogue{b.qkvb}, kFp8FastAccumForward);
-            } else {
-                matmul_forward(lt_, a.qkv, ln_out(a.ln1), b.qkvw, b.qkvb, N, C, 3 * C, stream_);
-            }
+            linear_forward(a.qkv, ln_input(a.ln1, a.ln1_q, fp8_qkv, fp8_.ln1_descale(l, N)), kFp8Qkv, l, b.qkvw, b.qkvb, N,
+                           C, 3 * C);
             if (packed != nullptr) {
                 attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
                                            NH, packed_scratch_.get(), packed_scratch_.bytes(), stream_, packed->groups);
@@ -1041,281 +679,145 @@ private:
                 attention_forward(lt_, a.atty, a.att_saved, att_saved_bytes_, a.qkv, B, T, C, NH, scratch_.get(),
                                   scratch_.bytes(), stream_);
             }
-            // residual2 = residual + attproj(atty), the add in the matmul's epilogue; then LayerNorm.
-            matmul_forward(lt_, a.residual2, a.atty, b.attprojw, b.attprojb, N, C, C, stream_, nullptr, residual);
-            layer_norm(a.ln2, a.ln2_q, fp8_ln2_slot(l), fp8_ln2_delayed_slot(l),
-                       [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                           layernorm_forward(out, a.ln2_mean, a.ln2_rstd, a.residual2, b.ln2w, b.ln2b, N, C, stream_,
-                                             amax, f);
-                       });
-            if (fp8_fcproj) {
-                // The GELU output straight into E4M3 at the layer's delayed scale (its amax measured as it
-                // is written), then fcproj from it.
-                auto fc = [&]() {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_ln2_descale(l, N),
-                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu_q, fp8_delayed_scale(l),
-                               fp8_delayed_amax(l), Fp8Epilogue{b.fcb, a.fch, nullptr}, kFp8FastAccumForward);
-                };
-                run_delayed<__nv_fp8_e4m3>(l, measure, fc);
-                fp8_matmul(lt_, stream_, N, C, 4 * C, a.fch_gelu_q, fp8_weight(kFp8Fcproj, l), fp8_delayed_descale(l),
-                           fp8_descale(fp8_weight_slot(kFp8Fcproj, l)), proj_, Fp8Epilogue{b.fcprojb},
-                           kFp8FastAccumForward);
-            } else {
-                if (fp8_fc) {
-                    fp8_matmul(lt_, stream_, N, 4 * C, C, a.ln2_q, fp8_weight(kFp8Fc, l), fp8_ln2_descale(l, N),
-                               fp8_descale(fp8_weight_slot(kFp8Fc, l)), a.fch_gelu, Fp8Epilogue{b.fcb, a.fch, nullptr},
-                               kFp8FastAccumForward);
-                } else {
-                    matmul_forward(lt_, a.fch_gelu, ln_out(a.ln2), b.fcw, b.fcb, N, C, 4 * C, stream_, a.fch);
-                }
-                // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue.
-                matmul_forward(lt_, a.residual3, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, stream_, nullptr,
-                               a.residual2);
-            }
-            // The residual add closes the block (FP8 fcproj: in the next LayerNorm's pass, from proj_); the
-            // next LayerNorm is the next block's, or the final one.
-            auto close_block = [&](floatX* out, float* mean, float* rstd, const floatX* w_ln, const floatX* b_ln,
-                                   unsigned int* amax, LayerNormFp8Out f) {
-                if (fp8_fcproj) {
-                    fused_residual_layernorm_forward(a.residual3, out, mean, rstd, a.residual2, proj_, w_ln, b_ln, N,
-                                                     C, stream_, amax, f);
-                } else {
-                    layernorm_forward(out, mean, rstd, a.residual3, w_ln, b_ln, N, C, stream_, amax, f);
-                }
-            };
-            if (l + 1 < L) {
-                const BlockActivations next = acts(l + 1);
-                const BlockTensors<const floatX> nb = block(p, l + 1);
-                layer_norm(next.ln1, next.ln1_q, fp8_ln1_slot(l + 1), fp8_ln1_delayed_slot(l + 1),
-                           [&](floatX* out, unsigned int* amax, LayerNormFp8Out f) {
-                               close_block(out, next.ln1_mean, next.ln1_rstd, nb.ln1w, nb.ln1b, amax, f);
-                           });
-            } else {
-                close_block(lnf_, lnf_mean_, lnf_rstd_, w.lnfw, w.lnfb, lnf_amax ? fp8_reset_amax(kFp8Act) : nullptr,
-                            LayerNormFp8Out{});
-            }
+            // residual2 = residual + attproj(atty), the add in the matmul's epilogue.
+            linear_forward(a.residual2, {a.atty}, -1, l, b.attprojw, b.attprojb, N, C, C, nullptr, residual);
+            layernorm_at(l, true, N, fp8_fcproj, measure, nullptr);
+            // The GELU output (GELU in the matmul's epilogue, keeping its input fch); with FP8 fcproj straight
+            // into E4M3 at the layer's delayed scale (its amax measured as it is written).
+            fp8_.run_delayed<__nv_fp8_e4m3>(l, measure, [&]() {
+                linear_forward(a.fch_gelu, ln_input(a.ln2, a.ln2_q, fp8_fc, fp8_.ln2_descale(l, N)), kFp8Fc, l, b.fcw,
+                               b.fcb, N, C, 4 * C, a.fch, nullptr,
+                               fp8_fcproj ? LinearOut8{a.fch_gelu_q, fp8_.delayed_scale(l), fp8_.delayed_amax(l)}
+                                          : LinearOut8{});
+            });
+            // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue; with FP8 fcproj,
+            // whose matmul writes proj_, in the next LayerNorm's pass.
+            linear_forward(fp8_fcproj ? proj_ : a.residual3,
+                           fp8_fcproj ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l)} : LinearIn{a.fch_gelu},
+                           kFp8Fcproj, l, b.fcprojw, b.fcprojb, N, 4 * C, C, nullptr, fp8_fcproj ? nullptr : a.residual2);
+            // The next block's ln1, or the final LayerNorm.
+            layernorm_at(l + 1, false, N, fp8_fcproj, measure,
+                         l + 1 == L && lnf_amax ? fp8_.reset_amax(kFp8Act) : nullptr);
         }
     }
 
-    // The classifier with FP8 lm_head.grad (the file's comment), `chunk` rows at a time; with targets the
-    // losses, and in training (dloss > 0) also the classifier's backward but for dwte: d(lnf) into d_ln_
-    // (free until backward reads it there), dlogits^T (Vp, N) in E5M2 in logits_ and lnf^T (C, N) in E4M3
-    // in d_qkv_ (untouched until backward has used them: its first matmul). A training forward puts each
-    // chunk's logits at the start of logits_, then its dlogits in E5M2 (fp8_classifier_chunk sizes the
-    // chunks so that the three fit with dlogits^T in logits_' 2 N Vp bytes); any other forward leaves all
-    // N rows of logits in logits_. Both run the same matmul shapes, so their logits and losses are equal.
-    void fp8_classifier_chunks(const int* targets, int64_t N, int64_t chunk, float dloss) {
-        const GPT2Config& c = config_;
-        const int C = c.channels, V = c.vocab_size, Vp = c.padded_vocab_size;
-        const bool train = targets != nullptr && dloss > 0.0f;
-        const __nv_fp8_e4m3* x = fp8_cast_operand<__nv_fp8_e4m3>(lnf_, N * C, kFp8Act);
-        const int wslot = fp8_weight_slot(kFp8WeightKinds, 0);
-        auto* dlogits = reinterpret_cast<__nv_fp8_e5m2*>(reinterpret_cast<uint8_t*>(logits_) + 2 * chunk * Vp);
-        __nv_fp8_e5m2* dlogits_t = fp8_dlogits_transposed(N);
-        for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-            const int64_t n = std::min(chunk, N - r0);
-            floatX* out = train ? logits_ : logits_ + r0 * Vp;
-            fp8_matmul(lt_, stream_, n, Vp, C, x + r0 * C, fp8_weight(kFp8WeightKinds, 0), fp8_descale(kFp8Act),
-                       fp8_descale(wslot), out, Fp8Epilogue{}, kFp8FastAccumForward);
-            if (targets == nullptr) continue;
-            if (!train) {
-                fused_classifier(out, losses_ + r0, targets + r0, 0.0f, n, V, Vp, false, stream_);
-                continue;
+    // The LayerNorm before layer l's qkv (ln1; l = L: the final one, into lnf_) or fc (ln2 = true), with the
+    // residual add closing block l - 1 fused in where FP8 fcproj left it to it (residual2 + proj_ written
+    // to residual3 on the way). Its output: bf16, or kept in E4M3 (GPT2Fp8::layernorm_out; d_ln_ is free in
+    // forward); amax: the bf16 output's amax recorded there.
+    void layernorm_at(int l, bool ln2, int64_t N, bool delayed, bool measure, unsigned int* amax) {
+        const int L = config_.num_layers, C = config_.channels;
+        const floatX* p = params_.get();
+        const BlockActivations a = acts(std::min(l, L - 1)), prev = acts(std::max(l - 1, 0));
+        const bool final = l == L;
+        const floatX* w = final ? outer(p).lnfw : ln2 ? block(p, l).ln2w : block(p, l).ln1w;
+        const floatX* bias = final ? outer(p).lnfb : ln2 ? block(p, l).ln2b : block(p, l).ln1b;
+        float* mean = final ? lnf_mean_ : ln2 ? a.ln2_mean : a.ln1_mean;
+        float* rstd = final ? lnf_rstd_ : ln2 ? a.ln2_rstd : a.ln1_rstd;
+        floatX* out = final ? lnf_ : ln2 ? a.ln2 : a.ln1;
+        auto run = [&](floatX* o, unsigned int* o_amax, LayerNormFp8Out f) {
+            if (ln2) {
+                layernorm_forward(o, mean, rstd, a.residual2, w, bias, N, C, stream_, o_amax, f);
+            } else if (l == 0) {
+                layernorm_forward(o, mean, rstd, encoded_, w, bias, N, C, stream_, o_amax, f);
+            } else if (delayed) {
+                fused_residual_layernorm_forward(prev.residual3, o, mean, rstd, prev.residual2, proj_, w, bias, N, C,
+                                                 stream_, o_amax, f);
+            } else {
+                layernorm_forward(o, mean, rstd, prev.residual3, w, bias, N, C, stream_, o_amax, f);
             }
-            fused_classifier_fp8(out, losses_ + r0, targets + r0, dloss, n, V, Vp, dlogits, fp8_descale(kFp8Dlogits),
-                                 stream_);
-            fp8_transpose(dlogits_t + r0, N, dlogits, n, Vp, stream_);
-            // d(lnf) rows r0.. = dlogits (n, Vp) wte (Vp, C): P dlogits, Q wte^T (C, Vp).
-            fp8_matmul(lt_, stream_, n, C, Vp, dlogits, fp8_wte_transposed(), fp8_descale(kFp8Dlogits),
-                       fp8_descale(wslot), d_ln_ + r0 * C);
-        }
-        if (!train) return;
-        fp8_cast_transposed(fp8_lnf_transposed(), lnf_, N, C, fp8_amax_slot(kFp8Act), fp8_descale(kFp8Act), stream_);
-        classifier_grad_rows_ = N;
-    }
-    // The rows per chunk of fp8_classifier_chunks for N rows (a multiple of 16): about N / 4, a multiple
-    // of 16, or 0 (no chunks: the classifier in one piece, its backward in bf16) without lm_head.grad or
-    // where a chunk's 3 chunk Vp bytes and dlogits^T's N Vp would not fit in logits_' 2 N Vp (N < 48).
-    int64_t fp8_classifier_chunk(int64_t N) const {
-        if (!fp8_.lm_head_grad) return 0;
-        const int64_t chunk = ceil_div<int64_t>(ceil_div<int64_t>(N, 4), 16) * 16;
-        return 3 * chunk <= N ? chunk : 0;
-    }
-    __nv_fp8_e5m2* fp8_dlogits_transposed(int64_t N) const {
-        const int64_t chunk = fp8_classifier_chunk(N);
-        return reinterpret_cast<__nv_fp8_e5m2*>(reinterpret_cast<uint8_t*>(logits_) + 3 * chunk * config_.padded_vocab_size);
-    }
-    // After the classifier's E4M3 input (fp8_cast_operand's, N x C values) in d_qkv_.
-    __nv_fp8_e4m3* fp8_lnf_transposed() const {
-        return reinterpret_cast<__nv_fp8_e4m3*>(reinterpret_cast<uint8_t*>(d_qkv_) + nc_);
+        };
+        fp8_.layernorm_out(out, amax, ln2 ? a.ln2_q : a.ln1_q, ln2 ? fp8_.ln2_slot(l) : fp8_.ln1_slot(l),
+                           ln2 ? fp8_.ln2_delayed_slot(l) : fp8_.ln1_delayed_slot(l), delayed, measure, d_ln_, N * C,
+                           run);
     }
 
-    // FP8 (the file's comment). Amax and descale slots, 4 floats apart (cuBLASLt wants the descales 16-byte
-    // aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
-    // LayerNorm output (ln1 of each layer, then ln2), then the classifier's input (E4M3), the
-    // gradient's (E5M2), each reused by one matmul after another, and the classifier's dlogits (E5M2).
-    // Forward FP8 matmuls accumulate with Hopper's fast (less often promoted) accumulation, as Transformer
-    // Engine does for the forward; the backward ones promote as usual.
-    static constexpr bool kFp8FastAccumForward = true;
-    static constexpr int kFp8Qkv = 0, kFp8Fc = 1, kFp8AttprojT = 2, kFp8FcprojT = 3, kFp8QkvT = 4, kFp8Fcproj = 5,
-                         kFp8FcT = 6, kFp8WeightKinds = 7;
-    static constexpr int kFp8SlotStride = 4;
-    // Delayed scaling (the file's comment): the training steps each scale looks back on, and its slots:
-    // layer l's GELU output (E4M3) at l, its GELU gradient (fc.grad) at fp8_dgelu_slot(l), its kept
-    // ln1 and ln2 (E4M3) at fp8_ln1_delayed_slot(l) and fp8_ln2_delayed_slot(l), and with qkv.grad.delayed
-    // its dqkv (the gradient's format) at fp8_dqkv_slot(l) (a fifth kind only then, so that the other modes'
-    // checkpoints keep their history's shape).
-    static constexpr int kFp8HistoryLen = 16;
-    static constexpr int kFp8DelayedKinds = 4;
-    int fp8_delayed_kinds() const { return kFp8DelayedKinds + (fp8_.qkv_grad_delayed ? 1 : 0); }
-    int fp8_dgelu_slot(int l) const { return config_.num_layers + l; }
-    int fp8_ln1_delayed_slot(int l) const { return 2 * config_.num_layers + l; }
-    int fp8_ln2_delayed_slot(int l) const { return 3 * config_.num_layers + l; }
-    int fp8_dqkv_slot(int l) const { return kFp8DelayedKinds * config_.num_layers + l; }
-    // The descale of layer l's kept E4M3 ln1 (ln2) in a call of N rows: its delayed slot's where the
-    // LayerNorm wrote it at a delayed scale (forward_to_lnf), else the cast's slot.
-    const float* fp8_ln1_descale(int l, int64_t N) const {
-        return fp8_fcproj_on(N) ? fp8_delayed_descale(fp8_ln1_delayed_slot(l)) : fp8_descale(fp8_ln1_slot(l));
+    // The LayerNorm output a forward matmul reads: kept E4M3 where it runs in FP8, else bf16 (in d_ln_,
+    // layernorm_at's, where only the FP8 copy is kept).
+    LinearIn ln_input(const floatX* x, const __nv_fp8_e4m3* q, bool fp8, const float* descale) const {
+        return fp8 ? LinearIn{nullptr, q, descale} : LinearIn{x != nullptr ? x : d_ln_};
     }
-    const float* fp8_ln2_descale(int l, int64_t N) const {
-        return fp8_fcproj_on(N) ? fp8_delayed_descale(fp8_ln2_delayed_slot(l)) : fp8_descale(fp8_ln2_slot(l));
-    }
-    size_t fp8_delayed_slots() const { return size_t(fp8_delayed_kinds()) * size_t(config_.num_layers); }
-    float* fp8_delayed_amax(int slot) const { return fp8_delayed_.get() + size_t(slot) * kFp8SlotStride; }
-    float* fp8_delayed_scale(int slot) const {
-        return fp8_delayed_.get() + (fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;
-    }
-    float* fp8_delayed_descale(int slot) const {
-        return fp8_delayed_.get() + (2 * fp8_delayed_slots() + size_t(slot)) * kFp8SlotStride;
-    }
-    size_t fp8_history_count_at() const { return fp8_delayed_slots() * kFp8HistoryLen; }
-    // Runs write(), which writes the slot's tensor at its delayed scale and records its amax. With measure
-    // (no history yet) it runs twice: first to measure the amax and set the scale from it alone, then
-    // for real.
-    template <class Fp8, class Write>
-    void run_delayed(int slot, bool measure, Write&& write) {
-        if (measure) {
-            write();
-            fp8_delayed_scales<Fp8>(fp8_delayed_amax(slot), 1, 1, fp8_delayed_scale(slot), fp8_delayed_descale(slot), 1,
-                                    stream_);
+
+    // A linear layer's forward: out (N x cout) = in (N x cin) W^T (+ bias), in FP8 where in.q is given (against
+    // W's E4M3 copy, `kind` of layer l, fast accumulation; with out8, into E4M3 instead of out), else bf16.
+    // pre_gelu: GELU in the epilogue, its input kept there; residual: out = residual + that (bf16).
+    void linear_forward(floatX* out, const LinearIn& in, int kind, int l, const floatX* w, const floatX* bias,
+                        int64_t N, int cin, int cout, floatX* pre_gelu = nullptr, const floatX* residual = nullptr,
+                        const LinearOut8& out8 = {}) {
+        if (in.q == nullptr) {
+            matmul_forward(lt_, out, in.x, w, bias, N, cin, cout, stream_, pre_gelu, residual);
+            return;
         }
-        write();
+        const Fp8Epilogue e{bias, pre_gelu, nullptr};
+        const __nv_fp8_e4m3* w8 = fp8_.weight(kind, l);
+        if (out8.q != nullptr) {
+            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out8.q,
+                       out8.scale, out8.amax, e, kFp8FastAccumForward);
+        } else {
+            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out, e,
+                       kFp8FastAccumForward);
+        }
+    }
+
+    // A linear layer's backward (in (N x cin) -> out (N x cout) through w; dout: out's gradient). dinp = dout W
+    // (times GELU'(pre_gelu) where given: the GELU's backward fused), skipped where dinp is null; dweight +=
+    // dout^T in; dbias += dout's column sums where given. dX runs in FP8 where dout.q is given (against W^T's
+    // E4M3 copy, kind_t of layer l), dW where dout.qt is (against in.qt, transposed from in.q between the two
+    // where given; the bias from dout.sums); else bf16, a bf16 dW on the side stream where set_dw_stream's
+    // level is side_level or above: after fork(), marking `done` there after it, dX on stream_ beside it.
+    void linear_backward(floatX* dinp, floatX* dweight, floatX* dbias, const LinearGrad& dout, const LinearIn& in,
+                         const floatX* w, int kind_t, int l, int64_t N, int cin, int cout, const floatX* pre_gelu,
+                         int side_level, Event DwSide::*done) {
+        DwSide* side = dout.qt == nullptr && dw_stream_applies() >= side_level ? dw_.get() : nullptr;
+        if (side != nullptr) {
+            side->fork();
+            matmul_backward_dw(side->lt, dweight, dbias, dout.x, in.x, N, cin, cout,
+                               reinterpret_cast<float*>(side->scratch.get()), side->scratch.bytes(), side->stream);
+            if (done != nullptr) side->mark(side->*done);
+        }
+        if (dinp != nullptr && dout.q != nullptr) {
+            fp8_matmul(lt_, stream_, N, cin, cout, dout.q, fp8_.weight(kind_t, l), dout.descale,
+                       fp8_.weight_descale(kind_t, l), dinp, Fp8Epilogue{nullptr, nullptr, pre_gelu});
+        } else if (dinp != nullptr) {
+            matmul_backward_dx(lt_, dinp, dout.x, w, N, cin, cout, stream_, pre_gelu);
+        }
+        if (side != nullptr) return;
+        if (dout.qt == nullptr) {
+            matmul_backward_dw(lt_, dweight, dbias, dout.x, in.x, N, cin, cout, reinterpret_cast<float*>(scratch_.get()),
+                               scratch_.bytes(), stream_);
+            return;
+        }
+        if (in.q != nullptr) fp8_transpose(in.qt, N, in.q, N, cin, stream_);
+        fp8_matmul(lt_, stream_, cout, cin, N, dout.qt, in.qt, dout.descale, in.descale, dweight,
+                   Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
+        if (dbias != nullptr) bias_grad_from_partials(dbias, dout.sums, ceil_div<int64_t>(N, kFp8CastPairRows), cout, stream_);
+    }
+
+    // Attention's backward: dqkv, the gradient qkv's backward reads, in bf16 in d_qkv_ (with attention's column
+    // sums for the bias in qkvb_sums where given), with qkv.grad also in E5M2 in d_fch_ (layer l's fc gradient
+    // is spent): GPT2Fp8::dqkv. With qkv.grad.delayed (delayed_slot >= 0) and a history, attention's backward
+    // writes the E5M2 copies and the sums itself at the layer's delayed scale (no bf16 dqkv, no cast); without
+    // one (the first step, or a shape its kernels do not take) a cast makes them and its amax joins the history.
+    LinearGrad attention_grad(const BlockActivations& a, int B, int T, bool fp8, int delayed_slot, bool measure,
+                              float* qkvb_sums) {
+        const int C = config_.channels, NH = config_.num_heads;
+        const int64_t N = int64_t(B) * T;
+        if (delayed_slot >= 0 && !measure && attention_backward_fp8_available(B, T, C, NH)) {
+            Flash90Fp8Out f;
+            const LinearGrad g = fp8_.dqkv(nullptr, d_fch_, N, delayed_slot, &f);
+            attention_backward_fp8<__nv_fp8_e5m2>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                                                  scratch_.get(), scratch_.bytes(), stream_);
+            return g;
+        }
+        attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                           scratch_.get(), scratch_.bytes(), stream_, fp8 ? fp8_.reset_amax(kFp8Grad) : nullptr,
+                           qkvb_sums);
+        return fp8 ? fp8_.dqkv(d_qkv_, d_fch_, N, delayed_slot, nullptr) : LinearGrad{d_qkv_};
     }
     // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
-    bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.any(); }
-    // Whether a call of N rows runs fcproj in FP8 (else bf16: a bf16 GELU output in the shared buffer).
-    bool fp8_fcproj_on(int64_t N) const { return fp8_.fcproj && fp8_.fc && fp8_rows(N) && !recompute_gelu_; }
+    bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.on.any(); }
     // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
-    bool gelu_shared() const { return recompute_gelu_ || fp8_.fcproj; }
-    int fp8_weight_slot(int kind, int l) const { return kind * config_.num_layers + l; }  // kFp8WeightKinds: wte, l = 0
-    int fp8_ln1_slot(int l) const { return kFp8WeightKinds * config_.num_layers + 1 + l; }
-    int fp8_ln2_slot(int l) const { return (kFp8WeightKinds + 1) * config_.num_layers + 1 + l; }
-    static constexpr int kFp8Act = -1, kFp8Grad = -2, kFp8Dlogits = -3;  // resolved by fp8_slot()
-    int fp8_slot(int slot) const {
-        const int act = (kFp8WeightKinds + 2) * config_.num_layers + 1;
-        return slot < 0 ? act - 1 - slot : slot;
-    }
-    unsigned int* fp8_amax_slot(int slot) const { return fp8_amax_.get() + kFp8SlotStride * fp8_slot(slot); }
-    float* fp8_descale(int slot) const { return fp8_descale_.get() + kFp8SlotStride * fp8_slot(slot); }
-    // Zeroes the slot's amax (for the kernel about to write the tensor to record it) and returns it.
-    unsigned int* fp8_reset_amax(int slot) {
-        unsigned int* a = fp8_amax_slot(slot);
-        cudaCheck(cudaMemsetAsync(a, 0, sizeof(unsigned int), stream_));
-        return a;
-    }
-    // FP8 matmuls take rows in multiples of 16 (and C, 3C, 4C, Vp are: set_fp8 checks).
-    static bool fp8_rows(int64_t N) { return N % 16 == 0; }
-    // One layer's FP8 weight copy of a kind (qkv, fc, attproj^T, fcproj^T, qkv^T, fcproj, fc^T), in values.
-    size_t fp8_layer_weight_size(int kind) const {
-        const size_t C = size_t(config_.channels);
-        const size_t size[kFp8WeightKinds] = {3 * C * C, 4 * C * C, C * C, 4 * C * C, 3 * C * C, 4 * C * C, 4 * C * C};
-        return size[kind];
-    }
-    const __nv_fp8_e4m3* fp8_weight(int kind, int l) const {
-        const size_t layer = kind < kFp8WeightKinds ? size_t(l) * fp8_layer_weight_size(kind) : 0;
-        return fp8_weights_.get() + fp8_weight_at_[kind] + layer;
-    }
-    // wte^T (C, Vp), after wte's copy; its descale is wte's (fp8_weight_slot(kFp8WeightKinds, 0)).
-    __nv_fp8_e4m3* fp8_wte_transposed() const {
-        return fp8_weights_.get() + fp8_weight_at_[kFp8WeightKinds] + size_t(config_.padded_vocab_size) * config_.channels;
-    }
-    // x (n <= B x T rows of C bf16, its amax recorded in the slot) in FP8, for the matmul that follows;
-    // the slot's descale set. It goes to d_qkv_, free wherever this is called: in forward (the
-    // classifier's input), and in backward before attention's backward writes d_qkv_ (the residual
-    // stream's gradient for fcproj's and attproj's dX).
-    template <class Fp8>
-    const Fp8* fp8_cast_operand(const floatX* x, int64_t n, int slot) {
-        Fp8* q = reinterpret_cast<Fp8*>(d_qkv_);
-        fp8_cast(q, x, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
-        return q;
-    }
-    // The LayerNorm output forward just wrote to d_ln_ (n values, its amax in the slot) into its kept FP8
-    // copy q; the slot's descale set.
-    void keep_fp8(__nv_fp8_e4m3* q, int64_t n, int slot) {
-        fp8_cast(q, d_ln_, n, fp8_amax_slot(slot), fp8_descale(slot), stream_);
-    }
-    // A kept FP8 LayerNorm output (n values, its descale given) back in bf16, in `into`.
-    const floatX* dequantized(floatX* into, const __nv_fp8_e4m3* q, int64_t n, const float* descale) {
-        fp8_dequantize(into, q, n, descale, stream_);
-        return into;
-    }
-    // The FP8 copies of the weights set_fp8 chose (forward: W as it is; dX: W^T), each scaled by its own amax
-    // (all of them measured first, in one launch: fp8_amax_jobs_, built at the first cast).
-    void cast_fp8_weights() {
-        const GPT2Config& c = config_;
-        const int L = c.num_layers, C = c.channels;
-        const floatX* p = params_.get();
-        bool first = fp8_amax_jobs_.size() == 0;  // collecting the jobs
-        std::vector<Fp8AmaxJob> jobs;
-        auto cast = [&](int kind, int l, const floatX* w, int64_t rows, int64_t cols, bool transposed) {
-            const int slot = fp8_weight_slot(kind, l);
-            __nv_fp8_e4m3* q = const_cast<__nv_fp8_e4m3*>(fp8_weight(kind, l));
-            if (first) {
-                jobs.push_back({w, rows * cols, fp8_amax_slot(slot)});
-                return;
-            }
-            if (transposed) {
-                fp8_cast_transposed(q, w, rows, cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
-            } else {
-                fp8_cast(q, w, rows * cols, fp8_amax_slot(slot), fp8_descale(slot), stream_);
-            }
-        };
-        auto cast_all = [&]() {
-            for (int l = 0; l < L; l++) {
-                const BlockTensors<const floatX> b = block(p, l);
-                if (fp8_.qkv) cast(kFp8Qkv, l, b.qkvw, 3 * C, C, false);
-                if (fp8_.fc) cast(kFp8Fc, l, b.fcw, 4 * C, C, false);
-                if (fp8_.attproj_dx) cast(kFp8AttprojT, l, b.attprojw, C, C, true);
-                if (fp8_.fcproj_dx || fp8_.fc_grad) cast(kFp8FcprojT, l, b.fcprojw, C, 4 * C, true);
-                if (fp8_.qkv_grad) cast(kFp8QkvT, l, b.qkvw, 3 * C, C, true);
-                if (fp8_.fcproj) cast(kFp8Fcproj, l, b.fcprojw, C, 4 * C, false);
-                if (fp8_.fc_grad) cast(kFp8FcT, l, b.fcw, 4 * C, C, true);
-            }
-            if (fp8_.lm_head) cast(kFp8WeightKinds, 0, outer(p).wte, c.padded_vocab_size, C, false);
-            if (fp8_.lm_head_grad && !first) {  // the same scale as wte's copy (its amax is in the slot now)
-                const int slot = fp8_weight_slot(kFp8WeightKinds, 0);
-                fp8_cast_transposed(fp8_wte_transposed(), outer(p).wte, c.padded_vocab_size, C, fp8_amax_slot(slot),
-                                    fp8_descale(slot), stream_);
-            }
-        };
-        if (first) {
-            cast_all();
-            fp8_amax_blocks_ = fp8_amax_batch_plan(jobs);
-            fp8_amax_jobs_.allocate(jobs.size());
-            if (!jobs.empty()) {
-                // On stream_, before the kernel that reads it (from pageable memory: staged before it returns).
-                cudaCheck(cudaMemcpyAsync(fp8_amax_jobs_.get(), jobs.data(), jobs.size() * sizeof(Fp8AmaxJob),
-                                          cudaMemcpyHostToDevice, stream_));
-            }
-            first = false;
-        }
-        // The weights' slots (kind-major, then layer, then wte's) are the first ones.
-        cudaCheck(cudaMemsetAsync(fp8_amax_.get(), 0, size_t(fp8_weight_slot(kFp8WeightKinds, 0) + 1) * kFp8SlotStride *
-                                                          sizeof(unsigned int), stream_));
-        fp8_amax_batch(fp8_amax_jobs_.get(), int(fp8_amax_jobs_.size()), fp8_amax_blocks_, stream_);
-        cast_all();
-        fp8_weights_stale_ = false;
-    }
+    bool gelu_shared() const { return recompute_gelu_ || fp8_.on.fcproj; }
 
     // Carves every activation, activation gradient and the shared scratch out of three allocations.
     // Per-layer tensors are strided by the allocated B x T, so smaller batches use a prefix of each.
@@ -1361,7 +863,7 @@ private:
         const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
         const size_t N = n_;
         const size_t X = sizeof(floatX), F = sizeof(float), Q = sizeof(__nv_fp8_e4m3);
-        const bool q1 = fp8_.qkv, q2 = fp8_.fc, q3 = fp8_.fcproj && !recompute_gelu_;
+        const bool q1 = fp8_.on.qkv, q2 = fp8_.on.fc, q3 = fp8_.on.fcproj && !recompute_gelu_;
         const Slot acts[] = {
             {reinterpret_cast<void**>(&encoded_), N * C * X},
             {reinterpret_cast<void**>(&ln1_), q1 ? 0 : L * N * C * X},
@@ -1462,21 +964,7 @@ private:
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
     DeviceBuffer<char> packed_att_, packed_scratch_;  // forward_scored's packed rows: attention's, one layer at a time
-    // FP8 (set_fp8): the weights' copies (fp8_weight_at_: where each kind starts, the classifier's last)
-    // and the amax and descale slots (allocated with the model: tiny).
-    Fp8Matmuls fp8_;
-    DeviceBuffer<__nv_fp8_e4m3> fp8_weights_;
-    DeviceBuffer<unsigned int> fp8_amax_;
-    DeviceBuffer<Fp8AmaxJob> fp8_amax_jobs_;  // the weights' amaxes (cast_fp8_weights), built at its first call
-    int64_t fp8_amax_blocks_ = 0;             // fp8_amax_jobs_'s launch (fp8_amax_batch_plan)
-    DeviceBuffer<float> fp8_descale_;
-    size_t fp8_weight_at_[kFp8WeightKinds + 1] = {};
-    bool fp8_weights_stale_ = true;
-    // FP8 fcproj's delayed scaling (set_fp8): per-layer GELU amax, scale and descale slots, the amax history
-    // (fp8_history()) and how many training forwards it covers (mirrors the count stored after it).
-    DeviceBuffer<float> fp8_delayed_, fp8_history_;
-    int fp8_history_count_ = 0;
-    DeviceBuffer<uint8_t> fp8_grad_;  // fc.grad: the GELU gradient in E5M2 (or E4M3), both layouts
+    GPT2Fp8 fp8_;  // set_fp8
     // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
     int64_t classifier_grad_rows_ = 0;
     // The classifier's exp forward (set_classifier_exp): on, its scratch, and the rows and dloss of the
@@ -1499,17 +987,8 @@ private:
     __nv_fp8_e4m3* fch_gelu_q_ = nullptr;                 // with FP8 fcproj, per layer (fch_gelu_ then one layer)
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
-    // The weight gradients' stream (set_dw_stream) and what it needs of its own; dres2_: the residual
-    // stream's gradient's second buffer (level 2).
-    struct DwSide {
-        Stream stream;
-        CublasLt lt;
-        // ready: the model's stream got this far (the side waits for it); the others: the side is done with
-        // layer l+1's fc, qkv, attproj, fcproj dW, or with all of them.
-        Event ready, fc_done, qkv_done, attproj_done, fcproj_done, done;
-        DeviceBuffer<char> scratch;     // the bias gradients' partial sums
-        DeviceBuffer<float> qkvb_sums;  // attention's backward's column sums of dqkv
-    };
+    // The weight gradients' stream (set_dw_stream); dres2_: the residual stream's gradient's second buffer
+    // (level 2).
     std::unique_ptr<DwSide> dw_;
     int dw_level_ = 0;
     DeviceBuffer<floatX> dres2_;
