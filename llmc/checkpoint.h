@@ -253,13 +253,6 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
     return m;
 }
 
-inline std::string read_text_file(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string s(size_t(f.size()), '\0');
-    f.read_exact(s.data(), s.size());
-    return s;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Chunk checksums, taken while writing and checked while reading.
 

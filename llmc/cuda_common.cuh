@@ -76,13 +76,6 @@ __device__ inline void store128(T* p, const Pack128<T>& x) {
     *reinterpret_cast<Pack128<T>*>(p) = x;
 }
 
-template <class T>
-__device__ inline void store128cs(T* p, const Pack128<T>& x) {
-    int4 raw;
-    memcpy(&raw, &x, sizeof(raw));
-    __stcs(reinterpret_cast<int4*>(p), raw);
-}
-
 // Butterfly reductions: every lane ends with the same value, computed in an order fixed by the lane
 // numbering alone.
 __device__ inline float warp_sum(float v) {

@@ -746,7 +746,7 @@ inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& e
 
 // Every non-blank line of a HellaSwag JSONL file, encoded.
 inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
-    std::istringstream in(tokenizer_detail::read_text_file(path));
+    std::istringstream in(read_text_file(path));
     McSet set{path, {}};
     Gpt2Encoder::Context ctx(enc);
     std::string line;

@@ -28,14 +28,6 @@ Does not provide: special tokens inside the text (it is encoded as ordinary text
 
 namespace llmc {
 
-inline bool prompt_text_supported() {
-#ifdef LLMC_TOKENIZER_ENCODER
-    return true;
-#else
-    return false;
-#endif
-}
-
 inline std::vector<uint32_t> prompt_tokens(const std::string& text, const std::string& ids_csv,
                                            const std::string& vocab_dir, int vocab_size) {
     if (!text.empty() && !ids_csv.empty()) fail(kExitUsage, "give --prompt or --prompt-ids, not both");
