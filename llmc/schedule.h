@@ -66,6 +66,7 @@ inline int micro_steps_per_step(int64_t tokens_per_step, int B, int T, int ranks
     return int(tokens_per_step / micro);
 }
 
+// Dense bf16 tensor-core peak (FLOP/s) by device name; 0 when unknown.
 inline double peak_bf16_flops(const std::string& device_name) {
     struct Entry {
         const char* name_part;
