@@ -217,16 +217,6 @@ inline nlohmann::json hf_config_json(const GPT2Config& c, const std::string& tor
 // ----------------------------------------------------------------------------------------------------
 // Small file helpers (this header's own).
 
-inline bool hf_path_is_dir(const std::string& p) {
-    std::error_code ec;
-    return std::filesystem::is_directory(p, ec);
-}
-
-inline bool hf_path_is_file(const std::string& p) {
-    std::error_code ec;
-    return std::filesystem::is_regular_file(p, ec);
-}
-
 // False when nothing is at path, true for a regular file (or a link to one); anything else is refused
 // with the system's reason and what was expected.
 inline bool hf_file_present(const std::string& path, const char* expected) {
@@ -251,13 +241,6 @@ inline nlohmann::json read_json_file(const std::string& path) {
 // Writes `bytes` to path whole or not at all (write_file_atomically), so a reader never sees half a file.
 inline void write_file_replacing(const std::string& path, const std::string& bytes) {
     write_file_atomically(path, [&](File& f) { f.write_all(bytes.data(), bytes.size()); });
-}
-
-inline std::string read_whole_file(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string bytes(size_t(f.size()), '\0');
-    f.read_exact(bytes.data(), bytes.size());
-    return bytes;
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -321,7 +304,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
     } else if (hf_file_present(index_path, "a JSON file")) {
         h.files = hf_shard_files(dir, index_path, &weight_map);
         index_used = index_path;
-    } else if (hf_path_is_file(dir + "/pytorch_model.bin")) {
+    } else if (regular_file_exists(dir + "/pytorch_model.bin")) {
         fail(kExitData, "'%s' holds pytorch_model.bin, a Python pickle, which this program does not read; save the "
              "model as safetensors (transformers: save_pretrained(dir, safe_serialization=True))", dir.c_str());
     } else {
@@ -484,7 +467,7 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
 // Checks that dir holds GPT-2's tokenizer files (encoder.json, vocab.bpe) for a vocabulary of V tokens.
 inline void check_tokenizer_dir(const std::string& dir, int vocab_size) {
     for (const char* name : {"encoder.json", "vocab.bpe"}) {
-        if (!hf_path_is_file(dir + "/" + name)) {
+        if (!regular_file_exists(dir + "/" + name)) {
             fail(kExitIo, "tokenizer directory '%s' has no %s (GPT-2's encoder.json and vocab.bpe are expected there)",
                  dir.c_str(), name);
         }
@@ -504,12 +487,12 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
     validate_config(c, kExitUsage, format("Hugging Face model '%s': cannot write an invalid shape", dir.c_str()));
     if (!tokenizer_dir.empty()) check_tokenizer_dir(tokenizer_dir, c.vocab_size);
     std::error_code ec;
-    if (std::filesystem::exists(dir, ec) && !hf_path_is_dir(dir)) {
+    if (std::filesystem::exists(dir, ec) && !directory_exists(dir)) {
         fail(kExitIo, "'%s' exists and is not a directory; a Hugging Face model is written as a folder", dir.c_str());
     }
     std::filesystem::create_directories(dir, ec);
     if (ec) fail(kExitIo, "cannot create directory '%s': %s", dir.c_str(), ec.message().c_str());
-    if (hf_path_is_file(dir + "/model.safetensors.index.json")) {
+    if (regular_file_exists(dir + "/model.safetensors.index.json")) {
         fail(kExitIo, "'%s' holds a sharded model (model.safetensors.index.json) that a new model.safetensors would "
              "not replace; write into an empty directory", dir.c_str());
     }
@@ -554,8 +537,8 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
     write_file_replacing(dir + "/config.json", hf_config_json(c, bf16 ? "bfloat16" : "float32").dump(2) + "\n");
 
     if (!tokenizer_dir.empty()) {
-        write_file_replacing(dir + "/vocab.json", read_whole_file(tokenizer_dir + "/encoder.json"));
-        write_file_replacing(dir + "/merges.txt", read_whole_file(tokenizer_dir + "/vocab.bpe"));
+        write_file_replacing(dir + "/vocab.json", read_text_file(tokenizer_dir + "/encoder.json"));
+        write_file_replacing(dir + "/merges.txt", read_text_file(tokenizer_dir + "/vocab.bpe"));
         nlohmann::json tc;
         tc["tokenizer_class"] = "GPT2Tokenizer";
         tc["model_max_length"] = c.max_seq_len;
@@ -570,7 +553,7 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
         for (const char* name : {"vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
                                  "special_tokens_map.json"}) {
             const std::string path = dir + "/" + name;
-            if (hf_path_is_file(path) && !std::filesystem::remove(path, ec)) {
+            if (regular_file_exists(path) && !std::filesystem::remove(path, ec)) {
                 fail(kExitIo, "cannot remove the earlier tokenizer file '%s': %s", path.c_str(), ec.message().c_str());
             }
         }

@@ -68,7 +68,7 @@ inline bool model_path_exists(const std::string& path) {
 inline ModelInfo probe_model(const std::string& path) {
     ModelInfo info;
     info.path = path;
-    if (hf_path_is_dir(path)) {
+    if (directory_exists(path)) {
         info.hf = true;
         info.folder = probe_hf_folder(path);
         info.config = info.folder.config;
@@ -135,7 +135,7 @@ inline std::vector<float> load_model_params(const std::string& path, const Model
                                             const ModelIoProgress& progress = nullptr) {
     std::vector<float> params;
     if (info.hf) {
-        if (!hf_path_is_dir(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
+        if (!directory_exists(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
         HfFolder now = probe_hf_folder(path);
         if (now.config != info.config || now.files != info.folder.files || now.where != info.folder.where) {
             fail(kExitData, "Hugging Face model '%s' changed since it was first read (now %s, was %s)", path.c_str(),
@@ -159,7 +159,7 @@ struct SaveOptions {
 // for vocab_size tokens, else "" with *note saying why (the export then goes without tokenizer files).
 inline std::string tokenizer_for_export(const std::string& vocab_dir, int vocab_size, std::string* note) {
     note->clear();
-    const bool encoder = hf_path_is_file(vocab_dir + "/encoder.json"), merges = hf_path_is_file(vocab_dir + "/vocab.bpe");
+    const bool encoder = regular_file_exists(vocab_dir + "/encoder.json"), merges = regular_file_exists(vocab_dir + "/vocab.bpe");
     if (!encoder && !merges) return "";
     if (!encoder || !merges) {
         *note = format("'%s' has %s but not %s: the Hugging Face export gets no tokenizer files", vocab_dir.c_str(),
@@ -184,7 +184,7 @@ inline void save_model(const std::string& path, ModelFormat fmt, const GPT2Confi
         write_hf_folder(path, c, params, fmt == ModelFormat::HfBf16, options.tokenizer_dir, options.progress);
         return;
     }
-    if (hf_path_is_dir(path)) {
+    if (directory_exists(path)) {
         fail(kExitIo, "cannot write an llm.c model file to '%s': it is a directory (name a file, e.g. %s/model.bin)",
              path.c_str(), path.c_str());
     }
