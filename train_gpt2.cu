@@ -1,30 +1,9 @@
 /*
-train_gpt2cu: trains GPT-2 on one GPU, or data parallel on several, in the spirit of llm.c's
-train_gpt2.cu. The model is llmc/gpt2.cuh (bf16 parameters, gradients and activations; fp32 master
-weights, AdamW moments, LayerNorm statistics and losses); this file is the program around it.
-
-main() reads top to bottom as the run: parse and check the flags, the model's shape and the data (all
-before anything touches CUDA, so a bad command line fails the same way with or without a GPU), plan the
-run, check that it fits in host memory, meet the other ranks, build or load the model, open the data,
-allocate the rest, only then start log.jsonl (so that a run that cannot start leaves an earlier run's log
-as it was), maybe resume, then loop {evaluate, sample, train a step, log, checkpoint} and write the model. A step talks to the host once: the losses
-and the gradient norm come back through one copy into pinned memory.
-
-Flags use llm.c's letters for the settings the two programs share (-i -j -e -o -b -t -d -l -u -q -c -x
--v -m -s -g -n -y -k -r -z); every flag has a long name, and --help lists them with defaults and ranges.
-The table of flags is one with the CPU trainer's (llmc/trainer_flags.h).
-
-Checkpoints (-n N: every N steps and at the last) hold everything a bit-exact continuation needs
-(llmc/checkpoint.h); -y 1 resumes from the newest valid one in the output directory. The run's
-settings are declared once (run_settings): the checkpoint records them, a resume checks the ones that fix
-shapes, batches and random streams, and the ranks of a data-parallel run must agree on all of them.
-
-Several GPUs (llmc/multi_gpu.cuh, NCCL): with --multi-gpu 1, or when the launcher (mpirun, srun) or
---rank/--world-size say there are several ranks, each rank trains on its own slice of every batch; -z 1
-(ZeRO-1, the default there) shards the optimizer state. Rank 0 alone prints and writes files.
-
-Does not provide (yet): a KV cache for sampling (each sampled token reruns the forward over the tokens so
-far), activation recomputation beyond the GELU (-r 1).
+train_gpt2cu: trains GPT-2 on one GPU, or data parallel on several (llmc/multi_gpu.cuh, NCCL), in the
+spirit of llm.c's train_gpt2.cu. The model is llmc/gpt2.cuh; this file is the program around it.
+main() reads top to bottom as the run: flags, shape and data are checked before anything touches CUDA,
+then plan, meet the other ranks, build or load the model, open the data, maybe resume, and loop
+{evaluate, sample, train a step, log, checkpoint}. Flags: llmc/trainer_flags.h; design: docs/design.md.
 */
 #include <algorithm>
 #include <chrono>
@@ -71,11 +50,9 @@ using Options = TrainerOptions<Trainer::Gpu>;
 inline int64_t rounding_seed(const Options& o) { return o.rounding_seed >= 0 ? o.rounding_seed : o.seed; }
 
 // ----------------------------------------------------------------------------------------------------
-// The plan: everything derived from the flags, the model's shape, the ranks and the data, checked
-// against each other before the GPU is touched. The Options stay as the user gave them.
+// The plan: everything derived from the flags, the shape, the ranks and the data, checked before the GPU.
 
-// Where the model comes from: a file or a Hugging Face folder (probed now, its weights read later) or a
-// descriptor of a new model.
+// Where the model comes from: a file or a Hugging Face folder (probed now), or a new model's descriptor.
 struct ModelSource {
     GPT2Config config;
     std::string path;  // empty for a new model
@@ -233,9 +210,7 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     }
     p.gen_tokens = std::max(0, std::min(o.gen_tokens, o.T - std::max(1, int(p.prompt.size()))));
 
-    // The data: its headers are read here (the GPU loaders read them again), so a missing or short
-    // split fails before CUDA, and the step counts are known. -x 0 (evaluate or sample a model) reads no
-    // training data, so it needs none at hand.
+    // The data's headers are read here so a missing or short split fails before CUDA; -x 0 needs none.
     p.max_steps = o.max_steps;
     if (o.max_steps != 0) {
         p.train = loader_config(o.train_pattern, o, c, o.shuffle, parallel.ranks);
@@ -259,12 +234,8 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
 }
 
 // ----------------------------------------------------------------------------------------------------
-// The run's settings, declared once. The checkpoint's manifest records the MustMatch and MayChange
-// ones; a resume refuses a checkpoint whose MustMatch values differ (they fix the shapes, the batches
-// and the random streams) and reports the others, which apply from the resumed step on (the learning
-// rate follows the new schedule at the same step, for instance; only unchanged values continue
-// bit-exactly). The ranks of a data-parallel run must agree on every setting, the Ranks ones included:
-// those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards).
+// The run's settings, declared once (llmc/run_settings.h): a resume refuses a checkpoint whose MustMatch
+// values differ; the ranks of a data-parallel run must agree on all of them.
 
 inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
     auto num = [](double v) { return format("%.9g", v); };
@@ -294,8 +265,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"beta1", num(o.beta1), R::MayChange},
         {"beta2", num(o.beta2), R::MayChange},
         {"eps", num(o.eps), R::MayChange},
-        // No longer flags, always on; still recorded, so that resuming a checkpoint written with one of them
-        // off says that it changed.
+        // Always on now; still recorded so that resuming a checkpoint written with one off says it changed.
         {"stochastic_rounding", "1", R::MayChange},
         {"classifier_exp", "1", R::MayChange},
         {"rounding_seed", format("%lld", (long long)rounding_seed(o)), R::MayChange},
@@ -324,10 +294,7 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
 // ----------------------------------------------------------------------------------------------------
 // The run's pieces, in the order main() calls them.
 
-// Refuses a run that would not fit in host memory (llmc/run_settings.h), before anything is allocated: the
-// fp32 parameters built or read on the host (and gathered there for an export at the end), the data
-// loaders' rings of pinned batches (DataLoaderConfig's prefetch depth, B x (T+1) tokens each), and the
-// pinned chunks of the disk <-> GPU copies (the data's upload, checkpoints, the saved model).
+// Refuses a run that would not fit in host memory (llmc/run_settings.h), before anything is allocated.
 inline void check_host_memory(const Options& o, const Plan& plan) {
     const double params = double(num_parameters(plan.config)) * sizeof(float);
     const double loaders = double(plan.trains()) + double(plan.validate());
@@ -542,8 +509,7 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
     for (int i = 0; i < steps; i++) {
         DeviceBatch batch = val.next_batch();
         model.forward(batch.inputs, batch.targets, B, T, buf.val_losses.get() + i);
-        // A long validation is progress too: the host runs at most a launch queue ahead of the GPU, so
-        // a stuck GPU stops these beats.
+        // A long validation is progress too: a stuck GPU stops these beats.
         if (multi) multi->heartbeat();
     }
     if (multi) {
@@ -559,8 +525,7 @@ inline double evaluate(GPT2& model, GpuDataLoader& val, int steps, int B, int T,
     return sum / steps;
 }
 
-// Multiple-choice accuracy (llmc/mc_eval.h: acc by the sum of the ending's token losses, acc_norm by their
-// mean), printed and logged.
+// Multiple-choice accuracy (llmc/mc_eval.h), printed and logged.
 inline void evaluate_choices(McEvalGpu& mc, const McSet& set, int step, int max_steps, JsonlLog& log) {
     const auto t0 = std::chrono::steady_clock::now();
     const McResult r = mc.run(set);
@@ -571,8 +536,8 @@ inline void evaluate_choices(McEvalGpu& mc, const McSet& set, int step, int max_
                      step, r.acc(), r.acc_norm(), (long long)r.items, seconds));
 }
 
-// Generates `n` tokens after `start` (at least one token), rerunning the forward on the tokens so far for each
-// (B = 1; no KV cache). Synchronises with the GPU per token: it runs between steps, never inside one.
+// Generates `n` tokens after `start`, rerunning the forward on the tokens so far (B = 1; no KV cache).
+// Synchronises per token: it runs between steps, never inside one.
 inline std::vector<uint32_t> generate(GPT2& model, int n, const std::vector<uint32_t>& start, float temperature,
                                       int top_k, uint64_t seed, int* d_tokens, PinnedBuffer& host_row) {
     const GPT2Config& c = model.config();
@@ -614,11 +579,8 @@ struct StepStats {
     std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
-// One optimizer step: grad_accum micro-batches forward and backward (gradients accumulate, each loss
-// weighted 1/grad_accum), then norm, clip and AdamW on the device. The only wait: the losses and the norm
-// copied back together.
-// The step guard (GPT2::update) skips the update when a loss or the norm is not finite, or the loss is
-// above loss_limit; the stats say so.
+// One optimizer step: grad_accum micro-batches forward and backward, then norm, clip and AdamW. The only
+// wait is the copy back of the losses and the norm; the step guard (GPT2::update) may skip the update.
 inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o, int grad_accum, int step, float lr,
                             float loss_limit, LoopBuffers& buf) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -669,8 +631,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     return s;
 }
 
-// Throughput bookkeeping: the first step pays for warm-up (cuBLAS heuristics, caches), so the averages
-// and the ETA leave it out when there are others.
+// Throughput bookkeeping; the first step (warm-up) is left out of the averages when there are others.
 struct Throughput {
     double flops_per_token = 0, peak_flops = 0;
     int64_t tokens_per_step = 0;
@@ -771,9 +732,8 @@ inline void print_checkpoint_report(const CheckpointReport& r, bool async) {
     std::fflush(stdout);
 }
 
-// The checkpointer, when this rank writes checkpoints: with ZeRO-1 on several ranks every rank writes its
-// shard into the shared directory; otherwise rank 0 alone writes the whole state.
-// `async` false: a synchronous one (made on demand when a run without -n must save before it stops).
+// The checkpointer, when this rank writes checkpoints (every rank its shard with ZeRO-1, else rank 0).
+// `async` false: a synchronous one, for a run without -n that must save before it stops.
 inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& model, MultiGpu* multi, bool async) {
     std::unique_ptr<Checkpointer> ckpt;
     if (model.sharded() && multi->world() > 1) {
@@ -789,11 +749,9 @@ inline std::unique_ptr<Checkpointer> make_checkpointer(const Options& o, GPT2& m
     return ckpt;
 }
 
-// Restores the newest checkpoint in the output directory that loads cleanly and returns its step (0
-// when there is none). A checkpoint that fails its checks (truncated, corrupted, missing files) is
-// skipped with the reason printed, and the next older one is tried; with several ranks, a checkpoint any
-// rank cannot load is skipped by all of them. A configuration or data that differs from the checkpoint's
-// is an error, not a reason to skip. The step guard's bookkeeping goes into `control`.
+// Restores the newest checkpoint in the output directory that loads cleanly and returns its step (0 if
+// none). A checkpoint any rank cannot load is skipped with the reason printed; a configuration or data
+// that differs from the checkpoint's is an error. The step guard's bookkeeping goes into `control`.
 inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates, const Options& o, const Plan& plan,
                                   GPT2& model, Data& data, Outputs& out, RunControl& control) {
     if (candidates.empty()) {
@@ -836,8 +794,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
                 fail(kExitUsage, "cannot resume from '%s' at step %lld: -x/--max-steps is %d", c.path.c_str(),
                      (long long)m.step, plan.max_steps);
             }
-            // A run on another number of ranks continues the same sample stream (the DataLoader converts its
-            // position; the same tokens per step make that exact) and re-shards the optimizer state.
+            // Another number of ranks continues the same sample stream and re-shards the optimizer state.
             try {
                 saved_world = int(SampleSchedule::state_world(*m.blob("train_loader")));
                 data.train->restore(*m.blob("train_loader"), /*allow_world_change=*/true);
@@ -888,8 +845,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
          candidates.size(), o.output_dir.c_str());
 }
 
-// The trained model in every format --save-model names (with ZeRO-1 every rank takes part in the gather);
-// a failed write says in log.jsonl which files there are not this run's (save_run_outputs).
+// The trained model in every format --save-model names (with ZeRO-1 every rank takes part in the gather).
 inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan, bool root, JsonlLog& log) {
     if (o.output_dir.empty() || plan.save_formats.empty()) return;
     require_finite_parameters(model, plan.max_steps, "the trained model");
@@ -913,8 +869,7 @@ inline void save_trained_models(GPT2& model, const Options& o, const Plan& plan,
     });
 }
 
-// Several ranks: each prints a checksum of its bf16 parameters to stderr, so replicas that drifted apart
-// show (dev/multi_gpu_runs.sh compares them).
+// Several ranks: each prints a checksum of its bf16 parameters, so drifted replicas show.
 inline void print_parameter_checksum(GPT2& model) {
     if (model.multi() == nullptr) return;
     std::vector<floatX> host(size_t(model.num_parameters()));
@@ -951,15 +906,13 @@ int main(int argc, char** argv) {
         Options opt;
         Flags flags = trainer_flags(opt);
         if (!flags.parse(argc, argv)) return kExitOk;
-        // A run that trains nothing writes a model only when asked: `-e gpt2 -x 0` with the default -o must
-        // not replace the model an earlier run left there.
+        // A run that trains nothing writes a model only when asked (must not replace an earlier one).
         if (opt.max_steps == 0 && !flags.was_set("save-model")) opt.save_model = "none";
         check_output_flags(flags, opt.output_dir, opt.save_model, !parse_save_formats(opt.save_model).empty());
         const ModelSource source = resolve_model(opt.model);
         const Plan plan = plan_run(opt, source.config, resolve_ranks(opt));
         const std::vector<RunSetting> settings = run_settings(opt, plan);
-        // A fresh run must not start among an earlier run's checkpoints: it would overwrite that run's
-        // log.jsonl, and a later -y 1 would resume from whichever run's checkpoint is newest.
+        // A fresh run must not start among an earlier run's checkpoints (log.jsonl, a later -y 1).
         if (opt.resume == 0 && opt.max_steps != 0 && !opt.output_dir.empty()) {
             const std::vector<CheckpointEntry> earlier = list_checkpoints(opt.output_dir);
             if (!earlier.empty()) {
@@ -994,9 +947,7 @@ int main(int argc, char** argv) {
         // The model and the data, from the start or from a checkpoint.
         Stream stream;
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
-        // Measured and decided, so not flags: cuBLASLt's fastest algorithm among those
-        // that give bitwise the heuristic's result, backward's weight gradients on a second stream where that
-        // applies (bf16 steps on one GPU without -r 1), and the classifier's exp forward where it applies.
+        // Decided, not flags: cuBLASLt algorithm tuning, backward's second stream, the classifier's exp path.
         model.set_gemm_tuning(true);
         model.set_fp8(plan.fp8);
         model.set_dw_stream(2);

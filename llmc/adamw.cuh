@@ -1,28 +1,10 @@
 /*
-The AdamW update on the GPU for mixed precision: fp32 master weights and moments, bf16 gradients in and
-bf16 parameters out. The same update as GPT2::update in llmc/gpt2_cpu.h (bias-corrected moments,
-decoupled weight decay on the tensors flagged for it, gradients multiplied by a scale for clipping).
-
-Provides: AdamWSettings (learning rate, betas, eps, weight decay); AdamWTensors, a small table of
-(offset, size, decayed) ranges of one flat parameter buffer, given by the model (GPT-2: param_tensors();
-this file knows no model); and adamw_update(), one launch over all of them (block row y of the grid serves
-tensor y, so the decay flag is uniform per block; a thread takes 4 neighbouring elements when the offsets
-and buffers allow 128-bit accesses, see adamw_four_wide()). Per element: g = grad * grad_scale; m, v updated in fp32;
-master -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * master); the bf16 parameter is the new master weight rounded
-stochastically with the counter-based RNG keyed by (seed, step) and indexed by the element's position
-in the flat buffer, so a step is reproducible (also after a resume) and independent of the launch
-shape. grad_scale is a device pointer (e.g. global_norm's scale), read by the kernel, so clipping needs
-no host synchronisation; null means 1, and NaN skips the update (adamw_guard: a step whose norm or loss
-is not finite leaves the model as it was).
-
-For ZeRO-1, adamw_update() takes a state_offset: master, m and v then hold only the elements from
-that flat index on (a rank's shard), while params, grads and the table keep their flat-buffer
-indices; restrict_tensors() cuts the table down to one range. The stochastic rounding stays keyed by
-the flat index, so a sharded update rounds every element exactly as the unsharded one does.
-
-Does not provide: learning-rate schedules (the caller passes this step's rate), the gradient
-reduce-scatter or parameter all-gather of ZeRO (multi_gpu.cuh), or the initial copy of master weights
-to bf16 (convert_to_bf16 in cuda_common.cuh).
+The AdamW update on the GPU for mixed precision (fp32 master weights and moments, bf16 gradients in,
+bf16 parameters out): the same update as GPT2::update in llmc/gpt2_cpu.h. adamw_update() is one launch
+over a table of (offset, size, decayed) ranges (AdamWTensors, from the model). The bf16 parameter is the
+new master weight rounded stochastically, keyed by (seed, step) and the element's flat index, so a step
+is reproducible, also sharded (ZeRO-1: state_offset) and after a resume. grad_scale is a device pointer
+(null: 1; NaN: skip the update, adamw_guard), so clipping needs no host synchronisation.
 */
 #pragma once
 
@@ -105,8 +87,7 @@ __device__ inline floatX adamw_element(float g, float& m, float& v, float& w, fl
     return a.stochastic ? stochastic_round_bf16(w, rng_u32(a.rng_key, uint64_t(idx))) : __float2bfloat16_rn(w);
 }
 
-// vec: every tensor offset and state_offset a multiple of 4 and the buffers 16-byte aligned, so a
-// thread takes 4 neighbouring elements with 128-bit (fp32) and 64-bit (bf16) accesses.
+// vec: offsets and buffers aligned so a thread takes 4 neighbouring elements in 128/64-bit accesses.
 static __global__ void __launch_bounds__(kAdamWBlock)
     adamw_kernel(floatX* params, float* master, float* m, float* v, const floatX* grads, AdamWTensors tensors,
                  AdamWStepArgs args, float weight_decay, const float* grad_scale, int64_t state_offset, int vec) {
@@ -147,11 +128,9 @@ static __global__ void __launch_bounds__(kAdamWBlock)
     }
 }
 
-// The step guard: a step whose gradient norm or any of whose losses is not finite, or whose mean loss is
-// above loss_limit (a spike), must not change the model. It sets the scale adamw_kernel reads to NaN,
-// which the kernel takes as "leave every parameter and moment as it is"; the decision stays on the
-// device, so it costs no synchronisation, and every rank (whose norm and losses are already averaged)
-// takes the same one.
+// The step guard: a step whose norm or any loss is not finite, or whose mean loss is above loss_limit,
+// sets the scale adamw_kernel reads to NaN ("leave everything as it is"), on the device, so every rank
+// takes the same decision without a synchronisation.
 static __global__ void adamw_guard_kernel(float* grad_scale, const float* norm, const float* losses, int n,
                                           float loss_limit) {
     bool bad = !isfinite(*norm);
@@ -181,9 +160,8 @@ inline bool adamw_four_wide(const floatX* params, const float* master, const flo
     return vec;
 }
 
-// One AdamW step (step counts from 1) over every tensor of the table. params (bf16), master, m, v (fp32)
-// and grads (bf16) are flat buffers indexed by the table's offsets; master, m and v start at flat index
-// state_offset (0: whole buffers; a ZeRO-1 rank passes the start of its shard).
+// One AdamW step (step from 1) over the table's tensors: params, grads (bf16) and master, m, v (fp32) are
+// flat buffers; master, m and v start at flat index state_offset (a ZeRO-1 shard's start, else 0).
 inline void adamw_update(floatX* params, float* master, float* m, float* v, const floatX* grads,
                          const AdamWTensors& tensors, const AdamWSettings& s, int step, uint64_t seed,
                          const float* grad_scale, cudaStream_t stream, int64_t state_offset = 0) {

@@ -1,56 +1,19 @@
 /*
-Causal multi-head self-attention on the GPU. Argument meanings as attention_forward/attention_backward in
-llmc/gpt2_cpu.h: qkv (B,T,3C) holds q, k, v side by side with head h at columns h*HS of each; out (B,T,C)
-puts head h at columns h*HS; scale 1/sqrt(HS).
-
-Provides:
-  attention_forward, attention_backward: what the trainer calls. Head sizes 64 and 128 (every GPT-2
-                      shape d2..d48 has HS = 64) run flash attention (llmc/flash_attention.cuh: tensor-core
-                      kernels, nothing quadratic in T stored, tiled as flash_tiling<HS>() says; on an sm_90a
-                      build running on Hopper, HS 64 runs the wgmma kernels of llmc/flash_attention_sm90.cuh
-                      instead, tuned as kFlash90 says, same bits); any other head size (model files may have
-                      other shapes) runs the cuBLASLt path below. attention_uses_flash(HS) says which.
-  attention_saved_bytes(B, NH, T, HS): bytes of the state forward saves for backward, one layer: flash:
-                      lse (B,NH,T) fp32; cuBLASLt: att (B,NH,T,Tp) bf16.
-  attention_scratch_bytes(B, NH, T, HS): scratch bytes of either direction: flash: D (B,NH,T) fp32
-                      (backward only); cuBLASLt: permuted copies of q, k, v, y, dq, dk, dv plus the scores
-                      (B,NH,T,Tp) in fp32 and bf16.
-  attention_forward_cublaslt, attention_backward_cublaslt: the cuBLASLt path, for any head size (timed
-                      against flash: docs/performance.md, "Flash attention kernels"). Forward: q, k, v permuted to
-                      (B,NH,T,HS); preatt = scale * q @ k^T in fp32 (one batched matmul over B*NH); a causal
-                      softmax in fp32 (one warp per row) writes att; y = att @ v; y permuted back into out.
-                      Backward: datt = dy @ v^T (fp32), dv = att^T @ dy, dpreatt = softmax backward with the
-                      scale (fp32 math, bf16 result), dq = dpreatt @ k, dk = dpreatt^T @ q. att is kept as
-                      bf16 (B,NH,T,Tp) with Tp = attention_padded_len(T) = T rounded up to a multiple of 8
-                      (so every row and every head's matrix starts on a 16-byte boundary for cuBLASLt), zero
-                      above the diagonal and in the padding columns (the CPU reference keeps (B,NH,T,T)
-                      fp32). Memory is quadratic in T.
-  Groups (the cuBLASLt forward only; evaluation): with groups (B,T) int32 given, position t attends to
-                      t2 <= t of its row only where groups[t2] == 0 or groups[t2] == groups[t]: group 0
-                      is a prefix every later position sees, each other group sees that prefix and itself,
-                      never another group. So one row holds a shared context followed by several
-                      continuations, each attending as if it were alone after the context (the
-                      multiple-choice evaluation's layout, llmc/mc_eval.h McPackedBatcher). The diagonal is
-                      always visible, so every row of the softmax has a term. att is 0 where masked.
-Both paths: dqkv (B,T,3C) is OVERWRITTEN (the CPU reference adds into a zeroed buffer) and must not alias
-the inputs; backward reads qkv (the layer's input) and out (the forward's output; only flash needs it),
-which the trainer keeps anyway. T may be anything >= 1. Checked, with an error naming the function: B,
-T, NH >= 1, C a multiple of NH, HS = C/NH a multiple of 8, the saved and scratch sizes, every pointer
-16-byte aligned. Deterministic: no atomics in either path (cuBLAS is reproducible on one GPU model). The
-two paths agree to within bf16 rounding, not bitwise. attention_backward's amax_bits (optional): the
-largest |value| of dqkv is folded into it for an FP8 cast of dqkv (llmc/fp8.cuh; the caller zeroes it):
-by the flash kernels as they store dqkv (an atomicMax of exact values: the result does not depend on the
-order), by a pass of its own after the cuBLASLt path. Its bias_sums (optional, where
-attention_backward_sums_available(B, T, C, NH): the wgmma kernels, T a multiple of 64): each 64-row
-block's column sums of dqkv ((B T / 64, 3C) floats, a fixed order), added as the kernels store it, for
-qkv's bias gradient without a pass over dqkv (bias_grad_from_partials); dqkv's bits stay the same.
-attention_backward_fp8 / attention_backward_fp8_available(B, T, C, NH): the same gradient written in FP8
-by the wgmma kernels themselves (flash90_backward_fp8: row-major and transposed, with the 64-row blocks'
-column sums and the amax), where those kernels run (HS 64 on an sm_90a build on Hopper) and T is a multiple
-of 64; elsewhere the caller casts attention_backward's bf16 dqkv.
-
-Does not provide: dropout, masks other than causal and the groups above (no backward through groups),
-a KV cache.
+Causal multi-head self-attention on the GPU, with llmc/gpt2_cpu.h's argument meanings: qkv (B,T,3C) holds
+q, k, v with head h at columns h*HS of each; out (B,T,C); scale 1/sqrt(HS).
+  attention_forward, attention_backward: HS 64 and 128 run flash attention (llmc/flash_attention.cuh,
+      or on sm_90a Hopper for HS 64 llmc/flash_attention_sm90.cuh); any other head size the cuBLASLt
+      path below. attention_uses_flash(HS) says which.
+  attention_saved_bytes / attention_scratch_bytes: per layer, the state kept for backward (flash: lse;
+      cuBLASLt: att (B,NH,T,Tp) bf16) and the scratch of either direction.
+  attention_forward_cublaslt, attention_backward_cublaslt: permute, batched matmuls with a causal
+      softmax in fp32, permute back; Tp = T rounded up to a multiple of 8. Memory quadratic in T.
+      With groups (B,T) (forward only; evaluation) position t sees t2 <= t only where groups[t2] is 0
+      or groups[t]: a shared context and several continuations in one row (mc_eval.h).
+dqkv is OVERWRITTEN and must not alias the inputs. Checked, with an error naming the function: shapes,
+HS a multiple of 8, saved and scratch sizes, 16-byte aligned pointers. Deterministic (no atomics); the
+two paths agree within bf16 rounding. Backward's options: amax_bits (max |dqkv|, for FP8), bias_sums
+(64-row blocks' column sums, where the wgmma kernels run), and attention_backward_fp8 (dqkv in FP8).
 */
 #pragma once
 
@@ -75,8 +38,7 @@ inline int attention_padded_len(int T) { return round_up(T, 8); }
 
 namespace detail {
 
-// Scratch of both directions of the cuBLASLt path, carved in the same order; forward uses q, k, v, y
-// and the fp32 scores, backward everything.
+// Scratch of both directions of the cuBLASLt path; forward uses q, k, v, y and the fp32 scores.
 struct AttentionScratch {
     floatX *q = nullptr, *k = nullptr, *v = nullptr, *y = nullptr;  // y doubles as dy in backward
     floatX *dq = nullptr, *dk = nullptr, *dv = nullptr;
@@ -220,8 +182,7 @@ static __global__ void __launch_bounds__(kAttentionBlock)
     }
 }
 
-// One warp per row: dpreatt[t2] = scale * att[t2] * (datt[t2] - sum_j att[j] * datt[j]) for t2 <= t,
-// 0 beyond.
+// One warp per row: dpreatt[t2] = scale * att[t2] * (datt[t2] - sum_j att[j] * datt[j]) for t2 <= t.
 static __global__ void __launch_bounds__(kAttentionBlock)
     attention_softmax_backward_kernel(floatX* dpreatt, const floatX* att, const float* datt, int64_t rows, int T,
                                       int Tp, float scale) {
@@ -244,8 +205,7 @@ inline unsigned attention_pack_blocks(int B, int T, int C, int block) {
     return unsigned(ceil_div<int64_t>(int64_t(B) * T * C / kPackX, block));
 }
 
-// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C); scratch: attention_cublaslt_scratch_bytes. groups
-// (B,T), device int32, or null for plain causal attention: the file's comment.
+// out (B,T,C) and att (B,NH,T,Tp) from qkv (B,T,3C); groups (B,T) device int32 or null (causal).
 inline void attention_forward_cublaslt(const CublasLt& lt, floatX* out, floatX* att, const floatX* qkv, int B, int T,
                                        int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream,
                                        const int* groups = nullptr) {
@@ -314,8 +274,7 @@ inline void attention_backward_cublaslt(const CublasLt& lt, floatX* dqkv, const 
     cudaCheckLaunch();
 }
 
-// out (B,T,C) from qkv (B,T,3C), saving attention_saved_bytes(B, NH, T, C/NH) bytes of state in `saved`
-// for attention_backward. scratch: attention_scratch_bytes (flash's forward uses none).
+// out (B,T,C) from qkv (B,T,3C), saving attention_saved_bytes of state in `saved` for backward.
 inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size_t saved_bytes, const floatX* qkv,
                               int B, int T, int C, int NH, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
     const char* fn = "attention_forward";
@@ -338,8 +297,8 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     }
 }
 
-// Whether this build's attention_backward_fp8 takes the shape (head size 64, T a multiple of 64, an sm_90a
-// build), without asking the device; attention_backward_fp8_available: and the device runs it.
+// Whether this build's attention_backward_fp8 takes the shape (HS 64, T % 64 == 0, sm_90a build);
+// attention_backward_fp8_available: and the device runs it.
 inline bool attention_backward_fp8_shape(int T, int C, int NH) {
 #if defined(LLMC_SM90A)
     return T >= 1 && NH >= 1 && C % NH == 0 && C / NH == 64 && T % 64 == 0;
@@ -350,16 +309,14 @@ inline bool attention_backward_fp8_shape(int T, int C, int NH) {
 inline bool attention_backward_fp8_available(int B, int T, int C, int NH) {
     return B >= 1 && attention_backward_fp8_shape(T, C, NH) && flash90_available();
 }
-// Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (its
-// bias_sums): where attention_backward_fp8 runs, for the same reason (the wgmma kernels own whole 64-row
-// blocks of the B T rows). bias_sums holds (B T / kAttentionSumRows, 3C) floats.
+// Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (where
+// attention_backward_fp8 runs). bias_sums holds (B T / kAttentionSumRows, 3C) floats.
 constexpr int kAttentionSumRows = flash90_detail::kRows;
 inline bool attention_backward_sums_available(int B, int T, int C, int NH) {
     return attention_backward_fp8_available(B, T, C, NH);
 }
 
-// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's input qkv, output out and saved state.
-// dqkv must not alias the inputs.
+// dqkv (B,T,3C), overwritten, from dout and the forward's qkv, out and saved state; no aliasing.
 inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
                                const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
                                void* scratch, size_t scratch_bytes, cudaStream_t stream,
@@ -391,8 +348,7 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
     }
 }
 
-// attention_backward's dqkv in FP8 format G (flash90_backward_fp8, Flash90Fp8Out) instead of bf16. Needs
-// attention_backward_fp8_available(B, T, C, NH); the saved state and scratch as attention_backward's.
+// attention_backward's dqkv in FP8 format G instead of bf16; needs attention_backward_fp8_available.
 template <class G>
 inline void attention_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
                                    const void* saved, size_t saved_bytes, int B, int T, int C, int NH, void* scratch,

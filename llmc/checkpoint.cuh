@@ -50,22 +50,17 @@ struct CheckpointReport {
     std::vector<std::string> removed;  // checkpoints rotation removed
 };
 
-// Saves checkpoints, each through a CheckpointWriter, every byte passing DeviceFileIO's pinned staging
-// buffer where its chunk is checksummed. Synchronous: written from the live buffers on the caller's stream.
-// Asynchronous: copied first into spare device buffers (allocated once, here) on a side stream that starts
-// after the work already queued on the compute stream, which waits only for that copy; a background thread
-// then writes the copy. A new save first waits for the previous one; wait() ends any save in flight and
-// raises its error, if any, on the calling thread (the destructor waits too).
+// Saves checkpoints through a CheckpointWriter, every chunk checksummed in DeviceFileIO's pinned staging.
+// Synchronous: from the live buffers. Asynchronous: a copy into spare device buffers on a side stream
+// (compute waits only for that copy), written by a background thread. A new save waits for the previous
+// one; wait() ends any save in flight and raises its error (the destructor waits too).
 class Checkpointer {
 public:
     // layout: the tensors every save will hold (their sizes size the spare buffers of an async one).
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, size_t chunk_bytes = kDefaultChunkBytes)
         : Checkpointer(layout, async, 0, 1, nullptr, 600, chunk_bytes) {}
-    // One of `world` ranks writing one checkpoint together (see CheckpointWriter): every save first has rank 0
-    // prepare the directory, then holds all ranks at `any_failed` (a vote of every rank, true when any rank
-    // passed true: each passes whether its previous save failed or, rank 0, its preparation did), so that
-    // no rank writes before the directory is there and every rank stops with an error when one cannot go
-    // on, instead of waiting for a rank that left; rank 0 waits up to part_timeout_s for the others.
+    // One of `world` ranks writing one checkpoint together: every save has rank 0 prepare the directory,
+    // then a vote (`any_failed`) so no rank writes before it exists and all stop when one cannot go on.
     // `layout` is this rank's files only.
     Checkpointer(const std::vector<CheckpointTensor>& layout, bool async, int rank, int world,
                  std::function<bool(bool)> any_failed, double part_timeout_s, size_t chunk_bytes = kDefaultChunkBytes)
@@ -95,9 +90,8 @@ public:
     bool async() const { return async_; }
     size_t snapshot_device_bytes() const { return snapshot_bytes_; }
 
-    // Saves `tensors` (the layout's, in order) and meta as <out_dir>/ckpt_<step>, then rotates. The device
-    // memory is read after everything already queued on `compute`; the caller may queue more work at once
-    // (async) and the checkpoint still holds the state at the time of the call.
+    // Saves `tensors` and meta as <out_dir>/ckpt_<step>, then rotates. The device memory is read after the
+    // work queued on `compute`; the checkpoint holds the state at the time of the call.
     void save(const std::string& out_dir, int64_t step, const std::vector<CheckpointTensor>& tensors,
               CheckpointManifest meta, cudaStream_t compute, int keep_last, int keep_every) {
         std::chrono::steady_clock::time_point t0;
@@ -105,9 +99,8 @@ public:
             wait();
             t0 = std::chrono::steady_clock::now();
         } else {
-            // Every rank must know before writing whether all can: a rank whose previous (asynchronous) save
-            // failed, or a rank 0 that cannot prepare the directory, says so in the vote, and then every
-            // rank stops with an error instead of waiting in a collective for a rank that left.
+            // Every rank must know before writing whether all can (a failed previous save, a rank 0 that
+            // cannot prepare the directory): then every rank stops with an error.
             std::exception_ptr error;
             try {
                 wait();
@@ -169,8 +162,7 @@ public:
         if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
     }
 
-    // Without blocking: the report of a save that finished since the last call (false if none), or the
-    // error of one that failed (raised here).
+    // Without blocking: the report of a save finished since the last call (false if none), or its error.
     bool poll(CheckpointReport* out) {
         if (worker_.joinable()) {
             if (!worker_done_.load()) return false;
@@ -222,9 +214,8 @@ private:
 // ----------------------------------------------------------------------------------------------------
 // Loading device memory.
 
-// Loads elements [first, last) of a flat array held by `segments` of a checkpoint (read_array_range: every
-// chunk checked) into device memory at dst. Synchronous; for a resume on a different number of ranks, where
-// this rank's range is not one whole file.
+// Loads elements [first, last) of a flat array held by `segments` of a checkpoint into device memory at
+// dst, every chunk checked. Synchronous; for a resume on another number of ranks.
 inline void load_array_range(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segments,
                              size_t elem_bytes, int64_t first, int64_t last, void* dst, cudaStream_t stream) {
     char* out = static_cast<char*>(dst);
@@ -234,9 +225,8 @@ inline void load_array_range(const std::string& dir, const CheckpointManifest& m
     });
 }
 
-// Loads `tensors` from the checkpoint directory `dir` (whose manifest is m) into device memory. Each file
-// must have the recorded size and exactly the tensor's header plus bytes; every chunk is checked against
-// its checksum in the pinned buffer before it goes to the device. Returns once the bytes are on the device.
+// Loads `tensors` from the checkpoint `dir` into device memory, each file's size and header checked and
+// every chunk verified before it goes to the device. Returns once the bytes are on the device.
 inline void load_checkpoint_tensors(const std::string& dir, const CheckpointManifest& m,
                                     const std::vector<CheckpointTensor>& tensors, DeviceFileIO& io, cudaStream_t stream) {
     for (const CheckpointTensor& t : tensors) {
@@ -301,8 +291,8 @@ inline std::vector<CheckpointTensor> shard_tensors(GPT2& model, int rank) {
 }
 }  // namespace detail
 
-// The device state this rank's part of a checkpoint holds, in file order (llmc/checkpoint.h: the layouts),
-// and with FP8 fcproj its amax history, which a bitwise resume needs (rank 0's: every rank's is the same).
+// The device state this rank's part of a checkpoint holds, in file order, and with FP8 fcproj its amax
+// history (rank 0's: every rank's is the same).
 inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
     const GPT2::State s = model.state();
     const size_t n = size_t(model.num_parameters());
@@ -328,14 +318,10 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settin
     return state_layout_settings(model.sharded() ? &model.zero_layout() : nullptr);
 }
 
-// Restores the state a checkpoint (directory dir, manifest m) holds, written in either layout by any
-// number of ranks (read_state_layout): when the checkpoint's layout and ranges are this run's, each file
-// is streamed straight to the device (every chunk checked); otherwise (a resume on another number of
-// ranks, or between the whole and the sharded layout) this rank's range of the master weights and
-// moments is assembled from the pieces of the saved files (read_array_range, every chunk checked).
-// Returns a description of what was re-sharded, empty when nothing was.
-// history_note (when not null) is set to what happened to the FP8 amax history when it was not restored
-// bit for bit ("" when it was, or when this run keeps none).
+// Restores the state a checkpoint holds, written in either layout by any number of ranks: streamed
+// straight to the device when the layout and ranges are this run's, else this rank's range assembled
+// from the saved files' pieces. Returns a description of what was re-sharded (empty: nothing).
+// history_note (when not null): what happened to the FP8 amax history when not restored bit for bit.
 inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io,
                                    std::string* history_note = nullptr) {
     const int64_t num_params = model.num_parameters();
@@ -343,9 +329,8 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
     const GPT2::State s = model.state();
     const ShardRange target = model.owned();
     cudaStream_t stream = model.stream();
-    // FP8 fcproj's amax history: restored when the checkpoint has one of this run's shape (a run with FP8
-    // fcproj wrote it), else empty (the next forward measures): none saved, or another number of slots (the
-    // run that saved it had qkv.grad.delayed on and this one not, or the reverse: --fp8 may change on resume).
+    // FP8 fcproj's amax history: restored when the checkpoint has one of this run's shape, else empty
+    // (the next forward measures).
     const GPT2::Fp8History h = model.fp8_history();
     if (history_note != nullptr) history_note->clear();
     if (h.device != nullptr) {
@@ -387,8 +372,7 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
         load_checkpoint_tensors(dir, m, detail::shard_tensors(model, rank), io, stream);
         return "";
     }
-    // Re-shard: this rank's range from whichever files hold it. A whole checkpoint's model.bin header
-    // must be this model's before its weights are trusted.
+    // Re-shard: a whole checkpoint's model.bin header must be this model's before its weights are trusted.
     const std::vector<char> header = model_file_header(model.config(), kModelVersionFp32);
     if (!saved.sharded && read_file_head(dir, m, kCkptModelFile, header.size()) != header) {
         fail(kExitData, "'%s/%s': its header differs from this model's", dir.c_str(), kCkptModelFile);
@@ -408,7 +392,7 @@ inline std::string load_checkpoint(GPT2& model, const std::string& dir, const Ch
 
 namespace detail {
 // The fp32 master weights of all N parameters on the device: the model's own, or with ZeRO-1 (every rank
-// must call) `full` gathered from the ranks' shards, on the model's stream.
+// must call) gathered into `full`.
 inline const float* all_master_weights(GPT2& model, DeviceBuffer<float>& full) {
     const GPT2::State s = model.state();
     if (!model.sharded()) return s.master;
@@ -425,9 +409,8 @@ inline const float* all_master_weights(GPT2& model, DeviceBuffer<float>& full) {
 }
 }  // namespace detail
 
-// Writes the fp32 master weights as an llm.c model file (version 3), whole or not at all
-// (write_file_atomically), so a reader never sees half a file. With ZeRO-1 every rank must call it (the
-// shards are gathered first); only a rank with `write` writes.
+// Writes the fp32 master weights as an llm.c model file (version 3), whole or not at all. With ZeRO-1
+// every rank must call it; only a rank with `write` writes.
 inline void write_trained_model(GPT2& model, const std::string& path, DeviceFileIO& io, bool write = true) {
     DeviceBuffer<float> full;
     const float* master = detail::all_master_weights(model, full);
@@ -440,9 +423,8 @@ inline void write_trained_model(GPT2& model, const std::string& path, DeviceFile
     });
 }
 
-// Writes the trained model in `format` (llmc/model_io.h) at path: the fp32 formats hold the master weights
-// (with ZeRO-1 every rank must call, for the gather), the bf16 ones the bf16 parameters the model computes
-// with (so their loss is the model's own). Only a rank with `write` writes.
+// Writes the trained model in `format` (llmc/model_io.h): fp32 formats hold the master weights (with
+// ZeRO-1 every rank must call), bf16 ones the parameters the model computes with. Only `write` writes.
 inline void export_trained_model(GPT2& model, const std::string& path, ModelFormat format, const SaveOptions& options,
                                  bool write = true) {
     const bool fp32 = format == ModelFormat::Llmc || format == ModelFormat::Hf;

@@ -1,15 +1,11 @@
 /*
-The checkpoint, host side: what a GPT-2 training checkpoint holds on disk, and how it is written, verified,
-published, rotated and read back, on plain files (tested without a GPU). The device side (snapshot,
-asynchronous writer, load into the model, re-sharding) is llmc/checkpoint.cuh.
-
-<out>/ckpt_<step, 8 digits>/ holds, in the layout that the setting state_layout names (none: whole),
-  whole:    model.bin (llm.c version 3 header, fp32 master weights), params_bf16.bin, adam_m.bin, adam_v.bin
-  sharded:  model.bin (llm.c version 5 header, bf16 parameters) and, per rank r, master_<r>.bin,
-            adam_m_<r>.bin and adam_v_<r>.bin over the range that the setting state_shard_<r> records
-with FP8 fcproj also fp8_history.bin, and manifest.txt: the step, the run's settings, small blobs (the
-DataLoader's and step guard's state) and every file's chunk checksums, ending with its own checksum. It is
-written as ckpt_<step>.tmp/ and renamed into place once complete (CheckpointWriter).
+The checkpoint, host side: its files on disk and how they are written, verified, published, rotated and
+read back (tested without a GPU). The device side is llmc/checkpoint.cuh.
+<out>/ckpt_<step, 8 digits>/ in layout `state_layout` (none: whole):
+  whole:    model.bin (llm.c version 3, fp32 master weights), params_bf16.bin, adam_m.bin, adam_v.bin
+  sharded:  model.bin (llm.c version 5, bf16) and per rank r master_<r>.bin, adam_m_<r>.bin, adam_v_<r>.bin
+plus fp8_history.bin (FP8 fcproj) and manifest.txt (step, settings, small blobs, every file's chunk
+checksums, its own checksum). Written as ckpt_<step>.tmp/ and renamed into place (CheckpointWriter).
 */
 #pragma once
 
@@ -69,8 +65,7 @@ inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
     return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
 }
 
-// fp8_history.bin's header: the magic, then int32 version 2 (version 1, before the LayerNorm outputs had
-// slots, held 2 x layers), slots, entries per slot, 0; then the fp32 history (GPT2::fp8_history).
+// fp8_history.bin's header: the magic, int32 version 2, slots, entries per slot, 0; then fp32 history.
 constexpr const char* kFp8HistoryMagic = "LLMCFP8H";
 constexpr size_t kFp8HistoryHeaderBytes = 24;
 
@@ -258,19 +253,11 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
     return m;
 }
 
-inline std::string read_text_file(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string s(size_t(f.size()), '\0');
-    f.read_exact(s.data(), s.size());
-    return s;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Chunk checksums, taken while writing and checked while reading.
 
-// Checks chunks against a FileRecord as a ChunkHook sees them; finish() then requires that every chunk
-// was seen. A chunk whose boundaries do not match the record is an error too (the reader must cut the file
-// the way the writer did: the same chunk size, the same start).
+// Checks chunks against a FileRecord as a ChunkHook sees them; finish() requires every chunk seen. The
+// reader must cut the file the way the writer did.
 class ChunkVerifier {
 public:
     ChunkVerifier(const FileRecord& record, std::string path) : rec_(record), path_(std::move(path)), seen_(record.chunks.size(), 0) {}
@@ -320,10 +307,8 @@ inline void write_chunked(File& f, const void* data, size_t n, const ChunkHook& 
     }
 }
 
-// Whether the recorded chunks of bytes [from, from + n) are exactly the pieces `plan` (a ChunkPlanner for
-// that span, the cut DeviceFileIO reads it in) makes of them, so the reads can be checked chunk by chunk.
-// False for a checkpoint written with another chunk size, or when direct I/O cuts the span differently:
-// it is then read by its recorded chunks instead.
+// Whether the recorded chunks of [from, from + n) are exactly the pieces `plan` makes of them, so reads
+// can be checked chunk by chunk; else the span is read by its recorded chunks.
 inline bool chunks_match_plan(const FileRecord& rec, uint64_t from, uint64_t n, ChunkPlanner plan) {
     Chunk piece;
     uint64_t at = from;
@@ -375,8 +360,7 @@ struct CheckpointEntry {
     std::string path;
 };
 
-// Directories with a complete checkpoint's name in out_dir, newest (highest step) first. A missing
-// out_dir has none.
+// Directories with a complete checkpoint's name in out_dir, newest first (none if out_dir is missing).
 inline std::vector<CheckpointEntry> list_checkpoints(const std::string& out_dir) {
     std::vector<CheckpointEntry> out;
     std::error_code ec;
@@ -391,9 +375,8 @@ inline std::vector<CheckpointEntry> list_checkpoints(const std::string& out_dir)
     return out;
 }
 
-// Checks a checkpoint directory: the manifest parses and checks out, its step matches the name, every
-// listed file exists with the recorded size, and (deep) every chunk's checksum. Returns the manifest;
-// raises kExitData / kExitIo naming the problem.
+// Checks a checkpoint directory (manifest, step, file sizes, and with `deep` every chunk's checksum);
+// returns the manifest, raises kExitData / kExitIo naming the problem.
 inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep) {
     const std::string manifest_path = dir + "/" + kManifestName;
     CheckpointManifest m = parse_manifest(read_text_file(manifest_path), manifest_path);
@@ -427,8 +410,8 @@ inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep)
 // Publishing and retention.
 
 namespace detail {
-// Swaps the names of two directories in one step (renameat2 with RENAME_EXCHANGE); 0, or -1 with errno.
-// A variable so that a test can stand in a file system that cannot swap (errno EINVAL).
+// Swaps two directories' names atomically (renameat2 RENAME_EXCHANGE); 0, or -1 with errno. A variable
+// so a test can stand in a file system that cannot swap.
 inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
     return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
 };
@@ -454,11 +437,9 @@ inline void remove_tree(const std::string& path) {
     if (ec) fail(kExitIo, "cannot remove '%s': %s", path.c_str(), ec.message().c_str());
 }
 
-// Keeps the newest keep_last complete checkpoints (keep_last <= 0: all) and every one whose step is a
-// multiple of keep_every (> 0); removes the rest. Returns the removed paths, oldest first. Only steps up to
-// `newest` (the one just written) take part: checkpoints of later steps, left by an earlier run that got
-// further (a fresh run in the same directory, or a resume that skipped a damaged newer checkpoint), would
-// otherwise count as the newest and push out the ones this run just wrote.
+// Keeps the newest keep_last complete checkpoints (<= 0: all) and every multiple of keep_every (> 0);
+// removes the rest, returning them oldest first. Only steps up to `newest` count, so a later run's
+// leftovers cannot push out the ones this run just wrote.
 inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, int keep_last, int keep_every,
                                                    int64_t newest = INT64_MAX) {
     std::vector<std::string> removed;
@@ -488,12 +469,10 @@ inline void remove_stale_temporaries(const std::string& out_dir) {
     for (const std::string& s : stale) remove_tree(s);
 }
 
-// The name under which rank r (> 0) of a several-rank save publishes the records of its files inside the
-// temporary directory; rank 0 merges them into the manifest.
+// The name of rank r's (> 0) part file in the temporary directory; rank 0 merges them into the manifest.
 inline std::string checkpoint_part_name(int rank) { return format("part_%05d.txt", rank); }
 
-// A fresh temporary directory for the checkpoint of `step`, after removing the leftovers of interrupted
-// saves (a stale temporary directory of this very step included).
+// A fresh temporary directory for `step`, after removing interrupted saves' leftovers.
 inline std::string create_checkpoint_temporary(const std::string& out_dir, int64_t step) {
     const std::string tmp = out_dir + "/" + checkpoint_dir_name(step) + ".tmp";
     remove_stale_temporaries(out_dir);
@@ -503,23 +482,17 @@ inline std::string create_checkpoint_temporary(const std::string& out_dir, int64
     return tmp;
 }
 
-// Several ranks build one checkpoint: before any rank writes, rank 0 calls this, and the caller then holds
-// every rank at a barrier, so no rank writes into a directory about to be removed.
+// Several ranks: rank 0 calls this before any rank writes, then the caller holds every rank at a barrier.
 inline std::string prepare_shared_checkpoint(const std::string& out_dir, int64_t step) {
     const std::string tmp = create_checkpoint_temporary(out_dir, step);
     sync_directory(out_dir);
     return tmp;
 }
 
-// Builds one checkpoint in <out>/ckpt_<step>.tmp and publishes it with commit(). Destroyed without a
-// commit, it removes its temporary directory (best effort; a crash leaves it for remove_stale_temporaries).
-//
-// With world > 1 (several ranks writing one checkpoint into a shared directory, which
-// prepare_shared_checkpoint made): rank r > 0 adds its files and commit() publishes their records as
-// part_<r>.txt (temporary name, fsync, rename), leaving the directory alone; rank 0's commit() waits up to
-// part_timeout_s for every other rank's part, merges the records into the manifest and publishes the
-// checkpoint with the one rename. A rank that dies before its part is published leaves no checkpoint: rank
-// 0 times out naming the missing ranks, and the directory stays a .tmp that the next save removes.
+// Builds one checkpoint in <out>/ckpt_<step>.tmp and publishes it with commit(); destroyed without a
+// commit, it removes its temporary directory. With world > 1, rank r > 0 publishes its records as
+// part_<r>.txt; rank 0 waits up to part_timeout_s for every part, merges them and renames the
+// directory. A rank that dies first leaves no checkpoint, only a .tmp the next save removes.
 class CheckpointWriter {
 public:
     CheckpointWriter(std::string out_dir, int64_t step, int rank = 0, int world = 1, double part_timeout_s = 600)
@@ -544,8 +517,7 @@ public:
     }
 
     // Creates `name` in the temporary directory; fill(file, hook) writes it, passing every byte through
-    // the hook (write_chunked for host memory, DeviceFileIO::device_to_file for device memory), which
-    // checksums each chunk (from any thread); then the file is fsynced and closed and its chunks recorded.
+    // the hook, which checksums each chunk; then the file is fsynced and its chunks recorded.
     void add_file(const std::string& name, const std::function<void(File&, const ChunkHook&)>& fill) {
         File f(tmp_ + "/" + name, File::Mode::Write);
         FileRecord rec;
@@ -573,9 +545,8 @@ public:
         files_.push_back(std::move(rec));
     }
 
-    // Rank 0 (or the only rank): writes the manifest (meta with the recorded files of every rank and this
-    // step), syncs, and renames the directory to its final name; returns the final path. Another rank:
-    // publishes its part and returns the temporary directory's path.
+    // Rank 0: writes the manifest, syncs and renames the directory, returning the final path. Another
+    // rank: publishes its part and returns the temporary path.
     std::string commit(CheckpointManifest meta) {
         if (rank_ != 0) {
             publish_part();
@@ -613,12 +584,9 @@ public:
     uint64_t bytes_written() const { return bytes_; }  // this rank's files (rank 0: and the others' too)
 
 private:
-    // A checkpoint of the same step is already there (a run resumed from an older one and got here again).
-    // rename() cannot replace a non-empty directory, so the two directories swap names in one atomic step
-    // (renameat2 RENAME_EXCHANGE): at every moment the final name holds a complete checkpoint, and the old
-    // one, now under the temporary name, is removed by the caller (or, after a crash, by the next save).
-    // Where the file system cannot swap, the old one is renamed aside (to a .tmp name) first. Returns the
-    // path the old checkpoint is now under.
+    // A checkpoint of the same step is already there: the two directories swap names atomically (else
+    // the old one is renamed aside first), so the final name always holds a complete checkpoint. Returns
+    // the path the old one is now under, for the caller to remove.
     std::string replace_same_step() {
         if (detail::swap_directories(tmp_.c_str(), final_.c_str()) == 0) return tmp_;
         const int e = errno;
@@ -640,8 +608,7 @@ private:
         part.files = files_;
         const std::string path = tmp_ + "/" + checkpoint_part_name(rank_);
         detail::write_synced(path + ".tmp", encode_manifest(part));
-        // The moment the part appears, rank 0 may merge it and rename the directory to its final name, so
-        // the directory is opened before the rename and synced through that descriptor, which follows it.
+        // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (dir < 0) {
             int e = errno;
@@ -713,11 +680,9 @@ struct ArraySegment {
     int64_t begin = 0, count = 0;
 };
 
-// Reads elements [first, last) of a flat array of elem_bytes-wide elements held by `segments` of the
-// checkpoint in `dir` (manifest m), which must cover that range. Every recorded chunk the range touches is
-// read whole and checked against its checksum before any of its bytes are used; the bytes go to
-// sink(element offset from `first` in bytes, pointer, length), in pieces of at most one chunk. Raises
-// kExitData naming the file on a missing file, a short file, a bad checksum or a range not covered.
+// Reads elements [first, last) of a flat array held by `segments` of the checkpoint in `dir`. Every
+// touched chunk is checked against its checksum before use; bytes go to sink(byte offset from `first`,
+// pointer, length). Raises kExitData naming the file on any missing, short or corrupt data.
 inline void read_array_range(const std::string& dir, const CheckpointManifest& m, const std::vector<ArraySegment>& segments,
                              size_t elem_bytes, int64_t first, int64_t last,
                              const std::function<void(uint64_t, const char*, size_t)>& sink) {
@@ -785,11 +750,8 @@ struct StateLayout {
     ArraySegment params;                               // bf16 elements, all N
 };
 
-// Parses the layout of the checkpoint in `dir` (manifest m) for a model of num_params parameters. A
-// checkpoint without the setting is a whole one (the format of checkpoints written before sharded ones
-// existed). The saved ranges come from the manifest, not from a recomputed ZeroLayout, so that a change of
-// alignment between runs cannot misplace state. Raises kExitData naming what is malformed: an unknown
-// layout, a missing or bad rank count or range, ranges that do not tile [0, num_params) in rank order.
+// Parses the layout of the checkpoint in `dir` for num_params parameters (no setting: whole). The ranges
+// come from the manifest, not a recomputed ZeroLayout. Raises kExitData naming what is malformed.
 inline StateLayout read_state_layout(const std::string& dir, const CheckpointManifest& m, int64_t num_params) {
     StateLayout out;
     const std::string* kind = m.setting("state_layout");
@@ -853,9 +815,8 @@ inline StateLayout read_state_layout(const std::string& dir, const CheckpointMan
 // ----------------------------------------------------------------------------------------------------
 // Resume compatibility.
 
-// Compares the settings a checkpoint was saved with against this run's. Keys in must_match that differ
-// (or are missing on one side) make the returned message, one "key: checkpoint has X, this run has Y" per
-// key; other differing keys go to *notes (what may change on resume). Empty: compatible.
+// Compares a checkpoint's settings with this run's: differing must_match keys make the returned message
+// ("key: checkpoint has X, this run has Y" each); other differences go to *notes. Empty: compatible.
 inline std::string settings_differences(const CheckpointManifest& saved,
                                         const std::vector<std::pair<std::string, std::string>>& now,
                                         const std::vector<std::string>& must_match, std::vector<std::string>* notes) {

@@ -1,23 +1,10 @@
 /*
-The chunk schedule behind file_to_device / device_to_file, written against a small copy interface so
-that it runs and is tested on machines without a GPU.
-
-A transfer of n bytes at the file's current position is cut into chunks (ChunkPlanner). Two staging
-buffers alternate: while chunk k is written to the file, the copy engine moves chunk k+1 from the device
-into the other buffer; reading, two threads each fill one buffer from the file and hand it to the copy
-engine, so a read is always in flight while the other buffer's copy runs. StagingCopier is that copy engine: the CUDA
-one lives in device_file_io.cuh, a plain memcpy one in the tests.
-
-An optional ChunkHook sees every chunk while it sits in a staging buffer: writing, after the copy from
-the device has landed and before the bytes go to the file; reading, after the bytes came from the file and
-before the copy to the device starts. The checkpoint code checksums chunks there, so the bytes checked are
-the bytes that went to (or came from) the disk, without a second pass over the data.
-
-With direct I/O requested, the part of the transfer that sits on aligned file offsets goes through a
-second descriptor opened with O_DIRECT (bypassing the page cache); the unaligned head and tail go
-through the caller's descriptor. Staging buffers are aligned for this.
-
-Does not provide: memory management of the staging buffers or any CUDA calls.
+The chunk schedule behind file_to_device / device_to_file, written against a small copy interface
+(StagingCopier: CUDA's in device_file_io.cuh, memcpy in the tests) so it is tested without a GPU.
+A transfer is cut into chunks (ChunkPlanner) through two alternating staging buffers, so the file I/O
+and the device copy overlap. An optional ChunkHook sees every chunk in its staging buffer (the
+checkpoint checksums there: the bytes checked are the bytes on disk). With direct I/O the aligned middle
+goes through an O_DIRECT descriptor, the unaligned head and tail through the caller's.
 */
 #pragma once
 
@@ -37,9 +24,8 @@ namespace llmc {
 constexpr size_t kDefaultChunkBytes = size_t(32) << 20;
 constexpr size_t kDirectAlignment = 4096;
 
-// Sees one chunk in its staging buffer: `bytes` bytes that sit (or will sit) at `file_offset` in the file.
-// With two readers it is called from two threads at once, in no particular order of offsets, so it must be
-// thread safe. An exception it raises abandons the transfer like an I/O error.
+// Sees one chunk in its staging buffer: `bytes` bytes at `file_offset` in the file. Called from two
+// threads at once when reading, so it must be thread safe; an exception abandons the transfer.
 using ChunkHook = std::function<void(const char* host_chunk, size_t bytes, uint64_t file_offset)>;
 
 // One piece of a transfer: bytes [offset, offset + bytes) of the payload, at file position
@@ -50,9 +36,8 @@ struct Chunk {
     bool direct = false;
 };
 
-// Cuts [0, nbytes) into chunks of at most chunk_bytes. With direct_alignment > 0, the largest span whose
-// file offsets and length are multiples of direct_alignment is marked direct, and chunk boundaries are
-// placed so that no chunk mixes direct and buffered bytes.
+// Cuts [0, nbytes) into chunks of at most chunk_bytes. With direct_alignment > 0 the largest aligned span
+// is marked direct, and no chunk mixes direct and buffered bytes.
 class ChunkPlanner {
 public:
     ChunkPlanner(int64_t file_start, uint64_t nbytes, size_t chunk_bytes, size_t direct_alignment = 0)
@@ -113,8 +98,7 @@ public:
     virtual void wait(int slot) = 0;
     // Called first on each extra reader thread, so the copier can make that thread use its device.
     virtual void bind_thread() {}
-    // Waits for every pending copy without raising; used when a transfer is abandoned by an error, so that no
-    // copy still targets a staging buffer when it is reused.
+    // Waits for every pending copy without raising (a transfer abandoned by an error).
     virtual void drain() noexcept = 0;
 };
 
@@ -164,8 +148,7 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
             }
             out->seek(start + static_cast<int64_t>(cur.offset));
             out->write_all(copier.staging(slot), cur.bytes);
-            // Start this chunk's writeback now, so the disk works while the next chunks are copied and the
-            // caller's fsync finds little left to do.
+            // Start this chunk's writeback now, so the disk works while the next chunks are copied.
             if (!cur.direct) out->start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
             if (!has_next) break;
             cur = nxt;
@@ -176,13 +159,9 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
     file.seek(start + static_cast<int64_t>(n));
 }
 
-// Reads n bytes from `file` at its current position into device memory and advances it by n. Returns once
-// the bytes are on the device. A file shorter than the request is an error before anything is copied.
-//
-// With readers = 2 (the default), two threads read, each into its own staging buffer, taking the next chunk
-// of the file in turn, and each buffer's copy to the device overlaps the other buffer's read. Two readers
-// because, reading from the page cache, one thread's memcpy out of it is the limit; from a cold disk the
-// second changes nothing (docs/lab-notes.md).
+// Reads n bytes from `file` at its current position into device memory and advances it by n; returns
+// once the bytes are on the device. A short file is an error before anything is copied. With readers = 2,
+// two threads read alternate chunks into their own staging buffers (docs/lab-notes.md).
 inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, File& file, uint64_t n,
                                      size_t direct_alignment = 0, int readers = 2, const ChunkHook& hook = nullptr) {
     const int64_t start = file.tell();

@@ -1,48 +1,18 @@
 /*
 The fused classifier: softmax, cross-entropy loss and its gradient in one kernel over the logits, with
 the meanings of crossentropy_forward/crossentropy_backward in llmc/gpt2_cpu.h.
-
-Provides:
-  fused_classifier: for each of the N = B*T rows of logits (N,Vp) bf16, one block computes the softmax
-                    over the first V columns (never the Vp - V padded ones) in fp32, writes the loss
-                    -log p[target] = logsumexp - logit[target] to losses[row] (fp32, overwritten), and,
-                    when write_dlogits is set, overwrites the row in place with dlogits = (softmax -
-                    onehot(target)) * dloss, padded columns set to 0. With write_dlogits off the logits
-                    are left untouched (evaluation). No probabilities are stored.
-  fused_classifier_fp8: the same losses, bit for bit, with dlogits written to a separate (N,Vp) buffer in
-                    E5M2 (the FP8 classifier backward, llmc/gpt2.cuh) and the logits left untouched. The
-                    scale is static: |dlogit| <= dloss (softmax - onehot lies in [-1, 1]), so dlogits are
-                    stored times 57344 / dloss (E5M2's largest over dloss) and no amax pass is needed; the
-                    kernel writes the descale (dloss / 57344) to a device float for the FP8 matmuls.
-  mean_loss:        the mean of N per-row losses, summed by one block in a fixed order (fp64 partial
-                    sums), written to a device float; deterministic.
-  gather_positions: out (M,C) = the rows positions[i] of inp (N,C), bf16, copied exactly: the
-                    classifier's input at the positions an evaluation scores (GPT2::forward_scored), so
-                    that the matmul and the softmax run on M rows instead of N. Positions are trusted
-                    (the caller checks them where it builds them).
-
-How fused_classifier works. It is bound by memory traffic and by the exponentials (the special-function
-unit does 16 per clock per SM), so both are kept to the minimum:
-  - Three passes over the row: the max, the sum of e^(x - max) (and the loss), the gradient. Each
-    exponential is 2^((x - max) * log2(e)) by one hardware ex2 instruction (relative error about
-    2^-22); the gradient multiplies by dloss / sum, computed once per row.
-  - The row is read from memory once: a 512-thread block holds the row in its threads, thread t taking
-    the 8-column packs at columns 8t + 4096j. The first kClassifierRegisterPacks (8) of them stay in
-    registers and the next kClassifierSharedPacks (5) in shared memory (copied there by cp.async,
-    which needs no registers), so 13 * 4096 = 53248 columns are held (GPT-2's Vp is 50304) while
-    two blocks still fit on an SM (64 registers per thread, 40 KB of shared memory per block). One
-    block's reductions and exponentials then overlap the other's memory traffic.
-  - Packs beyond those (longer rows) are read again from memory in each pass (L1/L2 mostly), one at
-    a time. Rows of at most 4096 columns take that path alone (holding them gains nothing), so the
-    short rows of the unit tests exercise it.
-  - Padded columns are set to -inf as a pack is used, so they add nothing to the sum and get a
-    gradient of exactly 0; packs wholly past V are not read.
-The loss is computed the same way with and without write_dlogits, so the two are bitwise equal.
-Reductions use fixed trees and no atomics, so the results are bitwise reproducible. Vp must be a
-multiple of 8. Targets are trusted: the data loader validates them. Needs sm_80 or newer (cp.async).
-
-Does not provide: the classifier matmul (matmul.cuh, logits = lnf @ wte^T), label smoothing, or
-ignored positions (every row has a target).
+  fused_classifier: per row of logits (N,Vp) bf16, one block: softmax over the first V columns in fp32,
+      losses[row] = logsumexp - logit[target] (overwritten), and with write_dlogits the row overwritten
+      by (softmax - onehot(target)) * dloss, padded columns 0. Without it the logits are untouched.
+  fused_classifier_fp8: the same losses, bit for bit, with dlogits in E5M2 in a separate buffer at the
+      static scale 57344 / dloss (|dlogit| <= dloss); the descale goes to a device float.
+  mean_loss: the mean of N losses, in a fixed order (fp64 partials): deterministic.
+  gather_positions: out (M,C) = rows positions[i] of inp, the classifier's input at the positions an
+      evaluation scores (positions trusted).
+The kernel is bound by memory and the exponentials: three passes (max, sum and loss, gradient) over a
+row read from memory once (held in registers and shared memory up to 13 * 4096 columns), one ex2 per
+exponential. Padded columns are -inf (gradient exactly 0). Fixed reduction trees, no atomics: bitwise
+reproducible. Vp must be a multiple of 8; targets are trusted (the data loader checks them); sm_80+.
 */
 #pragma once
 
@@ -64,10 +34,8 @@ namespace llmc {
 constexpr int kClassifierBlock = 512;
 // Thread t's packs are at columns 8t + j * kClassifierColumnStride, j = 0, 1, ...
 constexpr int kClassifierColumnStride = kClassifierBlock * kPackX;
-// How many of them a thread holds between the passes. 8 packs in registers are 32 of the 64 registers
-// a thread may use when two 512-thread blocks share an SM (ptxas fits the kernel in 64 without
-// spilling; 12 or more held packs spill). 5 packs per thread in shared memory are 40 KB per block,
-// under the 48 KB of static shared memory a block may have; two blocks need 80 KB of an SM.
+// How many 8-column packs a thread holds between the passes: in registers (two 512-thread blocks an SM
+// leave 64 registers a thread) and in shared memory (40 KB a block, under the 48 KB static limit).
 constexpr int kClassifierRegisterPacks = 8;
 constexpr int kClassifierSharedPacks = 5;
 
@@ -75,20 +43,17 @@ namespace detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 2^a with the hardware approximation: one MUFU.EX2 (exp2f adds range fix-ups around it). Denormal
-// results are flushed to 0, and 2^-inf = 0.
+// 2^a by one MUFU.EX2 (exp2f adds range fix-ups); denormals flush to 0, 2^-inf = 0.
 __device__ inline float fast_exp2(float a) {
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
     return r;
 }
 
-// e^(x - m) for x <= m. x and m are bf16 values, so x - m is exact in fp32 whenever the result is not
-// negligible; the one rounding is that of the product with log2(e).
+// e^(x - m) for x <= m; x - m of bf16 values is exact in fp32 where it matters.
 __device__ inline float exp_shifted(float x, float m) { return fast_exp2((x - m) * kLog2e); }
 
-// A pack of 8 bf16 logits as four 32-bit words (column 2i in the low half of word i), so that a held
-// pack costs exactly four registers.
+// A pack of 8 bf16 logits as four 32-bit words (column 2i in the low half of word i).
 struct alignas(16) LogitPack {
     uint32_t w[kPackX / 2];
 };
@@ -106,8 +71,7 @@ __device__ inline LogitPack load_logit_words(const floatX* p) {
     return out;
 }
 
-// 16 bytes from global to shared memory without passing through registers; visible to this thread
-// after copy_async_wait_all(). Both addresses 16-byte aligned.
+// 16 bytes from global to shared memory, bypassing registers; visible after copy_async_wait_all().
 __device__ inline void copy16_async(void* shared, const void* global) {
     const uint32_t s = uint32_t(__cvta_generic_to_shared(shared));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(global) : "memory");
@@ -115,8 +79,7 @@ __device__ inline void copy16_async(void* shared, const void* global) {
 
 __device__ inline void copy_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Sets every column >= V of the pack at column c to -inf, so that it adds nothing to the softmax and
-// its gradient is 0. A pack wholly at or past V need not have been loaded: all of it is overwritten.
+// Sets every column >= V of the pack at column c to -inf; a pack wholly past V need not have been loaded.
 __device__ inline void mask_padded(LogitPack& p, int c, int V) {
     if (c + kPackX <= V) return;
     for (int i = 0; i < kPackX / 2; i++) {
@@ -153,8 +116,8 @@ __device__ inline float pack_exp_sum(const LogitPack& p, float m) {
     return ((e[0] + e[1]) + (e[2] + e[3])) + ((e[4] + e[5]) + (e[6] + e[7]));
 }
 
-// The dlogits of the pack p (at column c) at columns c + 2i and c + 2i + 1: e^(x - m) * scale (scale =
-// dloss / sum), minus dloss at the target column. -inf (padded) columns give exactly 0.
+// The dlogits of pack p (column c) at columns c + 2i, c + 2i + 1: e^(x - m) * scale (= dloss / sum),
+// minus dloss at the target. Padded columns give exactly 0.
 __device__ inline float2 grad_pair(const LogitPack& p, int i, int c, float m, float scale, int target, float dloss) {
     float lo = exp_shifted(low_bf16(p.w[i]), m) * scale;
     float hi = exp_shifted(high_bf16(p.w[i]), m) * scale;
@@ -190,7 +153,6 @@ __device__ inline void store_grad_pack_fp8(__nv_fp8_storage_t* out, const LogitP
 }
 
 // The maximum over a 1-D block (a multiple of 32 threads), given to every thread; all threads call it.
-// A maximum is exact, so it does not depend on the order.
 __device__ inline float block_max(float v) {
     __shared__ float partial[kWarpSize];
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -204,9 +166,8 @@ __device__ inline float block_max(float v) {
 
 }  // namespace detail
 
-// One block per row. Thread t holds its first R packs in registers and the next S in shared memory;
-// any further packs are read from memory in each pass. kFp8: the gradient goes to q (N,Vp) in E5M2,
-// times qscale, and *descale = 1 / qscale; logits are only read.
+// One block per row: the first R packs in registers, the next S in shared memory, any more read in each
+// pass. kFp8: the gradient goes to q (N,Vp) in E5M2 times qscale, *descale = 1 / qscale.
 template <int R, int S, bool kFp8 = false>
 static __global__ void __launch_bounds__(kClassifierBlock, 2)
     fused_classifier_kernel(floatX* logits, float* losses, const int* targets, float dloss, int V, int Vp,
@@ -310,9 +271,8 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     }
 }
 
-// losses (N) = cross-entropy of each row of logits (N,Vp) against targets (N); with write_dlogits,
-// logits is replaced by dloss * d(loss)/d(logits). dloss is the weight of each row's loss in the
-// total, e.g. 1 / (B * T * gradient accumulation steps).
+// losses (N) = cross-entropy of each row of logits (N,Vp) against targets; with write_dlogits, logits is
+// replaced by dloss * d(loss)/d(logits) (dloss: the row's weight in the total, e.g. 1 / (B T accum)).
 inline void fused_classifier(floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V, int Vp,
                              bool write_dlogits, cudaStream_t stream) {
     require_pack_multiple(Vp, "fused_classifier: Vp");
@@ -330,9 +290,8 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     cudaCheckLaunch();
 }
 
-// losses as fused_classifier's (bitwise), and dlogits = dloss * d(loss)/d(logits) into q (N,Vp) in E5M2
-// times 57344 / dloss (dloss > 0), padded columns 0; *descale (a device float) = dloss / 57344 for the
-// matmuls that read q. The logits are left as they are.
+// losses as fused_classifier's (bitwise), dlogits into q (N,Vp) in E5M2 times 57344 / dloss (dloss > 0),
+// *descale = dloss / 57344. The logits are left as they are.
 inline void fused_classifier_fp8(const floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V,
                                  int Vp, __nv_fp8_e5m2* q, float* descale, cudaStream_t stream) {
     require_pack_multiple(Vp, "fused_classifier_fp8: Vp");
@@ -388,8 +347,8 @@ static __global__ void gather_positions_kernel(floatX* out, const floatX* inp, c
     store128(out + i, load128(inp + int64_t(positions[row]) * C + c));
 }
 
-// out (M,C) row i = inp (N,C) row positions[i] (device int32, each in [0, N): not checked here). C must be
-// a multiple of 8 and both buffers 16-byte aligned; out must not overlap inp.
+// out (M,C) row i = inp (N,C) row positions[i] (in [0, N), unchecked). C a multiple of 8, buffers 16-byte
+// aligned, not overlapping.
 inline void gather_positions(floatX* out, const floatX* inp, const int* positions, int64_t M, int C,
                              cudaStream_t stream) {
     require_pack_multiple(C, "gather_positions: C");

@@ -1,50 +1,18 @@
 /*
 The classifier's forward on Hopper (sm_90a) in our own matmul, with the softmax's exponentials in its
 epilogue: no logits are written and no softmax pass reads them.
-
-Provides:
-  classifier90_available():  built for sm_90a (LLMC_SM90A) and running on compute 9.0.
-  classifier90_applies(N, C, Vp): the shapes the kernel takes: N a multiple of 128, C of 64, Vp of 8.
+  classifier90_available(), classifier90_applies(N, C, Vp) (N % 128, C % 64, Vp % 8 == 0),
   classifier90_partial_count(N, Vp): the floats of Classifier90Scratch::partial.
-  classifier90_logits:       logits (N,Vp) bf16 = lnf (N,C) wte (Vp,C)^T, as cuBLASLt's matmul_forward
-                             (the trainer does not use it; docs/performance.md,
-                             "The classifier's exp forward", times the two).
-  classifier90_exp_forward:  for rows with targets, Y (N,Vp) bf16 = e^(x - x_t) with x = lnf wte^T and x_t
-                             the row's target logit, the loss log(s) (s = 1 + the row's sum of Y over the
-                             other columns below V) and s; the padded columns 0. With dloss > 0 (training)
-                             it also makes Y the classifier's gradient up to a row scale: Y's target column
-                             becomes 1 - s (so dlogits = dloss / s * Y exactly, in real arithmetic) and lnf
-                             is scaled in place by dloss / s, so that backward's dwte matmul (Y^T lnf) is the
-                             usual one; d(lnf) = Y wte then needs classifier90_scale_rows. With dloss = 0 the
-                             target column is 0 and lnf is left as it was.
-  classifier90_scale_rows:   x (N,C) bf16 *= dloss / s per row: d(lnf) from the Y wte matmul.
-
-The matmul: persistent, one block of three warpgroups per SM. The first is the producer: one thread asks
-the tensor memory accelerator (TMA) for each k-step's tiles of lnf (128 rows x 64) and wte (256 rows x 64)
-into a ring of kStages shared-memory stages, in the 128-byte swizzle wgmma reads; an mbarrier counts each
-stage's bytes in ("full") and another its release by every consumer thread ("empty"). The other two are
-consumers: each multiplies its 64 of the tile's 128 rows by the 256 wte rows with wgmma.m64n256k16 (bf16
-operands from shared memory, 128 fp32 accumulators a thread), keeping one k-step's products in flight
-while it frees the stage before. Output tiles are 128 x 256, visited in groups of kGroupM row blocks (a
-group's lnf stays in L2 while wte streams past once). The epilogue rounds to bf16, writes each
-warpgroup's 64 x 256 block to shared memory with stmatrix, in the swizzle of the output's TMA map, and
-stores it with TMA (columns past Vp clipped), while the next tile's loads are under way. The exp
-epilogue computes e^(x - x_t) by one ex2 per element from the fp32 accumulator (flushed to 0 below 2^-126;
-the column tests only in the tiles that hold the row's target or the padding) (x_t in fp32 from a
-small kernel before the matmul, one warp a row) and each 256-column tile's row sums (fp32), which a
-kernel after it adds in a fixed order; nothing is atomic, so results repeat bit for bit. The plain
-matmul gives cuBLASLt's bits at GPT-2's shapes (a lab checked all 3.3G logits of d12 B=64).
-
-Y's range: x - x_t <= -log p_t is at most the row's loss, so Y overflows only where a token's loss
-exceeds ~88 nats (s is then inf, and so is the loss: the trainer's divergence guard sees it). Precision:
-the logits are never rounded to bf16 before the softmax, so the loss is exact to fp32 rounding (today's
-path: ~1e-2 per row from the bf16 logits), and Y's entries carry one bf16 rounding as dlogits do, with
-the target's coefficient formed from the tail sum without cancellation (docs/lab-notes.md).
-
-Does not provide: ping-pong consumers (the tensor cores wait while an epilogue runs; a ping-pong schedule
-on 128 x 128 tiles hid the epilogue but ran its matmul 35% slower: docs/performance.md), TMA multicast
-within a cluster, other GPUs (the trainer uses cuBLASLt + fused_classifier there), logits when the exp
-path runs (Y is not the logits).
+  classifier90_logits: logits (N,Vp) bf16 = lnf wte^T, as cuBLASLt's (not used by the trainer).
+  classifier90_exp_forward: Y (N,Vp) bf16 = e^(x - x_t) (x_t the target logit), loss log(s) with s = 1 +
+      the row's sum of Y over the other columns below V, padded columns 0. With dloss > 0 Y becomes the
+      gradient up to a row scale (target column 1 - s, lnf scaled in place by dloss / s); with dloss = 0
+      the target column is 0 and lnf left as it was.
+  classifier90_scale_rows: x (N,C) *= dloss / s per row: d(lnf) from the Y wte matmul.
+A persistent kernel: a TMA producer warpgroup feeding a ring of stages and two wgmma consumer
+warpgroups (128 x 256 output tiles); the epilogue's row sums are added by a later kernel in a fixed
+order, so results repeat bit for bit. Y overflows only where a token's loss exceeds ~88 nats (the loss is
+then inf, which the step guard sees). Design and timings: docs/lab-notes.md, docs/performance.md.
 */
 #pragma once
 
@@ -68,8 +36,7 @@ path runs (Y is not the logits).
 
 namespace llmc {
 
-// Where classifier90_exp_forward keeps its per-row numbers: c (N) the target logits, partial
-// (classifier90_partial_count) the tiles' row sums, sums (N) s.
+// Per-row numbers of classifier90_exp_forward: c (N) target logits, partial the tiles' row sums, sums (N) s.
 struct Classifier90Scratch {
     float* c = nullptr;
     float* partial = nullptr;
@@ -150,8 +117,7 @@ __device__ inline void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint
                  : "memory");
 }
 
-// Descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
-// apart (the leading offset is unused for this layout).
+// Descriptor of a K-major operand in the 128-byte swizzle (8-row groups 1024 bytes apart).
 __device__ inline uint64_t desc_sw128(uint32_t addr) {
     return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
@@ -168,8 +134,7 @@ __device__ inline void fence_acc(float (&d)[128]) {
     for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (64 x 256 per warpgroup, fp32) += A (64 x 16, K-major in shared memory) * B (256 x 16, K-major), or
-// d = A * B when scale_d is 0.
+// d (64 x 256 fp32) += A (64 x 16, K-major, shared) * B (256 x 16, K-major); d = A * B when scale_d is 0.
 __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
 #if CLASSIFIER90_DEVICE
     asm volatile(
@@ -222,10 +187,8 @@ __device__ inline float ex2_ftz(float x) {
     return y;
 }
 
-// The exp epilogue on one of a thread's two rows (Half 0: d[4j], d[4j+1]; Half 1: d[4j+2], d[4j+3]):
-// d = e^(x - c) (c2 = c log2 e; an ex2 a value, results below 2^-126 flushed to 0), 0 at the target's column
-// and at columns >= V; returns the sum of the rest. Most rows of most tiles have neither (all_below_v, the
-// target elsewhere) and take the loop without comparisons.
+// The exp epilogue on one of a thread's two rows: d = e^(x - c) (flushed to 0 below 2^-126), 0 at the
+// target's column and columns >= V; returns the sum of the rest.
 template <int Half>
 __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, int col_base, int V, bool all_below_v) {
     float s = 0.0f;
@@ -255,8 +218,8 @@ __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, 
     return s;
 }
 
-// Exp = false: out = bf16(lnf wte^T). Exp = true: out = bf16(e^(x - c_row)), 0 at the row's target and at
-// columns >= V; partial[row * n_tiles + n_tile] = the tile's sum of the other columns (fp32).
+// Exp = false: out = bf16(lnf wte^T). Exp = true: out = bf16(e^(x - c_row)), 0 at the target and columns
+// >= V; partial[row * n_tiles + n_tile] = the tile's sum of the other columns (fp32).
 template <bool Exp>
 static __global__ void __launch_bounds__(kThreads, 1)
     cls_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -314,8 +277,7 @@ static __global__ void __launch_bounds__(kThreads, 1)
     for (int t = blockIdx.x; t < n_total; t += gridDim.x) {
         int mb, nb;
         tile_coords(t, m_tiles, n_tiles, mb, nb);
-        // This thread's rows r0 = 16 warp + lane / 4 and r0 + 8 of the warpgroup's 64; for the exp epilogue
-        // their offsets and targets are loaded here, so their latency passes under the k-loop.
+        // This thread's rows r0 = 16 warp + lane / 4 and r0 + 8; their offsets and targets load under the k-loop.
         const int r0 = 16 * warp + lane / 4;
         const int row0 = mb * kBM + cw * 64 + r0, row1 = row0 + 8;
         float c2_0 = 0.0f, c2_1 = 0.0f;
@@ -352,8 +314,7 @@ static __global__ void __launch_bounds__(kThreads, 1)
         fence_acc(d);
         mbar_arrive(&empty[prev]);
 
-        // Epilogue. This thread's accumulators: rows r0 = 16 warp + lane / 4 and r0 + 8 of the warpgroup's
-        // 64, columns 8 j + 2 (lane % 4) + {0, 1} for j = 0..31 (d[4j], d[4j+1] on r0; d[4j+2], d[4j+3] on r0 + 8).
+        // Epilogue: columns 8 j + 2 (lane % 4) + {0, 1}, j = 0..31 (d[4j], d[4j+1] on r0; d[4j+2], d[4j+3] on r0 + 8).
         const int col_base = nb * kBN + 2 * (lane % 4);
         if constexpr (Exp) {
             const int n0 = nb * kBN;
@@ -412,8 +373,8 @@ static __global__ void target_logit_kernel(float* c, const floatX* lnf, const fl
     if (lane == 0) c[row] = acc;
 }
 
-// Per row (one warp): tail = the tiles' sums (a fixed tree), s = 1 + tail, loss = log(s); with dloss > 0
-// also Y[row, target] = 1 - s and lnf[row] *= dloss / s.
+// Per row (one warp): s = 1 + the tiles' sums (a fixed tree), loss = log(s); with dloss > 0 also
+// Y[row, target] = 1 - s and lnf[row] *= dloss / s.
 static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
                               const int* targets, float dloss, int64_t N, int n_tiles, int C, int Vp) {
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
@@ -452,8 +413,7 @@ static __global__ void scale_rows_kernel(floatX* x, const float* sums, float dlo
     }
 }
 
-// The TMA descriptor of a (rows, cols) row-major bf16 matrix read or written in box_rows x box_cols
-// boxes (box_cols x 2 = 128 bytes) with the 128-byte swizzle.
+// The TMA descriptor of a (rows, cols) row-major bf16 matrix in box_rows x box_cols swizzled boxes.
 inline CUtensorMap tensor_map(const floatX* base, int64_t cols, int64_t rows, int box_cols, int box_rows,
                               const char* what) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();

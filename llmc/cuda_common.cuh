@@ -1,18 +1,9 @@
 /*
-What every GPU layer kernel shares: the storage type, 16-byte vector access, deterministic reductions,
-a counter-based random number generator and stochastic rounding to bf16.
-
-Provides: floatX (= __nv_bfloat16, the type of parameters, gradients and activations on the GPU);
-Pack128<T> with load128/store128 (and cache-streaming variants) for 16-byte loads and stores; warp sums
-and maxima and a block sum whose result depends only on the inputs and the block size (fixed shuffle
-and shared-memory trees, no atomics); ceil_div and round_up; checks that a launcher's arguments suit its
-vectorised kernel (count multiple of 8, pointers 16-byte aligned); rand.h's counter-based RNG
-(rng_key, rng_u32), included for the kernels; stochastic_round_bf16, which rounds away from zero with
-probability equal to x's distance from its neighbour toward zero (in units of their spacing), so the
-expected result is x; and a kernel converting fp32 to bf16 with round-to-nearest.
-Kernels in these headers are `static`, so several translation units may include the same header.
-
-Does not provide: any layer (one .cuh per layer family) or error checks (cuda_utils.cuh).
+What every GPU layer kernel shares: floatX (bf16, the type of parameters, gradients and activations),
+Pack128<T> with load128/store128 for 16-byte access, warp and block reductions in a fixed order (no
+atomics), ceil_div and round_up, launcher argument checks, rand.h's counter-based RNG, and
+stochastic_round_bf16 (expected result x). Kernels in these headers are `static`, so several translation
+units may include the same header. Error checks: cuda_utils.cuh.
 */
 #pragma once
 
@@ -76,13 +67,6 @@ __device__ inline void store128(T* p, const Pack128<T>& x) {
     *reinterpret_cast<Pack128<T>*>(p) = x;
 }
 
-template <class T>
-__device__ inline void store128cs(T* p, const Pack128<T>& x) {
-    int4 raw;
-    memcpy(&raw, &x, sizeof(raw));
-    __stcs(reinterpret_cast<int4*>(p), raw);
-}
-
 // Butterfly reductions: every lane ends with the same value, computed in an order fixed by the lane
 // numbering alone.
 __device__ inline float warp_sum(float v) {
@@ -95,20 +79,17 @@ __device__ inline float warp_max(float v) {
     return v;
 }
 
-// For kernels that write a tensor whose FP8 copy follows (llmc/fp8.cuh): every lane of the warp calls it
-// (converged) with the max |value| it wrote; lane 0 folds the warp's max into *amax_bits. Floats >= 0
-// order like their bits, so an unsigned atomicMax combines them exactly, whatever the order. A warp-
-// uniform no-op when amax_bits is null.
+// For kernels that write a tensor whose FP8 copy follows: every lane calls it (converged) with its max
+// |value|; lane 0 folds the warp's max into *amax_bits by an unsigned atomicMax (floats >= 0 order like
+// their bits). A no-op when amax_bits is null.
 __device__ inline void fp8_record_amax(unsigned int* amax_bits, float lane_max) {
     if (amax_bits == nullptr) return;
     const float m = warp_max(lane_max);
     if (threadIdx.x % kWarpSize == 0) atomicMax(amax_bits, __float_as_uint(m));
 }
 
-// The same for a whole block, one atomic a block instead of one a warp: every atomic on one address is
-// served by the one L2 slice that holds it, so a memory-bound kernel whose every warp records its max
-// waits on that slice (a cast of 200M values in 256-thread blocks: ~390K atomics). Every thread of the
-// block calls it, converged, none having returned. A block-uniform no-op when amax_bits is null.
+// The same for a whole block, one atomic a block (atomics on one address serialise on one L2 slice).
+// Every thread calls it, converged. A no-op when amax_bits is null.
 __device__ inline void fp8_record_amax_block(unsigned int* amax_bits, float thread_max) {
     if (amax_bits == nullptr) return;
     __shared__ float warp_maxes[kWarpSize];
@@ -149,9 +130,8 @@ inline void require_aligned16(const void* p, const char* what) {
 // ----------------------------------------------------------------------------------------------------
 // Stochastic rounding, fed by rand.h's counter-based generator (rng_key, rng_u32).
 
-// x rounded to one of its two bf16 neighbours: away from zero with probability (dropped bits) / 2^16,
-// so the expected result is x. Adding 16 random bits to the 16 bits that are dropped carries into the
-// kept half exactly that often. Infinities and NaNs are passed through.
+// x rounded to one of its two bf16 neighbours, away from zero with probability (dropped bits) / 2^16 (16
+// random bits added to the dropped ones carry that often). Infinities and NaNs pass through.
 __device__ inline floatX stochastic_round_bf16(float x, uint32_t random) {
     uint32_t bits = __float_as_uint(x);
     if ((bits & 0x7f800000u) == 0x7f800000u) return __float2bfloat16_rn(x);

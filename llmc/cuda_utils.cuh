@@ -1,12 +1,7 @@
 /*
-CUDA error checking and RAII owners for CUDA resources.
-
-Provides: cudaCheck(call) and cudaCheckLaunch() that raise an llmc::Error (exit code kExitCuda) naming
-the call, the source location and CUDA's error text; cuda_device_count() that answers 0 rather than
-failing on a machine without a GPU or driver; and move-only owners for device memory, pinned host
-memory, streams and events, so that no early return or exception leaks them.
-
-Does not provide: cuBLAS/NCCL checks (beside the code that uses those libraries) or any kernels.
+CUDA error checking (cudaCheck, cudaCheckLaunch: an llmc::Error with kExitCuda naming the call, location
+and CUDA's text), cuda_device_count() (0 without a GPU or driver), and move-only owners for device
+memory, pinned memory, streams and events.
 */
 #pragma once
 
@@ -42,8 +37,8 @@ inline int cuda_device_count() {
     return n;
 }
 
-// Whether n elements from a and n from b share memory without being the same elements (a != b): the
-// aliasing that a kernel reading one and writing the other cannot tolerate, where exactly in place can.
+// Whether n elements from a and n from b overlap without being the same (a != b): the aliasing a kernel
+// reading one and writing the other cannot tolerate.
 template <class T>
 inline bool overlaps_partly(const T* a, const T* b, int64_t n) {
     return a != b && a < b + n && b < a + n;

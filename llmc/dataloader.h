@@ -1,39 +1,15 @@
 /*
-The sharded token DataLoader, host side: which tokens make up each batch, read into host memory, ahead
-of time on a background thread.
-
-Data: a glob pattern, or a comma-separated list of patterns, names token shards (shard.h). Each item's
-matches are sorted by name, items keep their given order, so every rank sees the same list. Every shard
-is validated when the loader opens (magic, version, token count against the file length, at least one
-sample), and the set must hold at least one global batch; token ids are checked against the
-vocabulary as they are read. Every failure is an llmc::Error naming the file (and offset).
-
-Geometry: a sample is T+1 consecutive tokens (inputs are the first T, targets the last T) starting at a
-multiple of T in its shard; the last partial sample of a shard is dropped. An epoch is the list of
-every sample of every shard: shards in a per-epoch order, and inside each shard the samples in a
-per-(epoch, shard) order. With shuffling both orders are seeded permutations, identical on every rank;
-without (validation), shards are in list order and samples in file order. The epochs are concatenated
-into one endless stream of samples, cut into global batches of B*W consecutive samples; rank r takes
-samples [r*B, r*B + B) of each global batch. So ranks never share a sample, and each epoch's samples
-are dealt out exactly once over the ranks. The tail of an epoch that does not fill a global batch is not
-dropped: it is carried into the next global batch, which then also starts the next epoch.
-
-State: the position is one number, the count of global batches consumed; everything else (epoch, shard
-order, sample order, the RNG seeding the current shard's order) is a pure function of it and the seed.
-The state blob records all of them and the geometry, and restore refuses a blob that does not match.
-It is identical on every rank. The stream itself does not depend on W, only its cut into global batches
-does, so a caller may opt in (allow_world_change) to restoring a blob saved with W ranks on W' ranks:
-the position is converted through the sample count, batches*B*W, which must be a whole number of the
-new global batches of B*W' samples (else the blob is refused, since no batch of the new run starts
-there); B, T, shuffling, seed and data must still match. state_world() reads the W a blob was saved
-with, without restoring it.
-
-Provides: seeded_permutation() (Fisher-Yates on rand.h's SplitMix64), DataLoaderConfig, SampleSchedule
-(the shard list and the sample-to-file mapping), BatchReader (synchronous reads of one rank's batch),
-DataLoader (a ring of host buffers filled by a background thread, or read on the caller's thread when
-prefetch is 0), and unpack_batch() (packed tokens to int32 inputs and targets). Host buffers come from
-a HostAllocator so that the CUDA side (dataloader_gpu.cuh) can supply pinned memory. Does not provide:
-anything CUDA.
+The sharded token DataLoader, host side: which tokens make up each batch, read into host memory ahead of
+time on a background thread (the CUDA side is dataloader_gpu.cuh, which supplies pinned HostAllocators).
+Data: a glob or comma-separated globs of token shards (shard.h), each item's matches sorted by name;
+every shard is validated on open and token ids as they are read; errors name the file (and offset).
+A sample is T+1 tokens at a multiple of T in its shard (a shard's partial tail dropped). An epoch is
+every sample, shards and samples in seeded permutations (shuffle) or file order; the epochs form one
+endless stream cut into global batches of B*W samples, rank r taking samples [r*B, r*B + B). An
+epoch's tail is carried into the next global batch.
+State: the count of global batches consumed (everything else is a function of it and the seed). The
+stream does not depend on W, so with allow_world_change a blob saved on W ranks restores on W' ranks
+when its sample position is a whole number of the new global batches.
 */
 #pragma once
 
@@ -94,8 +70,7 @@ struct ShardInfo {
     uint32_t num_samples = 0;
 };
 
-// One sample of a batch: which epoch it belongs to, which shard (index into SampleSchedule::shards())
-// and the token offset of its first token in that shard.
+// One sample of a batch: its epoch, shard (index into SampleSchedule::shards()) and first token's offset.
 struct SampleRef {
     uint64_t epoch = 0;
     uint32_t shard = 0;
@@ -132,8 +107,8 @@ inline void unpack_batch(const HostBatch& b, int32_t* inputs, int32_t* targets) 
     }
 }
 
-// Expands a glob or a comma-separated list of globs: each item's matches sorted by byte order, items in
-// the order given. An item that matches nothing, a non-regular file or a file listed twice is an error.
+// Expands a glob or comma-separated globs: each item's matches in byte order, items as given. An item
+// matching nothing, a non-regular file or a file listed twice is an error.
 inline std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
     if (pattern.empty()) fail(kExitUsage, "no data files given (empty shard pattern)");
     std::vector<std::string> items;
@@ -199,8 +174,8 @@ struct StreamPosition {
     std::vector<uint32_t> shard_order;
 };
 
-// The shard list, the geometry and the mapping from stream position to (shard, token offset).
-// Immutable after construction, so the consumer and the prefetch thread share it freely.
+// The shard list, the geometry and the mapping from stream position to (shard, token offset); immutable,
+// so the consumer and the prefetch thread share it.
 class SampleSchedule {
 public:
     explicit SampleSchedule(const DataLoaderConfig& cfg) : cfg_(cfg) {
@@ -321,9 +296,8 @@ public:
         return out;
     }
 
-    // Validates a state blob against this schedule and returns its position (global batches consumed).
-    // allow_world_change: accept a blob saved with another number of ranks W, converting its position
-    // to this loader's global batches; refused when the sample position is not a whole number of them.
+    // Validates a state blob and returns its position (global batches consumed). allow_world_change:
+    // convert a blob saved with another W, refused unless its sample position divides evenly.
     uint64_t decode_state(const std::vector<uint8_t>& blob, bool allow_world_change = false) const {
         Reader r = open_state(blob);
         uint32_t B = r.u32(), T = r.u32(), W = r.u32(), shuffle = r.u32();
@@ -363,8 +337,7 @@ public:
             where = format("batch %llu of a W=%u run (batch %llu of this W=%d loader)", (unsigned long long)saved.batches,
                            W, (unsigned long long)batches, cfg_.world);
         }
-        // The recorded epoch, shard and sample depend only on the sample position, so they must agree
-        // with this loader's placement of the converted batch too.
+        // The recorded epoch, shard and sample must agree with the converted batch's placement too.
         StreamPosition now = position(batches);
         if (now.epoch != saved.epoch || now.slot != saved.slot || now.sample != saved.sample ||
             now.rng_state != saved.rng_state || now.shard_order != saved.shard_order) {
@@ -378,8 +351,7 @@ public:
         return batches;
     }
 
-    // The number of ranks W a state blob was saved with, read without restoring it (so a caller can say
-    // "resuming a W-rank run on W' ranks" first). Checks the magic, version and checksum only.
+    // The number of ranks a state blob was saved with (magic, version and checksum checked only).
     static uint32_t state_world(const std::vector<uint8_t>& blob) {
         Reader r = open_state(blob);
         if (r.at + 12 + 8 > blob.size()) {
@@ -436,8 +408,7 @@ private:
         }
         return r;
     }
-    // A position of `batches` global batches of B*W samples, as global batches of this loader. The
-    // stream is the same for every W, so this is exact when the sample count divides evenly.
+    // A position of `batches` global batches of B*W samples, as this loader's global batches.
     uint64_t convert_batches(uint64_t batches, uint32_t B, uint32_t W) const {
         uint64_t saved_batch = uint64_t(B) * W;
         if (batches > UINT64_MAX / saved_batch) {
@@ -477,8 +448,7 @@ private:
         }
         return h;
     }
-    // One independent generator per (epoch, stream): stream 0 orders the shards, stream slot+1 orders
-    // the samples of the shard at that slot. The mixer is a bijection, so distinct inputs never collide.
+    // One independent generator per (epoch, stream): stream 0 orders the shards, slot+1 a shard's samples.
     uint64_t stream_seed(uint64_t epoch, uint64_t stream) const {
         return splitmix64_mix(splitmix64_mix(splitmix64_mix(cfg_.seed) ^ epoch) ^ (stream * kSplitMix64Gamma));
     }
@@ -499,8 +469,8 @@ private:
     uint64_t total_tokens_ = 0;
 };
 
-// Reads one rank's batches. Keeps the current epoch's shard order and the current shard's sample order
-// and file open between calls, so consecutive batches cost a pread per sample. Single-threaded.
+// Reads one rank's batches, keeping the shard order, sample order and file open between calls (a pread
+// per sample). Single-threaded.
 class BatchReader {
 public:
     explicit BatchReader(const SampleSchedule& schedule) : s_(schedule) {}
@@ -529,8 +499,7 @@ public:
         return ref;
     }
 
-    // Fills `tokens` (B rows of T+1 tokens, schedule.token_bytes() wide) and `refs` (B entries) with this
-    // rank's part of global batch `batch`.
+    // Fills `tokens` (B rows of T+1 tokens) and `refs` (B entries) with this rank's part of `batch`.
     void read(uint64_t batch, void* tokens, SampleRef* refs) {
         const DataLoaderConfig& cfg = s_.config();
         uint64_t first = s_.first_sample(batch);
@@ -597,11 +566,9 @@ private:
     std::vector<char> scratch_;
 };
 
-// Batches for one rank, in order, from a ring of host buffers. With prefetch > 0 a background thread
-// keeps the ring full; acquire() hands out the oldest ready batch and release() gives back the oldest
-// held one (batches are released in the order they were acquired). Errors met by the thread (a bad
-// token id, a file that shrank) are raised by the acquire() that reaches that batch, and by every
-// acquire() after it until seek() or restore().
+// Batches for one rank from a ring of host buffers, kept full by a background thread when prefetch > 0.
+// acquire() hands out the oldest ready batch, release() gives back the oldest held one. A thread's error
+// is raised by the acquire() that reaches that batch, and every one after it until seek() or restore().
 class DataLoader {
 public:
     explicit DataLoader(const DataLoaderConfig& cfg) : DataLoader(SampleSchedule(cfg)) {}
@@ -690,8 +657,7 @@ public:
     std::vector<uint8_t> state() const { return schedule_.encode_state(position()); }
     std::vector<uint8_t> state_at(uint64_t batches) const { return schedule_.encode_state(batches); }
 
-    // Continue from a saved state. Buffers still held are dropped (their pointers become invalid).
-    // allow_world_change: accept a state saved with another number of ranks (see decode_state).
+    // Continue from a saved state; buffers still held are dropped. allow_world_change: see decode_state.
     void restore(const std::vector<uint8_t>& blob, bool allow_world_change = false) {
         seek(schedule_.decode_state(blob, allow_world_change));
     }

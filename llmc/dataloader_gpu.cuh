@@ -1,26 +1,11 @@
 /*
 The DataLoader's GPU side: batches as int32 inputs[B*T] and targets[B*T] in device memory, ready before
-the compute stream needs them.
-
-Streaming mode (the default): the host DataLoader (dataloader.h) fills a ring of pinned buffers on its
-background thread. Each next_batch() hands out the batch prepared during the previous call and prepares
-the following one: an async copy of the packed rows (B x (T+1) tokens, 16-bit when the vocabulary has at
-most 65,536 ids, else 32-bit) on a copy stream, then a kernel on that stream that widens them into
-int32 inputs and targets. The compute stream waits on an event recorded after that kernel; the host
-never waits for the GPU, and waits for the loader thread only if the thread falls behind. Two device
-slots alternate, and the copy into a slot waits on an event recorded on the compute stream when it was
-last handed out plus one call, so a batch is never overwritten while the compute stream can still read it.
-
-GPU-resident mode: when every shard's tokens (and two epochs' sample lists) fit the budget the caller
-sets, the shards are uploaded once through DeviceFileIO and all their token ids checked on the device.
-A step is then one kernel on the compute stream that cuts the batch out of device memory, indexed by
-the batch number; the host only builds each epoch's sample list once (8 bytes a sample) and uploads it.
-
-Both modes yield exactly the batches of the synchronous host path, and share its position and state
-blob, so a run can resume in either mode (and, opted in, on another number of ranks). Pointers from
-next_batch() are valid for work enqueued on the compute stream before the next call to next_batch().
-
-Does not provide: the choice of data, geometry or shuffling (dataloader.h); multi-GPU communication.
+the compute stream needs them. Streaming mode: the host DataLoader fills pinned buffers on its thread;
+each next_batch() hands out the batch prepared during the previous call and queues the next (async copy
+and widening kernel on a copy stream, ordered by events; two device slots alternate). GPU-resident mode:
+when the split fits the budget, the shards are uploaded once and checked on the device, and a step is
+one kernel that cuts the batch out. Both yield exactly the host path's batches and share its state blob.
+Pointers from next_batch() are valid for work queued on the compute stream before the next call.
 */
 #pragma once
 
@@ -48,8 +33,8 @@ __global__ void unpack_rows_kernel(const Tok* rows, int B, int T, int* inputs, i
     targets[i] = int(row[t + 1]);
 }
 
-// A resident sample-list entry: the byte offset of the sample's first token in the resident array,
-// shifted left by one, with bit 0 set when the shard holds 32-bit tokens.
+// A resident sample-list entry: the byte offset of the sample's first token, shifted left by one, bit 0
+// set for 32-bit tokens.
 __host__ __device__ inline uint64_t resident_entry(uint64_t byte_offset, int bytes_per_token) {
     return (byte_offset << 1) | (bytes_per_token == 4 ? 1u : 0u);
 }
@@ -108,8 +93,7 @@ struct DeviceBatch {
 
 class GpuDataLoader {
 public:
-    // compute: the stream the consumer's kernels run on. resident_budget_bytes: device memory the whole
-    // split may take to be uploaded once (0: always stream).
+    // compute: the consumer's stream. resident_budget_bytes: device memory the split may take (0: stream).
     GpuDataLoader(DataLoaderConfig cfg, cudaStream_t compute, size_t resident_budget_bytes = 0)
         : schedule_(with_pinned_allocator(cfg)), compute_(compute) {
         const DataLoaderConfig& c = schedule_.config();
@@ -199,13 +183,12 @@ private:
         return out;
     }
 
-    // Copies the host loader's next batch into device slot `slot` and widens it there, on the copy
-    // stream. For the look-ahead batch an error from the host loader (a bad token id, say) is left for
-    // the call that hands that batch out: the loader raises it again there.
+    // Copies the host loader's next batch into device slot `slot` and widens it there, on the copy stream.
+    // A look-ahead batch's host error is left for the call that hands that batch out.
     bool enqueue(int slot, bool lookahead) {
         release_finished_copies();
-        // The host loader hands out at most ring_size buffers at once; past that, wait for the oldest copy.
-        // This also bounds how many steps the host can run ahead of the GPU.
+        // At most ring_size buffers are out at once; past that, wait for the oldest copy (this also bounds
+        // how far the host runs ahead of the GPU).
         while (pending_.size() >= h2d_done_.size()) {
             cudaCheck(cudaEventSynchronize(h2d_done_[pending_.front()]));
             host_->release();
@@ -269,8 +252,8 @@ private:
         return out;
     }
 
-    // Makes the device sample list of `epoch` current in slot epoch % 2. The upload is queued on the
-    // compute stream, so it lands after every kernel that still reads the epoch it replaces.
+    // Makes epoch's device sample list current in slot epoch % 2, queued on the compute stream (after
+    // every kernel that still reads the list it replaces).
     void ensure_list(uint64_t epoch) {
         int i = int(epoch % 2);
         if (list_valid_[i] && list_epoch_[i] == epoch) return;

@@ -1,18 +1,8 @@
 /*
-Disk <-> GPU transfers: device_to_file and file_to_device.
-
-A DeviceFileIO owns two pinned staging buffers (32 MiB each by default) and their events, allocated once
-and reused by every transfer, so the host memory used is two chunks whatever the size moved. Each call
-works at the file's current position (write a header first, then the payload) and advances it. The
-copies run on the caller's stream, so they are ordered after the work already queued there (a kernel
-that produced the data, say); the call returns once the bytes are in the file (written, not fsynced:
-call File::sync when durability matters) or on the device.
-
-Optional direct I/O (O_DIRECT) bypasses the page cache for the aligned part of a transfer; see docs/design.md
-for when it pays.
-
-Does not provide: the schedule itself (chunk_pipeline.h) or checksums and atomic renames (the checkpoint
-code builds those on top, through the optional per-chunk hook).
+Disk <-> GPU transfers through a DeviceFileIO: two pinned staging buffers, allocated once. Each call works
+at the file's current position and advances it, runs its copies on the caller's stream (after the work
+queued there) and returns once the bytes are in the file (not fsynced) or on the device. Optional
+O_DIRECT for the aligned part (docs/design.md). The schedule is chunk_pipeline.h.
 */
 #pragma once
 

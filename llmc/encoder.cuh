@@ -1,24 +1,12 @@
 /*
-The embedding layer on the GPU: token embedding plus position embedding, forward and backward, with the
-argument meanings of encoder_forward/encoder_backward in llmc/gpt2_cpu.h.
-
-Provides:
-  encoder_forward:  out (B,T,C) = wte[inp[b,t]] + wpe[t], summed in fp32 and rounded once. With a
-                    positions array (B,T) the position row is wpe[positions[b,t]] instead (rows that
-                    hold several sequences, as the multiple-choice evaluation's shared contexts do);
-                    each must be below the wpe table's rows (not checked here: the caller builds them).
-  encoder_backward: dwte[v] += sum of dout over the positions holding token v; dwpe[t] += sum over b of
-                    dout[b,t]. Deterministic without atomics: the positions are sorted by token with
-                    CUB's radix sort (stable, so equal tokens keep increasing positions); the first
-                    position of each run of equal tokens owns that row of dwte and sums the run in a
-                    fixed order (warp w takes every 8th position from w, then the 8 warp sums are added
-                    in warp order); dwpe is a plain loop over b per (t, c). The result depends only on
-                    the inputs, not on scheduling.
-  encoder_backward_scratch_bytes: the scratch encoder_backward needs (queries CUB, so it needs a GPU).
-C must be a multiple of 8 (16-byte vectors). Token ids are trusted: the data loader validates them.
-
-Does not provide: the classifier's contribution to dwte (the tied weight also gets dlogits^T @ lnf
-from matmul_backward) or stochastic rounding of the gradients (they are rounded to nearest).
+The embedding layer on the GPU, with llmc/gpt2_cpu.h's encoder_forward/encoder_backward meanings.
+  encoder_forward:  out (B,T,C) = wte[inp[b,t]] + wpe[t] (or wpe[positions[b,t]], unchecked), in fp32
+                    and rounded once.
+  encoder_backward: dwte[v] += dout over the positions holding token v, dwpe[t] += dout over b.
+                    Deterministic without atomics: positions sorted by token (CUB's stable radix sort),
+                    each run of equal tokens summed in a fixed order by its first position.
+  encoder_backward_scratch_bytes: its scratch (queries CUB).
+C must be a multiple of 8. Token ids are trusted (the data loader validates them).
 */
 #pragma once
 

@@ -1,20 +1,11 @@
 /*
-Command-line flags from one table: the same table parses argv, prints --help and prints the settings
-table at start-up, so the three cannot drift apart.
-
-Each flag has an optional short name (llm.c's letters, e.g. -b) and a long name (--batch-size), a typed
-target variable, a default (the variable's value when the flag is added) and a help line. Both
-"-b 16" and "--batch-size 16" / "--batch-size=16" work. Booleans take 0/1/true/false; a switch
-(add_switch) takes no value and sets its bool. A std::vector<std::string> target collects every
-occurrence of a repeatable flag. Integer flags take whole numbers only, also written 1e6, 2.5k or 3M;
-a fraction ("2.5"), hexadecimal or a value past 64 bits is refused, never truncated or wrapped. Numeric
-flags may carry an inclusive range. A program that takes positional arguments (file names) names a
-vector for them with positional(); elsewhere a positional argument is an error. Flags added after
-group("heading:") are listed apart at the end of the usage, under that heading (e.g. test hooks). Unknown
-flags, missing, malformed or out-of-range values are usage errors (exit code 2) that name the flag.
-
-Does not provide: cross-flag validation or enumerated values (the program checks those after parsing,
-with its own messages), a "--" end of flags.
+Command-line flags from one table, which parses argv, prints --help and prints the settings table at
+start-up, so the three cannot drift apart. A flag has an optional short name (-b), a long name
+(--batch-size, also --batch-size=16), a typed target whose value is the default, a help line and
+optionally an inclusive range. Integers are whole numbers only (1e6, 2.5k, 3M; never truncated or
+wrapped); booleans 0/1/true/false; add_switch takes no value; a vector target collects a repeatable
+flag; positional() takes file names; group("heading:") lists later flags apart. Errors are usage errors
+(exit code 2) naming the flag.
 */
 #pragma once
 
@@ -50,8 +41,8 @@ public:
         return *this;
     }
 
-    // A numeric flag whose value must lie in [lo, hi]; checked before an int flag is narrowed to 32 bits.
-    // The bounds are not deduced, so that add("", "steps", &int64_value, "...", 0, 1000) compiles.
+    // A numeric flag whose value must lie in [lo, hi] (checked before an int is narrowed). The bounds are
+    // not deduced, so add("", "steps", &int64_value, "...", 0, 1000) compiles.
     template <class T>
     Flags& add(const char* short_name, const char* long_name, T* target, const char* help, Bound<T> lo, Bound<T> hi) {
         add(short_name, long_name, target, help);
@@ -246,10 +237,8 @@ private:
         return std::visit(V{}, t);
     }
 
-    // A decimal integer, exactly: digits with an optional sign, fraction and exponent ("1e6", "2.5e3") and
-    // an optional k/K (10^3) or m/M (10^6) suffix ("2k", "1.5M"). False for anything else: a value that is
-    // not a whole number ("2.5"), hexadecimal, blanks, or a value outside the 64-bit range, so nothing is
-    // truncated or wrapped.
+    // A decimal integer, exactly: optional sign, fraction and exponent ("1e6", "2.5e3"), k/K or m/M
+    // suffix ("2k", "1.5M"). False for a non-whole value, hexadecimal, blanks or a 64-bit overflow.
     static bool parse_integer(const std::string& text, long long* out) {
         size_t i = 0;
         const bool negative = i < text.size() && text[i] == '-';

@@ -1,41 +1,18 @@
 /*
-Flash attention for the trainer's causal multi-head self-attention: tensor-core kernels that never store
-the (T x T) scores, for head sizes 64 and 128. Argument meanings as attention_forward/attention_backward
-in llmc/attention.cuh (which dispatches here for HS 64 and 128): qkv (B,T,3C) holds q, k, v side by side
-with head h at columns h*HS of each; out (B,T,C) puts head h at columns h*HS; scale 1/sqrt(HS). No
-permutes: the kernels read and write these layouts directly.
-
-Provides:
-  flash_forward<HS>:  out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv; lse[b,h,t] = ln sum_{k<=t}
-                      exp(scale * q_t.k_k) (natural log). Block = 64 * MT queries of one (b,h), 4 warps
-                      of 16 * MT rows; loops over 64-key blocks up to the diagonal with an online softmax in
-                      the log2 domain (llmc/flash_common.cuh); query blocks are issued longest first.
-  flash_backward<HS>: dqkv (B,T,3C), OVERWRITTEN, from dout (B,T,C), qkv, out and lse of the forward.
-                      Three kernels: D = rowsum(dout * out) into scratch D (B,NH,T) fp32; dK, dV per block
-                      of 64 * MT keys (loop over the query blocks at or after it, P recomputed from lse); dQ
-                      per block of 64 * MT queries (loop over the key blocks up to the diagonal, P and dP
-                      recomputed).
-  flash_tiling<HS>(): the tiling the launchers run by default (MT, and whether a kernel double-buffers its
-                      streamed tiles): the trainer's; every tiling gives the same bits.
+Flash attention for the causal multi-head self-attention, head sizes 64 and 128: tensor-core kernels that
+never store the (T x T) scores. Arguments as attention_forward/attention_backward of llmc/attention.cuh,
+which dispatches here: qkv (B,T,3C) holds q, k, v with head h at columns h*HS of each; out (B,T,C).
+  flash_forward<HS>:  out and lse (B,NH,T) fp32, lse[b,h,t] = ln sum_{k<=t} exp(scale * q_t.k_k); online
+                      softmax in the log2 domain (llmc/flash_common.cuh), query blocks longest first.
+  flash_backward<HS>: dqkv (B,T,3C), OVERWRITTEN; three kernels: D = rowsum(dout * out), dK/dV per key
+                      block, dQ per query block (its own pass: no atomics).
+  flash_tiling<HS>(): the tiling the launchers run by default; every tiling gives the same bits.
   flash_lse_bytes, flash_scratch_bytes: the sizes of lse and of D.
-  Products through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), operands via ldmatrix from
-  shared tiles [row][HS + 8] (the pad makes every ldmatrix conflict-free), tiles loaded with cp.async,
-  rows past T zero-filled. Probabilities and dS are rounded to bf16 as mma operands; softmax statistics,
-  accumulators and lse are fp32.
-What is saved for backward: lse only, 4 bytes per (b,h,t); backward also reads qkv (the layer's input)
-and out (the input of the attention projection), which the trainer keeps anyway. Memory is linear in T.
-Deterministic: no atomics; every element of out, lse, D and dqkv is written by exactly one thread after
-a fixed sequence of operations (dQ has its own pass instead of atomic adds), so results are bitwise
-reproducible for given inputs and shapes.
-Limits (checked by the launchers, errors name the function): HS is a template argument, 64 or 128; B, T,
-NH >= 1 and B*NH <= 65535 (one grid row per (b,h)); every pointer 16-byte aligned; dqkv must not alias
-the inputs. Needs sm_80 or newer (bf16 mma.sync, cp.async); the HS = 128 kernels use more than 48 KB of
-shared memory, which the launchers request.
-
-Does not provide: other head sizes (llmc/attention.cuh keeps a cuBLASLt path for them), dropout, masks
-other than causal; the Hopper (wgmma) kernels for HS 64 are in llmc/flash_attention_sm90.cuh. Design,
-register and shared-memory budgets, the tilings tried and their timings against the cuBLASLt path:
-docs/lab-notes.md and docs/performance.md, "Flash attention".
+mma.sync m16n8k16 (bf16 operands, fp32 accumulation), ldmatrix from padded shared tiles, cp.async loads
+(rows past T zero-filled). Deterministic: every output element is written by one thread after a fixed
+sequence of operations. Limits (checked): HS 64 or 128, B*NH <= 65535, 16-byte aligned pointers, dqkv
+not aliasing the inputs, sm_80 or newer. Hopper's HS 64 kernels: llmc/flash_attention_sm90.cuh. Budgets
+and timings: docs/lab-notes.md and docs/performance.md, "Flash attention".
 */
 #pragma once
 
@@ -59,8 +36,7 @@ namespace flash_detail {
 using namespace flash_common;
 
 // ----------------------------------------------------------------------------------------------------
-// PTX wrappers. The "memory" clobbers keep the compiler from moving shared-memory reads and the async
-// copies across the barriers that order them.
+// PTX wrappers. The "memory" clobbers keep shared-memory reads and async copies inside their barriers.
 
 __device__ inline void cp_async16(void* dst, const void* src, bool valid) {
     const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
@@ -73,8 +49,7 @@ __device__ inline void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
-// The pipelined kernels (Pipe = true) commit each step's copies as a group and wait for all but the
-// newest N groups, so the next step's tiles load while this step computes.
+// The pipelined kernels commit each step's copies as a group and wait for all but the newest N groups.
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int N>
@@ -106,16 +81,13 @@ __device__ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t 
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Tiles. Fragment layouts of m16n8k16 (lane = 4 * g + q): A regs (row g, k 2q..2q+1), (row g+8, ..),
-// (row g, k 2q+8..), (row g+8, k 2q+8..); B regs (k 2q..2q+1, col g), (k 2q+8.., col g); C (row g, col
-// 2q..2q+1), (row g+8, ..). Shared tiles are row-major [row][HS + 8]: the 16-byte pad puts the 8 rows an
-// ldmatrix reads in 8 different bank quads.
+// Tiles. m16n8k16 fragments (lane = 4 * g + q): A (row g / g+8, k 2q.. / 2q+8..), B (k 2q.. / 2q+8..,
+// col g), C (row g / g+8, col 2q..). Shared tiles are [row][HS + 8]: the pad avoids bank conflicts.
 
 constexpr int kThreads = 128;  // 4 warps, 16 * MT rows of the block's tile each
 constexpr int kWarps = kThreads / kWarpSize;
 
-// Rows (queries in forward and dQ, keys in dK/dV) per block: MT row tiles of 16 per warp. MT = 2 lets
-// each warp use every B fragment it loads from shared memory twice.
+// Rows per block: MT row tiles of 16 per warp (MT = 2 uses each loaded B fragment twice).
 template <int MT>
 constexpr int block_m() {
     return kWarps * 16 * MT;
@@ -126,8 +98,8 @@ constexpr int row_stride() {
     return HS + 8;
 }
 
-// Rows row0 .. row0+ROWS-1 of a (rows, HS) slice whose row r starts at g + r * stride; rows >= T are
-// zero-filled (zeros, not garbage: a masked probability 0 times a NaN would still be NaN).
+// Rows row0 .. row0+ROWS-1 of a (rows, HS) slice (row r at g + r * stride); rows >= T are zero-filled
+// (0 * NaN would still be NaN).
 template <int HS, int ROWS>
 __device__ inline void load_tile(floatX* s, const floatX* g, int64_t stride, int row0, int T) {
     constexpr int kChunks = HS / 8;
@@ -145,23 +117,20 @@ __device__ inline void load_a(uint32_t (&a)[4], const floatX* s, int row0, int c
     ldsm_x4(a, s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row_stride<HS>() + col0 + (lane >> 4) * 8);
 }
 
-// B fragments of two k-steps (k = col0..col0+31) for the 8 columns n = row0..row0+7 of a tile stored
-// [n][k]: b[0], b[1] for k-step col0, b[2], b[3] for col0 + 16.
+// B fragments of two k-steps (k = col0..col0+31) for columns n = row0..row0+7 of a tile stored [n][k].
 template <int HS>
 __device__ inline void load_b_nk(uint32_t (&b)[4], const floatX* s, int row0, int col0, int lane) {
     ldsm_x4(b, s + (row0 + (lane & 7)) * row_stride<HS>() + col0 + (lane >> 3) * 8);
 }
 
-// B fragments of one k-step (k = row0..row0+15) for two column groups (n = col0..+7 and col0+8..+15)
-// of a tile stored [k][n]: b[0], b[1] for n = col0.., b[2], b[3] for col0 + 8.
+// B fragments of one k-step (k = row0..row0+15) for n = col0..+7 and col0+8..+15 of a tile stored [k][n].
 template <int HS>
 __device__ inline void load_b_kn(uint32_t (&b)[4], const floatX* s, int row0, int col0, int lane) {
     ldsm_x4_trans(b, s + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * row_stride<HS>() + col0 + (lane >> 4) * 8);
 }
 
-// acc[mt] (16 x N) += rows arow0 + 16 mt .. +15 of sA (16 x HS each) times B^T, B = N rows of sB [n][HS].
-// Each B fragment is loaded once and used for all MT row tiles of the warp (MT = 2 halves the shared
-// memory reads per mma); every row sees the same sequence of mma steps whatever MT is.
+// acc[mt] (16 x N) += rows arow0 + 16 mt .. +15 of sA times B^T, B = N rows of sB [n][HS]; each B fragment
+// serves all MT row tiles, and every row sees the same mma steps whatever MT is.
 template <int HS, int N, int MT>
 __device__ inline void mma_rows_by_rows(float (&acc)[MT][N / 8][4], const floatX* sA, int arow0, const floatX* sB,
                                         int lane) {
@@ -186,8 +155,7 @@ __device__ inline void mma_rows_by_rows(float (&acc)[MT][N / 8][4], const floatX
     }
 }
 
-// acc[mt] (16 x HS) += P[mt] (16 x K, fp32 accumulators of a previous mma, rounded to bf16) * sB (K rows
-// [k][HS]); B fragments shared by the MT row tiles as above.
+// acc[mt] (16 x HS) += P[mt] (fp32 accumulators rounded to bf16) * sB (K rows [k][HS]).
 template <int HS, int K, int MT>
 __device__ inline void mma_acc_by_tile(float (&acc)[MT][HS / 8][4], const float (&p)[MT][K / 8][4],
                                        const floatX* sB, int lane) {
@@ -233,10 +201,8 @@ __device__ inline void kv_load(floatX* dst, const floatX* base, int C, int64_t C
     load_tile<HS, kBlockN>(dst + kBlockN * row_stride<HS>(), base + 2 * C, C3, j * kBlockN, T);
 }
 
-// One step of a loop over key blocks (forward, dQ): makes block j's K, V ready in shared memory for every
-// warp and returns its K tile (V follows one tile later). sKV holds one K, V pair, or two with Pipe.
-// Plain: loads block j and waits for it. Pipe: issues block j+1 into the other pair first, then waits only
-// for block j (issued one step earlier, or for j = 0 by the caller before the loop).
+// One step of a loop over key blocks: makes block j's K, V ready for every warp and returns its K tile (V
+// one tile later). Pipe: issues block j+1 into the other buffer first, then waits only for block j.
 template <int HS, bool Pipe>
 __device__ inline const floatX* kv_step(floatX* sKV, const floatX* base, int C, int64_t C3, int j, int n_blocks,
                                         int T) {
@@ -260,13 +226,10 @@ __device__ inline const floatX* kv_step(floatX* sKV, const floatX* base, int C, 
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Forward. Block (query block, b*NH + h); query blocks are issued longest first (the last ones see the
-// most keys). Online softmax in the log2 domain: s2 = scale * log2(e) * q.k.
+// Forward. Block (query block, b*NH + h), longest first; s2 = scale * log2(e) * q.k.
 
-// Pipe: two K, V buffers; block j+1's tiles load while block j computes (same arithmetic, same bits).
-// MT: row tiles per warp (block_m<MT>() queries per block). Every query row goes through the same
-// operations for any Pipe and MT, so all variants give the same bits; a warp skips key blocks that lie
-// wholly above its rows' diagonal (for them P = 0 and nothing would change).
+// Pipe: K, V double-buffered; MT: row tiles per warp. All variants give the same bits; a warp skips key
+// blocks wholly above its rows' diagonal.
 template <int HS, bool Pipe = false, int MT = 1>
 constexpr size_t fwd_smem() {
     return size_t(block_m<MT>() + (Pipe ? 4 : 2) * kBlockN) * row_stride<HS>() * sizeof(floatX);
@@ -342,13 +305,9 @@ static __global__ void __launch_bounds__(kThreads)
                                wfirst + 16 * mt, T, lane);
     }
 }
-// Backward, 2: dK, dV of one block of block_m<MT>() keys (16 * MT per warp, as rows), looping over the
-// query blocks at or after it, BQ queries at a time. Transposed products keep keys as the mma rows, so
-// P^T and dS^T are already A operands: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO,
-// dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q, and dK is scaled once at the end. BQ only sets how
-// many query k-steps one iteration takes: each key row accumulates the same k-steps in the same order for
-// any BQ, MT and Pipe, so all variants give the same bits. A warp skips query blocks that end before its
-// first key (P = 0 there).
+// Backward, 2: dK, dV of one block of keys (as mma rows), over the query blocks at or after it, BQ at a
+// time: S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q, scaled at the end.
+// Same bits for any BQ, MT and Pipe.
 
 template <int HS, int MT>
 constexpr int dkdv_bq() {
@@ -452,8 +411,7 @@ static __global__ void __launch_bounds__(kThreads)
         });
         mma_acc_by_tile<HS, BQ, MT>(dk, dpt, sQ, lane);
     }
-    // A block's first query block starts at or before k0, so the loop ran at least once and the K, V
-    // copies issued before it have landed.
+    // The loop ran at least once, so the K, V copies issued before it have landed.
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
         store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane,
@@ -463,10 +421,8 @@ static __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// Backward, 3: dQ of one block of block_m<MT>() queries, looping over the key blocks up to the diagonal
-// with P recomputed from lse: S = Q K^T, P, dP = dO V^T, dS = P (dP - D), dQ += dS K, scaled at the end.
-// Separate from the dK/dV pass (FlashAttention-2's deterministic mode) so that no two blocks add into
-// the same dQ element. Pipe, MT and the skipped key blocks as in the forward (same bits for all).
+// Backward, 3: dQ of one block of queries over the key blocks up to the diagonal, dQ += dS K, scaled at
+// the end; its own pass so no two blocks add into one dQ element. Same bits for all variants.
 
 template <int HS, bool Pipe = false, int MT = 1>
 constexpr size_t dq_smem() {
@@ -517,8 +473,7 @@ static __global__ void __launch_bounds__(kThreads)
         const int k0 = j * kBlockN;
         const floatX* sK = kv_step<HS, Pipe>(sKV, base, C, C3, j, n_blocks, T);
         const floatX* sV = sK + kTile;
-        // The block's keys in parts of KS (fewer live registers with MT = 2; dQ still takes the key k-steps
-        // in order, so the bits do not change).
+        // The block's keys in parts of KS (fewer live registers; the same k-step order).
 #pragma unroll
         for (int part = 0; part < kBlockN / KS; part++) {
             const int kp = k0 + part * KS;
@@ -558,11 +513,8 @@ inline size_t flash_lse_bytes(int B, int NH, int T) { return size_t(B) * size_t(
 // Bytes of flash_backward's scratch: D (B,NH,T) fp32.
 inline size_t flash_scratch_bytes(int B, int NH, int T) { return flash_lse_bytes(B, NH, T); }
 
-// How the trainer runs these kernels, per head size: whether a kernel double-buffers the tiles it streams
-// (pipe) and how many 16-row tiles each warp holds (tiles: 1 or 2; 2 only for HS 64, where the registers
-// allow it). Every choice gives the same bits; these are the fastest measured (docs/performance.md,
-// "Flash attention kernels"). On an sm_90a build on Hopper, HS 64 runs llmc/flash_attention_sm90.cuh
-// instead.
+// How the trainer runs these kernels per head size: double-buffering (pipe) and 16-row tiles per warp
+// (tiles). Every choice gives the same bits (timings: docs/performance.md); Hopper HS 64 runs sm90's.
 struct FlashTiling {
     bool fwd_pipe;
     int fwd_tiles;
@@ -577,8 +529,7 @@ constexpr FlashTiling flash_tiling() {
     return HS == 64 ? FlashTiling{true, 2, false, 2, true, 2} : FlashTiling{false, 1, false, 1, false, 1};
 }
 
-// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS. Pipe and MT: flash_tiling's pipe and tiles
-// for the forward kernel; other values give the same results bit for bit.
+// out (B,T,C) and lse (B,NH,T) from qkv (B,T,3C), C = NH * HS; any Pipe and MT give the same bits.
 template <int HS, bool Pipe = flash_tiling<HS>().fwd_pipe, int MT = flash_tiling<HS>().fwd_tiles>
 void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
@@ -596,11 +547,9 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
     cudaCheckLaunch();
 }
 
-// dqkv (B,T,3C), overwritten, from dout (B,T,C) and the forward's qkv, out and lse; D: scratch of
-// flash_scratch_bytes(B, NH, T). dqkv must not alias qkv, dout or out. Pipe, MT: as for flash_forward,
-// for the dK/dV kernel (Pipe, MT) and the dQ kernel (PipeQ, MTQ). With amax_bits, the largest |value| of
-// dqkv is folded into *amax_bits (an unsigned atomicMax of the float's bits; the caller zeroes it first),
-// so an FP8 cast of dqkv needs no pass of its own to find its scale.
+// dqkv (B,T,3C), overwritten, from dout and the forward's qkv, out and lse; D: scratch of
+// flash_scratch_bytes. dqkv must not alias the inputs. With amax_bits, max |dqkv| is folded into it
+// (atomicMax of the float's bits; the caller zeroes it).
 template <int HS, bool Pipe = flash_tiling<HS>().kv_pipe, int MT = flash_tiling<HS>().kv_tiles,
           int MTQ = flash_tiling<HS>().q_tiles, bool PipeQ = flash_tiling<HS>().q_pipe>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,

@@ -1,45 +1,17 @@
 /*
-Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same three
-kernels and the same arguments, saved state (lse) and scratch (D) as flash_forward<64>/flash_backward<64>
-of llmc/flash_attention.cuh, which stays the path for every other GPU and head size, and the same bits.
-
-Provides:
-  flash90_available():  true where these kernels can run: built for sm_90a (the Makefile does so for
-                        GPU_ARCH=90 and defines LLMC_SM90A) and the current device is compute 9.0.
-  flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C), HS = 64.
-  flash90_backward:     dqkv (B,T,3C), overwritten, from dout, qkv, out, lse; scratch D (B,NH,T);
-                        optionally each 64-row block's column sums of dqkv for the bias gradient, added
-                        as the kernels store it (no pass over dqkv for qkv's bias; T a multiple of 64).
-  flash90_backward_fp8: the same gradient written in FP8 (E4M3 or E5M2) at a given scale by the kernels
-                        themselves, row-major and transposed (the two K-major operands of qkv's backward
-                        matmuls), with each 64-row block's column sums for the bias and the amax: no bf16
-                        dqkv, no cast pass (Flash90Fp8Out).
-  kFlash90:             the blocks per SM the backward kernels' registers are capped for.
-
-How: a block is one warpgroup (128 threads) that owns 64 rows (queries in forward and dQ, keys in dK/dV).
-The operand that stays fixed for a block (Q, dO in forward and dQ; K, V in dK/dV) stays in shared memory,
-where wgmma reads it as its A operand; the operand that streams (K, V or Q, dO, 64 rows per step,
-double-buffered) is read by wgmma from shared memory as B. Tiles are loaded by the tensor memory
-accelerator (TMA): one thread asks for a step's tiles (a 3-D tensor map over (B, T, columns), so rows past
-T arrive as zeros) and every thread waits on the buffer's mbarrier, so the threads spend no integer
-arithmetic on addresses. Products are wgmma.m64n64k16 with fp32 accumulators; P and dS go from the
-accumulators to A fragments in registers without leaving them. Shared tiles are 64 rows x 128 bytes in
-the 128-byte swizzle wgmma reads (16-byte chunk c of row r stored at chunk c ^ (r % 8)), 1024-byte
-aligned; the same tile serves as a K-major operand (S = Q K^T: keys are the columns) and as an MN-major
-one (O += P V: keys are the reduction), so nothing is transposed by hand.
-
-Numerics as the mma.sync kernels, with the softmax, masks and stores they share (llmc/flash_common.cuh):
-bf16 operands, fp32 accumulation, softmax in the log2 domain, lse and D in fp32, dQ in its own pass
-without atomics, so results are bitwise reproducible; and the same bits as those kernels: each
-accumulator takes the same 16-wide k-steps in the same order as there; test/test_kernels.cu checks what
-the trainer runs against the CPU reference.
-
-The fixed operands never enter registers: held there across the key loop, ptxas serialises the wgmma
-(its C7512 / C7520 remarks) and has given them the same registers as P's fragments.
-
-Does not provide: head sizes other than 64, non-causal attention, several warpgroups per block or tiles
-loaded with cp.async (both slower: docs/lab-notes.md, "Flash attention"), warp specialisation, TMA multicast
-across a cluster, software pipelining inside a warpgroup, D computed inside the dQ kernel.
+Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same kernels,
+arguments, saved state (lse), scratch (D) and bits as flash_forward<64>/flash_backward<64> of
+llmc/flash_attention.cuh, which stays the path for every other GPU and head size.
+  flash90_available():  built for sm_90a (LLMC_SM90A) and the current device is compute 9.0.
+  flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C).
+  flash90_backward:     dqkv (B,T,3C), overwritten; optionally each 64-row block's column sums for the bias.
+  flash90_backward_fp8: the same gradient written in FP8 by the kernels, row-major and transposed, with
+                        the column sums and the amax (Flash90Fp8Out).
+A block is one warpgroup (128 threads) owning 64 rows. The fixed operand stays in shared memory as
+wgmma's A; the streamed one (64 rows a step, double-buffered) is B. TMA loads the tiles (rows past T
+arrive as zeros) in the 128-byte swizzle; the fixed operands never enter registers (ptxas would
+serialise the wgmma). Numerics as the mma.sync kernels (llmc/flash_common.cuh), bit for bit. Design and
+measurements: docs/design.md, docs/lab-notes.md ("Flash attention").
 */
 #pragma once
 
@@ -66,17 +38,15 @@ across a cluster, software pipelining inside a warpgroup, D computed inside the 
 
 namespace llmc {
 
-// The blocks per SM that the dK/dV and dQ kernels' registers are capped for (__launch_bounds__): the
-// fastest measured; the same bits for any value.
+// The blocks per SM that the backward kernels' registers are capped for; the same bits for any value.
 struct Flash90Tuning {
     int kv_min_blocks;
     int q_min_blocks;
 };
 constexpr Flash90Tuning kFlash90{3, 4};
 
-// The backward's FP8 output (flash90_backward_fp8): dqkv in an FP8 format at a given scale, written by the
-// kernels themselves instead of in bf16, in the two K-major layouts qkv's backward matmuls read, with each
-// 64-row block's column sums for the bias gradient.
+// The backward's FP8 output: dqkv in FP8 at a given scale in the two K-major layouts qkv's backward
+// matmuls read, with each 64-row block's column sums for the bias gradient.
 struct Flash90Fp8Out {
     uint8_t* q = nullptr;                // (B T, 3C) row-major
     uint8_t* qt = nullptr;               // (3C, B T) row-major: q transposed
@@ -100,9 +70,8 @@ __device__ inline uint8_t* align_smem(uint8_t* p) {
     return p + ((kAlign - (a & (kAlign - 1))) & (kAlign - 1));
 }
 
-// Tile loads through the tensor memory accelerator: one thread asks for a whole 64 x 64 tile, which the
-// TMA unit writes into shared memory in the 128-byte swizzle (rows past T are out of the tensor and
-// arrive as zeros), and the threads wait on an mbarrier that counts the bytes in.
+// TMA tile loads: one thread asks for a 64 x 64 tile, written swizzled (rows past T as zeros); the
+// threads wait on an mbarrier that counts the bytes in.
 __device__ inline void mbar_init(uint64_t* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -125,8 +94,7 @@ __device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
         "r"(parity)
         : "memory");
 }
-// Rows row .. row + 63, columns col .. col + 63 of batch `batch` of the (B, T, cols) tensor of `map`
-// (rows_tensor_map) into a swizzled tile at dst (1024-byte aligned), completing on bar.
+// Rows row.., columns col.. (64 each) of batch `batch` of map's (B, T, cols) tensor into a swizzled tile.
 __device__ inline void tma_tile(uint8_t* dst, const CUtensorMap* map, uint64_t* bar, int col, int row, int batch) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
@@ -135,15 +103,13 @@ __device__ inline void tma_tile(uint8_t* dst, const CUtensorMap* map, uint64_t* 
         : "memory");
 }
 
-// Where a kernel's 64 x 64 tiles come from: columns col .. col + 63 of batch b of a (B, T, cols) tensor,
-// through its TMA map.
+// Where a kernel's 64 x 64 tiles come from: columns col.. of batch b of a (B, T, cols) tensor.
 struct TileSource {
     const CUtensorMap* map;
     int col, b;
 };
 
-// The tiles that stay for the whole block: a at dst_a and, when b is given, b at dst_b, rows row0 ..
-// row0 + 63, on bars[0]. Issued by one thread.
+// The tiles that stay for the whole block (a, and b when given), rows row0.., on bars[0]. One thread.
 __device__ inline void load_fixed(uint8_t* dst_a, const TileSource& a, uint8_t* dst_b, const TileSource* b, int row0,
                                   uint64_t (&bars)[3]) {
     mbar_expect(&bars[0], (b != nullptr ? 2 : 1) * kTileBytes);
@@ -151,8 +117,7 @@ __device__ inline void load_fixed(uint8_t* dst_a, const TileSource& a, uint8_t* 
     if (b != nullptr) tma_tile(dst_b, b->map, bars, b->col, row0, b->b);
 }
 
-// Step n of a stream of tile pairs: rows row .. row + 63 of a and b into buffer n & 1 of `stream` (two
-// tiles per buffer), on bars[1 + (n & 1)]. Issued by one thread.
+// Step n of a stream of tile pairs into buffer n & 1 of `stream`, on bars[1 + (n & 1)]. One thread.
 __device__ inline void load_stream_pair(uint8_t* stream, const TileSource& a, const TileSource& b, int n, int row,
                                         uint64_t (&bars)[3]) {
     uint8_t* dst = stream + (n & 1) * 2 * kTileBytes;
@@ -162,10 +127,8 @@ __device__ inline void load_stream_pair(uint8_t* stream, const TileSource& a, co
     tma_tile(dst + kTileBytes, b.map, bar, b.col, row, b.b);
 }
 
-// The prologue of a kernel's loads: thread 0 sets up the three barriers (the fixed tiles', the two stream
-// buffers') and the block waits for that; thread 0 then issues the fixed tiles on bars[0] and step 0 of
-// the stream (issue_first), and each_first is every thread's own part of step 0. Returns after the fixed
-// tiles have arrived.
+// The prologue of a kernel's loads: barriers set up, fixed tiles and step 0 issued (issue_first by
+// thread 0, each_first by every thread); returns once the fixed tiles have arrived.
 template <class IssueFirst, class EachFirst>
 __device__ inline void loads_begin(uint64_t (&bars)[3], int tid, IssueFirst issue_first, EachFirst each_first) {
     if (tid == 0) {
@@ -178,9 +141,7 @@ __device__ inline void loads_begin(uint64_t (&bars)[3], int tid, IssueFirst issu
     mbar_wait(&bars[0], 0);
 }
 
-// One step of a double-buffered stream of n_steps tile sets (buffer step & 1, on bars[1 + buffer]): frees
-// the other buffer (a barrier), loads step + 1 into it (issue_next by thread 0, each_next by every
-// thread), then waits for this step's tiles.
+// One step of a double-buffered stream: frees the other buffer, loads step + 1 into it, waits for this one.
 template <class IssueNext, class EachNext>
 __device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], int tid, IssueNext issue_next,
                                   EachNext each_next) {
@@ -192,8 +153,7 @@ __device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], in
     mbar_wait(&bars[1 + (step & 1)], (step >> 1) & 1);
 }
 
-// A fragments of the four k-steps from a 64 x 64 fp32 accumulator (the m64n64 D layout equals the A layout
-// once rounded to bf16 pairs).
+// A fragments of the four k-steps from a 64 x 64 fp32 accumulator (D layout = A layout in bf16 pairs).
 __device__ inline void acc_to_a(uint32_t (&a)[4][4], const float (&d)[8][4]) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -204,10 +164,8 @@ __device__ inline void acc_to_a(uint32_t (&a)[4][4], const float (&d)[8][4]) {
     }
 }
 
-// Shared-memory matrix descriptor of a swizzled tile (128-byte swizzle, 8-row groups 1024 bytes apart).
-// K-major (B stored [n][k]): the k-steps of 16 lie 32 bytes apart inside the swizzled rows; the leading
-// offset is unused. MN-major (B stored [k][n], n = 64 exactly one swizzle width): the k-steps are 16 rows
-// (2048 bytes) apart and both offsets are the 8-row stride.
+// Shared-memory matrix descriptor of a swizzled tile (128-byte swizzle, 8-row groups 1024 bytes apart);
+// K-major or MN-major B.
 template <bool MNMajor>
 __device__ inline uint64_t tile_desc(const uint8_t* tile, int kk) {
     const uint32_t addr = smem_addr(tile) + (MNMajor ? kk * 2048 : kk * 32);
@@ -236,8 +194,7 @@ __device__ inline void wg_wait_all() { asm volatile("wgmma.wait_group.sync.align
         "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),   \
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
 
-// d (64 x 64 per warpgroup, fp32) += A (registers, one k-step) * B (shared, descriptor); MNMajor selects
-// B's transposed layout. Issues only: the caller fences, commits and waits.
+// d (64 x 64 fp32) += A (registers, one k-step) * B (shared). Issues only: the caller fences and waits.
 template <bool MNMajor>
 __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
 #if FLASH90_DEVICE
@@ -254,8 +211,7 @@ __device__ inline void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64
 #endif
 }
 
-// d (64 x 64 per warpgroup, fp32) += A (shared, K-major swizzled tile, descriptor) * B (shared,
-// descriptor): as wgmma_rs with A read from shared memory by the tensor cores themselves.
+// d (64 x 64 fp32) += A (shared, K-major swizzled tile) * B (shared): wgmma_rs with A in shared memory.
 template <bool MNMajor>
 __device__ inline void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
 #if FLASH90_DEVICE
@@ -274,8 +230,7 @@ __device__ inline void wgmma_ss(float (&d)[8][4], uint64_t desc_a, uint64_t desc
 
 #undef FLASH90_ACC_OPERANDS
 
-// The A operand of a product: a 64 x 64 swizzled tile in shared memory, read by wgmma directly; the
-// other form is A fragments in registers (uint32_t[4][4]).
+// The A operand of a product: a 64 x 64 swizzled tile in shared memory, read by wgmma directly.
 struct SmemA {
     const uint8_t* tile;
 };
@@ -317,32 +272,23 @@ __device__ inline void zero8(float (&d)[8][4]) {
     for (int i = 0; i < 8; i++) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
 }
 
-// Shared memory of each kernel (plus kAlign for the alignment). Forward: the Q tile and two K, V pairs;
-// dQ: the Q and dO tiles and two K, V pairs; dK/dV: the K and V tiles, two Q, dO pairs and two lse, D
-// pairs.
+// Shared memory of each kernel (plus kAlign). Forward: Q and two K, V pairs; dQ: Q, dO and two K, V
+// pairs; dK/dV: K, V, two Q, dO pairs and two lse, D pairs.
 constexpr size_t kSmemFwd = 5 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDq = 6 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDkdv = 6 * size_t(kTileBytes) + 2 * 2 * kRows * sizeof(float) + kAlign;
 
-// Shared memory the FP8 store stages a tile through: per warp a 16 x 64 row-major byte tile (rows
-// kFp8RowPitch bytes apart, so that a warp's 2-byte stores spread over 16 banks) and a 64 x 16 transposed
-// one, then the block's 64 x 64 bf16 values (rows kFp8StagePitch values apart, so that a warp's pair stores
-// hit 32 banks) and the four warps' amaxes; inside the streamed tiles' space of both kernels, dead by then.
+// The FP8 store's staging in dead shared memory: per warp a 16 x 64 row-major and a 64 x 16 transposed
+// byte tile, the block's 64 x 64 bf16 values and the warps' amaxes (pitches chosen against bank conflicts).
 constexpr int kFp8RowPitch = kHS + 16;
 constexpr int kFp8StagePitch = kHS + 8;
 constexpr int kFp8StageBytes = 4 * 16 * (kFp8RowPitch + kHS) + kRows * kFp8StagePitch * int(sizeof(floatX)) +
                                4 * int(sizeof(float));
 static_assert(kFp8StageBytes <= 4 * kTileBytes, "the FP8 store's staging must fit in the streamed tiles' space");
 
-// A block's 64 x 64 gradient tile (dQ, dK or dV of one head; rows row_base.. of the B T rows, columns col..
-// of the 3C) stored in FP8 format G: each value first rounded to bf16 as store_rows rounds it (acc * mul),
-// then bf16 * scale rounded to G, saturating; row-major into f.q (row stride ld = 3C) and transposed into
-// f.qt (row stride n_rows), 16 bytes a store, through `stage`; the tile's column sums of the bf16 values,
-// added in row order in fp32, into row row_base / 64 of f.sums; the bf16 values' amax into f.amax_bits
-// (one atomic a tile: the whole grid's land on one address).
-// Bytes and sums are fp8_cast_pair's from store_rows's bf16 dqkv at that scale, bit for bit. Every thread
-// of the block calls it; it starts with a barrier (the tiles' last readers are done, and a previous call's
-// staging has been read). Rows are all below T (the launcher requires T % 64 == 0).
+// A block's 64 x 64 gradient tile stored in FP8 format G, bit for bit fp8_cast_pair of store_rows's bf16
+// values at that scale: row-major into f.q, transposed into f.qt, column sums into row row_base / 64 of
+// f.sums, amax into f.amax_bits. Every thread calls it; it starts with a barrier. T % 64 == 0.
 template <class G>
 __device__ inline void store_tile_fp8(const Flash90Fp8Out& f, int64_t ld, int64_t n_rows, int64_t row_base, int col,
                                       const float (&acc)[kHS / 8][4], float mul, uint8_t* stage, int warp, int lane) {
@@ -398,13 +344,9 @@ __device__ inline void store_tile_fp8(const Flash90Fp8Out& f, int64_t ld, int64_
     }
 }
 
-// The column sums of a block's 64 x 64 bf16 tile (the values store_rows stores: bf16(acc * mul); rows
-// row_base.. of the B T rows, columns col.. of the ld = 3C) into row row_base / 64 of sums (row stride ld),
-// in a fixed order: a lane adds its rows g and g + 8, the eight lanes of a column add theirs pairwise by
-// shuffles (xor 4, 8, 16: ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))), the four warps' sums are added in
-// warp order through `stage` (256 floats of dead shared memory). Every thread of the block calls it; it
-// starts with a barrier (the tiles' last readers are done, a previous call's stage has been read). Rows
-// are all below T (the launcher requires T % 64 == 0).
+// The column sums of a block's 64 x 64 bf16 tile (bf16(acc * mul)) into row row_base / 64 of sums, in a
+// fixed order (lanes, then shuffles xor 4, 8, 16, then warps in order through `stage`). Every thread
+// calls it; it starts with a barrier. T % 64 == 0.
 __device__ inline void store_tile_sums(float* sums, int64_t ld, int64_t row_base, int col,
                                        const float (&acc)[kHS / 8][4], float mul, float* stage, int warp,
                                        int lane) {
@@ -441,9 +383,8 @@ __device__ inline void store_tile_sums(float* sums, int64_t ld, int64_t row_base
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Forward: block = 64 queries of one (b, h), longest first; loop over 64-key blocks up to the diagonal, K
-// and V of block j + 1 loading while block j computes: S = Q K^T, wait, softmax, O += P V, wait. The tiles
-// come through qkv_map (qkv itself is not read).
+// Forward: block = 64 queries of one (b, h), longest first; over 64-key blocks up to the diagonal, the
+// next K, V loading while this one computes.
 
 static __global__ void __launch_bounds__(kWGThreads)
     flash90_fwd_kernel(floatX* out, float* lse, const floatX* qkv, const __grid_constant__ CUtensorMap qkv_map, int T,
@@ -494,11 +435,8 @@ static __global__ void __launch_bounds__(kWGThreads)
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Backward, dK/dV: block = 64 keys of one (b, h), longest first; loop over the 64-query blocks from the
-// block's first key to T with Q, dO, lse, D of block i + 1 loading while block i computes. Keys are the
-// rows: S^T = K Q^T, P^T = exp2(S^T * scale_log2 - lse2), dV += P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - D), dK += dS^T Q; dK scaled once at the end. The tiles come through the maps (qkv
-// and dout themselves are not read).
+// Backward, dK/dV: block = 64 keys of one (b, h), longest first; over the query blocks from the first key
+// to T, the next Q, dO, lse, D loading. S^T = K Q^T, dV += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q.
 
 // Out: void stores dqkv in bf16 (store_rows), an FP8 type through store_tile_fp8 into f8 instead.
 template <class Out>
@@ -525,8 +463,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
     const TileSource q_src{&qkv_map, h * kHS, b}, k_src{&qkv_map, C + h * kHS, b},
         v_src{&qkv_map, 2 * C + h * kHS, b}, do_src{&dout_map, h * kHS, b};
     const int i0 = k0 / kRows, n_qblocks = ceil_div(T, kRows);
-    // Step n (query block i0 + n) into buffer n & 1: its Q and dO tiles, and (every thread, plain loads, one
-    // step ahead: the barrier that starts the step that reads them makes them visible) its lse and D.
+    // Step n into buffer n & 1: Q and dO tiles, and (every thread, one step ahead) its lse and D.
     auto load_tiles = [&](int n) { load_stream_pair(sQdO, q_src, do_src, n, (i0 + n) * kRows, bars); };
     auto load_lse_d = [&](int n) {
         const int q0 = (i0 + n) * kRows;
@@ -594,10 +531,8 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Backward, dQ: block = 64 queries of one (b, h), longest first; loop over the key blocks up to the
-// diagonal: S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T, dS = P (dP - D), dQ += dS K. The
-// tiles come through the maps (qkv and dout themselves are not read). First each block computes D of its
-// rows (rowsum(dO * O), from its dO tile and O's rows) and stores it for the dK/dV kernel, which runs after.
+// Backward, dQ: block = 64 queries of one (b, h); over the key blocks up to the diagonal, dQ += dS K.
+// First each block computes D of its rows (rowsum(dO * O)) for the dK/dV kernel, which runs after.
 
 // Out: as flash90_dkdv_kernel's.
 template <class Out>
@@ -626,9 +561,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
         const int row = row0 + g + 8 * r;
         lse2[r] = row < T ? lse[int64_t(bh) * T + row] * kLog2e : 0.0f;
     }
-    // D of the block's rows through row_dot, as flash_bwd_dot_kernel computes it (kDotLanes lanes a row),
-    // so the same bits: O's rows from global, loaded before the tiles are waited for, dO's from its tile
-    // once it is in. Thread tid takes part sub of row tid / kDotLanes + kDotRowsPerPass p.
+    // D of the block's rows as flash_bwd_dot_kernel computes it (the same bits).
     constexpr int kDotLanes = kHS / 8, kDotRowsPerPass = kWGThreads / kDotLanes;
     constexpr int kDotPasses = kRows / kDotRowsPerPass;
     __shared__ float sD[kRows];
@@ -704,8 +637,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
 #endif
 }
 
-// The TMA descriptor of a (B, T, cols) bf16 tensor, cols contiguous, read in 64 x 64 tiles (64 rows of one
-// batch, 64 columns) with the 128-byte swizzle; rows past T are outside the tensor (zero-filled).
+// The TMA descriptor of a (B, T, cols) bf16 tensor read in swizzled 64 x 64 tiles (rows past T zero-filled).
 inline CUtensorMap rows_tensor_map(const floatX* base, int64_t cols, int T, int B, const char* what) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     CUtensorMap map{};
@@ -780,10 +712,8 @@ inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, co
 
 }  // namespace flash90_detail
 
-// As flash_backward<64> (same arguments; dqkv overwritten, D scratch of flash_scratch_bytes, amax_bits as
-// there), on wgmma. sums (optional; (B T / 64, 3C) floats, T a multiple of 64): each 64-row block's column
-// sums of dqkv (the bf16 values), for the bias gradient (bias_grad_from_partials), in store_tile_sums's
-// fixed order; dqkv's bits do not change with it.
+// As flash_backward<64>, on wgmma. sums (optional; (B T / 64, 3C) floats, T % 64 == 0): each 64-row
+// block's column sums of dqkv, for bias_grad_from_partials; dqkv's bits do not change with it.
 inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
                              int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr,
                              float* sums = nullptr) {
@@ -791,11 +721,8 @@ inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv
                                           sums, Flash90Fp8Out{});
 }
 
-// The same gradient in FP8 format G instead of bf16 dqkv (Flash90Fp8Out, store_tile_fp8): f.q (B T, 3C) and
-// f.qt (3C, B T) hold fp8(bf16(dqkv) * *f.scale), the bytes fp8_cast_pair makes from flash90_backward's dqkv
-// at that scale; f.sums ((B T / 64, 3C) floats) each 64-row block's column sums of bf16(dqkv) (in the same
-// order as fp8_cast_pair's: the same bits); *f.amax_bits folds in bf16(dqkv)'s amax. Needs T a multiple of 64 (so that
-// a block's rows are one 64-row block of the B T) and 16-byte aligned f.q, f.qt.
+// The same gradient in FP8 format G (Flash90Fp8Out): f.q (B T, 3C), f.qt (3C, B T), f.sums and the amax,
+// the bytes fp8_cast_pair makes of flash90_backward's dqkv. T % 64 == 0; f.q, f.qt 16-byte aligned.
 template <class G>
 inline void flash90_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
                                  const float* lse, int B, int T, int NH, float* D, cudaStream_t stream) {

@@ -1,18 +1,9 @@
 /*
-What the flash-attention kernels of llmc/flash_attention.cuh (mma.sync, every GPU from sm_80) and of
-llmc/flash_attention_sm90.cuh (wgmma, Hopper) share, so that each computes the same softmax, masks and
-stores with the same operations and so gives the same bits: the element-wise pieces of the online
-softmax in the log2 domain, the masking pass, the row stores of out, lse and the gradients, the kernel of
-D = rowsum(dout * out) that both backward passes start with, and the launchers' argument checks.
-
-Provides (namespace llmc::flash_common): smem_addr, pack_bf16, exp2_fast, kLog2e, kLn2, kBlockN (keys per
-step); for_each_element and mask_block over a warp's accumulators in the m16n8 C-fragment layout
-(lane = 4 * g + q: row g, columns 2q..2q+1, then row g + 8), which is also the per-warp layout of wgmma's
-m64 accumulators; store_rows, softmax_step, store_forward_rows; row_dot and flash_backward_dot (D into scratch);
-allow_smem and check_args for the launchers.
-
-Does not provide: the kernels' products, tile loads or shared-memory layouts (those differ between the two
-instruction sets and live in their own headers), or anything a caller outside the flash headers needs.
+What the flash-attention kernels of llmc/flash_attention.cuh (mma.sync) and llmc/flash_attention_sm90.cuh
+(wgmma) share, so both compute the same softmax, masks, stores and D = rowsum(dout * out) with the same
+operations and so give the same bits, plus the launchers' argument checks. Element helpers work on a
+warp's accumulators in the m16n8 C-fragment layout (lane = 4 * g + q: row g, columns 2q..2q+1, then row
+g + 8), which is also wgmma's per-warp m64 layout.
 */
 #pragma once
 
@@ -42,16 +33,15 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kBlockN = 64;  // keys per step of the online softmax
 
-// 2^x on the special-function unit. exp2f is the same instruction with a fix-up for results below 2^-126,
-// which a probability never needs (they flush to 0 here).
+// 2^x on the special-function unit (exp2f without the fix-up below 2^-126; probabilities flush to 0).
 __device__ inline float exp2_fast(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
-// Calls f(mt, nt, e, r, c) for every element acc[mt][nt][e] of a warp's (16 * MT) x N accumulator block
-// (m16n8 C fragments), with r its row among the warp's 16 * MT rows and c its column (0 .. N-1).
+// f(mt, nt, e, r, c) for every element acc[mt][nt][e] of a warp's (16 * MT) x N accumulator block, r its
+// row and c its column.
 template <int MT, int N, class F>
 __device__ inline void for_each_element(int lane, F f) {
     const int g = lane >> 2, q = lane & 3;
@@ -65,9 +55,8 @@ __device__ inline void for_each_element(int lane, F f) {
     }
 }
 
-// Sets to `fill` every element of a warp's (16 * MT) x N accumulator block (rows row0.., columns col0..)
-// for which keep(row, col) is false. Run only on the blocks that cross the diagonal or T, as a pass of its
-// own, so the other blocks carry no index arithmetic.
+// Sets to `fill` every element of a warp's accumulator block (rows row0.., columns col0..) where
+// keep(row, col) is false; run only on blocks crossing the diagonal or T.
 template <int MT, int N, class Keep>
 __device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0, float fill, int lane, Keep keep) {
     for_each_element<MT, N>(lane, [&](int mt, int nt, int e, int r, int c) {
@@ -75,9 +64,8 @@ __device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0
     });
 }
 
-// Writes a warp's 16 x HS accumulator block (times mul) as bf16: row r of the block goes to dst + (row0 +
-// r) * stride, rows >= T skipped. With amax_bits, also folds the largest |value| written (as rounded to
-// bf16) into it (fp8_record_amax: every lane of the warp calls this).
+// Writes a warp's 16 x HS accumulator block (times mul) as bf16 rows at dst + (row0 + r) * stride, rows
+// >= T skipped; with amax_bits, folds the largest |bf16 value| into it (every lane calls this).
 template <int HS>
 __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc)[HS / 8][4], float mul_a,
                                   float mul_b, int row0, int T, int lane, unsigned int* amax_bits = nullptr) {
@@ -101,10 +89,8 @@ __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc
     fp8_record_amax(amax_bits, m);
 }
 
-// One key block of the online softmax for 16 query rows (an m16 row tile of a warp): s holds their raw
-// scores q.k against kBlockN keys (masked ones -inf) and becomes P = exp2(s * scale_log2 - m) with m the
-// new running max (kept scaled, log2 domain); the running sum l and the output accumulator o are
-// rescaled to the new max first. Element layout: m16n8 C fragments (rows g and g + 8 of the tile).
+// One key block of the online softmax for 16 query rows: s (raw scores, masked ones -inf) becomes
+// P = exp2(s * scale_log2 - m) with m the new running max (log2 domain); l and o are rescaled first.
 template <int HS>
 __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], float (&l)[2], float (&o)[HS / 8][4],
                                     float scale_log2) {
@@ -143,8 +129,7 @@ __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&m)[2], f
     l[1] += rs[1];
 }
 
-// The forward's end for 16 query rows from row0: lse (natural log) into lse_bh[row] and out rows = o / l
-// into out_bh + row * C (out_bh: this (b, h)'s first element of out); rows >= T skipped.
+// The forward's end for 16 rows from row0: lse (natural log) and out rows = o / l; rows >= T skipped.
 template <int HS>
 __device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, const float (&o)[HS / 8][4],
                                           const float (&m)[2], const float (&l)[2], int row0, int T, int lane) {
@@ -163,15 +148,12 @@ __device__ inline void store_forward_rows(floatX* out_bh, int C, float* lse_bh, 
 }
 
 // ----------------------------------------------------------------------------------------------------
-// The backward's first pass: D[b,h,t] = sum_d dout * out over one head's row; HS/8 lanes per row, fixed
-// shuffle tree.
+// The backward's first pass: D[b,h,t] = sum_d dout * out over one head's row, HS/8 lanes a row.
 
 constexpr int kDotThreads = 128;
 
-// One row's D from its HS / 8 lanes (consecutive, aligned within the warp), each holding 8 columns of out
-// (o) and dout (d): the lane's 8 products in order, then the fixed shuffle tree. Every lane of the warp
-// calls it; a lane without a row (valid false) adds 0 and its o and d are not read. The one definition of
-// D's sums, so that every kernel computing D gets the same bits.
+// One row's D from its HS / 8 consecutive lanes (8 columns of o and d each), products in order then a
+// fixed shuffle tree; every lane calls it (valid false adds 0). The one definition of D's sums.
 template <int HS>
 __device__ inline float row_dot(bool valid, const PackX& o, const PackX& d) {
     float acc = 0.0f;

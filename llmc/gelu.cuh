@@ -1,14 +1,7 @@
 /*
-GPT-2's GELU (the tanh approximation) as a standalone elementwise kernel, with the meaning of
-gelu_forward in llmc/gpt2_cpu.h.
-
-Provides: gelu(x) on the device and gelu_forward (out = GELU(inp); math in fp32 with tanhf; n a multiple
-of 8), which the model runs to recompute the MLP's GELU output in the backward pass. The forward and
-backward passes themselves run GELU in the matmuls' cuBLASLt epilogues (llmc/matmul.cuh: GELU_AUX
-forward, DGELU backward).
-
-Does not provide: the exact (erf) GELU; a GELU backward kernel (the DGELU epilogue does that work,
-faster than a kernel of its own: docs/lab-notes.md, "Other kernels").
+GPT-2's tanh GELU as an elementwise kernel (gelu_forward, n a multiple of 8), which the model runs to
+recompute the MLP's GELU output in backward (-r 1); forward and backward otherwise use the matmuls'
+cuBLASLt epilogues (llmc/matmul.cuh).
 */
 #pragma once
 

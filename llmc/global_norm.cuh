@@ -1,26 +1,11 @@
 /*
-The global L2 norm of the gradients and the clipping factor derived from it, computed on the device so
-the host need not wait for them.
-
-Provides: global_norm(), which reads one flat bf16 buffer of n gradients (any n) and writes
-  norm  = sqrt(sum of squares) / ranks, and
-  scale = clip / ranks, clip = max_norm / norm when 0 < max_norm < norm, else 1 (as clip_scale in
-          llmc/gpt2_cpu.h),
-to device floats; the scale pointer can go straight to adamw_update as its grad_scale. `ranks` is for
-data parallel training, where the buffer holds the sum of the ranks' gradients (an all-reduce sum: a
-mean taken in bf16 would round each gradient by a 1/W that bf16 cannot hold exactly for W = 3, 5, 6,
-7, ...): the norm is then that of the mean gradient, and the update's scale divides by W in fp32. With
-ranks = 1 both divisions are by one, so the bits are those of the plain norm and clip. Two fixed-order
-stages in fp32: kGlobalNormBlocks blocks (a fixed number, not derived from the GPU, so the result is
-the same on every GPU) each sum a fixed grid-stride subset into one partial, then one block sums the
-partials. No atomics: bitwise reproducible.
-
-For a gradient sharded over GPUs (ZeRO-1): global_norm_sumsq() writes the sum of squares of one range
-and global_norm_finish() turns a (summed over ranks) sum of squares into norm and scale. The two run
-the same arithmetic as global_norm() in the same order, so over the whole buffer they give its bits.
-
-Does not provide: a norm over several separate buffers (the trainer keeps all gradients in one flat
-buffer) or the all-reduce of the sum of squares across GPUs (the caller, with multi_gpu.cuh).
+The global L2 norm of the gradients and the clipping factor, on the device so the host need not wait.
+global_norm() reads one flat bf16 buffer of n gradients and writes norm = sqrt(sum of squares) / ranks
+and scale = clip / ranks (clip = max_norm / norm when 0 < max_norm < norm, else 1: gpt2_cpu.h's
+clip_scale); scale can go straight to adamw_update. With data parallel the buffer holds the ranks' sum
+(a bf16 mean would round by 1/W), so both divide by W in fp32. Two fixed-order stages (a fixed block
+count), no atomics: bitwise reproducible on every GPU. For ZeRO-1, global_norm_sumsq() and
+global_norm_finish() split it around the caller's all-reduce, with the same bits.
 */
 #pragma once
 

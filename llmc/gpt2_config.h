@@ -1,18 +1,9 @@
 /*
-The shape of a GPT-2 model and everything that follows from the shape alone.
-
-Provides: GPT2Config (maxT, V, Vp, L, NH, C); configurations from a descriptor ("d12") or from explicit
-numbers; validate_config(); the 16 parameter tensors in llm.c's order with their shapes, sizes, offsets
-into one flat parameter array and whether AdamW decays them; deterministic GPT-2 initialisation; the
-FLOPs-per-token convention used for MFU (6N + 6LCT, as llm.c).
-
-Descriptors: d12, d24, d36, d48 are GPT-2 small/medium/large/XL (124M/350M/774M/1558M). d2 and d6 are
-small models for quick runs that follow llm.c's rule for its unofficial d6: head size 64, so C = 64 * L
-and NH = L (d6: C=384, NH=6, 30M parameters with the GPT-2 vocabulary; d2: C=128, NH=2, 7M). All use
-the GPT-2 vocabulary (V=50257, padded to Vp=50304) and maxT=1024.
-
-Does not provide: the model's math (gpt2_cpu.h on the CPU, the GPU trainer on the GPU) or file I/O
-(model_file.h).
+The shape of a GPT-2 model and everything that follows from it alone: GPT2Config (maxT, V, Vp, L, NH,
+C) from a descriptor or numbers, validate_config(), the 16 parameter tensors in llm.c's order (shapes,
+offsets into one flat array, decayed or not), the deterministic initialisation and llm.c's FLOPs per
+token. Descriptors: d12, d24, d36, d48 are GPT-2 small to XL; d2 and d6 follow llm.c's d6 rule (head
+size 64, C = 64 * L, NH = L). All take V = 50257 (Vp = 50304) and maxT = 1024.
 */
 #pragma once
 
@@ -57,8 +48,8 @@ inline int padded_vocab(int vocab_size) {
     return (vocab_size + kVocabPadMultiple - 1) / kVocabPadMultiple * kVocabPadMultiple;
 }
 
-// Empty when the shape is usable, else what is wrong. The upper bounds only reject garbage (a corrupt
-// header) before it turns into a huge allocation or an overflowing size; they are far above GPT-2 XL.
+// Empty when the shape is usable, else what is wrong. The upper bounds only reject garbage before it
+// becomes a huge allocation.
 inline std::string config_problem(const GPT2Config& c) {
     auto in_range = [](int v, int hi) { return v >= 1 && v <= hi; };
     if (!in_range(c.max_seq_len, 1 << 20)) return format("max_seq_len %d is not in [1, 1048576]", c.max_seq_len);
@@ -168,16 +159,14 @@ inline int64_t num_parameters(const GPT2Config& c) {
     return t[kNumParamTensors - 1].offset + t[kNumParamTensors - 1].numel;
 }
 
-// llm.c's MFU convention: 6 FLOPs per parameter per token (forward + backward matmuls, N counting every
-// parameter including wpe and the padded rows) plus 6*L*C*T for the attention scores and mixing.
+// llm.c's MFU convention: 6 FLOPs per parameter per token plus 6*L*C*T for attention.
 inline double flops_per_token(const GPT2Config& c, int seq_len) {
     return 6.0 * double(num_parameters(c)) + 6.0 * c.num_layers * double(c.channels) * seq_len;
 }
 
-// GPT-2 / nanoGPT initialisation into the flat array `params` (num_parameters(c) floats): weight
-// matrices N(0, 0.02), the two projections back into the residual stream (attprojw, fcprojw) N(0,
-// 0.02/sqrt(2L)), LayerNorm weights 1, all biases 0, padded rows of wte 0. Deterministic for a seed:
-// element j of tensor i is counter_normal(seed, i, j) (rand.h), whatever the thread count.
+// GPT-2 / nanoGPT initialisation into `params`: weights N(0, 0.02), attprojw and fcprojw N(0,
+// 0.02/sqrt(2L)), LayerNorm weights 1, biases and wte's padded rows 0. Element j of tensor i is
+// counter_normal(seed, i, j), whatever the thread count.
 inline void init_parameters(const GPT2Config& c, uint64_t seed, float* params) {
     auto tensors = param_tensors(c);
     const double residual_std = 0.02 / std::sqrt(2.0 * c.num_layers);

@@ -1,28 +1,13 @@
 /*
-The CPU reference GPT-2: forward, backward and AdamW in plain loops, the oracle the GPU code is checked
-against and a way to train tiny models without a GPU.
-
-Provides, in namespace llmc::cpu and templated on the scalar type (float for the reference, double for
-gradient checks by finite differences):
-  - one function pair per layer (encoder, layernorm, matmul, attention, gelu, residual, softmax +
-    cross-entropy), usable alone to check a GPU kernel;
-  - GPT2<Real>: parameters and gradients as one flat array in param_tensors() order (so any tensor can
-    be compared with the GPU's), the activations of the last forward, forward() -> mean loss and logits
-    (B, T, Vp), backward() -> gradients of every parameter, grad_norm(), and AdamW; reserve() allocates
-    up front what training on (B, T) batches takes, and activation_bytes() says how much of it the
-    activations are.
-The model: learned position embeddings, pre-LayerNorm blocks (eps 1e-5), causal multi-head attention
-(scale 1/sqrt(HS)), tanh-GELU MLP of width 4C, final LayerNorm, classifier tied to wte without a bias.
-The softmax and the loss run over the first V logits only; the Vp - V padded logits are produced (they
-are 0 while the padded rows of wte are 0) but never reach the loss, and their gradient is 0.
-AdamW is bias-corrected with decoupled weight decay applied to the weight matrices only (wte, wpe,
-qkvw, attprojw, fcw, fcprojw), as nanoGPT and llm.c do; clipping is a scale passed to the update.
-
-Every output element is computed by one thread in a fixed order and reductions over threads use fixed
-chunks, so results are bitwise identical whatever OMP_NUM_THREADS is.
-
-Does not provide: mixed precision, recomputation, micro-batch scheduling or anything GPU; it keeps
-every activation (memory grows with L * B * NH * T * T), which is fine for the sizes it is meant for.
+The CPU reference GPT-2 (namespace llmc::cpu, templated on float, or double for gradient checks): the
+oracle the GPU code is checked against and a way to train tiny models without a GPU.
+  - one function pair per layer, usable alone to check a GPU kernel;
+  - GPT2<Real>: parameters and gradients as one flat array in param_tensors() order, forward() -> mean
+    loss and logits (B, T, Vp), backward(), grad_norm(), AdamW; reserve() allocates up front.
+The model: learned positions, pre-LayerNorm blocks (eps 1e-5), causal attention, tanh-GELU MLP of width
+4C, final LayerNorm, classifier tied to wte. Softmax and loss over the first V logits only. AdamW with
+decoupled weight decay on the weight matrices only, as nanoGPT and llm.c.
+Fixed-order reductions: bitwise identical whatever OMP_NUM_THREADS is. Keeps every activation.
 */
 #pragma once
 
@@ -41,8 +26,7 @@ namespace llmc::cpu {
 constexpr double kLayerNormEps = 1e-5;
 
 // ----------------------------------------------------------------------------------------------------
-// Layers. Shapes use the model's names; N = B * T rows. Backward functions accumulate (+=) into every
-// gradient they write, so callers zero what must start from zero.
+// Layers. N = B * T rows. Backward functions accumulate (+=) into every gradient they write.
 
 // out (B,T,C) = wte[inp] + wpe[t]
 template <class Real>
@@ -187,8 +171,8 @@ void matmul_backward(Real* dinp, Real* dweight, Real* dbias, const Real* dout, c
     }
 }
 
-// Causal self-attention. qkv (B,T,3C) holds q, k, v side by side, head h at columns h*HS of each;
-// att (B,NH,T,T) keeps the softmax (zero above the diagonal); out (B,T,C) puts head h at columns h*HS.
+// Causal self-attention. qkv (B,T,3C) holds q, k, v, head h at columns h*HS of each; att (B,NH,T,T) keeps
+// the softmax (zero above the diagonal); out (B,T,C).
 template <class Real>
 void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int C, int NH) {
     const int HS = C / NH;
@@ -226,8 +210,7 @@ void attention_forward(Real* out, Real* att, const Real* qkv, int B, int T, int 
     }
 }
 
-// One thread owns a (batch, head) pair: everything it writes in dqkv belongs to that head of that
-// sequence, so there are no races and no atomics.
+// One thread owns a (batch, head) pair: no races and no atomics.
 template <class Real>
 void attention_backward(Real* dqkv, const Real* dout, const Real* qkv, const Real* att, int B, int T, int C, int NH) {
     const int HS = C / NH;
@@ -299,17 +282,7 @@ void residual_forward(Real* out, const Real* a, const Real* b, int64_t N) {
     for (int64_t i = 0; i < N; i++) out[i] = a[i] + b[i];
 }
 
-template <class Real>
-void residual_backward(Real* da, Real* db, const Real* dout, int64_t N) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < N; i++) {
-        da[i] += dout[i];
-        db[i] += dout[i];
-    }
-}
-
-// Softmax over the first V of Vp logits per row, and the loss -log p[target] computed as
-// logsumexp - logit[target] for accuracy. probs of the padded columns are set to 0.
+// Softmax over the first V of Vp logits per row, loss = logsumexp - logit[target]; padded probs 0.
 template <class Real>
 void crossentropy_forward(Real* probs, Real* losses, const Real* logits, const int* targets, int64_t N, int V,
                           int Vp) {
@@ -319,8 +292,7 @@ void crossentropy_forward(Real* probs, Real* losses, const Real* logits, const i
         Real* p = probs + n * Vp;
         Real maxval = -std::numeric_limits<Real>::infinity();
         for (int v = 0; v < V; v++) maxval = std::max(maxval, z[v]);
-        // The sum of 50K exponentials in double: in float, the many terms below half an ulp of the
-        // running sum are rounded away, which lowered a trained d12's loss by ~1e-4.
+        // The sum of 50K exponentials in double: in float, small terms are rounded away.
         double sum = 0;
         for (int v = 0; v < V; v++) {
             p[v] = std::exp(z[v] - maxval);
@@ -406,8 +378,8 @@ public:
     Real* grad(int i) { return grads.data() + tensors_[size_t(i)].offset; }
     const Activations& activations() const { return acts_; }
 
-    // Runs the model on inputs (B,T). With targets, also the loss: returns the mean cross-entropy over
-    // the B*T positions (NaN without targets). The logits (B,T,Vp) stay in activations().logits.
+    // Runs the model on inputs (B,T); with targets returns the mean cross-entropy (else NaN). The logits
+    // (B,T,Vp) stay in activations().logits.
     double forward(const int* inputs, const int* targets, int B, int T) {
         const GPT2Config& c = config_;
         if (B < 1 || T < 1 || T > c.max_seq_len) {
@@ -468,23 +440,20 @@ public:
 
     void zero_grad() { std::fill(grads.begin(), grads.end(), Real(0)); }
 
-    // Allocates now what training on (B, T) batches needs (the activations, their gradients and AdamW's m
-    // and v), so that a run meets a shortage of memory before it starts rather than at its first step.
+    // Allocates now what training on (B, T) batches needs, so a shortage shows before the first step.
     void reserve(int B, int T) {
         allocate_activations(B, T);
         allocate_moments();
     }
 
-    // Host bytes of the activations and their gradients that a forward and backward on (B, T) batches
-    // allocate (allocate_activations), so that a caller can check them against the memory at hand first.
+    // Host bytes of the activations and their gradients for (B, T) batches.
     static double activation_bytes(const GPT2Config& c, int B, int T) {
         const double L = c.num_layers, NH = c.num_heads, N = double(B) * T, NC = N * c.channels;
         const double reals = NC * (16 + 18 * L) + N * (4 * L + 3) + 3 * N * c.padded_vocab_size + L * NH * N * T;
         return reals * sizeof(Real) + 2 * N * sizeof(int);
     }
 
-    // Adds the gradient of the last forward's mean loss to grads (call zero_grad() first unless
-    // accumulating over several batches).
+    // Adds the gradient of the last forward's mean loss to grads (zero_grad() first unless accumulating).
     void backward() {
         if (acts_.B == 0 || !has_targets_) fail(kExitUsage, "GPT2 backward: needs a forward with targets first");
         const GPT2Config& c = config_;
@@ -530,8 +499,7 @@ public:
         encoder_backward(grad(kWte), grad(kWpe), d_residual_.data(), a.inputs.data(), B, T, int(C));
     }
 
-    // The global L2 norm of all gradients, summed in double over fixed chunks so that it does not
-    // depend on the thread count.
+    // The global L2 norm of all gradients, in double over fixed chunks (thread-count independent).
     double grad_norm() const {
         const int64_t n = int64_t(grads.size()), chunk = 1 << 16;
         const int64_t chunks = (n + chunk - 1) / chunk;
@@ -547,8 +515,7 @@ public:
         return std::sqrt(total);
     }
 
-    // One AdamW step (step counts from 1) on grads * grad_scale: m and v are bias-corrected, and the
-    // decoupled weight decay (param -= lr * wd * param) applies only to tensors marked decayed.
+    // One AdamW step (step from 1) on grads * grad_scale, bias-corrected; weight decay on decayed tensors.
     void update(const AdamW& opt, int step, double grad_scale = 1.0) {
         if (step < 1) fail(kExitUsage, "GPT2 update: step %d, AdamW steps count from 1", step);
         allocate_moments();
@@ -571,9 +538,6 @@ public:
             }
         }
     }
-
-    // Parameters as floats, in file order (for write_model_file or a comparison with the GPU).
-    std::vector<float> params_as_float() const { return std::vector<float>(params.begin(), params.end()); }
 
     std::vector<Real> params, grads, adam_m, adam_v;
 

@@ -1,17 +1,7 @@
 /*
-Hashes of byte strings, each written here once so that a value stored in a file today is computed the
-same way by every later build.
-
-Provides:
-  fnv1a64(data, n, h)  64-bit FNV-1a: small, byte at a time, and chainable (pass the previous result as
-                       h to hash several pieces as one string). Used where a few hundred bytes are hashed:
-                       the DataLoader state blob's checksum and its shard-list hash, and the check that
-                       every rank was started with the same settings.
-  checksum64(data, n)  a 64-bit checksum over four interleaved lanes of 8-byte words, so the loop runs at
-                       memory speed: the checkpoint's chunks and manifest.
-
-Does not provide: cryptographic strength (neither resists a chosen collision), or random numbers
-(rand.h).
+Hashes of byte strings, written here once so a stored value is computed the same by every later build:
+fnv1a64 (chainable; state blobs, shard lists, the ranks' settings check) and checksum64 (four
+interleaved lanes at memory speed; checkpoint chunks and manifests). Not cryptographic.
 */
 #pragma once
 
@@ -33,9 +23,7 @@ inline uint64_t fnv1a64(const void* data, size_t n, uint64_t h = kFnv1a64Basis) 
 
 inline uint64_t fnv1a64(const std::string& s, uint64_t h = kFnv1a64Basis) { return fnv1a64(s.data(), s.size(), h); }
 
-// checksum64: each lane step is a bijection of the word for a fixed state and of the state for a fixed
-// word, and the final mix is a bijection of each lane for fixed others, so any change confined to one
-// 8-byte word (every flipped bit, in particular) always changes the result.
+// checksum64: every step is a bijection, so any change confined to one 8-byte word changes the result.
 
 namespace detail {
 inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }

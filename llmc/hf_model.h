@@ -1,31 +1,13 @@
 /*
-Hugging Face GPT-2 folders (config.json + safetensors), the layout transformers' GPT2LMHeadModel saves
-and loads, read into and written from our flat fp32 parameter array.
-
-Reading: config.json must describe a model ours computes exactly: model_type "gpt2", activation
-gelu_new (or gelu_pytorch_tanh, the same function), layer_norm_epsilon 1e-5, scaled attention not
-scaled by layer index, no cross-attention, n_inner absent or 4 x n_embd, tied word embeddings; anything
-else is refused with the key and value named. Weights come from model.safetensors, or from the shards
-model.safetensors.index.json's weight_map names; F32, F16 or BF16, names with or without the
-"transformer." prefix. The attention masks GPT-2 once stored as buffers (h.N.attn.bias, .masked_bias)
-are ignored; lm_head.weight, where present, must equal wte (a tied head) and is otherwise refused, or
-stands for wte where the folder holds only the head's name of the tied pair; any other tensor is
-refused, so nothing in the file is silently dropped. Conv1D weights are stored (in, out) and are
-transposed into our (out, in); the vocabulary is padded to Vp = padded_vocab(V) with zero rows.
-
-Writing: config.json (GPT2LMHeadModel, the unpadded vocabulary, no dropout, as the model was trained
-here), model.safetensors in F32 or BF16 with "transformer."-prefixed names and no lm_head (tied, as
-save_pretrained writes it), and, given a directory holding GPT-2's encoder.json and vocab.bpe, the
-tokenizer files: vocab.json and merges.txt are byte-for-byte those two, plus tokenizer_config.json.
-Each file is written whole or not at all (utils.h's write_file_atomically: a temporary name, fsync,
-rename), so a failed or interrupted export leaves every file either as it was or complete and new.
-
-Provides: HfFolder (what probe_hf_folder() found, without reading the weights), read_hf_params(),
-write_hf_folder(), the name map hf_tensor_map(), and hf_config_from_json() / hf_config_json().
-Errors name the folder, the file and the tensor or key: kExitData for contents, kExitIo for files.
-
-Does not provide: pytorch_model.bin (pickle) files, other architectures, sharded writing, or choosing
-between formats (model_io.h does that).
+Hugging Face GPT-2 folders (config.json + safetensors, as GPT2LMHeadModel saves them), read into and
+written from our flat fp32 parameter array.
+Reading: config.json must describe a model ours computes exactly (gpt2, gelu_new, eps 1e-5, n_inner 4C,
+tied embeddings, ...), else the key and value are named. Weights from model.safetensors or the index's
+shards, F32/F16/BF16, with or without "transformer."; GPT-2's mask buffers are ignored, lm_head must
+equal wte, any other tensor is refused. Conv1D (in, out) weights are transposed; the vocabulary is
+padded to Vp with zero rows.
+Writing: config.json, model.safetensors (F32 or BF16, no lm_head) and optionally the tokenizer files,
+each whole or not at all. Errors name the folder, file and tensor or key (kExitData / kExitIo).
 */
 #pragma once
 
@@ -140,8 +122,7 @@ inline void transpose_into(float* dst, const float* src, int64_t rows, int64_t c
 // ----------------------------------------------------------------------------------------------------
 // config.json
 
-// The model shape a config.json describes, refusing what our model does not compute. `where` names the
-// file in messages.
+// The model shape a config.json describes, refusing what our model does not compute (`where`: the file).
 inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string& where) {
     auto bad = [&](const std::string& what) {
         fail(kExitData, "Hugging Face config '%s': %s", where.c_str(), what.c_str());
@@ -198,8 +179,7 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
     return c;
 }
 
-// The config.json of our model: GPT-2's keys with the unpadded vocabulary and no dropout (the model
-// was trained without); torch_dtype says how the weights are stored ("float32" or "bfloat16").
+// The config.json of our model (unpadded vocabulary, no dropout); torch_dtype "float32" or "bfloat16".
 inline nlohmann::json hf_config_json(const GPT2Config& c, const std::string& torch_dtype) {
     nlohmann::json j;
     j["architectures"] = {"GPT2LMHeadModel"};
@@ -235,21 +215,10 @@ inline nlohmann::json hf_config_json(const GPT2Config& c, const std::string& tor
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Small file helpers (this header's own, so that it stands alone).
+// Small file helpers (this header's own).
 
-inline bool hf_path_is_dir(const std::string& p) {
-    std::error_code ec;
-    return std::filesystem::is_directory(p, ec);
-}
-
-inline bool hf_path_is_file(const std::string& p) {
-    std::error_code ec;
-    return std::filesystem::is_regular_file(p, ec);
-}
-
-// False when nothing is at path, true for a regular file (or a link to one). Anything else there (a folder, a
-// FIFO, a link loop, a folder that may not be searched) is refused with the system's reason and what was
-// expected, not taken for a missing file.
+// False when nothing is at path, true for a regular file (or a link to one); anything else is refused
+// with the system's reason and what was expected.
 inline bool hf_file_present(const std::string& path, const char* expected) {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0 && errno == ENOENT) return false;
@@ -274,13 +243,6 @@ inline void write_file_replacing(const std::string& path, const std::string& byt
     write_file_atomically(path, [&](File& f) { f.write_all(bytes.data(), bytes.size()); });
 }
 
-inline std::string read_whole_file(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string bytes(size_t(f.size()), '\0');
-    f.read_exact(bytes.data(), bytes.size());
-    return bytes;
-}
-
 // ----------------------------------------------------------------------------------------------------
 // Reading
 
@@ -295,8 +257,7 @@ struct HfFolder {
     std::string dtype;  // "fp32", "bf16", "fp16", or "mixed (...)"
 };
 
-// The files of the sharded layout, from the index's weight_map, which is also returned in *weight_map
-// (tensor -> file name) to be checked against the files.
+// The files of the sharded layout, from the index's weight_map (returned in *weight_map).
 inline std::vector<std::string> hf_shard_files(const std::string& dir, const std::string& index_path,
                                                std::map<std::string, std::string>* weight_map) {
     nlohmann::json index = read_json_file(index_path);
@@ -324,8 +285,7 @@ inline std::vector<std::string> hf_shard_files(const std::string& dir, const std
     return files;
 }
 
-// Validates a Hugging Face GPT-2 folder without reading its weights: config.json, every safetensors
-// header, every tensor's presence, dtype and shape.
+// Validates a Hugging Face GPT-2 folder without reading its weights: config, headers, every tensor.
 inline HfFolder probe_hf_folder(const std::string& dir) {
     HfFolder h;
     h.dir = dir;
@@ -344,7 +304,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
     } else if (hf_file_present(index_path, "a JSON file")) {
         h.files = hf_shard_files(dir, index_path, &weight_map);
         index_used = index_path;
-    } else if (hf_path_is_file(dir + "/pytorch_model.bin")) {
+    } else if (regular_file_exists(dir + "/pytorch_model.bin")) {
         fail(kExitData, "'%s' holds pytorch_model.bin, a Python pickle, which this program does not read; save the "
              "model as safetensors (transformers: save_pretrained(dir, safe_serialization=True))", dir.c_str());
     } else {
@@ -507,7 +467,7 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
 // Checks that dir holds GPT-2's tokenizer files (encoder.json, vocab.bpe) for a vocabulary of V tokens.
 inline void check_tokenizer_dir(const std::string& dir, int vocab_size) {
     for (const char* name : {"encoder.json", "vocab.bpe"}) {
-        if (!hf_path_is_file(dir + "/" + name)) {
+        if (!regular_file_exists(dir + "/" + name)) {
             fail(kExitIo, "tokenizer directory '%s' has no %s (GPT-2's encoder.json and vocab.bpe are expected there)",
                  dir.c_str(), name);
         }
@@ -527,12 +487,12 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
     validate_config(c, kExitUsage, format("Hugging Face model '%s': cannot write an invalid shape", dir.c_str()));
     if (!tokenizer_dir.empty()) check_tokenizer_dir(tokenizer_dir, c.vocab_size);
     std::error_code ec;
-    if (std::filesystem::exists(dir, ec) && !hf_path_is_dir(dir)) {
+    if (std::filesystem::exists(dir, ec) && !directory_exists(dir)) {
         fail(kExitIo, "'%s' exists and is not a directory; a Hugging Face model is written as a folder", dir.c_str());
     }
     std::filesystem::create_directories(dir, ec);
     if (ec) fail(kExitIo, "cannot create directory '%s': %s", dir.c_str(), ec.message().c_str());
-    if (hf_path_is_file(dir + "/model.safetensors.index.json")) {
+    if (regular_file_exists(dir + "/model.safetensors.index.json")) {
         fail(kExitIo, "'%s' holds a sharded model (model.safetensors.index.json) that a new model.safetensors would "
              "not replace; write into an empty directory", dir.c_str());
     }
@@ -577,8 +537,8 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
     write_file_replacing(dir + "/config.json", hf_config_json(c, bf16 ? "bfloat16" : "float32").dump(2) + "\n");
 
     if (!tokenizer_dir.empty()) {
-        write_file_replacing(dir + "/vocab.json", read_whole_file(tokenizer_dir + "/encoder.json"));
-        write_file_replacing(dir + "/merges.txt", read_whole_file(tokenizer_dir + "/vocab.bpe"));
+        write_file_replacing(dir + "/vocab.json", read_text_file(tokenizer_dir + "/encoder.json"));
+        write_file_replacing(dir + "/merges.txt", read_text_file(tokenizer_dir + "/vocab.bpe"));
         nlohmann::json tc;
         tc["tokenizer_class"] = "GPT2Tokenizer";
         tc["model_max_length"] = c.max_seq_len;
@@ -589,12 +549,11 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
         tc["errors"] = "replace";
         write_file_replacing(dir + "/tokenizer_config.json", tc.dump(2) + "\n");
     } else {
-        // No tokenizer for this model: an earlier export's files there (perhaps another vocabulary's) would
-        // be loaded with these weights by AutoTokenizer, so they go.
+        // No tokenizer: an earlier export's files there would be loaded with these weights, so they go.
         for (const char* name : {"vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
                                  "special_tokens_map.json"}) {
             const std::string path = dir + "/" + name;
-            if (hf_path_is_file(path) && !std::filesystem::remove(path, ec)) {
+            if (regular_file_exists(path) && !std::filesystem::remove(path, ec)) {
                 fail(kExitIo, "cannot remove the earlier tokenizer file '%s': %s", path.c_str(), ec.message().c_str());
             }
         }

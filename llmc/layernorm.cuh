@@ -1,38 +1,14 @@
 /*
-LayerNorm and the residual addition on the GPU, with the argument meanings of layernorm_forward,
-layernorm_backward and residual_forward in llmc/gpt2_cpu.h (eps 1e-5, statistics over the C channels).
-
-Provides:
-  layernorm_forward: out (N,C) bf16, mean and rstd (N) fp32 kept for backward (either may be null);
-                     one warp per row, statistics in fp32 with a two-pass variance; for C <= 7 * 256
-                     the row stays in registers between the passes (read from memory once, every load
-                     in flight at once; same bits as reading it again). Optionally also the amax of
-                     out (for its FP8 copy: llmc/fp8.cuh), here and in the two below.
-  fused_residual_layernorm_forward: residual = a + b (rounded to bf16, as residual_forward) and the
-                     LayerNorm of that rounded residual, in one pass over the row.
-  LayerNormFp8Out:   for both: out written in E4M3 instead of bf16, at a scale given on the device
-                     (delayed scaling: llmc/fp8.cuh), q = fp8(bf16(out) * scale), saturating, as
-                     fp8_cast would write it from the bf16 out; the amax (of the bf16 values) recorded.
-  residual_forward:  out = a + b, elementwise.
-  layernorm_backward: dinp += (ADDED: it is the residual stream's gradient), dweight += and dbias +=.
-                     dinp: one warp per row. dweight/dbias: fixed chunks of 256 rows summed into fp32
-                     partials (8 warps take every 8th row, their sums added in warp order), then the
-                     chunks added by a second kernel (a block per 32 channels, 32 warps taking every
-                     32nd chunk, their sums added in warp order); no atomics, so the result is
-                     bitwise reproducible on any GPU. Needs layernorm_backward_scratch_bytes(N, C).
-                     For C <= 768 the rows and the chunk partials are one kernel's single pass over
-                     dout and inp (same bits). Optionally also next_dbias += the column sums of the
-                     new dinp: the bias gradient of the linear layer whose output gradient dinp is
-                     (the residual stream's gradient is the projections' dout), bit for bit what
-                     bias_grad_accumulate (llmc/matmul.cuh) adds, without another pass over dinp
-                     (where the fused kernel's extra shared memory would cost it blocks an SM, as on
-                     sm_86 and sm_89, bias_grad_accumulate itself runs after it). Optionally the
-                     gradient added to is read from another buffer (dres: dinp = dres + ...), so
-                     that it stays intact for readers on another stream.
+LayerNorm and the residual addition on the GPU, with the argument meanings of llmc/gpt2_cpu.h's
+layernorm_forward, layernorm_backward and residual_forward (eps 1e-5, statistics over C channels).
+  layernorm_forward / fused_residual_layernorm_forward (residual = a + b rounded to bf16, then its
+      LayerNorm): one warp a row, fp32 two-pass statistics, the row held in registers for C <= 7 * 256.
+      Optionally the amax of out, or out in E4M3 at a device-side scale (LayerNormFp8Out, llmc/fp8.cuh).
+  residual_forward:  out = a + b.
+  layernorm_backward: dinp += (the residual stream's gradient), dweight +=, dbias +=; the weight sums in
+      fixed 256-row chunks and a fixed order (no atomics: bitwise reproducible). Optionally next_dbias +=
+      dinp's column sums (bit for bit bias_grad_accumulate) and dinp = dres + ... from another buffer.
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
-
-Does not provide: a residual backward kernel (the residual gradient is passed through by accumulating
-into dinp, which the trainer arranges) or recomputation of the forward.
 */
 #pragma once
 
@@ -60,8 +36,8 @@ struct LayerNormFp8Out {
 
 namespace detail {
 
-// f(p, c) for each of the lane's packs p = 0, 1, ... of a row of C channels, at columns c = (p * 32 +
-// lane) * 8 < C: fully unrolled up to P packs, or (P = 0) as many as C needs.
+// f(p, c) for each of the lane's packs p of a row of C channels, c = (p * 32 + lane) * 8 < C: unrolled
+// up to P packs, or (P = 0) as many as C needs.
 template <int P, class F>
 __device__ inline void for_lane_packs(int C, F&& f) {
     const int lane = threadIdx.x % kWarpSize;
@@ -76,16 +52,14 @@ __device__ inline void for_lane_packs(int C, F&& f) {
     }
 }
 
-// The packs of the row kernels' rows a lane holds in registers between LayerNorm's passes, by C (a
-// row, lane-strided); 0: C too large, each pass reads the row from memory again.
+// The packs of a row a lane holds in registers between LayerNorm's passes; 0: C too large.
 inline int layernorm_held_packs(int C) {
     const int packs = ceil_div(C, kWarpSize * kPackX);
     return packs <= 3 ? 3 : packs <= 4 ? 4 : packs <= 7 ? 7 : 0;
 }
 
-// Normalises one row, by one warp, and writes out (bf16), or q (E4M3 at *scale) when kFp8, and mean and
-// rstd. x(p, c) gives the lane's pack p at column c (for_lane_packs<P>): from registers, or (P = 0) read
-// from memory in each pass. Returns the lane's max |out| (for the amax).
+// Normalises one row, by one warp, into out (bf16) or q (E4M3 at *scale, kFp8), with mean and rstd. x(p, c)
+// gives the lane's pack p (registers, or memory when P = 0). Returns the lane's max |out|.
 template <bool kFp8, int P, class X>
 __device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
                                       X&& x, const floatX* weight, const floatX* bias, int64_t row, int C) {
@@ -143,8 +117,7 @@ inline void check_layernorm_args(const char* fn, int C, std::initializer_list<co
 
 }  // namespace detail
 
-// A warp a row; the lane's packs of the row held in registers (P > 0: all the row's loads in flight
-// at once, and no pass reads it again) or read in each pass (P = 0, for C > 7 * 256).
+// A warp a row; the row held in registers (P > 0) or read in each pass (P = 0).
 template <bool kFp8, int P>
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_forward_kernel(floatX* out, LayerNormFp8Out fp8, float* mean, float* rstd, const floatX* inp,
@@ -186,8 +159,7 @@ inline void check_held_packs(const char* fn, int held, int C) {
     }
 }
 
-// f(std::integral_constant<int, P>{}) for the P that `held` names (check_held_packs): where a launcher
-// instantiates its kernel for each held size.
+// f(std::integral_constant<int, P>{}) for the P that `held` names (check_held_packs).
 template <class F>
 void with_held_packs(int held, F&& f) {
     switch (held) {
@@ -198,8 +170,7 @@ void with_held_packs(int held, F&& f) {
     }
 }
 
-// layernorm_forward with `held` packs a lane held in registers (check_held_packs), which gives the same
-// bits as 0; layernorm_forward holds layernorm_held_packs(C). test/test_kernels.cu compares the two.
+// layernorm_forward with `held` packs in registers (the same bits as 0); test/test_kernels.cu compares.
 inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
                                    const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream,
                                    unsigned int* amax, LayerNormFp8Out fp8) {
@@ -217,8 +188,7 @@ inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rs
 }
 }  // namespace detail
 
-// amax (optional): folds max |out| into it (llmc/cuda_common.cuh fp8_record_amax; the caller zeroes it).
-// fp8 (optional): out in E4M3 there instead (out is then unused and may be null).
+// amax (optional): folds max |out| into it (the caller zeroes it). fp8 (optional): out in E4M3 instead.
 inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
                               const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr,
                               LayerNormFp8Out fp8 = {}) {
@@ -226,9 +196,8 @@ inline void layernorm_forward(floatX* out, float* mean, float* rstd, const float
                                    amax, fp8);
 }
 
-// As layernorm_forward_kernel, of the row of residual = a + b, which it writes. With P > 0 every load of
-// a and b comes before the first store of residual, which may alias them (each lane stores only where
-// it loaded), and LayerNorm reads the sums from registers.
+// As layernorm_forward_kernel, of residual = a + b, which it writes; with P > 0 every load comes before
+// the first store, so residual may alias a or b.
 template <bool kFp8, int P>
 static __global__ void __launch_bounds__(kLayerNormBlock)
     fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, LayerNormFp8Out fp8, float* mean,
@@ -287,8 +256,7 @@ inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, fl
 }
 }  // namespace detail
 
-// residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; out aliases nothing.
-// amax and fp8 as layernorm_forward's (of out).
+// residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; amax and fp8 as above.
 inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
                                              const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
                                              int C, cudaStream_t stream, unsigned int* amax = nullptr,
@@ -327,8 +295,7 @@ constexpr int kLayerNormColumnsPerBlock = kWarpSize * kPackX;  // 256 channels: 
 
 inline int64_t layernorm_chunks(int64_t N) { return ceil_div<int64_t>(N, kLayerNormRowsPerChunk); }
 
-// fp32 partial sums for every chunk of rows: dweight's and dbias's (chunk-major, 2C a chunk), then
-// next_dbias's (C a chunk, after all of those).
+// fp32 partial sums per chunk of rows: dweight's and dbias's (2C a chunk), then next_dbias's (C a chunk).
 inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
     return size_t(layernorm_chunks(N)) * 3 * size_t(C) * sizeof(float);
 }
@@ -383,9 +350,8 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
-// Block (x, chunk): channels [x * 256, x * 256 + 256) over the chunk's rows; writes partial[chunk] =
-// (dweight sums (C), dbias sums (C)) and, with kSumDinp, partial_dinp[chunk] = the sums of dinp (C), read
-// after layernorm_backward_dinp_kernel has added to it.
+// Block (x, chunk): channels [x * 256, + 256) over the chunk's rows; partial[chunk] = (dweight sums,
+// dbias sums) and, with kSumDinp, partial_dinp[chunk] = dinp's sums (after the dinp kernel).
 template <bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_backward_partial_kernel(float* partial, float* partial_dinp, const floatX* dout, const floatX* inp,
@@ -432,11 +398,9 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
     }
 }
 
-// Adds the chunks' partials into dweight and dbias, and partial_dinp's into next_dbias when it is not
-// null: a block per 32 channels, lane = channel (a warp reads 128 contiguous bytes of each partial row);
-// warp w adds chunks w, w + 32, w + 64, ... in that order, then warp 0 adds the 32 warps' sums in warp
-// order (for next_dbias, the order of bias_grad_final_kernel in llmc/matmul.cuh). The order depends only
-// on the number of chunks, never on timing.
+// Adds the chunks' partials into dweight and dbias (and partial_dinp's into next_dbias): a block per 32
+// channels, warp w adds chunks w, w + 32, ..., then warp 0 the warps' sums in order (for next_dbias, the
+// order of bias_grad_final_kernel). The order depends only on the number of chunks.
 constexpr int kLayerNormFinalWarps = 32;
 // next_dbias keeps bias_grad_accumulate's bits only while the chunks, warps and orders are its own.
 static_assert(kLayerNormRowsPerChunk == kBiasGradRowsPerChunk && kLayerNormBlock == kBiasGradBlock &&
@@ -484,25 +448,15 @@ static __global__ void __launch_bounds__(kLayerNormFinalWarps * kWarpSize)
 
 namespace detail {
 
-// layernorm_backward_dinp_kernel and layernorm_backward_partial_kernel in one pass over the rows, for
-// C <= 256 * P (P packs of 8 channels per lane): block = one chunk of kLayerNormRowsPerChunk rows, warp
-// w taking rows w, w + 8, ... as the partial kernel does, and each row as the dinp kernel does it, so
-// dinp and the partials (hence dweight and dbias) keep their bits, and dout and inp are read once
-// instead of twice. The grid is the chunks (256 for 65,536 rows: two blocks an SM), so each warp works
-// through its rows one after another and the time of a row's memory round trips adds up: all of a
-// row's loads (inp, dout, the old dinp) are issued together before anything is stored. (Loading each
-// pack's old dinp after the previous pack's store, as before, cost a round trip a pack.) To leave
-// registers for that, a warp's dweight and dbias sums live in shared memory (its own slots, a float4
-// per lane with lanes adjacent: no bank conflicts), added to in the same order as in registers; at the
-// end every thread adds the 8 warps' sums of its channels in warp order, as the partial kernel does.
-// kSumDinp: a third sum, of the new dinp as stored (bf16), into partial_dinp, in the same order.
+// The dinp and partial kernels in one pass over the rows, for C <= 256 * P: block = one chunk, each warp
+// and row as there, so the same bits, with dout and inp read once. All of a row's loads are issued
+// before anything is stored; the warps' sums live in shared memory. kSumDinp: dinp's sums too.
 template <int P, bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     layernorm_backward_fused_kernel(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
                                     const floatX* dout, const floatX* inp, const floatX* weight, const float* mean,
                                     const float* rstd, int64_t N, int C, unsigned int* amax) {
-    // acc[warp][0 dweight, 1 dbias, 2 dinp][p][half of the pack][lane]: channels (p * 32 + lane) * 8 + 4 *
-    // half ..
+    // acc[warp][0 dweight, 1 dbias, 2 dinp][p][half][lane]: channels (p * 32 + lane) * 8 + 4 * half ..
     extern __shared__ float4 acc[];
     constexpr int kSums = kSumDinp ? 3 : 2;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -600,16 +554,12 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     }
 }
 
-// Shared memory of layernorm_backward_fused_kernel<P, kSumDinp>: the 8 warps' sums, 8 KiB each per pack
-// (48 KiB at P = 3 for dweight and dbias; 72 KiB with dinp's, over the 48 KiB a launch may have without
-// opting in: layernorm_backward_rows_fused opts in).
+// Shared memory of layernorm_backward_fused_kernel<P, kSumDinp>: 8 KiB a pack per sum (opted in).
 constexpr size_t layernorm_backward_fused_smem(int P, bool sum_dinp) {
     return size_t(kLayerNormRowsPerBlock) * (sum_dinp ? 3 : 2) * size_t(P) * kLayerNormColumnsPerBlock * sizeof(float);
 }
 
-// Whether two blocks of the fused kernel with dinp's sums fit on an SM of the current device at C (the
-// kernel's speed needs both: its warps work through their rows one after another). 72 KiB twice fits
-// the 228 KiB of sm_80 and sm_90, not the 100 KiB of sm_86 and sm_89.
+// Whether two blocks of the fused kernel with dinp's sums fit on an SM of the current device at C.
 inline bool layernorm_backward_fused_sums_fit(int C) {
     const int P = ceil_div(C, kLayerNormColumnsPerBlock);
     int device = 0, per_sm = 0;
@@ -621,10 +571,8 @@ inline bool layernorm_backward_fused_sums_fit(int C) {
 // Packs of 8 channels per lane the fused kernel is instantiated for (C up to 768).
 constexpr int kLayerNormFusedMaxPacks = 3;
 
-// The two ways to dinp and the chunks' partials of layernorm_backward: the fused kernel's one pass, for C
-// up to 256 * kLayerNormFusedMaxPacks, and the separate row and partial kernels, for any C (the same bits
-// where both can run). layernorm_backward picks by C; test/test_kernels.cu compares the two.
-// partial_dinp (chunks x C floats) may be null: then dinp's column sums are not taken.
+// The fused kernel (C up to 256 * kLayerNormFusedMaxPacks) or the separate ones (any C), the same bits;
+// test/test_kernels.cu compares them. partial_dinp may be null: no column sums of dinp.
 inline bool layernorm_backward_fuses(int C) {
     return ceil_div(C, kLayerNormColumnsPerBlock) <= kLayerNormFusedMaxPacks;
 }
@@ -684,14 +632,10 @@ inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, f
 
 }  // namespace detail
 
-// dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout, with
-// the mean and rstd saved by the forward. dinp must not alias dout or inp. amax (optional): folds max
-// |dinp| (its values after the addition) into it, as layernorm_forward's. next_dbias (optional, C): +=
-// the column sums of dinp after the addition, bit for bit as bias_grad_accumulate (llmc/matmul.cuh)
-// would add them from dinp (the same 256-row chunks, warps and orders), in the same passes.
-// dres (optional, N x C, not overlapping dinp): the gradient to add to is read from dres instead of dinp,
-// and dinp = dres + the LayerNorm's part, with the same arithmetic; dres is left as it was (GPT2's
-// backward keeps it for weight gradients still running on another stream).
+// dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout and the
+// forward's mean and rstd; dinp must not alias dout or inp. amax (optional): max |dinp| after the
+// addition. next_dbias (optional, C): += dinp's column sums, bit for bit as bias_grad_accumulate.
+// dres (optional, not overlapping dinp): dinp = dres + the LayerNorm's part; dres left as it was.
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
                                float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr,
@@ -712,8 +656,7 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     float* partial_dinp = next_dbias != nullptr ? scratch + chunks * 2 * C : nullptr;
     if (detail::layernorm_backward_fuses(C)) {
         if (partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C)) {
-            // Where the sums would halve the fused kernel's blocks an SM: without them, and next_dbias from
-            // the bias gradient's own pass over dinp (the same bits), in the same part of the scratch.
+            // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
             detail::layernorm_backward_rows_fused(dinp, dres, scratch, nullptr, dout, inp, weight, mean, rstd, N, C,
                                                   stream, amax);
             bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);

@@ -1,17 +1,8 @@
 /*
-The header llm.c puts at the start of its files: 256 little-endian int32 values (1024 bytes), header[0]
-a magic number that says what the file is, header[1] a version, then fields of that format. Model files
-(model_file.h) and token shards (shard.h) both use it; this is their one reader.
-
-Provides: read_llmc_header(), which reads the header of an open file and checks that the file is at least
-that long, the magic and that the version is one the format knows (or names a retired version with its
-own hint); and check_llmc_file_size(), which checks the file's length against the payload the header
-describes (exactly, so that a truncated file and trailing data are both refused, with a count that
-cannot overflow). Every failure is an llmc::Error with exit code kExitData (kExitIo for a read error)
-that names the file, the offset of the field and what was expected.
-
-Does not provide: the meaning of header[2..255] (each format's header), or writing (each format fills
-its own header).
+llm.c's file header (256 little-endian int32: magic, version, the format's fields), the one reader for
+model files and token shards: read_llmc_header() checks the length, magic and version (a retired one
+with its own hint); check_llmc_file_size() the exact length the header implies (overflow-safe). Errors
+name the file, the field's offset and what was expected (kExitData; kExitIo for a read error).
 */
 #pragma once
 
@@ -72,9 +63,8 @@ inline LlmcHeader read_llmc_header(File& f, const LlmcFileSpec& spec) {
          spec.versions_text);
 }
 
-// The file must hold the header and exactly `items` items of `item_bytes` bytes (item_name: "token",
-// "parameter"); `fields` names the header fields that decided the count, e.g. "version 1, count at
-// offset 8".
+// The file must hold the header and exactly `items` items of `item_bytes` bytes; `fields` names the
+// header fields that decided the count, e.g. "version 1, count at offset 8".
 inline void check_llmc_file_size(const LlmcHeader& h, const LlmcFileSpec& spec, uint64_t items, int item_bytes,
                                  const char* item_name, const std::string& fields) {
     const char* path = h.path.c_str();

@@ -1,39 +1,17 @@
 /*
 Matrix multiplications through cuBLASLt: bf16 inputs and outputs (or fp32 outputs), fp32 accumulation.
-
-Provides: cublasCheck(call), which raises an llmc::Error naming the call, file, line and cuBLAS's status;
-CublasLt, the RAII owner of a cuBLASLt handle and its workspace (one per stream: concurrent calls on one
-workspace would race); gemm(), a row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with
-optional epilogues (bias, GELU keeping its input, GELU gradient), used by the linear layers below and by
-attention.cuh (its cuBLASLt setup, detail::GemmCall, also lists every algorithm the heuristic offers
-and runs any one of them); and the linear layer of the model with the CPU reference's argument meanings
-(llmc/gpt2_cpu.h): weight (OC, C) row-major as nn.Linear,
-  matmul_forward:  out (N,OC) = inp (N,C) @ weight^T + bias; with pre_gelu, out = GELU(that) and
-                   pre_gelu keeps that (the fused fc + GELU of the MLP);
-  matmul_backward: dinp = dout @ weight (OVERWRITTEN, unlike the CPU reference, which adds: activation
-                   gradients are always fresh); with pre_gelu, dinp = (dout @ weight) * GELU'(pre_gelu),
-                   the fused backward of GELU and the projection that follows it;
-                   dweight += dout^T @ inp and dbias += column sums of dout (ADDED, so gradients
-                   accumulate over micro-batches).
-The bias gradient is our own two-pass reduction (fixed chunks of rows, then a fixed-order sum of the
-chunks, shared by 32 warps per 32 columns; no atomics), so it is bitwise reproducible; cuBLAS matmuls
-are reproducible on one GPU model and toolkit with one stream per workspace (cuBLAS documentation,
-"Results reproducibility").
-cuBLASLt's GELU epilogue is the tanh approximation GPT-2 uses.
-
-Algorithm choice: gemm() runs the heuristic's first choice, unless the CublasLt has tuning on
-(set_tuning; the trainer always tunes). Then the first beta = 0 call of each distinct shape, layout and
-epilogue runs the heuristic's first choice and fingerprints its output (D, and the GELU input it keeps),
-runs each other candidate the heuristic offers (up to kTuneCandidates), keeps those whose output has the
-same fingerprint (the same bits: same arithmetic, so runs stay reproducible whichever wins), times them
-and the first choice, and from then on runs the fastest for that key. Those first calls synchronise the
-stream. Calls with beta != 0 (the weight gradients, which
-accumulate) always run the first choice.
-
-Does not provide: fp8, cuBLASLt's exhaustive search (cublasLtMatmulAlgoGetIds: it found nothing faster than
-the heuristic's candidates for the GELU epilogues), cuBLASLt's bias-gradient epilogues (slower than our
-kernel, and they refuse fp32 output), or GELU as a kernel of its own after a plain matmul (slower than the
-epilogues: docs/lab-notes.md, "Other kernels").
+  cublasCheck(call): raises an llmc::Error naming the call, file, line and cuBLAS's status.
+  CublasLt: owner of a cuBLASLt handle and its workspace (one per stream: a shared workspace would race).
+  gemm(): row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with optional epilogues (bias,
+      GELU keeping its input, GELU gradient); detail::GemmCall also lists and runs the heuristic's algorithms.
+  The linear layer, with llmc/gpt2_cpu.h's argument meanings (weight (OC, C) as nn.Linear):
+      matmul_forward:  out = inp @ weight^T + bias, optionally through GELU (pre_gelu keeps its input);
+      matmul_backward: dinp = dout @ weight (OVERWRITTEN; times GELU'(pre_gelu) when given), dweight +=
+                       and dbias += (ADDED over micro-batches).
+The bias gradient is our own fixed-order two-pass reduction (no atomics: bitwise reproducible).
+With tuning on (set_tuning; the trainer always tunes), the first beta = 0 call of each shape, layout and
+epilogue times the heuristic's candidates that give the first choice's exact bits (by fingerprint) and
+keeps the fastest; those first calls synchronise. beta != 0 calls run the first choice.
 */
 #pragma once
 
@@ -81,9 +59,8 @@ public:
     void set_tuning(bool on) { tuning_ = on; }
     bool tuning() const { return tuning_; }
 
-    // What tuning found for one key: the algorithm run, its rank in the heuristic's list, how many
-    // candidates there were and how many gave the first choice's bits; the first choice's and the chosen
-    // one's time (ms, the fastest of a few runs, measured at the key's first call).
+    // What tuning found for one key: the algorithm, its rank, the candidates and how many gave the first
+    // choice's bits, and the first choice's and chosen one's time (ms).
     struct Tuned {
         cublasLtMatmulAlgo_t algo{};
         int rank = 0, candidates = 0, same_bits = 0;
@@ -146,9 +123,8 @@ struct LtPreference {
     }
 };
 
-// The largest power of two up to 256 dividing the address and, in bytes, the leading dimension and
-// the batch stride. The heuristic assumes 256-byte alignment unless told otherwise, and odd shapes
-// (T = 37) give strides that are far less aligned than that.
+// The largest power of two up to 256 dividing the address, the leading dimension and the batch stride
+// (in bytes): the heuristic assumes 256-byte alignment unless told.
 inline uint32_t alignment_bytes(const void* p, int64_t ld, int64_t stride, size_t elem) {
     const uint64_t addr = reinterpret_cast<uintptr_t>(p);
     const uint64_t ld_bytes = uint64_t(ld) * elem, stride_bytes = uint64_t(stride) * elem;
@@ -170,8 +146,8 @@ inline const char* epilogue_name(cublasLtEpilogue_t e) {
 
 }  // namespace detail
 
-// One operand of gemm(): a row-major matrix (or a batch of them, batch_stride elements apart), used
-// transposed when transpose is set. ld is the distance between rows in elements.
+// One operand of gemm(): a row-major matrix (or batch, batch_stride elements apart), ld elements between
+// rows, transposed when transpose is set.
 struct GemmOperand {
     const floatX* ptr = nullptr;
     int64_t ld = 0;
@@ -181,10 +157,8 @@ struct GemmOperand {
 
 namespace detail {
 
-// The cuBLASLt setup of one gemm() call (descriptor, layouts, heuristic preference), built from gemm()'s
-// own arguments: heuristics() lists the algorithms cuBLASLt's heuristic offers, best first, and run()
-// runs any one of them. gemm() runs the first; the gemm tuner (set_tuning) times the others.
-// Holds the operand pointers, alpha and beta (cuBLASLt reads them at each run()), and lt by reference.
+// The cuBLASLt setup of one gemm() call: heuristics() lists the heuristic's algorithms, best first, and
+// run() runs any one of them. Holds the operand pointers, alpha and beta, and lt by reference.
 class GemmCall {
 public:
     GemmCall(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a, GemmOperand b,
@@ -247,8 +221,7 @@ public:
                                    out_.l, d_, out_.l, &algo, lt_.workspace(), lt_.workspace_bytes(), stream_));
     }
 
-    // Everything that decides which algorithms the heuristic offers and what they compute; not the
-    // addresses (only their alignments).
+    // Everything that decides the heuristic's algorithms and what they compute (alignments, not addresses).
     CublasLt::TuneKey key() const {
         uint32_t alpha_bits, beta_bits;
         std::memcpy(&alpha_bits, &alpha_, 4);
@@ -258,12 +231,11 @@ public:
                 align_first_, align_second_, align_d_, alpha_bits, beta_bits, align_c_, c_ != d_};
     }
 
-    // Whether tune() may run this call several times: the output must not feed the result (beta = 0, or C
-    // a buffer of its own), and a GELU input it keeps is fingerprinted for one problem only.
+    // Whether tune() may run this call several times: the output must not feed the result (beta = 0 or
+    // C its own buffer), and a kept GELU input is fingerprinted for one problem only.
     bool tunable() const { return (beta_ == 0.0f || c_ != d_) && (aux_ == nullptr || batch_ == 1); }
 
-    // A 64-bit fingerprint of what the call wrote (D, and aux when kept): equal outputs give equal
-    // fingerprints; different ones differ but with probability ~2^-64. Synchronises the stream.
+    // A 64-bit fingerprint of what the call wrote (D, and aux when kept). Synchronises the stream.
     uint64_t fingerprint(unsigned long long* word) const;
 
     // The fastest of a few runs of algo, in ms (after one run to warm up). Synchronises the stream.
@@ -298,8 +270,7 @@ private:
     LtPreference pref_;
 };
 
-// Adds a hash of every (index, 16-bit word) pair of x to *sum: integer sums, so the result does not depend
-// on the order the threads add in.
+// Adds a hash of every (index, 16-bit word) pair of x to *sum (integer sums: order-independent).
 __global__ void gemm_fingerprint_kernel(const uint16_t* x, int64_t n, unsigned long long* sum) {
     unsigned long long h = 0;
     for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -347,8 +318,8 @@ inline float GemmCall::time_ms(const cublasLtMatmulAlgo_t& algo) const {
 
 constexpr int kTuneCandidates = 8;
 
-// The algorithm for `call` when lt has tuning on (the file's comment): looked up, or tuned at the key's
-// first call. Leaves D as some candidate wrote it; the caller runs the returned algorithm.
+// The algorithm for `call` when lt has tuning on: looked up, or tuned at the key's first call (leaving D
+// as some candidate wrote it; the caller runs the returned algorithm).
 inline cublasLtMatmulAlgo_t tuned_algo(const CublasLt& lt, const GemmCall& call) {
     std::map<CublasLt::TuneKey, CublasLt::Tuned>& cache = lt.tune_cache();
     const CublasLt::TuneKey key = call.key();
@@ -388,13 +359,9 @@ inline cublasLtMatmulAlgo_t tuned_algo(const CublasLt& lt, const GemmCall& call)
 }  // namespace detail
 
 // Row-major D (M,N) = alpha * op(A) (M,K) @ op(B) (K,N) + beta * C for each of `batch` problems, C = D
-// unless c is given (then C is c, laid out as D, and D is written without being read); D is bf16 (d_type
-// CUDA_R_16BF) or fp32 (CUDA_R_32F), ldd elements between rows. Epilogues (bf16 D only):
-//   CUBLASLT_EPILOGUE_BIAS           D += bias (length N, broadcast over rows)
-//   CUBLASLT_EPILOGUE_GELU_AUX(_BIAS) aux = result (+ bias), D = GELU(aux)
-//   CUBLASLT_EPILOGUE_DGELU          D = result * GELU'(aux), aux read
-// cuBLASLt is column-major, so the call computes D^T = op(B)^T op(A)^T: B's buffer is its first operand.
-// Runs the heuristic's first algorithm, or with lt's tuning on the tuned one (the file's comment).
+// unless c is given (then D is written without being read); D bf16 or fp32, ldd elements between rows.
+// Epilogues (bf16 D only): BIAS (D += bias over rows), GELU_AUX(_BIAS) (aux = result (+ bias), D =
+// GELU(aux)), DGELU (D = result * GELU'(aux)). cuBLASLt is column-major: it computes D^T = op(B)^T op(A)^T.
 inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, int64_t K, GemmOperand a,
                  GemmOperand b, void* d, cudaDataType_t d_type, int64_t ldd, int64_t d_stride, int batch, float alpha,
                  float beta, cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const floatX* bias = nullptr,
@@ -412,10 +379,8 @@ inline void gemm(const CublasLt& lt, cudaStream_t stream, int64_t M, int64_t N, 
 }
 
 // ----------------------------------------------------------------------------------------------------
-// Bias gradient: dbias[o] += sum over rows of dout[:, o]. Pass one sums fixed chunks of rows into fp32
-// partials (one block per chunk and 256 columns, a warp per row offset, then the 8 warps' sums added in
-// warp order); pass two adds the chunks' partials in a fixed interleaved order (below). No atomics
-// anywhere.
+// Bias gradient: dbias[o] += sum over rows of dout[:, o]: fixed chunks of rows into fp32 partials, then
+// the chunks' partials added in a fixed order. No atomics.
 
 constexpr int kBiasGradRowsPerChunk = 256;
 constexpr int kBiasGradBlock = 256;                               // 8 warps
@@ -452,10 +417,8 @@ static __global__ void __launch_bounds__(kBiasGradBlock)
     }
 }
 
-// Pass two: a block per 32 columns, lane = column, so that a warp reads 128 contiguous bytes of a
-// chunk's partial row. Warp w adds chunks w, w + 32, w + 64, ... in that order (8 loads each for
-// N = 65536, all in flight at once), then warp 0 adds the 32 warps' sums in warp order. The order
-// depends only on the number of chunks, never on timing.
+// Pass two: a block per 32 columns, lane = column; warp w adds chunks w, w + 32, ... in order, then warp
+// 0 the 32 warps' sums in order. The order depends only on the number of chunks.
 constexpr int kBiasGradFinalWarps = 32;
 
 static __global__ void __launch_bounds__(kBiasGradFinalWarps * kWarpSize)
@@ -478,9 +441,8 @@ static __global__ void __launch_bounds__(kBiasGradFinalWarps * kWarpSize)
     }
 }
 
-// dbias (OC) += the sum of `chunks` rows of fp32 partial column sums (chunks, OC), added as pass two adds
-// bias_grad_accumulate's: for a kernel that sums blocks of rows while it reads dout anyway
-// (fp8_cast_pair, llmc/fp8.cuh).
+// dbias (OC) += the sum of `chunks` rows of fp32 partial column sums, added as pass two adds
+// bias_grad_accumulate's (for kernels that sum rows while reading dout anyway: llmc/fp8.cuh).
 inline void bias_grad_from_partials(floatX* dbias, const float* partial, int64_t chunks, int OC, cudaStream_t stream) {
     if (chunks == 0) return;
     bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(
@@ -509,12 +471,9 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
 // ----------------------------------------------------------------------------------------------------
 // The linear layer.
 
-// out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (bias may be null). With pre_gelu (N,OC): pre_gelu =
-// that result and out = GELU(pre_gelu), in one cuBLASLt call (its GELU_AUX epilogue: one pass over the
-// 4C-wide activations fewer than a GELU kernel of our own after the matmul). With residual (N,OC; not
-// with pre_gelu): out = residual + that result, in the same call (C = residual, beta = 1: the sum in fp32
-// and rounded once), so that the residual stream's add needs no pass of its own; residual may be out
-// itself, or must not overlap it.
+// out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (may be null). With pre_gelu (N,OC): pre_gelu = that
+// and out = GELU(pre_gelu), in one call. With residual (N,OC; not with pre_gelu): out = residual + that,
+// summed in fp32 and rounded once; residual may be out itself, or must not overlap it.
 inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, const floatX* weight, const floatX* bias,
                            int64_t N, int C, int OC, cudaStream_t stream, floatX* pre_gelu = nullptr,
                            const floatX* residual = nullptr) {
@@ -535,11 +494,7 @@ inline void matmul_forward(const CublasLt& lt, floatX* out, const floatX* inp, c
          1, 1.0f, residual != nullptr ? 1.0f : 0.0f, epilogue, bias, pre_gelu, OC, residual);
 }
 
-// dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when pre_gelu (N,C) is given (the
-// DGELU epilogue, in the same cuBLASLt call); dweight (OC,C) += dout^T @ inp (N,C); dbias (OC) += column
-// sums of dout. dinp and dbias may be null. scratch: matmul_backward_scratch_bytes(N, OC) bytes when dbias
-// is given.
-// matmul_backward's dinp alone: dinp (N,C) = dout (N,OC) @ weight (OC,C) (times GELU'(pre_gelu) when given).
+// dinp (N,C) = dout (N,OC) @ weight (OC,C), times GELU'(pre_gelu) when given (the DGELU epilogue).
 inline void matmul_backward_dx(const CublasLt& lt, floatX* dinp, const floatX* dout, const floatX* weight, int64_t N,
                                int C, int OC, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
     if (N == 0) return;
@@ -548,9 +503,8 @@ inline void matmul_backward_dx(const CublasLt& lt, floatX* dinp, const floatX* d
          0, 1, 1.0f, 0.0f, epilogue, nullptr, const_cast<floatX*>(pre_gelu), C);
 }
 
-// The weight (and bias) gradient half of matmul_backward: dweight += dout^T inp, dbias += dout's column
-// sums. It reads neither dinp nor weight, so it may run on a stream of its own (with its own CublasLt and
-// scratch) beside the input gradient: GPT2's backward does (llmc/gpt2.cuh, set_dw_stream).
+// The weight and bias gradients: dweight += dout^T inp, dbias += dout's column sums. Reads neither dinp
+// nor weight, so it may run on its own stream (GPT2's backward does, with its own CublasLt and scratch).
 inline void matmul_backward_dw(const CublasLt& lt, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                int64_t N, int C, int OC, float* scratch, size_t scratch_bytes, cudaStream_t stream) {
     if (N == 0) return;
@@ -559,6 +513,8 @@ inline void matmul_backward_dw(const CublasLt& lt, floatX* dweight, floatX* dbia
     if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);
 }
 
+// Both halves: dinp (may be null), dweight (OC,C) +=, dbias (OC, may be null) +=. scratch:
+// matmul_backward_scratch_bytes(N, OC) bytes when dbias is given.
 inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
                             const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
                             size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {

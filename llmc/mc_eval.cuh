@@ -1,48 +1,15 @@
 /*
 Multiple-choice evaluation (HellaSwag and sets like it) with the GPU model of llmc/gpt2.cuh: the items,
 rows, scores and rules of llmc/mc_eval.h, run through model.forward_scored().
-
-McEvalGpu(model) allocates, once, what a run needs beside the model: a device buffer for a batch's inputs,
-positions, attention groups, scored positions and their targets, a device slot for the forward's mean
-loss (so the model's own mean_loss() is left as the trainer set it), and two pinned host buffers each for
-tokens and losses.
-run(set) then:
-  - takes this rank's items (mc_rank_items: a contiguous share; all of them on one GPU) and lays them out
-    in packed rows (McPackedBatcher): an item's context once, then its endings, each attending to the
-    context and to itself only (attention groups) with the positions it has in a row of its own; batches
-    of at most the model's B x T positions, each batch's T its longest row rounded up to kTMultiple. The
-    quick start's held-out set has contexts of ~64 tokens and four endings of ~16: 124 positions per item
-    instead of 316 in four rows (McEvalGpu(model, false) runs those: one ending per row, plain causal
-    attention, for comparisons);
-  - per batch: the inputs, positions and groups (n = B' x T' each) and the M scored positions (every
-    ending's predictions) with their targets to the GPU in one copy; forward_scored, which runs the
-    transformer on all n positions but the classifier (the lm_head matmul and the softmax over Vp
-    columns) on the M scored ones only; the M losses back. While the GPU runs one batch, the host fills
-    the next and sums the ending losses of the one before (mc_accumulate_packed: the same sums, in the same
-    order, as mc_accumulate over the rows of McBatcher);
-  - with several ranks (model.multi() non-null): checks that every rank holds the same items, then
-    shares the per-row loss sums with one all-reduce sum of their bit patterns (each row is summed by
-    exactly one rank and the others contribute zero bits, so the sum is an exact gather), and every rank
-    scores every item from the same numbers. The single-GPU path makes no NCCL call.
-The result (mc_score) holds the counts and every item's predictions and row scores, on every rank. The
-scores equal the CPU reference's (mc_eval_cpu: one row per ending) to within the GPU's bf16 rounding.
-
-Memory: the packed rows' attention keeps a batch's (B', NH, T', T') probabilities and scores (the
-cuBLASLt path) one layer at a time, in buffers the model grows to the largest batch: for the quick
-start's d12 (B x T = 32 x 512, rows of 124 positions) ~0.4 GB. reserve(set) allocates them ahead (the
-trainer does, before its first step).
-
-The model's cuBLASLt tuning (GPT2::set_gemm_tuning) is off during a run and restored after it: the evaluation's
-shapes (B' x T' and M differ from training's) are run a few dozen times per evaluation and a run has few
-evaluations, so tuning them at their first call (timing up to 8 candidates several times each) costs more
-than it could save. The heuristic's first choice, run instead, is deterministic for a given shape, GPU and
-library, so runs stay reproducible.
-
-The run overwrites the model's activations, logits and losses (not its parameters, gradients or
-optimizer state): call it between optimizer steps, not between a forward and its backward.
-
-Does not provide: the schedule (which steps evaluate) or logging (the trainers), loading items
-(mc_eval.h), or several evaluations in flight at once (one McEvalGpu runs one set at a time).
+run(set) takes this rank's items, lays them out in packed rows (McPackedBatcher: an item's context once,
+its endings after it, attention groups), and per batch copies inputs, positions, groups and scored
+positions in one copy, runs the transformer on all positions but the classifier on the scored ones, and
+sums the ending losses of the previous batch while the GPU runs. Several ranks share the per-row sums
+through one all-reduce of their bit patterns (an exact gather); every rank scores every item. Scores
+equal the CPU reference's within bf16 rounding.
+reserve(set) allocates the packed attention's buffers ahead. cuBLASLt tuning is off during a run (its
+shapes are too few calls to repay it). A run overwrites the model's activations, logits and losses:
+call it between optimizer steps.
 */
 #pragma once
 
@@ -64,8 +31,8 @@ public:
     // A batch's T is rounded up to a multiple of this (at most the model's T).
     static constexpr int kTMultiple = 16;
 
-    // A batch's n inputs, positions and groups, its M scored positions and their M targets (n and M at
-    // most the model's B x T): at most 5 x B x T ints. share: the packed layout (the file's comment); false: one ending per row.
+    // A batch's inputs, positions, groups, scored positions and targets: at most 5 x B x T ints. share: the
+    // packed layout; false: one ending per row.
     explicit McEvalGpu(GPT2& model, bool share = true)
         : model_(model), share_(share), tokens_(size_t(5) * cells()), mean_(1),
           host_tokens_{PinnedBuffer(5 * cells() * sizeof(int), cudaHostAllocWriteCombined),
@@ -74,10 +41,8 @@ public:
     McEvalGpu(const McEvalGpu&) = delete;
     McEvalGpu& operator=(const McEvalGpu&) = delete;
 
-    // Allocates, ahead, the model's buffers for the packed rows of every batch run(set) will make on this
-    // rank (GPT2::reserve_packed: the attention's (B', NH, T', T') probabilities and scratch), so that a
-    // run allocates nothing. Returns their bytes. A no-op without sharing (one ending per row runs the
-    // model's own attention).
+    // Allocates ahead the model's buffers for every packed batch run(set) will make on this rank, so a run
+    // allocates nothing; returns their bytes. A no-op without sharing.
     size_t reserve(const McSet& set) {
         if (!share_) return model_.packed_reserved_bytes();
         McPackedBatcher batcher = rank_batcher(set);
@@ -92,8 +57,7 @@ public:
         return model_.packed_reserved_bytes();
     }
 
-    // Positions the last run() put through the transformer (its batches' B x T, padding included), and
-    // of those the scored ones: what the layout saves shows here.
+    // Positions the last run() put through the transformer (padding included), and the scored ones.
     int64_t positions_run() const { return positions_run_; }
     int64_t positions_scored() const { return positions_scored_; }
 
@@ -154,8 +118,7 @@ public:
     }
 
 private:
-    // Turns the model's cuBLASLt tuning off for its lifetime and then restores the setting it found, also
-    // when the run ends with an exception.
+    // Turns the model's cuBLASLt tuning off for its lifetime, then restores it (exceptions included).
     class GemmTuningOff {
     public:
         explicit GemmTuningOff(GPT2& model) : model_(model), was_(model.gemm_tuning()) {
@@ -181,8 +144,7 @@ private:
                                int64_t(cells()), share_);
     }
 
-    // Rows this rank did not run are +0.0, whose bits are zero: the sum of the bit patterns over ranks is
-    // the one rank's value, exactly.
+    // Rows this rank did not run are +0.0 (zero bits): the sum of bit patterns is the one rank's value.
     void gather_rows(MultiGpu& multi, std::vector<double>& loss_sum, cudaStream_t stream) {
         static_assert(sizeof(double) == sizeof(uint64_t), "a double travels as a uint64");
         const size_t n = loss_sum.size(), bytes = n * sizeof(uint64_t);

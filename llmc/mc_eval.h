@@ -1,46 +1,16 @@
 /*
-Multiple-choice evaluation (HellaSwag and sets like it): the items, their file format, how they are laid
-out as rows of a batch, how rows are scored, and the scoring with the CPU reference model.
-
-An item is a context, two or more candidate endings (token ids) and the index of the right one. A
-candidate is scored by the model's token losses on its ending given the context: row = context + ending,
-inputs row[0, n-1), targets row[1, n), and the losses at the ending's positions. Two predictions, as
-llm.c's dev/data/hellaswag.py and nanoGPT's hellaswag.py make them ("completion style"):
-  - acc:      the candidate with the lowest sum of its ending's token losses (highest log-likelihood);
-  - acc_norm: the candidate with the lowest mean token loss (sum / ending tokens). llm.c's trainer reports
-              this one as its HellaSwag accuracy. EleutherAI's harness normalises by the ending's length in
-              bytes instead, so its acc_norm is not this number.
-Ties go to the lowest candidate index (torch.argmin's rule, and llm.c's).
-
-Long items: a row has at most T positions (the model's allocation). An item whose context + ending does
-not fit keeps only the last context tokens, the same number for every candidate (so all are scored on
-the same context): kept = min(context, T + 1 - longest ending). An ending longer than T is an error.
-The CPU (mc_eval_cpu here, through McBatcher) and the GPU (mc_eval.cuh, through McPackedBatcher, which
-lays out the same rows with an item's context once and its endings after it) apply the same rule.
-
-File format: llm.c's eval .bin (written by its dev/data/data_common.py write_evalfile, read by its
-dataloader.h EvalLoader), so files made by llm.c's dev/data/hellaswag.py load unchanged:
-    header: 256 int32 (1024 bytes): [0] magic 20240522, [1] version 1, [2] number of examples,
-            [3] size in bytes of the longest example; the rest 0.
-    then each example, a run of uint16 values (little-endian):
-            65535 (delimiter), the example's size in bytes (all of its fields, these included),
-            its index (0, 1, 2, ... in file order), label, number of candidates K,
-            context length, context tokens, then K times: ending length, ending tokens.
-So a file holds at most 65535 examples of at most 65534 bytes each, and token ids below 65535.
-read_mc_file() checks every field (magic, version, count, each delimiter, size, index, label, lengths
-within the example and the file, token ids below the vocabulary, the longest-example field, nothing
-after the last example) and names the file, the example and the byte offset of what is wrong.
-llm.c's reader assumes K = 4; ours takes any K >= 2 (prepare_eval writes 4 unless told otherwise).
-
-Also provides, where LLMC_TOKENIZER_ENCODER is defined before the first include of llmc/tokenizer.h
-(the program then links PCRE2): read_hellaswag_jsonl(), HellaSwag's own hellaswag_{train,val}.jsonl (one
-object per line: "ctx", or "ctx_a" and "ctx_b" joined by a space when "ctx" is absent; "endings", a list
-of 4 strings; "label", an integer or a string holding one), encoded with GPT-2's tokenizer as llm.c does:
-the context as it is, each ending with a space in front; a row the eval .bin cannot hold (past the 65535th,
-or over 65534 bytes) or llm.c's reader cannot (other than 4 endings) is refused, naming its line.
-
-Does not provide: the GPU scoring (mc_eval.cuh), the evaluation schedule or its logging (the trainers),
-making sets from text (dev/tools/prepare_eval.cpp), or EleutherAI's text preprocessing of HellaSwag.
+Multiple-choice evaluation (HellaSwag and sets like it): the items, their file format, their rows in a
+batch, and scoring with the CPU reference model (the GPU's is mc_eval.cuh).
+An item is a context, K >= 2 candidate endings and the right one's index. A candidate is scored by the
+model's token losses on its ending given the context (row = context + ending): acc takes the lowest sum,
+acc_norm the lowest mean (llm.c's HellaSwag accuracy); ties go to the lowest index (torch.argmin).
+A row has at most T positions: an item that does not fit keeps its last min(context, T + 1 - longest
+ending) context tokens for every candidate; an ending longer than T is an error.
+File format: llm.c's eval .bin (dev/data/data_common.py write_evalfile): 256 int32 header (magic
+20240522, version 1, examples, longest example's bytes), then per example uint16s: 65535, its bytes,
+index, label, K, context length and tokens, then K times ending length and tokens. read_mc_file()
+checks every field and names the file, example and byte offset of what is wrong.
+With LLMC_TOKENIZER_ENCODER: read_hellaswag_jsonl(), HellaSwag's own JSONL encoded as llm.c does.
 */
 #pragma once
 
@@ -90,8 +60,8 @@ inline int64_t mc_longest_ending(const McItem& item) {
     return longest;
 }
 
-// Checks what scoring needs of every item: a context, at least two endings, none empty, a label among
-// them and token ids below vocab_size. With max_T > 0 also that every ending fits in max_T positions.
+// Checks what scoring needs of every item (context, >= 2 non-empty endings, a label among them, ids
+// below vocab_size) and, with max_T > 0, that every ending fits in max_T positions.
 inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) {
     const char* src = set.source.c_str();
     if (set.items.empty()) fail(kExitData, "'%s' holds no multiple-choice items", src);
@@ -131,8 +101,7 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
 // ----------------------------------------------------------------------------------------------------
 // The .bin file.
 
-// Writes the set in llm.c's eval format. Everything is checked before the file is created, and the file is
-// written whole or not at all (write_file_atomically), so a failed rewrite leaves the previous one as it was.
+// Writes the set in llm.c's eval format, checked first and written whole or not at all.
 inline void write_mc_file(const std::string& path, const McSet& set) {
     const std::vector<McItem>& items = set.items;
     if (int64_t(items.size()) > kMcMaxExamples) {
@@ -177,8 +146,7 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
     });
 }
 
-// Reads and checks a whole eval .bin; token ids must be below vocab_size (at most 65535, the format's
-// limit). Every error names the file, the example and the byte offset.
+// Reads and checks a whole eval .bin; token ids must be below vocab_size (at most 65535).
 inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelimiter) {
     vocab_size = std::min<int64_t>(vocab_size, kMcDelimiter);
     const char* p = path.c_str();
@@ -312,16 +280,14 @@ inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelim
 // ----------------------------------------------------------------------------------------------------
 // Rows and batches.
 
-// Every candidate of every item is one row, numbered item by item: item i's candidates are rows
-// first[i] .. first[i+1]-1.
+// Every candidate of every item is one row: item i's are rows first[i] .. first[i+1]-1.
 inline std::vector<int64_t> mc_first_rows(const McSet& set) {
     std::vector<int64_t> first(set.items.size() + 1, 0);
     for (size_t i = 0; i < set.items.size(); i++) first[i + 1] = first[i] + int64_t(set.items[i].endings.size());
     return first;
 }
 
-// Context tokens an item keeps in rows of T positions (the file's comment): all that fit beside its
-// longest ending, counted from the end.
+// Context tokens an item keeps in rows of T positions: all that fit beside its longest ending, from the end.
 inline int64_t mc_kept_context(const McItem& item, int T) {
     return std::min<int64_t>(int64_t(item.context.size()), int64_t(T) + 1 - mc_longest_ending(item));
 }
@@ -336,8 +302,8 @@ inline std::pair<int64_t, int64_t> mc_rank_items(int64_t items, int rank, int wo
     return {items * rank / world, items * (rank + 1) / world};
 }
 
-// One forward's worth of rows. Row r: inputs and targets at [r*T, (r+1)*T), padded with token 0 after the
-// row's end; the losses of its ending are at positions first[r] .. first[r] + count[r] - 1.
+// One forward's worth of rows: row r at [r*T, (r+1)*T), padded with token 0; its ending's losses at
+// positions first[r] .. first[r] + count[r] - 1.
 struct McBatch {
     int B = 0, T = 0;
     std::vector<int> inputs, targets;
@@ -345,11 +311,8 @@ struct McBatch {
     std::vector<int> first, count;
 };
 
-// Cuts the rows of items [begin, end) into batches of at most max_B rows of at most max_T positions, in
-// order (an item's candidates may straddle two batches). A batch's T is its longest row rounded up to a
-// multiple of t_multiple, at most max_T (no padding for t_multiple 1).
-// Checks every item of the set (not only the range) against the vocabulary and max_T, so that every rank
-// of a multi-GPU run fails alike or not at all.
+// Cuts the rows of items [begin, end) into batches of at most max_B rows of at most max_T positions (T
+// rounded up to a multiple of t_multiple). Checks every item of the set, so every rank fails alike.
 class McBatcher {
 public:
     McBatcher(const McSet& set, int64_t begin, int64_t end, int max_B, int max_T, int t_multiple, int64_t vocab_size)
@@ -420,8 +383,7 @@ private:
     int max_B_, max_T_, t_multiple_;
 };
 
-// One ending's score: its count token losses summed in order, in double (the one summation every path
-// uses, so that they agree bit for bit).
+// One ending's score: its losses summed in order, in double (every path, so they agree bit for bit).
 template <class Loss>
 double mc_ending_sum(const Loss* l, int count) {
     double s = 0;
@@ -429,8 +391,7 @@ double mc_ending_sum(const Loss* l, int count) {
     return s;
 }
 
-// Sums each batch row's ending losses (losses: b.B rows of b.T positions) into loss_sum at the row's set
-// row number.
+// Sums each batch row's ending losses into loss_sum at the row's set row number.
 template <class Loss>
 void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
     for (int r = 0; r < b.B; r++) {
@@ -442,24 +403,13 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
 // ----------------------------------------------------------------------------------------------------
 // The GPU's layout: packed rows, an item's context once and its endings after it.
 
-// One forward's worth of packed rows (McPackedBatcher). Row r holds, at [r*T, (r+1)*T): an item's kept
-// context (mc_kept_context: the same tokens as McBatcher's rows), then one or more of its endings, each
-// without its last token (no position predicts past an ending), then padding (token 0). For the GPU
-// model's shared-prefix forward (GPT2::forward_scored with positions and groups):
-//   positions: each input's position in its candidate's own row (context 0..kept-1, an ending's j-th
-//              token kept + j), so the position embedding is that of McBatcher's row;
-//   groups:    0 for the context, g = 1, 2, ... for the row's g-th ending, -1 for padding: a position sees
-//              the earlier positions of group 0 and of its own group (llmc/attention.cuh), so each ending
-//              attends exactly as in its own row.
-// scored / targets: per ending, in batch order, its scored positions (indices into the B*T positions)
-// and the tokens they predict: the context's last position (predicting the ending's first token; shared
-// by the row's endings, so listed once per ending), then the ending's own positions but the last. In
-// McBatcher's row the same predictions sit at first .. first + count - 1, in the same order.
-// row / count: per ending, its set row number (mc_first_rows) and its scored positions (its length).
-// The scored positions may outnumber the batch's B x T (a short context's last position is scored once
-// per ending); the batcher keeps them within its max_cells.
-// With one ending per row (share off) it is McBatcher's per-candidate layout: positions t, groups 0 (-1 in
-// the padding).
+// One forward's worth of packed rows: an item's kept context once, then one or more of its endings (each
+// without its last token), then padding (token 0), for GPT2::forward_scored:
+//   positions: each input's position in its candidate's own row (as in McBatcher's rows);
+//   groups:    0 for the context, g for the row's g-th ending, -1 for padding (llmc/attention.cuh);
+//   scored / targets: per ending, its scored positions (the context's last, then its own but the last)
+//   and the tokens they predict; row / count: its set row number and its number of scored positions.
+// Without sharing (one ending per row) it is McBatcher's layout.
 struct McPackedBatch {
     int B = 0, T = 0;
     std::vector<int> inputs, positions, groups;
@@ -468,12 +418,8 @@ struct McPackedBatch {
     std::vector<int> count;
 };
 
-// Cuts the items [begin, end) into packed rows and batches of at most max_cells positions (B x T, T the
-// batch's longest row rounded up to a multiple of t_multiple, at most max_T) and at most max_cells scored
-// positions. With share, a row takes as many of an item's endings, in order, as fit in max_T positions
-// with at most max_T scored (all of them unless the item is long; the rest go to further rows, each with
-// the context again); without, one ending per row. An item's rows may straddle two batches. Checks every
-// item of the set as McBatcher does.
+// Cuts the items [begin, end) into packed rows and batches of at most max_cells positions and max_cells
+// scored ones. With share a row takes as many of an item's endings as fit in max_T; without, one.
 class McPackedBatcher {
 public:
     McPackedBatcher(const McSet& set, int64_t begin, int64_t end, int max_T, int t_multiple, int64_t vocab_size,
@@ -507,9 +453,7 @@ public:
             const McItem& it = set_.items[size_t(item_)];
             const int kept = int(mc_kept_context(it, max_T_));
             // This row: endings [cand_, last) of the item, as many as fit in max_T positions with at most
-            // max_T scored (at least one: kept + any ending - 1 <= max_T by mc_kept_context, and an ending
-            // has at most max_T tokens). The context's last position is scored once per ending, so a row
-            // of short endings after a short context can score more positions than it has.
+            // max_T scored (at least one, by mc_kept_context).
             int length = kept, scored = 0, last = cand_;
             while (last < int(it.endings.size()) && (last == cand_ || share_)) {
                 const int n = int(it.endings[size_t(last)].size());
@@ -518,8 +462,7 @@ public:
                 scored += n;
                 last++;
             }
-            // The batch: at most max_cells positions (B x T) and at most max_cells scored ones (the
-            // model's classifier buffers hold its allocated B x T rows).
+            // The batch: at most max_cells positions and scored ones (the classifier buffers' size).
             if (!rows.empty() && (int64_t(rows.size() + 1) * rounded_T(std::max(longest, length)) > max_cells_ ||
                                   batch_scored + scored > max_cells_)) {
                 break;
@@ -588,9 +531,8 @@ private:
     bool share_;
 };
 
-// Sums each ending's losses (losses[i]: the loss at b.scored[i]) into loss_sum at its set row number,
-// in scored order: the sums, bit for bit, of mc_accumulate over McBatcher's rows holding the same loss
-// values at the same predictions.
+// Sums each ending's losses (losses[i] at b.scored[i]) into loss_sum at its set row number, bit for bit
+// as mc_accumulate over McBatcher's rows.
 template <class Loss>
 void mc_accumulate_packed(const McPackedBatch& b, const Loss* losses, std::vector<double>& loss_sum) {
     for (size_t e = 0; e < b.row.size(); e++) {
@@ -614,8 +556,8 @@ struct McResult {
     double score(int64_t row, bool norm) const {
         return norm ? loss_sum[size_t(row)] / loss_count[size_t(row)] : loss_sum[size_t(row)];
     }
-    // The gap between an item's best and second-best score (sum, or mean with norm): where it is within
-    // the scores' numerical error, two implementations may rightly pick different candidates.
+    // The gap between an item's best and second-best score: within numerical error, two implementations
+    // may rightly pick different candidates.
     double margin(int64_t item, bool norm) const {
         double best = std::numeric_limits<double>::infinity(), second = best;
         for (int64_t r = first_row[size_t(item)]; r < first_row[size_t(item + 1)]; r++) {
@@ -661,8 +603,7 @@ inline McResult mc_score(const McSet& set, std::vector<double> loss_sum) {
     return res;
 }
 
-// A fingerprint of a set's contents (FNV-1a over labels, lengths and tokens), so that the ranks of a
-// multi-GPU run can check they evaluate the same items.
+// A fingerprint of a set (FNV-1a over labels, lengths and tokens), for the ranks to compare.
 inline uint64_t mc_fingerprint(const McSet& set) {
     uint64_t h = 0xcbf29ce484222325ull;
     auto mix = [&](int64_t x) {
@@ -685,10 +626,8 @@ inline uint64_t mc_fingerprint(const McSet& set) {
     return h;
 }
 
-// The CPU reference: every row through the fp32 (or fp64) model of llmc/gpt2_cpu.h in batches of up to
-// max_B rows of at most max_T positions (max_T <= the model's maxT). A row's losses do not depend on
-// the other rows of its batch or on the batch's T (causal attention, row-wise everything else), so the
-// result is the same for any max_B.
+// The CPU reference: every row through llmc/gpt2_cpu.h's model in batches of up to max_B rows of at most
+// max_T positions; the result does not depend on max_B.
 template <class Real>
 McResult mc_eval_cpu(cpu::GPT2<Real>& model, const McSet& set, int max_B, int max_T) {
     if (max_T > model.config().max_seq_len) {
@@ -761,8 +700,7 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
     if (!endings.is_array()) {
         fail(kExitData, "'%s' line %lld: \"endings\" is %s, expected a list of strings", p, ln, endings.type_name());
     }
-    // HellaSwag's rows have 4 endings, and llm.c's eval reader takes nothing else: a row with another count
-    // would make a file that llm.c's trainer cannot read.
+    // llm.c's eval reader takes only 4 endings.
     if (endings.size() != kHellaswagEndings) {
         fail(kExitData, "'%s' line %lld: %zu ending(s); HellaSwag's rows have %zu, the only count llm.c's eval "
              "reader takes", p, ln, endings.size(), kHellaswagEndings);
@@ -808,7 +746,7 @@ inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& e
 
 // Every non-blank line of a HellaSwag JSONL file, encoded.
 inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
-    std::istringstream in(tokenizer_detail::read_text_file(path));
+    std::istringstream in(read_text_file(path));
     McSet set{path, {}};
     Gpt2Encoder::Context ctx(enc);
     std::string line;

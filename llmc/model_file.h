@@ -1,23 +1,9 @@
 /*
-Model files in llm.c's layout, so that llm.c's files load here and ours load in llm.c.
-
-A model file is a header of 256 int32 values followed by the parameters:
-    header[0] = 20240326 (magic)
-    header[1] = version: 3 = fp32 parameters, 5 = bf16 parameters (every tensor, LayerNorms included)
-    header[2] = maxT, header[3] = V, header[4] = L, header[5] = NH, header[6] = C, header[7] = Vp
-    header[8..255] = 0
-then the 16 tensors of gpt2_config.h's param_tensors() back to back, in that order, row-major, with no
-padding between them: num_parameters * 4 bytes (version 3) or * 2 bytes (version 5) after the header.
-Rule for header[7]: llm.c's versions 3 and 5 always store Vp there. A file whose header[7] is 0 is
-read as unpadded (Vp = V), and the file length then decides: it must hold exactly that many rows.
-llm.c's older versions 1 and 2 (unpadded vocabulary) are rejected with a hint to re-export.
-
-Provides: fp32 <-> bf16 conversion (round to nearest even), write_model_file(), read_model_header()
-and read_model_file(), which validate magic, version, shapes, file length (with llmc_header.h's reader)
-and that the padded rows of wte are zero before trusting a byte, and name the file, the offset and what
-was expected.
-
-Does not provide: optimizer state or training progress (that is a checkpoint, see checkpoint code).
+Model files in llm.c's layout, so that llm.c's files load here and ours load in llm.c: a header of 256
+int32 (20240326, version 3 = fp32 or 5 = bf16, maxT, V, L, NH, C, Vp, zeros), then param_tensors()
+back to back, row-major. A header[7] of 0 means unpadded (Vp = V, the file length decides); versions 1
+and 2 are refused with a hint to re-export. The readers validate magic, version, shapes, length and
+that wte's padded rows are zero, naming the file, offset and what was expected.
 */
 #pragma once
 

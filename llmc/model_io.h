@@ -1,24 +1,12 @@
 /*
-One entry point for every model format, for both trainers and the converter: a path that is a file is
-an llm.c model file (version 3 = fp32 or 5 = bf16, model_file.h), a path that is a directory is a
-Hugging Face folder (config.json + safetensors, hf_model.h).
-
+One entry point for every model format, for both trainers and the converter: a file is an llm.c model
+file (model_file.h), a directory a Hugging Face folder (hf_model.h).
     ModelInfo info = probe_model(path);                   // shape, format, dtype; no weights read
     std::vector<float> p = load_model_params(path, info); // fp32, param_tensors() order, Vp rows
     save_model(out, ModelFormat::Hf, info.config, p.data(), SaveOptions{".deps/gpt2"});
-
-probe_model() validates everything it can without reading the weights (headers, config.json, tensor
-names, dtypes and shapes), so a trainer can check the shape before it allocates anything.
-load_model_params() reads the weights, checks that the files still match what probe saw, and refuses
-a model that holds a NaN or an infinity (check_params_finite). Save formats, by the names the trainers'
---save-model and the converter take: llmc (version 3, fp32), llmc-bf16 (version 5), hf (F32
-safetensors), hf-bf16 (BF16 safetensors); bf16 is fp32 rounded to nearest even. Errors name the path:
-"does not exist", the system's reason for a path that cannot be read (a link loop, a FIFO) and "is a
-directory" / "is not a directory" are kExitIo, contents kExitData, a bad format name kExitUsage.
-
-Does not provide: optimizer state or training progress (checkpoints), streaming from or to a GPU
-(device_file_io), or a padded vocabulary other than padded_vocab(V) for Hugging Face folders (their
-config.json holds V only).
+probe_model() validates all it can without the weights, so a trainer checks the shape before allocating;
+load_model_params() refuses NaN or infinity. Save formats: llmc (fp32), llmc-bf16, hf (F32), hf-bf16.
+Errors name the path: kExitIo for the path, kExitData for contents, kExitUsage for a bad format name.
 */
 #pragma once
 
@@ -80,7 +68,7 @@ inline bool model_path_exists(const std::string& path) {
 inline ModelInfo probe_model(const std::string& path) {
     ModelInfo info;
     info.path = path;
-    if (hf_path_is_dir(path)) {
+    if (directory_exists(path)) {
         info.hf = true;
         info.folder = probe_hf_folder(path);
         info.config = info.folder.config;
@@ -99,9 +87,8 @@ inline ModelInfo probe_model(const std::string& path) {
     return info;
 }
 
-// Refuses parameters that hold NaN or infinity, naming the first tensor that holds any (as its file names it)
-// and how many: a model loaded with them trains to nan from the first step, and a conversion would carry
-// them into the new file. One pass over the values; load_model_params() calls it for every format.
+// Refuses parameters holding NaN or infinity, naming the first such tensor and how many (a model loaded
+// with them trains to nan from the first step).
 inline void check_params_finite(const ModelInfo& info, const float* params) {
     auto non_finite = [params](int64_t i) {
         uint32_t bits;  // by the bits, so that no floating-point flag can assume the test away
@@ -148,7 +135,7 @@ inline std::vector<float> load_model_params(const std::string& path, const Model
                                             const ModelIoProgress& progress = nullptr) {
     std::vector<float> params;
     if (info.hf) {
-        if (!hf_path_is_dir(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
+        if (!directory_exists(path)) fail(kExitIo, "Hugging Face model '%s' is no longer a directory", path.c_str());
         HfFolder now = probe_hf_folder(path);
         if (now.config != info.config || now.files != info.folder.files || now.where != info.folder.where) {
             fail(kExitData, "Hugging Face model '%s' changed since it was first read (now %s, was %s)", path.c_str(),
@@ -168,14 +155,11 @@ struct SaveOptions {
     ModelIoProgress progress;
 };
 
-// The tokenizer a trainer's Hugging Face export copies (SaveOptions::tokenizer_dir): vocab_dir (--vocab-dir)
-// when it holds GPT-2's encoder.json and vocab.bpe for the model's vocab_size tokens, else "". Where it
-// holds an encoder.json for another vocabulary, or one file without the other, *note says why nothing is
-// copied: a model trained on its own vocabulary is exported without tokenizer files instead of failing
-// the export after the training.
+// The tokenizer a Hugging Face export copies: vocab_dir when it holds GPT-2's encoder.json and vocab.bpe
+// for vocab_size tokens, else "" with *note saying why (the export then goes without tokenizer files).
 inline std::string tokenizer_for_export(const std::string& vocab_dir, int vocab_size, std::string* note) {
     note->clear();
-    const bool encoder = hf_path_is_file(vocab_dir + "/encoder.json"), merges = hf_path_is_file(vocab_dir + "/vocab.bpe");
+    const bool encoder = regular_file_exists(vocab_dir + "/encoder.json"), merges = regular_file_exists(vocab_dir + "/vocab.bpe");
     if (!encoder && !merges) return "";
     if (!encoder || !merges) {
         *note = format("'%s' has %s but not %s: the Hugging Face export gets no tokenizer files", vocab_dir.c_str(),
@@ -200,7 +184,7 @@ inline void save_model(const std::string& path, ModelFormat fmt, const GPT2Confi
         write_hf_folder(path, c, params, fmt == ModelFormat::HfBf16, options.tokenizer_dir, options.progress);
         return;
     }
-    if (hf_path_is_dir(path)) {
+    if (directory_exists(path)) {
         fail(kExitIo, "cannot write an llm.c model file to '%s': it is a directory (name a file, e.g. %s/model.bin)",
              path.c_str(), path.c_str());
     }

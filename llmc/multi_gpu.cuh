@@ -1,38 +1,15 @@
 /*
-NCCL for data-parallel training: one MultiGpu object per process owns the communicator, a stream for
-communication and the events that order it against the compute stream.
-
-Provides:
-- ncclCheck(call): an llmc::Error (kExitCuda) naming the call, the source location, NCCL's error
-  text and its last message.
-- MultiGpu: picks the GPU (rendezvous.h's device_for_rank: the local rank, or the only visible GPU),
-  meets the other ranks (rendezvous.h; rank 0 makes the id with ncclGetUniqueId) and creates the
-  communicator non-blocking, polling it against a deadline, so a peer that never comes ends in an
-  error, not a hang. One rank goes through NCCL too, so the one-GPU run exercises the same path as the
-  many-GPU one.
-- Collectives that run on the communication stream after the work the compute stream has queued so
-  far ("async"), and join(), which makes the compute stream wait for every one of them: in-place
-  all-reduce sums (of one buffer or of several ranges in one group, e.g. one layer's gradient slices
-  while backward goes on with the layer below), ZeRO-1's reduce-scatter sum of the gradients into
-  this rank's shard and in-place all-gather of the parameters (zero.h's geometry: buffers hold the
-  padded total P, the shard is S elements at rank*S), a broadcast, and all-reduce means for fp32
-  values such as losses. Gradients are summed, not averaged: NCCL's average multiplies by 1/W, which
-  bf16 cannot hold exactly for W = 3, 5, 6, 7, ...; the update divides by W in fp32 instead
-  (global_norm.cuh's `ranks`). Types: float and floatX (bf16), int32 and uint64.
-- barrier() for the host, and check_same(), which stops every rank when they were started with
-  different settings (compare a hash of the flags and the parameter count at start-up).
-- A watchdog thread that ends the process with a clear message when NCCL reports an asynchronous
-  error (a peer died, the network failed) or when heartbeat() was not called for the hang timeout
-  (default kDefaultHangTimeout; a phase may ask for longer); it aborts the communicator first, so no
-  GPU kernel spins forever. heartbeat() is cheap and may be called from any thread.
-- abort(), for a rank's error path: the communicator is aborted once (idempotent, never throws), so
-  NCCL's kernels on this GPU stop and peers connected through the network get an error at once (peers
-  on the same node, connected through GPU memory, notice through their own hang timeout). The
-  destructor aborts instead of finalizing when an exception unwinds it, and MultiGpuAbortOnError does
-  the same for a scope, early in the unwinding.
-
-Does not provide: the choice of which buffers to reduce when (train_gpt2.cu), the sharded AdamW
-update, or MPI.
+NCCL for data-parallel training: one MultiGpu per process owns the communicator, a communication stream
+and the events that order it against the compute stream.
+- ncclCheck(call): an llmc::Error (kExitCuda) naming the call, location, NCCL's error and last message.
+- MultiGpu: picks the GPU, meets the other ranks (rendezvous.h) and creates the communicator
+  non-blocking against a deadline (one rank goes through NCCL too). Collectives run on the
+  communication stream after the compute stream's queued work; join() makes compute wait for them.
+  Gradients are summed, not averaged (1/W is not exact in bf16); the update divides by W in fp32.
+- barrier(), check_same() (ranks started with different settings stop), any() (a vote).
+- A watchdog thread ends the process with a clear message on an asynchronous NCCL error or when
+  heartbeat() was not called for the hang timeout, aborting the communicator first.
+- abort() for a rank's error path (idempotent, never throws); MultiGpuAbortOnError for a scope.
 */
 #pragma once
 
@@ -150,8 +127,7 @@ public:
 
     // ---- collectives, each queued on the communication stream after the compute stream's work so far ----
 
-    // buf[0, n) becomes the sum over ranks, on every rank (gradients; partial sums of squares for a sharded
-    // gradient norm).
+    // buf[0, n) becomes the sum over ranks, on every rank.
     template <class T>
     void all_reduce_sum_async(T* buf, size_t n, cudaStream_t compute) {
         after(compute);
@@ -171,15 +147,14 @@ public:
         all_reduce_ranges(buf, ranges, ncclSum, compute);
     }
 
-    // ZeRO-1: full holds layout.padded_total() elements on every rank; shard (layout.shard_size elements)
-    // receives the sum over ranks of full's slice [rank*S, (rank+1)*S). shard may be full + rank*S.
+    // ZeRO-1: full holds layout.padded_total() elements; shard (S elements) receives the sum over ranks of
+    // full's slice [rank*S, (rank+1)*S). shard may be full + rank*S.
     template <class T>
     void reduce_scatter_sum_async(const T* full, T* shard, const ZeroLayout& layout, cudaStream_t compute) {
         reduce_scatter(full, shard, layout, ncclSum, compute);
     }
 
-    // buf[0, n) becomes the mean over ranks, on every rank: for fp32 values (losses). bf16 gradients are
-    // summed instead (see the top of this file).
+    // buf[0, n) becomes the mean over ranks, on every rank (fp32 values such as losses).
     template <class T>
     void all_reduce_mean_async(T* buf, size_t n, cudaStream_t compute) {
         after(compute);
@@ -196,8 +171,8 @@ public:
         reduce_scatter(full, shard, layout, ncclAvg, compute);
     }
 
-    // ZeRO-1: every rank's slice [r*S, (r+1)*S) of full (its updated parameters) is copied to every rank,
-    // in place. Queue it after the update on the compute stream; join() before the next forward.
+    // ZeRO-1: every rank's slice [r*S, (r+1)*S) of full is copied to every rank, in place. join() before
+    // the next forward.
     template <class T>
     void all_gather_async(T* full, const ZeroLayout& layout, cudaStream_t compute) {
         check_layout(layout);
@@ -214,8 +189,7 @@ public:
         settle(ncclBroadcast(buf, buf, n, nccl_type<T>(), root, comm_, comm_stream_), "ncclBroadcast");
     }
 
-    // Waits (host) until every rank has got here: e.g. all optimizer shards are written before rank 0
-    // marks a checkpoint complete.
+    // Waits (host) until every rank has got here.
     void barrier() {
         require_live();
         uint64_t* d = scratch_.get();
@@ -223,8 +197,7 @@ public:
         cudaCheck(cudaStreamSynchronize(comm_stream_));
     }
 
-    // Fails on every rank unless all ranks pass the same value (a hash of the flags, the parameter count):
-    // ranks started with different settings would otherwise train on silently, or hang.
+    // Fails on every rank unless all ranks pass the same value (a hash of the flags, the parameter count).
     void check_same(uint64_t value, const char* what) {
         require_live();
         const uint64_t host[2] = {value, value};
@@ -244,15 +217,13 @@ public:
         }
     }
 
-    // Whether `mine` holds on any rank (a vote through one small all-reduce; it synchronises): for decisions
-    // the ranks must take together, e.g. stopping after this step or skipping a checkpoint one rank cannot
-    // read. Queued after the work already on `compute`.
+    // Whether `mine` holds on any rank (one small all-reduce; it synchronises), queued after the work on
+    // `compute`: for decisions the ranks must take together.
     bool any(bool mine, cudaStream_t compute) {
         after(compute);
         return any(mine);
     }
-    // The same vote on the host's say alone, ordered after no compute work (it synchronises too): e.g.
-    // whether rank 0 could prepare the directory every rank is about to write a checkpoint into.
+    // The same vote on the host's say alone, ordered after no compute work (it synchronises too).
     bool any(bool mine) {
         require_live();
         const uint64_t vote = mine ? 1 : 0;
@@ -271,13 +242,9 @@ public:
         cudaCheck(cudaStreamWaitEvent(compute, comm_done_, 0));
     }
 
-    // Tells the watchdog this rank is making progress: call it once per step and in every phase that
-    // runs without steps (evaluation, sampling, a checkpoint's save or load). A few atomic stores, safe
-    // from any thread: a thread that loads a checkpoint can beat once per chunk. `phase`, when given,
-    // names what the rank is doing in the hang message; it must be a string literal (it is kept by
-    // pointer). `allow_s` > 0 lets the time until the next heartbeat run to that many seconds even when
-    // that is longer than the hang timeout (a phase known to be long and impossible to beat from); the
-    // next heartbeat without it ends the allowance.
+    // Tells the watchdog this rank is making progress: once per step and in every phase without steps.
+    // Safe from any thread. `phase` (a string literal, kept by pointer) names the phase in the hang
+    // message; `allow_s` > 0 lets the next heartbeat come that many seconds later, past the hang timeout.
     void heartbeat(const char* phase = nullptr, double allow_s = 0) noexcept {
         if (phase != nullptr) phase_.store(phase, std::memory_order_relaxed);
         allow_ns_.store(allow_s > 0 ? int64_t(allow_s * 1e9) : 0, std::memory_order_relaxed);
@@ -286,12 +253,9 @@ public:
 
     double hang_timeout_s() const { return options_.hang_timeout_s; }
 
-    // For a rank that cannot go on (a bad input file, a failed write, out of memory): aborts the
-    // communicator once, so that NCCL's kernels on this GPU stop and peers connected through the network
-    // get an error within seconds instead of waiting in their next collective forever. Idempotent and
-    // never throws; `why` goes into the one line it prints to stderr. Afterwards every collective raises
-    // an error and the destructor does nothing more. Call it from the thread that issues collectives
-    // (or once no other thread issues any).
+    // For a rank that cannot go on: aborts the communicator once, so NCCL's kernels stop and networked
+    // peers get an error at once. Idempotent, never throws; `why` goes into its one line on stderr.
+    // Afterwards every collective raises. Call it from the thread that issues collectives.
     void abort(const char* why = nullptr) noexcept {
         if (aborted_.exchange(true)) return;
         stop_watchdog();
@@ -355,8 +319,7 @@ private:
         return device;
     }
 
-    // Polls a non-blocking communicator until its last call has been taken in: ncclSuccess, the error it
-    // ended in, or ncclInProgress when the deadline came first. Never throws (the destructor uses it).
+    // Polls a non-blocking communicator until its last call is taken in (or the deadline). Never throws.
     ncclResult_t poll_state(double timeout_s) noexcept {
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(int64_t(timeout_s * 1e6));
         for (;;) {
@@ -369,8 +332,7 @@ private:
         }
     }
 
-    // A call on a non-blocking communicator may return ncclInProgress (connections being set up): it is
-    // complete once the communicator is idle again.
+    // A call on a non-blocking communicator may return ncclInProgress: complete once it is idle again.
     void settle(ncclResult_t r, const char* call) {
         nccl_check(r, call, __FILE__, __LINE__);
         if (r != ncclInProgress) return;
@@ -441,10 +403,8 @@ private:
     bool stop_ = false;
 };
 
-// Aborts the communicator (MultiGpu::abort) when an exception unwinds the scope it lives in. Declare it
-// after the objects whose destructors may wait for the GPU (device buffers, streams, a checkpoint
-// writer): it is destroyed before them, so a rank that fails while NCCL kernels wait for its peers
-// does not hang in those destructors, and the peers hear of it as early as possible.
+// Aborts the communicator when an exception unwinds its scope. Declare it after the objects whose
+// destructors may wait for the GPU, so it runs before them and no rank hangs there.
 class MultiGpuAbortOnError {
 public:
     explicit MultiGpuAbortOnError(MultiGpu* multi) noexcept : multi_(multi) {}

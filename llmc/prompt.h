@@ -1,19 +1,8 @@
 /*
-What a sample continues: the tokens of --prompt "text" and/or --prompt-ids "464,3290", for both trainers.
-
-Provides:
-  prompt_tokens(text, ids, vocab_dir, vocab_size): the text encoded with GPT-2's tokenizer (OpenAI's
-      encoder.json and vocab.bpe in vocab_dir), or the listed ids, each checked against the vocabulary.
-      Giving both is a usage error. The text needs a build with LLMC_TOKENIZER_ENCODER (the Makefile
-      defines it, and links PCRE2, where PCRE2's headers are installed); without it --prompt is refused
-      with a message that points to --prompt-ids.
-  sample_start(prompt, tokenizer, vocab_size): what a sample continues: the prompt, or one end-of-text
-      token (the tokenizer's, else GPT-2's) brought into the model's vocabulary, for a model on a vocabulary
-      smaller than the tokenizer's.
-  sample_text(tokenizer, ids): the ids as text where the tokenizer knows them all, else as numbers (a model
-      on a larger vocabulary samples ids no tokenizer entry has; that must not end a training run).
-
-Does not provide: special tokens inside the text (it is encoded as ordinary text).
+What a sample continues, for both trainers: prompt_tokens() (--prompt "text" encoded with GPT-2's
+tokenizer, which needs LLMC_TOKENIZER_ENCODER, or --prompt-ids "464,3290"; not both), sample_start()
+(the prompt, or one end-of-text token within the model's vocabulary) and sample_text() (the ids as text
+where the tokenizer knows them all, else as numbers).
 */
 #pragma once
 
@@ -27,14 +16,6 @@ Does not provide: special tokens inside the text (it is encoded as ordinary text
 #include "llmc/utils.h"
 
 namespace llmc {
-
-inline bool prompt_text_supported() {
-#ifdef LLMC_TOKENIZER_ENCODER
-    return true;
-#else
-    return false;
-#endif
-}
 
 inline std::vector<uint32_t> prompt_tokens(const std::string& text, const std::string& ids_csv,
                                            const std::string& vocab_dir, int vocab_size) {

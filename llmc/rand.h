@@ -1,23 +1,8 @@
 /*
-Random numbers, all built on SplitMix64, written here so that their bits are the same on every machine,
-compiler and library, and a seed names one data order, one initialisation and one rounding forever.
-
-Provides:
-  splitmix64_mix(z)   SplitMix64's finaliser: a bijection of 64-bit words with full avalanche. The
-                      DataLoader derives its per-(epoch, stream) seeds with it.
-  splitmix64_hash(z)  the finaliser of z + the golden-ratio increment, i.e. the first output of a
-                      SplitMix64 generator whose state is z: a hash of a counter.
-  SplitMix64          the stateful generator (next, below): the DataLoader's shuffle, the text sampler,
-                      the tests' random data.
-  rng_key, rng_u32    the counter-based generator of the GPU code: a random 32-bit word is a hash of a
-                      key, made from (seed, stream), and an element index, so any element's number can be
-                      recomputed alone, whatever the launch configuration (stochastic rounding).
-  counter_normal      a standard normal sample that depends only on (seed, stream, index), for the
-                      model's initialisation.
-The functions a kernel needs are __host__ __device__ in CUDA translation units and plain inline
-functions elsewhere, so this header serves g++ and nvcc alike.
-
-Does not provide: hashing of byte strings (hash.h), or anything seeded from the clock.
+Random numbers built on SplitMix64, written here so their bits are the same on every machine and
+compiler: splitmix64_mix (a bijection), splitmix64_hash (a counter's hash), SplitMix64 (the stateful
+generator), rng_key / rng_u32 (the GPU's counter-based generator: any element's number recomputed alone,
+whatever the launch) and counter_normal (the initialisation). __host__ __device__ under nvcc.
 */
 #pragma once
 

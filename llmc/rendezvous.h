@@ -1,43 +1,13 @@
 /*
 Who this process is in a multi-GPU run, and how the ranks agree on NCCL's unique id without MPI.
-
-Provides:
-- detect_ranks(): rank, world size and local rank from explicit flags, else from the launcher's
-  environment, in this order: OpenMPI's mpirun (OMPI_COMM_WORLD_*), MVAPICH (MV2_COMM_WORLD_*), a
-  PMI launcher such as MPICH's or Intel MPI's mpiexec (PMI_RANK / PMI_SIZE, MPI_LOCALRANKID /
-  MPI_LOCALNRANKS), torchrun and launchers like it (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE),
-  Slurm's srun (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_STEP_NUM_NODES), else one process.
-  The MPI launchers come before Slurm because under an allocation their processes inherit the Slurm
-  variables of the helper that srun started on each node. A launcher that says more than one rank but
-  not which GPU (no local rank) is refused unless --local-rank gives it, so no run silently becomes N
-  copies of rank 0. It also finds a job name that every rank of one launch shares.
-- device_for_rank(): the GPU a rank uses: its local rank, or the only visible GPU when the launcher
-  gives each rank its own (CUDA_VISIBLE_DEVICES per rank, Slurm's --gpus-per-task=1 or --gpu-bind).
-- parse_rendezvous() / resolve_rendezvous(): the --rendezvous value, "tcp://HOST:PORT", "file:DIR"
-  or a plain DIR; with none given, a run whose ranks all sit on one node meets in /tmp, and a run
-  over several nodes must name one.
-- The file-system rendezvous. Every launch is told apart by a random nonce, so files left by a killed
-  launch under the same job name (a relaunch, a Slurm requeue) are never taken for this one's: rank 0
-  writes DIR/JOB.id (a header with the nonce, its pid and host, then the 128 id bytes) through a
-  temporary name and an atomic rename, replacing a leftover (but refusing one whose writer still runs
-  on this host: another run under the same name), and removes leftover acknowledgements. Rank r polls
-  for the file, reads it and leaves DIR/JOB.ack.R.NONCE; rank 0 takes (removes) each acknowledgement
-  of its own nonce, and only that tells rank r the id is live: a rank that read a leftover file waits
-  until rank 0 replaces it and then acknowledges the new one. When all have come, rank 0 removes the
-  id file, so a finished launch leaves nothing behind.
-- The TCP rendezvous: rank 0 listens on PORT on every interface (HOST is where the others connect: a
-  host name that resolves to a loopback address on rank 0's own node must not decide where it
-  listens); it hands the id to each rank that connects and says who it is. The others retry, the name
-  lookup included, until the deadline.
-- exchange_unique_id(), which runs the right one. Every wait has a deadline: a peer that never comes
-  ends the run with an error that names the path or address, how long it waited and which ranks were
-  missing, never a hang.
-
-The id is opaque here (UniqueId, 128 bytes, NCCL's NCCL_UNIQUE_ID_BYTES; multi_gpu.cuh checks the
-size against nccl.h), so this header needs neither NCCL nor CUDA and is tested on a CPU.
-
-Does not provide: MPI (mpirun is used only as a process launcher), NCCL calls, or authentication of
-the TCP peers (use it on a cluster's private network).
+- detect_ranks(): rank, world size and local rank from flags, else the launcher's environment (mpirun,
+  MVAPICH, PMI, torchrun, Slurm; MPI launchers first, as their processes inherit Slurm's variables).
+- device_for_rank(), parse_rendezvous() / resolve_rendezvous(): the GPU and the --rendezvous value.
+- exchange_unique_id(): a file-system rendezvous (rank 0 writes DIR/JOB.id, tagged with a per-launch
+  nonce so leftovers of a killed launch are never taken; the others acknowledge) or a TCP one (rank 0
+  listens on PORT). Every wait has a deadline and an error naming what was missing, never a hang.
+The id is opaque (128 bytes), so this header needs neither NCCL nor CUDA and is tested on a CPU.
+No authentication of TCP peers: use it on a cluster's private network.
 */
 #pragma once
 
@@ -78,10 +48,8 @@ constexpr size_t kUniqueIdBytes = 128;
 using UniqueId = std::array<char, kUniqueIdBytes>;
 
 constexpr double kDefaultRendezvousTimeout = 300.0;  // seconds; a large job's ranks may start minutes apart
-// The default of MultiGpuOptions::hang_timeout_s (llmc/multi_gpu.cuh), in seconds: long enough for any
-// phase of a run without a heartbeat (a checkpoint of the largest model written by one rank to a slow disk
-// while the others wait in their next collective), short enough that a rank whose peer died on the same
-// node (where NCCL notices nothing) frees its GPU the same hour.
+// The default of MultiGpuOptions::hang_timeout_s, in seconds: longer than any phase without a heartbeat
+// (a checkpoint to a slow disk), short enough that a rank whose peer died frees its GPU the same hour.
 constexpr double kDefaultHangTimeout = 900.0;
 
 // ------------------------------------------------------------------------------------------------
@@ -96,9 +64,8 @@ struct RankInfo {
     std::string job;           // shared by the ranks of one launch; names the rendezvous files
 };
 
-// Flags a user may give instead of (or over) the launcher's environment; -1 means not given.
-// --rank and --world-size replace the environment together; --local-rank alone overrides only the
-// local rank (e.g. for a launcher that sets no local rank, or one rank on a chosen GPU).
+// Flags over the launcher's environment; -1 means not given. --rank and --world-size go together;
+// --local-rank alone overrides only the local rank.
 struct RankFlags {
     int rank = -1, world = -1, local_rank = -1;
     std::string job;
@@ -197,8 +164,7 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
         bool found = false;
         for (const LauncherVars& l : launcher_table()) {
             if (!env_set(env, l.world)) continue;
-            // A PMI launcher that gives no local rank but runs inside a Slurm step (srun --mpi=pmi2) is
-            // Slurm's: it has the local rank.
+            // A PMI launcher without a local rank inside a Slurm step (srun --mpi=pmi2) is Slurm's.
             if (std::string(l.name) == "pmi" && !env_set(env, l.local_rank) && env_set(env, "SLURM_LOCALID") &&
                 env_set(env, "SLURM_PROCID")) {
                 continue;
@@ -225,8 +191,7 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
             found = true;
         }
         if (!found) {
-            // A rank variable without its world size: half a launcher's set, or one set by hand. Going on
-            // as rank 0 of 1 would make every such process write the same outputs.
+            // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
             for (const LauncherVars& l : launcher_table()) {
                 if (env_set(env, l.rank) && env_int(env, l.rank, 0, false) > 0) {
                     fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: "
@@ -361,8 +326,7 @@ inline int remaining_ms(Clock::time_point deadline) {
     return ms <= 0 ? 0 : int(std::min<int64_t>(ms, 1 << 30));
 }
 
-// At most 1e9 s ahead: the clock counts nanoseconds in 64 bits (292 years), and a longer wait would
-// overflow into a deadline already past.
+// At most 1e9 s ahead, so the nanosecond clock cannot overflow into a deadline already past.
 inline Clock::time_point deadline_after(double timeout_s) {
     return Clock::now() + std::chrono::microseconds(int64_t(std::min(timeout_s, 1e9) * 1e6));
 }
@@ -427,8 +391,7 @@ inline bool process_alive(uint32_t pid) {
     return ::kill(pid_t(pid), 0) == 0 || errno == EPERM;
 }
 
-// A fresh 64-bit value for each launch: the system's entropy source mixed with the time and the pid,
-// so two launches never share one even where the entropy source is weak.
+// A fresh 64-bit value for each launch: entropy mixed with the time and the pid.
 inline uint64_t new_nonce() {
     uint64_t x = uint64_t(Clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull ^
                  (uint64_t(::getpid()) << 32);
@@ -529,8 +492,7 @@ inline void write_ack(const std::string& path, int rank, int world) {
     f.close();
 }
 
-// Removes what earlier launches of `job` left in dir: acknowledgements of other nonces (and of the
-// format without nonces), and temporary id files of processes that no longer run.
+// Removes what earlier launches of `job` left in dir: acknowledgements of other nonces, dead temporaries.
 inline void remove_leftovers(const std::string& dir, const std::string& job, uint64_t nonce) {
     DIR* d = ::opendir(dir.c_str());
     if (d == nullptr) return;
@@ -608,8 +570,7 @@ inline void file_rendezvous_publish(const std::string& dir, const std::string& j
         std::remove(tmp.c_str());
         fail(kExitIo, "rendezvous: cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
     }
-    // After the new id is in place, so that a rank whose acknowledgement of the old one vanishes already
-    // finds the new one.
+    // After the new id is in place, so a rank whose old acknowledgement vanishes finds the new one.
     d::remove_leftovers(dir, job, mine.nonce);
 
     std::vector<bool> present(size_t(world), false);
@@ -644,8 +605,7 @@ inline void file_rendezvous_publish(const std::string& dir, const std::string& j
     }
 }
 
-// Ranks 1..W-1: wait for rank 0's file, acknowledge it, and return its id once rank 0 has taken the
-// acknowledgement (a file left by an earlier launch is never confirmed: the rank waits for the new one).
+// Ranks 1..W-1: wait for rank 0's file, acknowledge it, return its id once rank 0 took the acknowledgement.
 inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string& job, int rank, int world,
                                       double timeout_s) {
     namespace d = rendezvous_detail;
@@ -663,9 +623,8 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
         if (acked) {
             bool same = state == d::IdState::Valid && now.nonce == read.nonce;
             if (!d::file_exists(ack)) {
-                // Taken by rank 0, or removed as a leftover by a new launch's rank 0, which does that only
-                // after its id file is in place. Read the id file again: a replacement that landed after
-                // the read above would otherwise go unseen, and this rank return the old launch's id.
+                // Taken by rank 0 (or removed as a leftover after a new id landed): read the id again, so
+                // a replacement is not missed.
                 state = d::read_id_file(path, &now, &why);
                 same = state == d::IdState::Valid && now.nonce == read.nonce;
                 if ((state == d::IdState::Absent || same) && read.world == world) return read.id;
@@ -772,8 +731,7 @@ private:
     std::string error_;
 };
 
-// Sends or receives exactly n bytes before the deadline; false on timeout, a closed peer or an error
-// (the reason in *why).
+// Sends or receives exactly n bytes before the deadline; false (reason in *why) otherwise.
 inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_point deadline, std::string* why) {
     size_t done = 0;
     while (done < n) {
@@ -803,8 +761,7 @@ inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_poin
     return true;
 }
 
-// A listening socket on `port` of every interface: IPv6 and IPv4 through one dual-stack socket where
-// the system has IPv6, else IPv4 only. Returns an invalid Socket with the reason in *why.
+// A listening socket on `port` of every interface (dual-stack where there is IPv6); invalid on failure.
 inline Socket listen_everywhere(int port, std::string* why) {
     for (const int family : {AF_INET6, AF_INET}) {
         Socket s(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -845,8 +802,7 @@ enum ReplyStatus : uint32_t { kReplyOk = 0, kReplyWrongWorld = 1, kReplyBadRank 
 
 }  // namespace rendezvous_detail
 
-// Rank 0's listening socket on PORT of every interface (port 0: the system picks one, port() tells
-// which). host is the address the other ranks were told, for messages.
+// Rank 0's listening socket (port 0: the system picks; port() tells). host is for messages.
 class TcpListener {
 public:
     TcpListener(const std::string& host, int port) : host_(host) {
@@ -873,8 +829,7 @@ private:
     int port_ = 0;
 };
 
-// Rank 0: gives the id to each of ranks 1..W-1 as they connect; fails naming the ranks that did not
-// come by the deadline.
+// Rank 0: gives the id to each of ranks 1..W-1; fails naming the ranks missing at the deadline.
 inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueId& id, double timeout_s) {
     namespace d = rendezvous_detail;
     const auto t0 = d::Clock::now();
@@ -927,8 +882,7 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
     }
 }
 
-// Ranks 1..W-1: connect to rank 0 (retrying while its name does not resolve yet or it is not up yet)
-// and receive the id.
+// Ranks 1..W-1: connect to rank 0 (retrying name lookup and connect) and receive the id.
 inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank, int world, double timeout_s) {
     namespace d = rendezvous_detail;
     const auto t0 = d::Clock::now();
@@ -1001,8 +955,7 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
 
 // ------------------------------------------------------------------------------------------------
 
-// Every rank gets rank 0's id. `make_id` runs on rank 0 only (ncclGetUniqueId in multi_gpu.cuh); one
-// rank needs no meeting.
+// Every rank gets rank 0's id; `make_id` runs on rank 0 only. One rank needs no meeting.
 inline UniqueId exchange_unique_id(const RendezvousSpec& spec, const RankInfo& ranks,
                                    const std::function<UniqueId()>& make_id,
                                    double timeout_s = kDefaultRendezvousTimeout) {

@@ -1,19 +1,10 @@
 /*
 When a training run stops early, decided on the host after each step, shared by the trainers:
-- the step guard's bookkeeping: an update the guard skipped (a loss or the gradient norm not finite, or a
-  loss spike) leaves the model as it was; --max-bad-steps of them in a row end the run with exit code 6
-  (kExitDiverged), and the spike limit is --loss-spike times the mean loss of the last 50 applied steps;
-  both are checkpointed (state(), restore()), so a resumed run guards its steps as the uninterrupted run
-  would have;
-- a stop request: SIGTERM, SIGINT or SIGUSR1 (what Slurm, Kubernetes and cloud preemption send first; a
-  second signal ends the process at once, one within 0.5 s of the first being the same one delivered
-  twice: kStopSignalRepeatNs), or --time-limit within reach of the next two steps and a
-  checkpoint. The trainer then checkpoints and exits with code 7 (kExitStopped), so a job script can
-  requeue and resume with -y 1;
+- the step guard's bookkeeping: --max-bad-steps skipped updates in a row end the run (kExitDiverged);
+  the spike limit is --loss-spike times the mean loss of the last applied steps; checkpointed;
+- a stop request: SIGTERM, SIGINT or SIGUSR1 (a second one ends the process at once), or --time-limit
+  within reach: the trainer checkpoints and exits with kExitStopped, for a job script to requeue;
 - parse_duration(): "3600", "90m", "23.5h", "1:30:00" -> seconds.
-
-Does not provide: the device side of the guard (adamw_guard in llmc/adamw.cuh), or agreement between
-ranks (the trainer all-reduces the stop vote; the guard's inputs are already averaged over the ranks).
 */
 #pragma once
 
@@ -38,8 +29,7 @@ ranks (the trainer all-reduces the stop vote; the guard's inputs are already ave
 namespace llmc {
 
 // "3600", "90m", "23.5h", "1:30:00" (or "30:00") -> seconds; "" -> 0 (none). flag names it in errors.
-// Only digits, a decimal point and the unit letters are taken: a blank, a sign, "0x" or "1e3" (which
-// strtod would read) and a clock time with an empty field ("4:", "1::2") are refused, not guessed at.
+// Only digits, a decimal point and the unit letters are taken; anything else is refused, not guessed.
 inline double parse_duration(const std::string& text, const char* flag) {
     if (text.empty()) return 0;
     auto digit = [](char c) { return c >= '0' && c <= '9'; };
@@ -72,9 +62,8 @@ inline double parse_duration(const std::string& text, const char* flag) {
 
 inline volatile std::sig_atomic_t g_stop_signal = 0;
 
-// A stop signal within this long of the first is the same request, not a second one: a process often gets
-// one stop twice, from its process group or cgroup (Ctrl-C in a terminal, Slurm, systemd) and again from a
-// launcher that passes on what it got (scripts/run_multi_gpu.sh local). A person's second Ctrl-C comes later.
+// A stop signal within this long of the first is the same request delivered twice (process group and
+// launcher), not a second one.
 constexpr int64_t kStopSignalRepeatNs = 500'000'000;
 
 // CLOCK_MONOTONIC in ns when the first stop signal came (0: none yet); lock-free, so a handler may use it.
@@ -87,9 +76,8 @@ inline int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
     return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
-// Takes up a stop signal that came at now_ns (CLOCK_MONOTONIC): the first is recorded, the first again
-// (within kStopSignalRepeatNs of it) changes nothing, and a second request gives false. The handler's
-// clock is a parameter so that the window can be tested without waiting it out.
+// Takes up a stop signal that came at now_ns (CLOCK_MONOTONIC): the first is recorded, a repeat within
+// kStopSignalRepeatNs changes nothing, a second request gives false. now_ns is a parameter for tests.
 inline bool take_stop_signal(int sig, int64_t now_ns) {
     if (g_stop_signal != 0) return now_ns - g_stop_signal_ns.load() < kStopSignalRepeatNs;
     g_stop_signal_ns.store(now_ns);
@@ -153,9 +141,8 @@ public:
                                   : ", and no model file was written: run again with");
         }
     }
-    // The guard's bookkeeping for a checkpoint (the losses of the last applied steps behind --loss-spike
-    // and the skipped steps in a row), little-endian: the magic "llmcGRD1", the skipped-in-a-row count
-    // (u32), the number of losses (u32, at most kRecent) and the losses (fp64 bits, oldest first).
+    // The guard's bookkeeping for a checkpoint, little-endian: "llmcGRD1", skipped-in-a-row (u32), the
+    // number of losses (u32, at most kRecent) and the losses (fp64 bits, oldest first).
     std::vector<uint8_t> state() const {
         std::vector<uint8_t> out(kStateMagic, kStateMagic + 8);
         auto put = [&out](uint64_t v, int bytes) {
@@ -170,8 +157,7 @@ public:
         }
         return out;
     }
-    // Takes up what state() wrote (where: the checkpoint, for errors); a blob that is not such a state is
-    // refused (kExitData) and leaves the guard as it was.
+    // Takes up what state() wrote (where: for errors); anything else is refused (kExitData), guard unchanged.
     void restore(const std::vector<uint8_t>& blob, const std::string& where) {
         auto get = [&blob](size_t at, int bytes) {
             uint64_t v = 0;
@@ -207,11 +193,10 @@ public:
     }
     // A checkpoint took this long: the time limit keeps that much in reserve.
     void saved(double seconds) { save_s_ = seconds; }
-    // What --time-limit keeps for the process's own end after the last checkpoint (joining threads,
-    // freeing GPU memory, tearing down CUDA and NCCL): measured at 0.1-0.2 s for d2 on one H200.
+    // What --time-limit keeps for the process's own end after the last checkpoint.
     static constexpr double kExitReserveSeconds = 1.0;
-    // Why this process wants to stop now ("" to go on), given the time a step takes: a signal, or
-    // --time-limit within two steps, one checkpoint and kExitReserveSeconds of its end.
+    // Why this process wants to stop now ("" to go on): a signal, or --time-limit within two steps, one
+    // checkpoint and kExitReserveSeconds of its end.
     std::string reason(double step_seconds) const {
         if (g_stop_signal != 0) return format("signal %s", strsignal(g_stop_signal));
         const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();

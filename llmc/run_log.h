@@ -1,31 +1,17 @@
 /*
 A training run's record, shared by both trainers: log.jsonl (one JSON object per line, appended by a
-resumed run), the small formatting helpers the step lines use, the step guard's words for a skipped
-update (skip_reason), and the writing of the trained model (save_run_outputs), which says in the log
-when it fails.
-
-The records the trainers write, one per line (scripts/plot.py reads them):
+resumed run; scripts/plot.py reads it), the step lines' formatting helpers, skip_reason, and
+save_run_outputs. Records:
   {"step":S,"loss":L,"lr":X,"norm":N,"ms":M,"tok_per_s":R,"mfu":F}   after each optimizer step S (from 1)
   {"step":S,"val_loss":L}                                             validation before step S+1
   {"step":S,"eval_acc":A,"eval_acc_norm":A,"eval_items":N,"eval_s":X} multiple-choice evaluation
   {"step":S,"sample":[ids...]}                                        a sample's generated token ids
   {"step":S,"skipped":"what was not finite"}                          an update skipped by the guard
-  {"step":S,"stopped":"why"}                                          stopped early (signal, --time-limit)
-  {"step":S,"save_failed":"why","earlier_files":[paths...]}           the trained model could not be written;
-                                                                      the files named are not this run's
+  {"step":S,"stopped":"why"}                                          stopped early
+  {"step":S,"save_failed":"why","earlier_files":[paths...]}           files there that are not this run's
   {"resume_from_step":S}                                              a resumed run continues here
   {"evaluation_of":"MODEL"}                                           a run that trains nothing (-x 0) follows
-Train losses go out with 17 significant digits, so that a double reads back exactly and logs compare
-bitwise; validation losses with 9.
-A run that trains nothing (-x 0: it evaluates, samples or exports a model) into a directory whose
-log.jsonl already holds records appends its own after an evaluation_of line rather than replace the log
-(open_run_log), so that an earlier run's record is never lost; scripts/plot.py leaves the lines after it
-out of that run's curves (up to a resume_from_step line).
-A model file is replaced only by a complete one, so a save that fails (a full disk) leaves an earlier
-run's model.bin beside this run's log.jsonl: the save_failed record and the error name such files, so
-that nobody takes them for this run's result.
-
-Does not provide: stdout formatting of the step line (each trainer prints its own).
+Train losses have 17 significant digits (exact doubles), validation losses 9.
 */
 #pragma once
 
@@ -83,9 +69,8 @@ inline std::string json_string(const std::string& s) {
     return out + "\"";
 }
 
-// The run's log at path: appended to by a resumed run (resume); by a run that trains nothing (no_training)
-// when the file already holds records, after a line {"evaluation_of":"MODEL"} (model: what -e named),
-// with a note on stdout; else started afresh.
+// The run's log at path: appended to by a resumed run, or by a run that trains nothing after an
+// {"evaluation_of":"MODEL"} line when the file holds records; else started afresh.
 inline JsonlLog open_run_log(const std::string& path, bool resume, bool no_training, const std::string& model) {
     struct stat st;
     const bool keep = no_training && !resume && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0;
@@ -116,8 +101,7 @@ inline std::string duration_text(double seconds) {
     return format("%lds", s);
 }
 
-// Why the step guard skipped an update, as its {"skipped":...} record says: the gradient norm not finite,
-// else a loss not finite, else the mean loss above loss_limit (--loss-spike's).
+// Why the step guard skipped an update: the norm not finite, else a loss not finite, else a loss spike.
 inline std::string skip_reason(double norm, bool losses_finite, double loss, double loss_limit) {
     if (!std::isfinite(norm)) return format("the gradient norm is %g", norm);
     if (!losses_finite) return "a loss is not finite";
@@ -128,9 +112,8 @@ inline std::string skipped_record(int step, const std::string& why) {
     return format("{\"step\":%d,\"skipped\":%s}", step, json_string(why).c_str());
 }
 
-// Writes the trained model's files: write(i) writes paths[i] (each replaced only by a complete file). When
-// one fails, the files from there on that are already on disk are an earlier run's (or the starting model's),
-// not this run's: the log gets {"step":S,"save_failed":"why","earlier_files":[...]} and the error names them.
+// Writes the trained model's files: write(i) writes paths[i]. When one fails, the files from there on are
+// not this run's: the log gets a save_failed record and the error names them.
 template <class Write>
 void save_run_outputs(JsonlLog& log, int step, const std::vector<std::string>& paths, Write&& write) {
     size_t i = 0;

@@ -1,17 +1,8 @@
 /*
-What the two trainers share about a run's settings:
-- the settings, declared once as a list of (key, value, role), and what the trainers derive from it:
-  recorded_settings(), what a checkpoint's manifest records (the MustMatch and MayChange ones);
-  must_match_keys(), the keys a resume refuses to see changed (they fix shapes, batches, random streams;
-  the MayChange ones are reported on resume and apply from the resumed step on); settings_hash(), what
-  the ranks of a data-parallel run compare at start-up: every setting, the Ranks ones included, since
-  those decide the sequence of collectives (validation, sampling, checkpoints, the data's shards);
-- the host memory check made before a run allocates (require_host_memory): what the run needs against
-  what the system, `ulimit -v` and a memory cgroup leave it, so that a run too big is refused with both
-  figures instead of failing half-way through its allocations or being killed without a word.
-
-Does not provide: the flags (llmc/trainer_flags.h), each trainer's estimate of the memory it needs, or
-the comparison with a checkpoint (settings_differences in llmc/checkpoint.h).
+What the two trainers share about a run's settings: the settings declared once as (key, value, role),
+with recorded_settings() (a checkpoint's manifest), must_match_keys() (what a resume refuses to see
+changed) and settings_hash() (what data-parallel ranks compare, every setting); and the host memory
+check before a run allocates (require_host_memory), against the system, `ulimit -v` and the cgroups.
 */
 #pragma once
 
@@ -62,10 +53,9 @@ inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
     return fnv1a64(text);
 }
 
-// Host memory this process can still take (bytes; infinity when nothing says), and what limits it: the
-// least of MemAvailable (/proc/meminfo), the address-space limit (RLIMIT_AS, `ulimit -v`) less what the
-// process maps already, and for the process's memory cgroup (v2 or v1) and each above it, the cgroup's
-// limit less what it holds that cannot be reclaimed (its use less its page cache).
+// Host memory this process can still take (bytes; infinity when nothing says) and what limits it: the
+// least of MemAvailable, RLIMIT_AS less what is mapped, and each memory cgroup's limit less its
+// unreclaimable use.
 struct HostMemory {
     double bytes = INFINITY;
     std::string limit;
@@ -102,8 +92,7 @@ inline HostMemory available_host_memory() {
         take(double(rl.rlim_cur) - mapped, format("the address-space limit, ulimit -v %llu, less the %s this process "
              "maps already", (unsigned long long)(rl.rlim_cur >> 10), human_bytes(mapped).c_str()));
     }
-    // /proc/self/cgroup: "0::PATH" for cgroup v2, "N:...memory...:PATH" for v1's memory controller. Each
-    // cgroup from the process's up to its mount's root (which is the container's own inside a container).
+    // /proc/self/cgroup: "0::PATH" (v2) or "N:...memory...:PATH" (v1), each cgroup up to its mount's root.
     std::istringstream lines(read_text("/proc/self/cgroup"));
     for (std::string line; std::getline(lines, line);) {
         const size_t a = line.find(':'), b = line.find(':', a + 1);
@@ -130,9 +119,8 @@ inline HostMemory available_host_memory() {
     return m;
 }
 
-// Refuses (exit code 1) a run that needs more host memory than available_host_memory() leaves it, before it
-// allocates anything: one line with both figures, what the need is made of (what), what limits it, and
-// what to lower (advice).
+// Refuses (exit code 1) a run needing more host memory than is available, before it allocates: one line
+// with both figures, what the need is made of (what), what limits it, and what to lower (advice).
 inline void require_host_memory(double need, const std::string& what, const char* advice) {
     const HostMemory m = available_host_memory();
     if (need <= m.bytes) return;

@@ -1,32 +1,13 @@
 /*
-Safetensors files (the Hugging Face tensor format), read and written without Python.
-
-A file is an 8-byte little-endian header length N, N bytes of JSON, then the data section:
-    {"NAME": {"dtype": "F32", "shape": [2, 3], "data_offsets": [BEGIN, END]}, ...,
-     "__metadata__": {"format": "pt"}}
-BEGIN and END are byte offsets into the data section; the tensor's values lie there, row-major,
-little-endian. The header may end in spaces (writers pad it so the data starts 8-byte aligned).
-
-Provides:
-  - SafetensorsFile: opens a file and validates its header before trusting a byte of it: N against the
-    file size and a sane bound, the JSON (parse_json_strictly: parse errors, a NUL byte, a key twice in
-    any object, a number out of range, nesting deeper than kJsonMaxDepth), every entry's dtype (one of
-    the format's names), shape (non-negative integers) against its offsets (END - BEGIN = elements x
-    item size), offsets inside the data section, and no two tensors sharing a byte. find() / require()
-    look a tensor up (require() names the missing tensor), read_floats() reads an F32, F16 or BF16
-    tensor as fp32 (any other dtype is refused, naming the tensor). Holes in the data section are
-    tolerated.
-  - SafetensorsWriter: writes F32 or BF16 tensors (from fp32 values, bf16 rounded to nearest even) in
-    the order they were declared, streamed, so a caller can produce one tensor at a time, to a new file
-    or into an open File (write_file_atomically's); the header is padded with spaces to a multiple of 8
-    bytes and carries __metadata__ {"format": "pt"}.
-  - fp16_to_float(), and the dtype names and item sizes of the format.
-  - parse_json_strictly(), the JSON parser of every reader of outside JSON files (here and hf_model.h).
-Every failure is an llmc::Error naming the file (and the tensor): kExitData for a malformed or
-truncated file, kExitIo for a read or write that fails.
-
-Does not provide: memory mapping, big-endian hosts, writing F16 or integer tensors, or anything about
-what the tensors mean (hf_model.h maps GPT-2's names onto ours).
+Safetensors files (the Hugging Face tensor format), read and written without Python: an 8-byte
+little-endian header length N, N bytes of JSON ({"NAME": {"dtype", "shape", "data_offsets": [BEGIN,
+END]}, ..., "__metadata__"}), then the data section (row-major, little-endian).
+  - SafetensorsFile: validates the header before trusting a byte (size, strict JSON, dtypes, shapes
+    against offsets, no overlap); find() / require() look a tensor up, read_floats() reads F32, F16 or
+    BF16 as fp32.
+  - SafetensorsWriter: F32 or BF16 tensors (bf16 rounded to nearest even), streamed in declared order.
+  - fp16_to_float(), the dtype names and sizes, and parse_json_strictly() (every reader of outside JSON).
+Every failure names the file (and tensor): kExitData for malformed or truncated data, kExitIo for I/O.
 */
 #pragma once
 
@@ -53,9 +34,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors data is li
 // The safetensors library refuses headers above 100 MB; so do we, before allocating one.
 constexpr int64_t kSafetensorsMaxHeader = 100'000'000;
 constexpr const char* kSafetensorsMetadataKey = "__metadata__";
-// JSON nested deeper than this is refused while it is parsed (here and in hf_model.h). Headers and configs
-// nest a few levels; a hostile file nested millions deep would cost gigabytes to parse and overflow the
-// stack when a bad value is quoted in a message (nlohmann's dump() recurses once per level).
+// JSON nested deeper than this is refused while parsed: deep nesting would cost memory and overflow the
+// stack in nlohmann's recursive dump().
 constexpr int kJsonMaxDepth = 64;
 
 // Item size in bytes of a dtype name of the format, or 0 for a name the format does not have.
@@ -106,12 +86,10 @@ inline std::string json_error_text(const nlohmann::json::exception& e) {
     return tag_end == std::string::npos ? s : s.substr(tag_end + 2);
 }
 
-// JSON text from a file, parsed as strictly as the safetensors reference reader parses a header: besides what
-// is not JSON, it refuses a NUL byte (nlohmann stops reading there and ignores what follows), an object that
-// holds a key twice (nlohmann keeps the last), a number beyond double's range and nesting deeper than
-// kJsonMaxDepth. Each is a kExitData error "<where>: <what>", naming the keys that lead to the fault, the
-// outermost called `top_key` ("tensor" in a safetensors header); text_offset is where the text starts in
-// the file, for the offsets in messages.
+// JSON text from a file, parsed strictly: besides non-JSON it refuses a NUL byte, a key twice in an
+// object, a number beyond double's range and nesting deeper than kJsonMaxDepth. Errors are kExitData
+// "<where>: <what>" naming the keys leading there (the outermost called `top_key`); text_offset is where
+// the text starts in the file.
 inline nlohmann::json parse_json_strictly(const std::string& text, const std::string& where, int64_t text_offset,
                                           const char* top_key = "key") {
     using json = nlohmann::json;
@@ -363,11 +341,9 @@ struct SafetensorsSpec {
     std::vector<int64_t> shape;
 };
 
-// Declare every tensor up front (the header comes first), then write() their fp32 values in that order,
-// a tensor whole or in pieces; finish() checks that everything declared was written. Given a path, the
-// writer creates the file and finish() closes it; given an open File (write_file_atomically's temporary,
-// so that a failed write never replaces a good file), it writes from the File's position and leaves
-// syncing and closing to the caller.
+// Declare every tensor up front, then write() their fp32 values in that order (whole or in pieces);
+// finish() checks that everything was written. Given a path, the writer creates and closes the file;
+// given an open File, it writes from its position and leaves syncing and closing to the caller.
 class SafetensorsWriter {
 public:
     SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> specs,

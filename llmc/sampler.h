@@ -1,17 +1,8 @@
 /*
-Picking the next token from a row of logits, for the trainers' text samples (train_gpt2cu and the CPU
-trainer train_gpt2 share it, so a model samples the same way on either).
-
-Provides:
-  sample_token(logits, temperature, top_k, rng): temperature 0 is greedy (the largest logit, the lower
-      id on ties); otherwise a draw from softmax(logits / temperature) restricted to the top_k largest
-      logits (all of them when top_k is 0 or at least the row's length), computed in double from the
-      largest, with one SplitMix64 number per draw, so a seed gives the same tokens on every machine.
-
-  parse_token_ids(text, vocab_size, flag): "464,3290" -> ids, each checked against the vocabulary (what
-      --prompt-ids takes in both trainers).
-
-Does not provide: nucleus (top-p) sampling, repetition penalties, batched sampling.
+Picking the next token for the trainers' samples (both trainers, so a model samples alike on either):
+sample_token() is greedy at temperature 0 (the lower id on ties), else a draw from softmax(logits /
+temperature) over the top_k largest (0: all), in double, one SplitMix64 number a draw. parse_token_ids()
+reads --prompt-ids.
 */
 #pragma once
 
@@ -54,8 +45,7 @@ inline uint32_t sample_token(const std::vector<float>& logits, float temperature
     return uint32_t(ids[size_t(k - 1)]);
 }
 
-// "a,b,c" -> token ids (empty text: none), each a non-negative integer below vocab_size; `flag` names
-// the option in errors.
+// "a,b,c" -> token ids (empty: none), each below vocab_size; `flag` names the option in errors.
 inline std::vector<uint32_t> parse_token_ids(const std::string& text, int vocab_size, const char* flag) {
     std::vector<uint32_t> ids;
     if (text.empty()) return ids;

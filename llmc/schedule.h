@@ -1,19 +1,7 @@
 /*
-Learning-rate schedules and the throughput arithmetic of the step log.
-
-LRSchedule gives the learning rate at a step for the schedules users ask for, each with a linear warmup
-from lr/warmup to lr over the first `warmup` steps:
-  cosine    cosine decay from lr to lr * final_fraction at the last step
-  linear    linear decay from lr to lr * final_fraction at the last step
-  constant  lr after warmup
-  wsd       warmup-stable-decay: lr until the last decay_fraction of the steps, then linear decay to
-            lr * final_fraction
-micro_steps_per_step() checks -d/--total-batch against one micro-step of every rank and counts the
-micro-steps a step takes (both trainers).
-peak_bf16_flops() knows the dense bf16 tensor-core peak of common GPUs by name; mfu() answers a negative
-number for "unknown" so the log can print n/a rather than a made-up figure.
-
-Does not provide: anything that touches the GPU.
+Learning-rate schedules (linear warmup, then cosine, linear, constant or wsd decay to lr *
+final_fraction) and the step log's throughput arithmetic (micro_steps_per_step, peak_bf16_flops, mfu:
+negative for "unknown").
 */
 #pragma once
 
@@ -43,10 +31,8 @@ struct LRSchedule {
         fail(kExitUsage, "unknown learning rate schedule '%s' (cosine, linear, constant or wsd)", name.c_str());
     }
 
-    // step counts from 0. Decay progress is (step - start) / (total - start), as in llm.c: the last step
-    // (total - 1) sits one step short of the floor, and no step divides by zero. From step `total` on
-    // every schedule is at its floor exactly (lr for constant), whatever the warmup, so a run continued
-    // past its planned end never goes below it (the linear formula would, by rounding).
+    // step counts from 0; decay progress is (step - start) / (total - start), as in llm.c. From step
+    // `total` on every schedule is at its floor exactly.
     double at(int step) const {
         const double lo = kind == Kind::Constant ? lr : lr * final_fraction;
         if (step >= total) return lo;
@@ -63,10 +49,8 @@ struct LRSchedule {
     }
 };
 
-// Dense bf16 tensor-core peak (FLOP/s) by device name; 0 when unknown.
-// The micro-steps of B x T tokens on each of `ranks` ranks that make one step of tokens_per_step tokens
-// (-d/--total-batch); a total that is not a whole number of them, or needs more than a step's int count
-// (a wrapped count ran none, or divided by zero), is a usage error naming the terms.
+// The micro-steps of B x T tokens on each of `ranks` ranks that make one step of tokens_per_step tokens;
+// a total that is not a whole number of them (or overflows) is a usage error naming the terms.
 inline int micro_steps_per_step(int64_t tokens_per_step, int B, int T, int ranks) {
     const int64_t micro = int64_t(B) * T * ranks;
     const std::string terms = ranks == 1 ? format("B*T = %d*%d", B, T) : format("B*T*ranks = %d*%d*%d", B, T, ranks);
@@ -82,6 +66,7 @@ inline int micro_steps_per_step(int64_t tokens_per_step, int B, int T, int ranks
     return int(tokens_per_step / micro);
 }
 
+// Dense bf16 tensor-core peak (FLOP/s) by device name; 0 when unknown.
 inline double peak_bf16_flops(const std::string& device_name) {
     struct Entry {
         const char* name_part;

@@ -1,18 +1,7 @@
 /*
-The token shard file format, shared by the data preparation tool (writer) and the DataLoader (reader).
-
-A shard is llm.c's layout: a header of 256 int32 values (1024 bytes, little-endian), then the tokens.
-    header[0] = 20240520 (magic)
-    header[1] = version: 1 = uint16 tokens (llm.c's format, vocabularies up to 65,536 ids)
-                         2 = uint32 tokens (our extension, for larger vocabularies)
-    header[2] = number of tokens, low 32 bits. Version 1 keeps it below 2^31 because llm.c reads it as
-                an int; version 2 puts the high 32 bits in header[3], so its shards may exceed 4 Gi tokens.
-The rest of the header is zero. Token i sits at byte 1024 + i * bytes_per_token, so a file holds
-exactly 1024 + count * bytes_per_token bytes; offsets are 64-bit throughout.
-
-Provides: the constants, write_token_shard() and read_shard_header(), which validates a shard's header
-against its file length with llmc_header.h's reader. Does not provide: token id checks or reading tokens
-in batches (dataloader.h).
+The token shard file (llm.c's layout), written by the data tool and read by the DataLoader: 256 int32
+header (20240520; version 1 = uint16 tokens, 2 = uint32 (ours); token count, low 32 bits, high 32 bits
+in header[3] for version 2), then the tokens: exactly 1024 + count * bytes_per_token bytes.
 */
 #pragma once
 
@@ -43,9 +32,8 @@ inline int64_t shard_token_byte_offset(int64_t token, int bytes_per_token) {
     return kShardHeaderBytes + token * bytes_per_token;
 }
 
-// Writes a shard of `n` tokens, whole or not at all (write_file_atomically). Version 1 stores uint16 and
-// refuses ids above 65535 (and more than 2^31-1 tokens, which llm.c could not count); version 2 stores
-// uint32. A refused shard leaves no file behind.
+// Writes a shard of `n` tokens whole or not at all. Version 1 stores uint16 (ids <= 65535, fewer than
+// 2^31 tokens), version 2 uint32. A refused shard leaves no file.
 inline void write_token_shard(const std::string& path, const uint32_t* tokens, size_t n, int version) {
     if (version != 1 && version != 2) fail(kExitUsage, "shard '%s': unknown version %d (1 or 2)", path.c_str(), version);
     if (version == 1 && n > uint64_t(kShardV1MaxTokens)) {

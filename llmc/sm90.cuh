@@ -1,13 +1,7 @@
 /*
-What the Hopper-only kernels (llmc/flash_attention_sm90.cuh, llmc/classifier_sm90.cuh) share on the host.
-
-Provides:
-  sm90a_available():     true where sm_90a code can run: built for it (the Makefile does so for GPU_ARCH=90
-                         and defines LLMC_SM90A) and the current device is compute 9.0.
-  tensor_map_encoder():  the driver's cuTensorMapEncodeTiled (TMA descriptors), reached through the runtime
-                         so that nothing links libcuda; fails with a message where the driver lacks it.
-
-Does not provide: device code (each kernel header keeps its own wgmma and TMA wrappers).
+What the Hopper-only kernels share on the host: sm90a_available() (built for sm_90a, LLMC_SM90A, and
+running on compute 9.0) and tensor_map_encoder() (the driver's cuTensorMapEncodeTiled, reached through
+the runtime so nothing links libcuda).
 */
 #pragma once
 

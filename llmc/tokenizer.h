@@ -1,37 +1,15 @@
 /*
 GPT-2's byte-level BPE tokenizer.
-
-Provides, to every program (no extra libraries):
-  - Tokenizer: the vocabulary (token id -> bytes) and the end-of-text id; decode() turns ids back into
-    bytes and refuses ids outside the vocabulary.
-  - read_tokenizer_bin() / write_tokenizer_bin(): llm.c's tokenizer file. A header of 256 uint32
-    (20240328 magic, version, vocabulary size, end-of-text id; version 1 has no end-of-text field and
-    means 50256), then for each token one uint8 byte count (1..255) and its bytes. We write version 2,
-    whole or not at all (utils.h's write_file_atomically).
-
-Provides, where LLMC_TOKENIZER_ENCODER is defined before the include (the program then links
--lpcre2-8 and needs the PCRE2 and nlohmann-json headers; the trainer, which only decodes, does not):
-  - load_gpt2_vocab_files(): reads OpenAI's encoder.json and vocab.bpe, checks that they agree.
-  - Gpt2Encoder: encode_ordinary() turns bytes into ids the way tiktoken's "gpt2" encoding does:
-      1. pre-tokenisation with GPT-2's pattern (PCRE2, JIT-compiled, Unicode classes);
-      2. a piece that is itself a token becomes that token (tiktoken's shortcut);
-      3. otherwise BPE over the piece's bytes: repeatedly merge the adjacent pair whose concatenation
-         is the token with the lowest id (leftmost on ties). GPT-2's ids were assigned in merge order,
-         so the lowest id is the earliest merge.
-    Any bytes are accepted, and decode(encode(x)) == x for every byte string x. tiktoken only takes
-    Unicode text, so for bytes that are not UTF-8 the rule is ours: PCRE2 (PCRE2_MATCH_INVALID_UTF)
-    lets an invalid sequence match no class, so each maximal run of such bytes becomes a piece of its
-    own, BPE-encoded like any other; a whitespace run just before one is a piece with all its spaces
-    (none is left to lead the next piece, as the look-ahead sees no non-space). Valid text around
-    such a run is encoded as tiktoken would.
-    Text that reads "<|endoftext|>" is encoded as ordinary text; the end-of-text id is only ever
-    added by the caller (eot()).
-    One Gpt2Encoder is shared read-only by all threads; each thread encodes through its own
-    Gpt2Encoder::Context (PCRE2 match state and a cache of recently encoded pieces).
-  - safe_split_point(): where a long text can be cut so that encoding the parts separately gives the
-    same ids as encoding the whole (what lets the data tool encode one document on several threads).
-
-Does not provide: special tokens other than end-of-text, other vocabularies' patterns, or sampling.
+  - Tokenizer: the vocabulary and the end-of-text id; decode() refuses ids outside the vocabulary.
+  - read_tokenizer_bin() / write_tokenizer_bin(): llm.c's tokenizer file (256 uint32 header: 20240328,
+    version, vocabulary size, end-of-text id (version 1: 50256); then per token a byte count and bytes).
+With LLMC_TOKENIZER_ENCODER defined before the include (PCRE2 and nlohmann-json needed):
+  - load_gpt2_vocab_files(): OpenAI's encoder.json and vocab.bpe, checked against each other.
+  - Gpt2Encoder: encode_ordinary() as tiktoken's "gpt2": GPT-2's pre-tokenisation pattern, a piece that
+    is a token becomes it, else BPE merging the lowest-id pair (leftmost on ties). Any bytes are taken
+    and decode(encode(x)) == x; a run of invalid UTF-8 is a piece of its own. "<|endoftext|>" in text
+    is ordinary text. Shared read-only; each thread encodes through its own Gpt2Encoder::Context.
+  - safe_split_point(): where a text can be cut so the parts encode as the whole does.
 */
 #pragma once
 
@@ -161,8 +139,8 @@ inline Tokenizer read_tokenizer_bin(const std::string& path) {
     return Tokenizer(std::move(tokens), eot);
 }
 
-// GPT-2 stores every byte as a printable code point so that its vocabulary files are readable text:
-// printable Latin-1 bytes stand for themselves, the other 68 bytes take the code points from 256 up.
+// GPT-2 stores every byte as a printable code point: printable Latin-1 bytes as themselves, the other 68
+// from 256 up.
 inline const std::array<uint32_t, 256>& gpt2_byte_to_codepoint() {
     static const std::array<uint32_t, 256> table = [] {
         std::array<uint32_t, 256> t{};
@@ -197,8 +175,7 @@ inline uint64_t hash_bytes(const char* p, size_t n) {
     return h ^ (h >> 32);
 }
 
-// Open-addressing map from byte strings to uint32, keys stored in one pool. Used for the vocabulary
-// (built once, then read by all threads) and for each thread's cache of encoded pieces.
+// Open-addressing map from byte strings to uint32, keys in one pool (the vocabulary, the piece caches).
 class StringMap {
 public:
     explicit StringMap(size_t expected = 1024) { reset(expected); }
@@ -357,23 +334,15 @@ inline bool gpt2_printable_to_bytes(const std::string& s, std::string& out) {
     return true;
 }
 
-inline std::string read_text_file(const std::string& path) {
-    File f(path, File::Mode::Read);
-    std::string s(static_cast<size_t>(f.size()), '\0');
-    f.read_exact(s.data(), s.size());
-    return s;
-}
-
 }  // namespace tokenizer_detail
 
-// Reads OpenAI's encoder.json (token -> id) and vocab.bpe (the merges, in order) and checks what the
-// encoder relies on: ids are dense, every byte is a token, every merge names tokens that exist, and
-// the tokens the merges form have ids that rise with the merge's line (so an id is a merge rank).
+// Reads OpenAI's encoder.json and vocab.bpe and checks what the encoder relies on: dense ids, every byte
+// a token, merges naming existing tokens, and ids rising with the merge's line (an id is a merge rank).
 inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const std::string& vocab_bpe) {
     using tokenizer_detail::gpt2_printable_to_bytes;
     nlohmann::json j;
     try {
-        j = nlohmann::json::parse(tokenizer_detail::read_text_file(encoder_json));
+        j = nlohmann::json::parse(read_text_file(encoder_json));
     } catch (const nlohmann::json::exception& e) {
         fail(kExitData, "'%s' is not valid JSON: %s", encoder_json.c_str(), e.what());
     }
@@ -410,7 +379,7 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
         }
     }
 
-    std::istringstream merges(tokenizer_detail::read_text_file(vocab_bpe));
+    std::istringstream merges(read_text_file(vocab_bpe));
     std::string line, left, right;
     int64_t line_no = 0, merge_count = 0;
     uint32_t last_id = 0;
@@ -444,15 +413,8 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
 
 // GPT-2's pre-tokenisation pattern,
 //     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-// with its classes spelled so that PCRE2 draws the lines where tiktoken (Rust's regex) does:
-//  - \s is Unicode's White_Space property, listed in full: PCRE2's own \s also takes U+180E, which
-//    left White_Space in Unicode 6.3.
-//  - \p{L} and \p{N} add the letters and digits that Unicode 15.0 to 16.0 introduced: PCRE2 10.42
-//    (Debian 12) knows Unicode 14, tiktoken 1.0.22 knows 16. A PCRE2 that knows them already is not
-//    changed by the addition; one that knows a Unicode later than tiktoken's would differ from it on
-//    the newest code points.
-// test/test_tokenizer_reference.sh sweeps every code point through both tokenizers, which is how
-// these differences were found and how a new one would show.
+// with its classes spelled so that PCRE2 draws the lines where tiktoken does: \s as Unicode's
+// White_Space in full, \p{L} and \p{N} with Unicode 15-16's additions (test/test_tokenizer_reference.sh).
 inline const std::string& gpt2_pattern() {
     static const std::string pattern = [] {
         const std::string space = R"(\t-\r \x{85}\x{a0}\x{1680}\x{2000}-\x{200a}\x{2028}\x{2029}\x{202f}\x{205f}\x{3000})";
@@ -472,11 +434,8 @@ inline const std::string& gpt2_pattern() {
     return pattern;
 }
 
-// Where text can be cut near `target` so that encoding text[0, cut) and text[cut, end) separately
-// gives the ids of encoding the whole: before a space or newline that sits between two printable
-// ASCII characters. There the piece on the left has ended and a new piece starts (" word" or "\n"),
-// and no whitespace run's look-ahead reaches across. Returns the first such point at or after
-// `target`, or text.size() when there is none.
+// Where text can be cut near `target` so the two parts encode as the whole: before a space or newline
+// between two printable ASCII characters. The first such point at or after `target`, else text.size().
 inline size_t safe_split_point(std::string_view text, size_t target) {
     auto printable = [](char c) { return c > ' ' && c < 0x7F; };
     for (size_t p = std::max<size_t>(target, 1); p + 1 < text.size(); p++) {
@@ -529,8 +488,7 @@ public:
         for (int b = 0; b < 256; b++) {
             if (byte_token_[b] == kNoToken) fail(kExitData, "the vocabulary has no token for byte 0x%02x", b);
         }
-        // A pair merges when its concatenation is a token, whatever the split (tiktoken's rule), so the
-        // table holds every split of every token into two tokens.
+        // A pair merges when its concatenation is a token, whatever the split: every split of every token.
         std::vector<std::array<uint32_t, 3>> pairs;
         for (uint32_t id = 0; id < tok.size(); id++) {
             const std::string& t = tok.token(id);
@@ -628,9 +586,8 @@ private:
         }
     }
 
-    // Merges adjacent parts, lowest merged id first and leftmost among equals, until no pair merges.
-    // Parts form a linked list over the piece's byte positions; a heap holds candidate pairs, and a
-    // popped pair that no longer matches the list is stale and skipped. O(n log n) in the piece length.
+    // Merges adjacent parts, lowest merged id first and leftmost among equals, until no pair merges
+    // (a linked list of parts and a heap of candidate pairs, stale ones skipped). O(n log n).
     void bpe(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
         const uint32_t n = static_cast<uint32_t>(piece.size());
         const uint32_t kEnd = UINT32_MAX;

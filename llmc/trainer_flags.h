@@ -1,16 +1,8 @@
 /*
-The two trainers' command line, from one table: every flag once, with its letter, long name, type (its
-field's), default, range, help and the trainers that take it (train_gpt2, the CPU trainer; train_gpt2cu,
-the GPU trainer). A flag both take means the same in both. Where their texts, defaults or ranges differ,
-the row says so (cpu ? ... : ...): a CPU wants a smaller model and batch, and it computes the optimizer's
-settings in double where the GPU trainer computes them in float (Real).
-
-Flags that exist for tests only are listed apart, at the end of --help under "for tests:".
-
-Also here: the check across flags both trainers make (check_output_flags).
-
-Does not provide: the checks each trainer makes after parsing (its own messages), or what a run records
-of its settings (llmc/run_settings.h).
+The two trainers' command line, from one table: every flag once, with its letter, long name, type,
+default, range, help and the trainers that take it (train_gpt2: CPU; train_gpt2cu: GPU). Where they
+differ the row says so (cpu ? ... : ...). Test-only flags are listed apart under "for tests:". Also
+check_output_flags, the check across flags both trainers make.
 */
 #pragma once
 
@@ -28,8 +20,7 @@ namespace llmc {
 
 enum class Trainer { Cpu, Gpu };
 
-// The flags' fields. Their defaults are the table's: trainer_flags() sets every field, also those of flags
-// the trainer does not take.
+// The flags' fields; trainer_flags() sets every default, also of flags the trainer does not take.
 template <Trainer kTrainer>
 struct TrainerOptions {
     using Real = std::conditional_t<kTrainer == Trainer::Cpu, double, float>;
@@ -237,8 +228,7 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
           "this rank's GPU on its node (-1: from the environment, else the rank)", -1, kMax<int>);
     t.add(Gpu, "z", "zero-stage", &o.zero_stage, -1,
           "0: every rank holds the whole optimizer state; 1: ZeRO-1 shards it (-1: 1 on the NCCL path)", -1, 1);
-    // At most 1e8 s (three years): the waits count microseconds and nanoseconds in 64 bits, and a longer
-    // one (a huge value meant as "for ever") overflowed into a deadline already past.
+    // At most 1e8 s: the waits count nanoseconds in 64 bits.
     t.add(Gpu, "", "nccl-timeout", &o.nccl_timeout, kDefaultRendezvousTimeout,
           "seconds to wait for the other ranks at start-up and for NCCL set-up, and for their parts of a checkpoint",
           0, 1e8);
@@ -252,9 +242,8 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
     return f;
 }
 
-// A model asked for (--save-model given, naming a format) where nothing may be written (-o "") is a
-// contradiction: refused rather than resolved by training and silently writing nothing. saves: whether
-// --save-model's value names any format.
+// --save-model naming a format where nothing may be written (-o "") is refused, not silently ignored.
+// saves: whether --save-model's value names any format.
 inline void check_output_flags(const Flags& flags, const std::string& output_dir, const std::string& save_model,
                                bool saves) {
     if (output_dir.empty() && saves && flags.was_set("save-model")) {

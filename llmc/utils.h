@@ -1,16 +1,9 @@
 /*
-Error reporting and checked file I/O shared by every part of the program.
-
-Provides: llmc::Error (an exception that carries the process exit code), fail() to raise one with a
-printf-style message, format() and split() for strings, run_main() to turn an escaped Error into "error: ..." on stderr and that exit code,
-llmc::File, a POSIX file descriptor wrapper whose every operation either succeeds completely or raises
-an Error naming the file, the offset, the byte count and the system's error text, and the filesystem
-steps the programs share: regular_file_exists(), directory_exists(), make_directories() (mkdir -p),
-sync_directory() and write_file_atomically() (write path.tmp, fsync, rename over path, fsync the
-directory, so that a crash leaves the old file or the new one, never a mix).
-
-Does not provide: buffering (callers read and write in large blocks), directory listing or removal
-(std::filesystem does those), or anything CUDA; CUDA checks live in cuda_utils.cuh.
+Error reporting and checked file I/O shared by every part of the program: llmc::Error (an exception
+carrying the exit code), fail(), format(), split(), run_main() ("error: ..." and that exit code),
+llmc::File (every operation succeeds completely or raises an Error naming the file, offset, byte count
+and the system's reason), and the filesystem steps the programs share (write_file_atomically: a crash
+leaves the old file or the new one, never a mix). CUDA checks live in cuda_utils.cuh.
 */
 #pragma once
 
@@ -85,8 +78,7 @@ inline std::vector<std::string> split(const std::string& text, char sep) {
     }
 }
 
-// `text` with its control characters written as escapes (\n, \r, \xNN; tabs kept), so that what a file
-// holds, quoted in a message, cannot break the message's one line.
+// `text` with control characters escaped (\n, \r, \xNN; tabs kept), so a quoted file stays on one line.
 inline std::string escape_controls(const std::string& text) {
     std::string out;
     out.reserve(text.size());
@@ -107,9 +99,8 @@ inline std::string escape_controls(const std::string& text) {
     throw Error(exit_code, escape_controls(s));
 }
 
-// Runs fn and converts an escaping exception into a message on stderr and an exit code, so that user
-// errors never end in an abort or a core dump. stdout is flushed first: when it is a pipe it is fully
-// buffered, and the error would otherwise appear before the lines that led to it.
+// Runs fn and turns an escaping exception into a message on stderr and an exit code (never an abort).
+// stdout is flushed first, so the error follows the lines that led to it.
 template <class Fn>
 int run_main(Fn&& fn) {
     try {
@@ -140,10 +131,8 @@ inline std::string human_bytes(double bytes) {
     return u == 0 ? format("%.0f %s", bytes, units[u]) : format("%.2f %s", bytes, units[u]);
 }
 
-// Why `path` cannot be read as a regular file, in the system's words: "No such file or directory", "Too
-// many levels of symbolic links", "Permission denied", "Is a directory", "is a FIFO, not a regular file";
-// "" when it names a regular file (or a link to one). For messages: a missing file, a link loop and a
-// directory where a file belongs each get their own reason, not all "does not exist".
+// Why `path` cannot be read as a regular file, in the system's words ("No such file or directory", "Is a
+// directory", "is a FIFO, not a regular file", ...); "" for a regular file (or a link to one).
 inline std::string why_not_regular_file(const std::string& path) {
     struct stat st;
     if (::stat(path.c_str(), &st) != 0) return std::strerror(errno);
@@ -157,8 +146,7 @@ inline std::string why_not_regular_file(const std::string& path) {
     return format("is %s, not a regular file", kind);
 }
 
-// A file opened through POSIX calls. Reads and writes happen at the file's current position, which
-// the object tracks itself (pread/pwrite), so an error can always name the offset.
+// A file opened through POSIX calls; it tracks its own position (pread/pwrite) so errors name the offset.
 class File {
 public:
     enum class Mode {
@@ -193,8 +181,7 @@ public:
             case Mode::ReadWrite: flags |= O_RDWR; break;
         }
         if (direct) flags |= O_DIRECT;
-        // A reader takes regular files only: a FIFO would block the open until a writer came, and a
-        // directory would open and fail only at its first read, with a message that names no cause.
+        // A reader takes regular files only: a FIFO would block the open, a directory fail at its first read.
         if (mode != Mode::Write) {
             const std::string why = why_not_regular_file(path);
             if (!why.empty()) {
@@ -317,9 +304,8 @@ public:
         }
     }
 
-    // Starts writing [offset, offset+len) back to disk now rather than at fsync, so that a streaming writer keeps
-    // the disk busy. Advisory: a file that does not support it (a pipe, /dev/full) just goes without, so the
-    // result is deliberately unused.
+    // Starts writing [offset, offset+len) back to disk now rather than at fsync. Advisory: the result is
+    // deliberately unused (a pipe, /dev/full).
     void start_writeback(int64_t offset, int64_t len) const {
         if (fd_ >= 0 && len > 0) (void)::sync_file_range(fd_, offset, len, SYNC_FILE_RANGE_WRITE);
     }
@@ -361,8 +347,7 @@ inline void sync_directory(const std::string& dir) {
     if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", dir.c_str(), std::strerror(e));
 }
 
-// True when `path` names a regular file, or a symbolic link to one; false when it names nothing, something
-// else, or cannot be examined.
+// True when `path` names a regular file or a link to one; false otherwise or when it cannot be examined.
 inline bool regular_file_exists(const std::string& path) {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
@@ -382,9 +367,8 @@ inline std::string parent_directory(const std::string& path) {
     return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// Creates `path` and any missing parents (mkdir -p); an existing directory is fine. Safe when several
-// processes create the same directories at once. Raises kExitIo naming the path and the system's reason,
-// and "is not a directory" when a file (or anything else) is in the way.
+// mkdir -p: creates `path` and missing parents, safe against concurrent creators. Raises kExitIo naming
+// the path and the reason ("is not a directory" when something else is in the way).
 inline void make_directories(const std::string& path) {
     if (path.empty()) fail(kExitIo, "cannot create a directory with an empty name");
     for (size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
@@ -405,9 +389,16 @@ inline void make_directories(const std::string& path) {
     }
 }
 
-// Writes `path` whole or not at all: write(file) fills path.tmp, which is then fsynced, closed and renamed
-// over `path`, and the directory is fsynced so that the rename survives a crash. On any error path.tmp is
-// removed and `path` is left as it was. One writer per path at a time (they would share path.tmp).
+// The whole file at `path`, as bytes (File raises an llmc::Error naming it when it cannot be read).
+inline std::string read_text_file(const std::string& path) {
+    File f(path, File::Mode::Read);
+    std::string s(size_t(f.size()), '\0');
+    f.read_exact(s.data(), s.size());
+    return s;
+}
+
+// Writes `path` whole or not at all: write(file) fills path.tmp, which is fsynced, closed and renamed over
+// `path`, and the directory fsynced. On error path.tmp is removed. One writer per path at a time.
 inline void write_file_atomically(const std::string& path, const std::function<void(File&)>& write) {
     const std::string tmp = path + ".tmp";
     try {
@@ -426,8 +417,7 @@ inline void write_file_atomically(const std::string& path, const std::function<v
     sync_directory(parent_directory(path));
 }
 
-// Creates dir (and its parents) and proves it writable by writing, syncing and removing a small file, so
-// that a run finds out at start-up, not after hours of training, that its results cannot be saved.
+// Creates dir and proves it writable with a small file, so a run finds out at start-up, not hours later.
 inline void require_writable_directory(const std::string& dir, const char* what) {
     make_directories(dir);
     const std::string probe = dir + "/.write_probe_" + std::to_string(::getpid());

@@ -1,16 +1,8 @@
 /*
-ZeRO-1 shard geometry: pure functions over integers, so every case can be checked on a CPU.
-
-ZeroLayout pads the flat parameter array of N elements to P = W * S, with the shard size S the smallest
-multiple of the alignment that is at least ceil(N / W); rank r holds the padded range [r*S, (r+1)*S) and
-owns the real elements of it (its intersection with [0, N)), which is what its AdamW update touches and
-what its checkpoint shard stores. The padded tail [N, P) exists only so that NCCL's reduce-scatter and
-all-gather see equal shards: it is zero in the parameter and gradient buffers (allocate P elements and
-zero them once; backward never writes there, a sum of zeros stays zero) and no optimizer table covers it.
-A rank can own nothing (N < W, or N small against the alignment); it still takes part in every collective.
-
-Does not provide: the shards' files or re-sharding them on another number of ranks (llmc/checkpoint.h
-and llmc/checkpoint.cuh), or anything CUDA or NCCL (multi_gpu.cuh).
+ZeRO-1 shard geometry, pure integer functions. ZeroLayout pads N parameters to P = W * S (S the smallest
+multiple of the alignment >= ceil(N / W)); rank r holds [r*S, (r+1)*S) and owns its intersection with
+[0, N). The padded tail exists only for NCCL's equal shards: zero in the parameter and gradient buffers,
+covered by no optimizer table. A rank may own nothing; it still takes part in every collective.
 */
 #pragma once
 
@@ -21,8 +13,7 @@ and llmc/checkpoint.cuh), or anything CUDA or NCCL (multi_gpu.cuh).
 
 namespace llmc {
 
-// 128 elements: 256 bytes of bf16, 512 of fp32, so every shard starts where cudaMalloc's own alignment
-// would put a buffer, and vectorised kernels can run over a shard without a ragged head.
+// 128 elements (256 bytes of bf16): every shard starts where cudaMalloc would align a buffer.
 constexpr int64_t kZeroAlignment = 128;
 
 struct ShardRange {

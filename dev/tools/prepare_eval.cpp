@@ -123,7 +123,7 @@ std::vector<uint32_t> read_heldout_tokens(const std::vector<std::string>& inputs
     for (const std::string& path : inputs) {
         tokens.push_back(tok.eot());
         if (!ends_with(path, ".bin")) {
-            enc.encode_ordinary(ctx, tokenizer_detail::read_text_file(path), tokens);
+            enc.encode_ordinary(ctx, read_text_file(path), tokens);
             continue;
         }
         File f(path, File::Mode::Read);
