@@ -41,12 +41,12 @@ Inputs and targets are random tokens. Compared, as ||gpu - cpu|| / ||cpu|| unles
     0.1 against the CPU at the same weights, 3e-2 against the fp32 trajectory at the last step; why at
     kFp8Tol); and a batch whose B x T is not a multiple of 16 runs bf16, bitwise (but for the weight
     gradients that read a kept E4M3 LayerNorm output, within 0.06 of bf16's, and fcproj's, which with
-    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). The kept FP8 LayerNorm outputs each keep their own scale: with
-    ln1 and ln2 16x apart, and the step after ln2's weights grew 4x, the gradients match the CPU. After a
-    step whose GELU output and GELU gradient amax histories are cut to 1/64
-    (as after a 64x spike), the model's count of tensors that outgrew their history (fp8_outgrown) is 0
-    after the first step and at least 2 L after the next. The trainer's --fp8 1 names every FP8 matmul (this one
-    runs without a GPU).
+    FP8 fcproj reads a GELU output recomputed from its bf16 input, within 1e-2). The kept FP8 LayerNorm
+    outputs each keep their own scale: with ln1 and ln2 16x apart, and the step after ln2's weights grew
+    4x, the gradients match the CPU. After a step whose GELU output and GELU gradient amax histories are
+    cut to 1/64 (as after a 64x spike), the model's count of tensors that outgrew their history
+    (fp8_outgrown) is 0 after the first step and at least 2 L after the next. The trainer's --fp8 1 names
+    every FP8 matmul (this one runs without a GPU).
   - forward_scored (the classifier at some positions only) against forward() at the same positions, for
     a full batch and a packed one (more, shorter rows than allocated), at scattered positions in every
     row, in no particular order, including the first and the last of the batch: each loss within
@@ -827,7 +827,7 @@ TEST_F(GPT2TrainingTest, QkvGradDelayedWritesDqkvAtTheDelayedScale) {
 
 // Delayed scaling after a spike: after a first step, the GELU output's and the GELU gradient's amax
 // histories (the first 2 x L slots of fp8_history(): each layer's GELU output, then each layer's GELU
-// gradient; llmc/gpt2.cuh fp8_dgelu_slot) are cut to 1/64, as if both tensors had jumped 64x past them.
+// gradient; llmc/gpt2_fp8.cuh GPT2Fp8::dgelu_slot) are cut to 1/64, as if both tensors had jumped 64x past them.
 // The next step's writes of both then outgrow their histories (and saturate): the model counts them.
 TEST_F(GPT2TrainingTest, OutgrownDelayedScalesAreCounted) {
     if (!fp8_supported()) GTEST_SKIP() << "skipped: this GPU has no FP8 tensor cores (compute capability < 8.9)";
