@@ -9,50 +9,14 @@ its largest value lands on the format's largest, and the matmul multiplies by de
 all-zero tensor gets scale 1. Conversions round to nearest and saturate to the finite range
 (__NV_SATFINITE: never inf or NaN from a finite input).
 
-Provides:
-  Fp8Format<Fp8>:       kMax and the cuBLASLt data type of __nv_fp8_e4m3 and __nv_fp8_e5m2.
-  fp8_supported():      whether device 0 has FP8 tensor cores (compute capability 8.9 or higher).
-  fp8_record_amax:      (llmc/cuda_common.cuh) the device helper for kernels that write a tensor: folds
-                        a warp's max |value| into *amax_bits with an unsigned atomicMax (exact, in any
-                        order). LayerNorm forward and backward take an amax pointer and use it, so the
-                        amax of their outputs costs no pass of its own.
-  fp8_amax:             *amax_bits = the float bits of max |x| over n bf16 values (zeroed first);
-                        fp8_amax_fold folds them into *amax_bits as it is (for a producer that cannot);
-                        fp8_amax_batch folds many tensors' (Fp8AmaxJob) in one launch, each given blocks
-                        in proportion to its size (fp8_amax_batch_plan).
-  fp8_cast:             q = fp8(x * scale) from amax_bits (fp8_amax's, or a producer's), and *descale =
-                        1 / scale; 8 values a thread when n is a multiple of 8 and the pointers allow.
-  fp8_cast_transposed:  the same from x (rows, cols) row-major into q (cols, rows) row-major, through
-                        64 x 64 tiles in shared memory (fp8_cast_pair without the row-major copy): the
-                        K-major copy a backward matmul needs.
-  fp8_transpose:        an FP8 matrix (rows, cols) row-major into columns [0, rows) of dst (cols, ld)
-                        row-major, byte for byte, through 64 x 64 tiles in shared memory (two a block,
-                        loaded together, 16 bytes a thread, and written out as 4 x 4 byte blocks
-                        transposed in registers): the K-major copy of an FP8 operand for a weight
-                        gradient (the classifier's dlogits, written a chunk of rows at a time).
-  fp8_cast_pair:        the cast written row-major and transposed in one pass (fp8_transpose's tiles, 16
-                        values a thread a tile; one tile a block for the GELU gradient): the two K-major
-                        copies of a gradient whose dX and dW are both FP8; on request also each 64-row
-                        block's column sums (fp32), for the bias gradient.
-  fp8_dgelu_cast_pair:  the same for GELU's backward: x * GELU'(aux) cast at a given (delayed) scale,
-                        its amax recorded for the next.
-  fp8_dequantize:       x = bf16(q * descale) (rounded to nearest): a saved FP8 tensor back in bf16 for
-                        a bf16 matmul; 8 values a thread when n and the pointers allow.
-  Fp8Gemm:              D (M, N) bf16 row-major = (descale_p * P (M, K)) @ (descale_q * Q (N, K))^T
-                        (+ bias (N) in the epilogue, or GELU keeping its input, or times GELU' of a kept
-                        input, or D += the product for gradients that accumulate: Fp8Epilogue), P and Q FP8 row-major ("TN": both K-major, the only
-                        layout Hopper's FP8 matmuls take), fp32 accumulation (fast accumulation on
-                        request), descales read from device pointers at each run. Not both operands
-                        E5M2 (cuBLASLt has no such kernel). M, N and K multiples of 16, pointers 16-byte
-                        aligned: checked, with errors naming the operand.
-  Fp8Gemm's FP8 output: D in E4M3 at a given scale (saturating), with the bias or GELU epilogue, its
-                        amax written by the matmul.
-  fp8_matmul:           one Fp8Gemm built and run (the heuristic's first choice), as gemm() does for bf16.
-Every call is checked; casts on `stream`.
-
-  fp8_delayed_scales, fp8_history_push: delayed scaling, for FP8 tensors a matmul writes (Fp8Gemm's FP8 D,
-                        which records its amax as it writes): the scale from an amax history, and the history
-                        advanced by the amax just measured, counting the tensors that outgrew it.
+Provides (each described where it is defined): Fp8Format<Fp8> (kMax, the cuBLASLt type), fp8_supported();
+the amax (fp8_amax, fp8_amax_fold, fp8_amax_batch; kernels that write a tensor fold their own with
+fp8_record_amax, llmc/cuda_common.cuh); casts (fp8_cast, fp8_cast_transposed, fp8_cast_pair and
+fp8_dgelu_cast_pair: row-major and transposed in one pass, the two K-major copies a gradient's FP8 dX and
+dW read), fp8_transpose, fp8_dequantize; delayed scaling (fp8_delayed_scales, fp8_history_push); and
+Fp8Gemm / fp8_matmul: D = (descale_p P)(descale_q Q)^T, both operands FP8 K-major ("TN", the only layout
+Hopper's FP8 matmuls take), fp32 accumulation, bf16 or E4M3 D, with Fp8Epilogue's bias, GELU, GELU' or
+accumulate. Every call is checked; casts run on `stream`. docs/design.md says why the kernels are shaped so.
 
 Does not provide: the LayerNorm kernels' own E4M3 outputs (llmc/layernorm.cuh, LayerNormFp8Out), or an
 FP8 output with the GELU-gradient epilogue (cuBLASLt has none).
@@ -364,6 +328,7 @@ inline void fp8_amax_fold(const floatX* x, int64_t n, unsigned int* amax_bits, c
     cudaCheckLaunch();
 }
 
+// *amax_bits = the float bits of max |x| over n bf16 values (zeroed first).
 inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
     cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
     fp8_amax_fold(x, n, amax_bits, stream);
@@ -435,6 +400,7 @@ inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, int64_t blocks, cu
     cudaCheckLaunch();
 }
 
+// q = fp8(x * scale), scale from amax_bits (fp8_amax's, or a producer's); *descale = 1 / scale.
 template <class Fp8>
 void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
     if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
@@ -451,6 +417,7 @@ void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits,
     cudaCheckLaunch();
 }
 
+// x = bf16(q * descale), rounded to nearest: a saved FP8 tensor back in bf16 for a bf16 matmul.
 template <class Fp8>
 void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cudaStream_t stream) {
     if (n == 0) return;
@@ -590,19 +557,14 @@ __global__ void fp8_history_push_kernel(float* history, int slots, int len, cons
 }  // namespace detail
 
 // Delayed scaling, for an FP8 tensor written by a kernel that needs its scale before it knows the amax
-// (a matmul's FP8 output, Fp8Gemm): each of `slots` tensors keeps the amax of its last `len` writes in
-// history ((slots, len) floats, entry 0 the newest; zeros where there were fewer writes), and is written
-// with scale = kMax / (the largest of them) (1 for an all-zero history). fp8_delayed_scales writes each
-// slot's scale and descale = 1 / scale at scale[s * stride] and descale[s * stride]; fp8_history_push
-// shifts each slot's history by one and puts amax[s * stride] (the amax just measured; 0 if it is inf or
-// NaN: an overflowing step, which the trainer's step guard skips, would otherwise give the next len steps a
-// scale of 0) in front, and
-// counts the writes in *count (unless null; a float, at most len: how much of the history is real). A
-// tensor whose amax grew past its history's saturates at kMax (Fp8Gemm's FP8 outputs clip) until the
-// history catches up: one write later. fp8_history_push adds to *outgrown (unless null; a float) one for
-// each slot whose new amax is past its history's largest by more than kFp8Saturated (the write it
-// measured saturated: its largest values clipped at kMax): how often delayed scaling fell behind a tensor.
-// An empty history (the first write, whose scale came from its own amax) counts nothing.
+// (Fp8Gemm's FP8 output): each of `slots` tensors keeps the amax of its last `len` writes in history
+// ((slots, len) floats, entry 0 the newest, zeros for writes not yet made) and is written with
+// scale = kMax / (their largest) (1 for an all-zero history). fp8_delayed_scales writes each slot's scale
+// and descale = 1 / scale at [s * stride]. fp8_history_push shifts each history by one, puts amax[s * stride]
+// in front (0 if not finite: the step guard skips such a step, and it must not zero the next len scales),
+// counts the writes in *count (unless null; a float, at most len), and adds to *outgrown (unless null; a
+// float) one per slot whose new amax passed its non-empty history's largest by more than kFp8Saturated:
+// that write saturated at kMax, delayed scaling having fallen one write behind.
 template <class Fp8>
 void fp8_delayed_scales(const float* history, int slots, int len, float* scale, float* descale, int stride,
                         cudaStream_t stream) {
@@ -643,8 +605,11 @@ struct Fp8Epilogue {
     bool accumulate = false;
 };
 
-// The file's comment. The operands, descales, bias and output are fixed at construction (cuBLASLt reads
-// the descales at each run, so a cast before run() may change them).
+// D (M, N) bf16 row-major = (descale_p P (M, K)) (descale_q Q (N, K))^T, P and Q FP8 row-major, fp32
+// accumulation (fast on request), with Fp8Epilogue's extras. Not both operands E5M2 (cuBLASLt has no such
+// kernel); M, N, K multiples of 16 and pointers 16-byte aligned, checked with errors naming the operand.
+// The operands, descales, bias and output are fixed at construction (cuBLASLt reads the descales at each
+// run, so a cast before run() may change them).
 class Fp8Gemm {
 public:
     template <class P, class Q>
