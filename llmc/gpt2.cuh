@@ -1,36 +1,26 @@
 /*
-The GPT-2 model on the GPU, in mixed precision: its parameters, gradients, optimizer state and
-activations, allocated once for micro-batches of up to B x T tokens, and forward, backward and update
-built from the layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
+The GPT-2 model on the GPU, in mixed precision: parameters, gradients, optimizer state and activations,
+allocated once for micro-batches of up to B x T tokens, and forward, backward and update built from the
+layer kernels in llmc/. Tests, tools and train_gpt2.cu share it.
 
-Numbers: parameters, gradients and activations are bf16; LayerNorm statistics, losses, the AdamW moments
-and the master weights are fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW updates the fp32 master
-weights and rounds them stochastically into the bf16 parameters the model computes with.
+Numbers: parameters, gradients and activations bf16; LayerNorm statistics, losses, AdamW moments and
+master weights fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW rounds the fp32 master weights
+stochastically into the bf16 parameters.
 
-Reading order: forward() (the classifier) with forward_to_lnf() (the embedding, the blocks, the final
-LayerNorm), and backward(), each show the layer sequence once. Every matmul goes through linear_forward or
-linear_backward, which run it in bf16, or in FP8 where its operands come with FP8 copies (LinearIn,
-LinearGrad); the helpers below them make those copies. The options change what runs in a step, never
-the layer sequence:
-  - FP8 (set_fp8, the trainer's --fp8): chosen matmuls with FP8 operands. The FP8 state (the weights'
-    copies, the scales, delayed scaling's history) is GPT2Fp8, llmc/gpt2_fp8.cuh.
-  - The classifier's exp forward (set_classifier_exp, --classifier-exp): bf16 training forwards on
-    Hopper run the classifier in llmc/classifier_sm90.cuh, whose epilogue computes the exponentials.
-  - A second stream for backward's weight gradients (set_dw_stream, --dw-stream; DwSide): bf16 on one
-    GPU without recompute; the same bits as one stream.
-  - Recompute (the constructor's recompute_gelu, -r 1): one GELU buffer, recomputed in backward.
-docs/design.md ("The model", "Inside the model") says how each works and why. Some buffers deliberately
-hold different tensors at different points of a step (d_qkv_, d_fch_, d_ln_, proj_, logits_ and the
-scratch): each use says what it holds there and why the buffer is free then.
+Reading order: forward() with forward_to_lnf(), and backward(), each show the layer sequence once. Every
+matmul goes through linear_forward / linear_backward: bf16, or FP8 where the operands come with FP8
+copies (LinearIn, LinearGrad). Options change what runs, never the layer sequence: FP8 (set_fp8, --fp8;
+its state is GPT2Fp8, llmc/gpt2_fp8.cuh), the classifier's exp forward (set_classifier_exp,
+llmc/classifier_sm90.cuh), a second stream for weight gradients (set_dw_stream, DwSide) and GELU
+recompute (-r 1). docs/design.md ("The model", "Inside the model") says how each works and why.
+Some buffers deliberately hold different tensors at different points of a step (d_qkv_, d_fch_, d_ln_,
+proj_, logits_ and the scratch): each use says what it holds there and why the buffer is free then.
 
-Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks
-(per layer as backward leaves it, or one reduce-scatter with ZeRO-1, where the master weights and
-moments are sharded: llmc/zero.h); update() divides the norm and the clip scale by the number of ranks
-in fp32 (an exact 1/W, which bf16 lacks for most W) and all-gathers the parameters. One rank through
-NCCL computes the same bits as the single-GPU path.
+Data parallel (llmc/multi_gpu.cuh): with a MultiGpu, backward sums the gradients over the ranks (per
+layer, or one reduce-scatter with ZeRO-1, llmc/zero.h); update() divides norm and clip scale by the
+ranks in fp32 (bf16 has no exact 1/W for most W). One rank through NCCL gives the single-GPU bits.
 
-Does not provide: the training loop, data, logging or sampling policy (train_gpt2.cu), or what a
-checkpoint holds (llmc/checkpoint.cuh).
+Not here: the training loop, data, logging, sampling (train_gpt2.cu); checkpoint contents (llmc/checkpoint.cuh).
 */
 #pragma once
 
@@ -126,10 +116,8 @@ public:
     };
 
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
-    // With `multi` (data parallel) the gradients are summed over its ranks; zero_stage 1 shards the
-    // optimizer state (ZeRO-1). Without it, one GPU and no NCCL call.
-    // recompute_gelu: keep one GELU output buffer instead of one per layer and recompute it in backward
-    // (llm.c's -r 1): the forward is unchanged, backward reads the recomputed values.
+    // With `multi` the gradients are summed over its ranks (zero_stage 1: ZeRO-1); without it, one GPU, no
+    // NCCL. recompute_gelu (-r 1): one GELU output buffer for all layers, recomputed in backward.
     GPT2(const GPT2Config& config, int B, int T, cudaStream_t stream, MultiGpu* multi = nullptr, int zero_stage = 0,
          bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
@@ -180,11 +168,10 @@ public:
     void set_gemm_tuning(bool on) { lt_.set_tuning(on); }
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
-    // Backward's weight gradients on a second stream (docs/design.md): 0 one stream, 1 dwte, fc's and
-    // qkv's, 2 also attproj's and fcproj's (memory().activation_grads grows by a B x T x C buffer). It applies
-    // to bf16 steps on one GPU without recompute: set FP8 (set_fp8) first. Where it applies, the first call
-    // asking for a level allocates what it needs (synchronising the stream); elsewhere, and after a later
-    // set_fp8 turning FP8 on, backward runs on one stream (dw_stream_applies() says which).
+    // Backward's weight gradients on a second stream (docs/design.md): 0 one stream, 1 dwte, fc's and qkv's,
+    // 2 also attproj's and fcproj's (activation_grads grows by B x T x C). Only bf16 steps on one GPU without
+    // recompute: set_fp8 first. The first call asking for a level allocates (synchronising); elsewhere backward
+    // runs on one stream (dw_stream_applies() says which).
     void set_dw_stream(int level) {
         if (level < 0 || level > 2) fail(kExitUsage, "GPT2: weight-gradient stream level %d, need 0, 1 or 2", level);
         dw_level_ = level;
@@ -361,34 +348,24 @@ public:
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
     }
 
-    // Rows that hold several sequences sharing a prefix (the multiple-choice evaluation's packed rows,
-    // llmc/mc_eval.h McPackedBatch), for forward_scored: positions (B,T) each input's position embedding
-    // row (below the model's maxT; not checked here: the caller builds them), groups (B,T) its attention
-    // group (llmc/attention.cuh: group 0 is seen by every later position of its row, any other group only
-    // by itself). Both device int32.
+    // Rows packing several sequences that share a prefix (llmc/mc_eval.h McPackedBatch), for forward_scored,
+    // both (B,T) device int32: positions, each input's position-embedding row (below maxT; the caller's to
+    // check); groups, its attention group (llmc/attention.cuh: group 0 is seen by every later position of its
+    // row, any other group only by itself).
     struct PackedRows {
         const int* positions;
         const int* groups;
     };
 
-    // Runs the model on inputs (B,T) as forward() does up to the final LayerNorm, then the classifier at M
-    // of the B*T positions only (evaluation, where only some positions are scored: the multiple-choice
-    // endings). scored (M, device int32) are indices into the B*T positions, each in [0, B*T) (not
-    // checked here: the caller builds and checks them), in any order, repeats allowed (so M may exceed
-    // B*T, up to the allocated B x T rows of the classifier's buffers); targets (M, device int32) are
-    // their next tokens. The final LayerNorm's rows at those positions are gathered into a
-    // compact (M,C) buffer, so logits() holds their (M,Vp) logits (left as logits), losses() their M losses
-    // in the order given, and *mean_out (a device float; mean_loss() when null) the mean of those M. The
-    // classifier (the lm_head matmul and the softmax over Vp columns) then costs M / (B*T) of forward()'s.
-    // The losses equal forward()'s at the same positions up to the lm_head matmul: cuBLASLt may choose
-    // another algorithm for M rows than for B*T, which may round a logit to its other bf16 neighbour, so
-    // they are close, not always bitwise equal.
-    // With packed, the rows are PackedRows: the position embedding comes from packed->positions and
-    // attention runs the cuBLASLt path with packed->groups (its probabilities and scratch in buffers of
-    // the model's own: reserve_packed; growing them synchronises the stream). A sequence's
-    // losses then equal, to within bf16 rounding (the two attention paths differ in it), those of the same
-    // sequence alone in a row of its own.
-    // No backward() may follow either way (the logits are no gradient, and packed rows save nothing).
+    // forward() up to the final LayerNorm, then the classifier at M of the B*T positions only (evaluation).
+    // scored (M, device int32): indices into the B*T positions, in [0, B*T) (the caller's to check), any
+    // order, repeats allowed (M up to the allocated B x T); targets (M): their next tokens. Those lnf rows are
+    // gathered into a compact (M,C) buffer: logits() holds their (M,Vp) logits, losses() their M losses in
+    // order, *mean_out (mean_loss() when null) their mean. The losses match forward()'s closely, not always
+    // bitwise (cuBLASLt may pick another algorithm for M rows). With packed, positions and attention groups
+    // come from PackedRows and attention takes the cuBLASLt path (buffers: reserve_packed; growing them
+    // synchronises); a sequence's losses match those of it alone in a row to within bf16 rounding.
+    // No backward() may follow (the logits are no gradient; packed rows save nothing).
     void forward_scored(const int* inputs, int B, int T, const int* scored, const int* targets, int64_t M,
                         float* mean_out = nullptr, const PackedRows* packed = nullptr) {
         check_batch(B, T, "forward_scored");
@@ -413,10 +390,9 @@ public:
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, M, stream_);
     }
 
-    // The device memory forward_scored's packed rows need beyond the model's own allocation, for a batch
-    // of B x T (the cuBLASLt attention's probabilities and scratch, one layer at a time), and a way to
-    // allocate it ahead (a trainer does so before its first step, so that nothing is allocated later):
-    // the buffers grow to the largest of what is reserved and what batches need, never shrink.
+    // The device memory forward_scored's packed rows need beyond the model's allocation for a B x T batch
+    // (the cuBLASLt attention's probabilities and scratch, one layer at a time), and reserving it ahead so
+    // nothing is allocated in a step: the buffers grow to the largest asked for, never shrink.
     struct PackedBytes {
         size_t att = 0, scratch = 0;
     };
@@ -491,11 +467,10 @@ public:
                                  : LinearIn{lnf_},
                         w.wte, -1, 0, N, C, Vp, nullptr, 1, nullptr);
         if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
-        // d_residual_ carries the residual stream's gradient down through the layers; LayerNorm backward
-        // adds into it, so it starts from zero. Each LayerNorm backward also adds the column sums of the
-        // residual gradient it leaves into the bias gradient of the projection that gradient flows into next
-        // (fcproj, attproj): what that projection's matmul_backward would add from it, bit for bit, without
-        // another pass over it. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
+        // d_residual_ carries the residual stream's gradient down the layers; LayerNorm backward adds into it, so
+        // it starts at zero. Each LayerNorm backward also adds the column sums of the gradient it leaves into the
+        // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward
+        // would add, without another pass. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
         auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
@@ -583,22 +558,18 @@ public:
         }
     }
 
-    // Global gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step counts from 1),
-    // all on the device. The norm lands in *norm_out (the model's slot grad_norm() when null). `seed`
-    // keys the stochastic rounding of the bf16 parameters.
-    // With several ranks it first waits for backward's gradient sums; with ZeRO-1 the norm is the
-    // sum of the ranks' sums of squares over their shards, each rank updates its shard, and the bf16
-    // parameters are all-gathered before anything later on the stream (the next forward) reads them.
-    // The step guard (adamw_guard): the update is skipped, leaving parameters, master weights and moments
-    // as they were, when the norm or any of the n_losses losses (device floats, the step's micro-batch
-    // means) is not finite, or their mean is above loss_limit.
+    // Gradient norm, clip factor (grad_clip <= 0: none) and one AdamW step (step from 1), all on the device;
+    // the norm lands in *norm_out (grad_norm()'s slot when null); `seed` keys the bf16 stochastic rounding.
+    // With several ranks it waits for backward's sums; with ZeRO-1 the norm sums the ranks' shards, each rank
+    // updates its shard and the bf16 parameters are all-gathered before the stream reads them again.
+    // Step guard (adamw_guard): the update is skipped, all state unchanged, when the norm or any of the
+    // n_losses device losses (the micro-batch means) is not finite, or their mean is above loss_limit.
     void update(const AdamWSettings& settings, float grad_clip, int step, uint64_t seed, float* norm_out = nullptr,
                 const float* losses = nullptr, int n_losses = 0, float loss_limit = INFINITY) {
         float* norm = norm_out != nullptr ? norm_out : scalars_.get() + 1;
         float* scale = scalars_.get() + 2;
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
-        // The gradients are summed over the ranks (bf16 has no exact 1/W for most W); the norm and the clip
-        // scale divide by W in fp32, so AdamW sees the mean gradient.
+        // Summed over W ranks: dividing the norm and the clip scale by W in fp32 gives AdamW the mean gradient.
         const int ranks = multi_ != nullptr ? multi_->world() : 1;
         fp8_.weights_changed();
         if (multi_ != nullptr) multi_->join(stream_);
