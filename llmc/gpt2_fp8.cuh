@@ -1,11 +1,9 @@
 /*
 The GPT-2 model's FP8 state (llmc/gpt2.cuh owns one; docs/design.md, "Inside the model", says what runs in
-FP8 and why): which matmuls run with FP8 operands (Fp8Matmuls, the trainer's --fp8 1 = fp8_recipe(true)),
-the weights' E4M3 copies and their casts, the amax and descale slots of every FP8 tensor, delayed scaling
-(the scales, the amax history a checkpoint holds, and the first step that measures before it writes), the
-FP8 copies of the activations and gradients the model's matmuls read (LinearIn, LinearGrad, LinearOut8:
-a tensor in bf16 with its FP8 copies), and the FP8 classifier (its forward and most of its backward, a
-chunk of rows at a time).
+FP8 and why): the choice of matmuls (Fp8Matmuls; --fp8 1 = fp8_recipe(true)), the weights' E4M3 copies, the
+amax and descale slots, delayed scaling (scales, the amax history a checkpoint holds, the first step's
+measuring), the FP8 operands the model's matmuls read (LinearIn, LinearGrad, LinearOut8), and the FP8
+classifier (forward and most of its backward, a chunk of rows at a time).
 
 Slots: every FP8 tensor's amax and descale sit in 16-byte slots (cuBLASLt wants its scale pointers
 aligned): one per weight copy (kind-major, then layer; the classifier's after them), one per kept
@@ -39,9 +37,8 @@ kernels and matmuls themselves (llmc/fp8.cuh), or the model's forward and backwa
 
 namespace llmc {
 
-// Which of the model's matmuls run with FP8 operands (docs/design.md; the trainer's --fp8 1 turns them all
-// on: fp8_recipe()); the rest stay bf16. The matmuls are named apart because a shape or setting can keep
-// some of them in bf16 (rows not a multiple of 16, recompute, attention without its FP8 kernels).
+// Which matmuls run with FP8 operands (--fp8 1: all, fp8_recipe()); the rest stay bf16. Named apart because
+// a shape or setting can keep some in bf16 (rows not a multiple of 16, recompute, no FP8 attention kernels).
 struct Fp8Matmuls {
     bool qkv = false, fc = false, lm_head = false;  // forward
     bool attproj_dx = false, fcproj_dx = false;     // backward, the input gradient
@@ -191,9 +188,8 @@ public:
         if (m.lm_head_grad) at += size_t(c.padded_vocab_size) * C;  // wte^T, for the classifier's dX
         weights_.allocate(at);
         if (m.fcproj) {
-            // Delayed scaling: per slot an amax, a scale and a descale (each in 16-byte slots), then the
-            // count of tensors that outgrew their history (outgrown()); and the history with its count
-            // after it.
+            // Delayed scaling: per slot an amax, a scale and a descale (16-byte slots), then the outgrown()
+            // count; then the history, its count after it.
             delayed_.allocate(3 * delayed_slots() * kFp8SlotStride + kFp8SlotStride);
             history_.allocate(delayed_slots() * kFp8HistoryLen + kFp8SlotStride);
             cudaCheck(cudaMemsetAsync(delayed_.get(), 0, delayed_.bytes(), stream_));
@@ -348,9 +344,8 @@ public:
                                               kFp8SlotStride, stream_);
         }
     }
-    // Runs write(), which writes the slot's tensor at its delayed scale and records its amax. With measure
-    // (no history yet) it runs twice: first to measure the amax and set the scale from it alone, then
-    // for real.
+    // Runs write(), which writes the slot's tensor at its delayed scale and records its amax; with measure (no
+    // history yet) twice, the first time only to measure the amax and take the scale from it.
     template <class Fp8, class Write>
     void run_delayed(int s, bool measure, Write&& write) {
         if (measure) {
@@ -389,9 +384,8 @@ public:
         }
         history_count_ = int(count);
     }
-    // The count of the tensors whose amax outgrew their history (a float on the device, null without delayed
-    // scaling): fp8_history_push adds to it after each training backward (llmc/fp8.cuh), and nothing resets
-    // it. A write that outgrew its history saturated (its largest values clipped at the format's largest).
+    // The count of tensors whose amax outgrew their history (a device float, null without delayed scaling):
+    // fp8_history_push adds to it after each training backward; nothing resets it.
     float* outgrown() const {
         return delayed_.get() == nullptr ? nullptr : delayed_.get() + 3 * delayed_slots() * kFp8SlotStride;
     }
