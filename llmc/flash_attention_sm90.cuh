@@ -2,11 +2,8 @@
 Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same kernels,
 arguments, saved state (lse), scratch (D) and bits as flash_forward<64>/flash_backward<64> of
 llmc/flash_attention.cuh, which stays the path for every other GPU and head size.
-  flash90_available():  built for sm_90a (LLMC_SM90A) and the current device is compute 9.0.
-  flash90_forward:      out (B,T,C) bf16 and lse (B,NH,T) fp32 from qkv (B,T,3C).
-  flash90_backward:     dqkv (B,T,3C), overwritten; optionally each 64-row block's column sums for the bias.
-  flash90_backward_fp8: the same gradient written in FP8 by the kernels, row-major and transposed, with
-                        the column sums and the amax (Flash90Fp8Out).
+Entry points (at the end of the file): flash90_available, flash90_forward, flash90_backward (optionally
+with the bias's column sums) and flash90_backward_fp8 (dqkv written in FP8 by the kernels, Flash90Fp8Out).
 A block is one warpgroup (128 threads) owning 64 rows. The fixed operand stays in shared memory as
 wgmma's A; the streamed one (64 rows a step, double-buffered) is B. TMA loads the tiles (rows past T
 arrive as zeros) in the 128-byte swizzle; the fixed operands never enter registers (ptxas would

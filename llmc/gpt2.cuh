@@ -235,11 +235,10 @@ public:
         return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
     }
 
-    // FP8 matmuls (docs/design.md): which ones, from now on. Allocates the weights' FP8 copies
-    // (memory().fp8) and, when the qkv or fc choice changes, the activations again (the LayerNorm outputs
-    // those matmuls read are kept in FP8: memory().activations shrinks), so a backward() needs a forward()
-    // after it. Fails on a GPU without FP8 tensor cores, or for shapes the FP8 matmuls cannot take
-    // (channels and, for lm_head, the padded vocabulary multiples of 16).
+    // FP8 matmuls (docs/design.md): which ones, from now on. Allocates the weights' FP8 copies (memory().fp8)
+    // and, when the qkv, fc or fcproj choice changes, lays the activations out again (LayerNorm outputs kept in
+    // FP8 shrink memory().activations), so a backward() needs a forward() first. Fails without FP8 tensor cores
+    // or for shapes the FP8 matmuls cannot take (C, and for lm_head Vp, multiples of 16).
     void set_fp8(const Fp8Matmuls& m) {
         cudaCheck(cudaStreamSynchronize(stream_));  // a step in flight may still read the old copies
         GPT2Fp8::check_supported(m);
@@ -630,8 +629,7 @@ private:
         const OuterTensors<const floatX> w = outer(p);
         fp8_.cast_weights([&](int l) { return block(p, l); }, w.wte);
         const bool fp8_qkv = fp8_.on.qkv && fp8_.rows(N), fp8_fc = fp8_.on.fc && fp8_.rows(N);
-        // FP8 fcproj: delayed scaling. Without a history (the first forward), each tensor written at a
-        // delayed scale is written twice, the first time at scale 1 to measure its amax (run_delayed).
+        // FP8 fcproj: delayed scaling (without a history, run_delayed writes each tensor twice, measuring first).
         const bool fp8_fcproj = fp8_.fcproj_on(N), measure = fp8_fcproj && fp8_.measuring();
         if (fp8_fcproj) fp8_.set_delayed_scales();
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));

@@ -2,12 +2,9 @@
 Matrix multiplications through cuBLASLt: bf16 inputs and outputs (or fp32 outputs), fp32 accumulation.
   cublasCheck(call): raises an llmc::Error naming the call, file, line and cuBLAS's status.
   CublasLt: owner of a cuBLASLt handle and its workspace (one per stream: a shared workspace would race).
-  gemm(): row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with optional epilogues (bias,
-      GELU keeping its input, GELU gradient); detail::GemmCall also lists and runs the heuristic's algorithms.
-  The linear layer, with llmc/gpt2_cpu.h's argument meanings (weight (OC, C) as nn.Linear):
-      matmul_forward:  out = inp @ weight^T + bias, optionally through GELU (pre_gelu keeps its input);
-      matmul_backward: dinp = dout @ weight (OVERWRITTEN; times GELU'(pre_gelu) when given), dweight +=
-                       and dbias += (ADDED over micro-batches).
+  gemm(): row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with optional epilogues.
+  matmul_forward / matmul_backward: the linear layer, with llmc/gpt2_cpu.h's argument meanings (weight
+      (OC, C) as nn.Linear); dinp is OVERWRITTEN, dweight and dbias ADDED to (over micro-batches).
 The bias gradient is our own fixed-order two-pass reduction (no atomics: bitwise reproducible).
 With tuning on (set_tuning; the trainer always tunes), the first beta = 0 call of each shape, layout and
 epilogue times the heuristic's candidates that give the first choice's exact bits (by fingerprint) and
