@@ -196,14 +196,12 @@ __device__ inline float gelu_grad(float x) {
 }
 
 // fp8_cast_pair's kernel, tiled as fp8_transpose_kernel (fp8_cast_pair_tiles(kAux) tiles a block): for
-// each of its tiles, thread t reads 16 bf16 values of x row r0 + t/4 (columns c0 + 16 (t%4) ..; all
-// tiles' loads first), writes their 16 FP8 bytes to q's same row and columns (unless kRowMajor is
-// false), and through the tile to qt. `vector`: x (and
-// aux), q, qt 16-byte aligned, cols and ldt multiples of 16. With kSums, the values also go to a float
-// tile per tile, whose 64 columns threads 0..63 then sum in row order into col_sums' row for that tile.
-// With kAux, each value is x * GELU'(aux) (fp8_dgelu_cast_pair). The scale is *scale_in when given
-// (delayed scaling), else from amax_bits; descale (unless null) gets 1 / scale; with amax_out, the max
-// |value| is folded into it.
+// each tile, thread t reads 16 bf16 values of x row r0 + t/4 (columns c0 + 16 (t%4) ..; all tiles' loads
+// first), writes their FP8 bytes to q's same place (if kRowMajor) and through the tile to qt. `vector`:
+// x (and aux), q, qt 16-byte aligned, cols and ldt multiples of 16. kSums: the values also go to a float
+// tile, whose 64 columns threads 0..63 sum in row order into col_sums' row for that tile. kAux: each
+// value is x * GELU'(aux). The scale is *scale_in (delayed) or from amax_bits; descale (unless null)
+// gets 1 / scale; amax_out (unless null) folds in max |value|.
 template <class Fp8, bool kAux, bool kSums, bool kRowMajor>
 __global__ void __launch_bounds__(kFp8ByteTileThreads)
     fp8_cast_pair_kernel(uint8_t* q, uint8_t* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows,
