@@ -621,12 +621,10 @@ public:
         : Fp8Gemm(lt, M, N, K, p, q, descale_p, descale_q, static_cast<void*>(d), CUDA_R_16BF, nullptr, nullptr,
                   epilogue, fast_accum) {}
 
-    // An FP8 D instead of bf16 (E4M3: cuBLASLt 13.1 on the H200 has no E5M2 D for E4M3 operands, nor
-    // an amax of a bf16 D): D = fp8(result * *scale_d), rounded to nearest and
-    // saturated to the format's finite range (a scale too large clips, never NaN); with amax_d, the
-    // matmul also writes max |result| (after the epilogue, before scale_d) there: the next scale's
-    // measure (delayed scaling). The epilogue may add a bias or apply GELU (its aux stays bf16); neither
-    // accumulate nor the GELU gradient (cuBLASLt has no such FP8-output kernels on Hopper).
+    // An E4M3 D instead of bf16 (cuBLASLt 13.1 has no E5M2 D for E4M3 operands, nor an amax of a bf16 D):
+    // D = fp8(result * *scale_d), rounded to nearest, saturating (a scale too large clips, never NaN);
+    // amax_d (unless null) gets max |result| (after the epilogue, before scale_d), delayed scaling's next
+    // measure. Epilogue: bias or GELU (aux stays bf16), not accumulate or GELU' (no such kernels on Hopper).
     template <class P, class Q, class D>
     Fp8Gemm(const CublasLt& lt, int64_t M, int64_t N, int64_t K, const P* p, const Q* q, const float* descale_p,
             const float* descale_q, D* d, const float* scale_d, float* amax_d, const Fp8Epilogue& epilogue,

@@ -392,7 +392,6 @@ public:
 
     // The FP8 operands of the model's matmuls (llmc/gpt2.cuh's linear_forward and linear_backward read them),
     // each in a buffer of the model's the caller says is free (stage).
-    //
     // A LayerNorm output a matmul reads (ln1, ln2; run(out, amax, f) runs the LayerNorm): written in bf16 to
     // out where the model keeps it so (amax: its amax recorded there), else kept in E4M3 only, in q. With
     // delayed scaling (delayed) the LayerNorm writes it so itself at delayed_slot's scale, recording the amax
