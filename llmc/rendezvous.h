@@ -21,6 +21,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -479,16 +480,21 @@ inline IdState read_id_file(const std::string& path, RendezvousIdFile* f, std::s
     return f->decode(b, why) ? IdState::Valid : IdState::Unreadable;
 }
 
-constexpr size_t kAckBytes = 12;  // magic, rank, world
+// An acknowledgement file, and a TCP peer's hello: magic, rank, world.
+constexpr size_t kAckBytes = 12;
+inline std::array<char, kAckBytes> rank_and_world(int rank, int world) {
+    std::array<char, kAckBytes> b;
+    put_u32(&b[0], kMagic);
+    put_u32(&b[4], uint32_t(rank));
+    put_u32(&b[8], uint32_t(world));
+    return b;
+}
 
 inline void write_ack(const std::string& path, int rank, int world) {
-    char b[kAckBytes];
-    put_u32(b, kMagic);
-    put_u32(b + 4, uint32_t(rank));
-    put_u32(b + 8, uint32_t(world));
+    const std::array<char, kAckBytes> b = rank_and_world(rank, world);
     // One small write: rank 0 reads it whole or, while it is being written, finds it short and retries.
     File f(path, File::Mode::Write);
-    f.write_all(b, sizeof(b));
+    f.write_all(b.data(), b.size());
     f.close();
 }
 
@@ -616,6 +622,12 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
     std::string ack;             // the acknowledgement this rank left, while acked
     RendezvousIdFile read;       // the id file it acknowledged (or last read)
     std::string unreadable;      // why the last file found could not be read
+    auto check_world = [&] {
+        if (read.world != world) {
+            fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
+                 read.world, rank, world);
+        }
+    };
     for (;;) {
         RendezvousIdFile now;
         std::string why;
@@ -631,10 +643,7 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
                 acked = false;  // a new launch's rank 0 removed it as a leftover
             } else if (state == d::IdState::Absent) {
                 std::remove(ack.c_str());
-                if (read.world != world) {
-                    fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
-                         path.c_str(), read.world, rank, world);
-                }
+                check_world();
                 fail(kExitError,
                      "rendezvous: rank 0 (%s) removed '%s' without taking rank %d's acknowledgement: it gave up "
                      "(see its output)",
@@ -653,12 +662,9 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
             unreadable = why;
         }
         if (d::Clock::now() >= deadline) {
-            if (acked) std::remove(ack.c_str());
-            if (acked && read.world != world) {
-                fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
-                     path.c_str(), read.world, rank, world);
-            }
             if (acked) {
+                std::remove(ack.c_str());
+                check_world();
                 fail(kExitError,
                      "rendezvous: rank %d waited %.1f s and the id in '%s' (from %s) was never confirmed: a file left "
                      "by an earlier launch whose rank 0 is gone? Start rank 0 with the same --rendezvous and job name",
@@ -680,56 +686,36 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
 
 namespace rendezvous_detail {
 
+// Owns a file descriptor (-1: none); movable, not copyable.
 class Socket {
 public:
-    Socket() = default;
-    explicit Socket(int fd) : fd_(fd) {}
-    Socket(Socket&& o) noexcept : fd_(o.release()) {}
-    Socket& operator=(Socket&& o) noexcept {
-        if (this != &o) {
-            reset();
-            fd_ = o.release();
-        }
+    explicit Socket(int fd = -1) : fd_(fd) {}
+    Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+    Socket& operator=(Socket o) noexcept {
+        std::swap(fd_, o.fd_);
         return *this;
     }
-    Socket(const Socket&) = delete;
-    Socket& operator=(const Socket&) = delete;
-    ~Socket() { reset(); }
+    ~Socket() {
+        if (fd_ >= 0) ::close(fd_);
+    }
     int fd() const { return fd_; }
-    int release() { return std::exchange(fd_, -1); }
-    void reset() {
-        if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    }
 
 private:
-    int fd_ = -1;
+    int fd_;
 };
 
-// The addresses of host:port; on failure, empty, with the resolver's reason in error().
-class AddrInfo {
-public:
-    AddrInfo(const std::string& host, int port) {
-        addrinfo hints{};
-        hints.ai_family = AF_UNSPEC;
-        hints.ai_socktype = SOCK_STREAM;
-        const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list_);
-        if (rc != 0) {
-            list_ = nullptr;
-            error_ = format("cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
-        }
-    }
-    ~AddrInfo() {
-        if (list_) ::freeaddrinfo(list_);
-    }
-    AddrInfo(const AddrInfo&) = delete;
-    AddrInfo& operator=(const AddrInfo&) = delete;
-    const addrinfo* list() const { return list_; }
-    const std::string& error() const { return error_; }
+using AddrList = std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)>;
 
-private:
-    addrinfo* list_ = nullptr;
-    std::string error_;
-};
+// The addresses of host:port; on failure, empty, with the resolver's reason in *why.
+inline AddrList resolve(const std::string& host, int port, std::string* why) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list);
+    if (rc != 0) *why = format("cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
+    return AddrList(rc == 0 ? list : nullptr, ::freeaddrinfo);
+}
 
 // Sends or receives exactly n bytes before the deadline; false (reason in *why) otherwise.
 inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_point deadline, std::string* why) {
@@ -796,7 +782,6 @@ inline Socket listen_everywhere(int port, std::string* why) {
     return Socket();
 }
 
-constexpr size_t kHelloBytes = 12;                    // magic, rank, world
 constexpr size_t kReplyBytes = 12 + kUniqueIdBytes;   // magic, status, rank 0's world, id
 enum ReplyStatus : uint32_t { kReplyOk = 0, kReplyWrongWorld = 1, kReplyBadRank = 2 };
 
@@ -851,7 +836,7 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
         if (peer.fd() < 0) continue;  // the peer gave up between poll and accept; it will retry
         const int one = 1;
         ::setsockopt(peer.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        char hello[d::kHelloBytes];
+        char hello[d::kAckBytes];
         std::string why;
         // A peer gets a few seconds to say who it is, so one stuck connection cannot eat the whole deadline.
         const auto hello_deadline = std::min(deadline, d::Clock::now() + std::chrono::seconds(10));
@@ -889,9 +874,8 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
     const auto deadline = d::deadline_after(timeout_s);
     std::string last = "no attempt";
     for (;;) {
-        const d::AddrInfo ai(host, port);
-        if (ai.list() == nullptr) last = ai.error();
-        for (const addrinfo* a = ai.list(); a != nullptr; a = a->ai_next) {
+        const d::AddrList addrs = d::resolve(host, port, &last);
+        for (const addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
             d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
             if (s.fd() < 0) {
                 last = std::strerror(errno);
@@ -915,13 +899,10 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
                     continue;
                 }
             }
-            char hello[d::kHelloBytes];
-            d::put_u32(hello, d::kMagic);
-            d::put_u32(hello + 4, uint32_t(rank));
-            d::put_u32(hello + 8, uint32_t(world));
+            std::array<char, d::kAckBytes> hello = d::rank_and_world(rank, world);
             char reply[d::kReplyBytes];
             std::string why;
-            if (!d::transfer(s.fd(), hello, sizeof(hello), true, deadline, &why) ||
+            if (!d::transfer(s.fd(), hello.data(), hello.size(), true, deadline, &why) ||
                 !d::transfer(s.fd(), reply, sizeof(reply), false, deadline, &why)) {
                 last = why;
                 continue;
