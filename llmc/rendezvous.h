@@ -13,6 +13,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
@@ -218,10 +219,8 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
     if (r.world == 1) r.single_node = true;
     if (!flags.job.empty()) r.job = flags.job;
     if (r.job.empty()) r.job = "llmc";
-    for (char& c : r.job) {  // the job becomes part of a file name
-        const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
-                        c == '_' || c == '.';
-        if (!ok) c = '_';
+    for (char& c : r.job) {  // the job becomes part of a file name (the "C" locale: ASCII letters and digits)
+        if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') c = '_';
     }
     return r;
 }
@@ -757,23 +756,18 @@ inline Socket listen_everywhere(int port, std::string* why) {
         }
         const int one = 1, zero = 0;
         ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        sockaddr_storage addr{};
-        socklen_t len = 0;
-        if (family == AF_INET6) {
-            ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-            auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
-            a->sin6_family = AF_INET6;
-            a->sin6_addr = in6addr_any;
-            a->sin6_port = htons(uint16_t(port));
-            len = sizeof(sockaddr_in6);
-        } else {
-            auto* a = reinterpret_cast<sockaddr_in*>(&addr);
-            a->sin_family = AF_INET;
-            a->sin_addr.s_addr = htonl(INADDR_ANY);
-            a->sin_port = htons(uint16_t(port));
-            len = sizeof(sockaddr_in);
-        }
-        if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(s.fd(), 4096) != 0) {
+        if (family == AF_INET6) ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+        sockaddr_in6 a6{};  // the wildcard address of either family
+        a6.sin6_family = AF_INET6;
+        a6.sin6_addr = in6addr_any;
+        a6.sin6_port = htons(uint16_t(port));
+        sockaddr_in a4{};
+        a4.sin_family = AF_INET;
+        a4.sin_addr.s_addr = htonl(INADDR_ANY);
+        a4.sin_port = htons(uint16_t(port));
+        const bool v6 = family == AF_INET6;
+        const sockaddr* addr = v6 ? reinterpret_cast<sockaddr*>(&a6) : reinterpret_cast<sockaddr*>(&a4);
+        if (::bind(s.fd(), addr, v6 ? sizeof(a6) : sizeof(a4)) != 0 || ::listen(s.fd(), 4096) != 0) {
             *why = std::strerror(errno);
             continue;
         }
