@@ -604,10 +604,7 @@ private:
         detail::write_synced(path + ".tmp", encode_manifest(part));
         // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dir < 0) {
-            int e = errno;
-            fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(e));
-        }
+        if (dir < 0) fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(errno));
         if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
             int e = errno;
             ::close(dir);

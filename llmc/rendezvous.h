@@ -164,6 +164,15 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
         r.launcher = "flags";
     } else {
         bool found = false;
+        auto take = [&](const LauncherVars& l) {  // all but single_node, which each launcher tells its own way
+            r.world = env_int(env, l.world, 1, true);
+            r.rank = env_int(env, l.rank, 0, true);
+            local_known = env_set(env, l.local_rank);
+            local_var = l.local_rank;
+            r.local_rank = env_int(env, l.local_rank, 0, false);
+            r.launcher = l.name;
+            found = true;
+        };
         for (const LauncherVars& l : launcher_table()) {
             if (!env_set(env, l.world)) continue;
             // A PMI launcher without a local rank inside a Slurm step (srun --mpi=pmi2) is Slurm's.
@@ -171,26 +180,14 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
                 env_set(env, "SLURM_PROCID")) {
                 continue;
             }
-            r.world = env_int(env, l.world, 1, true);
-            r.rank = env_int(env, l.rank, 0, true);
-            local_known = env_set(env, l.local_rank);
-            local_var = l.local_rank;
-            r.local_rank = env_int(env, l.local_rank, 0, false);
+            take(l);
             r.single_node = env_int(env, l.local_size, 0, false) == r.world;
-            r.launcher = l.name;
-            found = true;
             break;
         }
         if (!found && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
-            r.world = env_int(env, "SLURM_NTASKS", 1, true);
-            r.rank = env_int(env, "SLURM_PROCID", 0, true);
-            local_known = env_set(env, "SLURM_LOCALID");
-            local_var = "SLURM_LOCALID";
-            r.local_rank = env_int(env, "SLURM_LOCALID", 0, false);
+            take({"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr});
             const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
             r.single_node = env_int(env, nodes_var, 0, false) == 1;
-            r.launcher = "slurm";
-            found = true;
         }
         if (!found) {
             // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
