@@ -61,7 +61,7 @@ constexpr T kMax = std::numeric_limits<T>::max();
 namespace detail {
 
 // The table's rows: each sets its field's default and adds its flag to the trainer's Flags when the row
-// names that trainer (to a scratch Flags otherwise).
+// names that trainer (the call compiles for both, so every row's range is checked for both types).
 class TrainerFlagTable {
 public:
     enum Takes : unsigned { Cpu = 1, Gpu = 2, Both = 3 };
@@ -73,13 +73,12 @@ public:
     void add(Takes who, const char* short_name, const char* long_name, T* field, std::common_type_t<T> def,
              const char* help, Range... range) {
         *field = def;
-        (who & mine_ ? f_ : others_).add(short_name, long_name, field, help, range...);
+        if (who & mine_) f_.add(short_name, long_name, field, help, range...);
     }
     void group(const char* heading) { f_.group(heading); }
 
 private:
     Flags& f_;
-    Flags others_{"", ""};
     Takes mine_;
 };
 
