@@ -181,13 +181,7 @@ public:
                 fail(kExitData, "shard '%s' holds %llu samples of T = %d, more than 2^32-1; split it into smaller shards",
                      path.c_str(), (unsigned long long)samples, cfg.T);
             }
-            ShardInfo s;
-            s.path = path;
-            s.version = h.version;
-            s.bytes_per_token = h.bytes_per_token;
-            s.num_tokens = h.num_tokens;
-            s.num_samples = static_cast<uint32_t>(samples);
-            shards_.push_back(s);
+            shards_.push_back({path, h.version, h.bytes_per_token, h.num_tokens, static_cast<uint32_t>(samples)});
             samples_per_epoch_ += samples;
             total_tokens_ += uint64_t(h.num_tokens);
         }
@@ -657,13 +651,8 @@ private:
         s.error = nullptr;
         try {
             reader_.read(batch, s.tokens.get(), s.refs.data());
-            s.view.tokens = s.tokens.get();
-            s.view.token_bytes = schedule_.token_bytes();
-            s.view.B = config().B;
-            s.view.T = config().T;
-            s.view.index = batch;
-            s.view.epoch = s.refs[0].epoch;
-            s.view.samples = s.refs.data();
+            s.view = {s.tokens.get(), schedule_.token_bytes(), config().B, config().T, batch, s.refs[0].epoch,
+                      s.refs.data()};
         } catch (...) {
             s.error = std::current_exception();
         }
