@@ -479,18 +479,11 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
 
     const std::vector<HfTensorMap> map = hf_tensor_map(c);
     // Layer by layer, as save_pretrained orders them; the data section follows the declaration order.
+    // wte and wpe (layer -1), then the layers, then ln_f; within each, in hf_tensor_map's order.
     std::vector<const HfTensorMap*> order;
-    for (const HfTensorMap& m : map) {
-        if (m.layer < 0 && m.ours != kLnfw && m.ours != kLnfb) order.push_back(&m);
-    }
-    for (int l = 0; l < c.num_layers; l++) {
-        for (const HfTensorMap& m : map) {
-            if (m.layer == l) order.push_back(&m);
-        }
-    }
-    for (const HfTensorMap& m : map) {
-        if (m.ours == kLnfw || m.ours == kLnfb) order.push_back(&m);
-    }
+    for (const HfTensorMap& m : map) order.push_back(&m);
+    auto place = [&](const HfTensorMap* m) { return m->ours == kLnfw || m->ours == kLnfb ? c.num_layers : m->layer; };
+    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) { return place(a) < place(b); });
     std::vector<SafetensorsSpec> specs;
     int64_t total = 0, done = 0;
     for (const HfTensorMap* m : order) {
