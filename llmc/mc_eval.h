@@ -67,33 +67,32 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
     if (set.items.empty()) fail(kExitData, "'%s' holds no multiple-choice items", src);
     for (size_t i = 0; i < set.items.size(); i++) {
         const McItem& it = set.items[i];
-        if (it.context.empty()) fail(kExitData, "'%s': item %zu has an empty context", src, i);
+        // "'SOURCE': item I" + what (" has ..." or ", ...").
+        auto bad = [&](const std::string& what) { fail(kExitData, "'%s': item %zu%s", src, i, what.c_str()); };
+        if (it.context.empty()) bad(" has an empty context");
         if (it.endings.size() < 2) {
-            fail(kExitData, "'%s': item %zu has %zu candidate ending(s); a choice needs at least 2", src, i,
-                 it.endings.size());
+            bad(format(" has %zu candidate ending(s); a choice needs at least 2", it.endings.size()));
         }
         if (it.label < 0 || size_t(it.label) >= it.endings.size()) {
-            fail(kExitData, "'%s': item %zu has label %d, not one of its %zu endings (0..%zu)", src, i, it.label,
-                 it.endings.size(), it.endings.size() - 1);
+            bad(format(" has label %d, not one of its %zu endings (0..%zu)", it.label, it.endings.size(),
+                       it.endings.size() - 1));
         }
         auto check_tokens = [&](const std::vector<int32_t>& t, const std::string& what) {
             for (size_t k = 0; k < t.size(); k++) {
                 if (t[k] < 0 || t[k] >= vocab_size) {
-                    fail(kExitData, "'%s': item %zu, %s token %zu is %d, outside the vocabulary [0, %lld)", src, i,
-                         what.c_str(), k, t[k], (long long)vocab_size);
+                    bad(format(", %s token %zu is %d, outside the vocabulary [0, %lld)", what.c_str(), k, t[k],
+                               (long long)vocab_size));
                 }
             }
         };
         check_tokens(it.context, "context");
         for (size_t e = 0; e < it.endings.size(); e++) {
-            if (it.endings[e].empty()) fail(kExitData, "'%s': item %zu, ending %zu is empty", src, i, e);
+            if (it.endings[e].empty()) bad(format(", ending %zu is empty", e));
             check_tokens(it.endings[e], format("ending %zu", e));
         }
         if (max_T > 0 && mc_longest_ending(it) > max_T) {
-            fail(kExitData,
-                 "'%s': item %zu has an ending of %lld tokens, more than the %d positions the model is run with; "
-                 "evaluate with a longer sequence length, or leave the item out",
-                 src, i, (long long)mc_longest_ending(it), max_T);
+            bad(format(" has an ending of %lld tokens, more than the %d positions the model is run with; evaluate "
+                       "with a longer sequence length, or leave the item out", (long long)mc_longest_ending(it), max_T));
         }
     }
 }

@@ -88,6 +88,7 @@ inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
 }
 
 inline Tokenizer read_tokenizer_bin(const std::string& path) {
+    auto bad = [&](const std::string& what) { fail(kExitData, "tokenizer '%s': %s", path.c_str(), what.c_str()); };
     File f(path, File::Mode::Read);
     int64_t file_size = f.size();
     const int64_t header_bytes = kTokenizerHeaderInts * (int64_t)sizeof(uint32_t);
@@ -100,22 +101,18 @@ inline Tokenizer read_tokenizer_bin(const std::string& path) {
     uint32_t header[kTokenizerHeaderInts];
     std::memcpy(header, data.data(), sizeof(header));
     if (header[0] != kTokenizerMagic) {
-        fail(kExitData, "tokenizer '%s': bad magic %u at offset 0 (expected %u); is this a tokenizer file?",
-             path.c_str(), header[0], kTokenizerMagic);
+        bad(format("bad magic %u at offset 0 (expected %u); is this a tokenizer file?", header[0], kTokenizerMagic));
     }
-    if (header[1] != 1 && header[1] != 2) {
-        fail(kExitData, "tokenizer '%s': unsupported version %u at offset 4 (expected 1 or 2)", path.c_str(), header[1]);
-    }
+    if (header[1] != 1 && header[1] != 2) bad(format("unsupported version %u at offset 4 (expected 1 or 2)", header[1]));
     uint32_t vocab_size = header[2];
     uint32_t eot = header[1] == 1 ? kGpt2EotToken : header[3];
     // Each token takes at least 2 bytes (count + one byte), which bounds a believable vocabulary size.
     if (vocab_size == 0 || (int64_t)vocab_size * 2 > file_size - header_bytes) {
-        fail(kExitData, "tokenizer '%s': vocabulary size %u at offset 8 does not fit a file of %lld bytes", path.c_str(),
-             vocab_size, (long long)file_size);
+        bad(format("vocabulary size %u at offset 8 does not fit a file of %lld bytes", vocab_size, (long long)file_size));
     }
     if (eot >= vocab_size) {
-        fail(kExitData, "tokenizer '%s': end-of-text id %u%s is outside the vocabulary of %u tokens", path.c_str(), eot,
-             header[1] == 1 ? " (implied by version 1)" : " at offset 12", vocab_size);
+        bad(format("end-of-text id %u%s is outside the vocabulary of %u tokens", eot,
+                   header[1] == 1 ? " (implied by version 1)" : " at offset 12", vocab_size));
     }
     std::vector<std::string> tokens(vocab_size);
     size_t pos = static_cast<size_t>(header_bytes);
@@ -124,18 +121,14 @@ inline Tokenizer read_tokenizer_bin(const std::string& path) {
             fail(kExitData, "tokenizer '%s' ends at offset %zu, before token %u of %u", path.c_str(), pos, id, vocab_size);
         }
         size_t len = static_cast<uint8_t>(data[pos]);
-        if (len == 0) fail(kExitData, "tokenizer '%s': token %u at offset %zu has length 0", path.c_str(), id, pos);
+        if (len == 0) bad(format("token %u at offset %zu has length 0", id, pos));
         if (pos + 1 + len > data.size()) {
-            fail(kExitData, "tokenizer '%s': token %u at offset %zu needs %zu bytes but the file ends at %zu",
-                 path.c_str(), id, pos, len, data.size());
+            bad(format("token %u at offset %zu needs %zu bytes but the file ends at %zu", id, pos, len, data.size()));
         }
         tokens[id].assign(data.data() + pos + 1, len);
         pos += 1 + len;
     }
-    if (pos != data.size()) {
-        fail(kExitData, "tokenizer '%s': %zu unexpected bytes after the last token at offset %zu", path.c_str(),
-             data.size() - pos, pos);
-    }
+    if (pos != data.size()) bad(format("%zu unexpected bytes after the last token at offset %zu", data.size() - pos, pos));
     return Tokenizer(std::move(tokens), eot);
 }
 
