@@ -19,6 +19,7 @@ checksums, its own checksum). Written as ckpt_<step>.tmp/ and renamed into place
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -98,22 +99,16 @@ struct CheckpointManifest {
     std::vector<FileRecord> files;
 
     const std::string* setting(const std::string& key) const {
-        for (const auto& kv : settings) {
-            if (kv.first == key) return &kv.second;
-        }
-        return nullptr;
+        auto it = std::find_if(settings.begin(), settings.end(), [&](const auto& kv) { return kv.first == key; });
+        return it == settings.end() ? nullptr : &it->second;
     }
     const std::vector<uint8_t>* blob(const std::string& name) const {
-        for (const auto& b : blobs) {
-            if (b.first == name) return &b.second;
-        }
-        return nullptr;
+        auto it = std::find_if(blobs.begin(), blobs.end(), [&](const auto& b) { return b.first == name; });
+        return it == blobs.end() ? nullptr : &it->second;
     }
     const FileRecord* file(const std::string& name) const {
-        for (const FileRecord& f : files) {
-            if (f.name == name) return &f;
-        }
-        return nullptr;
+        auto it = std::find_if(files.begin(), files.end(), [&](const FileRecord& f) { return f.name == name; });
+        return it == files.end() ? nullptr : &*it;
     }
 };
 
@@ -556,11 +551,10 @@ public:
         meta.version = kCheckpointVersion;
         meta.files = files_;
         for (FileRecord& f : collect_parts()) meta.files.push_back(std::move(f));
-        for (size_t i = 0; i < meta.files.size(); i++) {
-            for (size_t j = 0; j < i; j++) {
-                if (meta.files[i].name == meta.files[j].name) {
-                    fail(kExitError, "checkpoint '%s': two ranks wrote the file '%s'", tmp_.c_str(), meta.files[i].name.c_str());
-                }
+        std::set<std::string> names;
+        for (const FileRecord& f : meta.files) {
+            if (!names.insert(f.name).second) {
+                fail(kExitError, "checkpoint '%s': two ranks wrote the file '%s'", tmp_.c_str(), f.name.c_str());
             }
         }
         const std::string text = encode_manifest(meta);
@@ -610,10 +604,7 @@ private:
         detail::write_synced(path + ".tmp", encode_manifest(part));
         // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dir < 0) {
-            int e = errno;
-            fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(e));
-        }
+        if (dir < 0) fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(errno));
         if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
             int e = errno;
             ::close(dir);

@@ -22,6 +22,7 @@ when its sample position is a whole number of the new global batches.
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -90,19 +91,15 @@ struct HostBatch {
 
 // Splits packed rows into int32 inputs[B*T] (tokens 0..T-1 of each row) and targets[B*T] (tokens 1..T).
 inline void unpack_batch(const HostBatch& b, int32_t* inputs, int32_t* targets) {
+    auto token = [&](size_t i) {
+        return static_cast<int32_t>(b.token_bytes == 2 ? static_cast<const uint16_t*>(b.tokens)[i]
+                                                       : static_cast<const uint32_t*>(b.tokens)[i]);
+    };
     for (int r = 0; r < b.B; r++) {
         for (int t = 0; t < b.T; t++) {
-            size_t i = size_t(r) * (b.T + 1) + t;
-            uint32_t in, tg;
-            if (b.token_bytes == 2) {
-                in = static_cast<const uint16_t*>(b.tokens)[i];
-                tg = static_cast<const uint16_t*>(b.tokens)[i + 1];
-            } else {
-                in = static_cast<const uint32_t*>(b.tokens)[i];
-                tg = static_cast<const uint32_t*>(b.tokens)[i + 1];
-            }
-            inputs[size_t(r) * b.T + t] = static_cast<int32_t>(in);
-            targets[size_t(r) * b.T + t] = static_cast<int32_t>(tg);
+            const size_t i = size_t(r) * (b.T + 1) + t;
+            inputs[size_t(r) * b.T + t] = token(i);
+            targets[size_t(r) * b.T + t] = token(i + 1);
         }
     }
 }
@@ -111,16 +108,8 @@ inline void unpack_batch(const HostBatch& b, int32_t* inputs, int32_t* targets) 
 // matching nothing, a non-regular file or a file listed twice is an error.
 inline std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
     if (pattern.empty()) fail(kExitUsage, "no data files given (empty shard pattern)");
-    std::vector<std::string> items;
-    size_t start = 0;
-    for (;;) {
-        size_t comma = pattern.find(',', start);
-        items.push_back(pattern.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-    }
     std::vector<std::string> paths;
-    for (const std::string& item : items) {
+    for (const std::string& item : split(pattern, ',')) {
         if (item.empty()) fail(kExitUsage, "shard pattern '%s' has an empty item between commas", pattern.c_str());
         glob_t g;
         int rc = ::glob(item.c_str(), GLOB_NOSORT, nullptr, &g);
@@ -192,13 +181,7 @@ public:
                 fail(kExitData, "shard '%s' holds %llu samples of T = %d, more than 2^32-1; split it into smaller shards",
                      path.c_str(), (unsigned long long)samples, cfg.T);
             }
-            ShardInfo s;
-            s.path = path;
-            s.version = h.version;
-            s.bytes_per_token = h.bytes_per_token;
-            s.num_tokens = h.num_tokens;
-            s.num_samples = static_cast<uint32_t>(samples);
-            shards_.push_back(s);
+            shards_.push_back({path, h.version, h.bytes_per_token, h.num_tokens, static_cast<uint32_t>(samples)});
             samples_per_epoch_ += samples;
             total_tokens_ += uint64_t(h.num_tokens);
         }
@@ -227,11 +210,7 @@ public:
 
     std::vector<uint32_t> shard_order(uint64_t epoch) const {
         std::vector<uint32_t> order(shards_.size());
-        if (cfg_.shuffle) {
-            seeded_permutation(stream_seed(epoch, 0), order.data(), order.size());
-        } else {
-            for (size_t i = 0; i < order.size(); i++) order[i] = static_cast<uint32_t>(i);
-        }
+        ordering(stream_seed(epoch, 0), order);
         return order;
     }
     // Seed of the sample order of the shard at `slot` of the epoch's shard order.
@@ -241,11 +220,7 @@ public:
     // Sample indices of the shard at `slot`, in the order they are dealt out.
     void sample_order(uint64_t epoch, uint32_t slot, uint32_t shard, std::vector<uint32_t>& out) const {
         out.resize(shards_[shard].num_samples);
-        if (cfg_.shuffle) {
-            seeded_permutation(shard_rng_seed(epoch, slot), out.data(), out.size());
-        } else {
-            for (size_t i = 0; i < out.size(); i++) out[i] = static_cast<uint32_t>(i);
-        }
+        ordering(shard_rng_seed(epoch, slot), out);
     }
 
     // Calls f(shard, token_offset) for every sample of the epoch, in stream order.
@@ -441,12 +416,16 @@ private:
             size_t slash = s.path.find_last_of('/');
             std::string name = slash == std::string::npos ? s.path : s.path.substr(slash + 1);
             h = fnv1a64(name.c_str(), name.size() + 1, h);
-            uint64_t n = uint64_t(s.num_tokens);
-            uint8_t bytes[8];
-            for (int i = 0; i < 8; i++) bytes[i] = uint8_t(n >> (8 * i));
-            h = fnv1a64(bytes, 8, h);
+            std::vector<uint8_t> tokens;
+            put64(tokens, uint64_t(s.num_tokens));
+            h = fnv1a64(tokens.data(), tokens.size(), h);
         }
         return h;
+    }
+    // out: a permutation drawn with `seed` when shuffling, else 0, 1, 2, ...
+    void ordering(uint64_t seed, std::vector<uint32_t>& out) const {
+        if (cfg_.shuffle) seeded_permutation(seed, out.data(), out.size());
+        else std::iota(out.begin(), out.end(), 0u);
     }
     // One independent generator per (epoch, stream): stream 0 orders the shards, slot+1 a shard's samples.
     uint64_t stream_seed(uint64_t epoch, uint64_t stream) const {
@@ -529,28 +508,15 @@ private:
         file_.read_exact(raw, n * in_bytes);
         uint32_t vocab = s_.config().vocab_size;
         for (size_t i = 0; i < n; i++) {
-            uint32_t id;
-            if (in_bytes == 2) {
-                uint16_t v;
-                std::memcpy(&v, raw + i * 2, 2);
-                id = v;
-            } else {
-                std::memcpy(&id, raw + i * 4, 4);
-            }
+            uint32_t id = 0;  // little-endian, as the shards are
+            std::memcpy(&id, raw + i * in_bytes, size_t(in_bytes));
             if (id >= vocab) {
                 fail(kExitData,
                      "shard '%s': token %lld (byte offset %lld) has id %u, not below the vocabulary size %u",
                      shard.path.c_str(), (long long)(ref.token_offset + int64_t(i)), (long long)(at + int64_t(i) * in_bytes),
                      id, vocab);
             }
-            if (in_bytes != out_bytes) {
-                if (out_bytes == 2) {
-                    uint16_t v = static_cast<uint16_t>(id);
-                    std::memcpy(dst + i * 2, &v, 2);
-                } else {
-                    std::memcpy(dst + i * 4, &id, 4);
-                }
-            }
+            if (in_bytes != out_bytes) std::memcpy(dst + i * out_bytes, &id, size_t(out_bytes));
         }
     }
 
@@ -685,13 +651,8 @@ private:
         s.error = nullptr;
         try {
             reader_.read(batch, s.tokens.get(), s.refs.data());
-            s.view.tokens = s.tokens.get();
-            s.view.token_bytes = schedule_.token_bytes();
-            s.view.B = config().B;
-            s.view.T = config().T;
-            s.view.index = batch;
-            s.view.epoch = s.refs[0].epoch;
-            s.view.samples = s.refs.data();
+            s.view = {s.tokens.get(), schedule_.token_bytes(), config().B, config().T, batch, s.refs[0].epoch,
+                      s.refs.data()};
         } catch (...) {
             s.error = std::current_exception();
         }

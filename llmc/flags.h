@@ -100,9 +100,9 @@ public:
                     flag = "--" + name;
                     has_inline_value = true;
                 }
-                spec = find_long(name);
+                spec = find(name, false);
             } else if (arg.size() > 1 && arg[0] == '-') {
-                spec = find_short(arg.substr(1));
+                spec = find(arg.substr(1), true);
             } else if (positional_) {
                 positional_->push_back(arg);
                 continue;
@@ -152,17 +152,12 @@ public:
 
     // The settings table printed at start-up: every flag with its value, marking those the user set.
     std::string settings_table() const {
-        std::string out = "+----------------------------------+------------------------------------------+\n";
-        out += format("| %-32s | %-40s |\n", "setting", "value");
-        out += "+----------------------------------+------------------------------------------+\n";
+        const std::string rule = "+" + std::string(34, '-') + "+" + std::string(42, '-') + "+\n";
+        std::string out = rule + format("| %-32s | %-40s |\n", "setting", "value") + rule;
         for (const Spec& s : specs_) {
-            std::string v = value_string(s.target);
-            if (s.set) v += " *";
-            out += format("| %-32s | %-40s |\n", s.long_name, v.c_str());
+            out += format("| %-32s | %-40s |\n", s.long_name, (value_string(s.target) + (s.set ? " *" : "")).c_str());
         }
-        out += "+----------------------------------+------------------------------------------+\n";
-        out += "(* = given on the command line)\n";
-        return out;
+        return out + rule + "(* = given on the command line)\n";
     }
 
     bool was_set(const char* long_name) const {
@@ -191,15 +186,10 @@ private:
         const char* group;  // "" for the main list
     };
 
-    Spec* find_long(const std::string& name) {
+    // The flag named `name`: its short name when is_short ("b"), else its long name ("batch-size").
+    Spec* find(const std::string& name, bool is_short) {
         for (Spec& s : specs_) {
-            if (name == s.long_name) return &s;
-        }
-        return nullptr;
-    }
-    Spec* find_short(const std::string& name) {
-        for (Spec& s : specs_) {
-            if (s.short_name[0] && name == s.short_name) return &s;
+            if (is_short ? s.short_name[0] && name == s.short_name : name == s.long_name) return &s;
         }
         return nullptr;
     }

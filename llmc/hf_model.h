@@ -181,37 +181,17 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
 
 // The config.json of our model (unpadded vocabulary, no dropout); torch_dtype "float32" or "bfloat16".
 inline nlohmann::json hf_config_json(const GPT2Config& c, const std::string& torch_dtype) {
-    nlohmann::json j;
-    j["architectures"] = {"GPT2LMHeadModel"};
-    j["model_type"] = "gpt2";
-    j["n_layer"] = c.num_layers;
-    j["n_head"] = c.num_heads;
-    j["n_embd"] = c.channels;
-    j["n_positions"] = c.max_seq_len;
-    j["n_ctx"] = c.max_seq_len;
-    j["n_inner"] = nullptr;
-    j["vocab_size"] = c.vocab_size;
-    j["activation_function"] = "gelu_new";
-    j["layer_norm_epsilon"] = 1e-5;
-    j["initializer_range"] = 0.02;
-    j["attn_pdrop"] = 0.0;
-    j["embd_pdrop"] = 0.0;
-    j["resid_pdrop"] = 0.0;
-    j["scale_attn_weights"] = true;
-    j["scale_attn_by_inverse_layer_idx"] = false;
-    j["reorder_and_upcast_attn"] = false;
-    j["tie_word_embeddings"] = true;
-    j["use_cache"] = true;
     // GPT-2's <|endoftext|>, where the vocabulary has it; other vocabularies name no special token.
-    if (c.vocab_size > kGpt2EndOfText) {
-        j["bos_token_id"] = kGpt2EndOfText;
-        j["eos_token_id"] = kGpt2EndOfText;
-    } else {
-        j["bos_token_id"] = nullptr;
-        j["eos_token_id"] = nullptr;
-    }
-    j["torch_dtype"] = torch_dtype;
-    return j;
+    const nlohmann::json eot = c.vocab_size > kGpt2EndOfText ? nlohmann::json(kGpt2EndOfText) : nlohmann::json();
+    // The keys are sorted when written (nlohmann::json's objects are std::maps), whatever the order here.
+    return {{"architectures", nlohmann::json::array({"GPT2LMHeadModel"})}, {"model_type", "gpt2"},
+            {"n_layer", c.num_layers}, {"n_head", c.num_heads}, {"n_embd", c.channels},
+            {"n_positions", c.max_seq_len}, {"n_ctx", c.max_seq_len}, {"n_inner", nullptr},
+            {"vocab_size", c.vocab_size}, {"activation_function", "gelu_new"}, {"layer_norm_epsilon", 1e-5},
+            {"initializer_range", 0.02}, {"attn_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"resid_pdrop", 0.0},
+            {"scale_attn_weights", true}, {"scale_attn_by_inverse_layer_idx", false},
+            {"reorder_and_upcast_attn", false}, {"tie_word_embeddings", true}, {"use_cache", true},
+            {"bos_token_id", eot}, {"eos_token_id", eot}, {"torch_dtype", torch_dtype}};
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -499,18 +479,11 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
 
     const std::vector<HfTensorMap> map = hf_tensor_map(c);
     // Layer by layer, as save_pretrained orders them; the data section follows the declaration order.
+    // wte and wpe (layer -1), then the layers, then ln_f; within each, in hf_tensor_map's order.
     std::vector<const HfTensorMap*> order;
-    for (const HfTensorMap& m : map) {
-        if (m.layer < 0 && m.ours != kLnfw && m.ours != kLnfb) order.push_back(&m);
-    }
-    for (int l = 0; l < c.num_layers; l++) {
-        for (const HfTensorMap& m : map) {
-            if (m.layer == l) order.push_back(&m);
-        }
-    }
-    for (const HfTensorMap& m : map) {
-        if (m.ours == kLnfw || m.ours == kLnfb) order.push_back(&m);
-    }
+    for (const HfTensorMap& m : map) order.push_back(&m);
+    auto place = [&](const HfTensorMap* m) { return m->ours == kLnfw || m->ours == kLnfb ? c.num_layers : m->layer; };
+    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) { return place(a) < place(b); });
     std::vector<SafetensorsSpec> specs;
     int64_t total = 0, done = 0;
     for (const HfTensorMap* m : order) {
@@ -539,14 +512,9 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
     if (!tokenizer_dir.empty()) {
         write_file_replacing(dir + "/vocab.json", read_text_file(tokenizer_dir + "/encoder.json"));
         write_file_replacing(dir + "/merges.txt", read_text_file(tokenizer_dir + "/vocab.bpe"));
-        nlohmann::json tc;
-        tc["tokenizer_class"] = "GPT2Tokenizer";
-        tc["model_max_length"] = c.max_seq_len;
-        tc["bos_token"] = "<|endoftext|>";
-        tc["eos_token"] = "<|endoftext|>";
-        tc["unk_token"] = "<|endoftext|>";
-        tc["add_prefix_space"] = false;
-        tc["errors"] = "replace";
+        const nlohmann::json tc = {{"tokenizer_class", "GPT2Tokenizer"}, {"model_max_length", c.max_seq_len},
+                                   {"bos_token", "<|endoftext|>"}, {"eos_token", "<|endoftext|>"},
+                                   {"unk_token", "<|endoftext|>"}, {"add_prefix_space", false}, {"errors", "replace"}};
         write_file_replacing(dir + "/tokenizer_config.json", tc.dump(2) + "\n");
     } else {
         // No tokenizer: an earlier export's files there would be loaded with these weights, so they go.

@@ -67,33 +67,32 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
     if (set.items.empty()) fail(kExitData, "'%s' holds no multiple-choice items", src);
     for (size_t i = 0; i < set.items.size(); i++) {
         const McItem& it = set.items[i];
-        if (it.context.empty()) fail(kExitData, "'%s': item %zu has an empty context", src, i);
+        // "'SOURCE': item I" + what (" has ..." or ", ...").
+        auto bad = [&](const std::string& what) { fail(kExitData, "'%s': item %zu%s", src, i, what.c_str()); };
+        if (it.context.empty()) bad(" has an empty context");
         if (it.endings.size() < 2) {
-            fail(kExitData, "'%s': item %zu has %zu candidate ending(s); a choice needs at least 2", src, i,
-                 it.endings.size());
+            bad(format(" has %zu candidate ending(s); a choice needs at least 2", it.endings.size()));
         }
         if (it.label < 0 || size_t(it.label) >= it.endings.size()) {
-            fail(kExitData, "'%s': item %zu has label %d, not one of its %zu endings (0..%zu)", src, i, it.label,
-                 it.endings.size(), it.endings.size() - 1);
+            bad(format(" has label %d, not one of its %zu endings (0..%zu)", it.label, it.endings.size(),
+                       it.endings.size() - 1));
         }
         auto check_tokens = [&](const std::vector<int32_t>& t, const std::string& what) {
             for (size_t k = 0; k < t.size(); k++) {
                 if (t[k] < 0 || t[k] >= vocab_size) {
-                    fail(kExitData, "'%s': item %zu, %s token %zu is %d, outside the vocabulary [0, %lld)", src, i,
-                         what.c_str(), k, t[k], (long long)vocab_size);
+                    bad(format(", %s token %zu is %d, outside the vocabulary [0, %lld)", what.c_str(), k, t[k],
+                               (long long)vocab_size));
                 }
             }
         };
         check_tokens(it.context, "context");
         for (size_t e = 0; e < it.endings.size(); e++) {
-            if (it.endings[e].empty()) fail(kExitData, "'%s': item %zu, ending %zu is empty", src, i, e);
+            if (it.endings[e].empty()) bad(format(", ending %zu is empty", e));
             check_tokens(it.endings[e], format("ending %zu", e));
         }
         if (max_T > 0 && mc_longest_ending(it) > max_T) {
-            fail(kExitData,
-                 "'%s': item %zu has an ending of %lld tokens, more than the %d positions the model is run with; "
-                 "evaluate with a longer sequence length, or leave the item out",
-                 src, i, (long long)mc_longest_ending(it), max_T);
+            bad(format(" has an ending of %lld tokens, more than the %d positions the model is run with; evaluate "
+                       "with a longer sequence length, or leave the item out", (long long)mc_longest_ending(it), max_T));
         }
     }
 }
@@ -181,58 +180,46 @@ inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelim
     const int64_t n = int64_t(v.size());
     for (int64_t i = 0; i < count; i++) {
         const long long at = offset(pos);
+        // Every error about this example: the file, the example and its offset, then `what`.
+        auto bad = [&](const std::string& what) {
+            fail(kExitData, "eval file '%s': example %lld at offset %lld: %s", p, (long long)i, at, what.c_str());
+        };
         if (pos + kMcExampleFields > n) {
-            fail(kExitData,
-                 "eval file '%s': example %lld at offset %lld: the file (%lld bytes) ends before the example's %d "
-                 "fields; the header (offset 8) promises %lld examples (truncated?)",
-                 p, (long long)i, at, (long long)size, kMcExampleFields, (long long)count);
+            bad(format("the file (%lld bytes) ends before the example's %d fields; the header (offset 8) promises "
+                       "%lld examples (truncated?)", (long long)size, kMcExampleFields, (long long)count));
         }
         if (v[size_t(pos)] != kMcDelimiter) {
-            fail(kExitData, "eval file '%s': example %lld at offset %lld: expected the delimiter %u, found %u", p,
-                 (long long)i, at, kMcDelimiter, unsigned(v[size_t(pos)]));
+            bad(format("expected the delimiter %u, found %u", kMcDelimiter, unsigned(v[size_t(pos)])));
         }
         const int64_t bytes = v[size_t(pos + 1)];
         const int64_t min_bytes = 2 * (kMcExampleFields + 1 + 2 * 2);  // one context token, two 1-token endings
         if (bytes % 2 != 0 || bytes < min_bytes) {
-            fail(kExitData,
-                 "eval file '%s': example %lld at offset %lld: its size field (offset %lld) says %lld bytes; an "
-                 "example takes an even number of bytes, at least %lld", p, (long long)i, at, offset(pos + 1),
-                 (long long)bytes, (long long)min_bytes);
+            bad(format("its size field (offset %lld) says %lld bytes; an example takes an even number of bytes, at "
+                       "least %lld", offset(pos + 1), (long long)bytes, (long long)min_bytes));
         }
         const int64_t end = pos + bytes / 2;
         if (end > n) {
-            fail(kExitData,
-                 "eval file '%s': example %lld at offset %lld: its size field (offset %lld) says %lld bytes, but the "
-                 "file ends %lld bytes after the example's start (truncated?)", p, (long long)i, at, offset(pos + 1),
-                 (long long)bytes, (long long)(size - at));
+            bad(format("its size field (offset %lld) says %lld bytes, but the file ends %lld bytes after the "
+                       "example's start (truncated?)", offset(pos + 1), (long long)bytes, (long long)(size - at)));
         }
         if (v[size_t(pos + 2)] != i) {
-            fail(kExitData,
-                 "eval file '%s': example %lld at offset %lld: its index field (offset %lld) is %u; examples are "
-                 "numbered 0, 1, 2, ... in file order", p, (long long)i, at, offset(pos + 2), unsigned(v[size_t(pos + 2)]));
+            bad(format("its index field (offset %lld) is %u; examples are numbered 0, 1, 2, ... in file order",
+                       offset(pos + 2), unsigned(v[size_t(pos + 2)])));
         }
         McItem& it = set.items[size_t(i)];
         const int label = v[size_t(pos + 3)], k = v[size_t(pos + 4)], ctx = v[size_t(pos + 5)];
-        if (k < 2) {
-            fail(kExitData, "eval file '%s': example %lld at offset %lld: %d candidate ending(s) (offset %lld); a choice "
-                 "needs at least 2", p, (long long)i, at, k, offset(pos + 4));
-        }
+        if (k < 2) bad(format("%d candidate ending(s) (offset %lld); a choice needs at least 2", k, offset(pos + 4)));
         if (label >= k) {
-            fail(kExitData, "eval file '%s': example %lld at offset %lld: label %d (offset %lld) is not one of its %d "
-                 "endings (0..%d)", p, (long long)i, at, label, offset(pos + 3), k, k - 1);
+            bad(format("label %d (offset %lld) is not one of its %d endings (0..%d)", label, offset(pos + 3), k, k - 1));
         }
         it.label = label;
         // A run of `len` tokens starting at q: within the example, each id below the vocabulary.
         auto take = [&](int64_t q, int64_t len, const std::string& what, std::vector<int32_t>& out) {
-            if (len < 1) {
-                fail(kExitData, "eval file '%s': example %lld at offset %lld: the %s is empty (length field at offset "
-                     "%lld)", p, (long long)i, at, what.c_str(), offset(q - 1));
-            }
+            if (len < 1) bad(format("the %s is empty (length field at offset %lld)", what.c_str(), offset(q - 1)));
             if (q + len > end) {
-                fail(kExitData,
-                     "eval file '%s': example %lld at offset %lld: the %s's %lld tokens (length at offset %lld) run "
-                     "past the example's end at offset %lld (its size field says %lld bytes)", p, (long long)i, at,
-                     what.c_str(), (long long)len, offset(q - 1), offset(end), (long long)bytes);
+                bad(format("the %s's %lld tokens (length at offset %lld) run past the example's end at offset %lld "
+                           "(its size field says %lld bytes)", what.c_str(), (long long)len, offset(q - 1),
+                           offset(end), (long long)bytes));
             }
             out.resize(size_t(len));
             for (int64_t j = 0; j < len; j++) {
@@ -250,18 +237,15 @@ inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelim
         it.endings.resize(size_t(k));
         for (int e = 0; e < k; e++) {
             if (q >= end) {
-                fail(kExitData,
-                     "eval file '%s': example %lld at offset %lld: ending %d's length field would be at offset %lld, "
-                     "past the example's end (its size field says %lld bytes)", p, (long long)i, at, e, offset(q),
-                     (long long)bytes);
+                bad(format("ending %d's length field would be at offset %lld, past the example's end (its size field "
+                           "says %lld bytes)", e, offset(q), (long long)bytes));
             }
             take(q + 1, v[size_t(q)], format("ending %d", e), it.endings[size_t(e)]);
             q += 1 + v[size_t(q)];
         }
         if (q != end) {
-            fail(kExitData,
-                 "eval file '%s': example %lld at offset %lld: its size field says %lld bytes, but its fields end after "
-                 "%lld", p, (long long)i, at, (long long)bytes, (long long)(2 * (q - pos)));
+            bad(format("its size field says %lld bytes, but its fields end after %lld", (long long)bytes,
+                       (long long)(2 * (q - pos))));
         }
         longest = std::max(longest, bytes);
         pos = end;
@@ -671,16 +655,17 @@ struct HellaswagRow {
 inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::string& path, int64_t line_no) {
     const char* p = path.c_str();
     const long long ln = (long long)line_no;
+    auto bad = [&](const std::string& what) { fail(kExitData, "'%s' line %lld: %s", p, ln, what.c_str()); };
     nlohmann::json j;
     try {
         j = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {
         fail(kExitData, "'%s' line %lld is not valid JSON: %s", p, ln, e.what());
     }
-    if (!j.is_object()) fail(kExitData, "'%s' line %lld: expected a JSON object, found %s", p, ln, j.type_name());
+    if (!j.is_object()) bad(format("expected a JSON object, found %s", j.type_name()));
     auto string_field = [&](const char* key) {
         const auto& v = j.at(key);
-        if (!v.is_string()) fail(kExitData, "'%s' line %lld: \"%s\" is %s, expected a string", p, ln, key, v.type_name());
+        if (!v.is_string()) bad(format("\"%s\" is %s, expected a string", key, v.type_name()));
         return v.get<std::string>();
     };
     HellaswagRow row;
@@ -692,29 +677,23 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
         const std::string b = j.contains("ctx_b") ? string_field("ctx_b") : std::string();
         if (!b.empty()) row.context += " " + b;
     } else {
-        fail(kExitData, "'%s' line %lld: no context: expected a \"ctx\" (or \"ctx_a\") string", p, ln);
+        bad("no context: expected a \"ctx\" (or \"ctx_a\") string");
     }
-    if (row.context.empty()) fail(kExitData, "'%s' line %lld: the context is empty", p, ln);
-    if (!j.contains("endings")) fail(kExitData, "'%s' line %lld: no \"endings\" list", p, ln);
+    if (row.context.empty()) bad("the context is empty");
+    if (!j.contains("endings")) bad("no \"endings\" list");
     const auto& endings = j.at("endings");
-    if (!endings.is_array()) {
-        fail(kExitData, "'%s' line %lld: \"endings\" is %s, expected a list of strings", p, ln, endings.type_name());
-    }
+    if (!endings.is_array()) bad(format("\"endings\" is %s, expected a list of strings", endings.type_name()));
     // llm.c's eval reader takes only 4 endings.
     if (endings.size() != kHellaswagEndings) {
-        fail(kExitData, "'%s' line %lld: %zu ending(s); HellaSwag's rows have %zu, the only count llm.c's eval "
-             "reader takes", p, ln, endings.size(), kHellaswagEndings);
+        bad(format("%zu ending(s); HellaSwag's rows have %zu, the only count llm.c's eval reader takes",
+                   endings.size(), kHellaswagEndings));
     }
     for (size_t e = 0; e < endings.size(); e++) {
-        if (!endings[e].is_string()) {
-            fail(kExitData, "'%s' line %lld: ending %zu is %s, expected a string", p, ln, e, endings[e].type_name());
-        }
+        if (!endings[e].is_string()) bad(format("ending %zu is %s, expected a string", e, endings[e].type_name()));
         row.endings.push_back(endings[e].get<std::string>());
-        if (row.endings.back().empty()) fail(kExitData, "'%s' line %lld: ending %zu is empty", p, ln, e);
+        if (row.endings.back().empty()) bad(format("ending %zu is empty", e));
     }
-    if (!j.contains("label")) {
-        fail(kExitData, "'%s' line %lld: no \"label\" (HellaSwag's test split has none; use the val split)", p, ln);
-    }
+    if (!j.contains("label")) bad("no \"label\" (HellaSwag's test split has none; use the val split)");
     const auto& label = j.at("label");
     long long value = -1;
     if (label.is_number_integer()) {
@@ -724,11 +703,11 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
                label.get<std::string>().size() < 10) {
         value = std::stoll(label.get<std::string>());
     } else {
-        fail(kExitData, "'%s' line %lld: \"label\" is %s, expected an integer", p, ln, label.dump().c_str());
+        bad(format("\"label\" is %s, expected an integer", label.dump().c_str()));
     }
     if (value < 0 || value >= (long long)row.endings.size()) {
-        fail(kExitData, "'%s' line %lld: label %lld is not one of the %zu endings (0..%zu)", p, ln, value,
-             row.endings.size(), row.endings.size() - 1);
+        bad(format("label %lld is not one of the %zu endings (0..%zu)", value, row.endings.size(),
+                   row.endings.size() - 1));
     }
     row.label = int(value);
     return row;

@@ -196,12 +196,9 @@ inline std::vector<ModelFormat> parse_save_formats(const std::string& list) {
     std::vector<ModelFormat> formats;
     if (list == "none" || list == "0" || list.empty()) return formats;
     if (list == "1") return {ModelFormat::Llmc};
-    size_t start = 0;
-    while (start <= list.size()) {
-        const size_t comma = std::min(list.find(',', start), list.size());
-        const ModelFormat f = parse_model_format(list.substr(start, comma - start));
+    for (const std::string& name : split(list, ',')) {
+        const ModelFormat f = parse_model_format(name);
         if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
-        start = comma + 1;
     }
     return formats;
 }

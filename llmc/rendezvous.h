@@ -13,6 +13,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
@@ -21,6 +22,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -162,6 +164,15 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
         r.launcher = "flags";
     } else {
         bool found = false;
+        auto take = [&](const LauncherVars& l) {  // all but single_node, which each launcher tells its own way
+            r.world = env_int(env, l.world, 1, true);
+            r.rank = env_int(env, l.rank, 0, true);
+            local_known = env_set(env, l.local_rank);
+            local_var = l.local_rank;
+            r.local_rank = env_int(env, l.local_rank, 0, false);
+            r.launcher = l.name;
+            found = true;
+        };
         for (const LauncherVars& l : launcher_table()) {
             if (!env_set(env, l.world)) continue;
             // A PMI launcher without a local rank inside a Slurm step (srun --mpi=pmi2) is Slurm's.
@@ -169,26 +180,14 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
                 env_set(env, "SLURM_PROCID")) {
                 continue;
             }
-            r.world = env_int(env, l.world, 1, true);
-            r.rank = env_int(env, l.rank, 0, true);
-            local_known = env_set(env, l.local_rank);
-            local_var = l.local_rank;
-            r.local_rank = env_int(env, l.local_rank, 0, false);
+            take(l);
             r.single_node = env_int(env, l.local_size, 0, false) == r.world;
-            r.launcher = l.name;
-            found = true;
             break;
         }
         if (!found && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
-            r.world = env_int(env, "SLURM_NTASKS", 1, true);
-            r.rank = env_int(env, "SLURM_PROCID", 0, true);
-            local_known = env_set(env, "SLURM_LOCALID");
-            local_var = "SLURM_LOCALID";
-            r.local_rank = env_int(env, "SLURM_LOCALID", 0, false);
+            take({"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr});
             const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
             r.single_node = env_int(env, nodes_var, 0, false) == 1;
-            r.launcher = "slurm";
-            found = true;
         }
         if (!found) {
             // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
@@ -217,10 +216,8 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
     if (r.world == 1) r.single_node = true;
     if (!flags.job.empty()) r.job = flags.job;
     if (r.job.empty()) r.job = "llmc";
-    for (char& c : r.job) {  // the job becomes part of a file name
-        const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
-                        c == '_' || c == '.';
-        if (!ok) c = '_';
+    for (char& c : r.job) {  // the job becomes part of a file name (the "C" locale: ASCII letters and digits)
+        if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') c = '_';
     }
     return r;
 }
@@ -479,16 +476,21 @@ inline IdState read_id_file(const std::string& path, RendezvousIdFile* f, std::s
     return f->decode(b, why) ? IdState::Valid : IdState::Unreadable;
 }
 
-constexpr size_t kAckBytes = 12;  // magic, rank, world
+// An acknowledgement file, and a TCP peer's hello: magic, rank, world.
+constexpr size_t kAckBytes = 12;
+inline std::array<char, kAckBytes> rank_and_world(int rank, int world) {
+    std::array<char, kAckBytes> b;
+    put_u32(&b[0], kMagic);
+    put_u32(&b[4], uint32_t(rank));
+    put_u32(&b[8], uint32_t(world));
+    return b;
+}
 
 inline void write_ack(const std::string& path, int rank, int world) {
-    char b[kAckBytes];
-    put_u32(b, kMagic);
-    put_u32(b + 4, uint32_t(rank));
-    put_u32(b + 8, uint32_t(world));
+    const std::array<char, kAckBytes> b = rank_and_world(rank, world);
     // One small write: rank 0 reads it whole or, while it is being written, finds it short and retries.
     File f(path, File::Mode::Write);
-    f.write_all(b, sizeof(b));
+    f.write_all(b.data(), b.size());
     f.close();
 }
 
@@ -616,6 +618,12 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
     std::string ack;             // the acknowledgement this rank left, while acked
     RendezvousIdFile read;       // the id file it acknowledged (or last read)
     std::string unreadable;      // why the last file found could not be read
+    auto check_world = [&] {
+        if (read.world != world) {
+            fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
+                 read.world, rank, world);
+        }
+    };
     for (;;) {
         RendezvousIdFile now;
         std::string why;
@@ -631,10 +639,7 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
                 acked = false;  // a new launch's rank 0 removed it as a leftover
             } else if (state == d::IdState::Absent) {
                 std::remove(ack.c_str());
-                if (read.world != world) {
-                    fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
-                         path.c_str(), read.world, rank, world);
-                }
+                check_world();
                 fail(kExitError,
                      "rendezvous: rank 0 (%s) removed '%s' without taking rank %d's acknowledgement: it gave up "
                      "(see its output)",
@@ -653,12 +658,9 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
             unreadable = why;
         }
         if (d::Clock::now() >= deadline) {
-            if (acked) std::remove(ack.c_str());
-            if (acked && read.world != world) {
-                fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d",
-                     path.c_str(), read.world, rank, world);
-            }
             if (acked) {
+                std::remove(ack.c_str());
+                check_world();
                 fail(kExitError,
                      "rendezvous: rank %d waited %.1f s and the id in '%s' (from %s) was never confirmed: a file left "
                      "by an earlier launch whose rank 0 is gone? Start rank 0 with the same --rendezvous and job name",
@@ -680,56 +682,36 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
 
 namespace rendezvous_detail {
 
+// Owns a file descriptor (-1: none); movable, not copyable.
 class Socket {
 public:
-    Socket() = default;
-    explicit Socket(int fd) : fd_(fd) {}
-    Socket(Socket&& o) noexcept : fd_(o.release()) {}
-    Socket& operator=(Socket&& o) noexcept {
-        if (this != &o) {
-            reset();
-            fd_ = o.release();
-        }
+    explicit Socket(int fd = -1) : fd_(fd) {}
+    Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+    Socket& operator=(Socket o) noexcept {
+        std::swap(fd_, o.fd_);
         return *this;
     }
-    Socket(const Socket&) = delete;
-    Socket& operator=(const Socket&) = delete;
-    ~Socket() { reset(); }
+    ~Socket() {
+        if (fd_ >= 0) ::close(fd_);
+    }
     int fd() const { return fd_; }
-    int release() { return std::exchange(fd_, -1); }
-    void reset() {
-        if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    }
 
 private:
-    int fd_ = -1;
+    int fd_;
 };
 
-// The addresses of host:port; on failure, empty, with the resolver's reason in error().
-class AddrInfo {
-public:
-    AddrInfo(const std::string& host, int port) {
-        addrinfo hints{};
-        hints.ai_family = AF_UNSPEC;
-        hints.ai_socktype = SOCK_STREAM;
-        const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list_);
-        if (rc != 0) {
-            list_ = nullptr;
-            error_ = format("cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
-        }
-    }
-    ~AddrInfo() {
-        if (list_) ::freeaddrinfo(list_);
-    }
-    AddrInfo(const AddrInfo&) = delete;
-    AddrInfo& operator=(const AddrInfo&) = delete;
-    const addrinfo* list() const { return list_; }
-    const std::string& error() const { return error_; }
+using AddrList = std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)>;
 
-private:
-    addrinfo* list_ = nullptr;
-    std::string error_;
-};
+// The addresses of host:port; on failure, empty, with the resolver's reason in *why.
+inline AddrList resolve(const std::string& host, int port, std::string* why) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* list = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &list);
+    if (rc != 0) *why = format("cannot resolve host '%s': %s", host.c_str(), ::gai_strerror(rc));
+    return AddrList(rc == 0 ? list : nullptr, ::freeaddrinfo);
+}
 
 // Sends or receives exactly n bytes before the deadline; false (reason in *why) otherwise.
 inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_point deadline, std::string* why) {
@@ -771,23 +753,18 @@ inline Socket listen_everywhere(int port, std::string* why) {
         }
         const int one = 1, zero = 0;
         ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        sockaddr_storage addr{};
-        socklen_t len = 0;
-        if (family == AF_INET6) {
-            ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-            auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
-            a->sin6_family = AF_INET6;
-            a->sin6_addr = in6addr_any;
-            a->sin6_port = htons(uint16_t(port));
-            len = sizeof(sockaddr_in6);
-        } else {
-            auto* a = reinterpret_cast<sockaddr_in*>(&addr);
-            a->sin_family = AF_INET;
-            a->sin_addr.s_addr = htonl(INADDR_ANY);
-            a->sin_port = htons(uint16_t(port));
-            len = sizeof(sockaddr_in);
-        }
-        if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(s.fd(), 4096) != 0) {
+        if (family == AF_INET6) ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+        sockaddr_in6 a6{};  // the wildcard address of either family
+        a6.sin6_family = AF_INET6;
+        a6.sin6_addr = in6addr_any;
+        a6.sin6_port = htons(uint16_t(port));
+        sockaddr_in a4{};
+        a4.sin_family = AF_INET;
+        a4.sin_addr.s_addr = htonl(INADDR_ANY);
+        a4.sin_port = htons(uint16_t(port));
+        const bool v6 = family == AF_INET6;
+        const sockaddr* addr = v6 ? reinterpret_cast<sockaddr*>(&a6) : reinterpret_cast<sockaddr*>(&a4);
+        if (::bind(s.fd(), addr, v6 ? sizeof(a6) : sizeof(a4)) != 0 || ::listen(s.fd(), 4096) != 0) {
             *why = std::strerror(errno);
             continue;
         }
@@ -796,7 +773,6 @@ inline Socket listen_everywhere(int port, std::string* why) {
     return Socket();
 }
 
-constexpr size_t kHelloBytes = 12;                    // magic, rank, world
 constexpr size_t kReplyBytes = 12 + kUniqueIdBytes;   // magic, status, rank 0's world, id
 enum ReplyStatus : uint32_t { kReplyOk = 0, kReplyWrongWorld = 1, kReplyBadRank = 2 };
 
@@ -851,7 +827,7 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
         if (peer.fd() < 0) continue;  // the peer gave up between poll and accept; it will retry
         const int one = 1;
         ::setsockopt(peer.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        char hello[d::kHelloBytes];
+        char hello[d::kAckBytes];
         std::string why;
         // A peer gets a few seconds to say who it is, so one stuck connection cannot eat the whole deadline.
         const auto hello_deadline = std::min(deadline, d::Clock::now() + std::chrono::seconds(10));
@@ -889,9 +865,8 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
     const auto deadline = d::deadline_after(timeout_s);
     std::string last = "no attempt";
     for (;;) {
-        const d::AddrInfo ai(host, port);
-        if (ai.list() == nullptr) last = ai.error();
-        for (const addrinfo* a = ai.list(); a != nullptr; a = a->ai_next) {
+        const d::AddrList addrs = d::resolve(host, port, &last);
+        for (const addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
             d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
             if (s.fd() < 0) {
                 last = std::strerror(errno);
@@ -915,13 +890,10 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
                     continue;
                 }
             }
-            char hello[d::kHelloBytes];
-            d::put_u32(hello, d::kMagic);
-            d::put_u32(hello + 4, uint32_t(rank));
-            d::put_u32(hello + 8, uint32_t(world));
+            std::array<char, d::kAckBytes> hello = d::rank_and_world(rank, world);
             char reply[d::kReplyBytes];
             std::string why;
-            if (!d::transfer(s.fd(), hello, sizeof(hello), true, deadline, &why) ||
+            if (!d::transfer(s.fd(), hello.data(), hello.size(), true, deadline, &why) ||
                 !d::transfer(s.fd(), reply, sizeof(reply), false, deadline, &why)) {
                 last = why;
                 continue;

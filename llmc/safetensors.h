@@ -257,55 +257,51 @@ private:
     }
 
     SafetensorsTensor parse_entry(const std::string& name, const json& entry, int64_t data_size) const {
-        if (!entry.is_object()) bad(format("tensor '%s': the entry is not an object", name.c_str()));
+        // Errors about this tensor: "tensor 'NAME': ..."
+        auto bad_tensor = [&](const std::string& what) { bad(format("tensor '%s': %s", name.c_str(), what.c_str())); };
+        if (!entry.is_object()) bad_tensor("the entry is not an object");
         for (const char* key : {"dtype", "shape", "data_offsets"}) {
             if (!entry.contains(key)) bad(format("tensor '%s' has no '%s'", name.c_str(), key));
         }
         SafetensorsTensor t;
         t.name = name;
         const json& dtype = entry["dtype"];
-        if (!dtype.is_string()) {
-            bad(format("tensor '%s': dtype %s is not a string", name.c_str(), json_excerpt(dtype).c_str()));
-        }
+        if (!dtype.is_string()) bad_tensor(format("dtype %s is not a string", json_excerpt(dtype).c_str()));
         t.dtype = dtype.get<std::string>();
         const int item = safetensors_item_size(t.dtype);
         if (item == 0) bad(format("tensor '%s' has unknown dtype %s", name.c_str(), json_excerpt(dtype).c_str()));
 
         const json& shape = entry["shape"];
-        if (!shape.is_array()) {
-            bad(format("tensor '%s': shape %s is not an array", name.c_str(), json_excerpt(shape).c_str()));
-        }
+        if (!shape.is_array()) bad_tensor(format("shape %s is not an array", json_excerpt(shape).c_str()));
         t.numel = 1;
         // Elements x item size must stay below 2^62, far above any file, so no product below can overflow.
         const int64_t max_numel = (int64_t(1) << 62) / item;
         for (const json& d : shape) {
             int64_t dim = header_int(d, name, "shape");
             if (dim > 0 && t.numel > max_numel / dim) {
-                bad(format("tensor '%s': shape %s is too large", name.c_str(), json_excerpt(shape).c_str()));
+                bad_tensor(format("shape %s is too large", json_excerpt(shape).c_str()));
             }
             t.numel *= dim;
             t.shape.push_back(dim);
         }
         const json& offsets = entry["data_offsets"];
         if (!offsets.is_array() || offsets.size() != 2) {
-            bad(format("tensor '%s': data_offsets %s is not [begin, end]", name.c_str(),
-                       json_excerpt(offsets).c_str()));
+            bad_tensor(format("data_offsets %s is not [begin, end]", json_excerpt(offsets).c_str()));
         }
         t.begin = header_int(offsets[0], name, "data_offsets");
         t.end = header_int(offsets[1], name, "data_offsets");
         if (t.end < t.begin) {
-            bad(format("tensor '%s': data_offsets [%lld, %lld] end before they begin", name.c_str(), (long long)t.begin,
-                       (long long)t.end));
+            bad_tensor(format("data_offsets [%lld, %lld] end before they begin", (long long)t.begin, (long long)t.end));
         }
         if (t.end - t.begin != t.numel * item) {
-            bad(format("tensor '%s': shape %s of %s needs %lld bytes but data_offsets [%lld, %lld] span %lld",
-                       name.c_str(), t.shape_string().c_str(), t.dtype.c_str(), (long long)(t.numel * item),
-                       (long long)t.begin, (long long)t.end, (long long)(t.end - t.begin)));
+            bad_tensor(format("shape %s of %s needs %lld bytes but data_offsets [%lld, %lld] span %lld",
+                              t.shape_string().c_str(), t.dtype.c_str(), (long long)(t.numel * item),
+                              (long long)t.begin, (long long)t.end, (long long)(t.end - t.begin)));
         }
         if (t.end > data_size) {
-            bad(format("tensor '%s': data_offsets [%lld, %lld] run past the end of the %lld-byte data section "
-                       "(file offset %llu; truncated?)", name.c_str(), (long long)t.begin, (long long)t.end,
-                       (long long)data_size, (unsigned long long)data_offset_ + (unsigned long long)t.end));
+            bad_tensor(format("data_offsets [%lld, %lld] run past the end of the %lld-byte data section (file offset "
+                              "%llu; truncated?)", (long long)t.begin, (long long)t.end, (long long)data_size,
+                              (unsigned long long)data_offset_ + (unsigned long long)t.end));
         }
         return t;
     }

@@ -88,6 +88,7 @@ inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
 }
 
 inline Tokenizer read_tokenizer_bin(const std::string& path) {
+    auto bad = [&](const std::string& what) { fail(kExitData, "tokenizer '%s': %s", path.c_str(), what.c_str()); };
     File f(path, File::Mode::Read);
     int64_t file_size = f.size();
     const int64_t header_bytes = kTokenizerHeaderInts * (int64_t)sizeof(uint32_t);
@@ -100,22 +101,18 @@ inline Tokenizer read_tokenizer_bin(const std::string& path) {
     uint32_t header[kTokenizerHeaderInts];
     std::memcpy(header, data.data(), sizeof(header));
     if (header[0] != kTokenizerMagic) {
-        fail(kExitData, "tokenizer '%s': bad magic %u at offset 0 (expected %u); is this a tokenizer file?",
-             path.c_str(), header[0], kTokenizerMagic);
+        bad(format("bad magic %u at offset 0 (expected %u); is this a tokenizer file?", header[0], kTokenizerMagic));
     }
-    if (header[1] != 1 && header[1] != 2) {
-        fail(kExitData, "tokenizer '%s': unsupported version %u at offset 4 (expected 1 or 2)", path.c_str(), header[1]);
-    }
+    if (header[1] != 1 && header[1] != 2) bad(format("unsupported version %u at offset 4 (expected 1 or 2)", header[1]));
     uint32_t vocab_size = header[2];
     uint32_t eot = header[1] == 1 ? kGpt2EotToken : header[3];
     // Each token takes at least 2 bytes (count + one byte), which bounds a believable vocabulary size.
     if (vocab_size == 0 || (int64_t)vocab_size * 2 > file_size - header_bytes) {
-        fail(kExitData, "tokenizer '%s': vocabulary size %u at offset 8 does not fit a file of %lld bytes", path.c_str(),
-             vocab_size, (long long)file_size);
+        bad(format("vocabulary size %u at offset 8 does not fit a file of %lld bytes", vocab_size, (long long)file_size));
     }
     if (eot >= vocab_size) {
-        fail(kExitData, "tokenizer '%s': end-of-text id %u%s is outside the vocabulary of %u tokens", path.c_str(), eot,
-             header[1] == 1 ? " (implied by version 1)" : " at offset 12", vocab_size);
+        bad(format("end-of-text id %u%s is outside the vocabulary of %u tokens", eot,
+                   header[1] == 1 ? " (implied by version 1)" : " at offset 12", vocab_size));
     }
     std::vector<std::string> tokens(vocab_size);
     size_t pos = static_cast<size_t>(header_bytes);
@@ -124,18 +121,14 @@ inline Tokenizer read_tokenizer_bin(const std::string& path) {
             fail(kExitData, "tokenizer '%s' ends at offset %zu, before token %u of %u", path.c_str(), pos, id, vocab_size);
         }
         size_t len = static_cast<uint8_t>(data[pos]);
-        if (len == 0) fail(kExitData, "tokenizer '%s': token %u at offset %zu has length 0", path.c_str(), id, pos);
+        if (len == 0) bad(format("token %u at offset %zu has length 0", id, pos));
         if (pos + 1 + len > data.size()) {
-            fail(kExitData, "tokenizer '%s': token %u at offset %zu needs %zu bytes but the file ends at %zu",
-                 path.c_str(), id, pos, len, data.size());
+            bad(format("token %u at offset %zu needs %zu bytes but the file ends at %zu", id, pos, len, data.size()));
         }
         tokens[id].assign(data.data() + pos + 1, len);
         pos += 1 + len;
     }
-    if (pos != data.size()) {
-        fail(kExitData, "tokenizer '%s': %zu unexpected bytes after the last token at offset %zu", path.c_str(),
-             data.size() - pos, pos);
-    }
+    if (pos != data.size()) bad(format("%zu unexpected bytes after the last token at offset %zu", data.size() - pos, pos));
     return Tokenizer(std::move(tokens), eot);
 }
 
@@ -190,35 +183,22 @@ public:
     size_t size() const { return count_; }
 
     const uint32_t* find(std::string_view key) const {
-        uint64_t h = hash_bytes(key.data(), key.size());
-        size_t mask = slots_.size() - 1;
-        for (size_t i = h & mask;; i = (i + 1) & mask) {
-            const Slot& s = slots_[i];
-            if (s.len == kEmpty) return nullptr;
-            if (s.hash == h && s.len == key.size() && std::memcmp(pool_.data() + s.offset, key.data(), key.size()) == 0) {
-                return &s.value;
-            }
-        }
+        const Slot& s = slots_[probe(key, hash_bytes(key.data(), key.size()))];
+        return s.len == kEmpty ? nullptr : &s.value;
     }
 
     // Inserts or overwrites; grows when half full.
     void insert(std::string_view key, uint32_t value) {
         if ((count_ + 1) * 2 > slots_.size()) grow();
-        uint64_t h = hash_bytes(key.data(), key.size());
-        size_t mask = slots_.size() - 1;
-        for (size_t i = h & mask;; i = (i + 1) & mask) {
-            Slot& s = slots_[i];
-            if (s.len == kEmpty) {
-                s = Slot{h, static_cast<uint32_t>(pool_.size()), static_cast<uint32_t>(key.size()), value};
-                pool_.append(key.data(), key.size());
-                count_++;
-                return;
-            }
-            if (s.hash == h && s.len == key.size() && std::memcmp(pool_.data() + s.offset, key.data(), key.size()) == 0) {
-                s.value = value;
-                return;
-            }
+        const uint64_t h = hash_bytes(key.data(), key.size());
+        Slot& s = slots_[probe(key, h)];
+        if (s.len != kEmpty) {
+            s.value = value;
+            return;
         }
+        s = Slot{h, static_cast<uint32_t>(pool_.size()), static_cast<uint32_t>(key.size()), value};
+        pool_.append(key.data(), key.size());
+        count_++;
     }
 
 private:
@@ -229,6 +209,17 @@ private:
         uint32_t len = kEmpty;
         uint32_t value = 0;
     };
+    // The slot holding key (hash h), else the empty one where it would go.
+    size_t probe(std::string_view key, uint64_t h) const {
+        const size_t mask = slots_.size() - 1;
+        for (size_t i = h & mask;; i = (i + 1) & mask) {
+            const Slot& s = slots_[i];
+            if (s.len == kEmpty ||
+                (s.hash == h && s.len == key.size() && std::memcmp(pool_.data() + s.offset, key.data(), key.size()) == 0)) {
+                return i;
+            }
+        }
+    }
     void grow() {
         std::vector<Slot> old = std::move(slots_);
         slots_.assign(old.size() * 2, Slot{});
@@ -258,30 +249,27 @@ public:
         for (size_t c = cap; c > 1; c >>= 1) shift_--;
     }
     void insert(uint32_t a, uint32_t b, uint32_t merged) {
-        uint64_t key = (uint64_t(a) << 32) | b;
-        size_t mask = keys_.size() - 1;
-        for (size_t i = slot(key);; i = (i + 1) & mask) {
-            if (keys_[i] == kEmpty || keys_[i] == key) {
-                keys_[i] = key;
-                values_[i] = merged;
-                return;
-            }
-        }
+        const size_t i = probe(a, b);
+        keys_[i] = (uint64_t(a) << 32) | b;
+        values_[i] = merged;
     }
     // The merged token, or kNone when the pair does not merge.
     uint32_t find(uint32_t a, uint32_t b) const {
-        uint64_t key = (uint64_t(a) << 32) | b;
-        size_t mask = keys_.size() - 1;
-        for (size_t i = slot(key);; i = (i + 1) & mask) {
-            if (keys_[i] == key) return values_[i];
-            if (keys_[i] == kEmpty) return kNone;
-        }
+        const size_t i = probe(a, b);
+        return keys_[i] == kEmpty ? kNone : values_[i];
     }
     static constexpr uint32_t kNone = UINT32_MAX;
 
 private:
     static constexpr uint64_t kEmpty = UINT64_MAX;
-    size_t slot(uint64_t key) const { return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_); }
+    // The slot holding the pair, else the empty one where it would go.
+    size_t probe(uint32_t a, uint32_t b) const {
+        const uint64_t key = (uint64_t(a) << 32) | b;
+        const size_t mask = keys_.size() - 1;
+        size_t i = static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
+        while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask;
+        return i;
+    }
     std::vector<uint64_t> keys_;
     std::vector<uint32_t> values_;
     int shift_ = 64;
@@ -508,10 +496,8 @@ public:
         code_.reset(pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                                   PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &err_offset, nullptr));
         if (!code_) {
-            PCRE2_UCHAR msg[256];
-            pcre2_get_error_message(err, msg, sizeof(msg));
             fail(kExitError, "PCRE2 cannot compile GPT-2's pattern at offset %zu: %s", (size_t)err_offset,
-                 reinterpret_cast<char*>(msg));
+                 pcre2_error(err).c_str());
         }
         // Without JIT (a PCRE2 built without it) the interpreter gives the same matches, only slower.
         jit_ = pcre2_jit_compile(code_.get(), PCRE2_JIT_COMPLETE) == 0;
@@ -533,11 +519,7 @@ public:
                 encode_piece(ctx, text.substr(pos), out);  // only invalid UTF-8 is left
                 return;
             }
-            if (rc < 0) {
-                PCRE2_UCHAR msg[256];
-                pcre2_get_error_message(rc, msg, sizeof(msg));
-                fail(kExitError, "PCRE2 match failed at byte %zu: %s", pos, reinterpret_cast<char*>(msg));
-            }
+            if (rc < 0) fail(kExitError, "PCRE2 match failed at byte %zu: %s", pos, pcre2_error(rc).c_str());
             const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(ctx.match_data_.get());
             size_t start = ov[0], end = ov[1];
             if (end <= start) fail(kExitError, "PCRE2 returned an empty match at byte %zu", start);
@@ -555,6 +537,12 @@ public:
 
 private:
     static constexpr uint32_t kNoToken = UINT32_MAX;
+
+    static std::string pcre2_error(int code) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(code, msg, sizeof(msg));
+        return reinterpret_cast<char*>(msg);
+    }
 
     void encode_piece(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
         if (piece.size() == 1) {

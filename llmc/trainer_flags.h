@@ -1,8 +1,8 @@
 /*
 The two trainers' command line, from one table: every flag once, with its letter, long name, type,
 default, range, help and the trainers that take it (train_gpt2: CPU; train_gpt2cu: GPU). Where they
-differ the row says so (cpu ? ... : ...). Test-only flags are listed apart under "for tests:". Also
-check_output_flags, the check across flags both trainers make.
+differ (a default, a range, --gen-tokens' limit) the row says so (cpu ? ... : ...). Test-only flags are
+listed apart under "for tests:". Also check_output_flags, the check across flags both trainers make.
 */
 #pragma once
 
@@ -61,7 +61,7 @@ constexpr T kMax = std::numeric_limits<T>::max();
 namespace detail {
 
 // The table's rows: each sets its field's default and adds its flag to the trainer's Flags when the row
-// names that trainer (to a scratch Flags otherwise).
+// names that trainer (the call compiles for both, so every row's range is checked for both types).
 class TrainerFlagTable {
 public:
     enum Takes : unsigned { Cpu = 1, Gpu = 2, Both = 3 };
@@ -73,13 +73,12 @@ public:
     void add(Takes who, const char* short_name, const char* long_name, T* field, std::common_type_t<T> def,
              const char* help, Range... range) {
         *field = def;
-        (who & mine_ ? f_ : others_).add(short_name, long_name, field, help, range...);
+        if (who & mine_) f_.add(short_name, long_name, field, help, range...);
     }
     void group(const char* heading) { f_.group(heading); }
 
 private:
     Flags& f_;
-    Flags others_{"", ""};
     Takes mine_;
 };
 
@@ -101,42 +100,35 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
           "training token shards: a glob or comma-separated globs");
     t.add(Both, "j", "val", &o.val_pattern, "data/quickstart_val_*.bin", "validation token shards; \"\" for none");
     t.add(Both, "e", "model", &o.model, cpu ? "d2" : "d12",
-          cpu ? "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder, or a new model d2 ... d48"
-              : "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder (config.json + "
-                "safetensors), or a new model d2 d6 d12 d24 d36 d48");
+          "model to start from: an llm.c model file (v3/v5), a Hugging Face GPT-2 folder (config.json + "
+          "safetensors), or a new model d2 d6 d12 d24 d36 d48");
     t.add(Cpu, "", "layers", &o.layers, 0, "explicit shape instead of -e: layers (with --channels and --heads)", 1, 4096);
     t.add(Cpu, "", "channels", &o.channels, 0, "explicit shape: channels", 1, 65536);
     t.add(Cpu, "", "heads", &o.heads, 0, "explicit shape: attention heads", 1, 65536);
     t.add(Cpu, "", "vocab", &o.vocab, kGPT2VocabSize, "explicit shape: vocabulary size", 1, 1 << 24);
     t.add(Cpu, "", "max-seq-len", &o.max_seq_len, kGPT2MaxSeqLen, "explicit shape: position embeddings", 1, 1 << 20);
     t.add(Both, "o", "output-dir", &o.output_dir, "out",
-          cpu ? "directory for log.jsonl and model.bin (created if missing, checked at start-up); \"\" writes nothing"
-              : "directory for log.jsonl, checkpoints and model.bin (created if missing); \"\" writes nothing");
-    t.add(Both, "b", "batch-size", &o.B, 4,
-          cpu ? "batch size B (sequences per forward/backward)" : "micro-batch size B (sequences per forward/backward)",
-          1, cpu ? 1 << 16 : kMax<int>);
+          "directory for log.jsonl, model.bin and (train_gpt2cu) checkpoints, created if missing; \"\" writes nothing");
+    t.add(Both, "b", "batch-size", &o.B, 4, "micro-batch size B (sequences per forward/backward)", 1,
+          cpu ? 1 << 16 : kMax<int>);
     t.add(Both, "t", "seq-len", &o.T, cpu ? 64 : 1024, "sequence length T (at most the model's maxT)", 1,
           cpu ? 1 << 20 : kMax<int>);
     t.add(Both, "d", "total-batch", &o.total_batch, -1,
-          cpu ? "tokens per optimizer step, a multiple of B*T (-1: B*T)"
-              : "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)",
-          -1, cpu ? int64_t(1) << 40 : kMax<int64_t>);
+          "tokens per optimizer step over all ranks, a multiple of B*T*ranks (-1: B*T*ranks)", -1,
+          cpu ? int64_t(1) << 40 : kMax<int64_t>);
     t.add(Both, "l", "lr", &o.lr, cpu ? 1e-3 : 3e-4, "peak learning rate", 0, cpu ? 10 : kMax<Real>);
     t.add(Both, "u", "warmup", &o.warmup, 0, "learning-rate warmup steps", 0, cpu ? 1 << 30 : kMax<int>);
     t.add(Both, "q", "final-lr-fraction", &o.final_lr_fraction, 1, "final learning rate as a fraction of the peak", 0, 1);
     t.add(Both, "c", "weight-decay", &o.weight_decay, cpu ? 0.1 : 0, "AdamW weight decay (weight matrices only)", 0,
           cpu ? 10 : kMax<Real>);
     t.add(Both, "x", "max-steps", &o.max_steps, cpu ? 50 : -1,
-          cpu ? "optimizer steps (-1: one epoch of the training data; 0: evaluate and sample only)"
-              : "optimizer steps (-1: one epoch of the training data)",
-          -1, kMax<int>);
+          "optimizer steps (-1: one epoch of the training data; 0: evaluate and sample only)", -1, kMax<int>);
     t.add(Both, "v", "val-every", &o.val_every, 20, "validation loss every N steps and at the end (0: never)", 0, kMax<int>);
     t.add(Both, "m", "val-max-steps", &o.val_max_steps, 20, "batches per validation (-1: the whole validation set)", -1,
           kMax<int>);
     t.add(Both, "", "eval", &o.eval_file, "",
-          cpu ? "multiple-choice evaluation file (llm.c's eval .bin): accuracy every --eval-every steps and at the end"
-              : "multiple-choice evaluation file (llm.c's eval .bin, e.g. HellaSwag from build/prepare_eval): accuracy "
-                "every --eval-every steps and at the end (\"\": none)");
+          "multiple-choice evaluation file (llm.c's eval .bin, e.g. HellaSwag from build/prepare_eval): accuracy "
+          "every --eval-every steps and at the end (\"\": none)");
     t.add(Both, "", "eval-every", &o.eval_every, 250, "evaluate on --eval every N steps and at the end (0: at the end only)",
           0, kMax<int>);
     t.add(Both, "", "eval-max-items", &o.eval_max_items, -1, "evaluate on the first N items of --eval (-1: all)", -1,
@@ -165,13 +157,11 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
     t.add(Both, "", "decay-fraction", &o.decay_fraction, 0.2, "wsd: fraction of the steps spent decaying at the end", 0, 1);
     t.add(Both, "", "grad-clip", &o.grad_clip, 1, "clip the global gradient norm to this (0: off)", 0,
           cpu ? 1e30 : kMax<Real>);
-    t.add(Both, "", "beta1", &o.beta1, 0.9, cpu ? "AdamW beta1" : "AdamW beta1, below 1", 0, cpu ? 0.999999 : 1);
-    t.add(Both, "", "beta2", &o.beta2, 0.95, cpu ? "AdamW beta2" : "AdamW beta2, below 1", 0, cpu ? 0.999999 : 1);
-    t.add(Both, "", "eps", &o.eps, 1e-8, cpu ? "AdamW epsilon" : "AdamW epsilon, above 0", cpu ? 1e-30 : 0,
-          cpu ? 1 : kMax<Real>);
+    t.add(Both, "", "beta1", &o.beta1, 0.9, "AdamW beta1, below 1", 0, cpu ? 0.999999 : 1);
+    t.add(Both, "", "beta2", &o.beta2, 0.95, "AdamW beta2, below 1", 0, cpu ? 0.999999 : 1);
+    t.add(Both, "", "eps", &o.eps, 1e-8, "AdamW epsilon, above 0", cpu ? 1e-30 : 0, cpu ? 1 : kMax<Real>);
     t.add(Both, "", "seed", &o.seed, 1337,
-          cpu ? "seed of initialisation and data order" : "seed of initialisation, data order and stochastic rounding",
-          0, kMax<int64_t>);
+          "seed of initialisation, data order and (train_gpt2cu) stochastic rounding", 0, kMax<int64_t>);
     t.add(Gpu, "", "rounding-seed", &o.rounding_seed, -1,
           "seed of the stochastic rounding alone (-1: --seed): another value changes nothing but the rounding "
           "of the bf16 parameters, another run of the same training (the noise a precision change is judged "
@@ -189,19 +179,14 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
     t.add(Both, "", "shuffle", &o.shuffle, true,
           "shuffle the training samples (0: shards in name order, samples in file order)");
     t.add(Both, "", "save-model", &o.save_model, "llmc",
-          cpu ? "formats of the model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, llm.c "
-                "v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), none; "
-                "with -x 0 only when given"
-              : "formats of the trained model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, "
-                "llm.c v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), "
-                "none; with -x 0 only when given");
+          "formats of the trained model written at the end, comma-separated: llmc (<output-dir>/model.bin, fp32, "
+          "llm.c v3), llmc-bf16 (model_bf16.bin, v5), hf (hf/: Hugging Face folder, fp32), hf-bf16 (hf_bf16/), "
+          "none; with -x 0 only when given");
     t.add(Both, "", "vocab-dir", &o.vocab_dir, ".deps/gpt2",
-          cpu ? "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, used by --prompt"
-              : "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, and used to encode --prompt");
+          "GPT-2's encoder.json and vocab.bpe: copied into Hugging Face exports, and used to encode --prompt");
     t.add(Both, "", "prompt", &o.prompt, "", "samples continue this text (needs a build with PCRE2 and --vocab-dir)");
     t.add(Both, "", "prompt-ids", &o.prompt_ids, "",
-          cpu ? "comma-separated token ids each sample continues (\"\": <|endoftext|>)"
-              : "samples continue these comma-separated token ids (default: <|endoftext|>)");
+          "samples continue these comma-separated token ids (default: <|endoftext|>)");
     t.add(Both, "", "log-every", &o.log_every, 1, "print the step line every N steps (every step goes to log.jsonl)", 1,
           kMax<int>);
     t.add(Gpu, "", "dry-run", &o.dry_run, false,
