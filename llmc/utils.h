@@ -242,6 +242,14 @@ public:
         pos_ += static_cast<int64_t>(n);
     }
 
+    void truncate(int64_t length) {
+        require_open("truncate");
+        if (::ftruncate(fd_, length) != 0) {
+            fail(kExitIo, "cannot truncate '%s' to %lld bytes: %s", path_.c_str(), (long long)length,
+                 std::strerror(errno));
+        }
+    }
+
     void sync() {
         require_open("fsync");
         if (::fsync(fd_) != 0) fail(kExitIo, "fsync of '%s' failed: %s", path_.c_str(), std::strerror(errno));
