@@ -47,10 +47,7 @@ public:
     Flags& add(const char* short_name, const char* long_name, T* target, const char* help, Bound<T> lo, Bound<T> hi) {
         add(short_name, long_name, target, help);
         Range& r = specs_.back().range;
-        r.on = true;
-        r.lo = double(lo);
-        r.hi = double(hi);
-        r.open_above = hi == std::numeric_limits<T>::max();
+        r = Range{true, double(lo), double(hi), 0, 0, hi == std::numeric_limits<T>::max()};
         if constexpr (std::is_integral<T>::value) {
             r.ilo = (long long)lo;
             r.ihi = (long long)hi;
@@ -89,18 +86,15 @@ public:
             }
             std::string flag = arg;  // as the user spelled it, without an inline value
             std::string value;
-            bool has_inline_value = false;
+            const size_t eq = arg.find('=');
+            const bool has_inline_value = arg.rfind("--", 0) == 0 && eq != std::string::npos;
             Spec* spec = nullptr;
+            if (has_inline_value) {
+                value = arg.substr(eq + 1);
+                flag = arg.substr(0, eq);
+            }
             if (arg.rfind("--", 0) == 0) {
-                std::string name = arg.substr(2);
-                size_t eq = name.find('=');
-                if (eq != std::string::npos) {
-                    value = name.substr(eq + 1);
-                    name = name.substr(0, eq);
-                    flag = "--" + name;
-                    has_inline_value = true;
-                }
-                spec = find(name, false);
+                spec = find(flag.substr(2), false);
             } else if (arg.size() > 1 && arg[0] == '-') {
                 spec = find(arg.substr(1), true);
             } else if (positional_) {
@@ -211,20 +205,18 @@ private:
     }
 
     static std::string value_string(const Target& t) {
-        struct V {
-            std::string operator()(int* p) const { return std::to_string(*p); }
-            std::string operator()(int64_t* p) const { return std::to_string(*p); }
-            std::string operator()(float* p) const { return format("%g", double(*p)); }
-            std::string operator()(double* p) const { return format("%g", *p); }
-            std::string operator()(std::string* p) const { return *p; }
-            std::string operator()(bool* p) const { return *p ? "1" : "0"; }
-            std::string operator()(std::vector<std::string>* p) const {
+        return std::visit([](auto* p) -> std::string {
+            using T = std::remove_pointer_t<decltype(p)>;
+            if constexpr (std::is_same_v<T, std::string>) return *p;
+            else if constexpr (std::is_same_v<T, bool>) return *p ? "1" : "0";
+            else if constexpr (std::is_floating_point_v<T>) return format("%g", double(*p));
+            else if constexpr (std::is_integral_v<T>) return std::to_string(*p);
+            else {
                 std::string out;
                 for (const std::string& v : *p) out += (out.empty() ? "" : ",") + v;
                 return out;
             }
-        };
-        return std::visit(V{}, t);
+        }, t);
     }
 
     // A decimal integer, exactly: optional sign, fraction and exponent ("1e6", "2.5e3"), k/K or m/M
@@ -285,9 +277,7 @@ private:
         auto parse_int = [&]() -> long long {
             long long v = 0;
             if (!parse_integer(value, &v)) bad("an integer");
-            if (s.range.on && (v < s.range.ilo || v > s.range.ihi)) {
-                bad("an integer " + range_text(s));
-            }
+            if (s.range.on && (v < s.range.ilo || v > s.range.ihi)) bad("an integer " + range_text(s));
             return v;
         };
         auto parse_float = [&]() -> double {

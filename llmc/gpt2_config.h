@@ -7,10 +7,12 @@ size 64, C = 64 * L, NH = L). All take V = 50257 (Vp = 50304) and maxT = 1024.
 */
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include "llmc/rand.h"
 #include "llmc/utils.h"
@@ -31,12 +33,9 @@ struct GPT2Config {
     int channels = 0;           // C
 
     int head_size() const { return channels / num_heads; }
-    bool operator==(const GPT2Config& o) const {
-        return max_seq_len == o.max_seq_len && vocab_size == o.vocab_size &&
-               padded_vocab_size == o.padded_vocab_size && num_layers == o.num_layers && num_heads == o.num_heads &&
-               channels == o.channels;
-    }
-    bool operator!=(const GPT2Config& o) const { return !(*this == o); }
+    auto fields() const { return std::tie(max_seq_len, vocab_size, padded_vocab_size, num_layers, num_heads, channels); }
+    bool operator==(const GPT2Config& o) const { return fields() == o.fields(); }
+    bool operator!=(const GPT2Config& o) const { return fields() != o.fields(); }
 };
 
 inline std::string describe(const GPT2Config& c) {
@@ -75,13 +74,7 @@ inline void validate_config(const GPT2Config& c, int exit_code, const std::strin
 // A model of explicit size; Vp is V rounded up to a multiple of 128.
 inline GPT2Config make_config(int num_layers, int channels, int num_heads, int vocab_size = kGPT2VocabSize,
                               int max_seq_len = kGPT2MaxSeqLen) {
-    GPT2Config c;
-    c.max_seq_len = max_seq_len;
-    c.vocab_size = vocab_size;
-    c.padded_vocab_size = padded_vocab(vocab_size);
-    c.num_layers = num_layers;
-    c.num_heads = num_heads;
-    c.channels = channels;
+    const GPT2Config c{max_seq_len, vocab_size, padded_vocab(vocab_size), num_layers, num_heads, channels};
     validate_config(c, kExitUsage, "model shape");
     return c;
 }
@@ -120,6 +113,7 @@ struct ParamTensorInfo {
 inline std::array<ParamTensorInfo, kNumParamTensors> param_tensors(const GPT2Config& c) {
     const int64_t Vp = c.padded_vocab_size, maxT = c.max_seq_len, L = c.num_layers, C = c.channels;
     std::array<ParamTensorInfo, kNumParamTensors> t;
+    int64_t offset = 0;
     auto set = [&](int i, const char* name, bool decayed, std::initializer_list<int64_t> shape) {
         t[i].name = name;
         t[i].decayed = decayed;
@@ -129,6 +123,8 @@ inline std::array<ParamTensorInfo, kNumParamTensors> param_tensors(const GPT2Con
             t[i].shape[t[i].ndim++] = d;
             t[i].numel *= d;
         }
+        t[i].offset = offset;  // the calls below go in tensor order
+        offset += t[i].numel;
     };
     set(kWte, "wte", true, {Vp, C});
     set(kWpe, "wpe", true, {maxT, C});
@@ -146,11 +142,6 @@ inline std::array<ParamTensorInfo, kNumParamTensors> param_tensors(const GPT2Con
     set(kFcprojb, "fcprojb", false, {L, C});
     set(kLnfw, "lnfw", false, {C});
     set(kLnfb, "lnfb", false, {C});
-    int64_t offset = 0;
-    for (ParamTensorInfo& info : t) {
-        info.offset = offset;
-        offset += info.numel;
-    }
     return t;
 }
 
@@ -174,17 +165,15 @@ inline void init_parameters(const GPT2Config& c, uint64_t seed, float* params) {
         const ParamTensorInfo& t = tensors[i];
         float* p = params + t.offset;
         int64_t n = t.numel;
-        if (i == kLn1w || i == kLn2w || i == kLnfw) {
-            for (int64_t j = 0; j < n; j++) p[j] = 1.0f;
-        } else if (!t.decayed) {
-            for (int64_t j = 0; j < n; j++) p[j] = 0.0f;
-        } else {
-            double stddev = (i == kAttprojw || i == kFcprojw) ? residual_std : 0.02;
-            int64_t random = (i == kWte) ? int64_t(c.vocab_size) * c.channels : n;
+        if (!t.decayed) {
+            std::fill(p, p + n, (i == kLn1w || i == kLn2w || i == kLnfw) ? 1.0f : 0.0f);
+            continue;
+        }
+        double stddev = (i == kAttprojw || i == kFcprojw) ? residual_std : 0.02;
+        int64_t random = (i == kWte) ? int64_t(c.vocab_size) * c.channels : n;
 #pragma omp parallel for schedule(static)
-            for (int64_t j = 0; j < n; j++) {
-                p[j] = j < random ? float(stddev * counter_normal(seed, uint64_t(i), uint64_t(j))) : 0.0f;
-            }
+        for (int64_t j = 0; j < n; j++) {
+            p[j] = j < random ? float(stddev * counter_normal(seed, uint64_t(i), uint64_t(j))) : 0.0f;
         }
     }
 }

@@ -16,6 +16,7 @@ Fixed-order reductions: bitwise identical whatever OMP_NUM_THREADS is. Keeps eve
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "llmc/gpt2_config.h"
@@ -321,10 +322,7 @@ void crossentropy_backward(Real* dlogits, const Real* probs, const int* targets,
 
 // Held in double so that the double model uses exactly the values given; the float model rounds them.
 struct AdamW {
-    double learning_rate = 0;
-    double beta1 = 0.9;
-    double beta2 = 0.95;
-    double eps = 1e-8;
+    double learning_rate = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
     double weight_decay = 0;  // decoupled, matrices only
 };
 
@@ -344,13 +342,10 @@ public:
         std::vector<Real> ln1, ln1_mean, ln1_rstd;  // (L,B,T,C), (L,B,T), (L,B,T)
         std::vector<Real> qkv;             // (L,B,T,3C)
         std::vector<Real> att;             // (L,B,NH,T,T)
-        std::vector<Real> atty;            // (L,B,T,C)
-        std::vector<Real> attproj;         // (L,B,T,C)
-        std::vector<Real> residual2;       // (L,B,T,C)
+        std::vector<Real> atty, attproj, residual2;  // (L,B,T,C)
         std::vector<Real> ln2, ln2_mean, ln2_rstd;  // (L,B,T,C), (L,B,T), (L,B,T)
         std::vector<Real> fch, fch_gelu;   // (L,B,T,4C)
-        std::vector<Real> fcproj;          // (L,B,T,C)
-        std::vector<Real> residual3;       // (L,B,T,C)
+        std::vector<Real> fcproj, residual3;  // (L,B,T,C)
         std::vector<Real> lnf, lnf_mean, lnf_rstd;  // (B,T,C), (B,T), (B,T)
         std::vector<Real> logits, probs;   // (B,T,Vp)
         std::vector<Real> losses;          // (B,T)
@@ -374,8 +369,9 @@ public:
 
     const GPT2Config& config() const { return config_; }
     const ParamTensorInfo& tensor(int i) const { return tensors_[size_t(i)]; }
-    Real* param(int i) { return params.data() + tensors_[size_t(i)].offset; }
-    Real* grad(int i) { return grads.data() + tensors_[size_t(i)].offset; }
+    // Tensor i, or layer l's part of a per-layer tensor.
+    Real* param(int i, int64_t l = 0) { return params.data() + tensors_[size_t(i)].offset + l * layer_numel(i); }
+    Real* grad(int i, int64_t l = 0) { return grads.data() + tensors_[size_t(i)].offset + l * layer_numel(i); }
     const Activations& activations() const { return acts_; }
 
     // Runs the model on inputs (B,T); with targets returns the mean cross-entropy (else NaN). The logits
@@ -391,51 +387,34 @@ public:
         Activations& a = acts_;
         a.inputs.assign(inputs, inputs + int64_t(B) * T);
         has_targets_ = targets != nullptr;
-        if (has_targets_) {
-            a.targets.assign(targets, targets + int64_t(B) * T);
-        } else {
-            a.targets.clear();
-        }
+        a.targets.assign(targets, has_targets_ ? targets + int64_t(B) * T : targets);
 
         const int64_t L = c.num_layers, C = c.channels, NH = c.num_heads, N = int64_t(B) * T;
         encoder_forward(a.encoded.data(), a.inputs.data(), param(kWte), param(kWpe), B, T, int(C));
         for (int64_t l = 0; l < L; l++) {
-            const Real* residual = l == 0 ? a.encoded.data() : a.residual3.data() + (l - 1) * N * C;
-            Real* ln1 = a.ln1.data() + l * N * C;
-            Real* qkv = a.qkv.data() + l * N * 3 * C;
-            Real* atty = a.atty.data() + l * N * C;
-            Real* attproj = a.attproj.data() + l * N * C;
-            Real* residual2 = a.residual2.data() + l * N * C;
-            Real* ln2 = a.ln2.data() + l * N * C;
-            Real* fch = a.fch.data() + l * N * 4 * C;
-            Real* fch_gelu = a.fch_gelu.data() + l * N * 4 * C;
-            Real* fcproj = a.fcproj.data() + l * N * C;
-            Real* residual3 = a.residual3.data() + l * N * C;
-
-            layernorm_forward(ln1, a.ln1_mean.data() + l * N, a.ln1_rstd.data() + l * N, residual, param(kLn1w) + l * C,
-                              param(kLn1b) + l * C, N, int(C));
-            matmul_forward(qkv, ln1, param(kQkvw) + l * 3 * C * C, param(kQkvb) + l * 3 * C, N, C, 3 * C);
-            attention_forward(atty, a.att.data() + l * B * NH * T * T, qkv, B, T, int(C), int(NH));
-            matmul_forward(attproj, atty, param(kAttprojw) + l * C * C, param(kAttprojb) + l * C, N, C, C);
-            residual_forward(residual2, residual, attproj, N * C);
-            layernorm_forward(ln2, a.ln2_mean.data() + l * N, a.ln2_rstd.data() + l * N, residual2,
-                              param(kLn2w) + l * C, param(kLn2b) + l * C, N, int(C));
-            matmul_forward(fch, ln2, param(kFcw) + l * 4 * C * C, param(kFcb) + l * 4 * C, N, C, 4 * C);
-            gelu_forward(fch_gelu, fch, N * 4 * C);
-            matmul_forward(fcproj, fch_gelu, param(kFcprojw) + l * C * 4 * C, param(kFcprojb) + l * C, N, 4 * C, C);
-            residual_forward(residual3, residual2, fcproj, N * C);
+            const Real* residual = l == 0 ? a.encoded.data() : slice(a.residual3, l - 1);
+            layernorm_forward(slice(a.ln1, l), slice(a.ln1_mean, l), slice(a.ln1_rstd, l), residual, param(kLn1w, l),
+                              param(kLn1b, l), N, int(C));
+            matmul_forward(slice(a.qkv, l), slice(a.ln1, l), param(kQkvw, l), param(kQkvb, l), N, C, 3 * C);
+            attention_forward(slice(a.atty, l), slice(a.att, l), slice(a.qkv, l), B, T, int(C), int(NH));
+            matmul_forward(slice(a.attproj, l), slice(a.atty, l), param(kAttprojw, l), param(kAttprojb, l), N, C, C);
+            residual_forward(slice(a.residual2, l), residual, slice(a.attproj, l), N * C);
+            layernorm_forward(slice(a.ln2, l), slice(a.ln2_mean, l), slice(a.ln2_rstd, l), slice(a.residual2, l),
+                              param(kLn2w, l), param(kLn2b, l), N, int(C));
+            matmul_forward(slice(a.fch, l), slice(a.ln2, l), param(kFcw, l), param(kFcb, l), N, C, 4 * C);
+            gelu_forward(slice(a.fch_gelu, l), slice(a.fch, l), N * 4 * C);
+            matmul_forward(slice(a.fcproj, l), slice(a.fch_gelu, l), param(kFcprojw, l), param(kFcprojb, l), N, 4 * C,
+                           C);
+            residual_forward(slice(a.residual3, l), slice(a.residual2, l), slice(a.fcproj, l), N * C);
         }
-        const Real* last = a.residual3.data() + (L - 1) * N * C;
-        layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), last, param(kLnfw), param(kLnfb), N,
-                          int(C));
+        layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), slice(a.residual3, L - 1), param(kLnfw),
+                          param(kLnfb), N, int(C));
         matmul_forward(a.logits.data(), a.lnf.data(), param(kWte), static_cast<const Real*>(nullptr), N, C,
                        int64_t(c.padded_vocab_size));
         if (!has_targets_) return std::numeric_limits<double>::quiet_NaN();
         crossentropy_forward(a.probs.data(), a.losses.data(), a.logits.data(), a.targets.data(), N, c.vocab_size,
                              c.padded_vocab_size);
-        double sum = 0;
-        for (int64_t n = 0; n < N; n++) sum += double(a.losses[size_t(n)]);
-        return sum / double(N);
+        return std::accumulate(a.losses.begin(), a.losses.end(), 0.0) / double(N);
     }
 
     void zero_grad() { std::fill(grads.begin(), grads.end(), Real(0)); }
@@ -460,7 +439,6 @@ public:
         Activations& a = acts_;
         const int B = a.B, T = a.T;
         const int64_t L = c.num_layers, C = c.channels, NH = c.num_heads, N = int64_t(B) * T;
-        const int64_t Vp = c.padded_vocab_size;
         auto zeroed = [](std::vector<Real>& v) {
             std::fill(v.begin(), v.end(), Real(0));
             return v.data();
@@ -469,32 +447,28 @@ public:
         crossentropy_backward(zeroed(d_logits_), a.probs.data(), a.targets.data(), Real(1.0 / double(N)), N,
                               c.vocab_size, c.padded_vocab_size);
         matmul_backward(zeroed(d_ln_), grad(kWte), static_cast<Real*>(nullptr), d_logits_.data(), a.lnf.data(),
-                        param(kWte), N, C, Vp);
+                        param(kWte), N, C, int64_t(c.padded_vocab_size));
         // d_residual_ carries the gradient of the residual stream down through the layers.
-        layernorm_backward(zeroed(d_residual_), grad(kLnfw), grad(kLnfb), d_ln_.data(),
-                           a.residual3.data() + (L - 1) * N * C, param(kLnfw), a.lnf_mean.data(), a.lnf_rstd.data(), N,
-                           int(C));
+        layernorm_backward(zeroed(d_residual_), grad(kLnfw), grad(kLnfb), d_ln_.data(), slice(a.residual3, L - 1),
+                           param(kLnfw), a.lnf_mean.data(), a.lnf_rstd.data(), N, int(C));
         for (int64_t l = L - 1; l >= 0; l--) {
-            const Real* residual = l == 0 ? a.encoded.data() : a.residual3.data() + (l - 1) * N * C;
+            const Real* residual = l == 0 ? a.encoded.data() : slice(a.residual3, l - 1);
             // residual3 = residual2 + fcproj: both receive d_residual_, which keeps flowing as d residual2.
-            matmul_backward(zeroed(d_fch_gelu_), grad(kFcprojw) + l * C * 4 * C, grad(kFcprojb) + l * C,
-                            d_residual_.data(), a.fch_gelu.data() + l * N * 4 * C, param(kFcprojw) + l * C * 4 * C, N,
-                            4 * C, C);
-            gelu_backward(zeroed(d_fch_), a.fch.data() + l * N * 4 * C, d_fch_gelu_.data(), N * 4 * C);
-            matmul_backward(zeroed(d_ln_), grad(kFcw) + l * 4 * C * C, grad(kFcb) + l * 4 * C, d_fch_.data(),
-                            a.ln2.data() + l * N * C, param(kFcw) + l * 4 * C * C, N, C, 4 * C);
-            layernorm_backward(d_residual_.data(), grad(kLn2w) + l * C, grad(kLn2b) + l * C, d_ln_.data(),
-                               a.residual2.data() + l * N * C, param(kLn2w) + l * C, a.ln2_mean.data() + l * N,
-                               a.ln2_rstd.data() + l * N, N, int(C));
+            matmul_backward(zeroed(d_fch_gelu_), grad(kFcprojw, l), grad(kFcprojb, l), d_residual_.data(),
+                            slice(a.fch_gelu, l), param(kFcprojw, l), N, 4 * C, C);
+            gelu_backward(zeroed(d_fch_), slice(a.fch, l), d_fch_gelu_.data(), N * 4 * C);
+            matmul_backward(zeroed(d_ln_), grad(kFcw, l), grad(kFcb, l), d_fch_.data(), slice(a.ln2, l), param(kFcw, l),
+                            N, C, 4 * C);
+            layernorm_backward(d_residual_.data(), grad(kLn2w, l), grad(kLn2b, l), d_ln_.data(), slice(a.residual2, l),
+                               param(kLn2w, l), slice(a.ln2_mean, l), slice(a.ln2_rstd, l), N, int(C));
             // residual2 = residual + attproj: the same again for the attention half.
-            matmul_backward(zeroed(d_atty_), grad(kAttprojw) + l * C * C, grad(kAttprojb) + l * C, d_residual_.data(),
-                            a.atty.data() + l * N * C, param(kAttprojw) + l * C * C, N, C, C);
-            attention_backward(zeroed(d_qkv_), d_atty_.data(), a.qkv.data() + l * N * 3 * C,
-                               a.att.data() + l * B * NH * T * T, B, T, int(C), int(NH));
-            matmul_backward(zeroed(d_ln_), grad(kQkvw) + l * 3 * C * C, grad(kQkvb) + l * 3 * C, d_qkv_.data(),
-                            a.ln1.data() + l * N * C, param(kQkvw) + l * 3 * C * C, N, C, 3 * C);
-            layernorm_backward(d_residual_.data(), grad(kLn1w) + l * C, grad(kLn1b) + l * C, d_ln_.data(), residual,
-                               param(kLn1w) + l * C, a.ln1_mean.data() + l * N, a.ln1_rstd.data() + l * N, N, int(C));
+            matmul_backward(zeroed(d_atty_), grad(kAttprojw, l), grad(kAttprojb, l), d_residual_.data(),
+                            slice(a.atty, l), param(kAttprojw, l), N, C, C);
+            attention_backward(zeroed(d_qkv_), d_atty_.data(), slice(a.qkv, l), slice(a.att, l), B, T, int(C), int(NH));
+            matmul_backward(zeroed(d_ln_), grad(kQkvw, l), grad(kQkvb, l), d_qkv_.data(), slice(a.ln1, l),
+                            param(kQkvw, l), N, C, 3 * C);
+            layernorm_backward(d_residual_.data(), grad(kLn1w, l), grad(kLn1b, l), d_ln_.data(), residual,
+                               param(kLn1w, l), slice(a.ln1_mean, l), slice(a.ln1_rstd, l), N, int(C));
         }
         encoder_backward(grad(kWte), grad(kWpe), d_residual_.data(), a.inputs.data(), B, T, int(C));
     }
@@ -510,9 +484,7 @@ public:
             for (int64_t i = k * chunk; i < std::min(n, (k + 1) * chunk); i++) s += double(grads[size_t(i)]) * grads[size_t(i)];
             partial[size_t(k)] = s;
         }
-        double total = 0;
-        for (double s : partial) total += s;
-        return std::sqrt(total);
+        return std::sqrt(std::accumulate(partial.begin(), partial.end(), 0.0));
     }
 
     // One AdamW step (step from 1) on grads * grad_scale, bias-corrected; weight decay on decayed tensors.
@@ -543,11 +515,10 @@ public:
 
 private:
     void check_tokens(const int* tokens, int64_t n, const char* what) const {
-        for (int64_t i = 0; i < n; i++) {
-            if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) {
-                fail(kExitData, "GPT2 forward: %s token %lld is %d, outside the vocabulary [0, %d)", what, (long long)i,
-                     tokens[i], config_.vocab_size);
-            }
+        const int* bad = std::find_if(tokens, tokens + n, [&](int t) { return t < 0 || t >= config_.vocab_size; });
+        if (bad != tokens + n) {
+            fail(kExitData, "GPT2 forward: %s token %lld is %d, outside the vocabulary [0, %d)", what,
+                 (long long)(bad - tokens), *bad, config_.vocab_size);
         }
     }
 
@@ -565,27 +536,23 @@ private:
         a = Activations();
         a.B = B;
         a.T = T;
-        a.encoded.resize(N * C);
         for (auto* v : {&a.ln1, &a.atty, &a.attproj, &a.residual2, &a.ln2, &a.fcproj, &a.residual3}) v->resize(L * N * C);
         for (auto* v : {&a.ln1_mean, &a.ln1_rstd, &a.ln2_mean, &a.ln2_rstd}) v->resize(L * N);
+        for (auto* v : {&a.fch, &a.fch_gelu}) v->resize(L * N * 4 * C);
         a.qkv.resize(L * N * 3 * C);
         a.att.resize(L * size_t(B) * NH * size_t(T) * size_t(T));
-        a.fch.resize(L * N * 4 * C);
-        a.fch_gelu.resize(L * N * 4 * C);
-        a.lnf.resize(N * C);
-        a.lnf_mean.resize(N);
-        a.lnf_rstd.resize(N);
-        a.logits.resize(N * Vp);
-        a.probs.resize(N * Vp);
-        a.losses.resize(N);
-        d_residual_.resize(N * C);
-        d_ln_.resize(N * C);
-        d_atty_.resize(N * C);
+        for (auto* v : {&a.encoded, &a.lnf, &d_residual_, &d_ln_, &d_atty_}) v->resize(N * C);
+        for (auto* v : {&a.lnf_mean, &a.lnf_rstd, &a.losses}) v->resize(N);
+        for (auto* v : {&a.logits, &a.probs, &d_logits_}) v->resize(N * Vp);
+        for (auto* v : {&d_fch_, &d_fch_gelu_}) v->resize(N * 4 * C);
         d_qkv_.resize(N * 3 * C);
-        d_fch_.resize(N * 4 * C);
-        d_fch_gelu_.resize(N * 4 * C);
-        d_logits_.resize(N * Vp);
     }
+
+    // Elements of one layer's part of tensor i.
+    int64_t layer_numel(int i) const { return tensors_[size_t(i)].numel / config_.num_layers; }
+
+    // Layer l's part of a per-layer activation.
+    Real* slice(std::vector<Real>& v, int64_t l) { return v.data() + l * (int64_t(v.size()) / config_.num_layers); }
 
     GPT2Config config_;
     std::array<ParamTensorInfo, kNumParamTensors> tensors_;

@@ -51,10 +51,7 @@ inline uint64_t checksum64(const void* data, size_t n) {
     uint64_t v[4] = {0x243f6a8885a308d3ull, 0x13198a2e03707344ull, 0xa4093822299f31d0ull, 0x082efa98ec4e6c89ull};
     size_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        v[0] = lane_step(v[0], load64(p + i));
-        v[1] = lane_step(v[1], load64(p + i + 8));
-        v[2] = lane_step(v[2], load64(p + i + 16));
-        v[3] = lane_step(v[3], load64(p + i + 24));
+        for (int k = 0; k < 4; k++) v[k] = lane_step(v[k], load64(p + i + 8 * k));
     }
     int lane = 0;
     for (; i + 8 <= n; i += 8) v[lane] = lane_step(v[lane], load64(p + i)), lane++;

@@ -38,11 +38,8 @@ inline std::vector<uint32_t> prompt_tokens(const std::string& text, const std::s
     }
     return ids;
 #else
-    (void)vocab_dir;
-    (void)vocab_size;
     fail(kExitUsage, "--prompt: this build has no text encoder (PCRE2's headers were missing when it was "
          "built: apt-get install libpcre2-dev, then rebuild); give --prompt-ids instead");
-    return {};
 #endif
 }
 

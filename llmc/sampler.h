@@ -11,6 +11,7 @@ reads --prompt-ids.
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,7 @@ namespace llmc {
 inline uint32_t sample_token(const std::vector<float>& logits, float temperature, int top_k, SplitMix64& rng) {
     const int V = int(logits.size());
     std::vector<int> ids(static_cast<size_t>(V));
-    for (int i = 0; i < V; i++) ids[size_t(i)] = i;
+    std::iota(ids.begin(), ids.end(), 0);
     auto better = [&](int a, int b) {
         return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
     };
@@ -49,10 +50,7 @@ inline uint32_t sample_token(const std::vector<float>& logits, float temperature
 inline std::vector<uint32_t> parse_token_ids(const std::string& text, int vocab_size, const char* flag) {
     std::vector<uint32_t> ids;
     if (text.empty()) return ids;
-    size_t start = 0;
-    for (;;) {
-        const size_t comma = text.find(',', start);
-        const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    for (const std::string& item : split(text, ',')) {
         char* end = nullptr;
         errno = 0;
         const long long v = item.empty() ? -1 : std::strtoll(item.c_str(), &end, 10);
@@ -63,8 +61,6 @@ inline std::vector<uint32_t> parse_token_ids(const std::string& text, int vocab_
             fail(kExitUsage, "%s: token %lld is outside the model's vocabulary [0, %d)", flag, v, vocab_size);
         }
         ids.push_back(uint32_t(v));
-        if (comma == std::string::npos) break;
-        start = comma + 1;
     }
     return ids;
 }

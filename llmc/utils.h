@@ -68,14 +68,12 @@ __attribute__((format(printf, 1, 2))) inline std::string format(const char* fmt,
 
 // "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
 inline std::vector<std::string> split(const std::string& text, char sep) {
-    std::vector<std::string> parts;
-    size_t start = 0;
-    while (true) {
-        const size_t end = text.find(sep, start);
-        parts.push_back(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
-        if (end == std::string::npos) return parts;
-        start = end + 1;
+    std::vector<std::string> parts(1);
+    for (char c : text) {
+        if (c == sep) parts.emplace_back();
+        else parts.back() += c;
     }
+    return parts;
 }
 
 // `text` with control characters escaped (\n, \r, \xNN; tabs kept), so a quoted file stays on one line.
@@ -103,20 +101,19 @@ inline std::string escape_controls(const std::string& text) {
 // stdout is flushed first, so the error follows the lines that led to it.
 template <class Fn>
 int run_main(Fn&& fn) {
+    auto report = [](const char* what, int exit_code) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "error: %s\n", what);
+        return exit_code;
+    };
     try {
         return fn();
     } catch (const Error& e) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "error: %s\n", e.what());
-        return e.exit_code();
+        return report(e.what(), e.exit_code());
     } catch (const std::bad_alloc&) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "error: out of host memory\n");
-        return kExitError;
+        return report("out of host memory", kExitError);
     } catch (const std::exception& e) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "error: %s\n", e.what());
-        return kExitError;
+        return report(e.what(), kExitError);
     }
 }
 
@@ -174,26 +171,15 @@ public:
 
     void open(const std::string& path, Mode mode, bool direct = false) {
         close_quietly();
-        int flags = O_CLOEXEC;
-        switch (mode) {
-            case Mode::Read: flags |= O_RDONLY; break;
-            case Mode::Write: flags |= O_WRONLY | O_CREAT | O_TRUNC; break;
-            case Mode::ReadWrite: flags |= O_RDWR; break;
-        }
-        if (direct) flags |= O_DIRECT;
+        static const int kModeFlags[] = {O_RDONLY, O_WRONLY | O_CREAT | O_TRUNC, O_RDWR};  // by Mode
+        const int flags = O_CLOEXEC | kModeFlags[int(mode)] | (direct ? O_DIRECT : 0);
         // A reader takes regular files only: a FIFO would block the open, a directory fail at its first read.
-        if (mode != Mode::Write) {
-            const std::string why = why_not_regular_file(path);
-            if (!why.empty()) {
-                fail(kExitIo, "cannot open '%s' for %s: %s", path.c_str(), mode == Mode::Read ? "reading" : "writing",
-                     why.c_str());
-            }
-        }
-        int fd = ::open(path.c_str(), flags, 0644);
+        std::string why = mode == Mode::Write ? "" : why_not_regular_file(path);
+        const int fd = why.empty() ? ::open(path.c_str(), flags, 0644) : -1;
         if (fd < 0) {
-            int e = errno;
-            fail(kExitIo, "cannot open '%s' for %s: %s", path.c_str(),
-                 mode == Mode::Read ? "reading" : "writing", std::strerror(e));
+            if (why.empty()) why = std::strerror(errno);
+            fail(kExitIo, "cannot open '%s' for %s: %s", path.c_str(), mode == Mode::Read ? "reading" : "writing",
+                 why.c_str());
         }
         path_ = path;
         fd_ = fd;
@@ -216,28 +202,13 @@ public:
     int64_t size() const {
         require_open("stat");
         struct stat st;
-        if (::fstat(fd_, &st) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot stat '%s': %s", path_.c_str(), std::strerror(e));
-        }
+        if (::fstat(fd_, &st) != 0) fail(kExitIo, "cannot stat '%s': %s", path_.c_str(), std::strerror(errno));
         return static_cast<int64_t>(st.st_size);
     }
 
     // Reads up to n bytes; returns fewer only at end of file.
     size_t read_some(void* buf, size_t n) {
-        require_open("read");
-        size_t done = 0;
-        while (done < n) {
-            ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done, pos_ + (int64_t)done);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                int e = errno;
-                fail(kExitIo, "read of %zu bytes from '%s' at offset %lld failed: %s", n - done, path_.c_str(),
-                     (long long)(pos_ + done), std::strerror(e));
-            }
-            if (r == 0) break;
-            done += static_cast<size_t>(r);
-        }
+        const size_t done = read_at(buf, n, pos_, false);
         pos_ += static_cast<int64_t>(done);
         return done;
     }
@@ -249,24 +220,7 @@ public:
     }
 
     // Reads exactly n bytes at `offset` without moving the position; safe to call from several threads.
-    void read_exact_at(void* buf, size_t n, int64_t offset) const {
-        require_open("read");
-        size_t done = 0;
-        while (done < n) {
-            ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done, offset + (int64_t)done);
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                int e = errno;
-                fail(kExitIo, "read of %zu bytes from '%s' at offset %lld failed: %s", n - done, path_.c_str(),
-                     (long long)(offset + done), std::strerror(e));
-            }
-            if (r == 0) {
-                fail(kExitIo, "'%s' is too short: expected %zu bytes at offset %lld, the file ends after %zu (size %lld)",
-                     path_.c_str(), n, (long long)offset, done, (long long)(offset + (int64_t)done));
-            }
-            done += static_cast<size_t>(r);
-        }
-    }
+    void read_exact_at(void* buf, size_t n, int64_t offset) const { read_at(buf, n, offset, true); }
 
     void write_all(const void* buf, size_t n) {
         require_open("write");
@@ -291,17 +245,14 @@ public:
     void truncate(int64_t length) {
         require_open("truncate");
         if (::ftruncate(fd_, length) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot truncate '%s' to %lld bytes: %s", path_.c_str(), (long long)length, std::strerror(e));
+            fail(kExitIo, "cannot truncate '%s' to %lld bytes: %s", path_.c_str(), (long long)length,
+                 std::strerror(errno));
         }
     }
 
     void sync() {
         require_open("fsync");
-        if (::fsync(fd_) != 0) {
-            int e = errno;
-            fail(kExitIo, "fsync of '%s' failed: %s", path_.c_str(), std::strerror(e));
-        }
+        if (::fsync(fd_) != 0) fail(kExitIo, "fsync of '%s' failed: %s", path_.c_str(), std::strerror(errno));
     }
 
     // Starts writing [offset, offset+len) back to disk now rather than at fsync. Advisory: the result is
@@ -313,14 +264,33 @@ public:
     // Closing can report a deferred write error (NFS, full disk), so it is checked too.
     void close() {
         if (fd_ < 0) return;
-        int fd = std::exchange(fd_, -1);
-        if (::close(fd) != 0) {
-            int e = errno;
-            fail(kExitIo, "close of '%s' failed: %s", path_.c_str(), std::strerror(e));
+        if (::close(std::exchange(fd_, -1)) != 0) {
+            fail(kExitIo, "close of '%s' failed: %s", path_.c_str(), std::strerror(errno));
         }
     }
 
 private:
+    // Reads n bytes at offset, fewer only at end of file; there, when `exact`, raises how short the file was.
+    size_t read_at(void* buf, size_t n, int64_t offset, bool exact) const {
+        require_open("read");
+        size_t done = 0;
+        while (done < n) {
+            ssize_t r = ::pread(fd_, static_cast<char*>(buf) + done, n - done, offset + (int64_t)done);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                fail(kExitIo, "read of %zu bytes from '%s' at offset %lld failed: %s", n - done, path_.c_str(),
+                     (long long)(offset + done), std::strerror(errno));
+            }
+            if (r == 0 && !exact) break;
+            if (r == 0) {
+                fail(kExitIo, "'%s' is too short: expected %zu bytes at offset %lld, the file ends after %zu (size %lld)",
+                     path_.c_str(), n, (long long)offset, done, (long long)(offset + (int64_t)done));
+            }
+            done += static_cast<size_t>(r);
+        }
+        return done;
+    }
+
     void require_open(const char* op) const {
         if (fd_ < 0) fail(kExitIo, "cannot %s '%s': the file is not open", op, path_.empty() ? "(none)" : path_.c_str());
     }
@@ -337,10 +307,7 @@ private:
 // fsync a directory so that a rename or a new file inside it survives a crash.
 inline void sync_directory(const std::string& dir) {
     int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) {
-        int e = errno;
-        fail(kExitIo, "cannot open directory '%s' to sync it: %s", dir.c_str(), std::strerror(e));
-    }
+    if (fd < 0) fail(kExitIo, "cannot open directory '%s' to sync it: %s", dir.c_str(), std::strerror(errno));
     int rc = ::fsync(fd);
     int e = errno;
     ::close(fd);
@@ -407,8 +374,7 @@ inline void write_file_atomically(const std::string& path, const std::function<v
         f.sync();
         f.close();
         if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-            const int e = errno;
-            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+            fail(kExitIo, "cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(errno));
         }
     } catch (...) {
         ::unlink(tmp.c_str());
@@ -428,8 +394,7 @@ inline void require_writable_directory(const std::string& dir, const char* what)
         ::close(fd);
         ::unlink(probe.c_str());
     }
-    const bool ok = e == 0;
-    if (!ok) fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), std::strerror(e));
+    if (e != 0) fail(kExitIo, "%s '%s' is not writable: %s", what, dir.c_str(), std::strerror(e));
 }
 
 }  // namespace llmc
