@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # FP8 judged as the field judges a numerics change: against the spread of bf16's own runs, on data read once.
 # Each arm (a --fp8 value; 0 is bf16, the reference) trains once per seed (--seed and --rounding-seed: the
-# initialisation, the data order and the rounding all differ between runs of an arm), from scratch, on a
+# initialisation, the data order and the rounding all differ between runs of an arm; a seed S/R keeps the
+# initialisation and data order of S and rounds with R, so runs differ in rounding alone), from scratch, on a
 # corpus at least as long as the run (scripts/prepare_code_corpus.sh makes one). Then, per run, the final
 # validation loss and the mean training loss of the last 100 steps; per arm their mean and range; and the
 # verdict, for both figures: |mean(arm) - mean(bf16)| <= max(bf16's range, 0.3% of bf16's mean), and every
@@ -9,7 +10,7 @@
 #   ARMS="0 1" SEEDS="1 2 3 4" MODEL=d12 STEPS=600 bash dev/fp8_spread.sh
 # An arm may carry flags of its own after a colon, each NAME=VALUE ("0:-r=1": bf16 with the GELU
 # recomputed), to tell an FP8 matmul's effect from another setting's.
-# Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"), MODEL (d12), STEPS
+# Environment: ARMS (default "0 1"; 0 is added in front when missing), SEEDS ("1 2"; S/R: see above), MODEL (d12), STEPS
 # (600), B (64), T (1024), TRAIN / VAL (data/code_train_*.bin, data/code_val_*.bin), PARALLEL (runs at
 # once on the GPU, 2: each run's numbers are the same as alone), LOGS (build/fp8-spread; a run whose log
 # there reached STEPS' validation is kept, not repeated, so a sweep can be finished in parts), PLOT (a PNG of
@@ -39,20 +40,24 @@ mkdir -p "$LOGS"
 args=(-e "$MODEL" -b "$B" -t "$T" -x "$STEPS" -l 6e-4 -u 50 -q 0.1 -c 0.1 -v 100 -m -1 -s 0 -g 0
       --save-model none -i "$TRAIN" -j "$VAL")
 runs=()
+for seed in $SEEDS; do
+    [[ "$seed" =~ ^[0-9]+(/[0-9]+)?$ ]] || die "a seed is S or S/R (non-negative integers), not '$seed'"
+done
 for arm in $ARMS; do for seed in $SEEDS; do runs+=("$arm|$seed"); done; done
 running=0
 for r in "${runs[@]}"; do
     arm=${r%|*} seed=${r#*|}
+    rseed=${seed#*/} seed=${seed%%/*}
     IFS=: read -r -a parts <<<"$arm"
     flags=()
     for f in "${parts[@]:1}"; do flags+=("${f%%=*}" "${f#*=}"); done
-    out="$LOGS/$(printf %s "$arm" | tr ',:=' '+@~')_seed$seed"
+    out="$LOGS/$(printf %s "$arm" | tr ',:=' '+@~')_seed$seed$([ "$rseed" = "$seed" ] || echo "r$rseed")"
     if [ -f "$out/log.jsonl" ] && grep -Eq "^\\{\"step\": ?$STEPS, ?\"val_loss\"" "$out/log.jsonl"; then
-        echo "fp8_spread: --fp8 $arm --seed $seed: finished earlier ($out), kept"; continue
+        echo "fp8_spread: --fp8 $arm --seed $seed --rounding-seed $rseed: finished earlier ($out), kept"; continue
     fi
     rm -rf "$out"
-    echo "fp8_spread: --fp8 ${parts[0]} ${flags[*]} --seed $seed -> $out"
-    "$TRAINER" "${args[@]}" --fp8 "${parts[0]}" "${flags[@]}" --seed "$seed" --rounding-seed "$seed" -o "$out" \
+    echo "fp8_spread: --fp8 ${parts[0]} ${flags[*]} --seed $seed --rounding-seed $rseed -> $out"
+    "$TRAINER" "${args[@]}" --fp8 "${parts[0]}" "${flags[@]}" --seed "$seed" --rounding-seed "$rseed" -o "$out" \
         >"$out.txt" 2>&1 &
     running=$((running + 1))
     if [ $running -ge "$PARALLEL" ]; then wait -n || die "a run failed (its output: $LOGS/*.txt)"; running=$((running - 1)); fi
@@ -75,7 +80,7 @@ for name in sorted(os.listdir(logs)):
         elif "loss" in j: train[j["step"]] = j["loss"]
     last = max(train)
     runs.setdefault(arm.replace("+", ",").replace("@", ":").replace("~", "="), []).append(
-        (int(seed), val[max(val)], st.mean(train[s] for s in train if s > last - 100), val))
+        (seed.replace("r", "/"), val[max(val)], st.mean(train[s] for s in train if s > last - 100), val))
 ref = runs["0"]
 def verdict(rows, k):
     mean, ref_mean = st.mean(r[k] for r in rows), st.mean(r[k] for r in ref)
@@ -85,8 +90,8 @@ def verdict(rows, k):
     return mean, max(r[k] for r in rows) - min(r[k] for r in rows), 100 * (mean / ref_mean - 1), ok
 print("%-26s %-5s %-10s %-10s" % ("--fp8", "seed", "final val", "last 100"))
 for arm in arms:
-    for seed, v, t, _ in sorted(runs[arm]):
-        print("%-26s %-5d %-10.4f %-10.4f" % (arm, seed, v, t))
+    for seed, v, t, _ in sorted(runs[arm], key=lambda r: [int(x) for x in r[0].split("/")]):
+        print("%-26s %-5s %-10.4f %-10.4f" % (arm, seed, v, t))
 print("\n%-26s %-34s %-34s %s" % ("--fp8", "final val: mean, range, vs bf16", "last 100: mean, range, vs bf16", "verdict"))
 for arm in arms:
     v, t = verdict(runs[arm], 1), verdict(runs[arm], 2)
