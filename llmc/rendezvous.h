@@ -21,6 +21,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -141,8 +142,7 @@ inline std::string launcher_job(const std::string& launcher, const EnvLookup& en
 
 inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = process_env) {
     RankInfo r;
-    bool local_known = true;
-    const char* local_var = nullptr;
+    const LauncherVars* from = nullptr;  // the launcher whose variables gave the ranks
     if (flags.rank >= 0 || flags.world >= 0) {
         if (flags.rank < 0 || flags.world < 1) {
             fail(kExitUsage, "--rank and --world-size go together (given: rank %d, world size %d)", flags.rank,
@@ -150,15 +150,12 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
         }
         r = {flags.rank, flags.world, flags.rank, flags.world == 1, "flags", ""};
     } else {
-        bool found = false;
         auto take = [&](const LauncherVars& l) {  // all but single_node, which each launcher tells its own way
             r.world = env_int(env, l.world, 1, true);
             r.rank = env_int(env, l.rank, 0, true);
-            local_known = env_set(env, l.local_rank);
-            local_var = l.local_rank;
             r.local_rank = env_int(env, l.local_rank, 0, false);
             r.launcher = l.name;
-            found = true;
+            from = &l;
         };
         for (const LauncherVars& l : kLaunchers) {
             if (!env_set(env, l.world)) continue;
@@ -171,12 +168,13 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
             r.single_node = env_int(env, l.local_size, 0, false) == r.world;
             break;
         }
-        if (!found && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
-            take({"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr});
+        static const LauncherVars kSlurm = {"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr};
+        if (from == nullptr && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
+            take(kSlurm);
             const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
             r.single_node = env_int(env, nodes_var, 0, false) == 1;
         }
-        if (!found) {
+        if (from == nullptr) {
             // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
             for (const LauncherVars& l : kLaunchers) {
                 if (env_set(env, l.rank) && env_int(env, l.rank, 0, false) > 0) {
@@ -195,10 +193,10 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
     }
     if (flags.local_rank >= 0) {
         r.local_rank = flags.local_rank;
-    } else if (!local_known && r.world > 1) {
+    } else if (from != nullptr && !env_set(env, from->local_rank) && r.world > 1) {
         fail(kExitUsage, "%s says this is rank %d of %d, but %s is not set, so the GPU to use is unknown: give "
                          "--local-rank",
-             r.launcher.c_str(), r.rank, r.world, local_var);
+             r.launcher.c_str(), r.rank, r.world, from->local_rank);
     }
     if (r.world == 1) r.single_node = true;
     if (!flags.job.empty()) r.job = flags.job;
@@ -336,18 +334,11 @@ inline std::string list_ranks(const std::vector<bool>& present) {
 
 // Reads up to n bytes of a whole small file; false when it does not exist (or vanished meanwhile).
 inline bool read_small_file(const std::string& path, std::string* out, size_t n) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return false;
+    std::ifstream f(path, std::ios::binary);
+    if (!f.is_open()) return false;
     out->assign(n, '\0');
-    size_t done = 0;
-    while (done < n) {
-        const ssize_t k = ::read(fd, &(*out)[done], n - done);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) break;
-        done += size_t(k);
-    }
-    ::close(fd);
-    out->resize(done);
+    f.read(&(*out)[0], std::streamsize(n));
+    out->resize(size_t(f.gcount()));
     return true;
 }
 
@@ -389,12 +380,8 @@ struct RendezvousIdFile {
 
     std::string encode() const {
         std::string b(kBytes, '\0');
-        put_u32(&b[0], kMagic);
-        put_u32(&b[4], kVersion);
-        put_u32(&b[8], uint32_t(world));
-        put_u32(&b[12], pid);
-        put_u32(&b[16], uint32_t(nonce >> 32));
-        put_u32(&b[20], uint32_t(nonce));
+        const uint32_t words[] = {kMagic, kVersion, uint32_t(world), pid, uint32_t(nonce >> 32), uint32_t(nonce)};
+        for (size_t i = 0; i < 6; i++) put_u32(&b[4 * i], words[i]);
         std::memcpy(&b[24], host.data(), std::min(host.size(), kHostBytes - 1));
         std::memcpy(&b[24 + kHostBytes], id.data(), kUniqueIdBytes);
         return b;
