@@ -57,14 +57,8 @@ private:
 inline std::string json_string(const std::string& s) {
     std::string out = "\"";
     for (unsigned char c : s) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += char(c);
-        } else if (c < 0x20) {
-            out += format("\\u%04x", c);
-        } else {
-            out += char(c);
-        }
+        if (c == '"' || c == '\\') out += '\\';
+        out += c < 0x20 ? format("\\u%04x", c) : std::string(1, char(c));
     }
     return out + "\"";
 }

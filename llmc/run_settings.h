@@ -66,11 +66,9 @@ inline HostMemory available_host_memory() {
     auto take = [&m](double bytes, std::string limit) {
         if (bytes < m.bytes) m = {std::max(0.0, bytes), std::move(limit)};
     };
-    auto read_text = [](const std::string& path) {
+    auto read_text = [](const std::string& path) {  // "" when it cannot be read
         std::ifstream f(path);
-        std::stringstream ss;
-        ss << f.rdbuf();
-        return ss.str();
+        return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
     };
     auto field = [](const std::string& text, const std::string& key) -> double {  // "key value" lines; -1: none
         std::istringstream in(text);
