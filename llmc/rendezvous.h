@@ -240,8 +240,7 @@ struct RendezvousSpec {
 
 // "tcp://HOST:PORT" (an IPv6 HOST in brackets), "file:DIR" or a plain DIR; "" is Kind::None.
 inline RendezvousSpec parse_rendezvous(const std::string& text) {
-    RendezvousSpec s;
-    if (text.empty()) return s;
+    if (text.empty()) return {};
     const std::string tcp = "tcp://", file = "file:";
     if (text.compare(0, tcp.size(), tcp) == 0) {
         const std::string rest = text.substr(tcp.size());
@@ -258,10 +257,9 @@ inline RendezvousSpec parse_rendezvous(const std::string& text) {
         }
         return {RendezvousSpec::Kind::Tcp, "", host, int(p)};
     }
-    s.kind = RendezvousSpec::Kind::File;
-    s.dir = text.compare(0, file.size(), file) == 0 ? text.substr(file.size()) : text;
-    if (s.dir.empty()) fail(kExitUsage, "--rendezvous '%s': expected file:DIR with a directory", text.c_str());
-    return s;
+    const std::string dir = text.compare(0, file.size(), file) == 0 ? text.substr(file.size()) : text;
+    if (dir.empty()) fail(kExitUsage, "--rendezvous '%s': expected file:DIR with a directory", text.c_str());
+    return {RendezvousSpec::Kind::File, dir, "", 0};
 }
 
 // The --rendezvous value, or the default for these ranks: none for one rank, the node's /tmp when all
@@ -692,31 +690,24 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
 // ------------------------------------------------------------------------------------------------
 // TCP rendezvous.
 
-// Rank 0's listening socket (port 0: the system picks; port() tells). host is for messages.
-class TcpListener {
-public:
-    TcpListener(const std::string& host, int port) : host_(host) {
-        namespace d = rendezvous_detail;
+// Rank 0's listening socket on `wanted` (0: the system picks; `port` tells). host is for messages.
+struct TcpListener {
+    TcpListener(const std::string& host_name, int wanted) : host(host_name) {
         std::string why = "no address family";
-        sock_ = d::listen_everywhere(port, &why);
-        if (sock_.fd() < 0) {
+        sock = rendezvous_detail::listen_everywhere(wanted, &why);
+        if (sock.fd() < 0) {
             fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is "
-                             "the port in use?)", port, host.c_str(), port, why.c_str());
+                             "the port in use?)", wanted, host.c_str(), wanted, why.c_str());
         }
         sockaddr_storage bound{};
         socklen_t len = sizeof(bound);
-        ::getsockname(sock_.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
-        port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                            : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+        ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
+        port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                           : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     }
-    int port() const { return port_; }
-    int fd() const { return sock_.fd(); }
-    const std::string& host() const { return host_; }
-
-private:
-    rendezvous_detail::Socket sock_;
-    std::string host_;
-    int port_ = 0;
+    rendezvous_detail::Socket sock;
+    std::string host;
+    int port = 0;
 };
 
 // Rank 0: gives the id to each of ranks 1..W-1; fails naming the ranks missing at the deadline.
@@ -727,16 +718,16 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
     std::vector<bool> present(size_t(world), false);
     present[0] = true;
     while (std::find(present.begin(), present.end(), false) != present.end()) {
-        pollfd p{listener.fd(), POLLIN, 0};
+        pollfd p{listener.sock.fd(), POLLIN, 0};
         const int rc = ::poll(&p, 1, d::remaining_ms(deadline));
         if (rc < 0 && errno == EINTR) continue;
         if (rc <= 0) {
             fail(kExitError,
                  "rendezvous: rank 0 waited %.1f s on tcp://%s:%d and %s of %d did not connect: did they start, with "
                  "the same --rendezvous address?",
-                 d::seconds_since(t0), listener.host().c_str(), listener.port(), d::list_ranks(present).c_str(), world);
+                 d::seconds_since(t0), listener.host.c_str(), listener.port, d::list_ranks(present).c_str(), world);
         }
-        d::Socket peer(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC));
+        d::Socket peer(::accept4(listener.sock.fd(), nullptr, nullptr, SOCK_CLOEXEC));
         if (peer.fd() < 0) continue;  // the peer gave up between poll and accept; it will retry
         const int one = 1;
         ::setsockopt(peer.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -757,11 +748,11 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
         const bool sent = d::transfer(peer.fd(), reply, sizeof(reply), true, hello_deadline, &why);
         if (status == d::kReplyWrongWorld) {
             fail(kExitUsage, "rendezvous: rank %d connected to tcp://%s:%d with world size %d, rank 0 has %d", rank,
-                 listener.host().c_str(), listener.port(), peer_world, world);
+                 listener.host.c_str(), listener.port, peer_world, world);
         }
         if (status == d::kReplyBadRank) {
-            fail(kExitUsage, "rendezvous: a peer connected to tcp://%s:%d as rank %d, %s", listener.host().c_str(),
-                 listener.port(), rank,
+            fail(kExitUsage, "rendezvous: a peer connected to tcp://%s:%d as rank %d, %s", listener.host.c_str(),
+                 listener.port, rank,
                  rank >= 1 && rank < world ? "which another peer already claimed" : "outside 1..world-1");
         }
         if (!sent) continue;  // the peer went away before its reply; it retries and is welcome again
