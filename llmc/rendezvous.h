@@ -158,12 +158,10 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
             from = &l;
         };
         for (const LauncherVars& l : kLaunchers) {
-            if (!env_set(env, l.world)) continue;
             // A PMI launcher without a local rank inside a Slurm step (srun --mpi=pmi2) is Slurm's.
-            if (std::string(l.name) == "pmi" && !env_set(env, l.local_rank) && env_set(env, "SLURM_LOCALID") &&
-                env_set(env, "SLURM_PROCID")) {
-                continue;
-            }
+            const bool slurm_pmi = std::string(l.name) == "pmi" && !env_set(env, l.local_rank) &&
+                                   env_set(env, "SLURM_LOCALID") && env_set(env, "SLURM_PROCID");
+            if (!env_set(env, l.world) || slurm_pmi) continue;
             take(l);
             r.single_node = env_int(env, l.local_size, 0, false) == r.world;
             break;
@@ -303,9 +301,13 @@ inline Clock::time_point deadline_after(double timeout_s) {
     return Clock::now() + std::chrono::microseconds(int64_t(std::min(timeout_s, 1e9) * 1e6));
 }
 
-inline void put_u32(char* p, uint32_t v) {
-    const uint32_t n = htonl(v);
-    std::memcpy(p, &n, 4);
+// Writes the words big-endian, one after another from p.
+inline void put_u32s(char* p, std::initializer_list<uint32_t> words) {
+    for (const uint32_t w : words) {
+        const uint32_t n = htonl(w);
+        std::memcpy(p, &n, 4);
+        p += 4;
+    }
 }
 inline uint32_t get_u32(const char* p) {
     uint32_t n;
@@ -342,14 +344,12 @@ inline bool read_small_file(const std::string& path, std::string* out, size_t n)
 
 inline std::string this_host() {
     char buf[256] = {};
-    if (::gethostname(buf, sizeof(buf) - 1) != 0) return "";
-    return buf;
+    return ::gethostname(buf, sizeof(buf) - 1) == 0 ? buf : "";
 }
 
 // Whether process `pid` on this host still runs (a process of another user counts as running).
 inline bool process_alive(uint32_t pid) {
-    if (pid == 0 || pid > uint32_t(INT32_MAX)) return false;
-    return ::kill(pid_t(pid), 0) == 0 || errno == EPERM;
+    return pid != 0 && pid <= uint32_t(INT32_MAX) && (::kill(pid_t(pid), 0) == 0 || errno == EPERM);
 }
 
 // A fresh 64-bit value for each launch: entropy mixed with the time and the pid.
@@ -378,8 +378,7 @@ struct RendezvousIdFile {
 
     std::string encode() const {
         std::string b(kBytes, '\0');
-        const uint32_t words[] = {kMagic, kVersion, uint32_t(world), pid, uint32_t(nonce >> 32), uint32_t(nonce)};
-        for (size_t i = 0; i < 6; i++) put_u32(&b[4 * i], words[i]);
+        put_u32s(&b[0], {kMagic, kVersion, uint32_t(world), pid, uint32_t(nonce >> 32), uint32_t(nonce)});
         std::memcpy(&b[24], host.data(), std::min(host.size(), kHostBytes - 1));
         std::memcpy(&b[24 + kHostBytes], id.data(), kUniqueIdBytes);
         return b;
@@ -420,9 +419,7 @@ inline IdState read_id_file(const std::string& path, RendezvousIdFile* f, std::s
 constexpr size_t kAckBytes = 12;
 inline std::array<char, kAckBytes> rank_and_world(int rank, int world) {
     std::array<char, kAckBytes> b;
-    put_u32(&b[0], kMagic);
-    put_u32(&b[4], uint32_t(rank));
-    put_u32(&b[8], uint32_t(world));
+    put_u32s(b.data(), {kMagic, uint32_t(rank), uint32_t(world)});
     return b;
 }
 
@@ -738,12 +735,10 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
         if (!d::transfer(peer.fd(), hello, sizeof(hello), false, hello_deadline, &why)) continue;
         if (d::get_u32(hello) != d::kMagic) continue;  // not one of ours (a port scanner, a health check)
         const int rank = int(d::get_u32(hello + 4)), peer_world = int(d::get_u32(hello + 8));
-        char reply[d::kReplyBytes] = {};
-        d::put_u32(reply, d::kMagic);
-        d::put_u32(reply + 8, uint32_t(world));
         const uint32_t status = peer_world != world ? d::kReplyWrongWorld
                                 : rank < 1 || rank >= world || present[size_t(rank)] ? d::kReplyBadRank : d::kReplyOk;
-        d::put_u32(reply + 4, status);
+        char reply[d::kReplyBytes] = {};
+        d::put_u32s(reply, {d::kMagic, status, uint32_t(world)});
         if (status == d::kReplyOk) std::memcpy(reply + 12, id.data(), kUniqueIdBytes);
         const bool sent = d::transfer(peer.fd(), reply, sizeof(reply), true, hello_deadline, &why);
         if (status == d::kReplyWrongWorld) {
