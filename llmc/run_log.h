@@ -44,9 +44,7 @@ public:
         }
     }
     void write(const std::string& line) {
-        if (!file_.is_open()) return;
-        std::string l = line + "\n";
-        file_.write_all(l.data(), l.size());
+        if (file_.is_open()) file_.write_all((line + "\n").data(), line.size() + 1);
     }
 
 private:
