@@ -84,8 +84,7 @@ inline HostMemory available_host_memory() {
     if (kib >= 0) take(kib * 1024, "MemAvailable in /proc/meminfo");
     struct rlimit rl;
     if (::getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
-        double pages = 0;
-        std::istringstream(read_text("/proc/self/statm")) >> pages;
+        const double pages = std::strtod(read_text("/proc/self/statm").c_str(), nullptr);  // the first field: size
         const double mapped = pages * double(::sysconf(_SC_PAGESIZE));
         take(double(rl.rlim_cur) - mapped, format("the address-space limit, ulimit -v %llu, less the %s this process "
              "maps already", (unsigned long long)(rl.rlim_cur >> 10), human_bytes(mapped).c_str()));
