@@ -32,7 +32,6 @@ No authentication of TCP peers: use it on a cluster's private network.
 
 #include <arpa/inet.h>
 #include <dirent.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -458,15 +457,11 @@ inline void remove_own_id(const std::string& path, uint64_t nonce) {
     if (read_id_file(path, &f, &why) == IdState::Valid && f.nonce == nonce) std::remove(path.c_str());
 }
 
-// Owns a file descriptor (-1: none); movable, not copyable.
+// Owns a file descriptor (-1: none); move-constructible, not copyable.
 class Socket {
 public:
-    explicit Socket(int fd = -1) : fd_(fd) {}
+    explicit Socket(int fd) : fd_(fd) {}
     Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-    Socket& operator=(Socket o) noexcept {
-        std::swap(fd_, o.fd_);
-        return *this;
-    }
     ~Socket() {
         if (fd_ >= 0) ::close(fd_);
     }
@@ -519,8 +514,9 @@ inline bool connect_socket(int fd, const addrinfo* a, Clock::time_point deadline
     return err == 0 || failed(why, std::strerror(err));
 }
 
-// A listening socket on `port` of every interface (dual-stack where there is IPv6); invalid on failure.
-inline Socket listen_everywhere(int port, std::string* why) {
+// A listening socket on `port` of every interface (dual-stack where there is IPv6); host is for the error.
+inline Socket listen_everywhere(const std::string& host, int port) {
+    std::string why = "no address family";
     for (const int family : {AF_INET6, AF_INET}) {
         Socket s(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
         if (s.fd() >= 0) {
@@ -535,9 +531,10 @@ inline Socket listen_everywhere(int port, std::string* why) {
             const socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
             if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&a), len) == 0 && ::listen(s.fd(), 4096) == 0) return s;
         }
-        *why = std::strerror(errno);
+        why = std::strerror(errno);
     }
-    return Socket();
+    fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is the "
+                     "port in use?)", port, host.c_str(), port, why.c_str());
 }
 
 constexpr size_t kReplyBytes = 12 + kUniqueIdBytes;   // magic, status, rank 0's world, id
@@ -689,13 +686,8 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
 
 // Rank 0's listening socket on `wanted` (0: the system picks; `port` tells). host is for messages.
 struct TcpListener {
-    TcpListener(const std::string& host_name, int wanted) : host(host_name) {
-        std::string why = "no address family";
-        sock = rendezvous_detail::listen_everywhere(wanted, &why);
-        if (sock.fd() < 0) {
-            fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is "
-                             "the port in use?)", wanted, host.c_str(), wanted, why.c_str());
-        }
+    TcpListener(const std::string& host_name, int wanted)
+        : sock(rendezvous_detail::listen_everywhere(host_name, wanted)), host(host_name) {
         sockaddr_storage bound{};
         socklen_t len = sizeof(bound);
         ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
