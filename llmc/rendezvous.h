@@ -640,8 +640,7 @@ inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string&
         auto same = [&] { return state == d::IdState::Valid && now.nonce == read.nonce; };
         struct stat st;
         if (acked && ::stat(ack.c_str(), &st) != 0) {
-            // Taken by rank 0 (or removed as a leftover after a new id landed): read the id again, so
-            // a replacement is not missed.
+            // Taken by rank 0, or removed as a leftover once a new id landed: read the id again, not to miss it.
             state = d::read_id_file(path, &now, &why);
             if ((state == d::IdState::Absent || same()) && read.world == world) return read.id;
             acked = false;  // a new launch's rank 0 removed it as a leftover
