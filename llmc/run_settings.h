@@ -53,16 +53,15 @@ inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
     return fnv1a64(text);
 }
 
-// Host memory this process can still take (bytes; infinity when nothing says) and what limits it: the
-// least of MemAvailable, RLIMIT_AS less what is mapped, and each memory cgroup's limit less its
-// unreclaimable use.
-struct HostMemory {
-    double bytes = INFINITY;
-    std::string limit;
-};
-
-inline HostMemory available_host_memory() {
-    HostMemory m;
+// Refuses (exit code 1) a run needing more host memory than is available, before it allocates: one line
+// with both figures, what the need is made of (what), what limits it, and what to lower (advice). Available
+// is the least of MemAvailable, RLIMIT_AS less what is mapped, and each memory cgroup's limit less its
+// unreclaimable use (infinity when nothing says).
+inline void require_host_memory(double need, const std::string& what, const char* advice) {
+    struct {
+        double bytes = INFINITY;  // available
+        std::string limit;        // what sets it
+    } m;
     auto take = [&m](double bytes, std::string limit) {
         if (bytes < m.bytes) m = {std::max(0.0, bytes), std::move(limit)};
     };
@@ -113,13 +112,6 @@ inline HostMemory available_host_memory() {
             if (dir.size() <= mount.size()) break;
         }
     }
-    return m;
-}
-
-// Refuses (exit code 1) a run needing more host memory than is available, before it allocates: one line
-// with both figures, what the need is made of (what), what limits it, and what to lower (advice).
-inline void require_host_memory(double need, const std::string& what, const char* advice) {
-    const HostMemory m = available_host_memory();
     if (need <= m.bytes) return;
     fail(kExitError, "the run needs %s of host memory (%s), and %s is available (%s); %s", human_bytes(need).c_str(),
          what.c_str(), human_bytes(m.bytes).c_str(), m.limit.c_str(), advice);
