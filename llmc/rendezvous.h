@@ -171,14 +171,12 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
             const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
             r.single_node = env_int(env, nodes_var, 0, false) == 1;
         }
-        if (from == nullptr) {
-            // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
-            for (const LauncherVars& l : kLaunchers) {
-                if (env_set(env, l.rank) && env_int(env, l.rank, 0, false) > 0) {
-                    fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: "
-                                     "set both (or start the ranks with --rank and --world-size)",
-                         l.rank, env_string(env, l.rank).c_str(), l.world);
-                }
+        // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
+        for (const LauncherVars& l : kLaunchers) {
+            if (from == nullptr && env_int(env, l.rank, 0, false) > 0) {
+                fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: set "
+                                 "both (or start the ranks with --rank and --world-size)",
+                     l.rank, env_string(env, l.rank).c_str(), l.world);
             }
         }
         r.job = launcher_job(r.launcher, env);
