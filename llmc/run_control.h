@@ -69,12 +69,6 @@ constexpr int64_t kStopSignalRepeatNs = 500'000'000;
 inline std::atomic<int64_t> g_stop_signal_ns{0};
 static_assert(std::atomic<int64_t>::is_always_lock_free, "the stop signal's time must be usable in a handler");
 
-inline int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
 // Takes up a stop signal that came at now_ns (CLOCK_MONOTONIC): the first is recorded, a repeat within
 // kStopSignalRepeatNs changes nothing, a second request gives false. now_ns is a parameter for tests.
 inline bool take_stop_signal(int sig, int64_t now_ns) {
@@ -85,7 +79,9 @@ inline bool take_stop_signal(int sig, int64_t now_ns) {
 }
 
 extern "C" inline void llmc_on_stop_signal(int sig) {
-    if (take_stop_signal(sig, monotonic_ns())) return;
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+    if (take_stop_signal(sig, int64_t(now.tv_sec) * 1'000'000'000 + now.tv_nsec)) return;
     std::signal(sig, SIG_DFL);  // a second request ends the run at once
     std::raise(sig);
 }
