@@ -21,6 +21,7 @@ No authentication of TCP peers: use it on a cluster's private network.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -31,7 +32,6 @@ No authentication of TCP peers: use it on a cluster's private network.
 
 #include <arpa/inet.h>
 #include <dirent.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -76,10 +76,12 @@ struct RankFlags {
 using EnvLookup = std::function<const char*(const char*)>;
 inline const char* process_env(const char* name) { return std::getenv(name); }
 
-inline bool env_set(const EnvLookup& env, const char* name) {
+inline std::string env_string(const EnvLookup& env, const char* name) {
     const char* v = env(name);
-    return v != nullptr && *v != '\0';
+    return v != nullptr ? std::string(v) : std::string();
 }
+
+inline bool env_set(const EnvLookup& env, const char* name) { return !env_string(env, name).empty(); }
 
 inline int env_int(const EnvLookup& env, const char* name, int fallback, bool required) {
     const char* v = env(name);
@@ -96,11 +98,6 @@ inline int env_int(const EnvLookup& env, const char* name, int fallback, bool re
     return int(x);
 }
 
-inline std::string env_string(const EnvLookup& env, const char* name) {
-    const char* v = env(name);
-    return v != nullptr ? std::string(v) : std::string();
-}
-
 // The variables one kind of launcher sets for each process it starts.
 struct LauncherVars {
     const char* name;        // for messages and the start-up table
@@ -111,17 +108,13 @@ struct LauncherVars {
 };
 
 // In the order they are tried (see the header comment for why Slurm comes last).
-inline const std::vector<LauncherVars>& launcher_table() {
-    static const std::vector<LauncherVars> table = {
-        {"mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"},
-        {"mvapich", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
-         "MV2_COMM_WORLD_LOCAL_SIZE"},
-        {"pmi", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-        {"torchrun", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    };
-    return table;
-}
+inline const LauncherVars kLaunchers[] = {
+    {"mpirun", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"mvapich", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"},
+    {"pmi", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"torchrun", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+};
 
 // The job name a launcher gives all ranks of one launch ("" when it gives none).
 inline std::string launcher_job(const std::string& launcher, const EnvLookup& env) {
@@ -129,10 +122,9 @@ inline std::string launcher_job(const std::string& launcher, const EnvLookup& en
         for (const char* name : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"}) {
             if (env_set(env, name)) return env_string(env, name);
         }
-    } else if (launcher == "mvapich") {
-        if (env_set(env, "MPIRUN_ID")) return "mvapich-" + env_string(env, "MPIRUN_ID");
-    } else if (launcher == "pmi") {
-        if (env_set(env, "PMI_JOBID")) return "pmi-" + env_string(env, "PMI_JOBID");
+    } else if (launcher == "mvapich" || launcher == "pmi") {
+        const std::string id = env_string(env, launcher == "pmi" ? "PMI_JOBID" : "MPIRUN_ID");
+        if (!id.empty()) return launcher + "-" + id;
     } else if (launcher == "torchrun") {
         // The run id defaults to "none"; the master's address and port tell concurrent launches apart.
         std::string job = "torchrun";
@@ -149,54 +141,42 @@ inline std::string launcher_job(const std::string& launcher, const EnvLookup& en
 
 inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = process_env) {
     RankInfo r;
-    const bool explicit_ranks = flags.rank >= 0 || flags.world >= 0;
-    bool local_known = true;
-    const char* local_var = nullptr;
-    if (explicit_ranks) {
+    const LauncherVars* from = nullptr;  // the launcher whose variables gave the ranks
+    if (flags.rank >= 0 || flags.world >= 0) {
         if (flags.rank < 0 || flags.world < 1) {
             fail(kExitUsage, "--rank and --world-size go together (given: rank %d, world size %d)", flags.rank,
                  flags.world);
         }
-        r.rank = flags.rank;
-        r.world = flags.world;
-        r.local_rank = flags.rank;
-        r.single_node = r.world == 1;
-        r.launcher = "flags";
+        r = {flags.rank, flags.world, flags.rank, flags.world == 1, "flags", ""};
     } else {
-        bool found = false;
         auto take = [&](const LauncherVars& l) {  // all but single_node, which each launcher tells its own way
             r.world = env_int(env, l.world, 1, true);
             r.rank = env_int(env, l.rank, 0, true);
-            local_known = env_set(env, l.local_rank);
-            local_var = l.local_rank;
             r.local_rank = env_int(env, l.local_rank, 0, false);
             r.launcher = l.name;
-            found = true;
+            from = &l;
         };
-        for (const LauncherVars& l : launcher_table()) {
-            if (!env_set(env, l.world)) continue;
+        for (const LauncherVars& l : kLaunchers) {
             // A PMI launcher without a local rank inside a Slurm step (srun --mpi=pmi2) is Slurm's.
-            if (std::string(l.name) == "pmi" && !env_set(env, l.local_rank) && env_set(env, "SLURM_LOCALID") &&
-                env_set(env, "SLURM_PROCID")) {
-                continue;
-            }
+            const bool slurm_pmi = std::string(l.name) == "pmi" && !env_set(env, l.local_rank) &&
+                                   env_set(env, "SLURM_LOCALID") && env_set(env, "SLURM_PROCID");
+            if (!env_set(env, l.world) || slurm_pmi) continue;
             take(l);
             r.single_node = env_int(env, l.local_size, 0, false) == r.world;
             break;
         }
-        if (!found && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
-            take({"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr});
+        static const LauncherVars kSlurm = {"slurm", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", nullptr};
+        if (from == nullptr && env_set(env, "SLURM_PROCID") && env_set(env, "SLURM_NTASKS")) {
+            take(kSlurm);
             const char* nodes_var = env_set(env, "SLURM_STEP_NUM_NODES") ? "SLURM_STEP_NUM_NODES" : "SLURM_NNODES";
             r.single_node = env_int(env, nodes_var, 0, false) == 1;
         }
-        if (!found) {
-            // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
-            for (const LauncherVars& l : launcher_table()) {
-                if (env_set(env, l.rank) && env_int(env, l.rank, 0, false) > 0) {
-                    fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: "
-                                     "set both (or start the ranks with --rank and --world-size)",
-                         l.rank, env_string(env, l.rank).c_str(), l.world);
-                }
+        // A rank variable without its world size: going on as rank 0 of 1 would duplicate outputs.
+        for (const LauncherVars& l : kLaunchers) {
+            if (from == nullptr && env_int(env, l.rank, 0, false) > 0) {
+                fail(kExitUsage, "environment variable %s=%s says this is one of several ranks, but %s is not set: set "
+                                 "both (or start the ranks with --rank and --world-size)",
+                     l.rank, env_string(env, l.rank).c_str(), l.world);
             }
         }
         r.job = launcher_job(r.launcher, env);
@@ -208,17 +188,17 @@ inline RankInfo detect_ranks(const RankFlags& flags, const EnvLookup& env = proc
     }
     if (flags.local_rank >= 0) {
         r.local_rank = flags.local_rank;
-    } else if (!local_known && r.world > 1) {
+    } else if (from != nullptr && !env_set(env, from->local_rank) && r.world > 1) {
         fail(kExitUsage, "%s says this is rank %d of %d, but %s is not set, so the GPU to use is unknown: give "
                          "--local-rank",
-             r.launcher.c_str(), r.rank, r.world, local_var);
+             r.launcher.c_str(), r.rank, r.world, from->local_rank);
     }
     if (r.world == 1) r.single_node = true;
     if (!flags.job.empty()) r.job = flags.job;
     if (r.job.empty()) r.job = "llmc";
-    for (char& c : r.job) {  // the job becomes part of a file name (the "C" locale: ASCII letters and digits)
-        if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') c = '_';
-    }
+    std::replace_if(r.job.begin(), r.job.end(), [](unsigned char c) {  // a file name's part: "C" locale
+        return !std::isalnum(c) && c != '-' && c != '_' && c != '.';
+    }, '_');
     return r;
 }
 
@@ -255,39 +235,26 @@ struct RendezvousSpec {
 
 // "tcp://HOST:PORT" (an IPv6 HOST in brackets), "file:DIR" or a plain DIR; "" is Kind::None.
 inline RendezvousSpec parse_rendezvous(const std::string& text) {
-    RendezvousSpec s;
-    if (text.empty()) return s;
+    if (text.empty()) return {};
     const std::string tcp = "tcp://", file = "file:";
     if (text.compare(0, tcp.size(), tcp) == 0) {
         const std::string rest = text.substr(tcp.size());
-        std::string host, port;
-        if (!rest.empty() && rest[0] == '[') {
-            const size_t close = rest.find(']');
-            if (close == std::string::npos || close + 1 >= rest.size() || rest[close + 1] != ':') {
-                fail(kExitUsage, "--rendezvous '%s': expected tcp://[IPV6]:PORT", text.c_str());
-            }
-            host = rest.substr(1, close - 1);
-            port = rest.substr(close + 2);
-        } else {
-            const size_t colon = rest.rfind(':');
-            if (colon == std::string::npos) fail(kExitUsage, "--rendezvous '%s': expected tcp://HOST:PORT", text.c_str());
-            host = rest.substr(0, colon);
-            port = rest.substr(colon + 1);
+        const bool v6 = !rest.empty() && rest[0] == '[';  // then the colon must follow the first ']'
+        const size_t colon = v6 ? rest.find(']') + 1 : rest.rfind(':');  // no ']': npos + 1 == 0, the '['
+        if (colon >= rest.size() || rest[colon] != ':') {
+            fail(kExitUsage, "--rendezvous '%s': expected tcp://%s:PORT", text.c_str(), v6 ? "[IPV6]" : "HOST");
         }
+        const std::string host = v6 ? rest.substr(1, colon - 2) : rest.substr(0, colon), port = rest.substr(colon + 1);
         char* end = nullptr;
         const long p = port.empty() ? -1 : std::strtol(port.c_str(), &end, 10);
         if (host.empty() || port.empty() || *end != '\0' || p < 1 || p > 65535) {
             fail(kExitUsage, "--rendezvous '%s': expected tcp://HOST:PORT with a port in 1..65535", text.c_str());
         }
-        s.kind = RendezvousSpec::Kind::Tcp;
-        s.host = host;
-        s.port = int(p);
-        return s;
+        return {RendezvousSpec::Kind::Tcp, "", host, int(p)};
     }
-    s.kind = RendezvousSpec::Kind::File;
-    s.dir = text.compare(0, file.size(), file) == 0 ? text.substr(file.size()) : text;
-    if (s.dir.empty()) fail(kExitUsage, "--rendezvous '%s': expected file:DIR with a directory", text.c_str());
-    return s;
+    const std::string dir = text.compare(0, file.size(), file) == 0 ? text.substr(file.size()) : text;
+    if (dir.empty()) fail(kExitUsage, "--rendezvous '%s': expected file:DIR with a directory", text.c_str());
+    return {RendezvousSpec::Kind::File, dir, "", 0};
 }
 
 // The --rendezvous value, or the default for these ranks: none for one rank, the node's /tmp when all
@@ -301,13 +268,16 @@ inline RendezvousSpec resolve_rendezvous(const std::string& flag, const RankInfo
              "or --rendezvous DIR (a directory every node shares)",
              ranks.world, ranks.launcher.c_str());
     }
-    s.kind = RendezvousSpec::Kind::File;
-    s.dir = "/tmp";
-    return s;
+    return {RendezvousSpec::Kind::File, "/tmp", "", 0};
 }
 
 // ------------------------------------------------------------------------------------------------
 // Shared pieces.
+
+inline std::string rendezvous_id_path(const std::string& dir, const std::string& job) { return dir + "/" + job + ".id"; }
+inline std::string rendezvous_ack_path(const std::string& dir, const std::string& job, int rank, uint64_t nonce) {
+    return dir + "/" + job + ".ack." + std::to_string(rank) + "." + format("%016" PRIx64, nonce);
+}
 
 namespace rendezvous_detail {
 
@@ -328,9 +298,13 @@ inline Clock::time_point deadline_after(double timeout_s) {
     return Clock::now() + std::chrono::microseconds(int64_t(std::min(timeout_s, 1e9) * 1e6));
 }
 
-inline void put_u32(char* p, uint32_t v) {
-    const uint32_t n = htonl(v);
-    std::memcpy(p, &n, 4);
+// Writes the words big-endian, one after another from p.
+inline void put_u32s(char* p, std::initializer_list<uint32_t> words) {
+    for (const uint32_t w : words) {
+        const uint32_t n = htonl(w);
+        std::memcpy(p, &n, 4);
+        p += 4;
+    }
 }
 inline uint32_t get_u32(const char* p) {
     uint32_t n;
@@ -338,54 +312,41 @@ inline uint32_t get_u32(const char* p) {
     return ntohl(n);
 }
 
+// Puts `reason` in *why and gives false: how the readers and transfers below report a failure.
+inline bool failed(std::string* why, const std::string& reason) {
+    *why = reason;
+    return false;
+}
+
 // "ranks 1, 4, 5" (the first 16 of them, then a count).
 inline std::string list_ranks(const std::vector<bool>& present) {
     std::string s;
-    int listed = 0, missing = 0;
+    int missing = 0;
     for (size_t r = 1; r < present.size(); r++) {
-        if (present[r]) continue;
-        missing++;
-        if (listed < 16) {
-            s += (listed ? ", " : "") + std::to_string(r);
-            listed++;
-        }
+        if (!present[r] && ++missing <= 16) s += (missing > 1 ? ", " : "") + std::to_string(r);
     }
-    if (missing > listed) s += format(" and %d more", missing - listed);
+    if (missing > 16) s += format(" and %d more", missing - 16);
     return (missing == 1 ? "rank " : "ranks ") + s;
-}
-
-inline bool file_exists(const std::string& path) {
-    struct stat st;
-    return ::stat(path.c_str(), &st) == 0;
 }
 
 // Reads up to n bytes of a whole small file; false when it does not exist (or vanished meanwhile).
 inline bool read_small_file(const std::string& path, std::string* out, size_t n) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return false;
+    std::ifstream f(path, std::ios::binary);
+    if (!f.is_open()) return false;
     out->assign(n, '\0');
-    size_t done = 0;
-    while (done < n) {
-        const ssize_t k = ::read(fd, &(*out)[done], n - done);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) break;
-        done += size_t(k);
-    }
-    ::close(fd);
-    out->resize(done);
+    f.read(&(*out)[0], std::streamsize(n));
+    out->resize(size_t(f.gcount()));
     return true;
 }
 
 inline std::string this_host() {
     char buf[256] = {};
-    if (::gethostname(buf, sizeof(buf) - 1) != 0) return "";
-    return buf;
+    return ::gethostname(buf, sizeof(buf) - 1) == 0 ? buf : "";
 }
 
 // Whether process `pid` on this host still runs (a process of another user counts as running).
 inline bool process_alive(uint32_t pid) {
-    if (pid == 0 || pid > uint32_t(INT32_MAX)) return false;
-    return ::kill(pid_t(pid), 0) == 0 || errno == EPERM;
+    return pid != 0 && pid <= uint32_t(INT32_MAX) && (::kill(pid_t(pid), 0) == 0 || errno == EPERM);
 }
 
 // A fresh 64-bit value for each launch: entropy mixed with the time and the pid.
@@ -398,16 +359,6 @@ inline uint64_t new_nonce() {
     } catch (const std::exception&) {
     }
     return x;
-}
-
-}  // namespace rendezvous_detail
-
-// ------------------------------------------------------------------------------------------------
-// File-system rendezvous.
-
-inline std::string rendezvous_id_path(const std::string& dir, const std::string& job) { return dir + "/" + job + ".id"; }
-inline std::string rendezvous_ack_path(const std::string& dir, const std::string& job, int rank, uint64_t nonce) {
-    return dir + "/" + job + ".ack." + std::to_string(rank) + "." + format("%016" PRIx64, nonce);
 }
 
 // What rank 0 writes to JOB.id.
@@ -423,14 +374,8 @@ struct RendezvousIdFile {
     UniqueId id{};
 
     std::string encode() const {
-        namespace d = rendezvous_detail;
         std::string b(kBytes, '\0');
-        d::put_u32(&b[0], d::kMagic);
-        d::put_u32(&b[4], kVersion);
-        d::put_u32(&b[8], uint32_t(world));
-        d::put_u32(&b[12], pid);
-        d::put_u32(&b[16], uint32_t(nonce >> 32));
-        d::put_u32(&b[20], uint32_t(nonce));
+        put_u32s(&b[0], {kMagic, kVersion, uint32_t(world), pid, uint32_t(nonce >> 32), uint32_t(nonce)});
         std::memcpy(&b[24], host.data(), std::min(host.size(), kHostBytes - 1));
         std::memcpy(&b[24 + kHostBytes], id.data(), kUniqueIdBytes);
         return b;
@@ -438,19 +383,14 @@ struct RendezvousIdFile {
 
     // Parses b; on failure returns false with the reason (naming the offset) in *why.
     bool decode(const std::string& b, std::string* why) {
-        namespace d = rendezvous_detail;
-        if (b.size() != kBytes) {
-            *why = format("%zu bytes, expected %zu", b.size(), kBytes);
-            return false;
+        if (b.size() != kBytes) return failed(why, format("%zu bytes, expected %zu", b.size(), kBytes));
+        if (get_u32(&b[0]) != kMagic || get_u32(&b[4]) != kVersion) {
+            return failed(why, format("magic 0x%08x version %u at offset 0, expected 0x%08x version %u",
+                                      get_u32(&b[0]), get_u32(&b[4]), kMagic, kVersion));
         }
-        if (d::get_u32(&b[0]) != d::kMagic || d::get_u32(&b[4]) != kVersion) {
-            *why = format("magic 0x%08x version %u at offset 0, expected 0x%08x version %u", d::get_u32(&b[0]),
-                          d::get_u32(&b[4]), d::kMagic, kVersion);
-            return false;
-        }
-        world = int(d::get_u32(&b[8]));
-        pid = d::get_u32(&b[12]);
-        nonce = (uint64_t(d::get_u32(&b[16])) << 32) | d::get_u32(&b[20]);
+        world = int(get_u32(&b[8]));
+        pid = get_u32(&b[12]);
+        nonce = (uint64_t(get_u32(&b[16])) << 32) | get_u32(&b[20]);
         host.assign(b.data() + 24, strnlen(b.data() + 24, kHostBytes));
         std::memcpy(id.data(), b.data() + 24 + kHostBytes, kUniqueIdBytes);
         return true;
@@ -459,14 +399,10 @@ struct RendezvousIdFile {
     // "process 123 on host node7" (+ ", which is no longer running" when that can be known here).
     std::string writer() const {
         std::string s = format("process %u on host %s", pid, host.c_str());
-        if (host == rendezvous_detail::this_host() && !rendezvous_detail::process_alive(pid)) {
-            s += ", which is no longer running";
-        }
+        if (host == this_host() && !process_alive(pid)) s += ", which is no longer running";
         return s;
     }
 };
-
-namespace rendezvous_detail {
 
 enum class IdState { Absent, Unreadable, Valid };
 
@@ -480,18 +416,8 @@ inline IdState read_id_file(const std::string& path, RendezvousIdFile* f, std::s
 constexpr size_t kAckBytes = 12;
 inline std::array<char, kAckBytes> rank_and_world(int rank, int world) {
     std::array<char, kAckBytes> b;
-    put_u32(&b[0], kMagic);
-    put_u32(&b[4], uint32_t(rank));
-    put_u32(&b[8], uint32_t(world));
+    put_u32s(b.data(), {kMagic, uint32_t(rank), uint32_t(world)});
     return b;
-}
-
-inline void write_ack(const std::string& path, int rank, int world) {
-    const std::array<char, kAckBytes> b = rank_and_world(rank, world);
-    // One small write: rank 0 reads it whole or, while it is being written, finds it short and retries.
-    File f(path, File::Mode::Write);
-    f.write_all(b.data(), b.size());
-    f.close();
 }
 
 // Removes what earlier launches of `job` left in dir: acknowledgements of other nonces, dead temporaries.
@@ -529,168 +455,11 @@ inline void remove_own_id(const std::string& path, uint64_t nonce) {
     if (read_id_file(path, &f, &why) == IdState::Valid && f.nonce == nonce) std::remove(path.c_str());
 }
 
-}  // namespace rendezvous_detail
-
-// Rank 0: publishes the id, then takes every other rank's acknowledgement and removes the id file.
-inline void file_rendezvous_publish(const std::string& dir, const std::string& job, int world, const UniqueId& id,
-                                    double timeout_s) {
-    namespace d = rendezvous_detail;
-    const auto t0 = d::Clock::now();
-    const auto deadline = d::deadline_after(timeout_s);
-    const std::string path = rendezvous_id_path(dir, job);
-    RendezvousIdFile mine;
-    mine.world = world;
-    mine.pid = uint32_t(::getpid());
-    mine.nonce = d::new_nonce();
-    mine.host = d::this_host();
-    mine.id = id;
-
-    RendezvousIdFile old;
-    std::string why;
-    const d::IdState before = d::read_id_file(path, &old, &why);
-    if (before == d::IdState::Valid && old.host == mine.host && old.pid != mine.pid && d::process_alive(old.pid)) {
-        fail(kExitUsage,
-             "rendezvous file '%s' belongs to a run that is still going (process %u on this host): another run "
-             "uses the job name '%s' in '%s'. Give this one another name (--rendezvous-job), or remove the file if "
-             "that process is not a training run",
-             path.c_str(), old.pid, job.c_str(), dir.c_str());
-    }
-    if (before != d::IdState::Absent) {
-        std::fprintf(stderr, "rendezvous: replacing '%s', left by an earlier launch (%s)\n", path.c_str(),
-                     before == d::IdState::Valid ? old.writer().c_str() : ("unreadable: " + why).c_str());
-    }
-    const std::string bytes = mine.encode();
-    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-    {
-        File f(tmp, File::Mode::Write);
-        f.write_all(bytes.data(), bytes.size());
-        f.sync();
-        f.close();
-    }
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-        const int e = errno;
-        std::remove(tmp.c_str());
-        fail(kExitIo, "rendezvous: cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
-    }
-    // After the new id is in place, so a rank whose old acknowledgement vanishes finds the new one.
-    d::remove_leftovers(dir, job, mine.nonce);
-
-    std::vector<bool> present(size_t(world), false);
-    present[0] = true;
-    int arrived = 1;
-    for (;;) {
-        for (int r = 1; r < world; r++) {
-            if (present[size_t(r)]) continue;
-            const std::string ack = rendezvous_ack_path(dir, job, r, mine.nonce);
-            std::string b;
-            if (!d::read_small_file(ack, &b, d::kAckBytes) || b.size() < d::kAckBytes) continue;
-            const int their_world = int(d::get_u32(&b[8]));
-            if (their_world != world) {
-                // The acknowledgement stays: with the id file gone, it tells rank r that it was refused.
-                d::remove_own_id(path, mine.nonce);
-                fail(kExitUsage, "rendezvous '%s': rank %d was started with a world size of %d, rank 0 with %d",
-                     path.c_str(), r, their_world, world);
-            }
-            std::remove(ack.c_str());
-            present[size_t(r)] = true;
-            arrived++;
-        }
-        if (arrived == world || d::Clock::now() >= deadline) break;
-        std::this_thread::sleep_for(d::kPoll);
-    }
-    d::remove_own_id(path, mine.nonce);
-    if (arrived != world) {
-        fail(kExitError,
-             "rendezvous: rank 0 waited %.1f s in '%s' (job '%s') and %s of %d never read the id: did they start, "
-             "with the same --rendezvous directory (shared by every node) and the same job name?",
-             d::seconds_since(t0), dir.c_str(), job.c_str(), d::list_ranks(present).c_str(), world);
-    }
-}
-
-// Ranks 1..W-1: wait for rank 0's file, acknowledge it, return its id once rank 0 took the acknowledgement.
-inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string& job, int rank, int world,
-                                      double timeout_s) {
-    namespace d = rendezvous_detail;
-    const auto t0 = d::Clock::now();
-    const auto deadline = d::deadline_after(timeout_s);
-    const std::string path = rendezvous_id_path(dir, job);
-    bool acked = false;
-    std::string ack;             // the acknowledgement this rank left, while acked
-    RendezvousIdFile read;       // the id file it acknowledged (or last read)
-    std::string unreadable;      // why the last file found could not be read
-    auto check_world = [&] {
-        if (read.world != world) {
-            fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
-                 read.world, rank, world);
-        }
-    };
-    for (;;) {
-        RendezvousIdFile now;
-        std::string why;
-        d::IdState state = d::read_id_file(path, &now, &why);  // before looking at the acknowledgement
-        if (acked) {
-            bool same = state == d::IdState::Valid && now.nonce == read.nonce;
-            if (!d::file_exists(ack)) {
-                // Taken by rank 0 (or removed as a leftover after a new id landed): read the id again, so
-                // a replacement is not missed.
-                state = d::read_id_file(path, &now, &why);
-                same = state == d::IdState::Valid && now.nonce == read.nonce;
-                if ((state == d::IdState::Absent || same) && read.world == world) return read.id;
-                acked = false;  // a new launch's rank 0 removed it as a leftover
-            } else if (state == d::IdState::Absent) {
-                std::remove(ack.c_str());
-                check_world();
-                fail(kExitError,
-                     "rendezvous: rank 0 (%s) removed '%s' without taking rank %d's acknowledgement: it gave up "
-                     "(see its output)",
-                     read.writer().c_str(), path.c_str(), rank);
-            } else if (!same) {
-                std::remove(ack.c_str());
-                acked = false;
-            }
-        }
-        if (!acked && state == d::IdState::Valid) {
-            read = now;
-            ack = rendezvous_ack_path(dir, job, rank, read.nonce);
-            d::write_ack(ack, rank, world);
-            acked = true;
-        } else if (state == d::IdState::Unreadable) {
-            unreadable = why;
-        }
-        if (d::Clock::now() >= deadline) {
-            if (acked) {
-                std::remove(ack.c_str());
-                check_world();
-                fail(kExitError,
-                     "rendezvous: rank %d waited %.1f s and the id in '%s' (from %s) was never confirmed: a file left "
-                     "by an earlier launch whose rank 0 is gone? Start rank 0 with the same --rendezvous and job name",
-                     rank, d::seconds_since(t0), path.c_str(), read.writer().c_str());
-            }
-            const std::string found =
-                unreadable.empty() ? "it did not appear" : "found only an unreadable file (" + unreadable + ")";
-            fail(kExitError,
-                 "rendezvous: rank %d waited %.1f s for '%s' (written by rank 0) and %s: is rank 0 running, and is "
-                 "'%s' the same shared directory on every node?",
-                 rank, d::seconds_since(t0), path.c_str(), found.c_str(), dir.c_str());
-        }
-        std::this_thread::sleep_for(d::kPoll);
-    }
-}
-
-// ------------------------------------------------------------------------------------------------
-// TCP rendezvous.
-
-namespace rendezvous_detail {
-
-// Owns a file descriptor (-1: none); movable, not copyable.
+// Owns a file descriptor (-1: none); move-constructible, not copyable.
 class Socket {
 public:
-    explicit Socket(int fd = -1) : fd_(fd) {}
+    explicit Socket(int fd) : fd_(fd) {}
     Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-    Socket& operator=(Socket o) noexcept {
-        std::swap(fd_, o.fd_);
-        return *this;
-    }
     ~Socket() {
         if (fd_ >= 0) ::close(fd_);
     }
@@ -720,57 +489,50 @@ inline bool transfer(int fd, char* buf, size_t n, bool sending, Clock::time_poin
         pollfd p{fd, short(sending ? POLLOUT : POLLIN), 0};
         const int rc = ::poll(&p, 1, remaining_ms(deadline));
         if (rc < 0 && errno == EINTR) continue;
-        if (rc < 0) {
-            *why = std::strerror(errno);
-            return false;
-        }
-        if (rc == 0) {
-            *why = "timed out";
-            return false;
-        }
+        if (rc <= 0) return failed(why, rc == 0 ? "timed out" : std::strerror(errno));
         const ssize_t k = sending ? ::send(fd, buf + done, n - done, MSG_NOSIGNAL) : ::recv(fd, buf + done, n - done, 0);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
-        if (k < 0) {
-            *why = std::strerror(errno);
-            return false;
-        }
-        if (k == 0) {
-            *why = "the peer closed the connection";
-            return false;
-        }
+        if (k <= 0) return failed(why, k == 0 ? "the peer closed the connection" : std::strerror(errno));
         done += size_t(k);
     }
     return true;
 }
 
-// A listening socket on `port` of every interface (dual-stack where there is IPv6); invalid on failure.
-inline Socket listen_everywhere(int port, std::string* why) {
+// Connects fd (a non-blocking socket; -1: socket() failed) to a within the deadline and 5 s; false (reason
+// in *why) otherwise.
+inline bool connect_socket(int fd, const addrinfo* a, Clock::time_point deadline, std::string* why) {
+    if (fd < 0) return failed(why, std::strerror(errno));
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) return true;
+    if (errno != EINPROGRESS) return failed(why, std::strerror(errno));
+    pollfd p{fd, POLLOUT, 0};
+    if (::poll(&p, 1, std::min(remaining_ms(deadline), 5000)) <= 0) return failed(why, "connection attempt timed out");
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    return err == 0 || failed(why, std::strerror(err));
+}
+
+// A listening socket on `port` of every interface (dual-stack where there is IPv6); host is for the error.
+inline Socket listen_everywhere(const std::string& host, int port) {
+    std::string why = "no address family";
     for (const int family : {AF_INET6, AF_INET}) {
         Socket s(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        if (s.fd() < 0) {
-            *why = std::strerror(errno);
-            continue;
+        if (s.fd() >= 0) {
+            const int one = 1, zero = 0;
+            ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+            if (family == AF_INET6) ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+            sockaddr_storage a{};  // all zero bytes: the wildcard address of either family
+            a.ss_family = sa_family_t(family);
+            const bool v6 = family == AF_INET6;
+            if (v6) reinterpret_cast<sockaddr_in6*>(&a)->sin6_port = htons(uint16_t(port));
+            else reinterpret_cast<sockaddr_in*>(&a)->sin_port = htons(uint16_t(port));
+            const socklen_t len = v6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+            if (::bind(s.fd(), reinterpret_cast<sockaddr*>(&a), len) == 0 && ::listen(s.fd(), 4096) == 0) return s;
         }
-        const int one = 1, zero = 0;
-        ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-        if (family == AF_INET6) ::setsockopt(s.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
-        sockaddr_in6 a6{};  // the wildcard address of either family
-        a6.sin6_family = AF_INET6;
-        a6.sin6_addr = in6addr_any;
-        a6.sin6_port = htons(uint16_t(port));
-        sockaddr_in a4{};
-        a4.sin_family = AF_INET;
-        a4.sin_addr.s_addr = htonl(INADDR_ANY);
-        a4.sin_port = htons(uint16_t(port));
-        const bool v6 = family == AF_INET6;
-        const sockaddr* addr = v6 ? reinterpret_cast<sockaddr*>(&a6) : reinterpret_cast<sockaddr*>(&a4);
-        if (::bind(s.fd(), addr, v6 ? sizeof(a6) : sizeof(a4)) != 0 || ::listen(s.fd(), 4096) != 0) {
-            *why = std::strerror(errno);
-            continue;
-        }
-        return s;
+        why = std::strerror(errno);
     }
-    return Socket();
+    fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is the "
+                     "port in use?)", port, host.c_str(), port, why.c_str());
 }
 
 constexpr size_t kReplyBytes = 12 + kUniqueIdBytes;   // magic, status, rank 0's world, id
@@ -778,31 +540,160 @@ enum ReplyStatus : uint32_t { kReplyOk = 0, kReplyWrongWorld = 1, kReplyBadRank 
 
 }  // namespace rendezvous_detail
 
-// Rank 0's listening socket (port 0: the system picks; port() tells). host is for messages.
-class TcpListener {
-public:
-    TcpListener(const std::string& host, int port) : host_(host) {
-        namespace d = rendezvous_detail;
-        std::string why = "no address family";
-        sock_ = d::listen_everywhere(port, &why);
-        if (sock_.fd() < 0) {
-            fail(kExitError, "rendezvous: rank 0 cannot listen on port %d (every interface, for tcp://%s:%d): %s (is "
-                             "the port in use?)", port, host.c_str(), port, why.c_str());
+// ------------------------------------------------------------------------------------------------
+// File-system rendezvous.
+
+// Rank 0: publishes the id, then takes every other rank's acknowledgement and removes the id file.
+inline void file_rendezvous_publish(const std::string& dir, const std::string& job, int world, const UniqueId& id,
+                                    double timeout_s) {
+    namespace d = rendezvous_detail;
+    const auto t0 = d::Clock::now();
+    const auto deadline = d::deadline_after(timeout_s);
+    const std::string path = rendezvous_id_path(dir, job);
+    const d::RendezvousIdFile mine{world, uint32_t(::getpid()), d::new_nonce(), d::this_host(), id};
+
+    d::RendezvousIdFile old;
+    std::string why;
+    const d::IdState before = d::read_id_file(path, &old, &why);
+    if (before == d::IdState::Valid && old.host == mine.host && old.pid != mine.pid && d::process_alive(old.pid)) {
+        fail(kExitUsage,
+             "rendezvous file '%s' belongs to a run that is still going (process %u on this host): another run "
+             "uses the job name '%s' in '%s'. Give this one another name (--rendezvous-job), or remove the file if "
+             "that process is not a training run",
+             path.c_str(), old.pid, job.c_str(), dir.c_str());
+    }
+    if (before != d::IdState::Absent) {
+        std::fprintf(stderr, "rendezvous: replacing '%s', left by an earlier launch (%s)\n", path.c_str(),
+                     before == d::IdState::Valid ? old.writer().c_str() : ("unreadable: " + why).c_str());
+    }
+    const std::string bytes = mine.encode();
+    const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+    File f(tmp, File::Mode::Write);
+    f.write_all(bytes.data(), bytes.size());
+    f.sync();
+    f.close();
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        const int e = errno;
+        std::remove(tmp.c_str());
+        fail(kExitIo, "rendezvous: cannot rename '%s' to '%s': %s", tmp.c_str(), path.c_str(), std::strerror(e));
+    }
+    // After the new id is in place, so a rank whose old acknowledgement vanishes finds the new one.
+    d::remove_leftovers(dir, job, mine.nonce);
+
+    std::vector<bool> present(size_t(world), false);
+    present[0] = true;
+    auto all_in = [&] { return std::find(present.begin(), present.end(), false) == present.end(); };
+    for (;;) {
+        for (int r = 1; r < world; r++) {
+            if (present[size_t(r)]) continue;
+            const std::string ack = rendezvous_ack_path(dir, job, r, mine.nonce);
+            std::string b;
+            if (!d::read_small_file(ack, &b, d::kAckBytes) || b.size() < d::kAckBytes) continue;
+            const int their_world = int(d::get_u32(&b[8]));
+            if (their_world != world) {
+                // The acknowledgement stays: with the id file gone, it tells rank r that it was refused.
+                d::remove_own_id(path, mine.nonce);
+                fail(kExitUsage, "rendezvous '%s': rank %d was started with a world size of %d, rank 0 with %d",
+                     path.c_str(), r, their_world, world);
+            }
+            std::remove(ack.c_str());
+            present[size_t(r)] = true;
         }
+        if (all_in() || d::Clock::now() >= deadline) break;
+        std::this_thread::sleep_for(d::kPoll);
+    }
+    d::remove_own_id(path, mine.nonce);
+    if (!all_in()) {
+        fail(kExitError,
+             "rendezvous: rank 0 waited %.1f s in '%s' (job '%s') and %s of %d never read the id: did they start, "
+             "with the same --rendezvous directory (shared by every node) and the same job name?",
+             d::seconds_since(t0), dir.c_str(), job.c_str(), d::list_ranks(present).c_str(), world);
+    }
+}
+
+// Ranks 1..W-1: wait for rank 0's file, acknowledge it, return its id once rank 0 took the acknowledgement.
+inline UniqueId file_rendezvous_fetch(const std::string& dir, const std::string& job, int rank, int world,
+                                      double timeout_s) {
+    namespace d = rendezvous_detail;
+    const auto t0 = d::Clock::now();
+    const auto deadline = d::deadline_after(timeout_s);
+    const std::string path = rendezvous_id_path(dir, job);
+    bool acked = false;
+    std::string ack;             // the acknowledgement this rank left, while acked
+    d::RendezvousIdFile read;    // the id file it acknowledged (or last read)
+    std::string unreadable;      // why the last file found could not be read
+    // Takes the acknowledgement back and fails: for the world size when the file was for another, else `what`.
+    auto withdraw = [&](const std::string& what) {
+        std::remove(ack.c_str());
+        if (read.world != world) {
+            fail(kExitUsage, "rendezvous file '%s' is for %d ranks, this rank (%d) was started with %d", path.c_str(),
+                 read.world, rank, world);
+        }
+        fail(kExitError, "%s", what.c_str());
+    };
+    for (;;) {
+        d::RendezvousIdFile now;
+        std::string why;
+        d::IdState state = d::read_id_file(path, &now, &why);  // before looking at the acknowledgement
+        auto same = [&] { return state == d::IdState::Valid && now.nonce == read.nonce; };
+        struct stat st;
+        if (acked && ::stat(ack.c_str(), &st) != 0) {
+            // Taken by rank 0, or removed as a leftover once a new id landed: read the id again, not to miss it.
+            state = d::read_id_file(path, &now, &why);
+            if ((state == d::IdState::Absent || same()) && read.world == world) return read.id;
+            acked = false;  // a new launch's rank 0 removed it as a leftover
+        } else if (acked && state == d::IdState::Absent) {
+            withdraw(format("rendezvous: rank 0 (%s) removed '%s' without taking rank %d's acknowledgement: it gave "
+                            "up (see its output)", read.writer().c_str(), path.c_str(), rank));
+        } else if (acked && !same()) {
+            std::remove(ack.c_str());
+            acked = false;
+        }
+        if (!acked && state == d::IdState::Valid) {
+            read = now;
+            ack = rendezvous_ack_path(dir, job, rank, read.nonce);
+            const std::array<char, d::kAckBytes> b = d::rank_and_world(rank, world);
+            File f(ack, File::Mode::Write);  // one small write: rank 0 reads it whole, or short and retries
+            f.write_all(b.data(), b.size());
+            f.close();
+            acked = true;
+        } else if (state == d::IdState::Unreadable) {
+            unreadable = why;
+        }
+        if (d::Clock::now() >= deadline) {
+            if (acked) {
+                withdraw(format("rendezvous: rank %d waited %.1f s and the id in '%s' (from %s) was never confirmed: "
+                                "a file left by an earlier launch whose rank 0 is gone? Start rank 0 with the same "
+                                "--rendezvous and job name", rank, d::seconds_since(t0), path.c_str(),
+                                read.writer().c_str()));
+            }
+            const std::string found =
+                unreadable.empty() ? "it did not appear" : "found only an unreadable file (" + unreadable + ")";
+            fail(kExitError,
+                 "rendezvous: rank %d waited %.1f s for '%s' (written by rank 0) and %s: is rank 0 running, and is "
+                 "'%s' the same shared directory on every node?",
+                 rank, d::seconds_since(t0), path.c_str(), found.c_str(), dir.c_str());
+        }
+        std::this_thread::sleep_for(d::kPoll);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// TCP rendezvous.
+
+// Rank 0's listening socket on `wanted` (0: the system picks; `port` tells). host is for messages.
+struct TcpListener {
+    TcpListener(const std::string& host_name, int wanted)
+        : sock(rendezvous_detail::listen_everywhere(host_name, wanted)), host(host_name) {
         sockaddr_storage bound{};
         socklen_t len = sizeof(bound);
-        ::getsockname(sock_.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
-        port_ = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                            : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+        ::getsockname(sock.fd(), reinterpret_cast<sockaddr*>(&bound), &len);
+        port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                           : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     }
-    int port() const { return port_; }
-    int fd() const { return sock_.fd(); }
-    const std::string& host() const { return host_; }
-
-private:
-    rendezvous_detail::Socket sock_;
-    std::string host_;
-    int port_ = 0;
+    rendezvous_detail::Socket sock;
+    std::string host;
+    int port = 0;
 };
 
 // Rank 0: gives the id to each of ranks 1..W-1; fails naming the ranks missing at the deadline.
@@ -812,18 +703,17 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
     const auto deadline = d::deadline_after(timeout_s);
     std::vector<bool> present(size_t(world), false);
     present[0] = true;
-    int arrived = 1;
-    while (arrived < world) {
-        pollfd p{listener.fd(), POLLIN, 0};
+    while (std::find(present.begin(), present.end(), false) != present.end()) {
+        pollfd p{listener.sock.fd(), POLLIN, 0};
         const int rc = ::poll(&p, 1, d::remaining_ms(deadline));
         if (rc < 0 && errno == EINTR) continue;
         if (rc <= 0) {
             fail(kExitError,
                  "rendezvous: rank 0 waited %.1f s on tcp://%s:%d and %s of %d did not connect: did they start, with "
                  "the same --rendezvous address?",
-                 d::seconds_since(t0), listener.host().c_str(), listener.port(), d::list_ranks(present).c_str(), world);
+                 d::seconds_since(t0), listener.host.c_str(), listener.port, d::list_ranks(present).c_str(), world);
         }
-        d::Socket peer(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC));
+        d::Socket peer(::accept4(listener.sock.fd(), nullptr, nullptr, SOCK_CLOEXEC));
         if (peer.fd() < 0) continue;  // the peer gave up between poll and accept; it will retry
         const int one = 1;
         ::setsockopt(peer.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -834,27 +724,23 @@ inline void tcp_rendezvous_serve(TcpListener& listener, int world, const UniqueI
         if (!d::transfer(peer.fd(), hello, sizeof(hello), false, hello_deadline, &why)) continue;
         if (d::get_u32(hello) != d::kMagic) continue;  // not one of ours (a port scanner, a health check)
         const int rank = int(d::get_u32(hello + 4)), peer_world = int(d::get_u32(hello + 8));
+        const uint32_t status = peer_world != world ? d::kReplyWrongWorld
+                                : rank < 1 || rank >= world || present[size_t(rank)] ? d::kReplyBadRank : d::kReplyOk;
         char reply[d::kReplyBytes] = {};
-        d::put_u32(reply, d::kMagic);
-        d::put_u32(reply + 8, uint32_t(world));
-        uint32_t status = d::kReplyOk;
-        if (peer_world != world) status = d::kReplyWrongWorld;
-        else if (rank < 1 || rank >= world || present[size_t(rank)]) status = d::kReplyBadRank;
-        d::put_u32(reply + 4, status);
+        d::put_u32s(reply, {d::kMagic, status, uint32_t(world)});
         if (status == d::kReplyOk) std::memcpy(reply + 12, id.data(), kUniqueIdBytes);
         const bool sent = d::transfer(peer.fd(), reply, sizeof(reply), true, hello_deadline, &why);
         if (status == d::kReplyWrongWorld) {
             fail(kExitUsage, "rendezvous: rank %d connected to tcp://%s:%d with world size %d, rank 0 has %d", rank,
-                 listener.host().c_str(), listener.port(), peer_world, world);
+                 listener.host.c_str(), listener.port, peer_world, world);
         }
         if (status == d::kReplyBadRank) {
-            fail(kExitUsage, "rendezvous: a peer connected to tcp://%s:%d as rank %d, %s", listener.host().c_str(),
-                 listener.port(), rank,
+            fail(kExitUsage, "rendezvous: a peer connected to tcp://%s:%d as rank %d, %s", listener.host.c_str(),
+                 listener.port, rank,
                  rank >= 1 && rank < world ? "which another peer already claimed" : "outside 1..world-1");
         }
         if (!sent) continue;  // the peer went away before its reply; it retries and is welcome again
         present[size_t(rank)] = true;
-        arrived++;
     }
 }
 
@@ -867,35 +753,12 @@ inline UniqueId tcp_rendezvous_fetch(const std::string& host, int port, int rank
     for (;;) {
         const d::AddrList addrs = d::resolve(host, port, &last);
         for (const addrinfo* a = addrs.get(); a != nullptr; a = a->ai_next) {
-            d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
-            if (s.fd() < 0) {
-                last = std::strerror(errno);
-                continue;
-            }
-            if (::connect(s.fd(), a->ai_addr, a->ai_addrlen) != 0) {
-                if (errno != EINPROGRESS) {
-                    last = std::strerror(errno);
-                    continue;
-                }
-                pollfd p{s.fd(), POLLOUT, 0};
-                if (::poll(&p, 1, std::min(d::remaining_ms(deadline), 5000)) <= 0) {
-                    last = "connection attempt timed out";
-                    continue;
-                }
-                int err = 0;
-                socklen_t len = sizeof(err);
-                ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-                if (err != 0) {
-                    last = std::strerror(err);
-                    continue;
-                }
-            }
+            const d::Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
             std::array<char, d::kAckBytes> hello = d::rank_and_world(rank, world);
             char reply[d::kReplyBytes];
-            std::string why;
-            if (!d::transfer(s.fd(), hello.data(), hello.size(), true, deadline, &why) ||
-                !d::transfer(s.fd(), reply, sizeof(reply), false, deadline, &why)) {
-                last = why;
+            if (!d::connect_socket(s.fd(), a, deadline, &last) ||
+                !d::transfer(s.fd(), hello.data(), hello.size(), true, deadline, &last) ||
+                !d::transfer(s.fd(), reply, sizeof(reply), false, deadline, &last)) {
                 continue;
             }
             if (d::get_u32(reply) != d::kMagic) {

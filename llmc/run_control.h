@@ -17,6 +17,7 @@ When a training run stops early, decided on the host after each step, shared by 
 #include <cstring>
 #include <cstdint>
 #include <deque>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -48,10 +49,8 @@ inline double parse_duration(const std::string& text, const char* flag) {
         const char* number_end = p + std::min(text.size(), text.find_first_not_of("0123456789."));
         seconds = std::strtod(p, &end);
         if (end == number_end) {
-            p = end;
-            const double unit = *p == 'h' ? 3600 : *p == 'm' ? 60 : 1;
-            if (*p == 'h' || *p == 'm' || *p == 's') p++;
-            seconds *= unit;
+            p = end + (*end == 'h' || *end == 'm' || *end == 's');
+            seconds *= *end == 'h' ? 3600 : *end == 'm' ? 60 : 1;
         }
     }
     if (*p != '\0' || !(seconds > 0) || !std::isfinite(seconds)) {
@@ -70,12 +69,6 @@ constexpr int64_t kStopSignalRepeatNs = 500'000'000;
 inline std::atomic<int64_t> g_stop_signal_ns{0};
 static_assert(std::atomic<int64_t>::is_always_lock_free, "the stop signal's time must be usable in a handler");
 
-inline int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
-    timespec ts{};
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
 // Takes up a stop signal that came at now_ns (CLOCK_MONOTONIC): the first is recorded, a repeat within
 // kStopSignalRepeatNs changes nothing, a second request gives false. now_ns is a parameter for tests.
 inline bool take_stop_signal(int sig, int64_t now_ns) {
@@ -86,7 +79,9 @@ inline bool take_stop_signal(int sig, int64_t now_ns) {
 }
 
 extern "C" inline void llmc_on_stop_signal(int sig) {
-    if (take_stop_signal(sig, monotonic_ns())) return;
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);  // async-signal-safe
+    if (take_stop_signal(sig, int64_t(now.tv_sec) * 1'000'000'000 + now.tv_nsec)) return;
     std::signal(sig, SIG_DFL);  // a second request ends the run at once
     std::raise(sig);
 }
@@ -119,9 +114,8 @@ public:
     // The step guard's spike limit for the next step (infinity until 10 steps were applied).
     float loss_limit() const {
         if (lim_.loss_spike == 0.0f || recent_.size() < 10) return INFINITY;
-        double sum = 0;
-        for (double l : recent_) sum += l;
-        return float(double(lim_.loss_spike) * sum / double(recent_.size()));
+        return float(double(lim_.loss_spike) * std::accumulate(recent_.begin(), recent_.end(), 0.0) /
+                     double(recent_.size()));
     }
     // After step `step` (from 1) with mean loss `loss`; `skipped` says why the guard skipped its update
     // ("" when it was applied). Too many skipped in a row end the run.

@@ -44,9 +44,7 @@ public:
         }
     }
     void write(const std::string& line) {
-        if (!file_.is_open()) return;
-        std::string l = line + "\n";
-        file_.write_all(l.data(), l.size());
+        if (file_.is_open()) file_.write_all((line + "\n").data(), line.size() + 1);
     }
 
 private:
@@ -57,14 +55,8 @@ private:
 inline std::string json_string(const std::string& s) {
     std::string out = "\"";
     for (unsigned char c : s) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += char(c);
-        } else if (c < 0x20) {
-            out += format("\\u%04x", c);
-        } else {
-            out += char(c);
-        }
+        if (c == '"' || c == '\\') out += '\\';
+        out += c < 0x20 ? format("\\u%04x", c) : std::string(1, char(c));
     }
     return out + "\"";
 }

@@ -53,24 +53,21 @@ inline uint64_t settings_hash(const std::vector<RunSetting>& all) {
     return fnv1a64(text);
 }
 
-// Host memory this process can still take (bytes; infinity when nothing says) and what limits it: the
-// least of MemAvailable, RLIMIT_AS less what is mapped, and each memory cgroup's limit less its
-// unreclaimable use.
-struct HostMemory {
-    double bytes = INFINITY;
-    std::string limit;
-};
-
-inline HostMemory available_host_memory() {
-    HostMemory m;
+// Refuses (exit code 1) a run needing more host memory than is available, before it allocates: one line
+// with both figures, what the need is made of (what), what limits it, and what to lower (advice). Available
+// is the least of MemAvailable, RLIMIT_AS less what is mapped, and each memory cgroup's limit less its
+// unreclaimable use (infinity when nothing says).
+inline void require_host_memory(double need, const std::string& what, const char* advice) {
+    struct {
+        double bytes = INFINITY;  // available
+        std::string limit;        // what sets it
+    } m;
     auto take = [&m](double bytes, std::string limit) {
         if (bytes < m.bytes) m = {std::max(0.0, bytes), std::move(limit)};
     };
-    auto read_text = [](const std::string& path) {
+    auto read_text = [](const std::string& path) {  // "" when it cannot be read
         std::ifstream f(path);
-        std::stringstream ss;
-        ss << f.rdbuf();
-        return ss.str();
+        return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
     };
     auto field = [](const std::string& text, const std::string& key) -> double {  // "key value" lines; -1: none
         std::istringstream in(text);
@@ -86,8 +83,7 @@ inline HostMemory available_host_memory() {
     if (kib >= 0) take(kib * 1024, "MemAvailable in /proc/meminfo");
     struct rlimit rl;
     if (::getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
-        double pages = 0;
-        std::istringstream(read_text("/proc/self/statm")) >> pages;
+        const double pages = std::strtod(read_text("/proc/self/statm").c_str(), nullptr);  // the first field: size
         const double mapped = pages * double(::sysconf(_SC_PAGESIZE));
         take(double(rl.rlim_cur) - mapped, format("the address-space limit, ulimit -v %llu, less the %s this process "
              "maps already", (unsigned long long)(rl.rlim_cur >> 10), human_bytes(mapped).c_str()));
@@ -116,13 +112,6 @@ inline HostMemory available_host_memory() {
             if (dir.size() <= mount.size()) break;
         }
     }
-    return m;
-}
-
-// Refuses (exit code 1) a run needing more host memory than is available, before it allocates: one line
-// with both figures, what the need is made of (what), what limits it, and what to lower (advice).
-inline void require_host_memory(double need, const std::string& what, const char* advice) {
-    const HostMemory m = available_host_memory();
     if (need <= m.bytes) return;
     fail(kExitError, "the run needs %s of host memory (%s), and %s is available (%s); %s", human_bytes(need).c_str(),
          what.c_str(), human_bytes(m.bytes).c_str(), m.limit.c_str(), advice);

@@ -589,8 +589,8 @@ TEST(TcpRendezvous, EveryRankGetsRankZerosId) {
     for (int world : {2, 5, 8}) {
         test::TempDir dir("rdv_tcp");
         TcpListener listener("127.0.0.1", 0);
-        ASSERT_GT(listener.port(), 0);
-        const int port = listener.port();
+        ASSERT_GT(listener.port, 0);
+        const int port = listener.port;
         const UniqueId id = random_id(uint64_t(world) + 1000);
         auto outcomes = run_ranks(world, dir.path(), [&](int rank) -> UniqueId {
             if (rank == 0) {
@@ -611,7 +611,7 @@ TEST(TcpRendezvous, PeersRetryUntilRankZeroListens) {
     int port = 0;
     {
         TcpListener probe("127.0.0.1", 0);  // a port that was free a moment ago
-        port = probe.port();
+        port = probe.port;
     }
     test::TempDir dir("rdv_tcp_late");
     const UniqueId id = random_id(7);
@@ -634,19 +634,19 @@ TEST(TcpRendezvous, TimeoutsNameTheAddressAndTheMissingRanks) {
     int port = 0;
     {
         TcpListener probe("127.0.0.1", 0);
-        port = probe.port();
+        port = probe.port;
     }
     expect_error([&] { tcp_rendezvous_fetch("127.0.0.1", port, 1, 2, 0.4); }, kExitError,
                  {"rank 1 could not get the id", "tcp://127.0.0.1:" + std::to_string(port), "Connection refused"});
     TcpListener listener("127.0.0.1", 0);
     expect_error([&] { tcp_rendezvous_serve(listener, 3, random_id(3), 0.3); }, kExitError,
-                 {"rank 0 waited", "ranks 1, 2 of 3 did not connect", "tcp://127.0.0.1:" + std::to_string(listener.port())});
+                 {"rank 0 waited", "ranks 1, 2 of 3 did not connect", "tcp://127.0.0.1:" + std::to_string(listener.port)});
 }
 
 TEST(TcpRendezvous, WorldSizeMismatchFailsOnBothSides) {
     test::TempDir dir("rdv_tcp_world");
     TcpListener listener("127.0.0.1", 0);
-    const int port = listener.port();
+    const int port = listener.port;
     auto outcomes = run_ranks(2, dir.path(), [&](int rank) -> UniqueId {
         if (rank == 0) {
             tcp_rendezvous_serve(listener, 2, random_id(4), 10.0);
@@ -667,7 +667,7 @@ TEST(TcpRendezvous, RankZeroListensOnEveryInterface) {
     TcpListener listener("127.0.0.1", 0);
     sockaddr_storage bound{};
     socklen_t len = sizeof(bound);
-    ASSERT_EQ(::getsockname(listener.fd(), reinterpret_cast<sockaddr*>(&bound), &len), 0);
+    ASSERT_EQ(::getsockname(listener.sock.fd(), reinterpret_cast<sockaddr*>(&bound), &len), 0);
     if (bound.ss_family == AF_INET6) {
         const in6_addr a = reinterpret_cast<sockaddr_in6*>(&bound)->sin6_addr;
         EXPECT_TRUE(IN6_IS_ADDR_UNSPECIFIED(&a));
@@ -677,7 +677,7 @@ TEST(TcpRendezvous, RankZeroListensOnEveryInterface) {
     }
     // A peer that reaches rank 0's node by another of its addresses gets the id.
     test::TempDir dir("rdv_tcp_any");
-    const int port = listener.port();
+    const int port = listener.port;
     const UniqueId id = random_id(21);
     auto outcomes = run_ranks(3, dir.path(), [&](int rank) -> UniqueId {
         if (rank == 0) {
@@ -694,9 +694,9 @@ TEST(TcpRendezvous, RankZeroListensOnEveryInterface) {
 
 TEST(TcpRendezvous, ListenErrorsAreClear) {
     TcpListener first("127.0.0.1", 0);
-    expect_error([&] { TcpListener second("127.0.0.1", first.port()); }, kExitError,
-                 {"rank 0 cannot listen on port " + std::to_string(first.port()), "every interface",
-                  "tcp://127.0.0.1:" + std::to_string(first.port()), "in use"});
+    expect_error([&] { TcpListener second("127.0.0.1", first.port); }, kExitError,
+                 {"rank 0 cannot listen on port " + std::to_string(first.port), "every interface",
+                  "tcp://127.0.0.1:" + std::to_string(first.port), "in use"});
 }
 
 TEST(TcpRendezvous, AHostThatDoesNotResolveIsRetriedUntilTheDeadline) {

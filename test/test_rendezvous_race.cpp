@@ -39,7 +39,7 @@ std::atomic<bool> g_armed{false};
 int real_stat(const char* path, struct stat* st) { return ::fstatat(AT_FDCWD, path, st, 0); }
 
 uint64_t id_nonce(const std::string& path) {
-    RendezvousIdFile f;
+    rendezvous_detail::RendezvousIdFile f;
     std::string why;
     return rendezvous_detail::read_id_file(path, &f, &why) == rendezvous_detail::IdState::Valid ? f.nonce : 0;
 }
