@@ -43,7 +43,8 @@ public:
     const std::string& token(uint32_t id) const { return tokens_.at(id); }
     const std::vector<std::string>& tokens() const { return tokens_; }
 
-    void decode_append(const uint32_t* ids, size_t n, std::string& out) const {
+    std::string decode(const uint32_t* ids, size_t n) const {
+        std::string out;
         for (size_t i = 0; i < n; i++) {
             if (ids[i] >= tokens_.size()) {
                 fail(kExitData, "cannot decode token %zu: id %u is outside the vocabulary of %zu tokens", i, ids[i],
@@ -51,10 +52,6 @@ public:
             }
             out += tokens_[ids[i]];
         }
-    }
-    std::string decode(const uint32_t* ids, size_t n) const {
-        std::string out;
-        decode_append(ids, n, out);
         return out;
     }
     std::string decode(const std::vector<uint32_t>& ids) const { return decode(ids.data(), ids.size()); }
@@ -223,56 +220,14 @@ private:
     void grow() {
         std::vector<Slot> old = std::move(slots_);
         slots_.assign(old.size() * 2, Slot{});
-        size_t mask = slots_.size() - 1;
         for (const Slot& s : old) {
-            if (s.len == kEmpty) continue;
-            size_t i = s.hash & mask;
-            while (slots_[i].len != kEmpty) i = (i + 1) & mask;
-            slots_[i] = s;
+            if (s.len != kEmpty) slots_[probe(std::string_view(pool_.data() + s.offset, s.len), s.hash)] = s;
         }
     }
 
     std::vector<Slot> slots_;
     std::string pool_;
     size_t count_ = 0;
-};
-
-// Open-addressing map from a pair of token ids to the token their concatenation forms.
-class PairMap {
-public:
-    void reset(size_t expected) {
-        size_t cap = 16;
-        while (cap < expected * 2) cap *= 2;
-        keys_.assign(cap, kEmpty);
-        values_.assign(cap, 0);
-        shift_ = 64;
-        for (size_t c = cap; c > 1; c >>= 1) shift_--;
-    }
-    void insert(uint32_t a, uint32_t b, uint32_t merged) {
-        const size_t i = probe(a, b);
-        keys_[i] = (uint64_t(a) << 32) | b;
-        values_[i] = merged;
-    }
-    // The merged token, or kNone when the pair does not merge.
-    uint32_t find(uint32_t a, uint32_t b) const {
-        const size_t i = probe(a, b);
-        return keys_[i] == kEmpty ? kNone : values_[i];
-    }
-    static constexpr uint32_t kNone = UINT32_MAX;
-
-private:
-    static constexpr uint64_t kEmpty = UINT64_MAX;
-    // The slot holding the pair, else the empty one where it would go.
-    size_t probe(uint32_t a, uint32_t b) const {
-        const uint64_t key = (uint64_t(a) << 32) | b;
-        const size_t mask = keys_.size() - 1;
-        size_t i = static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
-        while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask;
-        return i;
-    }
-    std::vector<uint64_t> keys_;
-    std::vector<uint32_t> values_;
-    int shift_ = 64;
 };
 
 }  // namespace tokenizer_detail
@@ -283,6 +238,7 @@ private:
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 
@@ -336,9 +292,7 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
     }
     if (!j.is_object()) fail(kExitData, "'%s': expected a JSON object of token -> id", encoder_json.c_str());
     std::vector<std::string> tokens(j.size());
-    std::vector<bool> seen(j.size(), false);
-    const uint32_t kMissing = UINT32_MAX;
-    uint32_t eot = kMissing;
+    uint32_t eot = UINT32_MAX;
     tokenizer_detail::StringMap ids(j.size());
     std::string bytes;
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -347,8 +301,8 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
                  it.key().c_str(), it.value().dump().c_str(), j.size() - 1);
         }
         uint32_t id = it.value().get<uint32_t>();
-        if (seen[id]) fail(kExitData, "'%s': id %u is given to two tokens", encoder_json.c_str(), id);
-        seen[id] = true;
+        // Every token is at least one byte, so an empty one is an id not yet given.
+        if (!tokens[id].empty()) fail(kExitData, "'%s': id %u is given to two tokens", encoder_json.c_str(), id);
         if (it.key() == "<|endoftext|>") {
             eot = id;
             bytes = it.key();
@@ -360,7 +314,7 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
         }
         tokens[id] = bytes;
     }
-    if (eot == kMissing) fail(kExitData, "'%s' has no <|endoftext|> token", encoder_json.c_str());
+    if (eot == UINT32_MAX) fail(kExitData, "'%s' has no <|endoftext|> token", encoder_json.c_str());
     for (int b = 0; b < 256; b++) {
         if (!ids.find(std::string(1, static_cast<char>(b)))) {
             fail(kExitData, "'%s': byte 0x%02x has no token, so some texts could not be encoded", encoder_json.c_str(), b);
@@ -461,12 +415,12 @@ public:
         tokenizer_detail::StringMap cache_;   // piece -> offset in cached_ ([count, ids...])
         std::vector<uint32_t> cached_;
         // BPE scratch: one entry per part (a linked list over the piece's bytes) and a heap of pairs.
-        std::vector<uint32_t> ids_, next_;
-        std::vector<uint32_t> prev_;
+        std::vector<uint32_t> ids_, next_, prev_;
         std::vector<std::pair<uint32_t, uint32_t>> heap_;  // (merged id = rank, left part index)
     };
 
     explicit Gpt2Encoder(const Tokenizer& tok) : eot_(tok.eot()), vocab_(tok.size()) {
+        byte_token_.fill(kNoToken);
         for (uint32_t id = 0; id < tok.size(); id++) {
             if (id == eot_) continue;
             const std::string& t = tok.token(id);
@@ -477,18 +431,15 @@ public:
             if (byte_token_[b] == kNoToken) fail(kExitData, "the vocabulary has no token for byte 0x%02x", b);
         }
         // A pair merges when its concatenation is a token, whatever the split: every split of every token.
-        std::vector<std::array<uint32_t, 3>> pairs;
         for (uint32_t id = 0; id < tok.size(); id++) {
             const std::string& t = tok.token(id);
             if (id == eot_ || t.size() < 2) continue;
             for (size_t k = 1; k < t.size(); k++) {
                 const uint32_t* a = vocab_.find(std::string_view(t).substr(0, k));
                 const uint32_t* b = vocab_.find(std::string_view(t).substr(k));
-                if (a && b) pairs.push_back({*a, *b, id});
+                if (a && b) pairs_.insert(pair_key({*a, *b}), id);
             }
         }
-        pairs_.reset(pairs.size());
-        for (const auto& p : pairs) pairs_.insert(p[0], p[1], p[2]);
 
         int err = 0;
         PCRE2_SIZE err_offset = 0;
@@ -511,10 +462,8 @@ public:
         auto subject = reinterpret_cast<PCRE2_SPTR>(text.data());
         size_t pos = 0;
         while (pos < text.size()) {
-            int rc = jit_ ? pcre2_jit_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(),
-                                            ctx.match_context_.get())
-                          : pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(),
-                                        ctx.match_context_.get());
+            // pcre2_match runs the JIT code when pcre2_jit_compile made it.
+            int rc = pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(), ctx.match_context_.get());
             if (rc == PCRE2_ERROR_NOMATCH) {
                 encode_piece(ctx, text.substr(pos), out);  // only invalid UTF-8 is left
                 return;
@@ -542,6 +491,16 @@ private:
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(code, msg, sizeof(msg));
         return reinterpret_cast<char*>(msg);
+    }
+
+    // The pair (a, b) as a key of pairs_: the two ids' bytes.
+    static std::string_view pair_key(const std::array<uint32_t, 2>& ab) {
+        return std::string_view(reinterpret_cast<const char*>(ab.data()), sizeof(ab));
+    }
+    // The token the pair (a, b) merges into, or kNoToken.
+    uint32_t merge(uint32_t a, uint32_t b) const {
+        const uint32_t* m = pairs_.find(pair_key({a, b}));
+        return m ? *m : kNoToken;
     }
 
     void encode_piece(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
@@ -579,18 +538,16 @@ private:
     void bpe(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
         const uint32_t n = static_cast<uint32_t>(piece.size());
         const uint32_t kEnd = UINT32_MAX;
-        auto& ids = ctx.ids_;
-        auto& next = ctx.next_;
-        auto& prev = ctx.prev_;
+        auto &ids = ctx.ids_, &next = ctx.next_, &prev = ctx.prev_;
         auto& heap = ctx.heap_;
         ids.resize(n);
         next.resize(n);
         prev.resize(n);
         heap.clear();
-        auto later = [](const std::pair<uint32_t, uint32_t>& a, const std::pair<uint32_t, uint32_t>& b) { return a > b; };
+        const auto later = std::greater<>();
         auto push = [&](uint32_t left) {
-            uint32_t merged = pairs_.find(ids[left], ids[next[left]]);
-            if (merged == tokenizer_detail::PairMap::kNone) return;
+            uint32_t merged = merge(ids[left], ids[next[left]]);
+            if (merged == kNoToken) return;
             heap.emplace_back(merged, left);
             std::push_heap(heap.begin(), heap.end(), later);
         };
@@ -605,7 +562,7 @@ private:
             auto [merged, left] = heap.back();
             heap.pop_back();
             uint32_t right = next[left];
-            if (ids[left] == kNoToken || right == kEnd || pairs_.find(ids[left], ids[right]) != merged) continue;
+            if (ids[left] == kNoToken || right == kEnd || merge(ids[left], ids[right]) != merged) continue;
             ids[left] = merged;
             ids[right] = kNoToken;
             next[left] = next[right];
@@ -621,13 +578,9 @@ private:
     };
 
     uint32_t eot_;
-    std::array<uint32_t, 256> byte_token_ = [] {
-        std::array<uint32_t, 256> a{};
-        a.fill(kNoToken);
-        return a;
-    }();
+    std::array<uint32_t, 256> byte_token_;
     tokenizer_detail::StringMap vocab_;
-    tokenizer_detail::PairMap pairs_;
+    tokenizer_detail::StringMap pairs_;  // pair_key(a, b) -> the token a and b merge into
     std::unique_ptr<pcre2_code, CodeDeleter> code_;
     bool jit_ = false;
 };
