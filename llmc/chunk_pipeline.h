@@ -60,19 +60,9 @@ public:
 
     bool next(Chunk& out) {
         if (pos_ >= nbytes_) return false;
-        uint64_t limit;
-        bool direct = false;
-        if (pos_ < body_begin_) {
-            limit = body_begin_;
-        } else if (pos_ < body_end_) {
-            limit = body_end_;
-            direct = true;
-        } else {
-            limit = nbytes_;
-        }
-        out.offset = pos_;
-        out.bytes = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, limit - pos_));
-        out.direct = direct;
+        const bool direct = pos_ >= body_begin_ && pos_ < body_end_;
+        const uint64_t limit = pos_ < body_begin_ ? body_begin_ : direct ? body_end_ : nbytes_;
+        out = {pos_, static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, limit - pos_)), direct};
         pos_ += out.bytes;
         return true;
     }
@@ -181,7 +171,7 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
     std::mutex plan_mutex;
     std::atomic<bool> stop{false};
     // Reader `slot` owns staging buffer `slot`; chunks go to whichever reader asks next.
-    auto reader = [&](int slot) {
+    auto read_chunks = [&](int slot) {
         for (;;) {
             Chunk c;
             {
@@ -195,29 +185,24 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
             copier.to_device_async(dst + c.offset, slot, c.bytes);
         }
     };
+    // A reader's error stops both; it is raised once both are done (reader 0's first).
+    std::exception_ptr errors[2];
+    auto reader = [&](int slot) {
+        try {
+            if (slot == 1) copier.bind_thread();
+            read_chunks(slot);
+        } catch (...) {
+            errors[slot] = std::current_exception();
+            stop = true;
+        }
+    };
     detail::with_drain_on_error(copier, [&] {
-        if (readers == 1) {
-            reader(0);
-        } else {
-            std::exception_ptr helper_error;
-            std::thread helper([&] {
-                try {
-                    copier.bind_thread();
-                    reader(1);
-                } catch (...) {
-                    helper_error = std::current_exception();
-                    stop = true;
-                }
-            });
-            try {
-                reader(0);
-            } catch (...) {
-                stop = true;
-                helper.join();
-                throw;
-            }
-            helper.join();
-            if (helper_error) std::rethrow_exception(helper_error);
+        std::thread helper;
+        if (readers == 2) helper = std::thread(reader, 1);
+        reader(0);
+        if (helper.joinable()) helper.join();
+        for (const std::exception_ptr& e : errors) {
+            if (e) std::rethrow_exception(e);
         }
         copier.wait(0);
         copier.wait(1);

@@ -112,20 +112,16 @@ inline std::vector<std::string> expand_shard_pattern(const std::string& pattern)
     for (const std::string& item : split(pattern, ',')) {
         if (item.empty()) fail(kExitUsage, "shard pattern '%s' has an empty item between commas", pattern.c_str());
         glob_t g;
-        int rc = ::glob(item.c_str(), GLOB_NOSORT, nullptr, &g);
-        if (rc == GLOB_NOMATCH) {
-            globfree(&g);
-            fail(kExitUsage, "no shard file matches '%s'", item.c_str());
-        }
+        const int rc = ::glob(item.c_str(), GLOB_NOSORT, nullptr, &g);
+        const size_t first = paths.size();
+        if (rc == 0) paths.insert(paths.end(), g.gl_pathv, g.gl_pathv + g.gl_pathc);
+        globfree(&g);
+        if (rc == GLOB_NOMATCH) fail(kExitUsage, "no shard file matches '%s'", item.c_str());
         if (rc != 0) {
-            globfree(&g);
             fail(kExitIo, "cannot expand shard pattern '%s' (glob error %d: unreadable directory or out of memory)",
                  item.c_str(), rc);
         }
-        std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
-        globfree(&g);
-        std::sort(matches.begin(), matches.end());
-        paths.insert(paths.end(), matches.begin(), matches.end());
+        std::sort(paths.begin() + first, paths.end());
     }
     // A file is the same shard however it is named (a/x.bin, a/./x.bin, a link to it): device and inode.
     std::vector<std::pair<std::pair<uint64_t, uint64_t>, size_t>> ids;
@@ -376,9 +372,7 @@ private:
         if (version != kStateVersion) {
             fail(kExitData, "DataLoader state has version %u; this build reads version %u", version, kStateVersion);
         }
-        uint64_t stored_sum = 0;
-        for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
-        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != stored_sum) {
+        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != Reader{blob, blob.size() - 8}.u64()) {
             fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
         }
         return r;
@@ -411,16 +405,13 @@ private:
     }
     // File names without directories, so that moving the data keeps a saved state valid.
     uint64_t shards_hash() const {
-        uint64_t h = kFnv1a64Basis;
+        std::vector<uint8_t> bytes;  // per shard: its name, a NUL and its token count
         for (const ShardInfo& s : shards_) {
-            size_t slash = s.path.find_last_of('/');
-            std::string name = slash == std::string::npos ? s.path : s.path.substr(slash + 1);
-            h = fnv1a64(name.c_str(), name.size() + 1, h);
-            std::vector<uint8_t> tokens;
-            put64(tokens, uint64_t(s.num_tokens));
-            h = fnv1a64(tokens.data(), tokens.size(), h);
+            const std::string name = s.path.substr(s.path.find_last_of('/') + 1);  // npos + 1 = 0: the whole path
+            bytes.insert(bytes.end(), name.c_str(), name.c_str() + name.size() + 1);
+            put64(bytes, uint64_t(s.num_tokens));
         }
-        return h;
+        return fnv1a64(bytes.data(), bytes.size());
     }
     // out: a permutation drawn with `seed` when shuffling, else 0, 1, 2, ...
     void ordering(uint64_t seed, std::vector<uint32_t>& out) const {
@@ -457,25 +448,19 @@ public:
     SampleRef locate(uint64_t stream_index) {
         uint64_t S = s_.samples_per_epoch();
         uint64_t epoch = stream_index / S, i = stream_index % S;
-        if (!have_epoch_ || epoch != epoch_) {
+        if (order_.empty() || epoch != epoch_) {  // (every epoch orders at least one shard)
             order_ = s_.shard_order(epoch);
             prefix_.assign(order_.size(), 0);
             for (size_t j = 1; j < order_.size(); j++) prefix_[j] = prefix_[j - 1] + s_.shards()[order_[j - 1]].num_samples;
             epoch_ = epoch;
-            have_epoch_ = true;
-            have_slot_ = false;
+            samples_.clear();
         }
         uint32_t slot = uint32_t(std::upper_bound(prefix_.begin(), prefix_.end(), i) - prefix_.begin() - 1);
-        if (!have_slot_ || slot != slot_) {
+        if (samples_.empty() || slot != slot_) {  // (every shard holds at least one sample)
             s_.sample_order(epoch, slot, order_[slot], samples_);
             slot_ = slot;
-            have_slot_ = true;
         }
-        SampleRef ref;
-        ref.epoch = epoch;
-        ref.shard = order_[slot];
-        ref.token_offset = int64_t(samples_[i - prefix_[slot]]) * s_.config().T;
-        return ref;
+        return {epoch, order_[slot], int64_t(samples_[i - prefix_[slot]]) * s_.config().T};
     }
 
     // Fills `tokens` (B rows of T+1 tokens) and `refs` (B entries) with this rank's part of `batch`.
@@ -521,9 +506,8 @@ private:
     }
 
     const SampleSchedule& s_;
-    bool have_epoch_ = false, have_slot_ = false;
-    uint64_t epoch_ = 0;
-    uint32_t slot_ = 0;
+    uint64_t epoch_ = 0;  // the epoch of order_ and prefix_ (none while empty)
+    uint32_t slot_ = 0;   // the slot of samples_ (none while empty)
     std::vector<uint32_t> order_;
     std::vector<uint64_t> prefix_;
     std::vector<uint32_t> samples_;
@@ -541,12 +525,11 @@ public:
     // From a schedule already opened (and its shards validated) by the caller.
     explicit DataLoader(SampleSchedule schedule) : schedule_(std::move(schedule)), reader_(schedule_) {
         const DataLoaderConfig& cfg = schedule_.config();
-        HostAllocator a = cfg.allocator;
-        if (!a.allocate) {
-            a.allocate = [](size_t n) { return std::aligned_alloc(4096, (n + 4095) / 4096 * 4096); };
-            a.release = [](void* p) { std::free(p); };
+        allocator_ = cfg.allocator;
+        if (!allocator_.allocate) {
+            allocator_.allocate = [](size_t n) { return std::aligned_alloc(4096, (n + 4095) / 4096 * 4096); };
+            allocator_.release = [](void* p) { std::free(p); };
         }
-        allocator_ = a;
         ring_.resize(std::max(cfg.prefetch, 1));
         for (Slot& s : ring_) {
             s.tokens = Buffer(allocator_.allocate(schedule_.batch_bytes()), allocator_.release);
