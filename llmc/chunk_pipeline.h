@@ -94,11 +94,6 @@ public:
 
 namespace detail {
 
-// Opens the O_DIRECT twin of `file` when the plan has a direct span.
-inline File open_direct_twin(const File& file, bool for_write) {
-    return File(file.path(), for_write ? File::Mode::ReadWrite : File::Mode::Read, /*direct=*/true);
-}
-
 template <class Body>
 void with_drain_on_error(StagingCopier& copier, Body&& body) {
     try {
@@ -120,7 +115,8 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
     const char* src = static_cast<const char*>(device_src);
     Chunk cur;
     if (!plan.next(cur)) return;
-    File direct_file;
+    File direct_file;  // the O_DIRECT twin of `file`, for the direct span
+    if (plan.has_direct_span()) direct_file = File(file.path(), File::Mode::ReadWrite, /*direct=*/true);
     detail::with_drain_on_error(copier, [&] {
         int slot = 0;
         copier.to_host_async(slot, src + cur.offset, cur.bytes);
@@ -131,15 +127,11 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
             if (has_next) copier.to_host_async(slot ^ 1, src + nxt.offset, nxt.bytes);
             copier.wait(slot);
             if (hook) hook(copier.staging(slot), cur.bytes, uint64_t(start) + cur.offset);
-            File* out = &file;
-            if (cur.direct) {
-                if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/true);
-                out = &direct_file;
-            }
-            out->seek(start + static_cast<int64_t>(cur.offset));
-            out->write_all(copier.staging(slot), cur.bytes);
+            File& out = cur.direct ? direct_file : file;
+            out.seek(start + static_cast<int64_t>(cur.offset));
+            out.write_all(copier.staging(slot), cur.bytes);
             // Start this chunk's writeback now, so the disk works while the next chunks are copied.
-            if (!cur.direct) out->start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
+            if (!cur.direct) out.start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
             if (!has_next) break;
             cur = nxt;
             slot ^= 1;
@@ -166,7 +158,7 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
     if (n <= copier.chunk_bytes()) readers = 1;
     char* dst = static_cast<char*>(device_dst);
     File direct_file;
-    if (plan.has_direct_span()) direct_file = detail::open_direct_twin(file, /*for_write=*/false);
+    if (plan.has_direct_span()) direct_file = File(file.path(), File::Mode::Read, /*direct=*/true);
 
     std::mutex plan_mutex;
     std::atomic<bool> stop{false};

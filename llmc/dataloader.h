@@ -292,13 +292,8 @@ public:
                  nshards, (unsigned long long)samples, (unsigned long long)hash, cfg_.pattern.c_str(), shards_.size(),
                  (unsigned long long)samples_per_epoch_, (unsigned long long)shards_hash());
         }
-        StreamPosition saved;
-        saved.batches = r.u64();
-        saved.epoch = r.u64();
-        saved.slot = r.u32();
-        saved.sample = r.u32();
-        saved.rng_state = r.u64();
-        saved.shard_order.resize(nshards);
+        // A braced list reads its fields in order: batches, epoch, slot, sample, rng_state.
+        StreamPosition saved{r.u64(), r.u64(), r.u32(), r.u32(), r.u64(), std::vector<uint32_t>(nshards)};
         for (uint32_t& s : saved.shard_order) s = r.u32();
         if (r.at + 8 != blob.size()) fail(kExitData, "DataLoader state is %zu bytes, expected %zu", blob.size(), r.at + 8);
         uint64_t batches = saved.batches;
@@ -549,21 +544,17 @@ public:
 
     // The next batch; its buffer stays valid and unchanged until the matching release().
     const HostBatch& acquire() {
-        if (!prefetching()) {
-            if (consumed_ != released_) {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (consumed_ - released_ >= ring_.size()) {
+            if (!prefetching()) {
                 fail(kExitUsage, "DataLoader::acquire: the previous batch is still held; a loader without prefetch has "
                                  "one buffer, release() it first");
             }
-            Slot& s = ring_[0];
-            fill(s, base_ + consumed_);
-            if (s.error) std::rethrow_exception(s.error);
-            consumed_++;
-            produced_++;
-            return s.view;
-        }
-        std::unique_lock<std::mutex> lock(mu_);
-        if (consumed_ - released_ >= ring_.size()) {
             fail(kExitUsage, "DataLoader::acquire: all %zu buffers are held; release() one first", ring_.size());
+        }
+        if (!prefetching()) {  // the caller's thread reads the batch (again, after an error)
+            fill(ring_[0], base_ + consumed_);
+            produced_ = consumed_ + 1;
         }
         ready_cv_.wait(lock, [&] { return produced_ > consumed_; });
         Slot& s = ring_[consumed_ % ring_.size()];

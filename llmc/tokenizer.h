@@ -251,6 +251,14 @@ namespace llmc {
 
 namespace tokenizer_detail {
 
+// Frees what PCRE2 allocated, for unique_ptr.
+struct Pcre2Free {
+    void operator()(pcre2_code* p) const { pcre2_code_free(p); }
+    void operator()(pcre2_match_data* p) const { pcre2_match_data_free(p); }
+    void operator()(pcre2_jit_stack* p) const { pcre2_jit_stack_free(p); }
+    void operator()(pcre2_match_context* p) const { pcre2_match_context_free(p); }
+};
+
 // Decodes a UTF-8 string of GPT-2's printable code points back into the bytes they stand for.
 inline bool gpt2_printable_to_bytes(const std::string& s, std::string& out) {
     static const std::vector<int> codepoint_to_byte = [] {
@@ -404,14 +412,9 @@ public:
         friend class Gpt2Encoder;
         static constexpr size_t kCacheEntries = 1 << 16;
         static constexpr size_t kCacheMaxPieceBytes = 64;
-        struct Deleter {
-            void operator()(pcre2_match_data* p) const { pcre2_match_data_free(p); }
-            void operator()(pcre2_jit_stack* p) const { pcre2_jit_stack_free(p); }
-            void operator()(pcre2_match_context* p) const { pcre2_match_context_free(p); }
-        };
-        std::unique_ptr<pcre2_match_data, Deleter> match_data_;
-        std::unique_ptr<pcre2_jit_stack, Deleter> jit_stack_;
-        std::unique_ptr<pcre2_match_context, Deleter> match_context_;
+        std::unique_ptr<pcre2_match_data, tokenizer_detail::Pcre2Free> match_data_;
+        std::unique_ptr<pcre2_jit_stack, tokenizer_detail::Pcre2Free> jit_stack_;
+        std::unique_ptr<pcre2_match_context, tokenizer_detail::Pcre2Free> match_context_;
         tokenizer_detail::StringMap cache_;   // piece -> offset in cached_ ([count, ids...])
         std::vector<uint32_t> cached_;
         // BPE scratch: one entry per part (a linked list over the piece's bytes) and a heap of pairs.
@@ -573,15 +576,11 @@ private:
         for (uint32_t i = 0; i != kEnd; i = next[i]) out.push_back(ids[i]);
     }
 
-    struct CodeDeleter {
-        void operator()(pcre2_code* p) const { pcre2_code_free(p); }
-    };
-
     uint32_t eot_;
     std::array<uint32_t, 256> byte_token_;
     tokenizer_detail::StringMap vocab_;
     tokenizer_detail::StringMap pairs_;  // pair_key(a, b) -> the token a and b merge into
-    std::unique_ptr<pcre2_code, CodeDeleter> code_;
+    std::unique_ptr<pcre2_code, tokenizer_detail::Pcre2Free> code_;
     bool jit_ = false;
 };
 
