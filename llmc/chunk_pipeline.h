@@ -118,9 +118,8 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
     File direct_file;  // the O_DIRECT twin of `file`, for the direct span
     if (plan.has_direct_span()) direct_file = File(file.path(), File::Mode::ReadWrite, /*direct=*/true);
     detail::with_drain_on_error(copier, [&] {
-        int slot = 0;
-        copier.to_host_async(slot, src + cur.offset, cur.bytes);
-        for (;;) {
+        copier.to_host_async(0, src + cur.offset, cur.bytes);
+        for (int slot = 0;; slot ^= 1) {
             Chunk nxt;
             bool has_next = plan.next(nxt);
             // The other slot's last chunk is already on disk, so its buffer is free for the next copy.
@@ -134,7 +133,6 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
             if (!cur.direct) out.start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
             if (!has_next) break;
             cur = nxt;
-            slot ^= 1;
         }
         if (direct_file.is_open()) direct_file.close();
     });

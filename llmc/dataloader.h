@@ -248,17 +248,11 @@ public:
     std::vector<uint8_t> encode_state(uint64_t batches) const {
         StreamPosition p = position(batches);
         std::vector<uint8_t> out(kStateMagic, kStateMagic + 8);
-        put32(out, kStateVersion);
-        put32(out, uint32_t(cfg_.B));
-        put32(out, uint32_t(cfg_.T));
-        put32(out, uint32_t(cfg_.world));
+        for (uint32_t v : {kStateVersion, uint32_t(cfg_.B), uint32_t(cfg_.T), uint32_t(cfg_.world)}) put32(out, v);
         put32(out, cfg_.shuffle ? 1u : 0u);
         put64(out, cfg_.seed);
         put32(out, uint32_t(shards_.size()));
-        put64(out, samples_per_epoch_);
-        put64(out, shards_hash());
-        put64(out, p.batches);
-        put64(out, p.epoch);
+        for (uint64_t v : {samples_per_epoch_, shards_hash(), p.batches, p.epoch}) put64(out, v);
         put32(out, p.slot);
         put32(out, p.sample);
         put64(out, p.rng_state);
@@ -323,8 +317,7 @@ public:
         if (r.at + 12 + 8 > blob.size()) {
             fail(kExitData, "DataLoader state is truncated: %zu bytes, too few to hold its B, T and W", blob.size());
         }
-        r.u32();  // B
-        r.u32();  // T
+        r.at += 8;  // past B and T
         uint32_t W = r.u32();
         if (W == 0) fail(kExitData, "DataLoader state records W=0 ranks; it is corrupt");
         return W;

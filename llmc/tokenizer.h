@@ -62,11 +62,7 @@ private:
 };
 
 inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
-    uint32_t header[kTokenizerHeaderInts] = {};
-    header[0] = kTokenizerMagic;
-    header[1] = 2;
-    header[2] = static_cast<uint32_t>(tok.size());
-    header[3] = tok.eot();
+    const uint32_t header[kTokenizerHeaderInts] = {kTokenizerMagic, 2, static_cast<uint32_t>(tok.size()), tok.eot()};
     std::string body;
     for (size_t id = 0; id < tok.size(); id++) {
         const std::string& t = tok.token(static_cast<uint32_t>(id));
@@ -165,7 +161,8 @@ inline uint64_t hash_bytes(const char* p, size_t n) {
     return h ^ (h >> 32);
 }
 
-// Open-addressing map from byte strings to uint32, keys in one pool (the vocabulary, the piece caches).
+// Open-addressing map from byte strings to uint32, keys in one pool (the vocabulary, the merge pairs, the
+// piece caches).
 class StringMap {
 public:
     explicit StringMap(size_t expected = 1024) { reset(expected); }
@@ -466,7 +463,8 @@ public:
         size_t pos = 0;
         while (pos < text.size()) {
             // pcre2_match runs the JIT code when pcre2_jit_compile made it.
-            int rc = pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(), ctx.match_context_.get());
+            int rc =
+                pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(), ctx.match_context_.get());
             if (rc == PCRE2_ERROR_NOMATCH) {
                 encode_piece(ctx, text.substr(pos), out);  // only invalid UTF-8 is left
                 return;
