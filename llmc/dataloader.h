@@ -128,18 +128,14 @@ inline std::vector<std::string> expand_shard_pattern(const std::string& pattern)
     for (size_t i = 0; i < paths.size(); i++) {
         const std::string& p = paths[i];
         struct stat st;
-        if (::stat(p.c_str(), &st) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot stat shard '%s': %s", p.c_str(), std::strerror(e));
-        }
+        if (::stat(p.c_str(), &st) != 0) fail(kExitIo, "cannot stat shard '%s': %s", p.c_str(), std::strerror(errno));
         if (!S_ISREG(st.st_mode)) fail(kExitData, "shard '%s' is not a regular file", p.c_str());
         ids.push_back({{uint64_t(st.st_dev), uint64_t(st.st_ino)}, i});
     }
     std::sort(ids.begin(), ids.end());
     for (size_t k = 1; k < ids.size(); k++) {
         if (ids[k].first != ids[k - 1].first) continue;
-        const std::string &a = paths[std::min(ids[k - 1].second, ids[k].second)],
-                          &b = paths[std::max(ids[k - 1].second, ids[k].second)];
+        const std::string &a = paths[ids[k - 1].second], &b = paths[ids[k].second];  // a listed first
         if (a == b) {
             fail(kExitUsage, "shard '%s' is named twice by '%s'; each shard may appear once", a.c_str(), pattern.c_str());
         }
