@@ -226,18 +226,12 @@ public:
     }
 
     StreamPosition position(uint64_t batches) const {
-        StreamPosition p;
-        p.batches = batches;
-        uint64_t sample = batches * global_batch();
-        p.epoch = sample / samples_per_epoch_;
+        const uint64_t sample = batches * global_batch(), epoch = sample / samples_per_epoch_;
         uint64_t i = sample % samples_per_epoch_;
-        p.shard_order = shard_order(p.epoch);
+        std::vector<uint32_t> order = shard_order(epoch);
         uint32_t slot = 0;
-        while (i >= shards_[p.shard_order[slot]].num_samples) i -= shards_[p.shard_order[slot++]].num_samples;
-        p.slot = slot;
-        p.sample = static_cast<uint32_t>(i);
-        p.rng_state = shard_rng_seed(p.epoch, slot);
-        return p;
+        while (i >= shards_[order[slot]].num_samples) i -= shards_[order[slot++]].num_samples;
+        return {batches, epoch, slot, static_cast<uint32_t>(i), shard_rng_seed(epoch, slot), std::move(order)};
     }
 
     // The state blob: little-endian fields, a magic, a version and a checksum; docs/formats.md lists them.

@@ -121,12 +121,8 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
                  it.endings.size(), (long long)kMcMaxExampleBytes);
         }
         longest = std::max(longest, bytes);
-        stream.push_back(uint16_t(kMcDelimiter));
-        stream.push_back(uint16_t(bytes));
-        stream.push_back(uint16_t(i));
-        stream.push_back(uint16_t(it.label));
-        stream.push_back(uint16_t(it.endings.size()));
-        stream.push_back(uint16_t(it.context.size()));
+        stream.insert(stream.end(), {uint16_t(kMcDelimiter), uint16_t(bytes), uint16_t(i), uint16_t(it.label),
+                                     uint16_t(it.endings.size()), uint16_t(it.context.size())});
         for (int32_t t : it.context) stream.push_back(uint16_t(t));
         for (const auto& e : it.endings) {
             stream.push_back(uint16_t(e.size()));
