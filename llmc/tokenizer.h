@@ -227,6 +227,45 @@ private:
     size_t count_ = 0;
 };
 
+// Open-addressing map from a pair of token ids to the token their concatenation forms (a map of its own:
+// the BPE loop probes it once per candidate pair, and 8-byte integer keys are faster than StringMap's).
+class PairMap {
+public:
+    void reset(size_t expected) {
+        size_t cap = 16;
+        while (cap < expected * 2) cap *= 2;
+        keys_.assign(cap, kEmpty);
+        values_.assign(cap, 0);
+        shift_ = 64;
+        for (size_t c = cap; c > 1; c >>= 1) shift_--;
+    }
+    void insert(uint32_t a, uint32_t b, uint32_t merged) {
+        const size_t i = probe(a, b);
+        keys_[i] = (uint64_t(a) << 32) | b;
+        values_[i] = merged;
+    }
+    // The merged token, or kNone when the pair does not merge.
+    uint32_t find(uint32_t a, uint32_t b) const {
+        const size_t i = probe(a, b);
+        return keys_[i] == kEmpty ? kNone : values_[i];
+    }
+    static constexpr uint32_t kNone = UINT32_MAX;
+
+private:
+    static constexpr uint64_t kEmpty = UINT64_MAX;
+    // The slot holding the pair, else the empty one where it would go.
+    size_t probe(uint32_t a, uint32_t b) const {
+        const uint64_t key = (uint64_t(a) << 32) | b;
+        const size_t mask = keys_.size() - 1;
+        size_t i = static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);
+        while (keys_[i] != kEmpty && keys_[i] != key) i = (i + 1) & mask;
+        return i;
+    }
+    std::vector<uint64_t> keys_;
+    std::vector<uint32_t> values_;
+    int shift_ = 64;
+};
+
 }  // namespace tokenizer_detail
 
 }  // namespace llmc
@@ -431,15 +470,18 @@ public:
             if (byte_token_[b] == kNoToken) fail(kExitData, "the vocabulary has no token for byte 0x%02x", b);
         }
         // A pair merges when its concatenation is a token, whatever the split: every split of every token.
+        std::vector<std::array<uint32_t, 3>> pairs;
         for (uint32_t id = 0; id < tok.size(); id++) {
             const std::string& t = tok.token(id);
             if (id == eot_ || t.size() < 2) continue;
             for (size_t k = 1; k < t.size(); k++) {
                 const uint32_t* a = vocab_.find(std::string_view(t).substr(0, k));
                 const uint32_t* b = vocab_.find(std::string_view(t).substr(k));
-                if (a && b) pairs_.insert(pair_key({*a, *b}), id);
+                if (a && b) pairs.push_back({*a, *b, id});
             }
         }
+        pairs_.reset(pairs.size());
+        for (const auto& p : pairs) pairs_.insert(p[0], p[1], p[2]);
 
         int err = 0;
         PCRE2_SIZE err_offset = 0;
@@ -462,9 +504,10 @@ public:
         auto subject = reinterpret_cast<PCRE2_SPTR>(text.data());
         size_t pos = 0;
         while (pos < text.size()) {
-            // pcre2_match runs the JIT code when pcre2_jit_compile made it.
-            int rc =
-                pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(), ctx.match_context_.get());
+            int rc = jit_ ? pcre2_jit_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(),
+                                            ctx.match_context_.get())
+                          : pcre2_match(code_.get(), subject, text.size(), pos, 0, ctx.match_data_.get(),
+                                        ctx.match_context_.get());
             if (rc == PCRE2_ERROR_NOMATCH) {
                 encode_piece(ctx, text.substr(pos), out);  // only invalid UTF-8 is left
                 return;
@@ -494,14 +537,10 @@ private:
         return reinterpret_cast<char*>(msg);
     }
 
-    // The pair (a, b) as a key of pairs_: the two ids' bytes.
-    static std::string_view pair_key(const std::array<uint32_t, 2>& ab) {
-        return std::string_view(reinterpret_cast<const char*>(ab.data()), sizeof(ab));
-    }
     // The token the pair (a, b) merges into, or kNoToken.
     uint32_t merge(uint32_t a, uint32_t b) const {
-        const uint32_t* m = pairs_.find(pair_key({a, b}));
-        return m ? *m : kNoToken;
+        const uint32_t m = pairs_.find(a, b);
+        return m == tokenizer_detail::PairMap::kNone ? kNoToken : m;
     }
 
     void encode_piece(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
@@ -577,7 +616,7 @@ private:
     uint32_t eot_;
     std::array<uint32_t, 256> byte_token_;
     tokenizer_detail::StringMap vocab_;
-    tokenizer_detail::StringMap pairs_;  // pair_key(a, b) -> the token a and b merge into
+    tokenizer_detail::PairMap pairs_;
     std::unique_ptr<pcre2_code, tokenizer_detail::Pcre2Free> code_;
     bool jit_ = false;
 };
