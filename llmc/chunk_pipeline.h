@@ -60,19 +60,9 @@ public:
 
     bool next(Chunk& out) {
         if (pos_ >= nbytes_) return false;
-        uint64_t limit;
-        bool direct = false;
-        if (pos_ < body_begin_) {
-            limit = body_begin_;
-        } else if (pos_ < body_end_) {
-            limit = body_end_;
-            direct = true;
-        } else {
-            limit = nbytes_;
-        }
-        out.offset = pos_;
-        out.bytes = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, limit - pos_));
-        out.direct = direct;
+        const bool direct = pos_ >= body_begin_ && pos_ < body_end_;
+        const uint64_t limit = pos_ < body_begin_ ? body_begin_ : direct ? body_end_ : nbytes_;
+        out = {pos_, static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, limit - pos_)), direct};
         pos_ += out.bytes;
         return true;
     }
@@ -104,11 +94,6 @@ public:
 
 namespace detail {
 
-// Opens the O_DIRECT twin of `file` when the plan has a direct span.
-inline File open_direct_twin(const File& file, bool for_write) {
-    return File(file.path(), for_write ? File::Mode::ReadWrite : File::Mode::Read, /*direct=*/true);
-}
-
 template <class Body>
 void with_drain_on_error(StagingCopier& copier, Body&& body) {
     try {
@@ -130,29 +115,24 @@ inline void pipelined_device_to_file(StagingCopier& copier, File& file, const vo
     const char* src = static_cast<const char*>(device_src);
     Chunk cur;
     if (!plan.next(cur)) return;
-    File direct_file;
+    File direct_file;  // the O_DIRECT twin of `file`, for the direct span
+    if (plan.has_direct_span()) direct_file = File(file.path(), File::Mode::ReadWrite, /*direct=*/true);
     detail::with_drain_on_error(copier, [&] {
-        int slot = 0;
-        copier.to_host_async(slot, src + cur.offset, cur.bytes);
-        for (;;) {
+        copier.to_host_async(0, src + cur.offset, cur.bytes);
+        for (int slot = 0;; slot ^= 1) {
             Chunk nxt;
             bool has_next = plan.next(nxt);
             // The other slot's last chunk is already on disk, so its buffer is free for the next copy.
             if (has_next) copier.to_host_async(slot ^ 1, src + nxt.offset, nxt.bytes);
             copier.wait(slot);
             if (hook) hook(copier.staging(slot), cur.bytes, uint64_t(start) + cur.offset);
-            File* out = &file;
-            if (cur.direct) {
-                if (!direct_file.is_open()) direct_file = detail::open_direct_twin(file, /*for_write=*/true);
-                out = &direct_file;
-            }
-            out->seek(start + static_cast<int64_t>(cur.offset));
-            out->write_all(copier.staging(slot), cur.bytes);
+            File& out = cur.direct ? direct_file : file;
+            out.seek(start + static_cast<int64_t>(cur.offset));
+            out.write_all(copier.staging(slot), cur.bytes);
             // Start this chunk's writeback now, so the disk works while the next chunks are copied.
-            if (!cur.direct) out->start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
+            if (!cur.direct) out.start_writeback(start + static_cast<int64_t>(cur.offset), int64_t(cur.bytes));
             if (!has_next) break;
             cur = nxt;
-            slot ^= 1;
         }
         if (direct_file.is_open()) direct_file.close();
     });
@@ -176,12 +156,12 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
     if (n <= copier.chunk_bytes()) readers = 1;
     char* dst = static_cast<char*>(device_dst);
     File direct_file;
-    if (plan.has_direct_span()) direct_file = detail::open_direct_twin(file, /*for_write=*/false);
+    if (plan.has_direct_span()) direct_file = File(file.path(), File::Mode::Read, /*direct=*/true);
 
     std::mutex plan_mutex;
     std::atomic<bool> stop{false};
     // Reader `slot` owns staging buffer `slot`; chunks go to whichever reader asks next.
-    auto reader = [&](int slot) {
+    auto read_chunks = [&](int slot) {
         for (;;) {
             Chunk c;
             {
@@ -195,29 +175,24 @@ inline void pipelined_file_to_device(StagingCopier& copier, void* device_dst, Fi
             copier.to_device_async(dst + c.offset, slot, c.bytes);
         }
     };
+    // A reader's error stops both; it is raised once both are done (reader 0's first).
+    std::exception_ptr errors[2];
+    auto reader = [&](int slot) {
+        try {
+            if (slot == 1) copier.bind_thread();
+            read_chunks(slot);
+        } catch (...) {
+            errors[slot] = std::current_exception();
+            stop = true;
+        }
+    };
     detail::with_drain_on_error(copier, [&] {
-        if (readers == 1) {
-            reader(0);
-        } else {
-            std::exception_ptr helper_error;
-            std::thread helper([&] {
-                try {
-                    copier.bind_thread();
-                    reader(1);
-                } catch (...) {
-                    helper_error = std::current_exception();
-                    stop = true;
-                }
-            });
-            try {
-                reader(0);
-            } catch (...) {
-                stop = true;
-                helper.join();
-                throw;
-            }
-            helper.join();
-            if (helper_error) std::rethrow_exception(helper_error);
+        std::thread helper;
+        if (readers == 2) helper = std::thread(reader, 1);
+        reader(0);
+        if (helper.joinable()) helper.join();
+        for (const std::exception_ptr& e : errors) {
+            if (e) std::rethrow_exception(e);
         }
         copier.wait(0);
         copier.wait(1);

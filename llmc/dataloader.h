@@ -112,38 +112,30 @@ inline std::vector<std::string> expand_shard_pattern(const std::string& pattern)
     for (const std::string& item : split(pattern, ',')) {
         if (item.empty()) fail(kExitUsage, "shard pattern '%s' has an empty item between commas", pattern.c_str());
         glob_t g;
-        int rc = ::glob(item.c_str(), GLOB_NOSORT, nullptr, &g);
-        if (rc == GLOB_NOMATCH) {
-            globfree(&g);
-            fail(kExitUsage, "no shard file matches '%s'", item.c_str());
-        }
+        const int rc = ::glob(item.c_str(), GLOB_NOSORT, nullptr, &g);
+        const size_t first = paths.size();
+        if (rc == 0) paths.insert(paths.end(), g.gl_pathv, g.gl_pathv + g.gl_pathc);
+        globfree(&g);
+        if (rc == GLOB_NOMATCH) fail(kExitUsage, "no shard file matches '%s'", item.c_str());
         if (rc != 0) {
-            globfree(&g);
             fail(kExitIo, "cannot expand shard pattern '%s' (glob error %d: unreadable directory or out of memory)",
                  item.c_str(), rc);
         }
-        std::vector<std::string> matches(g.gl_pathv, g.gl_pathv + g.gl_pathc);
-        globfree(&g);
-        std::sort(matches.begin(), matches.end());
-        paths.insert(paths.end(), matches.begin(), matches.end());
+        std::sort(paths.begin() + first, paths.end());
     }
     // A file is the same shard however it is named (a/x.bin, a/./x.bin, a link to it): device and inode.
     std::vector<std::pair<std::pair<uint64_t, uint64_t>, size_t>> ids;
     for (size_t i = 0; i < paths.size(); i++) {
         const std::string& p = paths[i];
         struct stat st;
-        if (::stat(p.c_str(), &st) != 0) {
-            int e = errno;
-            fail(kExitIo, "cannot stat shard '%s': %s", p.c_str(), std::strerror(e));
-        }
+        if (::stat(p.c_str(), &st) != 0) fail(kExitIo, "cannot stat shard '%s': %s", p.c_str(), std::strerror(errno));
         if (!S_ISREG(st.st_mode)) fail(kExitData, "shard '%s' is not a regular file", p.c_str());
         ids.push_back({{uint64_t(st.st_dev), uint64_t(st.st_ino)}, i});
     }
     std::sort(ids.begin(), ids.end());
     for (size_t k = 1; k < ids.size(); k++) {
         if (ids[k].first != ids[k - 1].first) continue;
-        const std::string &a = paths[std::min(ids[k - 1].second, ids[k].second)],
-                          &b = paths[std::max(ids[k - 1].second, ids[k].second)];
+        const std::string &a = paths[ids[k - 1].second], &b = paths[ids[k].second];  // a listed first
         if (a == b) {
             fail(kExitUsage, "shard '%s' is named twice by '%s'; each shard may appear once", a.c_str(), pattern.c_str());
         }
@@ -234,35 +226,23 @@ public:
     }
 
     StreamPosition position(uint64_t batches) const {
-        StreamPosition p;
-        p.batches = batches;
-        uint64_t sample = batches * global_batch();
-        p.epoch = sample / samples_per_epoch_;
+        const uint64_t sample = batches * global_batch(), epoch = sample / samples_per_epoch_;
         uint64_t i = sample % samples_per_epoch_;
-        p.shard_order = shard_order(p.epoch);
+        std::vector<uint32_t> order = shard_order(epoch);
         uint32_t slot = 0;
-        while (i >= shards_[p.shard_order[slot]].num_samples) i -= shards_[p.shard_order[slot++]].num_samples;
-        p.slot = slot;
-        p.sample = static_cast<uint32_t>(i);
-        p.rng_state = shard_rng_seed(p.epoch, slot);
-        return p;
+        while (i >= shards_[order[slot]].num_samples) i -= shards_[order[slot++]].num_samples;
+        return {batches, epoch, slot, static_cast<uint32_t>(i), shard_rng_seed(epoch, slot), std::move(order)};
     }
 
     // The state blob: little-endian fields, a magic, a version and a checksum; docs/formats.md lists them.
     std::vector<uint8_t> encode_state(uint64_t batches) const {
         StreamPosition p = position(batches);
         std::vector<uint8_t> out(kStateMagic, kStateMagic + 8);
-        put32(out, kStateVersion);
-        put32(out, uint32_t(cfg_.B));
-        put32(out, uint32_t(cfg_.T));
-        put32(out, uint32_t(cfg_.world));
+        for (uint32_t v : {kStateVersion, uint32_t(cfg_.B), uint32_t(cfg_.T), uint32_t(cfg_.world)}) put32(out, v);
         put32(out, cfg_.shuffle ? 1u : 0u);
         put64(out, cfg_.seed);
         put32(out, uint32_t(shards_.size()));
-        put64(out, samples_per_epoch_);
-        put64(out, shards_hash());
-        put64(out, p.batches);
-        put64(out, p.epoch);
+        for (uint64_t v : {samples_per_epoch_, shards_hash(), p.batches, p.epoch}) put64(out, v);
         put32(out, p.slot);
         put32(out, p.sample);
         put64(out, p.rng_state);
@@ -296,13 +276,8 @@ public:
                  nshards, (unsigned long long)samples, (unsigned long long)hash, cfg_.pattern.c_str(), shards_.size(),
                  (unsigned long long)samples_per_epoch_, (unsigned long long)shards_hash());
         }
-        StreamPosition saved;
-        saved.batches = r.u64();
-        saved.epoch = r.u64();
-        saved.slot = r.u32();
-        saved.sample = r.u32();
-        saved.rng_state = r.u64();
-        saved.shard_order.resize(nshards);
+        // A braced list reads its fields in order: batches, epoch, slot, sample, rng_state.
+        StreamPosition saved{r.u64(), r.u64(), r.u32(), r.u32(), r.u64(), std::vector<uint32_t>(nshards)};
         for (uint32_t& s : saved.shard_order) s = r.u32();
         if (r.at + 8 != blob.size()) fail(kExitData, "DataLoader state is %zu bytes, expected %zu", blob.size(), r.at + 8);
         uint64_t batches = saved.batches;
@@ -332,8 +307,7 @@ public:
         if (r.at + 12 + 8 > blob.size()) {
             fail(kExitData, "DataLoader state is truncated: %zu bytes, too few to hold its B, T and W", blob.size());
         }
-        r.u32();  // B
-        r.u32();  // T
+        r.at += 8;  // past B and T
         uint32_t W = r.u32();
         if (W == 0) fail(kExitData, "DataLoader state records W=0 ranks; it is corrupt");
         return W;
@@ -376,9 +350,7 @@ private:
         if (version != kStateVersion) {
             fail(kExitData, "DataLoader state has version %u; this build reads version %u", version, kStateVersion);
         }
-        uint64_t stored_sum = 0;
-        for (int i = 0; i < 8; i++) stored_sum |= uint64_t(blob[blob.size() - 8 + i]) << (8 * i);
-        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != stored_sum) {
+        if (blob.size() < 20 || fnv1a64(blob.data(), blob.size() - 8) != Reader{blob, blob.size() - 8}.u64()) {
             fail(kExitData, "DataLoader state (%zu bytes) is corrupt: its checksum does not match", blob.size());
         }
         return r;
@@ -411,16 +383,13 @@ private:
     }
     // File names without directories, so that moving the data keeps a saved state valid.
     uint64_t shards_hash() const {
-        uint64_t h = kFnv1a64Basis;
+        std::vector<uint8_t> bytes;  // per shard: its name, a NUL and its token count
         for (const ShardInfo& s : shards_) {
-            size_t slash = s.path.find_last_of('/');
-            std::string name = slash == std::string::npos ? s.path : s.path.substr(slash + 1);
-            h = fnv1a64(name.c_str(), name.size() + 1, h);
-            std::vector<uint8_t> tokens;
-            put64(tokens, uint64_t(s.num_tokens));
-            h = fnv1a64(tokens.data(), tokens.size(), h);
+            const std::string name = s.path.substr(s.path.find_last_of('/') + 1);  // npos + 1 = 0: the whole path
+            bytes.insert(bytes.end(), name.c_str(), name.c_str() + name.size() + 1);
+            put64(bytes, uint64_t(s.num_tokens));
         }
-        return h;
+        return fnv1a64(bytes.data(), bytes.size());
     }
     // out: a permutation drawn with `seed` when shuffling, else 0, 1, 2, ...
     void ordering(uint64_t seed, std::vector<uint32_t>& out) const {
@@ -457,25 +426,19 @@ public:
     SampleRef locate(uint64_t stream_index) {
         uint64_t S = s_.samples_per_epoch();
         uint64_t epoch = stream_index / S, i = stream_index % S;
-        if (!have_epoch_ || epoch != epoch_) {
+        if (order_.empty() || epoch != epoch_) {  // (every epoch orders at least one shard)
             order_ = s_.shard_order(epoch);
             prefix_.assign(order_.size(), 0);
             for (size_t j = 1; j < order_.size(); j++) prefix_[j] = prefix_[j - 1] + s_.shards()[order_[j - 1]].num_samples;
             epoch_ = epoch;
-            have_epoch_ = true;
-            have_slot_ = false;
+            samples_.clear();
         }
         uint32_t slot = uint32_t(std::upper_bound(prefix_.begin(), prefix_.end(), i) - prefix_.begin() - 1);
-        if (!have_slot_ || slot != slot_) {
+        if (samples_.empty() || slot != slot_) {  // (every shard holds at least one sample)
             s_.sample_order(epoch, slot, order_[slot], samples_);
             slot_ = slot;
-            have_slot_ = true;
         }
-        SampleRef ref;
-        ref.epoch = epoch;
-        ref.shard = order_[slot];
-        ref.token_offset = int64_t(samples_[i - prefix_[slot]]) * s_.config().T;
-        return ref;
+        return {epoch, order_[slot], int64_t(samples_[i - prefix_[slot]]) * s_.config().T};
     }
 
     // Fills `tokens` (B rows of T+1 tokens) and `refs` (B entries) with this rank's part of `batch`.
@@ -521,9 +484,8 @@ private:
     }
 
     const SampleSchedule& s_;
-    bool have_epoch_ = false, have_slot_ = false;
-    uint64_t epoch_ = 0;
-    uint32_t slot_ = 0;
+    uint64_t epoch_ = 0;  // the epoch of order_ and prefix_ (none while empty)
+    uint32_t slot_ = 0;   // the slot of samples_ (none while empty)
     std::vector<uint32_t> order_;
     std::vector<uint64_t> prefix_;
     std::vector<uint32_t> samples_;
@@ -541,12 +503,11 @@ public:
     // From a schedule already opened (and its shards validated) by the caller.
     explicit DataLoader(SampleSchedule schedule) : schedule_(std::move(schedule)), reader_(schedule_) {
         const DataLoaderConfig& cfg = schedule_.config();
-        HostAllocator a = cfg.allocator;
-        if (!a.allocate) {
-            a.allocate = [](size_t n) { return std::aligned_alloc(4096, (n + 4095) / 4096 * 4096); };
-            a.release = [](void* p) { std::free(p); };
+        allocator_ = cfg.allocator;
+        if (!allocator_.allocate) {
+            allocator_.allocate = [](size_t n) { return std::aligned_alloc(4096, (n + 4095) / 4096 * 4096); };
+            allocator_.release = [](void* p) { std::free(p); };
         }
-        allocator_ = a;
         ring_.resize(std::max(cfg.prefetch, 1));
         for (Slot& s : ring_) {
             s.tokens = Buffer(allocator_.allocate(schedule_.batch_bytes()), allocator_.release);
@@ -566,21 +527,17 @@ public:
 
     // The next batch; its buffer stays valid and unchanged until the matching release().
     const HostBatch& acquire() {
-        if (!prefetching()) {
-            if (consumed_ != released_) {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (consumed_ - released_ >= ring_.size()) {
+            if (!prefetching()) {
                 fail(kExitUsage, "DataLoader::acquire: the previous batch is still held; a loader without prefetch has "
                                  "one buffer, release() it first");
             }
-            Slot& s = ring_[0];
-            fill(s, base_ + consumed_);
-            if (s.error) std::rethrow_exception(s.error);
-            consumed_++;
-            produced_++;
-            return s.view;
-        }
-        std::unique_lock<std::mutex> lock(mu_);
-        if (consumed_ - released_ >= ring_.size()) {
             fail(kExitUsage, "DataLoader::acquire: all %zu buffers are held; release() one first", ring_.size());
+        }
+        if (!prefetching()) {  // the caller's thread reads the batch (again, after an error)
+            fill(ring_[0], base_ + consumed_);
+            produced_ = consumed_ + 1;
         }
         ready_cv_.wait(lock, [&] { return produced_ > consumed_; });
         Slot& s = ring_[consumed_ % ring_.size()];

@@ -22,6 +22,7 @@ With LLMC_TOKENIZER_ENCODER: read_hellaswag_jsonl(), HellaSwag's own JSONL encod
 #include <vector>
 
 #include "llmc/gpt2_cpu.h"
+#include "llmc/hash.h"
 #include "llmc/utils.h"
 
 namespace llmc {
@@ -110,35 +111,25 @@ inline void write_mc_file(const std::string& path, const McSet& set) {
     // Token ids must stay below the delimiter; mc_check_items names the offending item.
     mc_check_items(set, kMcDelimiter);
     int64_t longest = 0;
-    for (size_t i = 0; i < items.size(); i++) {
-        const int64_t bytes = mc_example_bytes(items[i]);
-        if (bytes > kMcMaxExampleBytes) {
-            fail(kExitUsage, "'%s': item %zu takes %lld bytes (context of %zu tokens, %zu endings), more than the "
-                 "format's %lld per example", path.c_str(), i, (long long)bytes, items[i].context.size(),
-                 items[i].endings.size(), (long long)kMcMaxExampleBytes);
-        }
-        longest = std::max(longest, bytes);
-    }
-    int32_t header[kMcHeaderInts] = {};
-    header[0] = kMcMagic;
-    header[1] = kMcVersion;
-    header[2] = int32_t(items.size());
-    header[3] = int32_t(longest);
     std::vector<uint16_t> stream;
     for (size_t i = 0; i < items.size(); i++) {
         const McItem& it = items[i];
-        stream.push_back(uint16_t(kMcDelimiter));
-        stream.push_back(uint16_t(mc_example_bytes(it)));
-        stream.push_back(uint16_t(i));
-        stream.push_back(uint16_t(it.label));
-        stream.push_back(uint16_t(it.endings.size()));
-        stream.push_back(uint16_t(it.context.size()));
+        const int64_t bytes = mc_example_bytes(it);
+        if (bytes > kMcMaxExampleBytes) {
+            fail(kExitUsage, "'%s': item %zu takes %lld bytes (context of %zu tokens, %zu endings), more than the "
+                 "format's %lld per example", path.c_str(), i, (long long)bytes, it.context.size(),
+                 it.endings.size(), (long long)kMcMaxExampleBytes);
+        }
+        longest = std::max(longest, bytes);
+        stream.insert(stream.end(), {uint16_t(kMcDelimiter), uint16_t(bytes), uint16_t(i), uint16_t(it.label),
+                                     uint16_t(it.endings.size()), uint16_t(it.context.size())});
         for (int32_t t : it.context) stream.push_back(uint16_t(t));
         for (const auto& e : it.endings) {
             stream.push_back(uint16_t(e.size()));
             for (int32_t t : e) stream.push_back(uint16_t(t));
         }
     }
+    const int32_t header[kMcHeaderInts] = {kMcMagic, kMcVersion, int32_t(items.size()), int32_t(longest)};
     write_file_atomically(path, [&](File& f) {
         f.write_all(header, sizeof(header));
         f.write_all(stream.data(), stream.size() * sizeof(uint16_t));
@@ -314,11 +305,13 @@ public:
         b.row.clear();
         b.first.clear();
         b.count.clear();
+        std::vector<std::pair<const McItem*, const std::vector<int32_t>*>> rows;  // item, ending
         int longest = 0;
-        while (item_ < end_ && int(b.row.size()) < max_B_) {
+        while (item_ < end_ && int(rows.size()) < max_B_) {
             const McItem& it = set_.items[size_t(item_)];
             const int kept = int(mc_kept_context(it, max_T_));
             const int len = int(it.endings[size_t(cand_)].size());
+            rows.push_back({&it, &it.endings[size_t(cand_)]});
             b.row.push_back(first_row_[size_t(item_)] + cand_);
             b.first.push_back(kept - 1);
             b.count.push_back(len);
@@ -328,17 +321,14 @@ public:
                 item_++;
             }
         }
-        if (b.row.empty()) return false;
-        b.B = int(b.row.size());
-        b.T = rounded_T(longest);
+        if (rows.empty()) return false;
+        b.B = int(rows.size());
+        b.T = mc_rounded_T(longest, max_T_, t_multiple_);
         b.inputs.assign(size_t(b.B) * size_t(b.T), 0);
         b.targets.assign(size_t(b.B) * size_t(b.T), 0);
-        // Walk the rows again from their set row numbers to fill the tokens.
-        int64_t item = item_of(b.row[0]);
         for (int r = 0; r < b.B; r++) {
-            while (first_row_[size_t(item + 1)] <= b.row[size_t(r)]) item++;
-            const McItem& it = set_.items[size_t(item)];
-            const std::vector<int32_t>& ending = it.endings[size_t(b.row[size_t(r)] - first_row_[size_t(item)])];
+            const McItem& it = *rows[size_t(r)].first;
+            const std::vector<int32_t>& ending = *rows[size_t(r)].second;
             const int kept = b.first[size_t(r)] + 1;
             const int32_t* ctx = it.context.data() + (it.context.size() - size_t(kept));
             // row = ctx[0, kept) + ending: position t reads row[t] and predicts row[t + 1].
@@ -355,11 +345,6 @@ public:
     }
 
 private:
-    int rounded_T(int longest) const { return mc_rounded_T(longest, max_T_, t_multiple_); }
-    int64_t item_of(int64_t row) const {
-        return int64_t(std::upper_bound(first_row_.begin(), first_row_.end(), row) - first_row_.begin()) - 1;
-    }
-
     const McSet& set_;
     std::vector<int64_t> first_row_;
     int64_t item_, end_;
@@ -428,7 +413,7 @@ public:
     bool next(McPackedBatch& b) {
         struct Row {
             int64_t item;
-            int kept, first_ending, endings, length;
+            int kept, first_ending, endings;
         };
         std::vector<Row> rows;
         int longest = 0;
@@ -451,7 +436,7 @@ public:
                                   batch_scored + scored > max_cells_)) {
                 break;
             }
-            rows.push_back({item_, kept, cand_, last - cand_, length});
+            rows.push_back({item_, kept, cand_, last - cand_});
             longest = std::max(longest, length);
             batch_scored += scored;
             cand_ = last;
@@ -543,17 +528,10 @@ struct McResult {
     // The gap between an item's best and second-best score: within numerical error, two implementations
     // may rightly pick different candidates.
     double margin(int64_t item, bool norm) const {
-        double best = std::numeric_limits<double>::infinity(), second = best;
-        for (int64_t r = first_row[size_t(item)]; r < first_row[size_t(item + 1)]; r++) {
-            const double s = score(r, norm);
-            if (s < best) {
-                second = best;
-                best = s;
-            } else if (s < second) {
-                second = s;
-            }
-        }
-        return second - best;
+        std::vector<double> s;
+        for (int64_t r = first_row[size_t(item)]; r < first_row[size_t(item + 1)]; r++) s.push_back(score(r, norm));
+        std::partial_sort(s.begin(), s.begin() + 2, s.end());
+        return s[1] - s[0];
     }
 };
 
@@ -589,13 +567,8 @@ inline McResult mc_score(const McSet& set, std::vector<double> loss_sum) {
 
 // A fingerprint of a set (FNV-1a over labels, lengths and tokens), for the ranks to compare.
 inline uint64_t mc_fingerprint(const McSet& set) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    auto mix = [&](int64_t x) {
-        for (int k = 0; k < 8; k++) {
-            h ^= uint64_t(x >> (8 * k)) & 0xffu;
-            h *= 0x100000001b3ull;
-        }
-    };
+    uint64_t h = kFnv1a64Basis;
+    auto mix = [&](int64_t x) { h = fnv1a64(&x, sizeof(x), h); };  // x's 8 bytes, little-endian
     mix(int64_t(set.items.size()));
     for (const McItem& it : set.items) {
         mix(it.label);
@@ -695,13 +668,12 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
     }
     if (!j.contains("label")) bad("no \"label\" (HellaSwag's test split has none; use the val split)");
     const auto& label = j.at("label");
+    const std::string text = label.is_string() ? label.get<std::string>() : "";
     long long value = -1;
     if (label.is_number_integer()) {
         value = label.get<long long>();
-    } else if (label.is_string() && !label.get<std::string>().empty() &&
-               label.get<std::string>().find_first_not_of("0123456789") == std::string::npos &&
-               label.get<std::string>().size() < 10) {
-        value = std::stoll(label.get<std::string>());
+    } else if (!text.empty() && text.size() < 10 && text.find_first_not_of("0123456789") == std::string::npos) {
+        value = std::stoll(text);
     } else {
         bad(format("\"label\" is %s, expected an integer", label.dump().c_str()));
     }
@@ -713,21 +685,15 @@ inline HellaswagRow parse_hellaswag_line(const std::string& line, const std::str
     return row;
 }
 
-// Tokens of a row, as llm.c's hellaswag.py makes them: the context as it is, each ending after a space.
-inline McItem encode_hellaswag_row(const HellaswagRow& row, const Gpt2Encoder& enc, Gpt2Encoder::Context& ctx) {
-    McItem item;
-    auto to_ids = [](const std::vector<uint32_t>& t) { return std::vector<int32_t>(t.begin(), t.end()); };
-    item.context = to_ids(enc.encode_ordinary(ctx, row.context));
-    for (const std::string& e : row.endings) item.endings.push_back(to_ids(enc.encode_ordinary(ctx, " " + e)));
-    item.label = row.label;
-    return item;
-}
-
 // Every non-blank line of a HellaSwag JSONL file, encoded.
 inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& enc) {
     std::istringstream in(read_text_file(path));
     McSet set{path, {}};
     Gpt2Encoder::Context ctx(enc);
+    auto encode = [&](const std::string& text) {
+        const std::vector<uint32_t> ids = enc.encode_ordinary(ctx, text);
+        return std::vector<int32_t>(ids.begin(), ids.end());
+    };
     std::string line;
     int64_t line_no = 0;
     while (std::getline(in, line)) {
@@ -738,7 +704,10 @@ inline McSet read_hellaswag_jsonl(const std::string& path, const Gpt2Encoder& en
             fail(kExitData, "'%s' line %lld: more than %lld rows, the most an eval .bin holds; split the file",
                  path.c_str(), (long long)line_no, (long long)kMcMaxExamples);
         }
-        McItem item = encode_hellaswag_row(parse_hellaswag_line(line, path, line_no), enc, ctx);
+        // The row's tokens as llm.c's hellaswag.py makes them: the context as it is, each ending after a space.
+        const HellaswagRow row = parse_hellaswag_line(line, path, line_no);
+        McItem item{encode(row.context), {}, row.label};
+        for (const std::string& e : row.endings) item.endings.push_back(encode(" " + e));
         const int64_t bytes = mc_example_bytes(item);
         if (bytes > kMcMaxExampleBytes) {
             fail(kExitData, "'%s' line %lld: the row encodes to %lld bytes (context of %zu tokens, %zu endings), more "

@@ -5,6 +5,7 @@ in header[3] for version 2), then the tokens: exactly 1024 + count * bytes_per_t
 */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -40,29 +41,22 @@ inline void write_token_shard(const std::string& path, const uint32_t* tokens, s
         fail(kExitUsage, "shard '%s': %zu tokens do not fit a version 1 header (at most %lld); use version 2",
              path.c_str(), n, (long long)kShardV1MaxTokens);
     }
-    int32_t header[kShardHeaderInts] = {};
-    header[0] = kShardMagic;
-    header[1] = version;
-    header[2] = static_cast<int32_t>(static_cast<uint32_t>(n & 0xffffffffu));
-    if (version == 2) header[3] = static_cast<int32_t>(static_cast<uint32_t>(uint64_t(n) >> 32));
+    // The count's low 32 bits, and for version 2 its high 32 bits.
+    const int32_t header[kShardHeaderInts] = {kShardMagic, version, static_cast<int32_t>(uint32_t(n & 0xffffffffu)),
+                                              version == 2 ? static_cast<int32_t>(uint32_t(uint64_t(n) >> 32)) : 0};
     std::vector<uint16_t> narrow;
     if (version == 1) {
-        narrow.resize(n);
-        for (size_t i = 0; i < n; i++) {
-            if (tokens[i] > 0xffffu) {
-                fail(kExitUsage, "shard '%s': token %zu has id %u, which does not fit uint16; use version 2", path.c_str(),
-                     i, tokens[i]);
-            }
-            narrow[i] = static_cast<uint16_t>(tokens[i]);
+        const uint32_t* wide = std::find_if(tokens, tokens + n, [](uint32_t t) { return t > 0xffffu; });
+        if (wide != tokens + n) {
+            fail(kExitUsage, "shard '%s': token %zu has id %u, which does not fit uint16; use version 2", path.c_str(),
+                 size_t(wide - tokens), *wide);
         }
+        narrow.assign(tokens, tokens + n);
     }
     write_file_atomically(path, [&](File& f) {
         f.write_all(header, sizeof(header));
-        if (version == 2) {
-            f.write_all(tokens, n * sizeof(uint32_t));
-        } else {
-            f.write_all(narrow.data(), n * sizeof(uint16_t));
-        }
+        if (version == 2) f.write_all(tokens, n * sizeof(uint32_t));
+        else f.write_all(narrow.data(), n * sizeof(uint16_t));
     });
 }
 
@@ -76,19 +70,16 @@ inline const LlmcFileSpec& shard_file_spec() {
 // Reads and validates a shard's header: magic, version, and token count against the file's length.
 inline ShardHeader read_shard_header(File& f) {
     const LlmcHeader header = read_llmc_header(f, shard_file_spec());
-    ShardHeader h;
-    h.version = header.version();
-    h.bytes_per_token = shard_bytes_per_token(h.version);
-    if (h.version == 1 && header.ints[2] < 0) {
+    const int version = header.version();
+    if (version == 1 && header.ints[2] < 0) {
         fail(kExitData, "shard '%s': version 1 token count %d at offset 8 is negative (expected 0..%lld)",
              header.path.c_str(), header.ints[2], (long long)kShardV1MaxTokens);
     }
     uint64_t count = static_cast<uint32_t>(header.ints[2]);
-    if (h.version == 2) count |= uint64_t(static_cast<uint32_t>(header.ints[3])) << 32;
-    check_llmc_file_size(header, shard_file_spec(), count, h.bytes_per_token, "token",
-                         h.version == 1 ? "version 1, count at offset 8" : "version 2, count at offsets 8 and 12");
-    h.num_tokens = static_cast<int64_t>(count);
-    return h;
+    if (version == 2) count |= uint64_t(static_cast<uint32_t>(header.ints[3])) << 32;
+    check_llmc_file_size(header, shard_file_spec(), count, shard_bytes_per_token(version), "token",
+                         version == 1 ? "version 1, count at offset 8" : "version 2, count at offsets 8 and 12");
+    return {version, static_cast<int64_t>(count), shard_bytes_per_token(version)};
 }
 
 }  // namespace llmc

@@ -43,7 +43,8 @@ public:
     const std::string& token(uint32_t id) const { return tokens_.at(id); }
     const std::vector<std::string>& tokens() const { return tokens_; }
 
-    void decode_append(const uint32_t* ids, size_t n, std::string& out) const {
+    std::string decode(const uint32_t* ids, size_t n) const {
+        std::string out;
         for (size_t i = 0; i < n; i++) {
             if (ids[i] >= tokens_.size()) {
                 fail(kExitData, "cannot decode token %zu: id %u is outside the vocabulary of %zu tokens", i, ids[i],
@@ -51,10 +52,6 @@ public:
             }
             out += tokens_[ids[i]];
         }
-    }
-    std::string decode(const uint32_t* ids, size_t n) const {
-        std::string out;
-        decode_append(ids, n, out);
         return out;
     }
     std::string decode(const std::vector<uint32_t>& ids) const { return decode(ids.data(), ids.size()); }
@@ -65,11 +62,7 @@ private:
 };
 
 inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
-    uint32_t header[kTokenizerHeaderInts] = {};
-    header[0] = kTokenizerMagic;
-    header[1] = 2;
-    header[2] = static_cast<uint32_t>(tok.size());
-    header[3] = tok.eot();
+    const uint32_t header[kTokenizerHeaderInts] = {kTokenizerMagic, 2, static_cast<uint32_t>(tok.size()), tok.eot()};
     std::string body;
     for (size_t id = 0; id < tok.size(); id++) {
         const std::string& t = tok.token(static_cast<uint32_t>(id));
@@ -168,7 +161,8 @@ inline uint64_t hash_bytes(const char* p, size_t n) {
     return h ^ (h >> 32);
 }
 
-// Open-addressing map from byte strings to uint32, keys in one pool (the vocabulary, the piece caches).
+// Open-addressing map from byte strings to uint32, keys in one pool (the vocabulary, the merge pairs, the
+// piece caches).
 class StringMap {
 public:
     explicit StringMap(size_t expected = 1024) { reset(expected); }
@@ -223,12 +217,8 @@ private:
     void grow() {
         std::vector<Slot> old = std::move(slots_);
         slots_.assign(old.size() * 2, Slot{});
-        size_t mask = slots_.size() - 1;
         for (const Slot& s : old) {
-            if (s.len == kEmpty) continue;
-            size_t i = s.hash & mask;
-            while (slots_[i].len != kEmpty) i = (i + 1) & mask;
-            slots_[i] = s;
+            if (s.len != kEmpty) slots_[probe(std::string_view(pool_.data() + s.offset, s.len), s.hash)] = s;
         }
     }
 
@@ -237,7 +227,8 @@ private:
     size_t count_ = 0;
 };
 
-// Open-addressing map from a pair of token ids to the token their concatenation forms.
+// Open-addressing map from a pair of token ids to the token their concatenation forms (a map of its own:
+// the BPE loop probes it once per candidate pair, and 8-byte integer keys are faster than StringMap's).
 class PairMap {
 public:
     void reset(size_t expected) {
@@ -283,6 +274,7 @@ private:
 
 #include <algorithm>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 
@@ -294,6 +286,14 @@ private:
 namespace llmc {
 
 namespace tokenizer_detail {
+
+// Frees what PCRE2 allocated, for unique_ptr.
+struct Pcre2Free {
+    void operator()(pcre2_code* p) const { pcre2_code_free(p); }
+    void operator()(pcre2_match_data* p) const { pcre2_match_data_free(p); }
+    void operator()(pcre2_jit_stack* p) const { pcre2_jit_stack_free(p); }
+    void operator()(pcre2_match_context* p) const { pcre2_match_context_free(p); }
+};
 
 // Decodes a UTF-8 string of GPT-2's printable code points back into the bytes they stand for.
 inline bool gpt2_printable_to_bytes(const std::string& s, std::string& out) {
@@ -336,9 +336,7 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
     }
     if (!j.is_object()) fail(kExitData, "'%s': expected a JSON object of token -> id", encoder_json.c_str());
     std::vector<std::string> tokens(j.size());
-    std::vector<bool> seen(j.size(), false);
-    const uint32_t kMissing = UINT32_MAX;
-    uint32_t eot = kMissing;
+    uint32_t eot = UINT32_MAX;
     tokenizer_detail::StringMap ids(j.size());
     std::string bytes;
     for (auto it = j.begin(); it != j.end(); ++it) {
@@ -347,8 +345,8 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
                  it.key().c_str(), it.value().dump().c_str(), j.size() - 1);
         }
         uint32_t id = it.value().get<uint32_t>();
-        if (seen[id]) fail(kExitData, "'%s': id %u is given to two tokens", encoder_json.c_str(), id);
-        seen[id] = true;
+        // Every token is at least one byte, so an empty one is an id not yet given.
+        if (!tokens[id].empty()) fail(kExitData, "'%s': id %u is given to two tokens", encoder_json.c_str(), id);
         if (it.key() == "<|endoftext|>") {
             eot = id;
             bytes = it.key();
@@ -360,7 +358,7 @@ inline Tokenizer load_gpt2_vocab_files(const std::string& encoder_json, const st
         }
         tokens[id] = bytes;
     }
-    if (eot == kMissing) fail(kExitData, "'%s' has no <|endoftext|> token", encoder_json.c_str());
+    if (eot == UINT32_MAX) fail(kExitData, "'%s' has no <|endoftext|> token", encoder_json.c_str());
     for (int b = 0; b < 256; b++) {
         if (!ids.find(std::string(1, static_cast<char>(b)))) {
             fail(kExitData, "'%s': byte 0x%02x has no token, so some texts could not be encoded", encoder_json.c_str(), b);
@@ -450,23 +448,18 @@ public:
         friend class Gpt2Encoder;
         static constexpr size_t kCacheEntries = 1 << 16;
         static constexpr size_t kCacheMaxPieceBytes = 64;
-        struct Deleter {
-            void operator()(pcre2_match_data* p) const { pcre2_match_data_free(p); }
-            void operator()(pcre2_jit_stack* p) const { pcre2_jit_stack_free(p); }
-            void operator()(pcre2_match_context* p) const { pcre2_match_context_free(p); }
-        };
-        std::unique_ptr<pcre2_match_data, Deleter> match_data_;
-        std::unique_ptr<pcre2_jit_stack, Deleter> jit_stack_;
-        std::unique_ptr<pcre2_match_context, Deleter> match_context_;
+        std::unique_ptr<pcre2_match_data, tokenizer_detail::Pcre2Free> match_data_;
+        std::unique_ptr<pcre2_jit_stack, tokenizer_detail::Pcre2Free> jit_stack_;
+        std::unique_ptr<pcre2_match_context, tokenizer_detail::Pcre2Free> match_context_;
         tokenizer_detail::StringMap cache_;   // piece -> offset in cached_ ([count, ids...])
         std::vector<uint32_t> cached_;
         // BPE scratch: one entry per part (a linked list over the piece's bytes) and a heap of pairs.
-        std::vector<uint32_t> ids_, next_;
-        std::vector<uint32_t> prev_;
+        std::vector<uint32_t> ids_, next_, prev_;
         std::vector<std::pair<uint32_t, uint32_t>> heap_;  // (merged id = rank, left part index)
     };
 
     explicit Gpt2Encoder(const Tokenizer& tok) : eot_(tok.eot()), vocab_(tok.size()) {
+        byte_token_.fill(kNoToken);
         for (uint32_t id = 0; id < tok.size(); id++) {
             if (id == eot_) continue;
             const std::string& t = tok.token(id);
@@ -544,6 +537,12 @@ private:
         return reinterpret_cast<char*>(msg);
     }
 
+    // The token the pair (a, b) merges into, or kNoToken.
+    uint32_t merge(uint32_t a, uint32_t b) const {
+        const uint32_t m = pairs_.find(a, b);
+        return m == tokenizer_detail::PairMap::kNone ? kNoToken : m;
+    }
+
     void encode_piece(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
         if (piece.size() == 1) {
             out.push_back(byte_token_[static_cast<uint8_t>(piece[0])]);
@@ -579,18 +578,16 @@ private:
     void bpe(Context& ctx, std::string_view piece, std::vector<uint32_t>& out) const {
         const uint32_t n = static_cast<uint32_t>(piece.size());
         const uint32_t kEnd = UINT32_MAX;
-        auto& ids = ctx.ids_;
-        auto& next = ctx.next_;
-        auto& prev = ctx.prev_;
+        auto &ids = ctx.ids_, &next = ctx.next_, &prev = ctx.prev_;
         auto& heap = ctx.heap_;
         ids.resize(n);
         next.resize(n);
         prev.resize(n);
         heap.clear();
-        auto later = [](const std::pair<uint32_t, uint32_t>& a, const std::pair<uint32_t, uint32_t>& b) { return a > b; };
+        const auto later = std::greater<>();
         auto push = [&](uint32_t left) {
-            uint32_t merged = pairs_.find(ids[left], ids[next[left]]);
-            if (merged == tokenizer_detail::PairMap::kNone) return;
+            uint32_t merged = merge(ids[left], ids[next[left]]);
+            if (merged == kNoToken) return;
             heap.emplace_back(merged, left);
             std::push_heap(heap.begin(), heap.end(), later);
         };
@@ -605,7 +602,7 @@ private:
             auto [merged, left] = heap.back();
             heap.pop_back();
             uint32_t right = next[left];
-            if (ids[left] == kNoToken || right == kEnd || pairs_.find(ids[left], ids[right]) != merged) continue;
+            if (ids[left] == kNoToken || right == kEnd || merge(ids[left], ids[right]) != merged) continue;
             ids[left] = merged;
             ids[right] = kNoToken;
             next[left] = next[right];
@@ -616,19 +613,11 @@ private:
         for (uint32_t i = 0; i != kEnd; i = next[i]) out.push_back(ids[i]);
     }
 
-    struct CodeDeleter {
-        void operator()(pcre2_code* p) const { pcre2_code_free(p); }
-    };
-
     uint32_t eot_;
-    std::array<uint32_t, 256> byte_token_ = [] {
-        std::array<uint32_t, 256> a{};
-        a.fill(kNoToken);
-        return a;
-    }();
+    std::array<uint32_t, 256> byte_token_;
     tokenizer_detail::StringMap vocab_;
     tokenizer_detail::PairMap pairs_;
-    std::unique_ptr<pcre2_code, CodeDeleter> code_;
+    std::unique_ptr<pcre2_code, tokenizer_detail::Pcre2Free> code_;
     bool jit_ = false;
 };
 
