@@ -59,13 +59,6 @@ inline std::string state_shard_file(StateKind kind, int rank) {
     return format("%s_%05d.bin", stem, rank);
 }
 
-// model.bin's header: an llm.c model file's (kModelVersionFp32 in the whole layout, Bf16 in the sharded one).
-inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
-    int32_t h[kModelHeaderInts];
-    make_model_header(c, version, h);
-    return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
-}
-
 // fp8_history.bin's header: the magic, int32 version 2, slots, entries per slot, 0; then fp32 history.
 constexpr const char* kFp8HistoryMagic = "LLMCFP8H";
 constexpr size_t kFp8HistoryHeaderBytes = 24;

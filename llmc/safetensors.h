@@ -182,16 +182,10 @@ public:
             file_.read_exact_at(out, size_t(t.numel) * sizeof(float), offset);
             return;
         }
-        const int64_t chunk = int64_t(1) << 22;
-        std::vector<uint16_t> buf(size_t(std::min(t.numel, chunk)));
-        const bool bf16 = t.dtype == "BF16";
-        for (int64_t done = 0; done < t.numel; done += chunk) {
-            const int64_t m = std::min(chunk, t.numel - done);
-            file_.read_exact_at(buf.data(), size_t(m) * sizeof(uint16_t), offset + done * int64_t(sizeof(uint16_t)));
-            for (int64_t j = 0; j < m; j++) {
-                out[done + j] = bf16 ? bf16_to_float(buf[size_t(j)]) : fp16_to_float(buf[size_t(j)]);
-            }
-        }
+        read_converted(t.numel, out, t.dtype == "BF16" ? bf16_to_float : fp16_to_float,
+                       [&](uint16_t* buf, int64_t m, int64_t done) {
+                           file_.read_exact_at(buf, size_t(m) * sizeof(uint16_t), offset + done * 2);
+                       });
     }
 
 private:
@@ -367,17 +361,7 @@ public:
                      file_->path().c_str());
             }
             const int64_t m = std::min(n, numel_[current_] - written_);
-            if (specs_[current_].dtype == "F32") {
-                file_->write_all(values, size_t(m) * sizeof(float));
-            } else {
-                const int64_t chunk = int64_t(1) << 20;
-                buf_.resize(size_t(std::min(m, chunk)));
-                for (int64_t done = 0; done < m; done += chunk) {
-                    const int64_t k = std::min(chunk, m - done);
-                    for (int64_t j = 0; j < k; j++) buf_[size_t(j)] = float_to_bf16(values[done + j]);
-                    file_->write_all(buf_.data(), size_t(k) * sizeof(uint16_t));
-                }
-            }
+            write_floats(*file_, values, m, specs_[current_].dtype == "BF16");
             values += m;
             n -= m;
             written_ += m;
@@ -443,7 +427,6 @@ private:
     std::vector<int64_t> numel_;
     size_t current_ = 0;
     int64_t written_ = 0;
-    std::vector<uint16_t> buf_;
     File owned_;   // the file, when the writer was given a path
     File* file_;   // where the bytes go: &owned_, or the caller's File
 };
