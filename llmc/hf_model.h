@@ -51,56 +51,30 @@ struct HfTensorMap {
 
 // Every tensor of the model, in our flat order (kind by kind, layer by layer inside a kind).
 inline std::vector<HfTensorMap> hf_tensor_map(const GPT2Config& c) {
-    const int64_t C = c.channels, L = c.num_layers;
-    const auto t = param_tensors(c);
-    struct Kind {
-        int ours;
-        const char* suffix;  // after "h.{l}." for layer tensors, the whole name otherwise
-        bool transposed;
-    };
-    static const Kind kinds[kNumParamTensors] = {
-        {kWte, "wte.weight", false},          {kWpe, "wpe.weight", false},
-        {kLn1w, "ln_1.weight", false},        {kLn1b, "ln_1.bias", false},
-        {kQkvw, "attn.c_attn.weight", true},  {kQkvb, "attn.c_attn.bias", false},
-        {kAttprojw, "attn.c_proj.weight", true}, {kAttprojb, "attn.c_proj.bias", false},
-        {kLn2w, "ln_2.weight", false},        {kLn2b, "ln_2.bias", false},
-        {kFcw, "mlp.c_fc.weight", true},      {kFcb, "mlp.c_fc.bias", false},
-        {kFcprojw, "mlp.c_proj.weight", true}, {kFcprojb, "mlp.c_proj.bias", false},
-        {kLnfw, "ln_f.weight", false},        {kLnfb, "ln_f.bias", false},
-    };
+    // By ParamTensor; after "h.{l}." for layer tensors, the whole name otherwise.
+    static const char* const names[kNumParamTensors] = {
+        "wte.weight", "wpe.weight", "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+        "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+        "mlp.c_proj.weight", "mlp.c_proj.bias", "ln_f.weight", "ln_f.bias"};
+    const auto tensors = param_tensors(c);
     std::vector<HfTensorMap> out;
-    for (const Kind& k : kinds) {
-        const ParamTensorInfo& info = t[size_t(k.ours)];
-        if (k.ours == kWte || k.ours == kWpe || k.ours == kLnfw || k.ours == kLnfb) {
-            HfTensorMap m;
-            m.name = k.suffix;
-            m.ours = k.ours;
-            m.offset = info.offset;
-            if (k.ours == kWte) {
-                m.shape = {c.vocab_size, C};
-            } else {
-                m.shape.assign(info.shape, info.shape + info.ndim);
-            }
-            m.numel = m.shape.size() == 2 ? m.shape[0] * m.shape[1] : m.shape[0];
-            out.push_back(m);
+    for (int k = 0; k < kNumParamTensors; k++) {
+        const ParamTensorInfo& info = tensors[size_t(k)];
+        if (k < kLn1w || k > kFcprojb) {  // outside the blocks; wte's V real rows only
+            std::vector<int64_t> shape(info.shape, info.shape + info.ndim);
+            if (k == kWte) shape[0] = c.vocab_size;
+            const int64_t numel = shape.size() == 2 ? shape[0] * shape[1] : shape[0];
+            out.push_back({names[k], k, -1, shape, false, info.offset, numel});
             continue;
         }
-        const int64_t per_layer = info.numel / L;
-        for (int64_t l = 0; l < L; l++) {
-            HfTensorMap m;
-            m.name = format("h.%lld.%s", (long long)l, k.suffix);
-            m.ours = k.ours;
-            m.layer = int(l);
-            m.transposed = k.transposed;
-            m.offset = info.offset + l * per_layer;
-            m.numel = per_layer;
-            if (info.ndim == 3) {  // ours (out, in) = (shape[1], shape[2])
-                m.shape = k.transposed ? std::vector<int64_t>{info.shape[2], info.shape[1]}
-                                       : std::vector<int64_t>{info.shape[1], info.shape[2]};
-            } else {
-                m.shape = {info.shape[1]};
-            }
-            out.push_back(m);
+        // Ours lead with L; the 3-d ones are Conv1D weights, (out, in) here and (in, out) there.
+        std::vector<int64_t> shape(info.shape + 1, info.shape + info.ndim);
+        const bool transposed = info.ndim == 3;
+        if (transposed) std::swap(shape[0], shape[1]);
+        const int64_t per_layer = info.numel / c.num_layers;
+        for (int l = 0; l < c.num_layers; l++) {
+            out.push_back({format("h.%d.%s", l, names[k]), k, l, shape, transposed, info.offset + l * per_layer,
+                           per_layer});
         }
     }
     return out;
@@ -340,10 +314,8 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  h.files[fi].c_str(), name.c_str(), t.dtype.c_str());
         }
         if (t.shape != m.shape) {
-            SafetensorsTensor expected;
-            expected.shape = m.shape;
             fail(kExitData, "'%s': tensor '%s' has shape %s, but config.json's model needs %s%s", h.files[fi].c_str(),
-                 name.c_str(), t.shape_string().c_str(), expected.shape_string().c_str(),
+                 name.c_str(), t.shape_string().c_str(), SafetensorsTensor{"", "", m.shape}.shape_string().c_str(),
                  m.transposed ? " (Conv1D layout: in, out)" : "");
         }
         h.where[m.name] = {fi, name};
@@ -377,16 +349,11 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  "drop it", h.files[fi].c_str(), name.c_str(), describe(h.config).c_str());
         }
     }
-    auto short_name = [](const std::string& d) {
-        return d == "F32" ? std::string("fp32") : d == "BF16" ? std::string("bf16") : std::string("fp16");
-    };
-    if (dtypes.size() == 1) {
-        h.dtype = short_name(*dtypes.begin());
-    } else {
-        h.dtype = "mixed (";
-        for (const std::string& d : dtypes) h.dtype += (h.dtype.back() == '(' ? "" : ", ") + short_name(d);
-        h.dtype += ")";
+    std::string names;
+    for (const std::string& d : dtypes) {
+        names += (names.empty() ? "" : ", ") + std::string(d == "F32" ? "fp32" : d == "BF16" ? "bf16" : "fp16");
     }
+    h.dtype = dtypes.size() == 1 ? names : "mixed (" + names + ")";
     return h;
 }
 
@@ -395,17 +362,23 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
     std::vector<std::unique_ptr<SafetensorsFile>> files;
     for (const std::string& f : h.files) files.push_back(std::make_unique<SafetensorsFile>(f));
     const GPT2Config& c = h.config;
+    const int64_t C = c.channels;
+    // Tensor `name` of file fi, which must still have the shape the probe saw.
+    auto reopen = [&](size_t fi, const std::string& name, const std::vector<int64_t>& shape) {
+        const SafetensorsTensor* t = files[fi]->find(name);
+        if (t == nullptr || t->shape != shape) {
+            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[fi].c_str(),
+                 name.c_str());
+        }
+        return t;
+    };
     const std::vector<HfTensorMap> map = hf_tensor_map(c);
     int64_t total = 0, done = 0;
     for (const HfTensorMap& m : map) total += m.numel * int64_t(sizeof(float));
     std::vector<float> scratch;
     for (const HfTensorMap& m : map) {
         const auto& [fi, name] = h.where.at(m.name);
-        const SafetensorsTensor* t = files[fi]->find(name);
-        if (t == nullptr || t->shape != m.shape) {
-            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[fi].c_str(),
-                 name.c_str());
-        }
+        const SafetensorsTensor* t = reopen(fi, name, m.shape);
         if (m.transposed) {
             scratch.resize(size_t(m.numel));
             files[fi]->read_floats(*t, scratch.data());
@@ -416,28 +389,21 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
         done += m.numel * int64_t(sizeof(float));
         if (progress) progress(done, total, name);
     }
-    const int64_t C = c.channels;
     float* wte = params + param_tensors(c)[kWte].offset;
     std::fill(wte + int64_t(c.vocab_size) * C, wte + int64_t(c.padded_vocab_size) * C, 0.0f);
+    if (!h.has_lm_head) return;
 
-    if (h.has_lm_head) {
-        const SafetensorsTensor* head = files[h.lm_head_file]->find(h.lm_head_name);
-        if (head == nullptr || head->shape != std::vector<int64_t>{c.vocab_size, C}) {
-            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[h.lm_head_file].c_str(),
-                 h.lm_head_name.c_str());
-        }
-        const SafetensorsTensor& t = *head;
-        scratch.resize(size_t(t.numel));
-        files[h.lm_head_file]->read_floats(t, scratch.data());
-        for (int64_t i = 0; i < t.numel; i++) {
-            if (std::memcmp(&scratch[size_t(i)], &wte[i], sizeof(float)) != 0) {
-                fail(kExitData,
-                     "'%s': %s differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied to "
-                     "the token embedding, which this program's GPT-2 requires",
-                     h.files[h.lm_head_file].c_str(), h.lm_head_name.c_str(), (long long)(i / C), (long long)(i % C),
-                     double(scratch[size_t(i)]), double(wte[i]));
-            }
-        }
+    const SafetensorsTensor* head = reopen(h.lm_head_file, h.lm_head_name, {c.vocab_size, C});
+    scratch.resize(size_t(head->numel));
+    files[h.lm_head_file]->read_floats(*head, scratch.data());
+    const auto diff = std::mismatch(scratch.begin(), scratch.end(), wte,
+                                    [](float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; });
+    if (diff.first != scratch.end()) {
+        const int64_t i = diff.second - wte;
+        fail(kExitData,
+             "'%s': %s differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied to the "
+             "token embedding, which this program's GPT-2 requires", h.files[h.lm_head_file].c_str(),
+             h.lm_head_name.c_str(), (long long)(i / C), (long long)(i % C), double(*diff.first), double(*diff.second));
     }
 }
 
