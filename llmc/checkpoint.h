@@ -107,11 +107,7 @@ struct CheckpointManifest {
 
 namespace detail {
 inline bool is_token(const std::string& s) {
-    if (s.empty()) return false;
-    for (char c : s) {
-        if (c <= ' ' || c == 127) return false;
-    }
-    return true;
+    return !s.empty() && std::none_of(s.begin(), s.end(), [](char c) { return c <= ' ' || c == 127; });
 }
 inline std::string hex64(uint64_t v) { return format("%016" PRIx64, v); }
 }  // namespace detail
@@ -205,19 +201,16 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
         } else if (kind == "file") {
             if (current && current->chunks.size() != expected_chunks) bad("the previous file lacks chunks");
             FileRecord f;
-            unsigned long long size = 0;
-            if (!(ls >> f.name >> size >> expected_chunks) || f.name.find('/') != std::string::npos) bad("bad file line");
-            f.size = size;
+            if (!(ls >> f.name >> f.size >> expected_chunks) || f.name.find('/') != std::string::npos) {
+                bad("bad file line");
+            }
             m.files.push_back(std::move(f));
             current = &m.files.back();
         } else if (kind == "chunk") {
             if (!current) bad("chunk before any file");
             ChunkSum c;
-            unsigned long long off = 0, bytes = 0;
             std::string sum;
-            if (!(ls >> off >> bytes >> sum) || sum.size() != 16) bad("bad chunk line");
-            c.offset = off;
-            c.bytes = bytes;
+            if (!(ls >> c.offset >> c.bytes >> sum) || sum.size() != 16) bad("bad chunk line");
             c.sum = std::strtoull(sum.c_str(), nullptr, 16);
             const uint64_t expect = current->chunks.empty() ? 0 : current->chunks.back().offset + current->chunks.back().bytes;
             // expect <= size, so size - offset cannot wrap; offset + bytes could, and tile on from a small end.
@@ -269,11 +262,10 @@ public:
         seen_[size_t(it - rec_.chunks.begin())] = 1;
     }
     void finish() const {
-        for (size_t i = 0; i < seen_.size(); i++) {
-            if (!seen_[i]) {
-                fail(kExitData, "'%s': bytes at offset %llu were never checked", path_.c_str(),
-                     (unsigned long long)rec_.chunks[i].offset);
-            }
+        const auto unseen = std::find(seen_.begin(), seen_.end(), 0);
+        if (unseen != seen_.end()) {
+            fail(kExitData, "'%s': bytes at offset %llu were never checked", path_.c_str(),
+                 (unsigned long long)rec_.chunks[size_t(unseen - seen_.begin())].offset);
         }
     }
 
@@ -598,14 +590,11 @@ private:
         // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (dir < 0) fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(errno));
-        if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
-            int e = errno;
-            ::close(dir);
-            fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
-        }
-        const int rc = ::fsync(dir);
+        const bool renamed = std::rename((path + ".tmp").c_str(), path.c_str()) == 0;
+        const int rc = renamed ? ::fsync(dir) : -1;
         const int e = errno;
         ::close(dir);
+        if (!renamed) fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
         if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", tmp_.c_str(), std::strerror(e));
         committed_ = true;
     }

@@ -82,8 +82,8 @@ inline void check_llmc_file_size(const LlmcHeader& h, const LlmcFileSpec& spec, 
     }
     const int64_t extra = h.file_size - (kLlmcHeaderBytes + int64_t(items) * item_bytes);
     if (extra != 0) {
-        fail(kExitData, "%s '%s': %s (%lld unexpected bytes after the last %s: trailing data, or a header that does not "
-             "match the data)", spec.kind, path, says.c_str(), (long long)extra, item_name);
+        fail(kExitData, "%s '%s': %s (%lld unexpected bytes after the last %s: trailing data, or a header that does "
+             "not match the data)", spec.kind, path, says.c_str(), (long long)extra, item_name);
     }
 }
 
