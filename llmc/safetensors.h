@@ -55,19 +55,10 @@ inline bool safetensors_float_dtype(const std::string& dtype) {
 
 // IEEE binary16 to fp32, exactly (every half value is a float): subnormals, infinities and NaNs kept.
 inline float fp16_to_float(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu;
-    const uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) {
-        float magnitude = std::ldexp(float(mantissa), -24);  // zero or a subnormal: mantissa x 2^-24
-        std::memcpy(&bits, &magnitude, sizeof(bits));
-        bits |= sign;
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    }
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    // Zero or a subnormal: mantissa x 2^-24.
+    if (exponent == 0) return std::copysign(std::ldexp(float(mantissa), -24), sign ? -1.0f : 1.0f);
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112u) << 23) | (mantissa << 13);
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     return f;
@@ -307,14 +298,13 @@ private:
         }
         std::sort(by_offset.begin(), by_offset.end(),
                   [](const SafetensorsTensor* a, const SafetensorsTensor* b) { return a->begin < b->begin; });
-        for (size_t i = 1; i < by_offset.size(); i++) {
-            const SafetensorsTensor& a = *by_offset[i - 1];
-            const SafetensorsTensor& b = *by_offset[i];
-            if (b.begin < a.end) {
-                bad(format("tensors '%s' [%lld, %lld] and '%s' [%lld, %lld] overlap in the data section",
-                           a.name.c_str(), (long long)a.begin, (long long)a.end, b.name.c_str(), (long long)b.begin,
-                           (long long)b.end));
-            }
+        const auto it = std::adjacent_find(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) {
+            return b->begin < a->end;
+        });
+        if (it != by_offset.end()) {
+            const SafetensorsTensor &a = **it, &b = **(it + 1);
+            bad(format("tensors '%s' [%lld, %lld] and '%s' [%lld, %lld] overlap in the data section", a.name.c_str(),
+                       (long long)a.begin, (long long)a.end, b.name.c_str(), (long long)b.begin, (long long)b.end));
         }
     }
 
