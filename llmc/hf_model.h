@@ -201,12 +201,10 @@ inline void write_file_replacing(const std::string& path, const std::string& byt
 // Reading
 
 struct HfFolder {
-    std::string dir;
     GPT2Config config;
     std::vector<std::string> files;  // the safetensors files, as paths
     std::map<std::string, std::pair<size_t, std::string>> where;  // our HF name -> (file index, stored name)
-    bool has_lm_head = false;
-    std::string lm_head_name;
+    bool has_lm_head = false;  // lm_head.weight, in files[lm_head_file], which must equal wte
     size_t lm_head_file = 0;
     std::string dtype;  // "fp32", "bf16", "fp16", or "mixed (...)"
 };
@@ -242,7 +240,6 @@ inline std::vector<std::string> hf_shard_files(const std::string& dir, const std
 // Validates a Hugging Face GPT-2 folder without reading its weights: config, headers, every tensor.
 inline HfFolder probe_hf_folder(const std::string& dir) {
     HfFolder h;
-    h.dir = dir;
     const std::string config_path = dir + "/config.json";
     if (!hf_file_present(config_path, "config.json, a JSON file")) {
         fail(kExitIo, "'%s' is a directory without config.json, so not a Hugging Face model folder (expected "
@@ -331,7 +328,6 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  t.shape_string().c_str());
         }
         h.has_lm_head = true;
-        h.lm_head_name = it->first;
         h.lm_head_file = it->second;
         used.insert(it->first);
     }
@@ -393,7 +389,7 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
     std::fill(wte + int64_t(c.vocab_size) * C, wte + int64_t(c.padded_vocab_size) * C, 0.0f);
     if (!h.has_lm_head) return;
 
-    const SafetensorsTensor* head = reopen(h.lm_head_file, h.lm_head_name, {c.vocab_size, C});
+    const SafetensorsTensor* head = reopen(h.lm_head_file, "lm_head.weight", {c.vocab_size, C});
     scratch.resize(size_t(head->numel));
     files[h.lm_head_file]->read_floats(*head, scratch.data());
     const auto diff = std::mismatch(scratch.begin(), scratch.end(), wte,
@@ -401,9 +397,9 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
     if (diff.first != scratch.end()) {
         const int64_t i = diff.second - wte;
         fail(kExitData,
-             "'%s': %s differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied to the "
-             "token embedding, which this program's GPT-2 requires", h.files[h.lm_head_file].c_str(),
-             h.lm_head_name.c_str(), (long long)(i / C), (long long)(i % C), double(*diff.first), double(*diff.second));
+             "'%s': lm_head.weight differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied "
+             "to the token embedding, which this program's GPT-2 requires", h.files[h.lm_head_file].c_str(),
+             (long long)(i / C), (long long)(i % C), double(*diff.first), double(*diff.second));
     }
 }
 

@@ -15,7 +15,6 @@ Every failure names the file (and tensor): kExitData for malformed or truncated 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <set>
 #include <string>
