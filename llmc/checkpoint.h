@@ -110,6 +110,26 @@ inline bool is_token(const std::string& s) {
     return !s.empty() && std::none_of(s.begin(), s.end(), [](char c) { return c <= ' ' || c == 127; });
 }
 inline std::string hex64(uint64_t v) { return format("%016" PRIx64, v); }
+
+// Swaps two directories' names atomically (renameat2 RENAME_EXCHANGE); 0, or -1 with errno. A variable
+// so a test can stand in a file system that cannot swap.
+inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
+    return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
+};
+
+inline void rename_or_fail(const std::string& from, const std::string& to) {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+        const int e = errno;
+        fail(kExitIo, "cannot rename '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
+    }
+}
+
+inline void write_synced(const std::string& path, const std::string& text) {
+    File f(path, File::Mode::Write);
+    f.write_all(text.data(), text.size());
+    f.sync();
+    f.close();
+}
 }  // namespace detail
 
 inline std::string encode_manifest(const CheckpointManifest& m) {
@@ -388,28 +408,6 @@ inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep)
 
 // ----------------------------------------------------------------------------------------------------
 // Publishing and retention.
-
-namespace detail {
-// Swaps two directories' names atomically (renameat2 RENAME_EXCHANGE); 0, or -1 with errno. A variable
-// so a test can stand in a file system that cannot swap.
-inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
-    return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
-};
-
-inline void rename_or_fail(const std::string& from, const std::string& to) {
-    if (std::rename(from.c_str(), to.c_str()) != 0) {
-        const int e = errno;
-        fail(kExitIo, "cannot rename '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
-    }
-}
-
-inline void write_synced(const std::string& path, const std::string& text) {
-    File f(path, File::Mode::Write);
-    f.write_all(text.data(), text.size());
-    f.sync();
-    f.close();
-}
-}  // namespace detail
 
 inline void remove_tree(const std::string& path) {
     std::error_code ec;
