@@ -328,15 +328,16 @@ public:
     SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> specs,
                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
         : specs_(std::move(specs)), file_(&owned_) {
-        const std::string text = header_text(path, metadata);
+        const std::string header = header_bytes(path, metadata);
         owned_.open(path, File::Mode::Write);
-        write_header(text);
+        owned_.write_all(header.data(), header.size());
     }
 
     SafetensorsWriter(File& file, std::vector<SafetensorsSpec> specs,
                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
         : specs_(std::move(specs)), file_(&file) {
-        write_header(header_text(file.path(), metadata));
+        const std::string header = header_bytes(file.path(), metadata);
+        file.write_all(header.data(), header.size());
     }
 
     SafetensorsWriter(const SafetensorsWriter&) = delete;
@@ -368,8 +369,9 @@ public:
     }
 
 private:
-    // The JSON header for specs_, padded so that the data section starts 8-byte aligned; fills numel_.
-    std::string header_text(const std::string& path, const std::map<std::string, std::string>& metadata) {
+    // The header length and the JSON header for specs_, padded so that the data section starts 8-byte aligned;
+    // fills numel_.
+    std::string header_bytes(const std::string& path, const std::map<std::string, std::string>& metadata) {
         nlohmann::json header = nlohmann::json::object();
         int64_t offset = 0;
         for (const SafetensorsSpec& s : specs_) {
@@ -395,13 +397,8 @@ private:
         if (!metadata.empty()) header[kSafetensorsMetadataKey] = metadata;
         std::string text = header.dump();
         text.append((8 - text.size() % 8) % 8, ' ');
-        return text;
-    }
-
-    void write_header(const std::string& text) {
         const uint64_t n = text.size();
-        file_->write_all(&n, sizeof(n));
-        file_->write_all(text.data(), text.size());
+        return std::string(reinterpret_cast<const char*>(&n), sizeof(n)) + text;
     }
 
     // Moves past every tensor that is complete (including empty ones).
