@@ -114,13 +114,10 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
         }
         return int(v.get<int64_t>());
     };
-    GPT2Config c;
-    c.num_layers = required_int("n_layer");
-    c.num_heads = required_int("n_head");
-    c.channels = required_int("n_embd");
-    c.max_seq_len = required_int("n_positions");
-    c.vocab_size = required_int("vocab_size");
-    c.padded_vocab_size = padded_vocab(c.vocab_size);
+    // Read in this order, which decides the error a config with several bad keys gets.
+    const int L = required_int("n_layer"), NH = required_int("n_head"), C = required_int("n_embd"),
+              T = required_int("n_positions"), V = required_int("vocab_size");
+    const GPT2Config c{T, V, padded_vocab(V), L, NH, C};
     validate_config(c, kExitData, format("Hugging Face config '%s'", where.c_str()));
 
     // Keys absent from a config take transformers' defaults, which are what we compute.
