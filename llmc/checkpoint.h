@@ -433,27 +433,22 @@ inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, i
     return removed;
 }
 
-// Removes leftovers of interrupted saves (ckpt_*.tmp directories).
-inline void remove_stale_temporaries(const std::string& out_dir) {
-    std::error_code ec;
-    if (!std::filesystem::is_directory(out_dir, ec)) return;
-    std::vector<std::string> stale;
-    for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
-        const std::string name = e.path().filename().string();
-        if (name.size() > 9 && name.compare(0, 5, "ckpt_") == 0 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
-            stale.push_back(e.path().string());
-        }
-    }
-    for (const std::string& s : stale) remove_tree(s);
-}
-
 // The name of rank r's (> 0) part file in the temporary directory; rank 0 merges them into the manifest.
 inline std::string checkpoint_part_name(int rank) { return format("part_%05d.txt", rank); }
 
-// A fresh temporary directory for `step`, after removing interrupted saves' leftovers.
+// A fresh temporary directory for `step`, after removing interrupted saves' leftovers (ckpt_*.tmp).
 inline std::string create_checkpoint_temporary(const std::string& out_dir, int64_t step) {
+    std::vector<std::string> stale;
+    if (std::error_code ec; std::filesystem::is_directory(out_dir, ec)) {
+        for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
+            const std::string name = e.path().filename().string();
+            if (name.size() > 9 && name.compare(0, 5, "ckpt_") == 0 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+                stale.push_back(e.path().string());
+            }
+        }
+    }
+    for (const std::string& s : stale) remove_tree(s);
     const std::string tmp = out_dir + "/" + checkpoint_dir_name(step) + ".tmp";
-    remove_stale_temporaries(out_dir);
     std::error_code ec;
     std::filesystem::create_directories(tmp, ec);
     if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp.c_str(), ec.message().c_str());
