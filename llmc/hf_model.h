@@ -284,8 +284,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
         }
     }
 
-    std::set<std::string> used;
-    std::set<std::string> dtypes;
+    std::set<std::string> used, dtypes;
     const std::string files_named = h.files.size() == 1 ? "'" + h.files[0] + "'" : "the shards of '" + index_used + "'";
     for (const HfTensorMap& m : hf_tensor_map(h.config)) {
         const std::string prefixed = kHfPrefix + m.name;
@@ -436,33 +435,31 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
              "not replace; write into an empty directory", dir.c_str());
     }
 
-    const std::vector<HfTensorMap> map = hf_tensor_map(c);
     // Layer by layer, as save_pretrained orders them; the data section follows the declaration order.
     // wte and wpe (layer -1), then the layers, then ln_f; within each, in hf_tensor_map's order.
-    std::vector<const HfTensorMap*> order;
-    for (const HfTensorMap& m : map) order.push_back(&m);
-    auto place = [&](const HfTensorMap* m) { return m->ours == kLnfw || m->ours == kLnfb ? c.num_layers : m->layer; };
-    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) { return place(a) < place(b); });
+    std::vector<HfTensorMap> order = hf_tensor_map(c);
+    auto place = [&](const HfTensorMap& m) { return m.ours == kLnfw || m.ours == kLnfb ? c.num_layers : m.layer; };
+    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return place(a) < place(b); });
     std::vector<SafetensorsSpec> specs;
     int64_t total = 0, done = 0;
-    for (const HfTensorMap* m : order) {
-        specs.push_back({kHfPrefix + m->name, bf16 ? "BF16" : "F32", m->shape});
-        total += m->numel * int64_t(bf16 ? 2 : 4);
+    for (const HfTensorMap& m : order) {
+        specs.push_back({kHfPrefix + m.name, bf16 ? "BF16" : "F32", m.shape});
+        total += m.numel * int64_t(bf16 ? 2 : 4);
     }
     // Through model.safetensors.tmp, synced and renamed: a failed or interrupted export keeps the old file.
     write_file_atomically(dir + "/model.safetensors", [&](File& f) {
         SafetensorsWriter w(f, specs);
         std::vector<float> scratch;
-        for (const HfTensorMap* m : order) {
-            if (m->transposed) {
-                scratch.resize(size_t(m->numel));
-                transpose_into(scratch.data(), params + m->offset, m->shape[0], m->shape[1]);
-                w.write(scratch.data(), m->numel);
+        for (const HfTensorMap& m : order) {
+            if (m.transposed) {
+                scratch.resize(size_t(m.numel));
+                transpose_into(scratch.data(), params + m.offset, m.shape[0], m.shape[1]);
+                w.write(scratch.data(), m.numel);
             } else {
-                w.write(params + m->offset, m->numel);
+                w.write(params + m.offset, m.numel);
             }
-            done += m->numel * int64_t(bf16 ? 2 : 4);
-            if (progress) progress(done, total, kHfPrefix + m->name);
+            done += m.numel * int64_t(bf16 ? 2 : 4);
+            if (progress) progress(done, total, kHfPrefix + m.name);
         }
         w.finish();
     });
