@@ -573,11 +573,8 @@ private:
     }
 
     void publish_part() {
-        CheckpointManifest part;
-        part.step = step_;
-        part.settings.push_back({"rank", format("%d", rank_)});
-        part.settings.push_back({"world", format("%d", world_)});
-        part.files = files_;
+        const CheckpointManifest part{
+            kCheckpointVersion, step_, {{"rank", format("%d", rank_)}, {"world", format("%d", world_)}}, {}, files_};
         const std::string path = tmp_ + "/" + checkpoint_part_name(rank_);
         detail::write_synced(path + ".tmp", encode_manifest(part));
         // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
@@ -719,19 +716,17 @@ struct StateLayout {
 // Parses the layout of the checkpoint in `dir` for num_params parameters (no setting: whole). The ranges
 // come from the manifest, not a recomputed ZeroLayout. Raises kExitData naming what is malformed.
 inline StateLayout read_state_layout(const std::string& dir, const CheckpointManifest& m, int64_t num_params) {
-    StateLayout out;
     const std::string* kind = m.setting("state_layout");
     if (kind && *kind != "whole" && *kind != "sharded") {
         fail(kExitData, "'%s': unknown state_layout '%s'", dir.c_str(), kind->c_str());
     }
-    out.sharded = kind && *kind == "sharded";
-    if (!out.sharded) {
-        out.master = {{kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params}};
-        out.adam_m = {{kCkptAdamMFile, 0, 0, num_params}};
-        out.adam_v = {{kCkptAdamVFile, 0, 0, num_params}};
-        out.params = {kCkptParamsFile, 0, 0, num_params};
-        return out;
+    if (!kind || *kind == "whole") {
+        return {false, {{kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params}},
+                {{kCkptAdamMFile, 0, 0, num_params}}, {{kCkptAdamVFile, 0, 0, num_params}},
+                {kCkptParamsFile, 0, 0, num_params}};
     }
+    StateLayout out;
+    out.sharded = true;
     const std::string* ranks = m.setting("state_ranks");
     char* end = nullptr;
     const long w = ranks ? std::strtol(ranks->c_str(), &end, 10) : 0;
