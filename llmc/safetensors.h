@@ -211,23 +211,19 @@ private:
         if (!header.is_object()) bad("the JSON header is not an object");
 
         for (auto& [name, entry] : header.items()) {
-            if (name == kSafetensorsMetadataKey) {
-                parse_metadata(entry);
+            if (name != kSafetensorsMetadataKey) {
+                tensors_.push_back(parse_entry(name, entry, data_size));
                 continue;
             }
-            tensors_.push_back(parse_entry(name, entry, data_size));
+            if (!entry.is_object()) bad("__metadata__ is not an object of strings");
+            for (auto& [key, value] : entry.items()) {
+                if (!value.is_string()) bad(format("__metadata__ entry '%s' is not a string", key.c_str()));
+                metadata_[key] = value.get<std::string>();
+            }
         }
         std::sort(tensors_.begin(), tensors_.end(),
                   [](const SafetensorsTensor& a, const SafetensorsTensor& b) { return a.name < b.name; });
         check_no_overlap();
-    }
-
-    void parse_metadata(const json& entry) {
-        if (!entry.is_object()) bad("__metadata__ is not an object of strings");
-        for (auto& [key, value] : entry.items()) {
-            if (!value.is_string()) bad(format("__metadata__ entry '%s' is not a string", key.c_str()));
-            metadata_[key] = value.get<std::string>();
-        }
     }
 
     // A non-negative integer of the header, or an error naming the tensor and the field.
