@@ -59,13 +59,6 @@ inline std::string state_shard_file(StateKind kind, int rank) {
     return format("%s_%05d.bin", stem, rank);
 }
 
-// model.bin's header: an llm.c model file's (kModelVersionFp32 in the whole layout, Bf16 in the sharded one).
-inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
-    int32_t h[kModelHeaderInts];
-    make_model_header(c, version, h);
-    return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
-}
-
 // fp8_history.bin's header: the magic, int32 version 2, slots, entries per slot, 0; then fp32 history.
 constexpr const char* kFp8HistoryMagic = "LLMCFP8H";
 constexpr size_t kFp8HistoryHeaderBytes = 24;
@@ -114,13 +107,29 @@ struct CheckpointManifest {
 
 namespace detail {
 inline bool is_token(const std::string& s) {
-    if (s.empty()) return false;
-    for (char c : s) {
-        if (c <= ' ' || c == 127) return false;
-    }
-    return true;
+    return !s.empty() && std::none_of(s.begin(), s.end(), [](char c) { return c <= ' ' || c == 127; });
 }
 inline std::string hex64(uint64_t v) { return format("%016" PRIx64, v); }
+
+// Swaps two directories' names atomically (renameat2 RENAME_EXCHANGE); 0, or -1 with errno. A variable
+// so a test can stand in a file system that cannot swap.
+inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
+    return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
+};
+
+inline void rename_or_fail(const std::string& from, const std::string& to) {
+    if (std::rename(from.c_str(), to.c_str()) != 0) {
+        const int e = errno;
+        fail(kExitIo, "cannot rename '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
+    }
+}
+
+inline void write_synced(const std::string& path, const std::string& text) {
+    File f(path, File::Mode::Write);
+    f.write_all(text.data(), text.size());
+    f.sync();
+    f.close();
+}
 }  // namespace detail
 
 inline std::string encode_manifest(const CheckpointManifest& m) {
@@ -212,19 +221,16 @@ inline CheckpointManifest parse_manifest(const std::string& text, const std::str
         } else if (kind == "file") {
             if (current && current->chunks.size() != expected_chunks) bad("the previous file lacks chunks");
             FileRecord f;
-            unsigned long long size = 0;
-            if (!(ls >> f.name >> size >> expected_chunks) || f.name.find('/') != std::string::npos) bad("bad file line");
-            f.size = size;
+            if (!(ls >> f.name >> f.size >> expected_chunks) || f.name.find('/') != std::string::npos) {
+                bad("bad file line");
+            }
             m.files.push_back(std::move(f));
             current = &m.files.back();
         } else if (kind == "chunk") {
             if (!current) bad("chunk before any file");
             ChunkSum c;
-            unsigned long long off = 0, bytes = 0;
             std::string sum;
-            if (!(ls >> off >> bytes >> sum) || sum.size() != 16) bad("bad chunk line");
-            c.offset = off;
-            c.bytes = bytes;
+            if (!(ls >> c.offset >> c.bytes >> sum) || sum.size() != 16) bad("bad chunk line");
             c.sum = std::strtoull(sum.c_str(), nullptr, 16);
             const uint64_t expect = current->chunks.empty() ? 0 : current->chunks.back().offset + current->chunks.back().bytes;
             // expect <= size, so size - offset cannot wrap; offset + bytes could, and tile on from a small end.
@@ -276,11 +282,10 @@ public:
         seen_[size_t(it - rec_.chunks.begin())] = 1;
     }
     void finish() const {
-        for (size_t i = 0; i < seen_.size(); i++) {
-            if (!seen_[i]) {
-                fail(kExitData, "'%s': bytes at offset %llu were never checked", path_.c_str(),
-                     (unsigned long long)rec_.chunks[i].offset);
-            }
+        const auto unseen = std::find(seen_.begin(), seen_.end(), 0);
+        if (unseen != seen_.end()) {
+            fail(kExitData, "'%s': bytes at offset %llu were never checked", path_.c_str(),
+                 (unsigned long long)rec_.chunks[size_t(unseen - seen_.begin())].offset);
         }
     }
 
@@ -404,28 +409,6 @@ inline CheckpointManifest validate_checkpoint(const std::string& dir, bool deep)
 // ----------------------------------------------------------------------------------------------------
 // Publishing and retention.
 
-namespace detail {
-// Swaps two directories' names atomically (renameat2 RENAME_EXCHANGE); 0, or -1 with errno. A variable
-// so a test can stand in a file system that cannot swap.
-inline int (*swap_directories)(const char*, const char*) = [](const char* a, const char* b) {
-    return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
-};
-
-inline void rename_or_fail(const std::string& from, const std::string& to) {
-    if (std::rename(from.c_str(), to.c_str()) != 0) {
-        const int e = errno;
-        fail(kExitIo, "cannot rename '%s' to '%s': %s", from.c_str(), to.c_str(), std::strerror(e));
-    }
-}
-
-inline void write_synced(const std::string& path, const std::string& text) {
-    File f(path, File::Mode::Write);
-    f.write_all(text.data(), text.size());
-    f.sync();
-    f.close();
-}
-}  // namespace detail
-
 inline void remove_tree(const std::string& path) {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
@@ -450,27 +433,22 @@ inline std::vector<std::string> rotate_checkpoints(const std::string& out_dir, i
     return removed;
 }
 
-// Removes leftovers of interrupted saves (ckpt_*.tmp directories).
-inline void remove_stale_temporaries(const std::string& out_dir) {
-    std::error_code ec;
-    if (!std::filesystem::is_directory(out_dir, ec)) return;
-    std::vector<std::string> stale;
-    for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
-        const std::string name = e.path().filename().string();
-        if (name.size() > 9 && name.compare(0, 5, "ckpt_") == 0 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
-            stale.push_back(e.path().string());
-        }
-    }
-    for (const std::string& s : stale) remove_tree(s);
-}
-
 // The name of rank r's (> 0) part file in the temporary directory; rank 0 merges them into the manifest.
 inline std::string checkpoint_part_name(int rank) { return format("part_%05d.txt", rank); }
 
-// A fresh temporary directory for `step`, after removing interrupted saves' leftovers.
+// A fresh temporary directory for `step`, after removing interrupted saves' leftovers (ckpt_*.tmp).
 inline std::string create_checkpoint_temporary(const std::string& out_dir, int64_t step) {
+    std::vector<std::string> stale;
+    if (std::error_code ec; std::filesystem::is_directory(out_dir, ec)) {
+        for (const auto& e : std::filesystem::directory_iterator(out_dir, ec)) {
+            const std::string name = e.path().filename().string();
+            if (name.size() > 9 && name.compare(0, 5, "ckpt_") == 0 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+                stale.push_back(e.path().string());
+            }
+        }
+    }
+    for (const std::string& s : stale) remove_tree(s);
     const std::string tmp = out_dir + "/" + checkpoint_dir_name(step) + ".tmp";
-    remove_stale_temporaries(out_dir);
     std::error_code ec;
     std::filesystem::create_directories(tmp, ec);
     if (ec) fail(kExitIo, "cannot create checkpoint directory '%s': %s", tmp.c_str(), ec.message().c_str());
@@ -595,24 +573,18 @@ private:
     }
 
     void publish_part() {
-        CheckpointManifest part;
-        part.step = step_;
-        part.settings.push_back({"rank", format("%d", rank_)});
-        part.settings.push_back({"world", format("%d", world_)});
-        part.files = files_;
+        const CheckpointManifest part{
+            kCheckpointVersion, step_, {{"rank", format("%d", rank_)}, {"world", format("%d", world_)}}, {}, files_};
         const std::string path = tmp_ + "/" + checkpoint_part_name(rank_);
         detail::write_synced(path + ".tmp", encode_manifest(part));
         // Rank 0 may rename the directory as soon as the part appears: sync it through a descriptor.
         const int dir = ::open(tmp_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (dir < 0) fail(kExitIo, "cannot open directory '%s' to sync it: %s", tmp_.c_str(), std::strerror(errno));
-        if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) {
-            int e = errno;
-            ::close(dir);
-            fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
-        }
-        const int rc = ::fsync(dir);
+        const bool renamed = std::rename((path + ".tmp").c_str(), path.c_str()) == 0;
+        const int rc = renamed ? ::fsync(dir) : -1;
         const int e = errno;
         ::close(dir);
+        if (!renamed) fail(kExitIo, "cannot rename '%s.tmp' to '%s': %s", path.c_str(), path.c_str(), std::strerror(e));
         if (rc != 0) fail(kExitIo, "fsync of directory '%s' failed: %s", tmp_.c_str(), std::strerror(e));
         committed_ = true;
     }
@@ -744,19 +716,17 @@ struct StateLayout {
 // Parses the layout of the checkpoint in `dir` for num_params parameters (no setting: whole). The ranges
 // come from the manifest, not a recomputed ZeroLayout. Raises kExitData naming what is malformed.
 inline StateLayout read_state_layout(const std::string& dir, const CheckpointManifest& m, int64_t num_params) {
-    StateLayout out;
     const std::string* kind = m.setting("state_layout");
     if (kind && *kind != "whole" && *kind != "sharded") {
         fail(kExitData, "'%s': unknown state_layout '%s'", dir.c_str(), kind->c_str());
     }
-    out.sharded = kind && *kind == "sharded";
-    if (!out.sharded) {
-        out.master = {{kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params}};
-        out.adam_m = {{kCkptAdamMFile, 0, 0, num_params}};
-        out.adam_v = {{kCkptAdamVFile, 0, 0, num_params}};
-        out.params = {kCkptParamsFile, 0, 0, num_params};
-        return out;
+    if (!kind || *kind == "whole") {
+        return {false, {{kCkptModelFile, uint64_t(kModelHeaderBytes), 0, num_params}},
+                {{kCkptAdamMFile, 0, 0, num_params}}, {{kCkptAdamVFile, 0, 0, num_params}},
+                {kCkptParamsFile, 0, 0, num_params}};
     }
+    StateLayout out;
+    out.sharded = true;
     const std::string* ranks = m.setting("state_ranks");
     char* end = nullptr;
     const long w = ranks ? std::strtol(ranks->c_str(), &end, 10) : 0;

@@ -51,56 +51,30 @@ struct HfTensorMap {
 
 // Every tensor of the model, in our flat order (kind by kind, layer by layer inside a kind).
 inline std::vector<HfTensorMap> hf_tensor_map(const GPT2Config& c) {
-    const int64_t C = c.channels, L = c.num_layers;
-    const auto t = param_tensors(c);
-    struct Kind {
-        int ours;
-        const char* suffix;  // after "h.{l}." for layer tensors, the whole name otherwise
-        bool transposed;
-    };
-    static const Kind kinds[kNumParamTensors] = {
-        {kWte, "wte.weight", false},          {kWpe, "wpe.weight", false},
-        {kLn1w, "ln_1.weight", false},        {kLn1b, "ln_1.bias", false},
-        {kQkvw, "attn.c_attn.weight", true},  {kQkvb, "attn.c_attn.bias", false},
-        {kAttprojw, "attn.c_proj.weight", true}, {kAttprojb, "attn.c_proj.bias", false},
-        {kLn2w, "ln_2.weight", false},        {kLn2b, "ln_2.bias", false},
-        {kFcw, "mlp.c_fc.weight", true},      {kFcb, "mlp.c_fc.bias", false},
-        {kFcprojw, "mlp.c_proj.weight", true}, {kFcprojb, "mlp.c_proj.bias", false},
-        {kLnfw, "ln_f.weight", false},        {kLnfb, "ln_f.bias", false},
-    };
+    // By ParamTensor; after "h.{l}." for layer tensors, the whole name otherwise.
+    static const char* const names[kNumParamTensors] = {
+        "wte.weight", "wpe.weight", "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+        "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+        "mlp.c_proj.weight", "mlp.c_proj.bias", "ln_f.weight", "ln_f.bias"};
+    const auto tensors = param_tensors(c);
     std::vector<HfTensorMap> out;
-    for (const Kind& k : kinds) {
-        const ParamTensorInfo& info = t[size_t(k.ours)];
-        if (k.ours == kWte || k.ours == kWpe || k.ours == kLnfw || k.ours == kLnfb) {
-            HfTensorMap m;
-            m.name = k.suffix;
-            m.ours = k.ours;
-            m.offset = info.offset;
-            if (k.ours == kWte) {
-                m.shape = {c.vocab_size, C};
-            } else {
-                m.shape.assign(info.shape, info.shape + info.ndim);
-            }
-            m.numel = m.shape.size() == 2 ? m.shape[0] * m.shape[1] : m.shape[0];
-            out.push_back(m);
+    for (int k = 0; k < kNumParamTensors; k++) {
+        const ParamTensorInfo& info = tensors[size_t(k)];
+        if (k < kLn1w || k > kFcprojb) {  // outside the blocks; wte's V real rows only
+            std::vector<int64_t> shape(info.shape, info.shape + info.ndim);
+            if (k == kWte) shape[0] = c.vocab_size;
+            const int64_t numel = shape.size() == 2 ? shape[0] * shape[1] : shape[0];
+            out.push_back({names[k], k, -1, shape, false, info.offset, numel});
             continue;
         }
-        const int64_t per_layer = info.numel / L;
-        for (int64_t l = 0; l < L; l++) {
-            HfTensorMap m;
-            m.name = format("h.%lld.%s", (long long)l, k.suffix);
-            m.ours = k.ours;
-            m.layer = int(l);
-            m.transposed = k.transposed;
-            m.offset = info.offset + l * per_layer;
-            m.numel = per_layer;
-            if (info.ndim == 3) {  // ours (out, in) = (shape[1], shape[2])
-                m.shape = k.transposed ? std::vector<int64_t>{info.shape[2], info.shape[1]}
-                                       : std::vector<int64_t>{info.shape[1], info.shape[2]};
-            } else {
-                m.shape = {info.shape[1]};
-            }
-            out.push_back(m);
+        // Ours lead with L; the 3-d ones are Conv1D weights, (out, in) here and (in, out) there.
+        std::vector<int64_t> shape(info.shape + 1, info.shape + info.ndim);
+        const bool transposed = info.ndim == 3;
+        if (transposed) std::swap(shape[0], shape[1]);
+        const int64_t per_layer = info.numel / c.num_layers;
+        for (int l = 0; l < c.num_layers; l++) {
+            out.push_back({format("h.%d.%s", l, names[k]), k, l, shape, transposed, info.offset + l * per_layer,
+                           per_layer});
         }
     }
     return out;
@@ -140,13 +114,10 @@ inline GPT2Config hf_config_from_json(const nlohmann::json& j, const std::string
         }
         return int(v.get<int64_t>());
     };
-    GPT2Config c;
-    c.num_layers = required_int("n_layer");
-    c.num_heads = required_int("n_head");
-    c.channels = required_int("n_embd");
-    c.max_seq_len = required_int("n_positions");
-    c.vocab_size = required_int("vocab_size");
-    c.padded_vocab_size = padded_vocab(c.vocab_size);
+    // Read in this order, which decides the error a config with several bad keys gets.
+    const int L = required_int("n_layer"), NH = required_int("n_head"), C = required_int("n_embd"),
+              T = required_int("n_positions"), V = required_int("vocab_size");
+    const GPT2Config c{T, V, padded_vocab(V), L, NH, C};
     validate_config(c, kExitData, format("Hugging Face config '%s'", where.c_str()));
 
     // Keys absent from a config take transformers' defaults, which are what we compute.
@@ -227,12 +198,10 @@ inline void write_file_replacing(const std::string& path, const std::string& byt
 // Reading
 
 struct HfFolder {
-    std::string dir;
     GPT2Config config;
     std::vector<std::string> files;  // the safetensors files, as paths
     std::map<std::string, std::pair<size_t, std::string>> where;  // our HF name -> (file index, stored name)
-    bool has_lm_head = false;
-    std::string lm_head_name;
+    bool has_lm_head = false;  // lm_head.weight, in files[lm_head_file], which must equal wte
     size_t lm_head_file = 0;
     std::string dtype;  // "fp32", "bf16", "fp16", or "mixed (...)"
 };
@@ -268,7 +237,6 @@ inline std::vector<std::string> hf_shard_files(const std::string& dir, const std
 // Validates a Hugging Face GPT-2 folder without reading its weights: config, headers, every tensor.
 inline HfFolder probe_hf_folder(const std::string& dir) {
     HfFolder h;
-    h.dir = dir;
     const std::string config_path = dir + "/config.json";
     if (!hf_file_present(config_path, "config.json, a JSON file")) {
         fail(kExitIo, "'%s' is a directory without config.json, so not a Hugging Face model folder (expected "
@@ -316,8 +284,7 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
         }
     }
 
-    std::set<std::string> used;
-    std::set<std::string> dtypes;
+    std::set<std::string> used, dtypes;
     const std::string files_named = h.files.size() == 1 ? "'" + h.files[0] + "'" : "the shards of '" + index_used + "'";
     for (const HfTensorMap& m : hf_tensor_map(h.config)) {
         const std::string prefixed = kHfPrefix + m.name;
@@ -340,10 +307,8 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  h.files[fi].c_str(), name.c_str(), t.dtype.c_str());
         }
         if (t.shape != m.shape) {
-            SafetensorsTensor expected;
-            expected.shape = m.shape;
             fail(kExitData, "'%s': tensor '%s' has shape %s, but config.json's model needs %s%s", h.files[fi].c_str(),
-                 name.c_str(), t.shape_string().c_str(), expected.shape_string().c_str(),
+                 name.c_str(), t.shape_string().c_str(), SafetensorsTensor{"", "", m.shape}.shape_string().c_str(),
                  m.transposed ? " (Conv1D layout: in, out)" : "");
         }
         h.where[m.name] = {fi, name};
@@ -359,7 +324,6 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  t.shape_string().c_str());
         }
         h.has_lm_head = true;
-        h.lm_head_name = it->first;
         h.lm_head_file = it->second;
         used.insert(it->first);
     }
@@ -377,16 +341,11 @@ inline HfFolder probe_hf_folder(const std::string& dir) {
                  "drop it", h.files[fi].c_str(), name.c_str(), describe(h.config).c_str());
         }
     }
-    auto short_name = [](const std::string& d) {
-        return d == "F32" ? std::string("fp32") : d == "BF16" ? std::string("bf16") : std::string("fp16");
-    };
-    if (dtypes.size() == 1) {
-        h.dtype = short_name(*dtypes.begin());
-    } else {
-        h.dtype = "mixed (";
-        for (const std::string& d : dtypes) h.dtype += (h.dtype.back() == '(' ? "" : ", ") + short_name(d);
-        h.dtype += ")";
+    std::string names;
+    for (const std::string& d : dtypes) {
+        names += (names.empty() ? "" : ", ") + std::string(d == "F32" ? "fp32" : d == "BF16" ? "bf16" : "fp16");
     }
+    h.dtype = dtypes.size() == 1 ? names : "mixed (" + names + ")";
     return h;
 }
 
@@ -395,17 +354,23 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
     std::vector<std::unique_ptr<SafetensorsFile>> files;
     for (const std::string& f : h.files) files.push_back(std::make_unique<SafetensorsFile>(f));
     const GPT2Config& c = h.config;
+    const int64_t C = c.channels;
+    // Tensor `name` of file fi, which must still have the shape the probe saw.
+    auto reopen = [&](size_t fi, const std::string& name, const std::vector<int64_t>& shape) {
+        const SafetensorsTensor* t = files[fi]->find(name);
+        if (t == nullptr || t->shape != shape) {
+            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[fi].c_str(),
+                 name.c_str());
+        }
+        return t;
+    };
     const std::vector<HfTensorMap> map = hf_tensor_map(c);
     int64_t total = 0, done = 0;
     for (const HfTensorMap& m : map) total += m.numel * int64_t(sizeof(float));
     std::vector<float> scratch;
     for (const HfTensorMap& m : map) {
         const auto& [fi, name] = h.where.at(m.name);
-        const SafetensorsTensor* t = files[fi]->find(name);
-        if (t == nullptr || t->shape != m.shape) {
-            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[fi].c_str(),
-                 name.c_str());
-        }
+        const SafetensorsTensor* t = reopen(fi, name, m.shape);
         if (m.transposed) {
             scratch.resize(size_t(m.numel));
             files[fi]->read_floats(*t, scratch.data());
@@ -416,28 +381,21 @@ inline void read_hf_params(const HfFolder& h, float* params, const ModelIoProgre
         done += m.numel * int64_t(sizeof(float));
         if (progress) progress(done, total, name);
     }
-    const int64_t C = c.channels;
     float* wte = params + param_tensors(c)[kWte].offset;
     std::fill(wte + int64_t(c.vocab_size) * C, wte + int64_t(c.padded_vocab_size) * C, 0.0f);
+    if (!h.has_lm_head) return;
 
-    if (h.has_lm_head) {
-        const SafetensorsTensor* head = files[h.lm_head_file]->find(h.lm_head_name);
-        if (head == nullptr || head->shape != std::vector<int64_t>{c.vocab_size, C}) {
-            fail(kExitData, "'%s': tensor '%s' changed since the folder was checked", h.files[h.lm_head_file].c_str(),
-                 h.lm_head_name.c_str());
-        }
-        const SafetensorsTensor& t = *head;
-        scratch.resize(size_t(t.numel));
-        files[h.lm_head_file]->read_floats(t, scratch.data());
-        for (int64_t i = 0; i < t.numel; i++) {
-            if (std::memcmp(&scratch[size_t(i)], &wte[i], sizeof(float)) != 0) {
-                fail(kExitData,
-                     "'%s': %s differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied to "
-                     "the token embedding, which this program's GPT-2 requires",
-                     h.files[h.lm_head_file].c_str(), h.lm_head_name.c_str(), (long long)(i / C), (long long)(i % C),
-                     double(scratch[size_t(i)]), double(wte[i]));
-            }
-        }
+    const SafetensorsTensor* head = reopen(h.lm_head_file, "lm_head.weight", {c.vocab_size, C});
+    scratch.resize(size_t(head->numel));
+    files[h.lm_head_file]->read_floats(*head, scratch.data());
+    const auto diff = std::mismatch(scratch.begin(), scratch.end(), wte,
+                                    [](float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; });
+    if (diff.first != scratch.end()) {
+        const int64_t i = diff.second - wte;
+        fail(kExitData,
+             "'%s': lm_head.weight differs from wte at row %lld, column %lld (%g vs %g): the output layer is not tied "
+             "to the token embedding, which this program's GPT-2 requires", h.files[h.lm_head_file].c_str(),
+             (long long)(i / C), (long long)(i % C), double(*diff.first), double(*diff.second));
     }
 }
 
@@ -477,33 +435,31 @@ inline void write_hf_folder(const std::string& dir, const GPT2Config& c, const f
              "not replace; write into an empty directory", dir.c_str());
     }
 
-    const std::vector<HfTensorMap> map = hf_tensor_map(c);
     // Layer by layer, as save_pretrained orders them; the data section follows the declaration order.
     // wte and wpe (layer -1), then the layers, then ln_f; within each, in hf_tensor_map's order.
-    std::vector<const HfTensorMap*> order;
-    for (const HfTensorMap& m : map) order.push_back(&m);
-    auto place = [&](const HfTensorMap* m) { return m->ours == kLnfw || m->ours == kLnfb ? c.num_layers : m->layer; };
-    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) { return place(a) < place(b); });
+    std::vector<HfTensorMap> order = hf_tensor_map(c);
+    auto place = [&](const HfTensorMap& m) { return m.ours == kLnfw || m.ours == kLnfb ? c.num_layers : m.layer; };
+    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return place(a) < place(b); });
     std::vector<SafetensorsSpec> specs;
     int64_t total = 0, done = 0;
-    for (const HfTensorMap* m : order) {
-        specs.push_back({kHfPrefix + m->name, bf16 ? "BF16" : "F32", m->shape});
-        total += m->numel * int64_t(bf16 ? 2 : 4);
+    for (const HfTensorMap& m : order) {
+        specs.push_back({kHfPrefix + m.name, bf16 ? "BF16" : "F32", m.shape});
+        total += m.numel * int64_t(bf16 ? 2 : 4);
     }
     // Through model.safetensors.tmp, synced and renamed: a failed or interrupted export keeps the old file.
     write_file_atomically(dir + "/model.safetensors", [&](File& f) {
         SafetensorsWriter w(f, specs);
         std::vector<float> scratch;
-        for (const HfTensorMap* m : order) {
-            if (m->transposed) {
-                scratch.resize(size_t(m->numel));
-                transpose_into(scratch.data(), params + m->offset, m->shape[0], m->shape[1]);
-                w.write(scratch.data(), m->numel);
+        for (const HfTensorMap& m : order) {
+            if (m.transposed) {
+                scratch.resize(size_t(m.numel));
+                transpose_into(scratch.data(), params + m.offset, m.shape[0], m.shape[1]);
+                w.write(scratch.data(), m.numel);
             } else {
-                w.write(params + m->offset, m->numel);
+                w.write(params + m.offset, m.numel);
             }
-            done += m->numel * int64_t(bf16 ? 2 : 4);
-            if (progress) progress(done, total, kHfPrefix + m->name);
+            done += m.numel * int64_t(bf16 ? 2 : 4);
+            if (progress) progress(done, total, kHfPrefix + m.name);
         }
         w.finish();
     });

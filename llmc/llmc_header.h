@@ -6,6 +6,7 @@ name the file, the field's offset and what was expected (kExitData; kExitIo for 
 */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -56,9 +57,7 @@ inline LlmcHeader read_llmc_header(File& f, const LlmcFileSpec& spec) {
             fail(kExitData, "%s '%s': version %d at offset 4 %s", spec.kind, path, version, hint);
         }
     }
-    for (int v : spec.versions) {
-        if (h.version() == v) return h;
-    }
+    if (std::count(spec.versions.begin(), spec.versions.end(), h.version())) return h;
     fail(kExitData, "%s '%s': unsupported version %d at offset 4 (expected %s)", spec.kind, path, h.version(),
          spec.versions_text);
 }
@@ -74,20 +73,17 @@ inline void check_llmc_file_size(const LlmcHeader& h, const LlmcFileSpec& spec, 
     const std::string expected =
         items > max_items ? std::string("more than 2^63")
                           : format("%lld", (long long)(kLlmcHeaderBytes + int64_t(items) * item_bytes));
+    const std::string says = format("its header (%s) says %llu %ss of %d bytes, %s bytes with the header, but the file "
+                                    "is %lld bytes", fields.c_str(), (unsigned long long)items, item_name, item_bytes,
+                                    expected.c_str(), (long long)h.file_size);
     if (items > room) {
-        fail(kExitData,
-             "%s '%s' is truncated: its header (%s) says %llu %ss of %d bytes, %s bytes with the header, but the file "
-             "is %lld bytes, room for %llu %ss",
-             spec.kind, path, fields.c_str(), (unsigned long long)items, item_name, item_bytes, expected.c_str(),
-             (long long)h.file_size, (unsigned long long)room, item_name);
+        fail(kExitData, "%s '%s' is truncated: %s, room for %llu %ss", spec.kind, path, says.c_str(),
+             (unsigned long long)room, item_name);
     }
     const int64_t extra = h.file_size - (kLlmcHeaderBytes + int64_t(items) * item_bytes);
     if (extra != 0) {
-        fail(kExitData,
-             "%s '%s': its header (%s) says %llu %ss of %d bytes, %s bytes with the header, but the file is %lld "
-             "bytes (%lld unexpected bytes after the last %s: trailing data, or a header that does not match the data)",
-             spec.kind, path, fields.c_str(), (unsigned long long)items, item_name, item_bytes, expected.c_str(),
-             (long long)h.file_size, (long long)extra, item_name);
+        fail(kExitData, "%s '%s': %s (%lld unexpected bytes after the last %s: trailing data, or a header that does "
+             "not match the data)", spec.kind, path, says.c_str(), (long long)extra, item_name);
     }
 }
 

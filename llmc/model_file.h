@@ -10,7 +10,6 @@ that wte's padded rows are zero, naming the file, offset and what was expected.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -46,6 +45,34 @@ inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+// Values converted per piece by the two functions below, which bounds their buffer.
+constexpr int64_t kConvertChunk = int64_t(1) << 22;
+
+// Reads n 16-bit values piece by piece (read(buffer, count, index of the first)) and converts them into out.
+template <class Read>
+inline void read_converted(int64_t n, float* out, float (*convert)(uint16_t), const Read& read) {
+    std::vector<uint16_t> buf(size_t(std::min(n, kConvertChunk)));
+    for (int64_t done = 0; done < n; done += kConvertChunk) {
+        const int64_t m = std::min(kConvertChunk, n - done);
+        read(buf.data(), m, done);
+        std::transform(buf.begin(), buf.begin() + m, out + done, convert);
+    }
+}
+
+// Writes n values at f's position as fp32, or as bf16 (rounded to nearest even) when bf16.
+inline void write_floats(File& f, const float* values, int64_t n, bool bf16) {
+    if (!bf16) {
+        f.write_all(values, size_t(n) * sizeof(float));
+        return;
+    }
+    std::vector<uint16_t> buf(size_t(std::min(n, kConvertChunk)));
+    for (int64_t done = 0; done < n; done += kConvertChunk) {
+        const int64_t m = std::min(kConvertChunk, n - done);
+        std::transform(values + done, values + done + m, buf.begin(), float_to_bf16);
+        f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
+    }
+}
+
 struct ModelFileInfo {
     GPT2Config config;
     int version = 0;
@@ -53,12 +80,10 @@ struct ModelFileInfo {
 
 // The model file format for llmc_header.h's reader.
 inline const LlmcFileSpec& model_file_spec() {
-    static const LlmcFileSpec spec{
-        "model file", "a model file", kModelMagic, {kModelVersionFp32, kModelVersionBf16}, "3 = fp32 or 5 = bf16",
-        {{1, "is llm.c's old unpadded-vocabulary format; re-export it with a current train_gpt2.py (version 3 = fp32 "
-             "or 5 = bf16)"},
-         {2, "is llm.c's old unpadded-vocabulary format; re-export it with a current train_gpt2.py (version 3 = fp32 "
-             "or 5 = bf16)"}}};
+    const char* retired = "is llm.c's old unpadded-vocabulary format; re-export it with a current train_gpt2.py "
+                          "(version 3 = fp32 or 5 = bf16)";
+    static const LlmcFileSpec spec{"model file", "a model file", kModelMagic, {kModelVersionFp32, kModelVersionBf16},
+                                   "3 = fp32 or 5 = bf16", {{1, retired}, {2, retired}}};
     return spec;
 }
 
@@ -66,15 +91,9 @@ inline const LlmcFileSpec& model_file_spec() {
 inline ModelFileInfo read_model_header(File& f) {
     const LlmcHeader h = read_llmc_header(f, model_file_spec());
     const char* path = h.path.c_str();
-    ModelFileInfo info;
-    info.version = h.version();
-    GPT2Config& c = info.config;
-    c.max_seq_len = h.ints[2];
-    c.vocab_size = h.ints[3];
-    c.num_layers = h.ints[4];
-    c.num_heads = h.ints[5];
-    c.channels = h.ints[6];
-    c.padded_vocab_size = h.ints[7] == 0 ? h.ints[3] : h.ints[7];
+    const int32_t* v = h.ints;
+    ModelFileInfo info{{v[2], v[3], v[7] == 0 ? v[3] : v[7], v[4], v[5], v[6]}, h.version()};
+    const GPT2Config& c = info.config;
     validate_config(c, kExitData, format("model file '%s': the header (offsets 8..31) holds an invalid shape", path));
     check_llmc_file_size(h, model_file_spec(), uint64_t(num_parameters(c)), model_bytes_per_param(info.version),
                          "parameter", format("version %d, shape %s", info.version, describe(c).c_str()));
@@ -86,14 +105,14 @@ inline ModelFileInfo read_model_header(File& f) {
 inline void check_padded_rows_zero(const GPT2Config& c, const float* params, const std::string& path, int version) {
     const int64_t C = c.channels;
     const float* wte = params + param_tensors(c)[kWte].offset;
-    for (int64_t i = int64_t(c.vocab_size) * C; i < int64_t(c.padded_vocab_size) * C; i++) {
-        if (wte[i] != 0.0f) {
-            fail(kExitData,
-                 "model file '%s': padded vocabulary row %lld of wte (offset %lld) holds %g, but rows %d..%d must be "
-                 "zero", path.c_str(), (long long)(i / C),
-                 (long long)(kModelHeaderBytes + i * model_bytes_per_param(version)), double(wte[i]), c.vocab_size,
-                 c.padded_vocab_size - 1);
-        }
+    const float* end = wte + int64_t(c.padded_vocab_size) * C;
+    const float* bad = std::find_if(wte + int64_t(c.vocab_size) * C, end, [](float v) { return v != 0.0f; });
+    if (bad != end) {
+        const int64_t i = bad - wte;
+        fail(kExitData,
+             "model file '%s': padded vocabulary row %lld of wte (offset %lld) holds %g, but rows %d..%d must be zero",
+             path.c_str(), (long long)(i / C), (long long)(kModelHeaderBytes + i * model_bytes_per_param(version)),
+             double(wte[i]), c.vocab_size, c.padded_vocab_size - 1);
     }
 }
 
@@ -112,29 +131,18 @@ inline ModelFileInfo read_model_file(const std::string& path, std::vector<float>
     if (info.version == kModelVersionFp32) {
         f.read_exact(params->data(), size_t(n) * sizeof(float));
     } else {
-        const int64_t chunk = int64_t(1) << 22;
-        std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
-        for (int64_t done = 0; done < n; done += chunk) {
-            int64_t m = std::min(chunk, n - done);
-            f.read_exact(buf.data(), size_t(m) * sizeof(uint16_t));
-            for (int64_t j = 0; j < m; j++) (*params)[size_t(done + j)] = bf16_to_float(buf[size_t(j)]);
-        }
+        read_converted(n, params->data(), bf16_to_float,
+                       [&](uint16_t* buf, int64_t m, int64_t) { f.read_exact(buf, size_t(m) * sizeof(uint16_t)); });
     }
     check_padded_rows_zero(info.config, params->data(), path, info.version);
     return info;
 }
 
-// Fills a model file header for shape c and version (3 = fp32, 5 = bf16); the payload follows it.
-inline void make_model_header(const GPT2Config& c, int version, int32_t (&h)[kModelHeaderInts]) {
-    std::fill(std::begin(h), std::end(h), 0);
-    h[0] = kModelMagic;
-    h[1] = version;
-    h[2] = c.max_seq_len;
-    h[3] = c.vocab_size;
-    h[4] = c.num_layers;
-    h[5] = c.num_heads;
-    h[6] = c.channels;
-    h[7] = c.padded_vocab_size;
+// The bytes of a model file header for shape c and version (3 = fp32, 5 = bf16); the payload follows it.
+inline std::vector<char> model_file_header(const GPT2Config& c, int version) {
+    const int32_t h[kModelHeaderInts] = {kModelMagic, version,     c.max_seq_len, c.vocab_size,
+                                         c.num_layers, c.num_heads, c.channels,    c.padded_vocab_size};
+    return std::vector<char>(reinterpret_cast<const char*>(h), reinterpret_cast<const char*>(h) + sizeof(h));
 }
 
 // Writes `params` (num_parameters(c) floats, in param_tensors order) as version 3 (fp32) or 5 (bf16),
@@ -144,22 +152,10 @@ inline void write_model_file(const std::string& path, const GPT2Config& c, const
         fail(kExitUsage, "model file '%s': cannot write version %d (3 = fp32 or 5 = bf16)", path.c_str(), version);
     }
     validate_config(c, kExitUsage, format("model file '%s': cannot write an invalid shape", path.c_str()));
-    int32_t h[kModelHeaderInts];
-    make_model_header(c, version, h);
-    const int64_t n = num_parameters(c);
+    const std::vector<char> h = model_file_header(c, version);
     write_file_atomically(path, [&](File& f) {
-        f.write_all(h, sizeof(h));
-        if (version == kModelVersionFp32) {
-            f.write_all(params, size_t(n) * sizeof(float));
-        } else {
-            const int64_t chunk = int64_t(1) << 22;
-            std::vector<uint16_t> buf(size_t(std::min(n, chunk)));
-            for (int64_t done = 0; done < n; done += chunk) {
-                int64_t m = std::min(chunk, n - done);
-                for (int64_t j = 0; j < m; j++) buf[size_t(j)] = float_to_bf16(params[done + j]);
-                f.write_all(buf.data(), size_t(m) * sizeof(uint16_t));
-            }
-        }
+        f.write_all(h.data(), h.size());
+        write_floats(f, params, num_parameters(c), version == kModelVersionBf16);
     });
 }
 

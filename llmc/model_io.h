@@ -24,19 +24,15 @@ namespace llmc {
 
 enum class ModelFormat { Llmc, LlmcBf16, Hf, HfBf16 };
 
-inline const char* model_format_name(ModelFormat f) {
-    switch (f) {
-        case ModelFormat::Llmc: return "llmc";
-        case ModelFormat::LlmcBf16: return "llmc-bf16";
-        case ModelFormat::Hf: return "hf";
-        case ModelFormat::HfBf16: return "hf-bf16";
-    }
-    return "?";
-}
+// By ModelFormat: its name, and where it goes in an output directory.
+constexpr const char* kModelFormatNames[][2] = {
+    {"llmc", "model.bin"}, {"llmc-bf16", "model_bf16.bin"}, {"hf", "hf"}, {"hf-bf16", "hf_bf16"}};
+
+inline const char* model_format_name(ModelFormat f) { return kModelFormatNames[int(f)][0]; }
 
 inline ModelFormat parse_model_format(const std::string& name) {
-    for (ModelFormat f : {ModelFormat::Llmc, ModelFormat::LlmcBf16, ModelFormat::Hf, ModelFormat::HfBf16}) {
-        if (name == model_format_name(f)) return f;
+    for (int f = 0; f < 4; f++) {
+        if (name == kModelFormatNames[f][0]) return ModelFormat(f);
     }
     fail(kExitUsage, "unknown model format '%s' (expected llmc, llmc-bf16, hf or hf-bf16)", name.c_str());
 }
@@ -66,25 +62,17 @@ inline bool model_path_exists(const std::string& path) {
 }
 
 inline ModelInfo probe_model(const std::string& path) {
-    ModelInfo info;
-    info.path = path;
     if (directory_exists(path)) {
-        info.hf = true;
-        info.folder = probe_hf_folder(path);
-        info.config = info.folder.config;
-        info.dtype = info.folder.dtype;
-        return info;
+        HfFolder folder = probe_hf_folder(path);
+        return {path, folder.config, true, 0, folder.dtype, folder};
     }
     if (!hf_file_present(path, "an llm.c model file or a Hugging Face folder")) {
         fail(kExitIo, "model '%s' does not exist (expected an llm.c model file or a Hugging Face folder)",
              path.c_str());
     }
     File f(path, File::Mode::Read);
-    ModelFileInfo m = read_model_header(f);
-    info.config = m.config;
-    info.llmc_version = m.version;
-    info.dtype = m.version == kModelVersionFp32 ? "fp32" : "bf16";
-    return info;
+    const ModelFileInfo m = read_model_header(f);
+    return {path, m.config, false, m.version, m.version == kModelVersionFp32 ? "fp32" : "bf16", {}};
 }
 
 // Refuses parameters holding NaN or infinity, naming the first such tensor and how many (a model loaded
@@ -205,13 +193,7 @@ inline std::vector<ModelFormat> parse_save_formats(const std::string& list) {
 
 // Where a format goes in the output directory.
 inline std::string saved_model_path(const std::string& dir, ModelFormat f) {
-    switch (f) {
-        case ModelFormat::Llmc: return dir + "/model.bin";
-        case ModelFormat::LlmcBf16: return dir + "/model_bf16.bin";
-        case ModelFormat::Hf: return dir + "/hf";
-        case ModelFormat::HfBf16: return dir + "/hf_bf16";
-    }
-    return dir;
+    return dir + "/" + kModelFormatNames[int(f)][1];
 }
 
 }  // namespace llmc

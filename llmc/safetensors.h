@@ -15,7 +15,6 @@ Every failure names the file (and tensor): kExitData for malformed or truncated 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -55,19 +54,10 @@ inline bool safetensors_float_dtype(const std::string& dtype) {
 
 // IEEE binary16 to fp32, exactly (every half value is a float): subnormals, infinities and NaNs kept.
 inline float fp16_to_float(uint16_t h) {
-    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1fu;
-    const uint32_t mantissa = h & 0x3ffu;
-    uint32_t bits;
-    if (exponent == 0) {
-        float magnitude = std::ldexp(float(mantissa), -24);  // zero or a subnormal: mantissa x 2^-24
-        std::memcpy(&bits, &magnitude, sizeof(bits));
-        bits |= sign;
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-    }
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    // Zero or a subnormal: mantissa x 2^-24.
+    if (exponent == 0) return std::copysign(std::ldexp(float(mantissa), -24), sign ? -1.0f : 1.0f);
+    const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112u) << 23) | (mantissa << 13);
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     return f;
@@ -182,16 +172,10 @@ public:
             file_.read_exact_at(out, size_t(t.numel) * sizeof(float), offset);
             return;
         }
-        const int64_t chunk = int64_t(1) << 22;
-        std::vector<uint16_t> buf(size_t(std::min(t.numel, chunk)));
-        const bool bf16 = t.dtype == "BF16";
-        for (int64_t done = 0; done < t.numel; done += chunk) {
-            const int64_t m = std::min(chunk, t.numel - done);
-            file_.read_exact_at(buf.data(), size_t(m) * sizeof(uint16_t), offset + done * int64_t(sizeof(uint16_t)));
-            for (int64_t j = 0; j < m; j++) {
-                out[done + j] = bf16 ? bf16_to_float(buf[size_t(j)]) : fp16_to_float(buf[size_t(j)]);
-            }
-        }
+        read_converted(t.numel, out, t.dtype == "BF16" ? bf16_to_float : fp16_to_float,
+                       [&](uint16_t* buf, int64_t m, int64_t done) {
+                           file_.read_exact_at(buf, size_t(m) * sizeof(uint16_t), offset + done * 2);
+                       });
     }
 
 private:
@@ -227,23 +211,19 @@ private:
         if (!header.is_object()) bad("the JSON header is not an object");
 
         for (auto& [name, entry] : header.items()) {
-            if (name == kSafetensorsMetadataKey) {
-                parse_metadata(entry);
+            if (name != kSafetensorsMetadataKey) {
+                tensors_.push_back(parse_entry(name, entry, data_size));
                 continue;
             }
-            tensors_.push_back(parse_entry(name, entry, data_size));
+            if (!entry.is_object()) bad("__metadata__ is not an object of strings");
+            for (auto& [key, value] : entry.items()) {
+                if (!value.is_string()) bad(format("__metadata__ entry '%s' is not a string", key.c_str()));
+                metadata_[key] = value.get<std::string>();
+            }
         }
         std::sort(tensors_.begin(), tensors_.end(),
                   [](const SafetensorsTensor& a, const SafetensorsTensor& b) { return a.name < b.name; });
         check_no_overlap();
-    }
-
-    void parse_metadata(const json& entry) {
-        if (!entry.is_object()) bad("__metadata__ is not an object of strings");
-        for (auto& [key, value] : entry.items()) {
-            if (!value.is_string()) bad(format("__metadata__ entry '%s' is not a string", key.c_str()));
-            metadata_[key] = value.get<std::string>();
-        }
     }
 
     // A non-negative integer of the header, or an error naming the tensor and the field.
@@ -313,14 +293,13 @@ private:
         }
         std::sort(by_offset.begin(), by_offset.end(),
                   [](const SafetensorsTensor* a, const SafetensorsTensor* b) { return a->begin < b->begin; });
-        for (size_t i = 1; i < by_offset.size(); i++) {
-            const SafetensorsTensor& a = *by_offset[i - 1];
-            const SafetensorsTensor& b = *by_offset[i];
-            if (b.begin < a.end) {
-                bad(format("tensors '%s' [%lld, %lld] and '%s' [%lld, %lld] overlap in the data section",
-                           a.name.c_str(), (long long)a.begin, (long long)a.end, b.name.c_str(), (long long)b.begin,
-                           (long long)b.end));
-            }
+        const auto it = std::adjacent_find(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) {
+            return b->begin < a->end;
+        });
+        if (it != by_offset.end()) {
+            const SafetensorsTensor &a = **it, &b = **(it + 1);
+            bad(format("tensors '%s' [%lld, %lld] and '%s' [%lld, %lld] overlap in the data section", a.name.c_str(),
+                       (long long)a.begin, (long long)a.end, b.name.c_str(), (long long)b.begin, (long long)b.end));
         }
     }
 
@@ -345,15 +324,16 @@ public:
     SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> specs,
                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
         : specs_(std::move(specs)), file_(&owned_) {
-        const std::string text = header_text(path, metadata);
+        const std::string header = header_bytes(path, metadata);
         owned_.open(path, File::Mode::Write);
-        write_header(text);
+        owned_.write_all(header.data(), header.size());
     }
 
     SafetensorsWriter(File& file, std::vector<SafetensorsSpec> specs,
                       const std::map<std::string, std::string>& metadata = {{"format", "pt"}})
         : specs_(std::move(specs)), file_(&file) {
-        write_header(header_text(file.path(), metadata));
+        const std::string header = header_bytes(file.path(), metadata);
+        file.write_all(header.data(), header.size());
     }
 
     SafetensorsWriter(const SafetensorsWriter&) = delete;
@@ -367,17 +347,7 @@ public:
                      file_->path().c_str());
             }
             const int64_t m = std::min(n, numel_[current_] - written_);
-            if (specs_[current_].dtype == "F32") {
-                file_->write_all(values, size_t(m) * sizeof(float));
-            } else {
-                const int64_t chunk = int64_t(1) << 20;
-                buf_.resize(size_t(std::min(m, chunk)));
-                for (int64_t done = 0; done < m; done += chunk) {
-                    const int64_t k = std::min(chunk, m - done);
-                    for (int64_t j = 0; j < k; j++) buf_[size_t(j)] = float_to_bf16(values[done + j]);
-                    file_->write_all(buf_.data(), size_t(k) * sizeof(uint16_t));
-                }
-            }
+            write_floats(*file_, values, m, specs_[current_].dtype == "BF16");
             values += m;
             n -= m;
             written_ += m;
@@ -395,8 +365,9 @@ public:
     }
 
 private:
-    // The JSON header for specs_, padded so that the data section starts 8-byte aligned; fills numel_.
-    std::string header_text(const std::string& path, const std::map<std::string, std::string>& metadata) {
+    // The header length and the JSON header for specs_, padded so that the data section starts 8-byte aligned;
+    // fills numel_.
+    std::string header_bytes(const std::string& path, const std::map<std::string, std::string>& metadata) {
         nlohmann::json header = nlohmann::json::object();
         int64_t offset = 0;
         for (const SafetensorsSpec& s : specs_) {
@@ -422,13 +393,8 @@ private:
         if (!metadata.empty()) header[kSafetensorsMetadataKey] = metadata;
         std::string text = header.dump();
         text.append((8 - text.size() % 8) % 8, ' ');
-        return text;
-    }
-
-    void write_header(const std::string& text) {
         const uint64_t n = text.size();
-        file_->write_all(&n, sizeof(n));
-        file_->write_all(text.data(), text.size());
+        return std::string(reinterpret_cast<const char*>(&n), sizeof(n)) + text;
     }
 
     // Moves past every tensor that is complete (including empty ones).
@@ -443,7 +409,6 @@ private:
     std::vector<int64_t> numel_;
     size_t current_ = 0;
     int64_t written_ = 0;
-    std::vector<uint16_t> buf_;
     File owned_;   // the file, when the writer was given a path
     File* file_;   // where the bytes go: &owned_, or the caller's File
 };

@@ -22,12 +22,6 @@ struct ShardRange {
     bool empty() const { return end <= begin; }
 };
 
-inline ShardRange intersect(ShardRange a, ShardRange b) {
-    ShardRange r{std::max(a.begin, b.begin), std::min(a.end, b.end)};
-    if (r.end < r.begin) r.end = r.begin;
-    return r;
-}
-
 struct ZeroLayout {
     int64_t num_params = 0;  // N, the real parameters
     int world = 1;           // W
@@ -39,13 +33,13 @@ struct ZeroLayout {
 
     // The padded range rank r holds in the reduce-scatter and all-gather buffers.
     ShardRange shard(int rank) const {
-        check_rank(rank);
+        if (rank < 0 || rank >= world) fail(kExitError, "ZeroLayout: rank %d is outside 0..%d", rank, world - 1);
         return {int64_t(rank) * shard_size, int64_t(rank + 1) * shard_size};
     }
     // The real elements rank r updates and saves; a rank past the end owns the empty range [N, N).
     ShardRange owned(int rank) const {
-        const ShardRange r = intersect(shard(rank), {0, num_params});
-        return r.empty() ? ShardRange{num_params, num_params} : r;
+        const ShardRange s = shard(rank);
+        return {std::min(s.begin, num_params), std::min(s.end, num_params)};
     }
     int owner_of(int64_t index) const {
         if (index < 0 || index >= num_params) {
@@ -54,24 +48,14 @@ struct ZeroLayout {
         }
         return int(index / shard_size);
     }
-
-private:
-    void check_rank(int rank) const {
-        if (rank < 0 || rank >= world) fail(kExitError, "ZeroLayout: rank %d is outside 0..%d", rank, world - 1);
-    }
 };
 
 inline ZeroLayout zero_layout(int64_t num_params, int world, int64_t alignment = kZeroAlignment) {
     if (num_params < 1) fail(kExitUsage, "ZeRO-1: %lld parameters, need at least 1", (long long)num_params);
     if (world < 1) fail(kExitUsage, "ZeRO-1: world size %d, need at least 1", world);
     if (alignment < 1) fail(kExitUsage, "ZeRO-1: alignment %lld, need at least 1", (long long)alignment);
-    ZeroLayout z;
-    z.num_params = num_params;
-    z.world = world;
-    z.alignment = alignment;
     const int64_t per_rank = (num_params + world - 1) / world;
-    z.shard_size = (per_rank + alignment - 1) / alignment * alignment;
-    return z;
+    return {num_params, world, alignment, (per_rank + alignment - 1) / alignment * alignment};
 }
 
 }  // namespace llmc
