@@ -460,9 +460,7 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
     const dim3 grid(unsigned(ceil_div(OC, kBiasGradColumnsPerBlock)), unsigned(chunks));
     bias_grad_partial_kernel<<<grid, kBiasGradBlock, 0, stream>>>(scratch, dout, N, OC);
     cudaCheckLaunch();
-    bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(
-        dbias, scratch, chunks, OC);
-    cudaCheckLaunch();
+    bias_grad_from_partials(dbias, scratch, chunks, OC, stream);
 }
 
 // ----------------------------------------------------------------------------------------------------
