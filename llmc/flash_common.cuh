@@ -19,6 +19,15 @@ g + 8), which is also wgmma's per-warp m64 layout.
 
 namespace llmc {
 
+// require_aligned16 of each named pointer, the error naming "fn: name".
+inline void require_aligned16_each(const char* fn, std::initializer_list<std::pair<const char*, const void*>> named) {
+    for (const auto& [name, p] : named) {
+        if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+            fail(kExitUsage, "%s: %s: pointer %p is not 16-byte aligned", fn, name, p);
+        }
+    }
+}
+
 namespace flash_common {
 
 __device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -226,15 +235,6 @@ template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
     if (bytes > 48 * 1024) {
         cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    }
-}
-
-// require_aligned16 of each named pointer, the error naming "fn: name".
-inline void require_aligned16_each(const char* fn, std::initializer_list<std::pair<const char*, const void*>> named) {
-    for (const auto& [name, p] : named) {
-        if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-            fail(kExitUsage, "%s: %s: pointer %p is not 16-byte aligned", fn, name, p);
-        }
     }
 }
 
