@@ -206,11 +206,6 @@ public:
                                                    max_results, results, &found));
         return found;
     }
-    std::vector<cublasLtMatmulHeuristicResult_t> heuristics(int max_results) const {
-        std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_results));
-        results.resize(size_t(heuristics(max_results, results.data())));
-        return results;
-    }
 
     // Runs the matmul with algo (one of heuristics()' results) on the call's stream, in lt's workspace.
     void run(const cublasLtMatmulAlgo_t& algo) const {
