@@ -231,42 +231,29 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     const int target = targets[row];
     if constexpr (kFp8) {
         if (row == 0 && threadIdx.x == 0) *descale = 1.0f / qscale;
-        __nv_fp8_storage_t* qt = q + row * Vp + c0;
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (c0 + j * kStride < Vp) {
-                detail::store_grad_pack_fp8(qt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss, qscale);
-            }
+    }
+    const auto store = [&](int c, const detail::LogitPack& p) {
+        if constexpr (kFp8) {
+            detail::store_grad_pack_fp8(q + row * Vp + c, p, c, m, scale, target, dloss, qscale);
+        } else {
+            detail::store_grad_pack(x + c, p, c, m, scale, target, dloss);
         }
+    };
 #pragma unroll
-        for (int j = 0; j < S; j++) {
-            if (c0 + (R + j) * kStride < Vp) {
-                detail::store_grad_pack_fp8(qt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale,
-                                            target, dloss, qscale);
-            }
-        }
+    for (int j = 0; j < R; j++) {
+        if (c0 + j * kStride < Vp) store(c0 + j * kStride, held[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+        if (c0 + (R + j) * kStride < Vp) store(c0 + (R + j) * kStride, stashed(j));
+    }
 #pragma unroll 1
-        for (int c = c_streamed; c < Vp; c += kStride) {
+    for (int c = c_streamed; c < Vp; c += kStride) {
+        if constexpr (kFp8) {  // spelled out: through store() the compiler orders the address arithmetic otherwise
             detail::store_grad_pack_fp8(q + row * Vp + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss,
                                         qscale);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (c0 + j * kStride < Vp) {
-                detail::store_grad_pack(xt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < S; j++) {
-            if (c0 + (R + j) * kStride < Vp) {
-                detail::store_grad_pack(xt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale, target,
-                                        dloss);
-            }
-        }
-#pragma unroll 1
-        for (int c = c_streamed; c < Vp; c += kStride) {
-            detail::store_grad_pack(x + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss);
+        } else {
+            store(c, detail::load_logit_pack(x, c, V));
         }
     }
 }
