@@ -258,6 +258,21 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     }
 }
 
+namespace detail {
+// The kernel's launch, a block a row (kFp8 = fp8): the held packs only where a row has more than one pack a thread.
+inline void launch_classifier(bool fp8, floatX* logits, float* losses, const int* targets, float dloss, int64_t N,
+                              int V, int Vp, bool write_dlogits, __nv_fp8_storage_t* q, float qscale, float* descale,
+                              cudaStream_t stream) {
+    constexpr int R = kClassifierRegisterPacks, S = kClassifierSharedPacks;
+    using Kernel = decltype(&fused_classifier_kernel<0, 0, false>);
+    const Kernel kernels[2][2] = {{fused_classifier_kernel<0, 0, false>, fused_classifier_kernel<R, S, false>},
+                                  {fused_classifier_kernel<0, 0, true>, fused_classifier_kernel<R, S, true>}};
+    kernels[fp8][Vp > kClassifierColumnStride]<<<unsigned(N), kClassifierBlock, 0, stream>>>(
+        logits, losses, targets, dloss, V, Vp, write_dlogits, q, qscale, descale);
+    cudaCheckLaunch();
+}
+}  // namespace detail
+
 // losses (N) = cross-entropy of each row of logits (N,Vp) against targets; with write_dlogits, logits is
 // replaced by dloss * d(loss)/d(logits) (dloss: the row's weight in the total, e.g. 1 / (B T accum)).
 inline void fused_classifier(floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V, int Vp,
@@ -266,15 +281,8 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     require_aligned16(logits, "fused_classifier: logits");
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier: V=%d is not in [1, Vp=%d]", V, Vp);
     if (N == 0) return;
-    const unsigned grid = unsigned(N);
-    if (Vp <= kClassifierColumnStride) {  // at most one pack per thread: nothing to hold
-        fused_classifier_kernel<0, 0>
-            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
-    } else {
-        fused_classifier_kernel<kClassifierRegisterPacks, kClassifierSharedPacks>
-            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
-    }
-    cudaCheckLaunch();
+    detail::launch_classifier(false, logits, losses, targets, dloss, N, V, Vp, write_dlogits, nullptr, 0.0f, nullptr,
+                              stream);
 }
 
 // losses as fused_classifier's (bitwise), dlogits into q (N,Vp) in E5M2 times 57344 / dloss (dloss > 0),
@@ -287,18 +295,9 @@ inline void fused_classifier_fp8(const floatX* logits, float* losses, const int*
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier_fp8: V=%d is not in [1, Vp=%d]", V, Vp);
     if (!(dloss > 0.0f) || !std::isfinite(dloss)) fail(kExitUsage, "fused_classifier_fp8: dloss=%g, need > 0", double(dloss));
     if (N == 0) return;
-    const unsigned grid = unsigned(N);
-    const float qscale = fp8_scale<__nv_fp8_e5m2>(dloss);
     floatX* x = const_cast<floatX*>(logits);  // only read with kFp8
-    auto* qb = reinterpret_cast<__nv_fp8_storage_t*>(q);
-    if (Vp <= kClassifierColumnStride) {
-        fused_classifier_kernel<0, 0, true>
-            <<<grid, kClassifierBlock, 0, stream>>>(x, losses, targets, dloss, V, Vp, true, qb, qscale, descale);
-    } else {
-        fused_classifier_kernel<kClassifierRegisterPacks, kClassifierSharedPacks, true>
-            <<<grid, kClassifierBlock, 0, stream>>>(x, losses, targets, dloss, V, Vp, true, qb, qscale, descale);
-    }
-    cudaCheckLaunch();
+    detail::launch_classifier(true, x, losses, targets, dloss, N, V, Vp, true, reinterpret_cast<__nv_fp8_storage_t*>(q),
+                              fp8_scale<__nv_fp8_e5m2>(dloss), descale, stream);
 }
 
 constexpr int kMeanLossBlock = 1024;
