@@ -359,6 +359,15 @@ static __global__ void target_logit_kernel(float* c, const floatX* lnf, const fl
     if (lane == 0) c[row] = acc;
 }
 
+// x (C values, C even) *= r, by one warp.
+__device__ inline void scale_row(float r, floatX* x, int C, int lane) {
+    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(x);
+    for (int k = lane; k < C / 2; k += 32) {
+        const float2 v = __bfloat1622float2(v2[k]);
+        v2[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
+    }
+}
+
 // Per row (one warp): s = 1 + the tiles' sums (a fixed tree), loss = log(s); with dloss > 0 also
 // Y[row, target] = 1 - s and lnf[row] *= dloss / s.
 static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
@@ -376,14 +385,7 @@ static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floa
         losses[row] = logf(s);
         if (dloss > 0.0f) y[row * Vp + targets[row]] = __float2bfloat16_rn(-tail);
     }
-    if (dloss > 0.0f) {
-        const float r = dloss / s;
-        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(lnf + row * C);
-        for (int k = lane; k < C / 2; k += 32) {
-            const float2 v = __bfloat1622float2(x[k]);
-            x[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
-        }
-    }
+    if (dloss > 0.0f) scale_row(dloss / s, lnf + row * C, C, lane);
 }
 
 // x[row] *= dloss / sums[row] (one warp a row).
@@ -391,12 +393,7 @@ static __global__ void scale_rows_kernel(floatX* x, const float* sums, float dlo
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float r = dloss / sums[row];
-    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(x + row * C);
-    for (int k = lane; k < C / 2; k += 32) {
-        const float2 v = __bfloat1622float2(v2[k]);
-        v2[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
-    }
+    scale_row(dloss / sums[row], x + row * C, C, lane);
 }
 
 // The TMA descriptor of a (rows, cols) row-major bf16 matrix in box_rows x box_cols swizzled boxes.
