@@ -140,26 +140,26 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
 }
 
 namespace detail {
-// The output's checks: bf16 out 16-byte aligned, or (fp8.q set) q 8-byte aligned and a scale.
-inline void check_layernorm_out(const char* fn, const floatX* out, const LayerNormFp8Out& fp8) {
+// The row launchers' checks: C and the inputs as check_layernorm_args; bf16 out 16-byte aligned, or (fp8.q
+// set) q 8-byte aligned and a scale; the packs a lane holds in registers 0 (read in each pass), or 3, 4 or
+// 7 covering C.
+inline void check_layernorm_rows(const char* fn, int C, std::initializer_list<const void*> inputs, const floatX* out,
+                                 const LayerNormFp8Out& fp8, int held) {
+    check_layernorm_args(fn, C, inputs);
     if (fp8.q == nullptr) {
         require_aligned16(out, fn);
-        return;
+    } else {
+        if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
+        if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) {
+            fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
+        }
     }
-    if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
-    if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
-}
-}  // namespace detail
-
-namespace detail {
-// A row kernel's packs held in registers: 0 (read in each pass), or enough for C (3, 4 or 7).
-inline void check_held_packs(const char* fn, int held, int C) {
     if (held != 0 && ((held != 3 && held != 4 && held != 7) || held * kWarpSize * kPackX < C)) {
         fail(kExitUsage, "%s: %d packs a lane held, need 0, or 3, 4 or 7 covering C = %d", fn, held, C);
     }
 }
 
-// f(std::integral_constant<int, P>{}) for the P that `held` names (check_held_packs).
+// f(std::integral_constant<int, P>{}) for the P that `held` names (checked by check_layernorm_rows).
 template <class F>
 void with_held_packs(int held, F&& f) {
     switch (held) {
@@ -174,9 +174,7 @@ void with_held_packs(int held, F&& f) {
 inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
                                    const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream,
                                    unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_args("layernorm_forward", C, {inp, weight, bias});
-    check_layernorm_out("layernorm_forward", out, fp8);
-    check_held_packs("layernorm_forward", held, C);
+    check_layernorm_rows("layernorm_forward", C, {inp, weight, bias}, out, fp8, held);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
     with_held_packs(held, [&](auto packs) {
@@ -241,9 +239,7 @@ inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, fl
                                                   const floatX* a, const floatX* b, const floatX* weight,
                                                   const floatX* bias, int64_t N, int C, cudaStream_t stream,
                                                   unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_args("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias});
-    check_layernorm_out("fused_residual_layernorm_forward", out, fp8);
-    check_held_packs("fused_residual_layernorm_forward", held, C);
+    check_layernorm_rows("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias}, out, fp8, held);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
     with_held_packs(held, [&](auto packs) {
