@@ -109,7 +109,11 @@ __global__ void fp8_cast_kernel(__nv_fp8_storage_t* q, const floatX* x, int64_t 
     }
 }
 
-// The grid of the kernels that take eight values a thread.
+// Whether the kernels that take eight values a thread apply (x 16-byte aligned, q 8-byte, n a multiple of 8),
+// and their grid.
+inline bool fp8_packable(const floatX* x, const void* q, int64_t n) {
+    return n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+}
 inline unsigned fp8_packed_grid(int64_t packs) {
     return unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(packs, kFp8Block), int64_t(kFp8Grid) * 4)));
 }
@@ -406,16 +410,14 @@ inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, int64_t blocks, cu
 // q = fp8(x * scale), scale from amax_bits (fp8_amax's, or a producer's); *descale = 1 / scale.
 template <class Fp8>
 void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
-    if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    if (detail::fp8_packable(x, q, n)) {
         const int64_t packs = n / kPackX;
-        const unsigned grid = detail::fp8_packed_grid(packs);
-        detail::fp8_cast_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(reinterpret_cast<uint2*>(q), x, packs,
-                                                                                    amax_bits, descale);
-        cudaCheckLaunch();
-        return;
+        detail::fp8_cast_packed_kernel<Fp8><<<detail::fp8_packed_grid(packs), detail::kFp8Block, 0, stream>>>(
+            reinterpret_cast<uint2*>(q), x, packs, amax_bits, descale);
+    } else {
+        detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
+            reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
     }
-    detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
-        reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
     cudaCheckLaunch();
 }
 
@@ -423,16 +425,14 @@ void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits,
 template <class Fp8>
 void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cudaStream_t stream) {
     if (n == 0) return;
-    if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    if (detail::fp8_packable(x, q, n)) {
         const int64_t packs = n / kPackX;
-        const unsigned grid = detail::fp8_packed_grid(packs);
-        detail::fp8_dequantize_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(
+        detail::fp8_dequantize_packed_kernel<Fp8><<<detail::fp8_packed_grid(packs), detail::kFp8Block, 0, stream>>>(
             x, reinterpret_cast<const uint2*>(q), packs, descale);
-        cudaCheckLaunch();
-        return;
+    } else {
+        detail::fp8_dequantize_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
+            x, reinterpret_cast<const __nv_fp8_storage_t*>(q), n, descale);
     }
-    detail::fp8_dequantize_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
-        x, reinterpret_cast<const __nv_fp8_storage_t*>(q), n, descale);
     cudaCheckLaunch();
 }
 
