@@ -36,11 +36,7 @@ measurements: docs/design.md, docs/lab-notes.md ("Flash attention").
 namespace llmc {
 
 // The blocks per SM that the backward kernels' registers are capped for; the same bits for any value.
-struct Flash90Tuning {
-    int kv_min_blocks;
-    int q_min_blocks;
-};
-constexpr Flash90Tuning kFlash90{3, 4};
+constexpr int kFlash90KvMinBlocks = 3, kFlash90QMinBlocks = 4;
 
 // The backward's FP8 output: dqkv in FP8 at a given scale in the two K-major layouts qkv's backward
 // matmuls read, with each 64-row block's column sums for the bias gradient.
@@ -427,7 +423,7 @@ static __global__ void __launch_bounds__(kWGThreads)
 
 // Out: void stores dqkv in bf16 (store_rows), an FP8 type through store_tile_fp8 into f8 instead.
 template <class Out>
-static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90KvMinBlocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
                         int T, int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
@@ -523,7 +519,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 
 // Out: as flash90_dkdv_kernel's.
 template <class Out>
-static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90QMinBlocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const floatX* out, const float* lse,
                       float* D, const __grid_constant__ CUtensorMap qkv_map,
                       const __grid_constant__ CUtensorMap dout_map, int T, int NH, float scale_log2, float scale,

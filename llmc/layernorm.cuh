@@ -594,11 +594,7 @@ inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, floa
             dinp, dres, partial, partial_dinp, dout, inp, weight, mean, rstd, N, C, amax);
     };
     auto with_sums = [&](auto p) {
-        if (partial_dinp != nullptr) {
-            launch(p, std::true_type{});
-        } else {
-            launch(p, std::false_type{});
-        }
+        partial_dinp != nullptr ? launch(p, std::true_type{}) : launch(p, std::false_type{});
     };
     switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
         case 1: with_sums(std::integral_constant<int, 1>{}); break;
@@ -616,13 +612,9 @@ inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, f
                                      stream>>>(dinp, dres, dout, inp, weight, mean, rstd, N, C, amax);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
-    if (partial_dinp != nullptr) {
-        layernorm_backward_partial_kernel<true>
-            <<<grid, kLayerNormBlock, 0, stream>>>(partial, partial_dinp, dout, inp, dinp, mean, rstd, N, C);
-    } else {
-        layernorm_backward_partial_kernel<false>
-            <<<grid, kLayerNormBlock, 0, stream>>>(partial, nullptr, dout, inp, dinp, mean, rstd, N, C);
-    }
+    auto* kernel =
+        partial_dinp != nullptr ? layernorm_backward_partial_kernel<true> : layernorm_backward_partial_kernel<false>;
+    kernel<<<grid, kLayerNormBlock, 0, stream>>>(partial, partial_dinp, dout, inp, dinp, mean, rstd, N, C);
     cudaCheckLaunch();
 }
 
@@ -651,16 +643,14 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     const int64_t chunks = layernorm_chunks(N);
     float* partial_dinp = next_dbias != nullptr ? scratch + chunks * 2 * C : nullptr;
     if (detail::layernorm_backward_fuses(C)) {
-        if (partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C)) {
-            // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
-            detail::layernorm_backward_rows_fused(dinp, dres, scratch, nullptr, dout, inp, weight, mean, rstd, N, C,
-                                                  stream, amax);
+        // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
+        const bool own_pass = partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C);
+        detail::layernorm_backward_rows_fused(dinp, dres, scratch, own_pass ? nullptr : partial_dinp, dout, inp, weight,
+                                              mean, rstd, N, C, stream, amax);
+        if (own_pass) {
             bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);
             next_dbias = nullptr;
             partial_dinp = nullptr;
-        } else {
-            detail::layernorm_backward_rows_fused(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
-                                                  C, stream, amax);
         }
     } else {
         detail::layernorm_backward_rows_separate(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
