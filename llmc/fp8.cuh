@@ -109,15 +109,6 @@ __global__ void fp8_cast_kernel(__nv_fp8_storage_t* q, const floatX* x, int64_t 
     }
 }
 
-// Whether the kernels that take eight values a thread apply (x 16-byte aligned, q 8-byte, n a multiple of 8),
-// and their grid.
-inline bool fp8_packable(const floatX* x, const void* q, int64_t n) {
-    return n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0;
-}
-inline unsigned fp8_packed_grid(int64_t packs) {
-    return unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(packs, kFp8Block), int64_t(kFp8Grid) * 4)));
-}
-
 // Eight values a thread: x 16-byte aligned, q 8-byte aligned, n a multiple of 8.
 template <class Fp8>
 __global__ void fp8_cast_packed_kernel(uint2* q, const floatX* x, int64_t packs, const unsigned int* amax_bits,
@@ -410,10 +401,12 @@ inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, int64_t blocks, cu
 // q = fp8(x * scale), scale from amax_bits (fp8_amax's, or a producer's); *descale = 1 / scale.
 template <class Fp8>
 void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
-    if (detail::fp8_packable(x, q, n)) {
+    if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
         const int64_t packs = n / kPackX;
-        detail::fp8_cast_packed_kernel<Fp8><<<detail::fp8_packed_grid(packs), detail::kFp8Block, 0, stream>>>(
-            reinterpret_cast<uint2*>(q), x, packs, amax_bits, descale);
+        const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(packs, detail::kFp8Block),
+                                                                             int64_t(detail::kFp8Grid) * 4)));
+        detail::fp8_cast_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(reinterpret_cast<uint2*>(q), x, packs,
+                                                                                    amax_bits, descale);
     } else {
         detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
             reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
@@ -425,9 +418,11 @@ void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits,
 template <class Fp8>
 void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cudaStream_t stream) {
     if (n == 0) return;
-    if (detail::fp8_packable(x, q, n)) {
+    if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
         const int64_t packs = n / kPackX;
-        detail::fp8_dequantize_packed_kernel<Fp8><<<detail::fp8_packed_grid(packs), detail::kFp8Block, 0, stream>>>(
+        const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>(ceil_div<int64_t>(packs, detail::kFp8Block),
+                                                                             int64_t(detail::kFp8Grid) * 4)));
+        detail::fp8_dequantize_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(
             x, reinterpret_cast<const uint2*>(q), packs, descale);
     } else {
         detail::fp8_dequantize_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
@@ -555,12 +550,6 @@ __global__ void fp8_history_push_kernel(float* history, int slots, int len, cons
     if (outgrown != nullptr && ref > 0.0f && isfinite(a) && a > ref * kFp8Saturated) atomicAdd(outgrown, 1.0f);
 }
 
-inline void check_history(const char* fn, int slots, int len, int stride) {
-    if (slots < 1 || len < 1 || stride < 1) {
-        fail(kExitUsage, "%s: %d slots of %d entries, stride %d; need all >= 1", fn, slots, len, stride);
-    }
-}
-
 }  // namespace detail
 
 // Delayed scaling, for an FP8 tensor written by a kernel that needs its scale before it knows the amax
@@ -575,14 +564,18 @@ inline void check_history(const char* fn, int slots, int len, int stride) {
 template <class Fp8>
 void fp8_delayed_scales(const float* history, int slots, int len, float* scale, float* descale, int stride,
                         cudaStream_t stream) {
-    detail::check_history("fp8_delayed_scales", slots, len, stride);
+    if (slots < 1 || len < 1 || stride < 1) {
+        fail(kExitUsage, "fp8_delayed_scales: %d slots of %d entries, stride %d; need all >= 1", slots, len, stride);
+    }
     detail::fp8_delayed_scale_kernel<Fp8><<<unsigned(ceil_div(slots, 128)), 128, 0, stream>>>(history, slots, len, scale,
                                                                                              descale, stride);
     cudaCheckLaunch();
 }
 inline void fp8_history_push(float* history, int slots, int len, const float* amax, int stride, float* count,
                              cudaStream_t stream, float* outgrown = nullptr) {
-    detail::check_history("fp8_history_push", slots, len, stride);
+    if (slots < 1 || len < 1 || stride < 1) {
+        fail(kExitUsage, "fp8_history_push: %d slots of %d entries, stride %d; need all >= 1", slots, len, stride);
+    }
     detail::fp8_history_push_kernel<<<unsigned(ceil_div(slots, 128)), 128, 0, stream>>>(history, slots, len, amax, stride,
                                                                                           count, outgrown);
     cudaCheckLaunch();
