@@ -22,6 +22,7 @@ reproducible. Vp must be a multiple of 8; targets are trusted (the data loader c
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/flash_common.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/utils.h"
 
@@ -41,17 +42,10 @@ constexpr int kClassifierSharedPacks = 5;
 
 namespace detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^a by one MUFU.EX2 (exp2f adds range fix-ups); denormals flush to 0, 2^-inf = 0.
-__device__ inline float fast_exp2(float a) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
+// e^(x - m) for x <= m by one ex2; x - m of bf16 values is exact in fp32 where it matters.
+__device__ inline float exp_shifted(float x, float m) {
+    return flash_common::exp2_fast((x - m) * flash_common::kLog2e);
 }
-
-// e^(x - m) for x <= m; x - m of bf16 values is exact in fp32 where it matters.
-__device__ inline float exp_shifted(float x, float m) { return fast_exp2((x - m) * kLog2e); }
 
 // A pack of 8 bf16 logits as four 32-bit words (column 2i in the low half of word i).
 struct alignas(16) LogitPack {
