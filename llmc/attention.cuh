@@ -103,17 +103,23 @@ inline size_t attention_scratch_bytes(int B, int NH, int T, int HS) {
 constexpr int kAttentionBlock = 256;
 constexpr int kAttentionRowsPerBlock = kAttentionBlock / kWarpSize;
 
+// Where element i of a (B,NH,T,HS) tensor sits in a (B,T,...) one with `row` elements a (b, t) row and
+// head h at h * HS.
+__device__ inline int64_t attention_row_offset(int64_t i, int T, int NH, int HS, int64_t row) {
+    const int d = int(i % HS);
+    const int t = int((i / HS) % T);
+    const int h = int((i / (int64_t(HS) * T)) % NH);
+    const int b = int(i / (int64_t(HS) * T * NH));
+    return (int64_t(b) * T + t) * row + int64_t(h) * HS + d;
+}
+
 // qkv (B,T,3,NH,HS) -> q, k, v (B,NH,T,HS); one thread per 8 elements of each.
 static __global__ void attention_split_qkv_kernel(floatX* q, floatX* k, floatX* v, const floatX* qkv, int B, int T,
                                                   int NH, int HS) {
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
     const int64_t C = int64_t(NH) * HS;
     if (i >= int64_t(B) * T * C) return;
-    const int d = int(i % HS);
-    const int t = int((i / HS) % T);
-    const int h = int((i / (int64_t(HS) * T)) % NH);
-    const int b = int(i / (int64_t(HS) * T * NH));
-    const floatX* src = qkv + (int64_t(b) * T + t) * 3 * C + int64_t(h) * HS + d;
+    const floatX* src = qkv + attention_row_offset(i, T, NH, HS, 3 * C);
     store128(q + i, load128(src));
     store128(k + i, load128(src + C));
     store128(v + i, load128(src + 2 * C));
@@ -125,11 +131,7 @@ static __global__ void attention_heads_kernel(floatX* dst, const floatX* src, in
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;  // index in (B,NH,T,HS)
     const int64_t C = int64_t(NH) * HS;
     if (i >= int64_t(B) * T * C) return;
-    const int d = int(i % HS);
-    const int t = int((i / HS) % T);
-    const int h = int((i / (int64_t(HS) * T)) % NH);
-    const int b = int(i / (int64_t(HS) * T * NH));
-    const int64_t j = (int64_t(b) * T + t) * C + int64_t(h) * HS + d;  // index in (B,T,NH,HS)
+    const int64_t j = attention_row_offset(i, T, NH, HS, C);  // index in (B,T,NH,HS)
     if (to_heads) {
         store128(dst + i, load128(src + j));
     } else {
@@ -143,11 +145,7 @@ static __global__ void attention_merge_dqkv_kernel(floatX* dqkv, const floatX* d
     const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
     const int64_t C = int64_t(NH) * HS;
     if (i >= int64_t(B) * T * C) return;
-    const int d = int(i % HS);
-    const int t = int((i / HS) % T);
-    const int h = int((i / (int64_t(HS) * T)) % NH);
-    const int b = int(i / (int64_t(HS) * T * NH));
-    floatX* dst = dqkv + (int64_t(b) * T + t) * 3 * C + int64_t(h) * HS + d;
+    floatX* dst = dqkv + attention_row_offset(i, T, NH, HS, 3 * C);
     store128(dst, load128(dq + i));
     store128(dst + C, load128(dk + i));
     store128(dst + 2 * C, load128(dv + i));
@@ -213,10 +211,7 @@ inline void attention_forward_cublaslt(const CublasLt& lt, floatX* out, floatX* 
     detail::check_attention_args(fn, B, T, C, NH);
     const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
     detail::check_size(fn, "scratch", scratch_bytes, s.total, B, T, C, NH);
-    require_aligned16(out, "attention_forward_cublaslt: out");
-    require_aligned16(att, "attention_forward_cublaslt: att");
-    require_aligned16(qkv, "attention_forward_cublaslt: qkv");
-    require_aligned16(scratch, "attention_forward_cublaslt: scratch");
+    require_aligned16_each(fn, {{"out", out}, {"att", att}, {"qkv", qkv}, {"scratch", scratch}});
     const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
     const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
     const int block = 256;
@@ -243,11 +238,7 @@ inline void attention_backward_cublaslt(const CublasLt& lt, floatX* dqkv, const 
     detail::check_attention_args(fn, B, T, C, NH);
     const detail::AttentionScratch s = detail::attention_scratch_layout(scratch, B, T, C, NH);
     detail::check_size(fn, "scratch", scratch_bytes, s.total, B, T, C, NH);
-    require_aligned16(dqkv, "attention_backward_cublaslt: dqkv");
-    require_aligned16(dout, "attention_backward_cublaslt: dout");
-    require_aligned16(qkv, "attention_backward_cublaslt: qkv");
-    require_aligned16(att, "attention_backward_cublaslt: att");
-    require_aligned16(scratch, "attention_backward_cublaslt: scratch");
+    require_aligned16_each(fn, {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"att", att}, {"scratch", scratch}});
     const int HS = C / NH, Tp = attention_padded_len(T), BNH = B * NH;
     const int64_t head = int64_t(T) * HS, square = int64_t(T) * Tp, rows = int64_t(BNH) * T;
     const int block = 256;

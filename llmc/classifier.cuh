@@ -22,6 +22,7 @@ reproducible. Vp must be a multiple of 8; targets are trusted (the data loader c
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
+#include "llmc/flash_common.cuh"
 #include "llmc/fp8.cuh"
 #include "llmc/utils.h"
 
@@ -41,17 +42,10 @@ constexpr int kClassifierSharedPacks = 5;
 
 namespace detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^a by one MUFU.EX2 (exp2f adds range fix-ups); denormals flush to 0, 2^-inf = 0.
-__device__ inline float fast_exp2(float a) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
+// e^(x - m) for x <= m by one ex2; x - m of bf16 values is exact in fp32 where it matters.
+__device__ inline float exp_shifted(float x, float m) {
+    return flash_common::exp2_fast((x - m) * flash_common::kLog2e);
 }
-
-// e^(x - m) for x <= m; x - m of bf16 values is exact in fp32 where it matters.
-__device__ inline float exp_shifted(float x, float m) { return fast_exp2((x - m) * kLog2e); }
 
 // A pack of 8 bf16 logits as four 32-bit words (column 2i in the low half of word i).
 struct alignas(16) LogitPack {
@@ -231,45 +225,47 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     const int target = targets[row];
     if constexpr (kFp8) {
         if (row == 0 && threadIdx.x == 0) *descale = 1.0f / qscale;
-        __nv_fp8_storage_t* qt = q + row * Vp + c0;
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (c0 + j * kStride < Vp) {
-                detail::store_grad_pack_fp8(qt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss, qscale);
-            }
+    }
+    const auto store = [&](int c, const detail::LogitPack& p) {
+        if constexpr (kFp8) {
+            detail::store_grad_pack_fp8(q + row * Vp + c, p, c, m, scale, target, dloss, qscale);
+        } else {
+            detail::store_grad_pack(x + c, p, c, m, scale, target, dloss);
         }
+    };
 #pragma unroll
-        for (int j = 0; j < S; j++) {
-            if (c0 + (R + j) * kStride < Vp) {
-                detail::store_grad_pack_fp8(qt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale,
-                                            target, dloss, qscale);
-            }
-        }
+    for (int j = 0; j < R; j++) {
+        if (c0 + j * kStride < Vp) store(c0 + j * kStride, held[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < S; j++) {
+        if (c0 + (R + j) * kStride < Vp) store(c0 + (R + j) * kStride, stashed(j));
+    }
 #pragma unroll 1
-        for (int c = c_streamed; c < Vp; c += kStride) {
+    for (int c = c_streamed; c < Vp; c += kStride) {
+        if constexpr (kFp8) {  // spelled out: through store() the compiler orders the address arithmetic otherwise
             detail::store_grad_pack_fp8(q + row * Vp + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss,
                                         qscale);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < R; j++) {
-            if (c0 + j * kStride < Vp) {
-                detail::store_grad_pack(xt + j * kStride, held[j], c0 + j * kStride, m, scale, target, dloss);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < S; j++) {
-            if (c0 + (R + j) * kStride < Vp) {
-                detail::store_grad_pack(xt + (R + j) * kStride, stashed(j), c0 + (R + j) * kStride, m, scale, target,
-                                        dloss);
-            }
-        }
-#pragma unroll 1
-        for (int c = c_streamed; c < Vp; c += kStride) {
-            detail::store_grad_pack(x + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss);
+        } else {
+            store(c, detail::load_logit_pack(x, c, V));
         }
     }
 }
+
+namespace detail {
+// The kernel's launch, a block a row (kFp8 = fp8): the held packs only where a row has more than one pack a thread.
+inline void launch_classifier(bool fp8, floatX* logits, float* losses, const int* targets, float dloss, int64_t N,
+                              int V, int Vp, bool write_dlogits, __nv_fp8_storage_t* q, float qscale, float* descale,
+                              cudaStream_t stream) {
+    constexpr int R = kClassifierRegisterPacks, S = kClassifierSharedPacks;
+    using Kernel = decltype(&fused_classifier_kernel<0, 0, false>);
+    const Kernel kernels[2][2] = {{fused_classifier_kernel<0, 0, false>, fused_classifier_kernel<R, S, false>},
+                                  {fused_classifier_kernel<0, 0, true>, fused_classifier_kernel<R, S, true>}};
+    kernels[fp8][Vp > kClassifierColumnStride]<<<unsigned(N), kClassifierBlock, 0, stream>>>(
+        logits, losses, targets, dloss, V, Vp, write_dlogits, q, qscale, descale);
+    cudaCheckLaunch();
+}
+}  // namespace detail
 
 // losses (N) = cross-entropy of each row of logits (N,Vp) against targets; with write_dlogits, logits is
 // replaced by dloss * d(loss)/d(logits) (dloss: the row's weight in the total, e.g. 1 / (B T accum)).
@@ -279,15 +275,8 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     require_aligned16(logits, "fused_classifier: logits");
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier: V=%d is not in [1, Vp=%d]", V, Vp);
     if (N == 0) return;
-    const unsigned grid = unsigned(N);
-    if (Vp <= kClassifierColumnStride) {  // at most one pack per thread: nothing to hold
-        fused_classifier_kernel<0, 0>
-            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
-    } else {
-        fused_classifier_kernel<kClassifierRegisterPacks, kClassifierSharedPacks>
-            <<<grid, kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss, V, Vp, write_dlogits);
-    }
-    cudaCheckLaunch();
+    detail::launch_classifier(false, logits, losses, targets, dloss, N, V, Vp, write_dlogits, nullptr, 0.0f, nullptr,
+                              stream);
 }
 
 // losses as fused_classifier's (bitwise), dlogits into q (N,Vp) in E5M2 times 57344 / dloss (dloss > 0),
@@ -300,18 +289,9 @@ inline void fused_classifier_fp8(const floatX* logits, float* losses, const int*
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier_fp8: V=%d is not in [1, Vp=%d]", V, Vp);
     if (!(dloss > 0.0f) || !std::isfinite(dloss)) fail(kExitUsage, "fused_classifier_fp8: dloss=%g, need > 0", double(dloss));
     if (N == 0) return;
-    const unsigned grid = unsigned(N);
-    const float qscale = fp8_scale<__nv_fp8_e5m2>(dloss);
     floatX* x = const_cast<floatX*>(logits);  // only read with kFp8
-    auto* qb = reinterpret_cast<__nv_fp8_storage_t*>(q);
-    if (Vp <= kClassifierColumnStride) {
-        fused_classifier_kernel<0, 0, true>
-            <<<grid, kClassifierBlock, 0, stream>>>(x, losses, targets, dloss, V, Vp, true, qb, qscale, descale);
-    } else {
-        fused_classifier_kernel<kClassifierRegisterPacks, kClassifierSharedPacks, true>
-            <<<grid, kClassifierBlock, 0, stream>>>(x, losses, targets, dloss, V, Vp, true, qb, qscale, descale);
-    }
-    cudaCheckLaunch();
+    detail::launch_classifier(true, x, losses, targets, dloss, N, V, Vp, true, reinterpret_cast<__nv_fp8_storage_t*>(q),
+                              fp8_scale<__nv_fp8_e5m2>(dloss), descale, stream);
 }
 
 constexpr int kMeanLossBlock = 1024;

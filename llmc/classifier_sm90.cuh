@@ -45,8 +45,7 @@ struct Classifier90Scratch {
 
 namespace classifier90_detail {
 
-using flash_common::pack_bf16;
-using flash_common::smem_addr;
+using namespace flash_common;
 
 constexpr int kBM = 128;            // output rows per tile (64 per consumer warpgroup)
 constexpr int kBN = 256;            // output columns per tile (wte rows)
@@ -61,7 +60,6 @@ constexpr int kOutBoxBytes = 64 * kOutBox * 2; // 8 KiB
 constexpr int kOutWGBytes = 64 * kBN * 2;      // 32 KiB: one consumer's 64 x 256 block, 4 boxes
 constexpr int kSmemData = kStages * (kABytes + kBBytes) + 2 * kOutWGBytes;
 constexpr int kSmem = kSmemData + 1024 + 2 * kStages * 8;  // + alignment slack + the barriers
-constexpr float kExpLog2e = 1.4426950408889634f;
 
 // ------------------------------------------------------------------------------------------------
 // Device helpers (sm_90a).
@@ -134,6 +132,11 @@ __device__ inline void fence_acc(float (&d)[128]) {
     for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Accumulator registers d[i..i+7] as inline-asm operands, read and written.
+#define CLS90_ACC8(i)                                                                                             \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),     \
+        "+f"(d[i + 7])
+
 // d (64 x 256 fp32) += A (64 x 16, K-major, shared) * B (256 x 16, K-major); d = A * B when scale_d is 0.
 __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
 #if CLASSIFIER90_DEVICE
@@ -152,25 +155,14 @@ __device__ inline void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
         "%128, %129, p, 1, 1, 0, 0;\n"
         "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : CLS90_ACC8(0), CLS90_ACC8(8), CLS90_ACC8(16), CLS90_ACC8(24), CLS90_ACC8(32), CLS90_ACC8(40), CLS90_ACC8(48),
+          CLS90_ACC8(56), CLS90_ACC8(64), CLS90_ACC8(72), CLS90_ACC8(80), CLS90_ACC8(88), CLS90_ACC8(96),
+          CLS90_ACC8(104), CLS90_ACC8(112), CLS90_ACC8(120)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
+
+#undef CLS90_ACC8
 
 // Tile t of the order: groups of kGroupM row blocks, the row block fastest inside a group.
 __device__ inline void tile_coords(int t, int m_tiles, int n_tiles, int& m_blk, int& n_blk) {
@@ -179,12 +171,6 @@ __device__ inline void tile_coords(int t, int m_tiles, int n_tiles, int& m_blk, 
     const int first = group * kGroupM, rows = min(kGroupM, m_tiles - first);
     m_blk = first + within % rows;
     n_blk = within / rows;
-}
-
-__device__ inline float ex2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // The exp epilogue on one of a thread's two rows: d = e^(x - c) (flushed to 0 below 2^-126), 0 at the
@@ -197,7 +183,7 @@ __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, 
         for (int j = 0; j < 32; j++) {
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const float y = ex2_ftz(fmaf(d[4 * j + 2 * Half + e], kExpLog2e, -c2));
+                const float y = exp2_fast(fmaf(d[4 * j + 2 * Half + e], kLog2e, -c2));
                 s += y;
                 d[4 * j + 2 * Half + e] = y;
             }
@@ -209,7 +195,7 @@ __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, 
             for (int e = 0; e < 2; e++) {
                 const int col = col_base + 8 * j + e;
                 const float y =
-                    (col < V && col != target) ? ex2_ftz(fmaf(d[4 * j + 2 * Half + e], kExpLog2e, -c2)) : 0.0f;
+                    (col < V && col != target) ? exp2_fast(fmaf(d[4 * j + 2 * Half + e], kLog2e, -c2)) : 0.0f;
                 s += y;
                 d[4 * j + 2 * Half + e] = y;
             }
@@ -283,8 +269,8 @@ static __global__ void __launch_bounds__(kThreads, 1)
         float c2_0 = 0.0f, c2_1 = 0.0f;
         int tg0 = 0, tg1 = 0;
         if constexpr (Exp) {
-            c2_0 = offsets[row0] * kExpLog2e;
-            c2_1 = offsets[row1] * kExpLog2e;
+            c2_0 = offsets[row0] * kLog2e;
+            c2_1 = offsets[row1] * kLog2e;
             tg0 = targets[row0];
             tg1 = targets[row1];
         }
@@ -373,6 +359,15 @@ static __global__ void target_logit_kernel(float* c, const floatX* lnf, const fl
     if (lane == 0) c[row] = acc;
 }
 
+// x (C values, C even) *= r, by one warp.
+__device__ inline void scale_row(float r, floatX* x, int C, int lane) {
+    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(x);
+    for (int k = lane; k < C / 2; k += 32) {
+        const float2 v = __bfloat1622float2(v2[k]);
+        v2[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
+    }
+}
+
 // Per row (one warp): s = 1 + the tiles' sums (a fixed tree), loss = log(s); with dloss > 0 also
 // Y[row, target] = 1 - s and lnf[row] *= dloss / s.
 static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floatX* lnf, const float* partial,
@@ -390,14 +385,7 @@ static __global__ void finish_kernel(floatX* y, float* losses, float* sums, floa
         losses[row] = logf(s);
         if (dloss > 0.0f) y[row * Vp + targets[row]] = __float2bfloat16_rn(-tail);
     }
-    if (dloss > 0.0f) {
-        const float r = dloss / s;
-        __nv_bfloat162* x = reinterpret_cast<__nv_bfloat162*>(lnf + row * C);
-        for (int k = lane; k < C / 2; k += 32) {
-            const float2 v = __bfloat1622float2(x[k]);
-            x[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
-        }
-    }
+    if (dloss > 0.0f) scale_row(dloss / s, lnf + row * C, C, lane);
 }
 
 // x[row] *= dloss / sums[row] (one warp a row).
@@ -405,12 +393,7 @@ static __global__ void scale_rows_kernel(floatX* x, const float* sums, float dlo
     const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float r = dloss / sums[row];
-    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(x + row * C);
-    for (int k = lane; k < C / 2; k += 32) {
-        const float2 v = __bfloat1622float2(v2[k]);
-        v2[k] = __floats2bfloat162_rn(v.x * r, v.y * r);
-    }
+    scale_row(dloss / sums[row], x + row * C, C, lane);
 }
 
 // The TMA descriptor of a (rows, cols) row-major bf16 matrix in box_rows x box_cols swizzled boxes.

@@ -44,17 +44,17 @@ __device__ inline void cp_async16(void* dst, const void* src, bool valid) {
                  : "memory");
 }
 
-__device__ inline void cp_async_wait_all() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
 // The pipelined kernels commit each step's copies as a group and wait for all but the newest N groups.
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int N>
 __device__ inline void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ inline void cp_async_wait_all() {
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 __device__ inline void ldsm_x4(uint32_t (&r)[4], const floatX* p) {
@@ -163,12 +163,7 @@ __device__ inline void mma_acc_by_tile(float (&acc)[MT][HS / 8][4], const float 
     for (int kk = 0; kk < K / 16; kk++) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            a[mt][0] = pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-            a[mt][1] = pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-            a[mt][2] = pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-            a[mt][3] = pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-        }
+        for (int mt = 0; mt < MT; mt++) acc_frag(a[mt], p[mt], kk);
 #pragma unroll
         for (int np = 0; np < HS / 16; np++) {
             uint32_t b[4];
@@ -180,18 +175,6 @@ __device__ inline void mma_acc_by_tile(float (&acc)[MT][HS / 8][4], const float 
             }
         }
     }
-}
-
-template <int N>
-__device__ inline void zero(float (&acc)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-}
-
-template <int M, int N>
-__device__ inline void zero(float (&acc)[M][N][4]) {
-#pragma unroll
-    for (int i = 0; i < M; i++) zero(acc[i]);
 }
 
 // Key block j's K and V tiles (kBlockN rows each) into dst (K) and dst + one tile (V), as async copies.
@@ -536,9 +519,7 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
     static_assert(MT == 1 || (MT == 2 && HS == 64), "two row tiles per warp only for HS 64");
     using namespace flash_detail;
     check_args("flash_forward", B, T, NH);
-    require_aligned16(out, "flash_forward: out");
-    require_aligned16(lse, "flash_forward: lse");
-    require_aligned16(qkv, "flash_forward: qkv");
+    require_aligned16_each("flash_forward", {{"out", out}, {"lse", lse}, {"qkv", qkv}});
     allow_smem(flash_fwd_kernel<HS, Pipe, MT>, fwd_smem<HS, Pipe, MT>());
     const float scale_log2 = kLog2e / sqrtf(float(HS));
     const dim3 grid(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
@@ -559,12 +540,8 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
                   "two row tiles per warp only for HS 64");
     using namespace flash_detail;
     check_args("flash_backward", B, T, NH);
-    require_aligned16(dqkv, "flash_backward: dqkv");
-    require_aligned16(dout, "flash_backward: dout");
-    require_aligned16(qkv, "flash_backward: qkv");
-    require_aligned16(out, "flash_backward: out");
-    require_aligned16(lse, "flash_backward: lse");
-    require_aligned16(D, "flash_backward: D");
+    require_aligned16_each("flash_backward",
+                           {{"dqkv", dqkv}, {"dout", dout}, {"qkv", qkv}, {"out", out}, {"lse", lse}, {"D", D}});
     flash_backward_dot<HS>(D, out, dout, B, T, NH, stream);
     allow_smem(flash_bwd_dkdv_kernel<HS, Pipe, MT>, dkdv_smem<HS, Pipe, MT>());
     allow_smem(flash_bwd_dq_kernel<HS, PipeQ, MTQ>, dq_smem<HS, PipeQ, MTQ>());

@@ -36,11 +36,7 @@ measurements: docs/design.md, docs/lab-notes.md ("Flash attention").
 namespace llmc {
 
 // The blocks per SM that the backward kernels' registers are capped for; the same bits for any value.
-struct Flash90Tuning {
-    int kv_min_blocks;
-    int q_min_blocks;
-};
-constexpr Flash90Tuning kFlash90{3, 4};
+constexpr int kFlash90KvMinBlocks = 3, kFlash90QMinBlocks = 4;
 
 // The backward's FP8 output: dqkv in FP8 at a given scale in the two K-major layouts qkv's backward
 // matmuls read, with each 64-row block's column sums for the bias gradient.
@@ -153,12 +149,7 @@ __device__ inline void loads_step(int step, int n_steps, uint64_t (&bars)[3], in
 // A fragments of the four k-steps from a 64 x 64 fp32 accumulator (D layout = A layout in bf16 pairs).
 __device__ inline void acc_to_a(uint32_t (&a)[4][4], const float (&d)[8][4]) {
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        a[kk][0] = pack_bf16(d[2 * kk][0], d[2 * kk][1]);
-        a[kk][1] = pack_bf16(d[2 * kk][2], d[2 * kk][3]);
-        a[kk][2] = pack_bf16(d[2 * kk + 1][0], d[2 * kk + 1][1]);
-        a[kk][3] = pack_bf16(d[2 * kk + 1][2], d[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < 4; kk++) acc_frag(a[kk], d, kk);
 }
 
 // Shared-memory matrix descriptor of a swizzled tile (128-byte swizzle, 8-row groups 1024 bytes apart);
@@ -262,11 +253,6 @@ __device__ inline void products(float (&d0)[8][4], const A0& a0, const uint8_t* 
 template <bool MNMajor, class A>
 __device__ inline void product(float (&d)[8][4], const A& a, const uint8_t* b) {
     products<MNMajor>(d, a, b, d, a, nullptr);
-}
-
-__device__ inline void zero8(float (&d)[8][4]) {
-#pragma unroll
-    for (int i = 0; i < 8; i++) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.0f;
 }
 
 // Shared memory of each kernel (plus kAlign). Forward: Q and two K, V pairs; dQ: Q, dO and two K, V
@@ -411,14 +397,14 @@ static __global__ void __launch_bounds__(kWGThreads)
 
     uint32_t pa[4][4];
     float o[8][4], s[1][8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    zero8(o);
+    zero(o);
     const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
         loads_step(j, n_blocks, bars, tid, load_kv, nothing);
         if (k0 > wlast) continue;  // every key after every query of this block
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
-        zero8(s[0]);
+        zero(s[0]);
         product<false>(s[0], SmemA{sQ}, sK);
         if (k0 + kRows - 1 > q0 || k0 + kRows > T) {
             mask_block<1, kRows>(s, row0, k0, -INFINITY, lane, [T](int r, int c) { return c <= r && c < T; });
@@ -437,7 +423,7 @@ static __global__ void __launch_bounds__(kWGThreads)
 
 // Out: void stores dqkv in bf16 (store_rows), an FP8 type through store_tile_fp8 into f8 instead.
 template <class Out>
-static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90KvMinBlocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
                         int T, int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
@@ -481,8 +467,8 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 
     uint32_t pa[4][4], da[4][4];
     float dk[8][4], dv[8][4], st[1][8][4], dpt[8][4];
-    zero8(dk);
-    zero8(dv);
+    zero(dk);
+    zero(dv);
     for (int i = i0; i < n_qblocks; i++) {
         const int q0 = i * kRows, buf = (i - i0) & 1;
         loads_step(i - i0, n_qblocks - i0, bars, tid, load_tiles, load_lse_d);
@@ -492,8 +478,8 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
         const float* sL = sLD + buf * 2 * kRows;
         const float* sD = sL + kRows;
 
-        zero8(st[0]);
-        zero8(dpt);
+        zero(st[0]);
+        zero(dpt);
         products<false>(st[0], SmemA{sK}, sQ, dpt, SmemA{sV}, sdO);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int c) {
             st[0][nt][e] = exp2_fast(fmaf(st[0][nt][e], scale_log2, -sL[c]));
@@ -533,7 +519,7 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.kv_min_blocks)
 
 // Out: as flash90_dkdv_kernel's.
 template <class Out>
-static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
+static __global__ void __launch_bounds__(kWGThreads, kFlash90QMinBlocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const floatX* out, const float* lse,
                       float* D, const __grid_constant__ CUtensorMap qkv_map,
                       const __grid_constant__ CUtensorMap dout_map, int T, int NH, float scale_log2, float scale,
@@ -599,15 +585,15 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90.q_min_blocks)
 
     uint32_t da[4][4];
     float dq[8][4], s[1][8][4], dp[8][4];
-    zero8(dq);
+    zero(dq);
     const int n_blocks = ceil_div(min(T, q0 + kRows), kRows);
     for (int j = 0; j < n_blocks; j++) {
         const int k0 = j * kRows, buf = j & 1;
         loads_step(j, n_blocks, bars, tid, load_kv, nothing);
         if (k0 > wlast) continue;
         const uint8_t* sK = sKV + buf * 2 * kTileBytes;
-        zero8(s[0]);
-        zero8(dp);
+        zero(s[0]);
+        zero(dp);
         products<false>(s[0], SmemA{sQ}, sK, dp, SmemA{sdO}, sK + kTileBytes);
         for_each_element<1, kRows>(lane, [&](int, int nt, int e, int, int) {
             s[0][nt][e] = exp2_fast(fmaf(s[0][nt][e], scale_log2, -lse2[e >> 1]));
@@ -662,9 +648,7 @@ inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, i
     using namespace flash90_detail;
     if (!flash90_available()) fail(kExitUsage, "flash90_forward: needs a build for sm_90a and a compute 9.0 GPU");
     check_args("flash90_forward", B, T, NH);
-    require_aligned16(out, "flash90_forward: out");
-    require_aligned16(lse, "flash90_forward: lse");
-    require_aligned16(qkv, "flash90_forward: qkv");
+    require_aligned16_each("flash90_forward", {{"out", out}, {"lse", lse}, {"qkv", qkv}});
     const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
     allow_smem(flash90_fwd_kernel, kSmemFwd);
     const float scale_log2 = kLog2e / sqrtf(float(kHS));
@@ -687,11 +671,7 @@ inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, co
         require_aligned16(sums, "flash90_backward: sums");
     }
     if (dqkv != nullptr) require_aligned16(dqkv, "flash90_backward: dqkv");
-    require_aligned16(dout, "flash90_backward: dout");
-    require_aligned16(qkv, "flash90_backward: qkv");
-    require_aligned16(out, "flash90_backward: out");
-    require_aligned16(lse, "flash90_backward: lse");
-    require_aligned16(D, "flash90_backward: D");
+    require_aligned16_each("flash90_backward", {{"dout", dout}, {"qkv", qkv}, {"out", out}, {"lse", lse}, {"D", D}});
     const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
     const CUtensorMap dout_map = rows_tensor_map(dout, int64_t(NH) * kHS, T, B, "dout");
     allow_smem(flash90_dkdv_kernel<Out>, kSmemDkdv);
@@ -729,9 +709,7 @@ inline void flash90_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, con
     if (f.q == nullptr || f.qt == nullptr || f.sums == nullptr || f.scale == nullptr) {
         fail(kExitUsage, "%s: the FP8 output needs q, qt, sums and scale", fn);
     }
-    require_aligned16(f.q, "flash90_backward_fp8: q");
-    require_aligned16(f.qt, "flash90_backward_fp8: qt");
-    require_aligned16(f.sums, "flash90_backward_fp8: sums");
+    require_aligned16_each(fn, {{"q", f.q}, {"qt", f.qt}, {"sums", f.sums}});
     backward_launch<G>(fn, nullptr, dout, qkv, out, lse, B, T, NH, D, stream, nullptr, nullptr, f);
 }
 

@@ -10,12 +10,23 @@ g + 8), which is also wgmma's per-warp m64 layout.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/utils.h"
 
 namespace llmc {
+
+// require_aligned16 of each named pointer, the error naming "fn: name".
+inline void require_aligned16_each(const char* fn, std::initializer_list<std::pair<const char*, const void*>> named) {
+    for (const auto& [name, p] : named) {
+        if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+            fail(kExitUsage, "%s: %s: pointer %p is not 16-byte aligned", fn, name, p);
+        }
+    }
+}
 
 namespace flash_common {
 
@@ -27,6 +38,27 @@ __device__ inline uint32_t pack_bf16(float lo, float hi) {
     uint32_t r;
     memcpy(&r, &v, sizeof(r));
     return r;
+}
+
+// A fragment (16x16 bf16) of k-step kk from fp32 accumulators p in the C layout (= the A layout in pairs).
+template <int N>
+__device__ inline void acc_frag(uint32_t (&a)[4], const float (&p)[N][4], int kk) {
+    a[0] = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+}
+
+template <int N>
+__device__ inline void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+
+template <int M, int N>
+__device__ inline void zero(float (&acc)[M][N][4]) {
+#pragma unroll
+    for (int i = 0; i < M; i++) zero(acc[i]);
 }
 
 constexpr float kLog2e = 1.4426950408889634f;

@@ -407,11 +407,10 @@ void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits,
                                                                              int64_t(detail::kFp8Grid) * 4)));
         detail::fp8_cast_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(reinterpret_cast<uint2*>(q), x, packs,
                                                                                     amax_bits, descale);
-        cudaCheckLaunch();
-        return;
+    } else {
+        detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
+            reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
     }
-    detail::fp8_cast_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
-        reinterpret_cast<__nv_fp8_storage_t*>(q), x, n, amax_bits, descale);
     cudaCheckLaunch();
 }
 
@@ -425,28 +424,33 @@ void fp8_dequantize(floatX* x, const Fp8* q, int64_t n, const float* descale, cu
                                                                              int64_t(detail::kFp8Grid) * 4)));
         detail::fp8_dequantize_packed_kernel<Fp8><<<grid, detail::kFp8Block, 0, stream>>>(
             x, reinterpret_cast<const uint2*>(q), packs, descale);
-        cudaCheckLaunch();
-        return;
+    } else {
+        detail::fp8_dequantize_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
+            x, reinterpret_cast<const __nv_fp8_storage_t*>(q), n, descale);
     }
-    detail::fp8_dequantize_kernel<Fp8><<<detail::kFp8Grid, detail::kFp8Block, 0, stream>>>(
-        x, reinterpret_cast<const __nv_fp8_storage_t*>(q), n, descale);
     cudaCheckLaunch();
 }
+
+namespace detail {
+// The grid of the byte-tile kernels (64 columns by `tiles` 64-row tiles a block) for a (rows, cols) source
+// written transposed into rows of `ld` (its name ld_name), after checking the sizes.
+inline dim3 byte_tile_grid(const char* fn, const char* ld_name, int64_t rows, int64_t cols, int64_t ld, int tiles) {
+    const int64_t block_rows = int64_t(kFp8ByteTile) * tiles;
+    if (rows < 1 || cols < 1 || ld < rows || ceil_div<int64_t>(rows, block_rows) > 65535) {
+        fail(kExitUsage, "%s: %lld x %lld into rows of %lld; need both >= 1, %s >= rows and at most %lld rows", fn,
+             (long long)rows, (long long)cols, (long long)ld, ld_name, (long long)(65535 * block_rows));
+    }
+    return dim3(unsigned(ceil_div<int64_t>(cols, kFp8ByteTile)), unsigned(ceil_div<int64_t>(rows, block_rows)));
+}
+}  // namespace detail
 
 // dst (cols, ld) row-major, columns [0, rows) = the transpose of src (rows, cols) row-major (FP8 bytes,
 // copied exactly; the rest of dst is not touched). ld >= rows.
 template <class Fp8>
 void fp8_transpose(Fp8* dst, int64_t ld, const Fp8* src, int64_t rows, int64_t cols, cudaStream_t stream) {
-    constexpr int64_t kBlockRows = int64_t(detail::kFp8ByteTile) * detail::kFp8TilesPerBlock;
-    if (rows < 1 || cols < 1 || ld < rows || ceil_div<int64_t>(rows, kBlockRows) > 65535) {
-        fail(kExitUsage,
-             "fp8_transpose: %lld x %lld into rows of %lld; need both >= 1, ld >= rows and at most %lld rows",
-             (long long)rows, (long long)cols, (long long)ld, (long long)(65535 * kBlockRows));
-    }
+    const dim3 grid = detail::byte_tile_grid("fp8_transpose", "ld", rows, cols, ld, detail::kFp8TilesPerBlock);
     const bool vector = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
                         cols % 16 == 0 && ld % 16 == 0;
-    const dim3 grid(unsigned(ceil_div<int64_t>(cols, detail::kFp8ByteTile)),
-                    unsigned(ceil_div<int64_t>(rows, kBlockRows)));
     detail::fp8_transpose_kernel<<<grid, detail::kFp8ByteTileThreads, 0, stream>>>(
         reinterpret_cast<uint8_t*>(dst), ld, reinterpret_cast<const uint8_t*>(src), rows, cols, vector);
     cudaCheckLaunch();
@@ -461,15 +465,10 @@ template <class Fp8>
 void launch_cast_pair(const char* fn, Fp8* q, Fp8* qt, int64_t ldt, const floatX* x, const floatX* aux, int64_t rows,
                       int64_t cols, const unsigned int* amax_bits, const float* scale_in, float* descale,
                       unsigned int* amax_out, float* col_sums, cudaStream_t stream) {
-    const int64_t kBlockRows = int64_t(kFp8ByteTile) * fp8_cast_pair_tiles(aux != nullptr);
-    if (rows < 1 || cols < 1 || ldt < rows || ceil_div<int64_t>(rows, kBlockRows) > 65535) {
-        fail(kExitUsage, "%s: %lld x %lld into rows of %lld; need both >= 1, ldt >= rows and at most %lld rows", fn,
-             (long long)rows, (long long)cols, (long long)ldt, (long long)(65535 * kBlockRows));
-    }
+    const dim3 grid = byte_tile_grid(fn, "ldt", rows, cols, ldt, fp8_cast_pair_tiles(aux != nullptr));
     const bool vector = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(aux) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(q) % 16 == 0 && reinterpret_cast<uintptr_t>(qt) % 16 == 0 &&
                         cols % 16 == 0 && ldt % 16 == 0;
-    const dim3 grid(unsigned(ceil_div<int64_t>(cols, kFp8ByteTile)), unsigned(ceil_div<int64_t>(rows, kBlockRows)));
     auto* qb = reinterpret_cast<uint8_t*>(q);
     auto* qtb = reinterpret_cast<uint8_t*>(qt);
     auto launch = [&](auto kernel) {

@@ -80,17 +80,23 @@ inline void check_global_norm_ranks(int ranks, const char* who) {
     if (ranks < 1) fail(kExitUsage, "%s: ranks %d, need at least 1", who, ranks);
 }
 
+// The first stage of global_norm and global_norm_sumsq: scratch checked, the partial sums into it.
+inline void global_norm_partials(const char* fn, const floatX* grads, int64_t n, float* scratch, size_t scratch_bytes,
+                                 cudaStream_t stream) {
+    if (scratch_bytes < kGlobalNormScratchBytes) {
+        fail(kExitUsage, "%s: scratch of %zu bytes, needs %zu", fn, scratch_bytes, kGlobalNormScratchBytes);
+    }
+    global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
+    cudaCheckLaunch();
+}
+
 // norm and scale (either may be null) from grads (n bf16, 16-byte aligned), the sum of `ranks` ranks'
 // gradients. scratch: kGlobalNormScratchBytes.
 inline void global_norm(float* norm, float* scale, const floatX* grads, int64_t n, float max_norm, float* scratch,
                         size_t scratch_bytes, cudaStream_t stream, int ranks = 1) {
     require_aligned16(grads, "global_norm: grads");
     check_global_norm_ranks(ranks, "global_norm");
-    if (scratch_bytes < kGlobalNormScratchBytes) {
-        fail(kExitUsage, "global_norm: scratch of %zu bytes, needs %zu", scratch_bytes, kGlobalNormScratchBytes);
-    }
-    global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
-    cudaCheckLaunch();
+    global_norm_partials("global_norm", grads, n, scratch, scratch_bytes, stream);
     global_norm_final_kernel<<<1, kGlobalNormBlock, 0, stream>>>(norm, scale, scratch, max_norm, ranks);
     cudaCheckLaunch();
 }
@@ -99,11 +105,7 @@ inline void global_norm(float* norm, float* scale, const floatX* grads, int64_t 
 inline void global_norm_sumsq(float* sumsq, const floatX* grads, int64_t n, float* scratch, size_t scratch_bytes,
                               cudaStream_t stream) {
     require_aligned16(grads, "global_norm_sumsq: grads");
-    if (scratch_bytes < kGlobalNormScratchBytes) {
-        fail(kExitUsage, "global_norm_sumsq: scratch of %zu bytes, needs %zu", scratch_bytes, kGlobalNormScratchBytes);
-    }
-    global_norm_partial_kernel<<<kGlobalNormBlocks, kGlobalNormBlock, 0, stream>>>(scratch, grads, n);
-    cudaCheckLaunch();
+    global_norm_partials("global_norm_sumsq", grads, n, scratch, scratch_bytes, stream);
     global_norm_sumsq_kernel<<<1, kGlobalNormBlock, 0, stream>>>(sumsq, scratch);
     cudaCheckLaunch();
 }

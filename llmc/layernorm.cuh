@@ -140,26 +140,26 @@ static __global__ void __launch_bounds__(kLayerNormBlock)
 }
 
 namespace detail {
-// The output's checks: bf16 out 16-byte aligned, or (fp8.q set) q 8-byte aligned and a scale.
-inline void check_layernorm_out(const char* fn, const floatX* out, const LayerNormFp8Out& fp8) {
+// The row launchers' checks: C and the inputs as check_layernorm_args; bf16 out 16-byte aligned, or (fp8.q
+// set) q 8-byte aligned and a scale; the packs a lane holds in registers 0 (read in each pass), or 3, 4 or
+// 7 covering C.
+inline void check_layernorm_rows(const char* fn, int C, std::initializer_list<const void*> inputs, const floatX* out,
+                                 const LayerNormFp8Out& fp8, int held) {
+    check_layernorm_args(fn, C, inputs);
     if (fp8.q == nullptr) {
         require_aligned16(out, fn);
-        return;
+    } else {
+        if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
+        if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) {
+            fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
+        }
     }
-    if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
-    if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
-}
-}  // namespace detail
-
-namespace detail {
-// A row kernel's packs held in registers: 0 (read in each pass), or enough for C (3, 4 or 7).
-inline void check_held_packs(const char* fn, int held, int C) {
     if (held != 0 && ((held != 3 && held != 4 && held != 7) || held * kWarpSize * kPackX < C)) {
         fail(kExitUsage, "%s: %d packs a lane held, need 0, or 3, 4 or 7 covering C = %d", fn, held, C);
     }
 }
 
-// f(std::integral_constant<int, P>{}) for the P that `held` names (check_held_packs).
+// f(std::integral_constant<int, P>{}) for the P that `held` names (checked by check_layernorm_rows).
 template <class F>
 void with_held_packs(int held, F&& f) {
     switch (held) {
@@ -174,9 +174,7 @@ void with_held_packs(int held, F&& f) {
 inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
                                    const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream,
                                    unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_args("layernorm_forward", C, {inp, weight, bias});
-    check_layernorm_out("layernorm_forward", out, fp8);
-    check_held_packs("layernorm_forward", held, C);
+    check_layernorm_rows("layernorm_forward", C, {inp, weight, bias}, out, fp8, held);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
     with_held_packs(held, [&](auto packs) {
@@ -241,9 +239,7 @@ inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, fl
                                                   const floatX* a, const floatX* b, const floatX* weight,
                                                   const floatX* bias, int64_t N, int C, cudaStream_t stream,
                                                   unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_args("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias});
-    check_layernorm_out("fused_residual_layernorm_forward", out, fp8);
-    check_held_packs("fused_residual_layernorm_forward", held, C);
+    check_layernorm_rows("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias}, out, fp8, held);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
     with_held_packs(held, [&](auto packs) {
@@ -598,11 +594,7 @@ inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, floa
             dinp, dres, partial, partial_dinp, dout, inp, weight, mean, rstd, N, C, amax);
     };
     auto with_sums = [&](auto p) {
-        if (partial_dinp != nullptr) {
-            launch(p, std::true_type{});
-        } else {
-            launch(p, std::false_type{});
-        }
+        partial_dinp != nullptr ? launch(p, std::true_type{}) : launch(p, std::false_type{});
     };
     switch (ceil_div(C, kLayerNormColumnsPerBlock)) {
         case 1: with_sums(std::integral_constant<int, 1>{}); break;
@@ -620,13 +612,9 @@ inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, f
                                      stream>>>(dinp, dres, dout, inp, weight, mean, rstd, N, C, amax);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
-    if (partial_dinp != nullptr) {
-        layernorm_backward_partial_kernel<true>
-            <<<grid, kLayerNormBlock, 0, stream>>>(partial, partial_dinp, dout, inp, dinp, mean, rstd, N, C);
-    } else {
-        layernorm_backward_partial_kernel<false>
-            <<<grid, kLayerNormBlock, 0, stream>>>(partial, nullptr, dout, inp, dinp, mean, rstd, N, C);
-    }
+    auto* kernel =
+        partial_dinp != nullptr ? layernorm_backward_partial_kernel<true> : layernorm_backward_partial_kernel<false>;
+    kernel<<<grid, kLayerNormBlock, 0, stream>>>(partial, partial_dinp, dout, inp, dinp, mean, rstd, N, C);
     cudaCheckLaunch();
 }
 
@@ -655,16 +643,14 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
     const int64_t chunks = layernorm_chunks(N);
     float* partial_dinp = next_dbias != nullptr ? scratch + chunks * 2 * C : nullptr;
     if (detail::layernorm_backward_fuses(C)) {
-        if (partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C)) {
-            // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
-            detail::layernorm_backward_rows_fused(dinp, dres, scratch, nullptr, dout, inp, weight, mean, rstd, N, C,
-                                                  stream, amax);
+        // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
+        const bool own_pass = partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C);
+        detail::layernorm_backward_rows_fused(dinp, dres, scratch, own_pass ? nullptr : partial_dinp, dout, inp, weight,
+                                              mean, rstd, N, C, stream, amax);
+        if (own_pass) {
             bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);
             next_dbias = nullptr;
             partial_dinp = nullptr;
-        } else {
-            detail::layernorm_backward_rows_fused(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
-                                                  C, stream, amax);
         }
     } else {
         detail::layernorm_backward_rows_separate(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,

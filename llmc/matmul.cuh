@@ -206,11 +206,6 @@ public:
                                                    max_results, results, &found));
         return found;
     }
-    std::vector<cublasLtMatmulHeuristicResult_t> heuristics(int max_results) const {
-        std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_results));
-        results.resize(size_t(heuristics(max_results, results.data())));
-        return results;
-    }
 
     // Runs the matmul with algo (one of heuristics()' results) on the call's stream, in lt's workspace.
     void run(const cublasLtMatmulAlgo_t& algo) const {
@@ -460,9 +455,7 @@ inline void bias_grad_accumulate(floatX* dbias, const floatX* dout, int64_t N, i
     const dim3 grid(unsigned(ceil_div(OC, kBiasGradColumnsPerBlock)), unsigned(chunks));
     bias_grad_partial_kernel<<<grid, kBiasGradBlock, 0, stream>>>(scratch, dout, N, OC);
     cudaCheckLaunch();
-    bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(
-        dbias, scratch, chunks, OC);
-    cudaCheckLaunch();
+    bias_grad_from_partials(dbias, scratch, chunks, OC, stream);
 }
 
 // ----------------------------------------------------------------------------------------------------
