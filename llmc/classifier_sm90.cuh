@@ -3,7 +3,6 @@ The classifier's forward on Hopper (sm_90a) in our own matmul, with the softmax'
 epilogue: no logits are written and no softmax pass reads them.
   classifier90_available(), classifier90_applies(N, C, Vp) (N % 128, C % 64, Vp % 8 == 0),
   classifier90_partial_count(N, Vp): the floats of Classifier90Scratch::partial.
-  classifier90_logits: logits (N,Vp) bf16 = lnf wte^T, as cuBLASLt's (not used by the trainer).
   classifier90_exp_forward: Y (N,Vp) bf16 = e^(x - x_t) (x_t the target logit), loss log(s) with s = 1 +
       the row's sum of Y over the other columns below V, padded columns 0. With dloss > 0 Y becomes the
       gradient up to a row scale (target column 1 - s, lnf scaled in place by dloss / s); with dloss = 0
@@ -204,9 +203,8 @@ __device__ inline float exp_half(float (&d)[128], float c2, int target, int n0, 
     return s;
 }
 
-// Exp = false: out = bf16(lnf wte^T). Exp = true: out = bf16(e^(x - c_row)), 0 at the target and columns
-// >= V; partial[row * n_tiles + n_tile] = the tile's sum of the other columns (fp32).
-template <bool Exp>
+// out = bf16(e^(x - c_row)), x = lnf wte^T, 0 at the target and columns >= V; partial[row * n_tiles + n_tile]
+// = the tile's sum of the other columns (fp32).
 static __global__ void __launch_bounds__(kThreads, 1)
     cls_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_out, int M, int Vp, int V, int K, const float* offsets,
@@ -266,14 +264,8 @@ static __global__ void __launch_bounds__(kThreads, 1)
         // This thread's rows r0 = 16 warp + lane / 4 and r0 + 8; their offsets and targets load under the k-loop.
         const int r0 = 16 * warp + lane / 4;
         const int row0 = mb * kBM + cw * 64 + r0, row1 = row0 + 8;
-        float c2_0 = 0.0f, c2_1 = 0.0f;
-        int tg0 = 0, tg1 = 0;
-        if constexpr (Exp) {
-            c2_0 = offsets[row0] * kLog2e;
-            c2_1 = offsets[row1] * kLog2e;
-            tg0 = targets[row0];
-            tg1 = targets[row1];
-        }
+        const float c2_0 = offsets[row0] * kLog2e, c2_1 = offsets[row1] * kLog2e;
+        const int tg0 = targets[row0], tg1 = targets[row1];
         int prev = 0;
         for (int kb = 0; kb < kb_count; kb++) {
             mbar_wait(&full[stage], phase);
@@ -302,19 +294,17 @@ static __global__ void __launch_bounds__(kThreads, 1)
 
         // Epilogue: columns 8 j + 2 (lane % 4) + {0, 1}, j = 0..31 (d[4j], d[4j+1] on r0; d[4j+2], d[4j+3] on r0 + 8).
         const int col_base = nb * kBN + 2 * (lane % 4);
-        if constexpr (Exp) {
-            const int n0 = nb * kBN;
-            const bool all_below_v = n0 + kBN <= V;
-            float s0 = exp_half<0>(d, c2_0, tg0, n0, col_base, V, all_below_v);
-            float s1 = exp_half<1>(d, c2_1, tg1, n0, col_base, V, all_below_v);
-            s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-            s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-            s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-            s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-            if (lane % 4 == 0) {
-                partial[int64_t(row0) * n_tiles + nb] = s0;
-                partial[int64_t(row1) * n_tiles + nb] = s1;
-            }
+        const int n0 = nb * kBN;
+        const bool all_below_v = n0 + kBN <= V;
+        float s0 = exp_half<0>(d, c2_0, tg0, n0, col_base, V, all_below_v);
+        float s1 = exp_half<1>(d, c2_1, tg1, n0, col_base, V, all_below_v);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+        s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+        if (lane % 4 == 0) {
+            partial[int64_t(row0) * n_tiles + nb] = s0;
+            partial[int64_t(row1) * n_tiles + nb] = s1;
         }
         // The previous tile's stores must have read the staging block before it is overwritten.
         if (tid == 0) bulk_wait_read();
@@ -414,14 +404,13 @@ inline CUtensorMap tensor_map(const floatX* base, int64_t cols, int64_t rows, in
     return map;
 }
 
-template <bool Exp>
 inline void launch_gemm(floatX* out, const floatX* lnf, const floatX* wte, int64_t N, int C, int V, int Vp,
                         const float* c, const int* targets, float* partial, cudaStream_t stream) {
     static const int sms = [] {
         int dev = 0, n = 0;
         cudaCheck(cudaGetDevice(&dev));
         cudaCheck(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-        cudaCheck(cudaFuncSetAttribute(cls_gemm_kernel<Exp>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        cudaCheck(cudaFuncSetAttribute(cls_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
         return n;
     }();
     const CUtensorMap map_a = tensor_map(lnf, C, N, kBK, kBM, "lnf");
@@ -429,8 +418,7 @@ inline void launch_gemm(floatX* out, const floatX* lnf, const floatX* wte, int64
     const CUtensorMap map_out = tensor_map(out, Vp, N, kOutBox, 64, "logits");
     const int64_t tiles = (N / kBM) * ((Vp + kBN - 1) / kBN);
     const int grid = int(std::min<int64_t>(sms, tiles));
-    cls_gemm_kernel<Exp><<<grid, kThreads, kSmem, stream>>>(map_a, map_b, map_out, int(N), Vp, V, C, c, targets,
-                                                             partial);
+    cls_gemm_kernel<<<grid, kThreads, kSmem, stream>>>(map_a, map_b, map_out, int(N), Vp, V, C, c, targets, partial);
     cudaCheckLaunch();
 }
 
@@ -456,14 +444,6 @@ inline size_t classifier90_partial_count(int64_t N, int Vp) {
     return size_t(N) * size_t((Vp + classifier90_detail::kBN - 1) / classifier90_detail::kBN);
 }
 
-inline void classifier90_logits(floatX* logits, const floatX* lnf, const floatX* wte, int64_t N, int C, int Vp,
-                                cudaStream_t stream) {
-    using namespace classifier90_detail;
-    if (!classifier90_available()) fail(kExitUsage, "classifier90_logits: needs a build for sm_90a and a compute 9.0 GPU");
-    check_shapes("classifier90_logits", N, C, Vp);
-    launch_gemm<false>(logits, lnf, wte, N, C, Vp, Vp, nullptr, nullptr, nullptr, stream);
-}
-
 inline void classifier90_exp_forward(floatX* y, float* losses, floatX* lnf, const floatX* wte, const int* targets,
                                      float dloss, int64_t N, int C, int V, int Vp, const Classifier90Scratch& scratch,
                                      cudaStream_t stream) {
@@ -476,7 +456,7 @@ inline void classifier90_exp_forward(floatX* y, float* losses, floatX* lnf, cons
     const unsigned warp_blocks = unsigned((N + 7) / 8);
     target_logit_kernel<<<warp_blocks, 256, 0, stream>>>(scratch.c, lnf, wte, targets, N, C);
     cudaCheckLaunch();
-    launch_gemm<true>(y, lnf, wte, N, C, V, Vp, scratch.c, targets, scratch.partial, stream);
+    launch_gemm(y, lnf, wte, N, C, V, Vp, scratch.c, targets, scratch.partial, stream);
     finish_kernel<<<warp_blocks, 256, 0, stream>>>(y, losses, scratch.sums, lnf, scratch.partial, targets, dloss, N,
                                                    (Vp + kBN - 1) / kBN, C, Vp);
     cudaCheckLaunch();
