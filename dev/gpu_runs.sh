@@ -5,7 +5,7 @@
 # each section reports) is printed last and kept in $LOGS/summary.txt. docs/performance.md says which
 # sections made which figures.
 #   bash dev/gpu_runs.sh SECTION...
-#   sections: build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
+#   sections: build tests tests-fp8 io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large
 #             attention-detail compare fp8-throughput fp8-large llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
@@ -17,7 +17,7 @@
 set -u
 cd "$(dirname "$0")/.."
 # The sections, as the case below names them: a misspelt one stops the script before anything runs.
-sections="build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
+sections="build tests tests-fp8 io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
           resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large attention-detail
           compare fp8-throughput fp8-large llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
@@ -100,6 +100,17 @@ for section in "$@"; do
         tests)
             step "make test" tests.log 400 make test
             tail -n 1 "$LOGS/tests.log" | tee -a "$summary" ;;
+        tests-fp8)
+            # The script tests that run train_gpt2cu, again with FP8 matmuls in every run: the trainer is called
+            # through a wrapper that puts --fp8 1 first (a test's own --fp8 comes later and wins).
+            step "make train_gpt2cu" tests_fp8.log 400 make train_gpt2cu
+            mv train_gpt2cu build/train_gpt2cu.real
+            printf '#!/bin/sh\nexec "%s/build/train_gpt2cu.real" --fp8 1 "$@"\n' "$PWD" >train_gpt2cu
+            chmod +x train_gpt2cu
+            step "trainer script tests, --fp8 1" tests_fp8.log 1500 bash test/run_tests.sh \
+                $(grep -l '^expect_bin=(./train_gpt2cu)\|\./train_gpt2cu ' test/test_*.sh)
+            mv build/train_gpt2cu.real train_gpt2cu
+            tail -n 1 "$LOGS/tests_fp8.log" | tee -a "$summary" ;;
         io-tests)
             step test_device_file_io tests.log 120 ./build/test_device_file_io ;;
         sanitizer)
