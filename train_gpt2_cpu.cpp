@@ -43,6 +43,7 @@ those.
 
 #include <omp.h>
 
+#include "cpu/mc_eval_cpu.h"
 #include "llmc/dataloader.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
@@ -438,7 +439,7 @@ void save_models(const cpu::GPT2<float>& model, const Options& o, const Plan& pl
     });
 }
 
-// Multiple-choice accuracy with the fp32 model (llmc/mc_eval.h's CPU reference), printed and logged.
+// Multiple-choice accuracy with the fp32 model (cpu/mc_eval_cpu.h), printed and logged.
 void evaluate_choices(cpu::GPT2<float>& model, const Options& o, const Plan& plan, Outputs& out, int step,
                       int max_steps) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -43,6 +43,7 @@ says why each input was refused.
 #include <utility>
 #include <vector>
 
+#include "cpu/mc_eval_cpu.h"
 #include "llmc/checkpoint.h"
 #include "llmc/dataloader.h"
 #include "llmc/mc_eval.h"

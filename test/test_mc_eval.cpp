@@ -1,6 +1,6 @@
 /*
-CPU tests of multiple-choice evaluation (llmc/mc_eval.h) and of the tool that makes sets
-(dev/tools/prepare_eval.cpp, included here and run in-process).
+CPU tests of multiple-choice evaluation (llmc/mc_eval.h, cpu/mc_eval_cpu.h) and of the tool that makes
+sets (dev/tools/prepare_eval.cpp, included here and run in-process).
 
 Checks:
   - the eval .bin: a hand-made set written byte for byte as llm.c's layout says; random sets (2 to 6
@@ -51,6 +51,7 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cpu/mc_eval_cpu.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/shard.h"

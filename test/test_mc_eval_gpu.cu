@@ -1,6 +1,6 @@
 /*
 GPU tests of multiple-choice evaluation (llmc/mc_eval.cuh) against the CPU reference (mc_eval_cpu in
-llmc/mc_eval.h) on the same model and items. Skipped without a GPU.
+cpu/mc_eval_cpu.h) on the same model and items. Skipped without a GPU.
 
 Both models hold the same numbers: parameters drawn on the host and rounded to bf16 (so the GPU's bf16
 weights equal the CPU's fp32 ones), with wte and wpe larger than GPT-2's initialisation (N(0, 0.3)) so
@@ -38,6 +38,7 @@ and 80 the packed layout splits many items over several rows.
 #include <string>
 #include <vector>
 
+#include "cpu/mc_eval_cpu.h"
 #include "llmc/dataloader.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.cuh"

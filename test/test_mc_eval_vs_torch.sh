@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Multiple-choice scoring (llmc/mc_eval.h through build/eval_mc and the CPU reference model) against
+# Multiple-choice scoring (cpu/mc_eval_cpu.h through build/eval_mc and the CPU reference model) against
 # PyTorch (Debian's python3-torch, CPU) scoring as llm.c's dev/data/hellaswag.py does, on a tiny model and
 # random items written in llm.c's eval .bin layout by the script itself. See
 # test/oracles/mc_eval_torch_ref.py for what is compared. Exit 0 pass, 1 fail, 77 skip (no PyTorch).

@@ -1,7 +1,8 @@
 /*
 eval_mc: scores a model file on a multiple-choice set (llm.c's eval .bin, llmc/mc_eval.h) with the CPU
-reference model, and prints acc and acc_norm. It is the oracle of test/test_mc_eval_vs_torch.sh (which
-checks its per-candidate scores against PyTorch) and a way to evaluate a small model without a GPU.
+reference model (cpu/mc_eval_cpu.h), and prints acc and acc_norm. It is the oracle of
+test/test_mc_eval_vs_torch.sh (which checks its per-candidate scores against PyTorch) and a way to
+evaluate a small model without a GPU.
 
     eval_mc --model M.bin --eval SET.bin [--batch ROWS] [--seq T] [--items N] [--fp64] [--scores OUT.tsv]
 
@@ -17,6 +18,7 @@ activation and takes O(T^2) memory per row.
 #include <string>
 #include <vector>
 
+#include "cpu/mc_eval_cpu.h"
 #include "llmc/flags.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"

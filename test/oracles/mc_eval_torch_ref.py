@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch check of multiple-choice scoring (llmc/mc_eval.h, through build/eval_mc and the CPU model).
+"""PyTorch check of multiple-choice scoring (cpu/mc_eval_cpu.h, through build/eval_mc and the CPU model).
 
 Writes a tiny GPT-2 (test/oracles/gpt2_torch_ref.py's model and model-file writer) and a set of random
 items in llm.c's eval .bin layout, written here independently of our writer, the way llm.c's
