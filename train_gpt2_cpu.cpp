@@ -1,5 +1,5 @@
 /*
-train_gpt2: GPT-2 training on the CPU with the fp32 reference model (llmc/gpt2_cpu.h), the quick start
+train_gpt2: GPT-2 training on the CPU with the fp32 reference model (cpu/gpt2_cpu.h), the quick start
 for a machine without a GPU and a way to train tiny models.
 
 It speaks the GPU trainer's language: the same flags with the same letters and meanings, from one table
@@ -43,10 +43,10 @@ those.
 
 #include <omp.h>
 
+#include "cpu/gpt2_cpu.h"
 #include "cpu/mc_eval_cpu.h"
 #include "llmc/dataloader.h"
 #include "llmc/gpt2_config.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"
 #include "llmc/model_file.h"
 #include "llmc/model_io.h"

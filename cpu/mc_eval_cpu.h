@@ -1,5 +1,5 @@
 /*
-Multiple-choice evaluation with the CPU reference model (llmc/gpt2_cpu.h), for the CPU trainer, eval_mc
+Multiple-choice evaluation with the CPU reference model (cpu/gpt2_cpu.h), for the CPU trainer, eval_mc
 and the tests: McBatcher cuts items into one row per candidate (context + ending), mc_accumulate sums each
 ending's losses, mc_eval_cpu() scores a set. Items, file format and scoring are llmc/mc_eval.h's; the
 GPU's packed rows are llmc/mc_eval.cuh's.
@@ -11,7 +11,7 @@ GPU's packed rows are llmc/mc_eval.cuh's.
 #include <utility>
 #include <vector>
 
-#include "llmc/gpt2_cpu.h"
+#include "cpu/gpt2_cpu.h"
 #include "llmc/mc_eval.h"
 #include "llmc/utils.h"
 
@@ -101,7 +101,7 @@ void mc_accumulate(const McBatch& b, const Loss* losses, std::vector<double>& lo
     }
 }
 
-// The CPU reference: every row through llmc/gpt2_cpu.h's model in batches of up to max_B rows of at most
+// The CPU reference: every row through cpu/gpt2_cpu.h's model in batches of up to max_B rows of at most
 // max_T positions; the result does not depend on max_B.
 template <class Real>
 McResult mc_eval_cpu(cpu::GPT2<Real>& model, const McSet& set, int max_B, int max_T) {

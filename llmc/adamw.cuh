@@ -1,6 +1,6 @@
 /*
 The AdamW update on the GPU for mixed precision (fp32 master weights and moments, bf16 gradients in,
-bf16 parameters out): the same update as GPT2::update in llmc/gpt2_cpu.h. adamw_update() is one launch
+bf16 parameters out): the same update as GPT2::update in cpu/gpt2_cpu.h. adamw_update() is one launch
 over a table of (offset, size, decayed) ranges (AdamWTensors, from the model). The bf16 parameter is the
 new master weight rounded stochastically, keyed by (seed, step) and the element's flat index, so a step
 is reproducible, also sharded (ZeRO-1: state_offset) and after a resume. grad_scale is a device pointer

@@ -1,5 +1,5 @@
 /*
-Causal multi-head self-attention on the GPU, with llmc/gpt2_cpu.h's argument meanings: qkv (B,T,3C) holds
+Causal multi-head self-attention on the GPU, with cpu/gpt2_cpu.h's argument meanings: qkv (B,T,3C) holds
 q, k, v with head h at columns h*HS of each; out (B,T,C); scale 1/sqrt(HS).
   attention_forward, attention_backward: HS 64 and 128 run flash attention (llmc/flash_attention.cuh,
       or on sm_90a Hopper for HS 64 llmc/flash_attention_sm90.cuh); any other head size the cuBLASLt

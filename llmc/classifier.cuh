@@ -1,6 +1,6 @@
 /*
 The fused classifier: softmax, cross-entropy loss and its gradient in one kernel over the logits, with
-the meanings of crossentropy_forward/crossentropy_backward in llmc/gpt2_cpu.h.
+the meanings of crossentropy_forward/crossentropy_backward in cpu/gpt2_cpu.h.
   fused_classifier: per row of logits (N,Vp) bf16, one block: softmax over the first V columns in fp32,
       losses[row] = logsumexp - logit[target] (overwritten), and with write_dlogits the row overwritten
       by (softmax - onehot(target)) * dloss, padded columns 0. Without it the logits are untouched.

@@ -1,5 +1,5 @@
 /*
-The embedding layer on the GPU, with llmc/gpt2_cpu.h's encoder_forward/encoder_backward meanings.
+The embedding layer on the GPU, with cpu/gpt2_cpu.h's encoder_forward/encoder_backward meanings.
   encoder_forward:  out (B,T,C) = wte[inp[b,t]] + wpe[t] (or wpe[positions[b,t]], unchecked), in fp32
                     and rounded once.
   encoder_backward: dwte[v] += dout over the positions holding token v, dwpe[t] += dout over b.

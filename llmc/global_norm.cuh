@@ -1,7 +1,7 @@
 /*
 The global L2 norm of the gradients and the clipping factor, on the device so the host need not wait.
 global_norm() reads one flat bf16 buffer of n gradients and writes norm = sqrt(sum of squares) / ranks
-and scale = clip / ranks (clip = max_norm / norm when 0 < max_norm < norm, else 1: gpt2_cpu.h's
+and scale = clip / ranks (clip = max_norm / norm when 0 < max_norm < norm, else 1: cpu/gpt2_cpu.h's
 clip_scale); scale can go straight to adamw_update. With data parallel the buffer holds the ranks' sum
 (a bf16 mean would round by 1/W), so both divide by W in fp32. Two fixed-order stages (a fixed block
 count), no atomics: bitwise reproducible on every GPU. For ZeRO-1, global_norm_sumsq() and

@@ -1,5 +1,5 @@
 /*
-LayerNorm and the residual addition on the GPU, with the argument meanings of llmc/gpt2_cpu.h's
+LayerNorm and the residual addition on the GPU, with the argument meanings of cpu/gpt2_cpu.h's
 layernorm_forward, layernorm_backward and residual_forward (eps 1e-5, statistics over C channels).
   layernorm_forward / fused_residual_layernorm_forward (residual = a + b rounded to bf16, then its
       LayerNorm): one warp a row, fp32 two-pass statistics, the row held in registers for C <= 7 * 256.

@@ -3,7 +3,7 @@ Matrix multiplications through cuBLASLt: bf16 inputs and outputs (or fp32 output
   cublasCheck(call): raises an llmc::Error naming the call, file, line and cuBLAS's status.
   CublasLt: owner of a cuBLASLt handle and its workspace (one per stream: a shared workspace would race).
   gemm(): row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with optional epilogues.
-  matmul_forward / matmul_backward: the linear layer, with llmc/gpt2_cpu.h's argument meanings (weight
+  matmul_forward / matmul_backward: the linear layer, with cpu/gpt2_cpu.h's argument meanings (weight
       (OC, C) as nn.Linear); dinp is OVERWRITTEN, dweight and dbias ADDED to (over micro-batches).
 The bias gradient is our own fixed-order two-pass reduction (no atomics: bitwise reproducible).
 With tuning on (set_tuning; the trainer always tunes), the first beta = 0 call of each shape, layout and

@@ -1,5 +1,5 @@
 /*
-CPU tests of the reference GPT-2 (llmc/gpt2_cpu.h), its configuration (llmc/gpt2_config.h) and the model
+CPU tests of the reference GPT-2 (cpu/gpt2_cpu.h), its configuration (llmc/gpt2_config.h) and the model
 file format (llmc/model_file.h).
 
 The central one is the gradient check: the model runs in double precision and every parameter tensor's
@@ -19,8 +19,8 @@ comparison with PyTorch lives in test/test_gpt2_vs_torch.sh.
 #include <string>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "llmc/gpt2_config.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "llmc/utils.h"
 #include "test/test_util.h"

@@ -1,5 +1,5 @@
 /*
-The GPU model (llmc/gpt2.cuh), whole, against the fp32 CPU reference (llmc/gpt2_cpu.h). The trainer's
+The GPU model (llmc/gpt2.cuh), whole, against the fp32 CPU reference (cpu/gpt2_cpu.h). The trainer's
 flag and plan checks, which need no GPU, are tested by test/test_trainer_flags.sh.
 
 Both models start from identical weights: GPT-2's initialisation with LayerNorm weights and all biases
@@ -78,8 +78,8 @@ determinism tests run both d2 and the C=96 model.
 #include <utility>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "llmc/gpt2.cuh"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "test/expect_error.h"
 #include "test/gpu_test.h"

@@ -1,7 +1,7 @@
 /*
 GPU tests of the layer kernels (llmc/encoder.cuh, layernorm.cuh, matmul.cuh, attention.cuh with
 flash_attention.cuh, and flash_attention_sm90.cuh where it runs (Hopper), gelu.cuh, classifier.cuh,
-global_norm.cuh, adamw.cuh) against the fp32 CPU reference (llmc/gpt2_cpu.h): the kernels the trainer runs,
+global_norm.cuh, adamw.cuh) against the fp32 CPU reference (cpu/gpt2_cpu.h): the kernels the trainer runs,
 as it runs them.
 
 Every kernel gets random inputs rounded to bf16; the CPU reference runs in fp32 on exactly those
@@ -36,6 +36,7 @@ function's bf16 rounding (GeluForwardRoundsLikeTheExactFunction says why).
 #include <string>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "llmc/adamw.cuh"
 #include "llmc/attention.cuh"
 #include "llmc/classifier.cuh"
@@ -44,7 +45,6 @@ function's bf16 rounding (GeluForwardRoundsLikeTheExactFunction says why).
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/layernorm.cuh"
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"

@@ -51,9 +51,9 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cpu/gpt2_cpu.h"
 #include "cpu/mc_eval_cpu.h"
 #include "llmc/gpt2_config.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/shard.h"
 #include "test/expect_error.h"
 #include "test/test_util.h"

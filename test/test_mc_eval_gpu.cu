@@ -38,9 +38,9 @@ and 80 the packed layout splits many items over several rows.
 #include <string>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "cpu/mc_eval_cpu.h"
 #include "llmc/dataloader.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.cuh"
 #include "llmc/model_file.h"
 #include "llmc/rendezvous.h"

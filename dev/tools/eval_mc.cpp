@@ -18,9 +18,9 @@ activation and takes O(T^2) memory per row.
 #include <string>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "cpu/mc_eval_cpu.h"
 #include "llmc/flags.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/mc_eval.h"
 #include "llmc/model_io.h"
 #include "llmc/utils.h"

@@ -19,9 +19,9 @@ Does not provide: a training loop for real use (train_gpt2 is that).
 #include <string>
 #include <vector>
 
+#include "cpu/gpt2_cpu.h"
 #include "llmc/flags.h"
 #include "llmc/gpt2_config.h"
-#include "llmc/gpt2_cpu.h"
 #include "llmc/model_file.h"
 #include "llmc/utils.h"
 

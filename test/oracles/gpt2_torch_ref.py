@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PyTorch check of the CPU reference GPT-2 (llmc/gpt2_cpu.h) and of the model file format.
+"""PyTorch check of the CPU reference GPT-2 (cpu/gpt2_cpu.h) and of the model file format.
 
 Builds a tiny GPT-2 in PyTorch (dev/gpt2_torch.py's model, the one the PyTorch reference trainer uses
 too), writes it as llm.c model files (fp32 version 3 and bf16 version 5), has build/gpt2_cpu_dump load

@@ -13,7 +13,7 @@ below is GPT-2's. Then:
   3. build/convert_model converts the llm.c file back to folders (hf, hf-bf16), parsed here with json and
      numpy: header length a multiple of 8, metadata {"format": "pt"}, names, dtypes, shapes, and values
      equal to the source (bf16: PyTorch's round to nearest even), config.json's keys;
-  4. build/gpt2_cpu_dump runs the CPU reference model (llmc/gpt2_cpu.h) on the imported model: its loss
+  4. build/gpt2_cpu_dump runs the CPU reference model (cpu/gpt2_cpu.h) on the imported model: its loss
      and logits on a few tokens agree with this file's PyTorch forward within 1e-5 in fp32 and 1e-12 in
      fp64;
   5. build/convert_model refuses bad input with the README's exit code and a message naming the file and
