@@ -1,8 +1,9 @@
 /*
 Multiple-choice evaluation with the CPU reference model (cpu/gpt2_cpu.h), for the CPU trainer, eval_mc
 and the tests: McBatcher cuts items into one row per candidate (context + ending), mc_accumulate sums each
-ending's losses, mc_eval_cpu() scores a set. Items, file format and scoring are llmc/mc_eval.h's; the
-GPU's packed rows are llmc/mc_eval.cuh's.
+ending's losses, mc_eval_cpu() scores a set; mc_margin() says how near to a tie an item's choice was (for
+comparing implementations). Items, file format and scoring are llmc/mc_eval.h's; the GPU's packed rows
+are llmc/mc_eval.cuh's.
 */
 #pragma once
 
@@ -118,6 +119,17 @@ McResult mc_eval_cpu(cpu::GPT2<Real>& model, const McSet& set, int max_B, int ma
         mc_accumulate(b, model.activations().losses.data(), loss_sum);
     }
     return mc_score(set, std::move(loss_sum));
+}
+
+// The gap between an item's best and second-best score: within numerical error, two implementations
+// may rightly pick different candidates.
+inline double mc_margin(const McResult& res, int64_t item, bool norm) {
+    std::vector<double> s;
+    for (int64_t r = res.first_row[size_t(item)]; r < res.first_row[size_t(item + 1)]; r++) {
+        s.push_back(res.score(r, norm));
+    }
+    std::partial_sort(s.begin(), s.begin() + 2, s.end());
+    return s[1] - s[0];
 }
 
 }  // namespace llmc

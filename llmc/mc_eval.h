@@ -399,14 +399,6 @@ struct McResult {
     double score(int64_t row, bool norm) const {
         return norm ? loss_sum[size_t(row)] / loss_count[size_t(row)] : loss_sum[size_t(row)];
     }
-    // The gap between an item's best and second-best score: within numerical error, two implementations
-    // may rightly pick different candidates.
-    double margin(int64_t item, bool norm) const {
-        std::vector<double> s;
-        for (int64_t r = first_row[size_t(item)]; r < first_row[size_t(item + 1)]; r++) s.push_back(score(r, norm));
-        std::partial_sort(s.begin(), s.begin() + 2, s.end());
-        return s[1] - s[0];
-    }
 };
 
 // Picks each item's candidates from the rows' loss sums and counts the right ones.

@@ -727,11 +727,11 @@ TEST(McScore, SumMeanTiesAndMargins) {
     EXPECT_DOUBLE_EQ(r.acc(), 1.0 / 3);
     EXPECT_DOUBLE_EQ(r.acc_norm(), 2.0 / 3);
     EXPECT_EQ(r.loss_count, (std::vector<int>{2, 4, 1, 1, 1, 1, 2, 1}));
-    EXPECT_DOUBLE_EQ(r.margin(0, false), 2.0);
-    EXPECT_DOUBLE_EQ(r.margin(0, true), 0.25);
-    EXPECT_DOUBLE_EQ(r.margin(1, false), 0.0);
-    EXPECT_DOUBLE_EQ(r.margin(2, false), 2.0);
-    EXPECT_DOUBLE_EQ(r.margin(2, true), 0.5);
+    EXPECT_DOUBLE_EQ(mc_margin(r, 0, false), 2.0);
+    EXPECT_DOUBLE_EQ(mc_margin(r, 0, true), 0.25);
+    EXPECT_DOUBLE_EQ(mc_margin(r, 1, false), 0.0);
+    EXPECT_DOUBLE_EQ(mc_margin(r, 2, false), 2.0);
+    EXPECT_DOUBLE_EQ(mc_margin(r, 2, true), 0.5);
     expect_error([&] { mc_score(set, {1.0}); }, kExitUsage, {"1 row sums for the 8 rows of 'scores'"});
 }
 
@@ -806,7 +806,7 @@ TEST(McCpu, EqualsDirectComputation) {
                 << "item " << i << " cand " << cand;
         }
         const int best = int(std::min_element(direct.begin(), direct.end()) - direct.begin());
-        if (r.margin(i, false) > 1e-3) {
+        if (mc_margin(r, i, false) > 1e-3) {
             EXPECT_EQ(r.pred[size_t(i)], best) << "item " << i;
             decided++;
         }

@@ -116,7 +116,7 @@ void compare_metric(const McResult& gpu, const McResult& cpu, bool norm, const c
     }
     int near_ties = 0, disagree = 0;
     for (int64_t i = 0; i < cpu.items; i++) {
-        const double margin = cpu.margin(i, norm);
+        const double margin = mc_margin(cpu, i, norm);
         const int pg = norm ? gpu.pred_norm[size_t(i)] : gpu.pred[size_t(i)];
         const int pc = norm ? cpu.pred_norm[size_t(i)] : cpu.pred[size_t(i)];
         if (margin < 2 * worst_abs) {
