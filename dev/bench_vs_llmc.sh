@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Our trainer against llm.c on one GPU: speed, memory and energy, interleaved. For each configuration
-# (model and batch) and round, ours runs once per --fp8 mode and then llm.c, so clock and thermal drift fall
-# on all alike. Every run trains T=1024 for STEPS steps from a random initialisation with nvidia-smi
+# (model and batch) and round, ours runs and then llm.c, so clock and thermal drift fall on both alike. Every run trains T=1024 for STEPS steps from a random initialisation with nvidia-smi
 # sampling every 100 ms; per run: the median ms/step of the steps after the first quarter (both programs'
 # per-step lines), the most device memory in use (nvidia-smi memory.used, less what was in use before), and
 # the median power and SM clock of the busy samples (utilisation >= 95%, first quarter of them dropped),
 # whose product with ms/step is the energy of a step. Prints every run, then per configuration and program
 # the medians over rounds and the speed-up over llm.c.
 #   LLMC_PEER=<folder of bench_llmc.sh> bash dev/bench_vs_llmc.sh
-#   CONFIGS="d12:64 d12:16 d24:80 d48:24,20" ROUNDS=2 MODES="0 1" LLMC_PEER=... bash dev/bench_vs_llmc.sh
+#   CONFIGS="d12:64 d12:16 d24:80 d48:24,20" ROUNDS=2 LLMC_PEER=... bash dev/bench_vs_llmc.sh
 # CONFIGS: MODEL:B, or MODEL:B1,B2,... to take, per program, the first batch that fits (probed in round 1).
 # bench_llmc.sh builds llm.c (master, cuDNN attention) on its first call and makes its token shards; llm.c
 # then runs from $LLMC_PEER/llm.c on those shards ($LLMC_DATA, default /tmp/llmc_data), ours on data/.
@@ -18,7 +17,6 @@ cd "$(dirname "$0")/.."
 CONFIGS=${CONFIGS:-d12:64 d12:16}
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-40}
-MODES=${MODES:-"0 1"}
 LOGS=${LOGS:-build/bench-vs-llmc}
 TRAINER=${TRAINER:-./train_gpt2cu}
 LLMC_DATA=${LLMC_DATA:-/tmp/llmc_data}
@@ -81,7 +79,7 @@ declare -A chosen  # "config|program" -> the batch that fitted in round 1
 for round in $(seq 1 "$ROUNDS"); do
     for c in $CONFIGS; do
         model=${c%%:*} bs=${c#*:}
-        for prog in $(for m in $MODES; do echo "ours_fp8_$m"; done) llmc; do
+        for prog in ours llmc; do
             key="$c|$prog"
             list=${chosen[$key]:-$bs}
             ok=0
@@ -91,7 +89,7 @@ for round in $(seq 1 "$ROUNDS"); do
                     cmd=("$LLMC_BIN" -i "$LLMC_DATA/train_*.bin" -j "$LLMC_DATA/val_*.bin" -e "$model" -b "$B"
                          -t 1024 -d $((B * 1024)) -x "$STEPS" -v 1000 -s 1000 -h 0 -r 0 -l 6e-4 -u 10)
                 else
-                    cmd=("$TRAINER" -e "$model" -b "$B" -t 1024 -x "$STEPS" -v 0 -s 0 -o "" --fp8 "${prog#ours_fp8_}")
+                    cmd=("$TRAINER" -e "$model" -b "$B" -t 1024 -x "$STEPS" -v 0 -s 0 -o "")
                 fi
                 if measure "$c $prog $B" "$log" "${cmd[@]}"; then ok=1; chosen[$key]=$B; break; fi
                 echo "round $round  $model B=$B $prog: did not run (the end of $log: $(tail -n 1 "$log"))"
@@ -119,7 +117,7 @@ for model, progs in runs.items():
             rb = [r for r in rs if r[0] == B]
             ms, tok = med(rb, 1), B * 1024 / med(rb, 1) * 1000
             vs = f"{tok / ref_tok:8.3f}x" if ref_tok else "       -"
-            name = "llm.c" if prog == "llmc" else "ours --fp8 " + prog.rsplit("_", 1)[1]
+            name = "llm.c" if prog == "llmc" else "ours"
             print(f"{model:8s} {name:14s} {B:4d} {ms:8.2f} {tok:8.0f} {vs:>9s} {med(rb, 2):7.2f} {med(rb, 3):5.0f} "
                   f"{med(rb, 4):5.0f} {med(rb, 3) * ms / 1000:7.1f}   {' '.join(f'{r[1]:.2f}' for r in rb)}")
 PY

@@ -3,7 +3,7 @@
 # revision REV (empty: the working tree as it is; the path of an executable: that trainer, built
 # elsewhere) as build/cmp_NAME, in parallel (a revision with its own Makefile, for the GPU this machine
 # has, as `make` picks it). Flags after REV (one argument: "NAME=REV FLAGS...") go to that variant's runs
-# only: e.g. "bf16=build/t --fp8 0" "fp8=build/t --fp8 1" compares two settings of one trainer.
+# only: e.g. "r0=build/t -r 0" "r1=build/t -r 1" compares two settings of one trainer.
 #
 # Timing (the default):
 #   bash dev/compare_builds.sh "NAME=REV" ...      e.g. "new=" "old=HEAD~1" or "old=build/old_trainer"

@@ -23,8 +23,8 @@
 #                   on the same machine; the script says so in its summary)
 #   --baseline-only only build the unmutated tree and run every test on it (then --no-baseline in a later run)
 #   --time-budget   start no stage after this many seconds (0: none); mutants left are reported unfinished
-#   --stages        only these stages (names below: test_fp8, test_resume.sh, ...), in this order, for the
-#                   baseline and the mutants: e.g. a mutant the list expects test_fp8 to kill is judged
+#   --stages        only these stages (names below: test_checkpoint_gpu, test_resume.sh, ...), in this order, for the
+#                   baseline and the mutants: e.g. a mutant the list expects test_checkpoint_gpu to kill is judged
 #                   without first waiting for test_gpt2_gpu. A mutant alive after a pass with some stages
 #                   left out (by --stages, or failing on the unmutated tree) is reported unfinished, not
 #                   survived
@@ -40,7 +40,7 @@
 # pass. A test that exits 77 (skipped) kills nothing. A mutant's unit programs run with GTEST_FAIL_FAST=1:
 # they stop at their first failing case.
 # Stages: build/test_kernels test_gpt2_gpu test_zero_update test_dataloader_gpu test_checkpoint_gpu
-#   test_device_file_io test_mc_eval_gpu test_multi_gpu test_fp8 (make test's GPU programs), then the GPU script
+#   test_device_file_io test_mc_eval_gpu test_multi_gpu (make test's GPU programs), then the GPU script
 #   tests test_train_gpt2cu.sh test_resume.sh test_train_gpt2_cpu_vs_gpu.sh test_multi_gpu_trainer.sh
 #   test_hf_trainer.sh test_run_survival.sh, with fewer random kill and signal trials (RESUME_KILL_TRIALS=2,
 #   SURVIVAL_TRIALS=2) to keep a surviving mutant to a few minutes.
@@ -80,7 +80,6 @@ start=$SECONDS
 # Stages: "unit NAME" (build/NAME) or "script NAME [VAR=VALUE ...]" (test/NAME; what it runs, built first).
 stages=("unit test_kernels" "unit test_gpt2_gpu" "unit test_zero_update" "unit test_dataloader_gpu"
         "unit test_checkpoint_gpu" "unit test_device_file_io" "unit test_mc_eval_gpu" "unit test_multi_gpu"
-        "unit test_fp8"
         "script test_train_gpt2cu.sh" "script test_resume.sh RESUME_KILL_TRIALS=2"
         "script test_train_gpt2_cpu_vs_gpu.sh" "script test_multi_gpu_trainer.sh" "script test_hf_trainer.sh"
         "script test_run_survival.sh SURVIVAL_TRIALS=2")

@@ -5,21 +5,21 @@
 # each section reports) is printed last and kept in $LOGS/summary.txt. docs/performance.md says which
 # sections made which figures.
 #   bash dev/gpu_runs.sh SECTION...
-#   sections: build tests tests-fp8 io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
+#   sections: build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large
-#             attention-detail compare fp8-throughput fp8-large llmc
+#             attention-detail compare llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
 # default all); the per-section knobs named below (IO_SIZES, LARGE_BS, DYN_EXTRA, ATTN_KERNELS, COMPARE,
-# FP8_MODES, LLMC_PEER). FP8 against bf16's loss: dev/fp8_spread.sh.
+# LLMC_PEER). A numerics change against bf16's own spread: dev/spread.sh.
 # Most sections need data/ from `make data`.
 set -u
 cd "$(dirname "$0")/.."
 # The sections, as the case below names them: a misspelt one stops the script before anything runs.
-sections="build tests tests-fp8 io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
+sections="build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
           resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large attention-detail
-          compare fp8-throughput fp8-large llmc"
+          compare llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -100,17 +100,6 @@ for section in "$@"; do
         tests)
             step "make test" tests.log 400 make test
             tail -n 1 "$LOGS/tests.log" | tee -a "$summary" ;;
-        tests-fp8)
-            # The script tests that run train_gpt2cu, again with FP8 matmuls in every run: the trainer is called
-            # through a wrapper that puts --fp8 1 first (a test's own --fp8 comes later and wins).
-            step "make train_gpt2cu" tests_fp8.log 400 make train_gpt2cu
-            mv train_gpt2cu build/train_gpt2cu.real
-            printf '#!/bin/sh\nexec "%s/build/train_gpt2cu.real" --fp8 1 "$@"\n' "$PWD" >train_gpt2cu
-            chmod +x train_gpt2cu
-            step "trainer script tests, --fp8 1" tests_fp8.log 1500 bash test/run_tests.sh \
-                $(grep -l '^expect_bin=(./train_gpt2cu)\|\./train_gpt2cu ' test/test_*.sh)
-            mv build/train_gpt2cu.real train_gpt2cu
-            tail -n 1 "$LOGS/tests_fp8.log" | tee -a "$summary" ;;
         io-tests)
             step test_device_file_io tests.log 120 ./build/test_device_file_io ;;
         sanitizer)
@@ -137,39 +126,6 @@ for section in "$@"; do
                 tail -n 6 "$LOGS/throughput.log" >>"$summary"
                 grep -E "^\| (activations|activation gradients|scratch|model total)|in use after allocation" \
                     "$LOGS/throughput.log" | tail -n 5 >>"$summary"
-            done ;;
-        fp8-throughput)
-            # d12 T=1024 in bf16 and FP8 (FP8_MODES: the --fp8 values, default "0 1"), B=64 (GPU clock and power
-            # sampled) and B=16, interleaved, 2 rounds; each run's average over steps 2-30 and its peak memory.
-            for round in 1 2; do
-                for B in 64 16; do
-                    for fp8 in ${FP8_MODES:-0 1}; do
-                        smi=()
-                        [ $B = 64 ] && smi=(smi_run "smi_fp8_${fp8}_r$round.log")
-                        "${smi[@]}" step "d12 B=$B --fp8 $fp8 (round $round)" fp8_throughput.log 120 \
-                            ./train_gpt2cu -e d12 -b $B -t 1024 -x 30 -v 0 -s 0 -o "" --fp8 $fp8
-                        grep -E "^average|^peak" "$LOGS/fp8_throughput.log" | tail -n 2 >>"$summary"
-                    done
-                done
-            done ;;
-        fp8-large)
-            # d24 and d48 at T=1024, the largest B of LARGE_BS that fits, in bf16 and FP8 (FP8_MODES: the --fp8
-            # values, default "0 1"), with peak memory, and the SM clock and power of the run that fit.
-            for model in d24 d48; do
-                for fp8 in ${FP8_MODES:-0 1}; do
-                    for B in ${LARGE_BS:-128 112 96 80 64 56 48 40 32 24 16 8 4}; do
-                        smi_start
-                        if step "$model B=$B --fp8 $fp8" fp8_large.log 150 \
-                            ./train_gpt2cu -e $model -b $B -t 1024 -x 12 -v 0 -s 0 -o "" --fp8 $fp8; then
-                            smi_stop
-                            grep -E "^average|^peak" "$LOGS/fp8_large.log" | tail -n 2 >>"$summary"
-                            smi_summary "smi_fp8_large_${model}_$(echo "$fp8" | tr -c 'a-z0-9\n' '_')"
-                            break
-                        fi
-                        smi_stop
-                        rm -f "$LOGS/smi.tmp"
-                    done
-                done
             done ;;
         llmc)
             # The llm.c peer (its bench_llmc.sh builds and runs llm.c d12 T=1024 at B=64 and 16), for a
