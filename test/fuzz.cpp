@@ -52,6 +52,7 @@ says why each input was refused.
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
 #include "dev/tools/jsonl.h"
+#include "dev/tools/shard_write.h"
 
 namespace {
 

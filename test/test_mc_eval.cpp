@@ -51,6 +51,7 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "dev/tools/shard_write.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/gpt2_cpu.h"
 #include "llmc/shard.h"

@@ -68,6 +68,7 @@ file or the parts of a text.
 #include <unistd.h>
 
 #include "dev/tools/jsonl.h"
+#include "dev/tools/shard_write.h"
 #include "llmc/flags.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"
