@@ -53,6 +53,7 @@ says why each input was refused.
 #include "llmc/utils.h"
 #include "dev/tools/jsonl.h"
 #include "dev/tools/shard_write.h"
+#include "dev/tools/tokenizer_tools.h"
 
 namespace {
 
