@@ -468,7 +468,7 @@ public:
         if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         // d_residual_ carries the residual stream's gradient down the layers; LayerNorm backward adds into it, so
         // it starts at zero. Each LayerNorm backward also adds the column sums of the gradient it leaves into the
-        // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward
+        // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward_dw
         // would add, without another pass. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
         auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };

@@ -79,6 +79,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"
 #include "test/gpu_test.h"
+#include "test/matmul_backward.h"
 
 using namespace llmc;
 

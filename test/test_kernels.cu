@@ -49,6 +49,7 @@ function's bf16 rounding (GeluForwardRoundsLikeTheExactFunction says why).
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"
 #include "test/gpu_test.h"
+#include "test/matmul_backward.h"
 
 using namespace llmc;
 
