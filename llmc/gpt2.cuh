@@ -217,7 +217,6 @@ public:
     }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
-    const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
     MultiGpu* multi() const { return multi_; }
     bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
     // ZeRO-1: how the parameters are split over the ranks. owned(): the parameters whose master weights
