@@ -10,7 +10,7 @@ all-zero tensor gets scale 1. Conversions round to nearest and saturate to the f
 (__NV_SATFINITE: never inf or NaN from a finite input).
 
 Provides (each described where it is defined): Fp8Format<Fp8> (kMax, the cuBLASLt type), fp8_supported();
-the amax (fp8_amax, fp8_amax_fold, fp8_amax_batch; kernels that write a tensor fold their own with
+the amax (fp8_amax_fold, fp8_amax_batch; kernels that write a tensor fold their own with
 fp8_record_amax, llmc/cuda_common.cuh); casts (fp8_cast, fp8_cast_transposed, fp8_cast_pair and
 fp8_dgelu_cast_pair: row-major and transposed in one pass, the two K-major copies a gradient's FP8 dX and
 dW read), fp8_transpose, fp8_dequantize; delayed scaling (fp8_delayed_scales, fp8_history_push); and
@@ -326,12 +326,6 @@ inline void fp8_amax_fold(const floatX* x, int64_t n, unsigned int* amax_bits, c
     cudaCheckLaunch();
 }
 
-// *amax_bits = the float bits of max |x| over n bf16 values (zeroed first).
-inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
-    cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
-    fp8_amax_fold(x, n, amax_bits, stream);
-}
-
 // One tensor of fp8_amax_batch: n bf16 values at x, their amax folded into *amax_bits; its blocks
 // [first_block, first_block + blocks) of the launch (fp8_amax_batch_plan sets them).
 struct Fp8AmaxJob {
@@ -398,7 +392,7 @@ inline void fp8_amax_batch(const Fp8AmaxJob* jobs, int count, int64_t blocks, cu
     cudaCheckLaunch();
 }
 
-// q = fp8(x * scale), scale from amax_bits (fp8_amax's, or a producer's); *descale = 1 / scale.
+// q = fp8(x * scale), scale from amax_bits (fp8_amax_fold's, or a producer's); *descale = 1 / scale.
 template <class Fp8>
 void fp8_cast(Fp8* q, const floatX* x, int64_t n, const unsigned int* amax_bits, float* descale, cudaStream_t stream) {
     if (n % kPackX == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {

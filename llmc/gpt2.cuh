@@ -217,7 +217,6 @@ public:
     }
     const floatX* params() const { return params_.get(); }
     const floatX* grads() const { return grads_.get(); }  // with several ranks, after backward: their sum
-    const float* master_weights() const { return master_.get(); }  // with ZeRO-1: this rank's shard
     MultiGpu* multi() const { return multi_; }
     bool sharded() const { return multi_ != nullptr && zero_stage_ == 1; }
     // ZeRO-1: how the parameters are split over the ranks. owned(): the parameters whose master weights
@@ -468,7 +467,7 @@ public:
         if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         // d_residual_ carries the residual stream's gradient down the layers; LayerNorm backward adds into it, so
         // it starts at zero. Each LayerNorm backward also adds the column sums of the gradient it leaves into the
-        // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward
+        // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward_dw
         // would add, without another pass. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
         auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };

@@ -4,7 +4,6 @@ layernorm_forward, layernorm_backward and residual_forward (eps 1e-5, statistics
   layernorm_forward / fused_residual_layernorm_forward (residual = a + b rounded to bf16, then its
       LayerNorm): one warp a row, fp32 two-pass statistics, the row held in registers for C <= 7 * 256.
       Optionally the amax of out, or out in E4M3 at a device-side scale (LayerNormFp8Out, llmc/fp8.cuh).
-  residual_forward:  out = a + b.
   layernorm_backward: dinp += (the residual stream's gradient), dweight +=, dbias +=; the weight sums in
       fixed 256-row chunks and a fixed order (no atomics: bitwise reproducible). Optionally next_dbias +=
       dinp's column sums (bit for bit bias_grad_accumulate) and dinp = dres + ... from another buffer.
@@ -259,28 +258,6 @@ inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, floa
                                              LayerNormFp8Out fp8 = {}) {
     detail::fused_residual_layernorm_forward_rows(detail::layernorm_held_packs(C), residual, out, mean, rstd, a, b,
                                                   weight, bias, N, C, stream, amax, fp8);
-}
-
-static __global__ void residual_forward_kernel(floatX* out, const floatX* a, const floatX* b, int64_t n) {
-    const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPackX;
-    if (i >= n) return;
-    const PackX pa = load128(a + i);
-    const PackX pb = load128(b + i);
-    PackX o;
-    for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
-    store128(out + i, o);
-}
-
-// out = a + b over n elements (n a multiple of 8); out may alias a or b.
-inline void residual_forward(floatX* out, const floatX* a, const floatX* b, int64_t n, cudaStream_t stream) {
-    require_pack_multiple(n, "residual_forward: n");
-    for (const void* p : {static_cast<const void*>(out), static_cast<const void*>(a), static_cast<const void*>(b)}) {
-        require_aligned16(p, "residual_forward");
-    }
-    if (n == 0) return;
-    const int block = 256;
-    residual_forward_kernel<<<unsigned(ceil_div<int64_t>(n / kPackX, block)), block, 0, stream>>>(out, a, b, n);
-    cudaCheckLaunch();
 }
 
 // ----------------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ Matrix multiplications through cuBLASLt: bf16 inputs and outputs (or fp32 output
   cublasCheck(call): raises an llmc::Error naming the call, file, line and cuBLAS's status.
   CublasLt: owner of a cuBLASLt handle and its workspace (one per stream: a shared workspace would race).
   gemm(): row-major strided-batched D = alpha * op(A) @ op(B) + beta * D with optional epilogues.
-  matmul_forward / matmul_backward: the linear layer, with cpu/gpt2_cpu.h's argument meanings (weight
-      (OC, C) as nn.Linear); dinp is OVERWRITTEN, dweight and dbias ADDED to (over micro-batches).
+  matmul_forward / matmul_backward_dx / _dw: the linear layer, with cpu/gpt2_cpu.h's argument meanings
+      (weight (OC, C) as nn.Linear); dinp is OVERWRITTEN, dweight and dbias ADDED to (over micro-batches).
 The bias gradient is our own fixed-order two-pass reduction (no atomics: bitwise reproducible).
 With tuning on (set_tuning; the trainer always tunes), the first beta = 0 call of each shape, layout and
 epilogue times the heuristic's candidates that give the first choice's exact bits (by fingerprint) and
@@ -380,7 +380,7 @@ constexpr int kBiasGradColumnsPerBlock = kWarpSize * kPackX;      // 256
 
 inline int64_t bias_grad_chunks(int64_t N) { return ceil_div<int64_t>(N, kBiasGradRowsPerChunk); }
 
-// Scratch matmul_backward needs for the bias gradient (0 without a bias).
+// Scratch matmul_backward_dw needs for the bias gradient (0 without a bias).
 inline size_t matmul_backward_scratch_bytes(int64_t N, int OC) {
     return size_t(bias_grad_chunks(N)) * size_t(OC) * sizeof(float);
 }
@@ -501,16 +501,6 @@ inline void matmul_backward_dw(const CublasLt& lt, floatX* dweight, floatX* dbia
     gemm(lt, stream, OC, C, N, GemmOperand{dout, OC, true, 0}, GemmOperand{inp, C, false, 0}, dweight, CUDA_R_16BF, C,
          0, 1, 1.0f, 1.0f);
     if (dbias != nullptr) bias_grad_accumulate(dbias, dout, N, OC, scratch, scratch_bytes, stream);
-}
-
-// Both halves: dinp (may be null), dweight (OC,C) +=, dbias (OC, may be null) +=. scratch:
-// matmul_backward_scratch_bytes(N, OC) bytes when dbias is given.
-inline void matmul_backward(const CublasLt& lt, floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout,
-                            const floatX* inp, const floatX* weight, int64_t N, int C, int OC, float* scratch,
-                            size_t scratch_bytes, cudaStream_t stream, const floatX* pre_gelu = nullptr) {
-    if (N == 0) return;
-    if (dinp != nullptr) matmul_backward_dx(lt, dinp, dout, weight, N, C, OC, stream, pre_gelu);
-    matmul_backward_dw(lt, dweight, dbias, dout, inp, N, C, OC, scratch, scratch_bytes, stream);
 }
 
 }  // namespace llmc

@@ -123,7 +123,6 @@ public:
     int local_rank() const { return ranks_.local_rank; }
     bool is_root() const { return ranks_.rank == 0; }
     const RankInfo& ranks() const { return ranks_; }
-    cudaStream_t comm_stream() const { return comm_stream_; }
 
     // ---- collectives, each queued on the communication stream after the compute stream's work so far ----
 

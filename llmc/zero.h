@@ -41,13 +41,6 @@ struct ZeroLayout {
         const ShardRange s = shard(rank);
         return {std::min(s.begin, num_params), std::min(s.end, num_params)};
     }
-    int owner_of(int64_t index) const {
-        if (index < 0 || index >= num_params) {
-            fail(kExitError, "ZeroLayout: element %lld is outside the %lld parameters", (long long)index,
-                 (long long)num_params);
-        }
-        return int(index / shard_size);
-    }
 };
 
 inline ZeroLayout zero_layout(int64_t num_params, int world, int64_t alignment = kZeroAlignment) {

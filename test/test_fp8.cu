@@ -2,7 +2,8 @@
 GPU tests of the FP8 building blocks (llmc/fp8.cuh) against host computations on the same values. Skipped
 without a GPU, or on one without FP8 tensor cores (compute capability below 8.9).
 
-  - fp8_amax: the exact max |x| (its float bits) of bf16 values, zeros and negatives included;
+  - fp8_amax_fold (zeroed first: fp8_amax below): the exact max |x| (its float bits) of bf16 values, zeros
+    and negatives included;
   - fp8_amax_batch: each of several tensors' exact amax (sizes 1 to 2.4M, 16-byte aligned or not) in one
     launch, nothing else written;
   - fp8_cast (E4M3 and E5M2): every byte equal to the host's conversion of x * scale (round to nearest,
@@ -79,6 +80,7 @@ without a GPU, or on one without FP8 tensor cores (compute capability below 8.9)
 #include "llmc/matmul.cuh"
 #include "test/expect_error.h"
 #include "test/gpu_test.h"
+#include "test/matmul_backward.h"
 
 using namespace llmc;
 
@@ -97,6 +99,12 @@ protected:
 };
 
 const cudaStream_t kStream = nullptr;
+
+// *amax_bits = the float bits of max |x| over n bf16 values (zeroed first).
+inline void fp8_amax(const floatX* x, int64_t n, unsigned int* amax_bits, cudaStream_t stream) {
+    cudaCheck(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned int), stream));
+    fp8_amax_fold(x, n, amax_bits, stream);
+}
 
 // Normal values times stddev rounded to bf16, every 17th a zero (so zeros are cast too).
 std::vector<floatX> random_bf16(size_t n, uint64_t seed, float stddev) {
