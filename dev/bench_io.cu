@@ -76,7 +76,7 @@ storage other than the output directory's.
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "dev/tools/shard_write.h"
+#include "llmc/shard.h"
 #include "llmc/checkpoint.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/dataloader_gpu.cuh"

@@ -9,9 +9,9 @@ A row has at most T positions: an item that does not fit keeps its last min(cont
 ending) context tokens for every candidate; an ending longer than T is an error.
 File format: llm.c's eval .bin (dev/data/data_common.py write_evalfile): 256 int32 header (magic
 20240522, version 1, examples, longest example's bytes), then per example uint16s: 65535, its bytes,
-index, label, K, context length and tokens, then K times ending length and tokens. read_mc_file()
-checks every field and names the file, example and byte offset of what is wrong. The writer and
-HellaSwag's JSONL reader are prepare_eval's (dev/tools/prepare_eval.h).
+index, label, K, context length and tokens, then K times ending length and tokens. write_mc_file()
+checks a set and writes it; read_mc_file() checks every field and names the file, example and byte
+offset of what is wrong. HellaSwag's own JSONL is read by prepare_eval (dev/tools/jsonl.h).
 */
 #pragma once
 
@@ -93,6 +93,48 @@ inline void mc_check_items(const McSet& set, int64_t vocab_size, int max_T = 0) 
 
 // ----------------------------------------------------------------------------------------------------
 // The .bin file.
+
+// The example's size in bytes in the file format.
+inline int64_t mc_example_bytes(const McItem& item) {
+    int64_t values = kMcExampleFields + int64_t(item.context.size());
+    for (const auto& e : item.endings) values += 1 + int64_t(e.size());
+    return 2 * values;
+}
+
+// Writes the set in llm.c's eval format, checked first and written whole or not at all.
+inline void write_mc_file(const std::string& path, const McSet& set) {
+    const std::vector<McItem>& items = set.items;
+    if (int64_t(items.size()) > kMcMaxExamples) {
+        fail(kExitUsage, "'%s': %zu items, the format holds at most %lld", path.c_str(), items.size(),
+             (long long)kMcMaxExamples);
+    }
+    // Token ids must stay below the delimiter; mc_check_items names the offending item.
+    mc_check_items(set, kMcDelimiter);
+    int64_t longest = 0;
+    std::vector<uint16_t> stream;
+    for (size_t i = 0; i < items.size(); i++) {
+        const McItem& it = items[i];
+        const int64_t bytes = mc_example_bytes(it);
+        if (bytes > kMcMaxExampleBytes) {
+            fail(kExitUsage, "'%s': item %zu takes %lld bytes (context of %zu tokens, %zu endings), more than the "
+                 "format's %lld per example", path.c_str(), i, (long long)bytes, it.context.size(),
+                 it.endings.size(), (long long)kMcMaxExampleBytes);
+        }
+        longest = std::max(longest, bytes);
+        stream.insert(stream.end(), {uint16_t(kMcDelimiter), uint16_t(bytes), uint16_t(i), uint16_t(it.label),
+                                     uint16_t(it.endings.size()), uint16_t(it.context.size())});
+        for (int32_t t : it.context) stream.push_back(uint16_t(t));
+        for (const auto& e : it.endings) {
+            stream.push_back(uint16_t(e.size()));
+            for (int32_t t : e) stream.push_back(uint16_t(t));
+        }
+    }
+    const int32_t header[kMcHeaderInts] = {kMcMagic, kMcVersion, int32_t(items.size()), int32_t(longest)};
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        f.write_all(stream.data(), stream.size() * sizeof(uint16_t));
+    });
+}
 
 // Reads and checks a whole eval .bin; token ids must be below vocab_size (at most 65535).
 inline McSet read_mc_file(const std::string& path, int64_t vocab_size = kMcDelimiter) {

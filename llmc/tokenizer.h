@@ -1,16 +1,15 @@
 /*
 GPT-2's byte-level BPE tokenizer.
   - Tokenizer: the vocabulary and the end-of-text id; decode() refuses ids outside the vocabulary.
-  - read_tokenizer_bin(): llm.c's tokenizer file (256 uint32 header: 20240328, version, vocabulary
-    size, end-of-text id (version 1: 50256); then per token a byte count and bytes). Its writer, and
-    safe_split_point() (where a text can be cut so the parts encode as the whole does), are the data
-    tool's: dev/tools/tokenizer_tools.h.
+  - read_tokenizer_bin() / write_tokenizer_bin(): llm.c's tokenizer file (256 uint32 header: 20240328,
+    version, vocabulary size, end-of-text id (version 1: 50256); then per token a byte count and bytes).
 With LLMC_TOKENIZER_ENCODER defined before the include (PCRE2 and nlohmann-json needed):
   - load_gpt2_vocab_files(): OpenAI's encoder.json and vocab.bpe, checked against each other.
   - Gpt2Encoder: encode_ordinary() as tiktoken's "gpt2": GPT-2's pre-tokenisation pattern, a piece that
     is a token becomes it, else BPE merging the lowest-id pair (leftmost on ties). Any bytes are taken
     and decode(encode(x)) == x; a run of invalid UTF-8 is a piece of its own. "<|endoftext|>" in text
     is ordinary text. Shared read-only; each thread encodes through its own Gpt2Encoder::Context.
+  - safe_split_point(): where a text can be cut so the parts encode as the whole does.
 */
 #pragma once
 
@@ -61,6 +60,25 @@ private:
     std::vector<std::string> tokens_;
     uint32_t eot_ = 0;
 };
+
+inline void write_tokenizer_bin(const Tokenizer& tok, const std::string& path) {
+    const uint32_t header[kTokenizerHeaderInts] = {kTokenizerMagic, 2, static_cast<uint32_t>(tok.size()), tok.eot()};
+    std::string body;
+    for (size_t id = 0; id < tok.size(); id++) {
+        const std::string& t = tok.token(static_cast<uint32_t>(id));
+        if (t.empty() || t.size() > 255) {
+            fail(kExitData, "cannot write '%s': token %zu is %zu bytes long; the format holds 1 to 255", path.c_str(), id,
+                 t.size());
+        }
+        body += static_cast<char>(static_cast<uint8_t>(t.size()));
+        body += t;
+    }
+    // Whole or not at all, so that a failed rewrite (a full disk) leaves the previous file as it was.
+    write_file_atomically(path, [&](File& f) {
+        f.write_all(header, sizeof(header));
+        f.write_all(body.data(), body.size());
+    });
+}
 
 inline Tokenizer read_tokenizer_bin(const std::string& path) {
     auto bad = [&](const std::string& what) { fail(kExitData, "tokenizer '%s': %s", path.c_str(), what.c_str()); };
@@ -400,6 +418,16 @@ inline const std::string& gpt2_pattern() {
                "]+|[" + space + "]+(?![^" + space + "])|[" + space + "]+";
     }();
     return pattern;
+}
+
+// Where text can be cut near `target` so the two parts encode as the whole: before a space or newline
+// between two printable ASCII characters. The first such point at or after `target`, else text.size().
+inline size_t safe_split_point(std::string_view text, size_t target) {
+    auto printable = [](char c) { return c > ' ' && c < 0x7F; };
+    for (size_t p = std::max<size_t>(target, 1); p + 1 < text.size(); p++) {
+        if ((text[p] == ' ' || text[p] == '\n') && printable(text[p - 1]) && printable(text[p + 1])) return p;
+    }
+    return text.size();
 }
 
 class Gpt2Encoder {

@@ -53,9 +53,6 @@ says why each input was refused.
 #include "llmc/tokenizer.h"
 #include "llmc/utils.h"
 #include "dev/tools/jsonl.h"
-#include "dev/tools/prepare_eval.h"
-#include "dev/tools/shard_write.h"
-#include "dev/tools/tokenizer_tools.h"
 
 namespace {
 

@@ -53,8 +53,6 @@ PyTorch's view of the same scores is test/test_mc_eval_vs_torch.sh; the GPU's is
 
 #include "cpu/gpt2_cpu.h"
 #include "cpu/mc_eval_cpu.h"
-#include "dev/tools/prepare_eval.h"
-#include "dev/tools/shard_write.h"
 #include "llmc/gpt2_config.h"
 #include "llmc/shard.h"
 #include "test/expect_error.h"

@@ -25,7 +25,6 @@ saying so, where it is missing.
 #include <map>
 #include <random>
 
-#include "dev/tools/tokenizer_tools.h"
 #include "llmc/dataloader.h"
 #include "test/test_util.h"
 

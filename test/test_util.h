@@ -23,7 +23,6 @@ assertions (expect_error.h, gpu_test.h).
 #include <stdlib.h>
 #include <sys/resource.h>
 
-#include "dev/tools/shard_write.h"
 #include "llmc/rand.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"

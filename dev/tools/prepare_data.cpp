@@ -22,7 +22,7 @@ by SIGINT or SIGTERM removes that folder and leaves OUT as it was; a folder left
 removed by the next run of the same name. While a run lasts, both sets take disk space.
 
 Work is spread over --threads threads (default: one per core). The main thread reads the inputs into
-chunks of about 1 MiB of whole documents (a longer text document is cut where tokenizer_tools.h's
+chunks of about 1 MiB of whole documents (a longer text document is cut where tokenizer.h's
 safe_split_point() allows), workers encode chunks, and the main thread writes results in input order.
 Chunks do not depend on the thread count, so the shards are byte-identical whatever it is.
 
@@ -68,8 +68,6 @@ file or the parts of a text.
 #include <unistd.h>
 
 #include "dev/tools/jsonl.h"
-#include "dev/tools/shard_write.h"
-#include "dev/tools/tokenizer_tools.h"
 #include "llmc/flags.h"
 #include "llmc/shard.h"
 #include "llmc/utils.h"

@@ -36,7 +36,7 @@ true endings).
 #include "llmc/tokenizer.h"
 #include "llmc/dataloader.h"  // SplitMix64
 #include "llmc/mc_eval.h"
-#include "dev/tools/prepare_eval.h"  // write_mc_file, read_hellaswag_jsonl
+#include "dev/tools/jsonl.h"  // read_hellaswag_jsonl
 
 #include <algorithm>
 #include <cstdio>
