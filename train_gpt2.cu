@@ -151,7 +151,6 @@ struct Plan {
     std::vector<std::string> train_shards, val_shards;
     double time_limit_s = 0;  // 0: none
     std::vector<ModelFormat> save_formats;
-    Fp8Matmuls fp8;  // which matmuls run in FP8 (--fp8)
     std::vector<uint32_t> prompt;  // what samples continue (default: end-of-text)
     McSet eval;                    // --eval's items (none: no evaluation)
     bool evaluate_mc() const { return !eval.items.empty(); }
@@ -194,10 +193,6 @@ inline Plan plan_run(const Options& o, const GPT2Config& c, const Parallel& para
     p.schedule.decay_fraction = o.decay_fraction;
     p.time_limit_s = parse_duration(o.time_limit, "--time-limit");
     p.save_formats = parse_save_formats(o.save_model);
-    p.fp8 = fp8_recipe(o.fp8 == 1);
-    if (p.fp8.any() && c.channels % 16 != 0) {
-        fail(kExitUsage, "--fp8 1: FP8 matmuls need channels a multiple of 16, not %d", c.channels);
-    }
     if (!o.eval_file.empty()) {
         p.eval = read_mc_file(o.eval_file, c.vocab_size);
         if (o.eval_max_items >= 0 && size_t(o.eval_max_items) < p.eval.items.size()) p.eval.items.resize(size_t(o.eval_max_items));
@@ -270,7 +265,6 @@ inline std::vector<RunSetting> run_settings(const Options& o, const Plan& p) {
         {"classifier_exp", "1", R::MayChange},
         {"rounding_seed", format("%lld", (long long)rounding_seed(o)), R::MayChange},
         {"recompute", format("%d", o.recompute), R::MayChange},
-        {"fp8", p.fp8.describe(), R::MayChange},
         {"sample_seed", format("%lld", (long long)o.sample_seed), R::MayChange},
         {"zero_stage", format("%d", p.parallel.zero_stage), R::Ranks},
         {"train_shards", join(p.train_shards), R::Ranks},
@@ -378,19 +372,6 @@ inline void print_plan(const Flags& flags, const Options& o, const Plan& plan, c
                                     : source.info.describe().c_str(),
                 describe(plan.config).c_str(), (long long)num_parameters(plan.config),
                 flops_per_token(plan.config, o.T) / 1e9);
-    if (plan.fp8.any()) {
-        std::printf("FP8 matmuls: %s (E4M3 activations and weights, E5M2 gradients, per-tensor scales); the rest bf16\n",
-                    plan.fp8.describe().c_str());
-        if (plan.fp8.fcproj && o.recompute == 1) {
-            std::printf("note: with -r 1 (the GELU output recomputed in backward) fcproj%s run in bf16%s\n",
-                        plan.fp8.fc_grad ? " and fc.grad" : "",
-                        plan.fp8.qkv_grad_delayed ? ", and dqkv is cast at its own max (no delayed scale)" : "");
-        } else if (plan.fp8.qkv_grad_delayed &&
-                   !attention_backward_fp8_shape(o.T, plan.config.channels, plan.config.num_heads)) {
-            std::printf("note: attention's backward cannot write dqkv in FP8 here (it needs head size 64, T a multiple "
-                        "of 64 and a GPU_ARCH=90 build on Hopper): dqkv is cast as with qkv.grad\n");
-        }
-    }
     if (plan.trains()) {
         std::printf("micro-batch %d x %d, %lld tokens per step, %d micro-step(s) per step, %d steps = %.3f epochs of "
                     "%llu tokens\n", o.B, o.T, (long long)plan.tokens_per_step, plan.grad_accum, plan.max_steps,
@@ -431,7 +412,6 @@ inline std::string memory_table(const GPT2& model, size_t data_bytes) {
     row("activations", m.activations);
     row("activation gradients", m.activation_grads);
     row("scratch + cuBLAS workspace", m.scratch);
-    if (m.fp8 > 0) row("FP8 weight copies", m.fp8);
     row("model total", m.total());
     row("data loaders (device side)", data_bytes);
     return out + rule;
@@ -450,7 +430,7 @@ inline void print_device(const Device& device, const GPT2& model, const Data& da
     std::printf("classifier: %s\n", model.classifier_exp_applies(int64_t(model.max_B()) * model.max_T())
                                         ? "the exp forward on training steps"
                                         : "the exp forward does not apply here (needs sm_90a, B x T a multiple of 128, C "
-                                          "of 64, no FP8 lm_head): cuBLASLt + fused softmax");
+                                          "of 64): cuBLASLt + fused softmax");
     size_t free_bytes = 0, total_bytes = 0;
     cudaCheck(cudaMemGetInfo(&free_bytes, &total_bytes));
     std::printf("GPU memory in use after allocation (all of it, CUDA context included): %s of %s\n",
@@ -483,8 +463,7 @@ struct Outputs {
 
 // The device and pinned buffers the loop reads results back through, allocated once.
 struct LoopBuffers {
-    DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, the update's scale, then the
-                                      // FP8 tensors that outgrew their delayed scale's history
+    DeviceBuffer<float> step_stats;   // grad norm, one mean loss per micro-step, the update's scale
     PinnedBuffer step_stats_host;
     DeviceBuffer<float> val_losses;   // one mean loss per validation batch
     PinnedBuffer val_losses_host;
@@ -493,7 +472,7 @@ struct LoopBuffers {
     Event step_done;
 
     LoopBuffers(const Plan& plan, int T)
-        : step_stats(size_t(3 + plan.grad_accum)), step_stats_host(size_t(3 + plan.grad_accum) * sizeof(float)),
+        : step_stats(size_t(2 + plan.grad_accum)), step_stats_host(size_t(2 + plan.grad_accum) * sizeof(float)),
           val_losses(size_t(std::max(1, plan.val_steps))),
           val_losses_host(size_t(std::max(1, plan.val_steps)) * sizeof(float)), sample_tokens(size_t(T)),
           logit_row(size_t(plan.config.vocab_size) * sizeof(floatX)) {}
@@ -575,7 +554,6 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Output
 
 struct StepStats {
     double loss = 0, norm = 0, seconds = 0;
-    int fp8_outgrown = -1;  // FP8 tensors whose amax outgrew their delayed scale's history; -1 without delayed scaling
     std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
@@ -586,8 +564,6 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     const auto t0 = std::chrono::steady_clock::now();
     const float dloss = 1.0f / (float(o.B) * float(o.T) * float(grad_accum));
     model.zero_grad();
-    float* outgrown = model.fp8_outgrown();  // counted over this step's micro-batches
-    if (outgrown != nullptr) cudaCheck(cudaMemsetAsync(outgrown, 0, sizeof(float), model.stream()));
     for (int micro = 0; micro < grad_accum; micro++) {
         DeviceBatch batch = train.next_batch();
         model.forward(batch.inputs, batch.targets, o.B, o.T, buf.step_stats.get() + 1 + micro, dloss);
@@ -608,11 +584,7 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     model.update(settings, o.grad_clip, step + 1, uint64_t(rounding_seed(o)), stats, stats + 1, grad_accum, loss_limit);
     cudaCheck(cudaMemcpyAsync(stats + 1 + grad_accum, model.grad_scale(), sizeof(float), cudaMemcpyDeviceToDevice,
                               model.stream()));
-    if (outgrown != nullptr) {
-        cudaCheck(cudaMemcpyAsync(stats + 2 + grad_accum, outgrown, sizeof(float), cudaMemcpyDeviceToDevice,
-                                  model.stream()));
-    }
-    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(3 + grad_accum) * sizeof(float),
+    cudaCheck(cudaMemcpyAsync(buf.step_stats_host.get(), stats, size_t(2 + grad_accum) * sizeof(float),
                               cudaMemcpyDeviceToHost, model.stream()));
     cudaCheck(cudaEventRecord(buf.step_done, model.stream()));
     cudaCheck(cudaEventSynchronize(buf.step_done));
@@ -625,7 +597,6 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
         finite_losses = finite_losses && std::isfinite(h[1 + micro]);
     }
     s.loss /= grad_accum;
-    if (outgrown != nullptr) s.fp8_outgrown = int(h[2 + grad_accum]);
     if (std::isnan(h[1 + grad_accum])) s.skipped = skip_reason(s.norm, finite_losses, s.loss, double(loss_limit));
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return s;
@@ -677,11 +648,10 @@ inline void log_step(Outputs& out, const Throughput& tp, int step, int max_steps
                     s.skipped.empty() ? "" : format(" | update skipped: %s", s.skipped.c_str()).c_str());
         std::fflush(stdout);
     }
-    out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s%s}",
+    out.log.write(format("{\"step\":%d,\"loss\":%s,\"lr\":%s,\"norm\":%s,\"ms\":%.3f,\"tok_per_s\":%.1f,\"mfu\":%s}",
                          step + 1, json_number(s.loss, "%.17g").c_str(), json_number(lr, "%.6g").c_str(),
                          json_number(s.norm, "%.9g").c_str(), s.seconds * 1e3, tok_per_s,
-                         m >= 0 ? format("%.4f", m).c_str() : "null",
-                         s.fp8_outgrown >= 0 ? format(",\"fp8_outgrown\":%d", s.fp8_outgrown).c_str() : ""));
+                         m >= 0 ? format("%.4f", m).c_str() : "null"));
     if (!s.skipped.empty()) out.log.write(skipped_record(step + 1, s.skipped));
 }
 
@@ -781,7 +751,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         });
         std::vector<std::string> notes;
         int saved_world = 0;
-        std::string resharded, history_note;
+        std::string resharded, fp8_note;
         RunControl guard = control;  // takes up the checkpoint's step guard state, kept if this checkpoint is used
         bool guard_saved = false;
         if (bad.empty()) {
@@ -801,7 +771,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             } catch (const Error& e) {
                 fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
             }
-            check([&] { resharded = load_checkpoint(model, c.path, m, io, &history_note); });
+            check([&] { resharded = load_checkpoint(model, c.path, m, io, &fp8_note); });
             check([&] {
                 if (const std::vector<uint8_t>* g = m.blob("step_guard")) {
                     guard.restore(*g, c.path);
@@ -824,7 +794,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
                         "the same sample stream\n", saved_world, world);
         }
         if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
-        if (!history_note.empty()) std::printf("resume: %s\n", history_note.c_str());
+        if (!fp8_note.empty()) std::printf("resume: %s\n", fp8_note.c_str());
         control = guard;
         if (!guard_saved) {
             std::printf("resume: the checkpoint holds no step guard state (written by an older version): the "
@@ -949,7 +919,6 @@ int main(int argc, char** argv) {
         GPT2 model(source.config, opt.B, opt.T, stream, multi.get(), plan.parallel.zero_stage, opt.recompute == 1);
         // Decided, not flags: cuBLASLt algorithm tuning, backward's second stream, the classifier's exp path.
         model.set_gemm_tuning(true);
-        model.set_fp8(plan.fp8);
         model.set_dw_stream(2);
         model.set_classifier_exp(true);
         if (candidates.empty()) model.set_parameters(initial_parameters(source, uint64_t(opt.seed)));

@@ -12,8 +12,8 @@ q, k, v with head h at columns h*HS of each; out (B,T,C); scale 1/sqrt(HS).
       or groups[t]: a shared context and several continuations in one row (mc_eval.h).
 dqkv is OVERWRITTEN and must not alias the inputs. Checked, with an error naming the function: shapes,
 HS a multiple of 8, saved and scratch sizes, 16-byte aligned pointers. Deterministic (no atomics); the
-two paths agree within bf16 rounding. Backward's options: amax_bits (max |dqkv|, for FP8), bias_sums
-(64-row blocks' column sums, where the wgmma kernels run), and attention_backward_fp8 (dqkv in FP8).
+two paths agree within bf16 rounding. Backward's option: bias_sums (64-row blocks' column sums, where the
+wgmma kernels run).
 */
 #pragma once
 
@@ -24,7 +24,6 @@ two paths agree within bf16 rounding. Backward's options: amax_bits (max |dqkv|,
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_attention.cuh"
 #include "llmc/flash_attention_sm90.cuh"
-#include "llmc/fp8.cuh"
 #include "llmc/matmul.cuh"
 #include "llmc/utils.h"
 
@@ -288,30 +287,26 @@ inline void attention_forward(const CublasLt& lt, floatX* out, void* saved, size
     }
 }
 
-// Whether this build's attention_backward_fp8 takes the shape (HS 64, T % 64 == 0, sm_90a build);
-// attention_backward_fp8_available: and the device runs it.
-inline bool attention_backward_fp8_shape(int T, int C, int NH) {
+// Whether this build's wgmma backward can add up the column sums for the shape (HS 64, T % 64 == 0,
+// sm_90a build).
+inline bool attention_backward_sums_shape(int T, int C, int NH) {
 #if defined(LLMC_SM90A)
     return T >= 1 && NH >= 1 && C % NH == 0 && C / NH == 64 && T % 64 == 0;
 #else
     return false;
 #endif
 }
-inline bool attention_backward_fp8_available(int B, int T, int C, int NH) {
-    return B >= 1 && attention_backward_fp8_shape(T, C, NH) && flash90_available();
-}
-// Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (where
-// attention_backward_fp8 runs). bias_sums holds (B T / kAttentionSumRows, 3C) floats.
+// Whether attention_backward can add up each 64-row block's column sums of dqkv as it stores it (the shape,
+// and the device runs the wgmma kernels). bias_sums holds (B T / kAttentionSumRows, 3C) floats.
 constexpr int kAttentionSumRows = flash90_detail::kRows;
 inline bool attention_backward_sums_available(int B, int T, int C, int NH) {
-    return attention_backward_fp8_available(B, T, C, NH);
+    return B >= 1 && attention_backward_sums_shape(T, C, NH) && flash90_available();
 }
 
 // dqkv (B,T,3C), overwritten, from dout and the forward's qkv, out and saved state; no aliasing.
 inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* dout, const floatX* qkv,
                                const floatX* out, const void* saved, size_t saved_bytes, int B, int T, int C, int NH,
-                               void* scratch, size_t scratch_bytes, cudaStream_t stream,
-                               unsigned int* amax_bits = nullptr, float* bias_sums = nullptr) {
+                               void* scratch, size_t scratch_bytes, cudaStream_t stream, float* bias_sums = nullptr) {
     const char* fn = "attention_backward";
     detail::check_attention_args(fn, B, T, C, NH);
     const int HS = C / NH;
@@ -326,35 +321,16 @@ inline void attention_backward(const CublasLt& lt, floatX* dqkv, const floatX* d
         float* D = static_cast<float*>(scratch);
         const float* lse = static_cast<const float*>(saved);
         if (HS == 64 && flash90_available()) {
-            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits, bias_sums);
+            flash90_backward(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, bias_sums);
         } else if (HS == 64) {
-            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
+            flash_backward<64>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         } else {
-            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits);
+            flash_backward<128>(dqkv, dout, qkv, out, lse, B, T, NH, D, stream);
         }
     } else {
         attention_backward_cublaslt(lt, dqkv, dout, qkv, static_cast<const floatX*>(saved), B, T, C, NH, scratch,
                                     scratch_bytes, stream);
-        if (amax_bits != nullptr) fp8_amax_fold(dqkv, int64_t(B) * T * 3 * C, amax_bits, stream);  // a pass of its own
     }
-}
-
-// attention_backward's dqkv in FP8 format G instead of bf16; needs attention_backward_fp8_available.
-template <class G>
-inline void attention_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
-                                   const void* saved, size_t saved_bytes, int B, int T, int C, int NH, void* scratch,
-                                   size_t scratch_bytes, cudaStream_t stream) {
-    const char* fn = "attention_backward_fp8";
-    detail::check_attention_args(fn, B, T, C, NH);
-    if (!attention_backward_fp8_available(B, T, C, NH)) {
-        fail(kExitUsage, "%s: needs head size 64, T a multiple of 64 and the sm_90a kernels (B=%d T=%d C=%d NH=%d)", fn,
-             B, T, C, NH);
-    }
-    detail::check_size(fn, "saved state", saved_bytes, attention_saved_bytes(B, NH, T, 64), B, T, C, NH);
-    detail::check_size(fn, "scratch", scratch_bytes, flash_scratch_bytes(B, NH, T), B, T, C, NH);
-    require_aligned16(saved, "attention_backward_fp8: saved");
-    flash90_backward_fp8<G>(f, dout, qkv, out, static_cast<const float*>(saved), B, T, NH, static_cast<float*>(scratch),
-                            stream);
 }
 
 }  // namespace llmc

@@ -291,8 +291,7 @@ inline std::vector<CheckpointTensor> shard_tensors(GPT2& model, int rank) {
 }
 }  // namespace detail
 
-// The device state this rank's part of a checkpoint holds, in file order, and with FP8 fcproj its amax
-// history (rank 0's: every rank's is the same).
+// The device state this rank's part of a checkpoint holds, in file order.
 inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
     const GPT2::State s = model.state();
     const size_t n = size_t(model.num_parameters());
@@ -307,9 +306,6 @@ inline std::vector<CheckpointTensor> checkpoint_tensors(GPT2& model) {
         if (rank == 0) t.push_back(detail::bf16_model_tensor(model));
         for (CheckpointTensor& st : detail::shard_tensors(model, rank)) t.push_back(std::move(st));
     }
-    const GPT2::Fp8History h = model.fp8_history();
-    if (h.device != nullptr && rank == 0) t.push_back({kCkptFp8HistoryFile, fp8_history_header(h.slots, h.len),
-                                                       h.device, h.bytes});
     return t;
 }
 
@@ -321,38 +317,24 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settin
 // Restores the state a checkpoint holds, written in either layout by any number of ranks: streamed
 // straight to the device when the layout and ranges are this run's, else this rank's range assembled
 // from the saved files' pieces. Returns a description of what was re-sharded (empty: nothing).
-// history_note (when not null): what happened to the FP8 amax history when not restored bit for bit.
+// fp8_note (when not null): a line for a checkpoint an older version wrote with FP8 matmuls (its
+// fp8_history.bin is not read: the run goes on in bf16), else empty.
 inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io,
-                                   std::string* history_note = nullptr) {
+                                   std::string* fp8_note = nullptr) {
     const int64_t num_params = model.num_parameters();
     const StateLayout saved = read_state_layout(dir, m, num_params);
     const GPT2::State s = model.state();
     const ShardRange target = model.owned();
     cudaStream_t stream = model.stream();
-    // FP8 fcproj's amax history: restored when the checkpoint has one of this run's shape, else empty
-    // (the next forward measures).
-    const GPT2::Fp8History h = model.fp8_history();
-    if (history_note != nullptr) history_note->clear();
-    if (h.device != nullptr) {
-        const FileRecord* rec = m.file(kCkptFp8HistoryFile);
-        const std::vector<char> header = fp8_history_header(h.slots, h.len);
-        if (rec != nullptr && rec->size != header.size() + h.bytes) {
-            model.fp8_history_reset();
-            if (history_note != nullptr) {
-                *history_note = format("its FP8 amax history (%llu bytes) is another FP8 mode's (this one's: %llu bytes, "
-                                       "%d slots): starting with an empty one, so the next step measures its scales",
-                                       (unsigned long long)rec->size, (unsigned long long)(header.size() + h.bytes),
-                                       h.slots);
-            }
-        } else if (rec != nullptr) {
-            load_checkpoint_tensors(dir, m, {{kCkptFp8HistoryFile, header, h.device, h.bytes}}, io, stream);
-            model.fp8_history_loaded();
-        } else {
-            model.fp8_history_reset();
-            if (history_note != nullptr) {
-                *history_note = "it has no FP8 amax history (saved without FP8 fcproj): the next step measures its scales";
-            }
-        }
+    // An older version's FP8 run (--fp8 1, since removed) saved its settings' "fp8" and fp8_history.bin:
+    // neither is read, the state above is all bf16 needs.
+    if (fp8_note != nullptr) {
+        const std::string* fp8 = m.setting("fp8");
+        const bool fp8_run = (fp8 != nullptr && *fp8 != "none") || m.file(kCkptFp8HistoryFile) != nullptr;
+        *fp8_note = fp8_run ? format("the checkpoint was written with FP8 matmuls (%s), which this version no longer "
+                                     "has: its %s is ignored and the run goes on in bf16",
+                                     fp8 != nullptr ? fp8->c_str() : "fp8", kCkptFp8HistoryFile)
+                            : "";
     }
     // The parameters are whole in both layouts.
     load_checkpoint_tensors(dir, m,

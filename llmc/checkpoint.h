@@ -4,8 +4,9 @@ read back (tested without a GPU). The device side is llmc/checkpoint.cuh.
 <out>/ckpt_<step, 8 digits>/ in layout `state_layout` (none: whole):
   whole:    model.bin (llm.c version 3, fp32 master weights), params_bf16.bin, adam_m.bin, adam_v.bin
   sharded:  model.bin (llm.c version 5, bf16) and per rank r master_<r>.bin, adam_m_<r>.bin, adam_v_<r>.bin
-plus fp8_history.bin (FP8 fcproj) and manifest.txt (step, settings, small blobs, every file's chunk
-checksums, its own checksum). Written as ckpt_<step>.tmp/ and renamed into place (CheckpointWriter).
+plus manifest.txt (step, settings, small blobs, every file's chunk checksums, its own checksum). Older
+versions with FP8 matmuls also wrote fp8_history.bin (kCkptFp8HistoryFile): verified like any file the
+manifest lists, never read back. Written as ckpt_<step>.tmp/ and renamed into place (CheckpointWriter).
 */
 #pragma once
 
@@ -49,7 +50,8 @@ constexpr const char* kCkptModelFile = "model.bin";  // both layouts
 constexpr const char* kCkptParamsFile = "params_bf16.bin";
 constexpr const char* kCkptAdamMFile = "adam_m.bin";
 constexpr const char* kCkptAdamVFile = "adam_v.bin";
-constexpr const char* kCkptFp8HistoryFile = "fp8_history.bin";  // rank 0's (every rank's is the same)
+// Written only by older versions with FP8 matmuls (--fp8 1, since removed): a resume ignores it.
+constexpr const char* kCkptFp8HistoryFile = "fp8_history.bin";
 
 // The sharded layout's optimizer-state files, one of each per rank.
 enum class StateKind { Master, AdamM, AdamV };
@@ -59,17 +61,10 @@ inline std::string state_shard_file(StateKind kind, int rank) {
     return format("%s_%05d.bin", stem, rank);
 }
 
-// fp8_history.bin's header: the magic, int32 version 2, slots, entries per slot, 0; then fp32 history.
+// fp8_history.bin's header (dev/tools/inspect_checkpoint.cpp reads old checkpoints): the magic, int32
+// version 2, slots, entries per slot, 0; then fp32 history.
 constexpr const char* kFp8HistoryMagic = "LLMCFP8H";
 constexpr size_t kFp8HistoryHeaderBytes = 24;
-
-inline std::vector<char> fp8_history_header(int slots, int len) {
-    std::vector<char> header(kFp8HistoryHeaderBytes);
-    std::memcpy(header.data(), kFp8HistoryMagic, 8);
-    const int32_t v[4] = {2, slots, len, 0};
-    std::memcpy(header.data() + 8, v, sizeof(v));
-    return header;
-}
 
 // ----------------------------------------------------------------------------------------------------
 // The manifest.

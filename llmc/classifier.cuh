@@ -4,8 +4,6 @@ the meanings of crossentropy_forward/crossentropy_backward in cpu/gpt2_cpu.h.
   fused_classifier: per row of logits (N,Vp) bf16, one block: softmax over the first V columns in fp32,
       losses[row] = logsumexp - logit[target] (overwritten), and with write_dlogits the row overwritten
       by (softmax - onehot(target)) * dloss, padded columns 0. Without it the logits are untouched.
-  fused_classifier_fp8: the same losses, bit for bit, with dlogits in E5M2 in a separate buffer at the
-      static scale 57344 / dloss (|dlogit| <= dloss); the descale goes to a device float.
   mean_loss: the mean of N losses, in a fixed order (fp64 partials): deterministic.
   gather_positions: out (M,C) = rows positions[i] of inp, the classifier's input at the positions an
       evaluation scores (positions trusted).
@@ -23,7 +21,6 @@ reproducible. Vp must be a multiple of 8; targets are trusted (the data loader c
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_common.cuh"
-#include "llmc/fp8.cuh"
 #include "llmc/utils.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -134,18 +131,6 @@ __device__ inline void store_grad_pack(floatX* out, const LogitPack& p, int c, f
     *reinterpret_cast<int4*>(out) = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
-// The same dlogits times qscale in E5M2, 8 bytes at out (8-byte aligned).
-__device__ inline void store_grad_pack_fp8(__nv_fp8_storage_t* out, const LogitPack& p, int c, float m, float scale,
-                                           int target, float dloss, float qscale) {
-    uint32_t w[2] = {0, 0};
-    for (int i = 0; i < kPackX / 2; i++) {
-        const float2 g = grad_pair(p, i, c, m, scale, target, dloss);
-        const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(g.x * qscale, g.y * qscale), __NV_SATFINITE, __NV_E5M2);
-        w[i / 2] |= pair << (16 * (i % 2));
-    }
-    *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
-}
-
 // The maximum over a 1-D block (a multiple of 32 threads), given to every thread; all threads call it.
 __device__ inline float block_max(float v) {
     __shared__ float partial[kWarpSize];
@@ -161,12 +146,11 @@ __device__ inline float block_max(float v) {
 }  // namespace detail
 
 // One block per row: the first R packs in registers, the next S in shared memory, any more read in each
-// pass. kFp8: the gradient goes to q (N,Vp) in E5M2 times qscale, *descale = 1 / qscale.
-template <int R, int S, bool kFp8 = false>
+// pass.
+template <int R, int S>
 static __global__ void __launch_bounds__(kClassifierBlock, 2)
     fused_classifier_kernel(floatX* logits, float* losses, const int* targets, float dloss, int V, int Vp,
-                            bool write_dlogits, __nv_fp8_storage_t* q = nullptr, float qscale = 0.0f,
-                            float* descale = nullptr) {
+                            bool write_dlogits) {
     constexpr int kStride = kClassifierColumnStride;
     __shared__ detail::LogitPack stash[S > 0 ? S : 1][kClassifierBlock];  // [j][t]: conflict-free
     __shared__ float target_logit;
@@ -220,18 +204,11 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
     if (threadIdx.x == 0) losses[row] = (m - target_logit) + logf(s);
     if (!write_dlogits) return;
 
-    // Pass 3, the gradient: in place (each thread overwrites only the packs it read), or in E5M2 to q.
+    // Pass 3, the gradient, in place (each thread overwrites only the packs it read).
     const float scale = dloss / s;
     const int target = targets[row];
-    if constexpr (kFp8) {
-        if (row == 0 && threadIdx.x == 0) *descale = 1.0f / qscale;
-    }
     const auto store = [&](int c, const detail::LogitPack& p) {
-        if constexpr (kFp8) {
-            detail::store_grad_pack_fp8(q + row * Vp + c, p, c, m, scale, target, dloss, qscale);
-        } else {
-            detail::store_grad_pack(x + c, p, c, m, scale, target, dloss);
-        }
+        detail::store_grad_pack(x + c, p, c, m, scale, target, dloss);
     };
 #pragma unroll
     for (int j = 0; j < R; j++) {
@@ -242,27 +219,18 @@ static __global__ void __launch_bounds__(kClassifierBlock, 2)
         if (c0 + (R + j) * kStride < Vp) store(c0 + (R + j) * kStride, stashed(j));
     }
 #pragma unroll 1
-    for (int c = c_streamed; c < Vp; c += kStride) {
-        if constexpr (kFp8) {  // spelled out: through store() the compiler orders the address arithmetic otherwise
-            detail::store_grad_pack_fp8(q + row * Vp + c, detail::load_logit_pack(x, c, V), c, m, scale, target, dloss,
-                                        qscale);
-        } else {
-            store(c, detail::load_logit_pack(x, c, V));
-        }
-    }
+    for (int c = c_streamed; c < Vp; c += kStride) store(c, detail::load_logit_pack(x, c, V));
 }
 
 namespace detail {
-// The kernel's launch, a block a row (kFp8 = fp8): the held packs only where a row has more than one pack a thread.
-inline void launch_classifier(bool fp8, floatX* logits, float* losses, const int* targets, float dloss, int64_t N,
-                              int V, int Vp, bool write_dlogits, __nv_fp8_storage_t* q, float qscale, float* descale,
-                              cudaStream_t stream) {
+// The kernel's launch, a block a row: the held packs only where a row has more than one pack a thread.
+inline void launch_classifier(floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V, int Vp,
+                              bool write_dlogits, cudaStream_t stream) {
     constexpr int R = kClassifierRegisterPacks, S = kClassifierSharedPacks;
-    using Kernel = decltype(&fused_classifier_kernel<0, 0, false>);
-    const Kernel kernels[2][2] = {{fused_classifier_kernel<0, 0, false>, fused_classifier_kernel<R, S, false>},
-                                  {fused_classifier_kernel<0, 0, true>, fused_classifier_kernel<R, S, true>}};
-    kernels[fp8][Vp > kClassifierColumnStride]<<<unsigned(N), kClassifierBlock, 0, stream>>>(
-        logits, losses, targets, dloss, V, Vp, write_dlogits, q, qscale, descale);
+    using Kernel = decltype(&fused_classifier_kernel<0, 0>);
+    const Kernel kernels[2] = {fused_classifier_kernel<0, 0>, fused_classifier_kernel<R, S>};
+    kernels[Vp > kClassifierColumnStride]<<<unsigned(N), kClassifierBlock, 0, stream>>>(logits, losses, targets, dloss,
+                                                                                        V, Vp, write_dlogits);
     cudaCheckLaunch();
 }
 }  // namespace detail
@@ -275,23 +243,7 @@ inline void fused_classifier(floatX* logits, float* losses, const int* targets, 
     require_aligned16(logits, "fused_classifier: logits");
     if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier: V=%d is not in [1, Vp=%d]", V, Vp);
     if (N == 0) return;
-    detail::launch_classifier(false, logits, losses, targets, dloss, N, V, Vp, write_dlogits, nullptr, 0.0f, nullptr,
-                              stream);
-}
-
-// losses as fused_classifier's (bitwise), dlogits into q (N,Vp) in E5M2 times 57344 / dloss (dloss > 0),
-// *descale = dloss / 57344. The logits are left as they are.
-inline void fused_classifier_fp8(const floatX* logits, float* losses, const int* targets, float dloss, int64_t N, int V,
-                                 int Vp, __nv_fp8_e5m2* q, float* descale, cudaStream_t stream) {
-    require_pack_multiple(Vp, "fused_classifier_fp8: Vp");
-    require_aligned16(logits, "fused_classifier_fp8: logits");
-    require_aligned16(q, "fused_classifier_fp8: dlogits");
-    if (V < 1 || V > Vp) fail(kExitUsage, "fused_classifier_fp8: V=%d is not in [1, Vp=%d]", V, Vp);
-    if (!(dloss > 0.0f) || !std::isfinite(dloss)) fail(kExitUsage, "fused_classifier_fp8: dloss=%g, need > 0", double(dloss));
-    if (N == 0) return;
-    floatX* x = const_cast<floatX*>(logits);  // only read with kFp8
-    detail::launch_classifier(true, x, losses, targets, dloss, N, V, Vp, true, reinterpret_cast<__nv_fp8_storage_t*>(q),
-                              fp8_scale<__nv_fp8_e5m2>(dloss), descale, stream);
+    detail::launch_classifier(logits, losses, targets, dloss, N, V, Vp, write_dlogits, stream);
 }
 
 constexpr int kMeanLossBlock = 1024;

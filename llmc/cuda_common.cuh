@@ -79,31 +79,6 @@ __device__ inline float warp_max(float v) {
     return v;
 }
 
-// For kernels that write a tensor whose FP8 copy follows: every lane calls it (converged) with its max
-// |value|; lane 0 folds the warp's max into *amax_bits by an unsigned atomicMax (floats >= 0 order like
-// their bits). A no-op when amax_bits is null.
-__device__ inline void fp8_record_amax(unsigned int* amax_bits, float lane_max) {
-    if (amax_bits == nullptr) return;
-    const float m = warp_max(lane_max);
-    if (threadIdx.x % kWarpSize == 0) atomicMax(amax_bits, __float_as_uint(m));
-}
-
-// The same for a whole block, one atomic a block (atomics on one address serialise on one L2 slice).
-// Every thread calls it, converged. A no-op when amax_bits is null.
-__device__ inline void fp8_record_amax_block(unsigned int* amax_bits, float thread_max) {
-    if (amax_bits == nullptr) return;
-    __shared__ float warp_maxes[kWarpSize];
-    const float m = warp_max(thread_max);
-    __syncthreads();  // an earlier call's reads are done
-    if (threadIdx.x % kWarpSize == 0) warp_maxes[threadIdx.x / kWarpSize] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float b = 0.0f;
-        for (int w = 0; w < int(blockDim.x / kWarpSize); w++) b = fmaxf(b, warp_maxes[w]);
-        atomicMax(amax_bits, __float_as_uint(b));
-    }
-}
-
 // Sum over a 1-D block whose size is a multiple of 32 (at most 1024); every thread gets the result. All
 // threads of the block must call it. The leading barrier lets it be called several times in a row.
 __device__ inline float block_sum(float v) {

@@ -308,7 +308,7 @@ constexpr size_t dkdv_smem() {
 template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
-                          int T, int NH, float scale_log2, float scale, unsigned int* amax_bits) {
+                          int T, int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
     constexpr int BQ = dkdv_bq<HS, MT>();
     constexpr int kQTile = BQ * row_stride<HS>();
@@ -397,10 +397,9 @@ static __global__ void __launch_bounds__(kThreads)
     // The loop ran at least once, so the K, V copies issued before it have landed.
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane,
-                       amax_bits);
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + C + h * HS, C3, dk[mt], scale, scale, wfirst + 16 * mt, T, lane);
         store_rows<HS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * HS, C3, dv[mt], 1.0f, 1.0f, wfirst + 16 * mt, T,
-                       lane, amax_bits);
+                       lane);
     }
 }
 
@@ -415,7 +414,7 @@ constexpr size_t dq_smem() {
 template <int HS, bool Pipe = false, int MT = 1>
 static __global__ void __launch_bounds__(kThreads)
     flash_bwd_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D, int T,
-                        int NH, float scale_log2, float scale, unsigned int* amax_bits) {
+                        int NH, float scale_log2, float scale) {
     constexpr int BM = block_m<MT>();
     constexpr int KS = MT == 1 ? kBlockN : kBlockN / 2;
     extern __shared__ uint4 smem[];
@@ -483,8 +482,7 @@ static __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
-        store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq[mt], scale, scale, wfirst + 16 * mt, T, lane,
-                       amax_bits);
+        store_rows<HS>(dqkv + int64_t(b) * T * C3 + h * HS, C3, dq[mt], scale, scale, wfirst + 16 * mt, T, lane);
     }
 }
 
@@ -529,12 +527,11 @@ void flash_forward(floatX* out, float* lse, const floatX* qkv, int B, int T, int
 }
 
 // dqkv (B,T,3C), overwritten, from dout and the forward's qkv, out and lse; D: scratch of
-// flash_scratch_bytes. dqkv must not alias the inputs. With amax_bits, max |dqkv| is folded into it
-// (atomicMax of the float's bits; the caller zeroes it).
+// flash_scratch_bytes. dqkv must not alias the inputs.
 template <int HS, bool Pipe = flash_tiling<HS>().kv_pipe, int MT = flash_tiling<HS>().kv_tiles,
           int MTQ = flash_tiling<HS>().q_tiles, bool PipeQ = flash_tiling<HS>().q_pipe>
 void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse, int B,
-                    int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr) {
+                    int T, int NH, float* D, cudaStream_t stream) {
     static_assert(HS == 64 || HS == 128, "flash attention kernels exist for HS 64 and 128");
     static_assert((MT == 1 || (MT == 2 && HS == 64)) && (MTQ == 1 || (MTQ == 2 && HS == 64)),
                   "two row tiles per warp only for HS 64");
@@ -548,11 +545,11 @@ void flash_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const f
     const float scale = 1.0f / sqrtf(float(HS)), scale_log2 = scale * kLog2e;
     const dim3 grid_kv(unsigned(ceil_div(T, block_m<MT>())), unsigned(B * NH));
     flash_bwd_dkdv_kernel<HS, Pipe, MT><<<grid_kv, kThreads, dkdv_smem<HS, Pipe, MT>(), stream>>>(
-        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale, amax_bits);
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
     const dim3 grid_q(unsigned(ceil_div(T, block_m<MTQ>())), unsigned(B * NH));
     flash_bwd_dq_kernel<HS, PipeQ, MTQ><<<grid_q, kThreads, dq_smem<HS, PipeQ, MTQ>(), stream>>>(
-        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale, amax_bits);
+        dqkv, qkv, dout, lse, D, T, NH, scale_log2, scale);
     cudaCheckLaunch();
 }
 

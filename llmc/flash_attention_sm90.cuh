@@ -2,8 +2,8 @@
 Flash attention on Hopper's warpgroup tensor-core instructions (wgmma), head size 64: the same kernels,
 arguments, saved state (lse), scratch (D) and bits as flash_forward<64>/flash_backward<64> of
 llmc/flash_attention.cuh, which stays the path for every other GPU and head size.
-Entry points (at the end of the file): flash90_available, flash90_forward, flash90_backward (optionally
-with the bias's column sums) and flash90_backward_fp8 (dqkv written in FP8 by the kernels, Flash90Fp8Out).
+Entry points (at the end of the file): flash90_available, flash90_forward and flash90_backward (optionally
+with the bias's column sums).
 A block is one warpgroup (128 threads) owning 64 rows. The fixed operand stays in shared memory as
 wgmma's A; the streamed one (64 rows a step, double-buffered) is B. TMA loads the tiles (rows past T
 arrive as zeros) in the 128-byte swizzle; the fixed operands never enter registers (ptxas would
@@ -14,7 +14,6 @@ measurements: docs/design.md, docs/lab-notes.md ("Flash attention").
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include <cuda.h>  // CUtensorMap and its enums (types only: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
@@ -22,7 +21,6 @@ measurements: docs/design.md, docs/lab-notes.md ("Flash attention").
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/flash_common.cuh"
-#include "llmc/fp8.cuh"
 #include "llmc/sm90.cuh"
 #include "llmc/utils.h"
 
@@ -37,16 +35,6 @@ namespace llmc {
 
 // The blocks per SM that the backward kernels' registers are capped for; the same bits for any value.
 constexpr int kFlash90KvMinBlocks = 3, kFlash90QMinBlocks = 4;
-
-// The backward's FP8 output: dqkv in FP8 at a given scale in the two K-major layouts qkv's backward
-// matmuls read, with each 64-row block's column sums for the bias gradient.
-struct Flash90Fp8Out {
-    uint8_t* q = nullptr;                // (B T, 3C) row-major
-    uint8_t* qt = nullptr;               // (3C, B T) row-major: q transposed
-    float* sums = nullptr;               // (B T / 64, 3C): each 64-row block's column sums (of the bf16 values)
-    const float* scale = nullptr;        // device: q = fp8(bf16 value * scale)
-    unsigned int* amax_bits = nullptr;   // device: the bf16 values' amax, folded in (as store_rows does)
-};
 
 namespace flash90_detail {
 using namespace flash_common;
@@ -261,72 +249,6 @@ constexpr size_t kSmemFwd = 5 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDq = 6 * size_t(kTileBytes) + kAlign;
 constexpr size_t kSmemDkdv = 6 * size_t(kTileBytes) + 2 * 2 * kRows * sizeof(float) + kAlign;
 
-// The FP8 store's staging in dead shared memory: per warp a 16 x 64 row-major and a 64 x 16 transposed
-// byte tile, the block's 64 x 64 bf16 values and the warps' amaxes (pitches chosen against bank conflicts).
-constexpr int kFp8RowPitch = kHS + 16;
-constexpr int kFp8StagePitch = kHS + 8;
-constexpr int kFp8StageBytes = 4 * 16 * (kFp8RowPitch + kHS) + kRows * kFp8StagePitch * int(sizeof(floatX)) +
-                               4 * int(sizeof(float));
-static_assert(kFp8StageBytes <= 4 * kTileBytes, "the FP8 store's staging must fit in the streamed tiles' space");
-
-// A block's 64 x 64 gradient tile stored in FP8 format G, bit for bit fp8_cast_pair of store_rows's bf16
-// values at that scale: row-major into f.q, transposed into f.qt, column sums into row row_base / 64 of
-// f.sums, amax into f.amax_bits. Every thread calls it; it starts with a barrier. T % 64 == 0.
-template <class G>
-__device__ inline void store_tile_fp8(const Flash90Fp8Out& f, int64_t ld, int64_t n_rows, int64_t row_base, int col,
-                                      const float (&acc)[kHS / 8][4], float mul, uint8_t* stage, int warp, int lane) {
-    constexpr __nv_fp8_interpretation_t kind = Fp8Format<G>::kKind;
-    const int g = lane >> 2, q = lane & 3;
-    uint8_t* sR = stage + warp * 16 * kFp8RowPitch;                        // [16 rows][kFp8RowPitch] bytes
-    uint8_t* sT = stage + 4 * 16 * kFp8RowPitch + warp * 16 * kHS;         // [64 columns][16 rows] bytes
-    floatX* sV = reinterpret_cast<floatX*>(stage + 4 * 16 * (kFp8RowPitch + kHS));  // [64 rows][kFp8StagePitch]
-    float* sM = reinterpret_cast<float*>(sV + kRows * kFp8StagePitch);  // [4 warps]
-    const float scale = *f.scale;
-    __syncthreads();
-    float m = 0.0f;
-#pragma unroll
-    for (int dt = 0; dt < kHS / 8; dt++) {
-        const int c = dt * 8 + 2 * q;
-        const __nv_bfloat162 a = __floats2bfloat162_rn(acc[dt][0] * mul, acc[dt][1] * mul);  // row g
-        const __nv_bfloat162 b = __floats2bfloat162_rn(acc[dt][2] * mul, acc[dt][3] * mul);  // row g + 8
-        const float a0 = __low2float(a), a1 = __high2float(a), b0 = __low2float(b), b1 = __high2float(b);
-        m = fmaxf(m, fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(b0), fabsf(b1))));
-        const __nv_fp8x2_storage_t qa = __nv_cvt_float2_to_fp8x2(make_float2(a0 * scale, a1 * scale), __NV_SATFINITE, kind);
-        const __nv_fp8x2_storage_t qb = __nv_cvt_float2_to_fp8x2(make_float2(b0 * scale, b1 * scale), __NV_SATFINITE, kind);
-        *reinterpret_cast<__nv_fp8x2_storage_t*>(sR + g * kFp8RowPitch + c) = qa;
-        *reinterpret_cast<__nv_fp8x2_storage_t*>(sR + (g + 8) * kFp8RowPitch + c) = qb;
-        sT[c * 16 + g] = uint8_t(qa & 0xffu);
-        sT[(c + 1) * 16 + g] = uint8_t(qa >> 8);
-        sT[c * 16 + g + 8] = uint8_t(qb & 0xffu);
-        sT[(c + 1) * 16 + g + 8] = uint8_t(qb >> 8);
-        *reinterpret_cast<__nv_bfloat162*>(sV + (16 * warp + g) * kFp8StagePitch + c) = a;
-        *reinterpret_cast<__nv_bfloat162*>(sV + (16 * warp + g + 8) * kFp8StagePitch + c) = b;
-    }
-    m = warp_max(m);
-    if (lane == 0) sM[warp] = m;
-    __syncwarp();
-    const int64_t wrow = row_base + 16 * warp;  // this warp's first row
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int id = lane + kWarpSize * i;  // row-major: 16 rows x 4 chunks of 16 bytes
-        const int r = id >> 2, ch = id & 3;
-        *reinterpret_cast<uint4*>(f.q + (wrow + r) * ld + col + ch * 16) =
-            *reinterpret_cast<const uint4*>(sR + r * kFp8RowPitch + ch * 16);
-        const int c = id;  // transposed: 64 columns x 16 bytes
-        *reinterpret_cast<uint4*>(f.qt + (col + c) * n_rows + wrow) = *reinterpret_cast<const uint4*>(sT + c * 16);
-    }
-    __syncthreads();
-    const int tid = threadIdx.x;
-    if (tid < kHS) {
-        float s = 0.0f;
-        for (int r = 0; r < kRows; r++) s += __bfloat162float(sV[r * kFp8StagePitch + tid]);
-        f.sums[(row_base / kRows) * ld + col + tid] = s;
-    }
-    if (tid == 0 && f.amax_bits != nullptr) {
-        atomicMax(f.amax_bits, __float_as_uint(fmaxf(fmaxf(sM[0], sM[1]), fmaxf(sM[2], sM[3]))));
-    }
-}
-
 // The column sums of a block's 64 x 64 bf16 tile (bf16(acc * mul)) into row row_base / 64 of sums, in a
 // fixed order (lanes, then shuffles xor 4, 8, 16, then warps in order through `stage`). Every thread
 // calls it; it starts with a barrier. T % 64 == 0.
@@ -421,13 +343,10 @@ static __global__ void __launch_bounds__(kWGThreads)
 // Backward, dK/dV: block = 64 keys of one (b, h), longest first; over the query blocks from the first key
 // to T, the next Q, dO, lse, D loading. S^T = K Q^T, dV += P^T dO, dS^T = P^T (dP^T - D), dK += dS^T Q.
 
-// Out: void stores dqkv in bf16 (store_rows), an FP8 type through store_tile_fp8 into f8 instead.
-template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90KvMinBlocks)
     flash90_dkdv_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const float* lse, const float* D,
                         const __grid_constant__ CUtensorMap qkv_map, const __grid_constant__ CUtensorMap dout_map,
-                        int T, int NH, float scale_log2, float scale, unsigned int* amax_bits, float* sums,
-                        const Flash90Fp8Out f8) {
+                        int T, int NH, float scale_log2, float scale, float* sums) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // K and V, Q/dO buffer 0, Q/dO buffer 1
@@ -496,19 +415,13 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90KvMinBlocks)
         products<true>(dv, pa, sdO, dk, da, sQ);
     }
     // A block's first query block starts at its first key, so the loop ran at least once.
-    if constexpr (std::is_void<Out>::value) {
-        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane, amax_bits);
-        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane, amax_bits);
-        if (sums != nullptr) {
-            const int64_t row_base = int64_t(b) * T + k0;
-            float* stage = reinterpret_cast<float*>(sQdO);
-            store_tile_sums(sums, C3, row_base, C + h * kHS, dk, scale, stage, warp, lane);
-            store_tile_sums(sums, C3, row_base, 2 * C + h * kHS, dv, 1.0f, stage, warp, lane);
-        }
-    } else {
-        const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + k0;
-        store_tile_fp8<Out>(f8, C3, n_rows, row_base, C + h * kHS, dk, scale, sQdO, warp, lane);
-        store_tile_fp8<Out>(f8, C3, n_rows, row_base, 2 * C + h * kHS, dv, 1.0f, sQdO, warp, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + C + h * kHS, C3, dk, scale, scale, row0, T, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + 2 * C + h * kHS, C3, dv, 1.0f, 1.0f, row0, T, lane);
+    if (sums != nullptr) {
+        const int64_t row_base = int64_t(b) * T + k0;
+        float* stage = reinterpret_cast<float*>(sQdO);
+        store_tile_sums(sums, C3, row_base, C + h * kHS, dk, scale, stage, warp, lane);
+        store_tile_sums(sums, C3, row_base, 2 * C + h * kHS, dv, 1.0f, stage, warp, lane);
     }
 #endif
 }
@@ -517,13 +430,11 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90KvMinBlocks)
 // Backward, dQ: block = 64 queries of one (b, h); over the key blocks up to the diagonal, dQ += dS K.
 // First each block computes D of its rows (rowsum(dO * O)) for the dK/dV kernel, which runs after.
 
-// Out: as flash90_dkdv_kernel's.
-template <class Out>
 static __global__ void __launch_bounds__(kWGThreads, kFlash90QMinBlocks)
     flash90_dq_kernel(floatX* dqkv, const floatX* qkv, const floatX* dout, const floatX* out, const float* lse,
                       float* D, const __grid_constant__ CUtensorMap qkv_map,
                       const __grid_constant__ CUtensorMap dout_map, int T, int NH, float scale_log2, float scale,
-                      unsigned int* amax_bits, float* sums, const Flash90Fp8Out f8) {
+                      float* sums) {
 #if FLASH90_DEVICE
     extern __shared__ uint8_t smem_raw[];
     __shared__ alignas(8) uint64_t bars[3];  // Q and dO, K/V buffer 0, K/V buffer 1
@@ -607,15 +518,9 @@ static __global__ void __launch_bounds__(kWGThreads, kFlash90QMinBlocks)
         acc_to_a(da, dp);
         product<true>(dq, da, sK);
     }
-    if constexpr (std::is_void<Out>::value) {
-        store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane, amax_bits);
-        if (sums != nullptr) {
-            store_tile_sums(sums, C3, int64_t(b) * T + q0, h * kHS, dq, scale, reinterpret_cast<float*>(sKV), warp,
-                            lane);
-        }
-    } else {
-        const int64_t n_rows = int64_t(gridDim.y / NH) * T, row_base = int64_t(b) * T + q0;
-        store_tile_fp8<Out>(f8, C3, n_rows, row_base, h * kHS, dq, scale, sKV, warp, lane);
+    store_rows<kHS>(dqkv + int64_t(b) * T * C3 + h * kHS, C3, dq, scale, scale, row0, T, lane);
+    if (sums != nullptr) {
+        store_tile_sums(sums, C3, int64_t(b) * T + q0, h * kHS, dq, scale, reinterpret_cast<float*>(sKV), warp, lane);
     }
 #endif
 }
@@ -657,60 +562,34 @@ inline void flash90_forward(floatX* out, float* lse, const floatX* qkv, int B, i
     cudaCheckLaunch();
 }
 
-namespace flash90_detail {
-
-// Both backward launches (dQ, which computes D, then dK/dV), dqkv in bf16 (Out = void) or in FP8 through f8.
-template <class Out>
-inline void backward_launch(const char* fn, floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out,
-                            const float* lse, int B, int T, int NH, float* D, cudaStream_t stream,
-                            unsigned int* amax_bits, float* sums, const Flash90Fp8Out& f8) {
+// As flash_backward<64>, on wgmma. sums (optional; (B T / 64, 3C) floats, T % 64 == 0): each 64-row
+// block's column sums of dqkv, for bias_grad_from_partials; dqkv's bits do not change with it. Both backward
+// launches: dQ, which computes D, then dK/dV.
+inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
+                             int B, int T, int NH, float* D, cudaStream_t stream, float* sums = nullptr) {
+    using namespace flash90_detail;
+    const char* fn = "flash90_backward";
     if (!flash90_available()) fail(kExitUsage, "%s: needs a build for sm_90a and a compute 9.0 GPU", fn);
     check_args(fn, B, T, NH);
     if (sums != nullptr) {
         if (T % kRows != 0) fail(kExitUsage, "%s: the column sums need T a multiple of %d (T = %d)", fn, kRows, T);
         require_aligned16(sums, "flash90_backward: sums");
     }
-    if (dqkv != nullptr) require_aligned16(dqkv, "flash90_backward: dqkv");
+    require_aligned16(dqkv, "flash90_backward: dqkv");
     require_aligned16_each("flash90_backward", {{"dout", dout}, {"qkv", qkv}, {"out", out}, {"lse", lse}, {"D", D}});
     const CUtensorMap qkv_map = rows_tensor_map(qkv, 3 * int64_t(NH) * kHS, T, B, "qkv");
     const CUtensorMap dout_map = rows_tensor_map(dout, int64_t(NH) * kHS, T, B, "dout");
-    allow_smem(flash90_dkdv_kernel<Out>, kSmemDkdv);
-    allow_smem(flash90_dq_kernel<Out>, kSmemDq);
+    allow_smem(flash90_dkdv_kernel, kSmemDkdv);
+    allow_smem(flash90_dq_kernel, kSmemDq);
     const float scale = 1.0f / sqrtf(float(kHS)), scale_log2 = scale * kLog2e;
     const dim3 grid(unsigned(ceil_div(T, kRows)), unsigned(B * NH));
     // dQ first: it computes D (flash_backward_dot's bits) and leaves it for dK/dV.
-    flash90_dq_kernel<Out><<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, out, lse, D, qkv_map, dout_map, T,
-                                                                  NH, scale_log2, scale, amax_bits, sums, f8);
+    flash90_dq_kernel<<<grid, kWGThreads, kSmemDq, stream>>>(dqkv, qkv, dout, out, lse, D, qkv_map, dout_map, T, NH,
+                                                             scale_log2, scale, sums);
     cudaCheckLaunch();
-    flash90_dkdv_kernel<Out><<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T,
-                                                                      NH, scale_log2, scale, amax_bits, sums, f8);
+    flash90_dkdv_kernel<<<grid, kWGThreads, kSmemDkdv, stream>>>(dqkv, qkv, dout, lse, D, qkv_map, dout_map, T, NH,
+                                                                 scale_log2, scale, sums);
     cudaCheckLaunch();
-}
-
-}  // namespace flash90_detail
-
-// As flash_backward<64>, on wgmma. sums (optional; (B T / 64, 3C) floats, T % 64 == 0): each 64-row
-// block's column sums of dqkv, for bias_grad_from_partials; dqkv's bits do not change with it.
-inline void flash90_backward(floatX* dqkv, const floatX* dout, const floatX* qkv, const floatX* out, const float* lse,
-                             int B, int T, int NH, float* D, cudaStream_t stream, unsigned int* amax_bits = nullptr,
-                             float* sums = nullptr) {
-    flash90_detail::backward_launch<void>("flash90_backward", dqkv, dout, qkv, out, lse, B, T, NH, D, stream, amax_bits,
-                                          sums, Flash90Fp8Out{});
-}
-
-// The same gradient in FP8 format G (Flash90Fp8Out): f.q (B T, 3C), f.qt (3C, B T), f.sums and the amax,
-// the bytes fp8_cast_pair makes of flash90_backward's dqkv. T % 64 == 0; f.q, f.qt 16-byte aligned.
-template <class G>
-inline void flash90_backward_fp8(const Flash90Fp8Out& f, const floatX* dout, const floatX* qkv, const floatX* out,
-                                 const float* lse, int B, int T, int NH, float* D, cudaStream_t stream) {
-    using namespace flash90_detail;
-    const char* fn = "flash90_backward_fp8";
-    if (T % kRows != 0) fail(kExitUsage, "%s: T = %d is not a multiple of %d", fn, T, kRows);
-    if (f.q == nullptr || f.qt == nullptr || f.sums == nullptr || f.scale == nullptr) {
-        fail(kExitUsage, "%s: the FP8 output needs q, qt, sums and scale", fn);
-    }
-    require_aligned16_each(fn, {{"q", f.q}, {"qt", f.qt}, {"sums", f.sums}});
-    backward_launch<G>(fn, nullptr, dout, qkv, out, lse, B, T, NH, D, stream, nullptr, nullptr, f);
 }
 
 }  // namespace llmc

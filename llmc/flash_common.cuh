@@ -97,28 +97,24 @@ __device__ inline void mask_block(float (&acc)[MT][N / 8][4], int row0, int col0
 }
 
 // Writes a warp's 16 x HS accumulator block (times mul) as bf16 rows at dst + (row0 + r) * stride, rows
-// >= T skipped; with amax_bits, folds the largest |bf16 value| into it (every lane calls this).
+// >= T skipped.
 template <int HS>
 __device__ inline void store_rows(floatX* dst, int64_t stride, const float (&acc)[HS / 8][4], float mul_a,
-                                  float mul_b, int row0, int T, int lane, unsigned int* amax_bits = nullptr) {
+                                  float mul_b, int row0, int T, int lane) {
     const int g = lane >> 2, q = lane & 3;
     const int ra = row0 + g, rb = ra + 8;
-    float m = 0.0f;
 #pragma unroll
     for (int dt = 0; dt < HS / 8; dt++) {
         const int col = dt * 8 + 2 * q;
         if (ra < T) {
             const __nv_bfloat162 v = __floats2bfloat162_rn(acc[dt][0] * mul_a, acc[dt][1] * mul_a);
             *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(ra) * stride + col) = v;
-            m = fmaxf(m, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
         }
         if (rb < T) {
             const __nv_bfloat162 v = __floats2bfloat162_rn(acc[dt][2] * mul_b, acc[dt][3] * mul_b);
             *reinterpret_cast<__nv_bfloat162*>(dst + int64_t(rb) * stride + col) = v;
-            m = fmaxf(m, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
         }
     }
-    fp8_record_amax(amax_bits, m);
 }
 
 // One key block of the online softmax for 16 query rows: s (raw scores, masked ones -inf) becomes

@@ -8,11 +8,9 @@ master weights fp32; matmuls accumulate in fp32 (cuBLASLt). AdamW rounds the fp3
 stochastically into the bf16 parameters.
 
 Reading order: forward() with forward_to_lnf(), and backward(), each show the layer sequence once. Every
-matmul goes through linear_forward / linear_backward: bf16, or FP8 where the operands come with FP8
-copies (LinearIn, LinearGrad). Options change what runs, never the layer sequence: FP8 (set_fp8, --fp8;
-its state is GPT2Fp8, llmc/gpt2_fp8.cuh), the classifier's exp forward (set_classifier_exp,
-llmc/classifier_sm90.cuh), a second stream for weight gradients (set_dw_stream, DwSide) and GELU
-recompute (-r 1). docs/design.md ("The model", "Inside the model") says how each works and why.
+matmul goes through linear_forward / linear_backward. Options change what runs, never the layer sequence:
+the classifier's exp forward (set_classifier_exp, llmc/classifier_sm90.cuh), a second stream for weight
+gradients (set_dw_stream, DwSide) and GELU recompute (-r 1). docs/design.md ("The model", "Inside the model") says how each works and why.
 Some buffers deliberately hold different tensors at different points of a step (d_qkv_, d_fch_, d_ln_,
 proj_, logits_ and the scratch): each use says what it holds there and why the buffer is free then.
 
@@ -41,8 +39,6 @@ Not here: the training loop, data, logging, sampling (train_gpt2.cu); checkpoint
 #include "llmc/cuda_common.cuh"
 #include "llmc/cuda_utils.cuh"
 #include "llmc/encoder.cuh"
-#include "llmc/fp8.cuh"
-#include "llmc/gpt2_fp8.cuh"
 #include "llmc/gelu.cuh"
 #include "llmc/global_norm.cuh"
 #include "llmc/gpt2_config.h"
@@ -79,10 +75,6 @@ struct OuterTensors {
 struct BlockActivations {
     floatX *ln1, *qkv, *atty, *residual2, *ln2, *fch, *fch_gelu, *residual3;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
-    // With FP8 qkv (fc), ln1 (ln2) is kept in E4M3 only, as the FP8 matmul read it: ln1_q (ln2_q), with
-    // ln1 (ln2) null. With FP8 fcproj, the GELU output is kept in E4M3 (fch_gelu_q) and fch_gelu is one
-    // buffer shared by the layers (for a call in bf16, recomputed in backward).
-    __nv_fp8_e4m3 *ln1_q, *ln2_q, *fch_gelu_q;
     void* att_saved;  // attention's saved state (flash: the log-sum-exp per row)
 };
 
@@ -111,8 +103,8 @@ class GPT2 {
 public:
     // Device memory by kind, for the start-up table.
     struct Memory {
-        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0, fp8 = 0;
-        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch + fp8; }
+        size_t params = 0, grads = 0, optimizer = 0, activations = 0, activation_grads = 0, scratch = 0;
+        size_t total() const { return params + grads + optimizer + activations + activation_grads + scratch; }
     };
 
     // Everything is allocated here, for micro-batches of up to B x T tokens; nothing is allocated later.
@@ -122,7 +114,7 @@ public:
          bool recompute_gelu = false)
         : config_(config), B_(B), T_(T), stream_(stream), tensors_(param_tensors(config)),
           adamw_table_(adamw_tensors(tensors_)), multi_(multi), zero_stage_(multi != nullptr ? zero_stage : 0),
-          recompute_gelu_(recompute_gelu), fp8_(config, recompute_gelu, stream) {
+          recompute_gelu_(recompute_gelu) {
         std::string problem = gpu_config_problem(config);
         if (!problem.empty()) fail(kExitUsage, "GPT2: %s (%s)", problem.c_str(), describe(config).c_str());
         if (B < 1 || T < 1 || T > config.max_seq_len) {
@@ -151,7 +143,6 @@ public:
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
         allocate_activations();
         scalars_.allocate(4);
-        fp8_.allocate_slots(nc_);
         cudaCheck(cudaStreamSynchronize(stream_));
     }
     GPT2(const GPT2&) = delete;
@@ -169,9 +160,9 @@ public:
     bool gemm_tuning() const { return lt_.tuning(); }
     const CublasLt& cublas() const { return lt_; }
     // Backward's weight gradients on a second stream (docs/design.md): 0 one stream, 1 dwte, fc's and qkv's,
-    // 2 also attproj's and fcproj's (activation_grads grows by B x T x C). Only bf16 steps on one GPU without
-    // recompute: set_fp8 first. The first call asking for a level allocates (synchronising); elsewhere backward
-    // runs on one stream (dw_stream_applies() says which).
+    // 2 also attproj's and fcproj's (activation_grads grows by B x T x C). Only on one GPU without recompute.
+    // The first call asking for a level allocates (synchronising); elsewhere backward runs on one stream
+    // (dw_stream_applies() says which).
     void set_dw_stream(int level) {
         if (level < 0 || level > 2) fail(kExitUsage, "GPT2: weight-gradient stream level %d, need 0, 1 or 2", level);
         dw_level_ = level;
@@ -207,7 +198,7 @@ public:
     bool classifier_exp() const { return classifier_exp_; }
     // Whether a training forward of N rows runs the classifier's exp forward, as the model is set now.
     bool classifier_exp_applies(int64_t N) const {
-        return classifier_exp_ && cls90_sums_.get() != nullptr && !(fp8_.on.lm_head && fp8_.rows(N)) && N <= int64_t(n_) &&
+        return classifier_exp_ && cls90_sums_.get() != nullptr && N <= int64_t(n_) &&
                classifier90_applies(N, config_.channels, config_.padded_vocab_size);
     }
     // The level backward runs at, as the model is set now (0: one stream).
@@ -230,37 +221,9 @@ public:
         float *master, *adam_m, *adam_v;
     };
     State state() {
-        fp8_.weights_changed();  // the caller may write the parameters
         return {params_.get(), master_.get(), adam_m_.get(), adam_v_.get()};
     }
 
-    // FP8 matmuls (docs/design.md): which ones, from now on. Allocates the weights' FP8 copies (memory().fp8)
-    // and, when the qkv, fc or fcproj choice changes, lays the activations out again (LayerNorm outputs kept in
-    // FP8 shrink memory().activations), so a backward() needs a forward() first. Fails without FP8 tensor cores
-    // or for shapes the FP8 matmuls cannot take (C, and for lm_head Vp, multiples of 16).
-    void set_fp8(const Fp8Matmuls& m) {
-        cudaCheck(cudaStreamSynchronize(stream_));  // a step in flight may still read the old copies
-        GPT2Fp8::check_supported(m);
-        const bool relayout = m.qkv != fp8_.on.qkv || m.fc != fp8_.on.fc || m.fcproj != fp8_.on.fcproj;
-        fp8_.reset(m);
-        memory_.fp8 = 0;
-        if (relayout) {
-            acts_.allocate(0);
-            carve_activations();
-        }
-        memory_.fp8 = fp8_.allocate();
-    }
-
-    // Delayed scaling's state (FP8 fcproj: the amax history, llmc/gpt2_fp8.cuh Fp8History), for a checkpoint.
-    // After writing it, call fp8_history_loaded(); fp8_history_reset() empties it (the next forward measures).
-    using Fp8History = llmc::Fp8History;
-    Fp8History fp8_history() { return fp8_.history(); }
-    void fp8_history_reset() { fp8_.history_reset(); }
-    void fp8_history_loaded() { fp8_.history_loaded(); }
-    // Delayed scaling's count of the tensors whose amax outgrew their history (a device float, null without
-    // delayed scaling; GPT2Fp8::outgrown says when it grows): a caller that wants it per step zeroes it first.
-    float* fp8_outgrown() const { return fp8_.outgrown(); }
-    const Fp8Matmuls& fp8() const { return fp8_.on; }
     // (B,T,Vp) of the last forward (dlogits after a training one, or Y after the classifier's exp forward:
     // set_classifier_exp); (M,Vp) after forward_scored.
     const floatX* logits() const { return logits_; }
@@ -303,7 +266,6 @@ public:
         }
         cudaCheck(cudaMemsetAsync(adam_m_.get(), 0, adam_m_.bytes(), stream_));
         cudaCheck(cudaMemsetAsync(adam_v_.get(), 0, adam_v_.bytes(), stream_));
-        fp8_.weights_changed();
         cudaCheck(cudaStreamSynchronize(stream_));  // host memory may go away after the return
     }
 
@@ -316,31 +278,21 @@ public:
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
         const int64_t N = int64_t(B) * T;
-        const bool fp8_head = fp8_.on.lm_head && fp8_.rows(N);
-        const int64_t chunk = fp8_head ? fp8_.classifier_chunk(N) : 0;
         const bool exp_head = targets != nullptr && dloss > 0.0f && classifier_exp_applies(N);
         const floatX* wte = outer(params_.get()).wte;
-        classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
-        forward_to_lnf(inputs, B, T, nullptr, fp8_head);
-        // The classifier: in FP8 chunks with most of its backward (lm_head.grad), our exp forward, or one
-        // matmul. Its FP8 staging goes to d_qkv_ and d_ln_, which forward leaves free.
-        if (chunk > 0) {
-            classifier_grad_rows_ =
-                fp8_.classifier_chunks(lt_, {lnf_, logits_, losses_, d_ln_, d_qkv_, nc_}, targets, N, chunk, dloss);
-        } else if (exp_head) {
+        forward_to_lnf(inputs, B, T);
+        // The classifier: our exp forward, or one matmul.
+        if (exp_head) {
             classifier90_exp_forward(logits_, losses_, lnf_, wte, targets, dloss, N, C, c.vocab_size, Vp,
                                      {cls90_c_.get(), cls90_partial_.get(), cls90_sums_.get()}, stream_);
             cls90_rows_ = N;
             cls90_dloss_ = dloss;
         } else {
-            const LinearIn x = fp8_head ? LinearIn{nullptr, fp8_.cast<__nv_fp8_e4m3>(d_qkv_, lnf_, N * C, kFp8Act),
-                                                   fp8_.descale(kFp8Act)}
-                                        : LinearIn{lnf_};
-            linear_forward(logits_, x, kFp8Wte, 0, wte, nullptr, N, C, Vp);
+            linear_forward(logits_, lnf_, wte, nullptr, N, C, Vp);
         }
         if (targets == nullptr) return;
-        if (chunk == 0 && !exp_head) {
+        if (!exp_head) {
             fused_classifier(logits_, losses_, targets, dloss, N, c.vocab_size, Vp, dloss > 0.0f, stream_);
         }
         llmc::mean_loss(mean_out != nullptr ? mean_out : scalars_.get(), losses_, N, stream_);
@@ -377,11 +329,9 @@ public:
         }
         const GPT2Config& c = config_;
         const int C = c.channels, Vp = c.padded_vocab_size;
-        classifier_grad_rows_ = 0;
         cls90_rows_ = 0;
         forward_to_lnf(inputs, B, T, packed);
-        // proj_ (rows for the allocated B x T, at least M) is free after the forward (its last reader, with FP8
-        // fcproj, is the final residual add).
+        // proj_ (rows for the allocated B x T, at least M) is free after the forward.
         gather_positions(proj_, lnf_, scored, M, C, stream_);
         matmul_forward(lt_, logits_, proj_, outer(params_.get()).wte, nullptr, M, C, Vp, stream_);
         fused_classifier(logits_, losses_, targets, 0.0f, M, c.vocab_size, Vp, false, stream_);
@@ -425,21 +375,6 @@ public:
         const OuterTensors<floatX> gw = outer(g);
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         const size_t sbytes = scratch_.bytes();
-        // FP8 (docs/design.md): attproj's and fcproj's dX read the residual stream's gradient in E5M2 (its amax
-        // recorded by the LayerNorm backward that writes it), qkv.grad both of qkv's matmuls. With delayed
-        // scaling (fcproj_w) fcproj's dW reads that gradient transposed too, fc.grad runs fc's backward in
-        // FP8, and qkv.grad.delayed dqkv at a delayed scale.
-        const bool fp8_fcproj = fp8_.on.fcproj_dx && fp8_.rows(N), fp8_attproj = fp8_.on.attproj_dx && fp8_.rows(N);
-        const bool fp8_qkv_grad = fp8_.on.qkv_grad && fp8_.rows(N);
-        const bool fp8_fcproj_w = fp8_.fcproj_on(N);
-        const bool fp8_fc_grad = fp8_fcproj_w && fp8_.on.fc_grad;
-        const bool grad_amax = fp8_fcproj || fp8_fcproj_w;
-        const bool measure = fp8_fcproj_w && fp8_.measuring();
-        const bool dqkv_delayed = fp8_qkv_grad && fp8_.on.qkv_grad_delayed && fp8_fcproj_w;
-        if (fp8_fcproj_w && sbytes < size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float)) {
-            fail(kExitError, "GPT2 backward: scratch of %zu bytes, FP8 fcproj's bias sums need %zu", sbytes,
-                 size_t(ceil_div<int64_t>(N, kFp8CastPairRows)) * C * sizeof(float));
-        }
         // The weight gradients' side stream (set_dw_stream; dw = 0: everything on stream_). The residual
         // stream's gradient is res[cur]: at level 2 each LayerNorm backward reads it from one buffer and
         // writes the sum to the other (the side's attproj and fcproj dW still read the old one).
@@ -449,84 +384,58 @@ public:
 
         // The classifier shares wte with the embedding: its part of dwte is added here, the rest below. After
         // the exp forward, logits_ holds Y and lnf_ the rows scaled by dloss / s: dwte as usual, d(lnf) = Y wte
-        // scaled by the rows' dloss / s. After FP8 lm_head.grad's forward, d(lnf) is in d_ln_ already and
-        // dwte reads dlogits^T and lnf^T in FP8.
-        const int64_t head_rows = classifier_grad_rows_ != 0 ? classifier_grad_rows_ : cls90_rows_;
+        // scaled by the rows' dloss / s.
+        const int64_t head_rows = cls90_rows_;
         if (head_rows != 0 && head_rows != N) {
             fail(kExitUsage, "GPT2 backward: B x T = %lld rows, but the training forward before it had %lld",
                  (long long)N, (long long)head_rows);
         }
-        const bool fp8_head = classifier_grad_rows_ != 0;
-        linear_backward(fp8_head ? nullptr : d_ln_, gw.wte, nullptr,
-                        fp8_head ? LinearGrad{nullptr, nullptr, fp8_.dlogits_transposed(logits_, N),
-                                              fp8_.descale(kFp8Dlogits)}
-                                 : LinearGrad{logits_},
-                        fp8_head ? LinearIn{nullptr, nullptr, fp8_.descale(kFp8Act), GPT2Fp8::lnf_transposed(d_qkv_, nc_)}
-                                 : LinearIn{lnf_},
-                        w.wte, -1, 0, N, C, Vp, nullptr, 1, nullptr);
+        linear_backward(d_ln_, gw.wte, nullptr, logits_, lnf_, w.wte, N, C, Vp, nullptr, 1, nullptr);
         if (cls90_rows_ != 0) classifier90_scale_rows(d_ln_, cls90_sums_.get(), cls90_dloss_, N, C, stream_);
         // d_residual_ carries the residual stream's gradient down the layers; LayerNorm backward adds into it, so
         // it starts at zero. Each LayerNorm backward also adds the column sums of the gradient it leaves into the
         // bias gradient of the projection it flows into next (fcproj, attproj): bit for bit what matmul_backward_dw
-        // would add, without another pass. (With FP8 fcproj's dW, its gradient cast sums the columns instead.)
+        // would add, without another pass.
         cudaCheck(cudaMemsetAsync(d_residual_, 0, size_t(N) * C * sizeof(floatX), stream_));
-        auto fcprojb_grad = [&](int l) { return fp8_fcproj_w ? nullptr : block(g, l).fcprojb; };
         layernorm_backward(d_residual_, gw.lnfw, gw.lnfb, d_ln_, acts(L - 1).residual3, w.lnfw, lnf_mean_, lnf_rstd_, N,
-                           C, fscratch, sbytes, stream_, grad_amax ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                           fcprojb_grad(L - 1));
+                           C, fscratch, sbytes, stream_, block(g, L - 1).fcprojb);
         for (int l = L - 1; l >= 0; l--) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockTensors<floatX> gb = block(g, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            // residual3 = residual2 + fcproj(GELU(fch)): the GELU's backward is fused into fcproj's dX (with
-            // fc.grad, into fc's gradient cast). With recompute (or FP8 fcproj's shared bf16 GELU buffer in a
-            // bf16 call), the one GELU buffer holds the last layer's forward output: recompute layer l's. FP8
-            // fcproj's dW reads the kept E4M3 GELU output, transposed into d_qkv_ after the gradient's copies.
-            if (gelu_shared() && !fp8_fcproj_w) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
-            // The residual gradient's E5M2 copies in d_qkv_ (free until attention's backward writes it).
-            const LinearGrad dres3 = fp8_.grad(res[cur], N, C, d_qkv_, fp8_fcproj || fp8_fc_grad, fp8_fcproj_w, fscratch);
-            const LinearIn gelu = fp8_fcproj_w ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l),
-                                                          reinterpret_cast<__nv_fp8_e4m3*>(d_qkv_) + 2 * nc_}
-                                               : LinearIn{a.fch_gelu};
+            // residual3 = residual2 + fcproj(GELU(fch)): the GELU's backward is fused into fcproj's dX. With
+            // recompute, the one GELU buffer holds the last layer's forward output: recompute layer l's.
+            if (gelu_shared()) gelu_forward(a.fch_gelu, a.fch, N * 4 * C, stream_);
             if (dw > 0 && l < L - 1) dw_->await(dw_->fc_done);  // layer l+1's fc dW reads d_fch_
-            linear_backward(d_fch_, gb.fcprojw, fp8_fcproj_w ? gb.fcprojb : nullptr, dres3, gelu, b.fcprojw, kFp8FcprojT,
-                            l, N, 4 * C, C, fp8_fc_grad ? nullptr : a.fch, 2, &DwSide::fcproj_done);
-            // fch = ln2 fcw^T + fcb. fc.grad casts its gradient (GPT2Fp8::dgelu_grad), taking fc's bias gradient
-            // from it first. ln2 kept in E4M3 is read in d_qkv_ (layer l+1's qkv gradient is spent).
-            const LinearGrad dfch = fp8_fc_grad ? fp8_.dgelu_grad(d_fch_, a.fch, N, l, measure,
-                                                                  reinterpret_cast<float*>(d_ln_), gb.fcb)
-                                                : LinearGrad{d_fch_};
-            const LinearIn ln2 = fp8_.dw_input(a.ln2, a.ln2_q, fp8_.ln2_descale(l, N), fp8_fc_grad, d_qkv_, N);
-            linear_backward(d_ln_, gb.fcw, fp8_fc_grad ? nullptr : gb.fcb, dfch, ln2, b.fcw, kFp8FcT, l, N, C, 4 * C,
-                            nullptr, 1, &DwSide::fc_done);
+            linear_backward(d_fch_, gb.fcprojw, nullptr, res[cur], a.fch_gelu, b.fcprojw, N, 4 * C, C, a.fch, 2,
+                            &DwSide::fcproj_done);
+            // fch = ln2 fcw^T + fcb.
+            linear_backward(d_ln_, gb.fcw, gb.fcb, d_fch_, a.ln2, b.fcw, N, C, 4 * C, nullptr, 1, &DwSide::fc_done);
             if (dw >= 2) {
                 if (l < L - 1) dw_->await(dw_->attproj_done);  // layer l+1's attproj dW reads the other buffer
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln2w, gb.ln2b, d_ln_, a.residual2, b.ln2w, a.ln2_mean, a.ln2_rstd, N, C,
-                               fscratch, sbytes, stream_, fp8_attproj ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                               gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
+                               fscratch, sbytes, stream_, gb.attprojb, dw >= 2 ? res[1 - cur] : nullptr);
             // residual2 = residual + attproj(atty) (attprojb: ln2's backward).
-            linear_backward(d_atty_, gb.attprojw, nullptr, fp8_.grad(res[cur], N, C, d_qkv_, fp8_attproj, false, fscratch), {a.atty},
-                            b.attprojw, kFp8AttprojT, l, N, C, C, nullptr, 2, &DwSide::attproj_done);
+            linear_backward(d_atty_, gb.attprojw, nullptr, res[cur], a.atty, b.attprojw, N, C, C, nullptr, 2,
+                            &DwSide::attproj_done);
             // qkv's bias gradient in bf16: where the wgmma kernels run, attention's backward adds up each 64-row
             // block's column sums of dqkv as it stores it (no pass over dqkv for them), in d_fch_'s last bytes
-            // (layer l's fc gradient is spent; its first N C bf16 may hold ln1 below), or with the side stream
+            // (layer l's fc gradient is spent), or with the side stream
             // (whose fc dW may still read d_fch_) in a buffer of their own.
             float* qkvb_sums = nullptr;
-            if (!fp8_qkv_grad && attention_backward_sums_available(B, T, C, NH)) {
+            if (attention_backward_sums_available(B, T, C, NH)) {
                 qkvb_sums = dw > 0 ? dw_->qkvb_sums.get()
                                    : reinterpret_cast<float*>(d_fch_ + N * 4 * C) - (N / kAttentionSumRows) * 3 * C;
             }
             if (dw > 0 && l < L - 1) dw_->await(dw_->qkv_done);  // layer l+1's qkv dW reads d_qkv_ and the sums
-            const LinearGrad dqkv = attention_grad(a, B, T, fp8_qkv_grad, dqkv_delayed ? fp8_.dqkv_slot(l) : -1, measure,
-                                                   qkvb_sums);
-            // qkv.grad: ln1^T after dqkv's copies in d_fch_; a bf16 dW reads ln1 kept in E4M3 in d_fch_.
-            const LinearIn ln1 = fp8_.dw_input(a.ln1, a.ln1_q, fp8_.ln1_descale(l, N), fp8_qkv_grad,
-                                               reinterpret_cast<uint8_t*>(d_fch_) + (fp8_qkv_grad ? 6 * N * C : 0), N);
-            linear_backward(d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, dqkv, ln1, b.qkvw, kFp8QkvT, l, N,
-                            C, 3 * C, nullptr, 1, nullptr);  // qkv_done is marked below, after the side's bias sums
+            // Attention's backward: dqkv, the gradient qkv's backward reads, in d_qkv_.
+            attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
+                               scratch_.get(), scratch_.bytes(), stream_, qkvb_sums);
+            linear_backward(d_ln_, gb.qkvw, qkvb_sums != nullptr ? nullptr : gb.qkvb, d_qkv_, a.ln1, b.qkvw, N, C, 3 * C,
+                            nullptr, 1, nullptr);  // qkv_done is marked below, after the side's bias sums
             if (qkvb_sums != nullptr) {
                 bias_grad_from_partials(gb.qkvb, qkvb_sums, N / kAttentionSumRows, 3 * C, dw > 0 ? dw_->stream.get() : stream_);
             }
@@ -536,8 +445,8 @@ public:
                 cur = 1 - cur;
             }
             layernorm_backward(res[cur], gb.ln1w, gb.ln1b, d_ln_, residual, b.ln1w, a.ln1_mean, a.ln1_rstd, N, C,
-                               fscratch, sbytes, stream_, grad_amax && l > 0 ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                               l > 0 ? fcprojb_grad(l - 1) : nullptr, dw >= 2 ? res[1 - cur] : nullptr);
+                               fscratch, sbytes, stream_, l > 0 ? block(g, l - 1).fcprojb : nullptr,
+                               dw >= 2 ? res[1 - cur] : nullptr);
             // Layer l's gradients are final: sum them over the ranks while backward goes on below.
             if (per_layer) multi_->all_reduce_sum_async(g, layer_ranges(l), stream_);
         }
@@ -546,7 +455,6 @@ public:
             dw_->await(dw_->done);
         }
         encoder_backward(gw.wte, gw.wpe, res[cur], inputs, B, T, C, Vp, scratch_.get(), sbytes, stream_);
-        if (fp8_fcproj_w) fp8_.push_history(multi_);  // the amaxes this step measured join the history
         if (per_layer) {
             std::vector<ShardRange> rest;
             for (int i : {int(kWte), int(kWpe), int(kLnfw), int(kLnfb)}) rest.push_back(tensor_range(i, 0, 1));
@@ -569,7 +477,6 @@ public:
         float* fscratch = reinterpret_cast<float*>(scratch_.get());
         // Summed over W ranks: dividing the norm and the clip scale by W in fp32 gives AdamW the mean gradient.
         const int ranks = multi_ != nullptr ? multi_->world() : 1;
-        fp8_.weights_changed();
         if (multi_ != nullptr) multi_->join(stream_);
         if (!sharded()) {
             global_norm(norm, scale, grads_.get(), num_params_, grad_clip, fscratch, scratch_.bytes(), stream_, ranks);
@@ -617,29 +524,21 @@ private:
 
     // The embedding, the L blocks and the final LayerNorm of forward() and forward_scored(): inputs (B,T)
     // (device int32, B and T already checked) into lnf_ (B*T rows of C), keeping every activation backward
-    // reads (but for packed rows: forward_scored's comment). lnf_amax: the final LayerNorm records its
-    // output's amax for the classifier's FP8 matmul. With FP8 fcproj it sets the delayed scales from the
-    // history (backward adds the amaxes measured to it; other forwards leave it as it was).
-    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr, bool lnf_amax = false) {
+    // reads (but for packed rows: forward_scored's comment).
+    void forward_to_lnf(const int* inputs, int B, int T, const PackedRows* packed = nullptr) {
         const GPT2Config& c = config_;
         const int L = c.num_layers, C = c.channels, NH = c.num_heads;
         const int64_t N = int64_t(B) * T;
         const floatX* p = params_.get();
         const OuterTensors<const floatX> w = outer(p);
-        fp8_.cast_weights([&](int l) { return block(p, l); }, w.wte);
-        const bool fp8_qkv = fp8_.on.qkv && fp8_.rows(N), fp8_fc = fp8_.on.fc && fp8_.rows(N);
-        // FP8 fcproj: delayed scaling (without a history, run_delayed writes each tensor twice, measuring first).
-        const bool fp8_fcproj = fp8_.fcproj_on(N), measure = fp8_fcproj && fp8_.measuring();
-        if (fp8_fcproj) fp8_.set_delayed_scales();
         if (packed != nullptr) reserve_packed(packed_bytes(B, T));
         encoder_forward(encoded_, inputs, w.wte, w.wpe, B, T, C, stream_, packed != nullptr ? packed->positions : nullptr);
-        layernorm_at(0, false, N, fp8_fcproj, measure, nullptr);
+        layernorm_at(0, false, N);
         for (int l = 0; l < L; l++) {
             const BlockTensors<const floatX> b = block(p, l);
             const BlockActivations a = acts(l);
             const floatX* residual = l == 0 ? encoded_ : acts(l - 1).residual3;
-            linear_forward(a.qkv, ln_input(a.ln1, a.ln1_q, fp8_qkv, fp8_.ln1_descale(l, N)), kFp8Qkv, l, b.qkvw, b.qkvb, N,
-                           C, 3 * C);
+            linear_forward(a.qkv, a.ln1, b.qkvw, b.qkvb, N, C, 3 * C);
             if (packed != nullptr) {
                 attention_forward_cublaslt(lt_, a.atty, reinterpret_cast<floatX*>(packed_att_.get()), a.qkv, B, T, C,
                                            NH, packed_scratch_.get(), packed_scratch_.bytes(), stream_, packed->groups);
@@ -648,32 +547,19 @@ private:
                                   scratch_.bytes(), stream_);
             }
             // residual2 = residual + attproj(atty), the add in the matmul's epilogue.
-            linear_forward(a.residual2, {a.atty}, -1, l, b.attprojw, b.attprojb, N, C, C, nullptr, residual);
-            layernorm_at(l, true, N, fp8_fcproj, measure, nullptr);
-            // The GELU output (GELU in the matmul's epilogue, keeping its input fch); with FP8 fcproj straight
-            // into E4M3 at the layer's delayed scale (its amax measured as it is written).
-            fp8_.run_delayed<__nv_fp8_e4m3>(l, measure, [&]() {
-                linear_forward(a.fch_gelu, ln_input(a.ln2, a.ln2_q, fp8_fc, fp8_.ln2_descale(l, N)), kFp8Fc, l, b.fcw,
-                               b.fcb, N, C, 4 * C, a.fch, nullptr,
-                               fp8_fcproj ? LinearOut8{a.fch_gelu_q, fp8_.delayed_scale(l), fp8_.delayed_amax(l)}
-                                          : LinearOut8{});
-            });
-            // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue; with FP8 fcproj,
-            // whose matmul writes proj_, in the next LayerNorm's pass.
-            linear_forward(fp8_fcproj ? proj_ : a.residual3,
-                           fp8_fcproj ? LinearIn{nullptr, a.fch_gelu_q, fp8_.delayed_descale(l)} : LinearIn{a.fch_gelu},
-                           kFp8Fcproj, l, b.fcprojw, b.fcprojb, N, 4 * C, C, nullptr, fp8_fcproj ? nullptr : a.residual2);
+            linear_forward(a.residual2, a.atty, b.attprojw, b.attprojb, N, C, C, nullptr, residual);
+            layernorm_at(l, true, N);
+            // The GELU output (GELU in the matmul's epilogue, keeping its input fch).
+            linear_forward(a.fch_gelu, a.ln2, b.fcw, b.fcb, N, C, 4 * C, a.fch, nullptr);
+            // residual3 = residual2 + fcproj(GELU output), the add in the matmul's epilogue.
+            linear_forward(a.residual3, a.fch_gelu, b.fcprojw, b.fcprojb, N, 4 * C, C, nullptr, a.residual2);
             // The next block's ln1, or the final LayerNorm.
-            layernorm_at(l + 1, false, N, fp8_fcproj, measure,
-                         l + 1 == L && lnf_amax ? fp8_.reset_amax(kFp8Act) : nullptr);
+            layernorm_at(l + 1, false, N);
         }
     }
 
-    // The LayerNorm before layer l's qkv (ln1; l = L: the final one, into lnf_) or fc (ln2 = true), with the
-    // residual add closing block l - 1 fused in where FP8 fcproj left it to it (residual2 + proj_ written
-    // to residual3 on the way). Its output: bf16, or kept in E4M3 (GPT2Fp8::layernorm_out; d_ln_ is free in
-    // forward); amax: the bf16 output's amax recorded there.
-    void layernorm_at(int l, bool ln2, int64_t N, bool delayed, bool measure, unsigned int* amax) {
+    // The LayerNorm before layer l's qkv (ln1; l = L: the final one, into lnf_) or fc (ln2 = true).
+    void layernorm_at(int l, bool ln2, int64_t N) {
         const int L = config_.num_layers, C = config_.channels;
         const floatX* p = params_.get();
         const BlockActivations a = acts(std::min(l, L - 1)), prev = acts(std::max(l - 1, 0));
@@ -683,109 +569,46 @@ private:
         float* mean = final ? lnf_mean_ : ln2 ? a.ln2_mean : a.ln1_mean;
         float* rstd = final ? lnf_rstd_ : ln2 ? a.ln2_rstd : a.ln1_rstd;
         floatX* out = final ? lnf_ : ln2 ? a.ln2 : a.ln1;
-        auto run = [&](floatX* o, unsigned int* o_amax, LayerNormFp8Out f) {
-            if (ln2) {
-                layernorm_forward(o, mean, rstd, a.residual2, w, bias, N, C, stream_, o_amax, f);
-            } else if (l == 0) {
-                layernorm_forward(o, mean, rstd, encoded_, w, bias, N, C, stream_, o_amax, f);
-            } else if (delayed) {
-                fused_residual_layernorm_forward(prev.residual3, o, mean, rstd, prev.residual2, proj_, w, bias, N, C,
-                                                 stream_, o_amax, f);
-            } else {
-                layernorm_forward(o, mean, rstd, prev.residual3, w, bias, N, C, stream_, o_amax, f);
-            }
-        };
-        fp8_.layernorm_out(out, amax, ln2 ? a.ln2_q : a.ln1_q, ln2 ? fp8_.ln2_slot(l) : fp8_.ln1_slot(l),
-                           ln2 ? fp8_.ln2_delayed_slot(l) : fp8_.ln1_delayed_slot(l), delayed, measure, d_ln_, N * C,
-                           run);
-    }
-
-    // The LayerNorm output a forward matmul reads: kept E4M3 where it runs in FP8, else bf16 (in d_ln_,
-    // layernorm_at's, where only the FP8 copy is kept).
-    LinearIn ln_input(const floatX* x, const __nv_fp8_e4m3* q, bool fp8, const float* descale) const {
-        return fp8 ? LinearIn{nullptr, q, descale} : LinearIn{x != nullptr ? x : d_ln_};
-    }
-
-    // A linear layer's forward: out (N x cout) = in (N x cin) W^T (+ bias), in FP8 where in.q is given (against
-    // W's E4M3 copy, `kind` of layer l, fast accumulation; with out8, into E4M3 instead of out), else bf16.
-    // pre_gelu: GELU in the epilogue, its input kept there; residual: out = residual + that (bf16).
-    void linear_forward(floatX* out, const LinearIn& in, int kind, int l, const floatX* w, const floatX* bias,
-                        int64_t N, int cin, int cout, floatX* pre_gelu = nullptr, const floatX* residual = nullptr,
-                        const LinearOut8& out8 = {}) {
-        if (in.q == nullptr) {
-            matmul_forward(lt_, out, in.x, w, bias, N, cin, cout, stream_, pre_gelu, residual);
-            return;
-        }
-        const Fp8Epilogue e{bias, pre_gelu, nullptr};
-        const __nv_fp8_e4m3* w8 = fp8_.weight(kind, l);
-        if (out8.q != nullptr) {
-            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out8.q,
-                       out8.scale, out8.amax, e, kFp8FastAccumForward);
+        if (ln2) {
+            layernorm_forward(out, mean, rstd, a.residual2, w, bias, N, C, stream_);
+        } else if (l == 0) {
+            layernorm_forward(out, mean, rstd, encoded_, w, bias, N, C, stream_);
         } else {
-            fp8_matmul(lt_, stream_, N, cout, cin, in.q, w8, in.descale, fp8_.weight_descale(kind, l), out, e,
-                       kFp8FastAccumForward);
+            layernorm_forward(out, mean, rstd, prev.residual3, w, bias, N, C, stream_);
         }
+    }
+
+    // A linear layer's forward: out (N x cout) = in (N x cin) W^T (+ bias).
+    // pre_gelu: GELU in the epilogue, its input kept there; residual: out = residual + that (bf16).
+    void linear_forward(floatX* out, const floatX* in, const floatX* w, const floatX* bias, int64_t N, int cin, int cout,
+                        floatX* pre_gelu = nullptr, const floatX* residual = nullptr) {
+        matmul_forward(lt_, out, in, w, bias, N, cin, cout, stream_, pre_gelu, residual);
     }
 
     // A linear layer's backward (in (N x cin) -> out (N x cout) through w; dout: out's gradient). dinp = dout W
     // (times GELU'(pre_gelu) where given: the GELU's backward fused), skipped where dinp is null; dweight +=
-    // dout^T in; dbias += dout's column sums where given. dX runs in FP8 where dout.q is given (against W^T's
-    // E4M3 copy, kind_t of layer l), dW where dout.qt is (against in.qt, transposed from in.q between the two
-    // where given; the bias from dout.sums); else bf16, a bf16 dW on the side stream where set_dw_stream's
-    // level is side_level or above: after fork(), marking `done` there after it, dX on stream_ beside it.
-    void linear_backward(floatX* dinp, floatX* dweight, floatX* dbias, const LinearGrad& dout, const LinearIn& in,
-                         const floatX* w, int kind_t, int l, int64_t N, int cin, int cout, const floatX* pre_gelu,
-                         int side_level, Event DwSide::*done) {
-        DwSide* side = dout.qt == nullptr && dw_stream_applies() >= side_level ? dw_.get() : nullptr;
+    // dout^T in; dbias += dout's column sums where given. dW on the side stream where set_dw_stream's level is
+    // side_level or above: after fork(), marking `done` there after it, dX on stream_ beside it.
+    void linear_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* in,
+                         const floatX* w, int64_t N, int cin, int cout, const floatX* pre_gelu, int side_level,
+                         Event DwSide::*done) {
+        DwSide* side = dw_stream_applies() >= side_level ? dw_.get() : nullptr;
         if (side != nullptr) {
             side->fork();
-            matmul_backward_dw(side->lt, dweight, dbias, dout.x, in.x, N, cin, cout,
+            matmul_backward_dw(side->lt, dweight, dbias, dout, in, N, cin, cout,
                                reinterpret_cast<float*>(side->scratch.get()), side->scratch.bytes(), side->stream);
             if (done != nullptr) side->mark(side->*done);
         }
-        if (dinp != nullptr && dout.q != nullptr) {
-            fp8_matmul(lt_, stream_, N, cin, cout, dout.q, fp8_.weight(kind_t, l), dout.descale,
-                       fp8_.weight_descale(kind_t, l), dinp, Fp8Epilogue{nullptr, nullptr, pre_gelu});
-        } else if (dinp != nullptr) {
-            matmul_backward_dx(lt_, dinp, dout.x, w, N, cin, cout, stream_, pre_gelu);
-        }
+        if (dinp != nullptr) matmul_backward_dx(lt_, dinp, dout, w, N, cin, cout, stream_, pre_gelu);
         if (side != nullptr) return;
-        if (dout.qt == nullptr) {
-            matmul_backward_dw(lt_, dweight, dbias, dout.x, in.x, N, cin, cout, reinterpret_cast<float*>(scratch_.get()),
-                               scratch_.bytes(), stream_);
-            return;
-        }
-        if (in.q != nullptr) fp8_transpose(in.qt, N, in.q, N, cin, stream_);
-        fp8_matmul(lt_, stream_, cout, cin, N, dout.qt, in.qt, dout.descale, in.descale, dweight,
-                   Fp8Epilogue{nullptr, nullptr, nullptr, /*accumulate=*/true});
-        if (dbias != nullptr) bias_grad_from_partials(dbias, dout.sums, ceil_div<int64_t>(N, kFp8CastPairRows), cout, stream_);
+        matmul_backward_dw(lt_, dweight, dbias, dout, in, N, cin, cout, reinterpret_cast<float*>(scratch_.get()),
+                           scratch_.bytes(), stream_);
     }
 
-    // Attention's backward: dqkv, the gradient qkv's backward reads, in bf16 in d_qkv_ (with attention's column
-    // sums for the bias in qkvb_sums where given), with qkv.grad also in E5M2 in d_fch_ (layer l's fc gradient
-    // is spent): GPT2Fp8::dqkv. With qkv.grad.delayed (delayed_slot >= 0) and a history, attention's backward
-    // writes the E5M2 copies and the sums itself at the layer's delayed scale (no bf16 dqkv, no cast); without
-    // one (the first step, or a shape its kernels do not take) a cast makes them and its amax joins the history.
-    LinearGrad attention_grad(const BlockActivations& a, int B, int T, bool fp8, int delayed_slot, bool measure,
-                              float* qkvb_sums) {
-        const int C = config_.channels, NH = config_.num_heads;
-        const int64_t N = int64_t(B) * T;
-        if (delayed_slot >= 0 && !measure && attention_backward_fp8_available(B, T, C, NH)) {
-            Flash90Fp8Out f;
-            const LinearGrad g = fp8_.dqkv(nullptr, d_fch_, N, delayed_slot, &f);
-            attention_backward_fp8<__nv_fp8_e5m2>(f, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                                                  scratch_.get(), scratch_.bytes(), stream_);
-            return g;
-        }
-        attention_backward(lt_, d_qkv_, d_atty_, a.qkv, a.atty, a.att_saved, att_saved_bytes_, B, T, C, NH,
-                           scratch_.get(), scratch_.bytes(), stream_, fp8 ? fp8_.reset_amax(kFp8Grad) : nullptr,
-                           qkvb_sums);
-        return fp8 ? fp8_.dqkv(d_qkv_, d_fch_, N, delayed_slot, nullptr) : LinearGrad{d_qkv_};
-    }
     // Whether backward's weight gradients can run on a second stream (set_dw_stream): bf16, one GPU, no recompute.
-    bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared() && !fp8_.on.any(); }
-    // Whether the layers share one bf16 GELU buffer (recompute, or FP8 fcproj keeping the GELU in E4M3).
-    bool gelu_shared() const { return recompute_gelu_ || fp8_.on.fcproj; }
+    bool dw_stream_possible() const { return multi_ == nullptr && !gelu_shared(); }
+    // Whether the layers share one GELU buffer (recompute).
+    bool gelu_shared() const { return recompute_gelu_; }
 
     // Carves every activation, activation gradient and the shared scratch out of three allocations.
     // Per-layer tensors are strided by the allocated B x T, so smaller batches use a prefix of each.
@@ -824,18 +647,15 @@ private:
         memory_.optimizer = master_.bytes() + adam_m_.bytes() + adam_v_.bytes();
     }
 
-    // The activations backward reads (acts_, poisoned), laid out for the FP8 choice of the moment: with
-    // FP8 qkv (fc) each layer keeps ln1 (ln2) in E4M3 only, half the bytes, and no bf16 copy.
+    // The activations backward reads (acts_, poisoned).
     void carve_activations() {
         const GPT2Config& c = config_;
         const size_t L = size_t(c.num_layers), C = size_t(c.channels), Vp = size_t(c.padded_vocab_size);
         const size_t N = n_;
-        const size_t X = sizeof(floatX), F = sizeof(float), Q = sizeof(__nv_fp8_e4m3);
-        const bool q1 = fp8_.on.qkv, q2 = fp8_.on.fc, q3 = fp8_.on.fcproj && !recompute_gelu_;
+        const size_t X = sizeof(floatX), F = sizeof(float);
         const Slot acts[] = {
             {reinterpret_cast<void**>(&encoded_), N * C * X},
-            {reinterpret_cast<void**>(&ln1_), q1 ? 0 : L * N * C * X},
-            {reinterpret_cast<void**>(&ln1_q_), q1 ? L * N * C * Q : 0},
+            {reinterpret_cast<void**>(&ln1_), L * N * C * X},
             {reinterpret_cast<void**>(&ln1_mean_), L * N * F},
             {reinterpret_cast<void**>(&ln1_rstd_), L * N * F},
             {reinterpret_cast<void**>(&qkv_), L * N * 3 * C * X},
@@ -843,13 +663,11 @@ private:
             {reinterpret_cast<void**>(&att_saved_), L * att_saved_bytes_},
             {reinterpret_cast<void**>(&proj_), N * C * X},
             {reinterpret_cast<void**>(&residual2_), L * N * C * X},
-            {reinterpret_cast<void**>(&ln2_), q2 ? 0 : L * N * C * X},
-            {reinterpret_cast<void**>(&ln2_q_), q2 ? L * N * C * Q : 0},
+            {reinterpret_cast<void**>(&ln2_), L * N * C * X},
             {reinterpret_cast<void**>(&ln2_mean_), L * N * F},
             {reinterpret_cast<void**>(&ln2_rstd_), L * N * F},
             {reinterpret_cast<void**>(&fch_), L * N * 4 * C * X},
             {reinterpret_cast<void**>(&fch_gelu_), (gelu_shared() ? 1 : L) * N * 4 * C * X},
-            {reinterpret_cast<void**>(&fch_gelu_q_), q3 ? L * N * 4 * C * Q : 0},
             {reinterpret_cast<void**>(&residual3_), L * N * C * X},
             {reinterpret_cast<void**>(&lnf_), N * C * X},
             {reinterpret_cast<void**>(&lnf_mean_), N * F},
@@ -892,21 +710,18 @@ private:
     BlockActivations acts(int l) const {
         const size_t L = size_t(l);
         BlockActivations a;
-        a.ln1 = ln1_ != nullptr ? ln1_ + L * nc_ : nullptr;
-        a.ln1_q = ln1_q_ != nullptr ? ln1_q_ + L * nc_ : nullptr;
+        a.ln1 = ln1_ + L * nc_;
         a.ln1_mean = ln1_mean_ + L * n_;
         a.ln1_rstd = ln1_rstd_ + L * n_;
         a.qkv = qkv_ + L * 3 * nc_;
         a.atty = atty_ + L * nc_;
         a.att_saved = att_saved_ + L * att_saved_bytes_;
         a.residual2 = residual2_ + L * nc_;
-        a.ln2 = ln2_ != nullptr ? ln2_ + L * nc_ : nullptr;
-        a.ln2_q = ln2_q_ != nullptr ? ln2_q_ + L * nc_ : nullptr;
+        a.ln2 = ln2_ + L * nc_;
         a.ln2_mean = ln2_mean_ + L * n_;
         a.ln2_rstd = ln2_rstd_ + L * n_;
         a.fch = fch_ + L * 4 * nc_;
         a.fch_gelu = fch_gelu_ + (gelu_shared() ? 0 : L * 4 * nc_);
-        a.fch_gelu_q = fch_gelu_q_ != nullptr ? fch_gelu_q_ + L * 4 * nc_ : nullptr;
         a.residual3 = residual3_ + L * nc_;
         return a;
     }
@@ -932,9 +747,6 @@ private:
 
     DeviceBuffer<char> acts_, act_grads_, scratch_;
     DeviceBuffer<char> packed_att_, packed_scratch_;  // forward_scored's packed rows: attention's, one layer at a time
-    GPT2Fp8 fp8_;  // set_fp8
-    // B x T of the training forward that ran the classifier's backward in FP8 (0: none, backward runs it).
-    int64_t classifier_grad_rows_ = 0;
     // The classifier's exp forward (set_classifier_exp): on, its scratch, and the rows and dloss of the
     // training forward that ran it (0: the last forward did not).
     bool classifier_exp_ = false;
@@ -945,14 +757,12 @@ private:
     // Activations of the last forward (layer-major where per layer).
     floatX *encoded_ = nullptr, *ln1_ = nullptr, *qkv_ = nullptr, *atty_ = nullptr;
     char* att_saved_ = nullptr;  // attention's saved state, att_saved_bytes_ per layer
-    // attproj, then fcproj: only the residual adds read them; then forward_scored's gathered lnf rows.
+    // forward_scored's gathered lnf rows.
     floatX *proj_ = nullptr;
     floatX *residual2_ = nullptr, *ln2_ = nullptr, *fch_ = nullptr, *fch_gelu_ = nullptr, *residual3_ = nullptr;
     floatX *lnf_ = nullptr, *logits_ = nullptr;
     float *ln1_mean_ = nullptr, *ln1_rstd_ = nullptr, *ln2_mean_ = nullptr, *ln2_rstd_ = nullptr;
     float *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *losses_ = nullptr;
-    __nv_fp8_e4m3 *ln1_q_ = nullptr, *ln2_q_ = nullptr;  // with FP8 qkv / fc, in place of ln1_ / ln2_
-    __nv_fp8_e4m3* fch_gelu_q_ = nullptr;                 // with FP8 fcproj, per layer (fch_gelu_ then one layer)
     // Gradients of activations: one layer's worth, reused as backward walks down the layers.
     floatX *d_residual_ = nullptr, *d_ln_ = nullptr, *d_atty_ = nullptr, *d_qkv_ = nullptr, *d_fch_ = nullptr;
     // The weight gradients' stream (set_dw_stream); dres2_: the residual stream's gradient's second buffer

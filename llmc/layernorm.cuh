@@ -1,17 +1,14 @@
 /*
 LayerNorm and the residual addition on the GPU, with the argument meanings of cpu/gpt2_cpu.h's
 layernorm_forward, layernorm_backward and residual_forward (eps 1e-5, statistics over C channels).
-  layernorm_forward / fused_residual_layernorm_forward (residual = a + b rounded to bf16, then its
-      LayerNorm): one warp a row, fp32 two-pass statistics, the row held in registers for C <= 7 * 256.
-      Optionally the amax of out, or out in E4M3 at a device-side scale (LayerNormFp8Out, llmc/fp8.cuh).
+  layernorm_forward: one warp a row, fp32 two-pass statistics, the row held in registers for C <= 7 * 256.
+  residual_forward:  out = a + b.
   layernorm_backward: dinp += (the residual stream's gradient), dweight +=, dbias +=; the weight sums in
       fixed 256-row chunks and a fixed order (no atomics: bitwise reproducible). Optionally next_dbias +=
       dinp's column sums (bit for bit bias_grad_accumulate) and dinp = dres + ... from another buffer.
 C must be a multiple of 8 and the buffers 16-byte aligned (checked).
 */
 #pragma once
-
-#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -26,12 +23,6 @@ namespace llmc {
 constexpr float kLayerNormEpsF = 1e-5f;
 constexpr int kLayerNormBlock = 256;  // 8 rows per block in the row kernels
 constexpr int kLayerNormRowsPerBlock = kLayerNormBlock / kWarpSize;
-
-// A LayerNorm output in E4M3 (the header's comment): q (N,C), 8-byte aligned, and the scale (device).
-struct LayerNormFp8Out {
-    __nv_fp8_e4m3* q = nullptr;
-    const float* scale = nullptr;
-};
 
 namespace detail {
 
@@ -57,11 +48,11 @@ inline int layernorm_held_packs(int C) {
     return packs <= 3 ? 3 : packs <= 4 ? 4 : packs <= 7 ? 7 : 0;
 }
 
-// Normalises one row, by one warp, into out (bf16) or q (E4M3 at *scale, kFp8), with mean and rstd. x(p, c)
-// gives the lane's pack p (registers, or memory when P = 0). Returns the lane's max |out|.
-template <bool kFp8, int P, class X>
-__device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float* scale, float* mean, float* rstd,
-                                      X&& x, const floatX* weight, const floatX* bias, int64_t row, int C) {
+// Normalises one row, by one warp, into out, with mean and rstd. x(p, c) gives the lane's pack p (registers,
+// or memory when P = 0).
+template <int P, class X>
+__device__ inline void layernorm_row(floatX* out, float* mean, float* rstd, X&& x, const floatX* weight,
+                                     const floatX* bias, int64_t row, int C) {
     const int lane = threadIdx.x % kWarpSize;
     float sum = 0.0f;
     for_lane_packs<P>(C, [&](int p, int c) {
@@ -78,35 +69,18 @@ __device__ inline float layernorm_row(floatX* out, __nv_fp8_e4m3* q, const float
         }
     });
     const float s = 1.0f / sqrtf(warp_sum(var) / float(C) + kLayerNormEpsF);
-    const float qscale = kFp8 ? *scale : 0.0f;
-    float out_max = 0.0f;
     for_lane_packs<P>(C, [&](int p, int c) {
         const PackX v = x(p, c);
         const PackX w = load128(weight + c);
         const PackX b = load128(bias + c);
         PackX o;
-        for (int k = 0; k < kPackX; k++) {
-            o[k] = __float2bfloat16_rn((float(v[k]) - m) * s * float(w[k]) + float(b[k]));
-            out_max = fmaxf(out_max, fabsf(float(o[k])));
-        }
-        if constexpr (kFp8) {
-            // Eight E4M3 bytes, two at a time (the same rounding as one at a time), in one 8-byte store.
-            uint2 packed;
-            __nv_fp8x2_storage_t* pair = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed);
-            for (int k = 0; k < kPackX / 2; k++) {
-                pair[k] = __nv_cvt_float2_to_fp8x2(make_float2(float(o[2 * k]) * qscale, float(o[2 * k + 1]) * qscale),
-                                                   __NV_SATFINITE, __NV_E4M3);
-            }
-            *reinterpret_cast<uint2*>(q + row * C + c) = packed;
-        } else {
-            store128(out + row * C + c, o);
-        }
+        for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn((float(v[k]) - m) * s * float(w[k]) + float(b[k]));
+        store128(out + row * C + c, o);
     });
     if (lane == 0) {
         if (mean != nullptr) mean[row] = m;
         if (rstd != nullptr) rstd[row] = s;
     }
-    return out_max;
 }
 
 inline void check_layernorm_args(const char* fn, int C, std::initializer_list<const void*> pointers) {
@@ -117,42 +91,30 @@ inline void check_layernorm_args(const char* fn, int C, std::initializer_list<co
 }  // namespace detail
 
 // A warp a row; the row held in registers (P > 0) or read in each pass (P = 0).
-template <bool kFp8, int P>
+template <int P>
 static __global__ void __launch_bounds__(kLayerNormBlock)
-    layernorm_forward_kernel(floatX* out, LayerNormFp8Out fp8, float* mean, float* rstd, const floatX* inp,
-                             const floatX* weight, const floatX* bias, int64_t N, int C, unsigned int* amax) {
+    layernorm_forward_kernel(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
+                             const floatX* bias, int64_t N, int C) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    float out_max = 0.0f;
     if (row < N) {
         const floatX* x = inp + row * C;
         if constexpr (P > 0) {
             PackX held[P];
             detail::for_lane_packs<P>(C, [&](int p, int c) { held[p] = load128(x + c); });
-            out_max = detail::layernorm_row<kFp8, P>(out, fp8.q, fp8.scale, mean, rstd,
-                                                     [&](int p, int) { return held[p]; }, weight, bias, row, C);
+            detail::layernorm_row<P>(out, mean, rstd, [&](int p, int) { return held[p]; }, weight, bias, row, C);
         } else {
-            out_max = detail::layernorm_row<kFp8, 0>(out, fp8.q, fp8.scale, mean, rstd,
-                                                     [&](int, int c) { return load128(x + c); }, weight, bias, row, C);
+            detail::layernorm_row<0>(out, mean, rstd, [&](int, int c) { return load128(x + c); }, weight, bias, row, C);
         }
     }
-    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
 }
 
 namespace detail {
-// The row launchers' checks: C and the inputs as check_layernorm_args; bf16 out 16-byte aligned, or (fp8.q
-// set) q 8-byte aligned and a scale; the packs a lane holds in registers 0 (read in each pass), or 3, 4 or
-// 7 covering C.
+// The row launcher's checks: C and the inputs as check_layernorm_args; out 16-byte aligned; the packs a lane
+// holds in registers 0 (read in each pass), or 3, 4 or 7 covering C.
 inline void check_layernorm_rows(const char* fn, int C, std::initializer_list<const void*> inputs, const floatX* out,
-                                 const LayerNormFp8Out& fp8, int held) {
+                                 int held) {
     check_layernorm_args(fn, C, inputs);
-    if (fp8.q == nullptr) {
-        require_aligned16(out, fn);
-    } else {
-        if (fp8.scale == nullptr) fail(kExitUsage, "%s: an E4M3 output needs its scale", fn);
-        if (reinterpret_cast<uintptr_t>(fp8.q) % 8 != 0) {
-            fail(kExitUsage, "%s: the E4M3 output is not 8-byte aligned", fn);
-        }
-    }
+    require_aligned16(out, fn);
     if (held != 0 && ((held != 3 && held != 4 && held != 7) || held * kWarpSize * kPackX < C)) {
         fail(kExitUsage, "%s: %d packs a lane held, need 0, or 3, 4 or 7 covering C = %d", fn, held, C);
     }
@@ -171,93 +133,21 @@ void with_held_packs(int held, F&& f) {
 
 // layernorm_forward with `held` packs in registers (the same bits as 0); test/test_kernels.cu compares.
 inline void layernorm_forward_rows(int held, floatX* out, float* mean, float* rstd, const floatX* inp,
-                                   const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream,
-                                   unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_rows("layernorm_forward", C, {inp, weight, bias}, out, fp8, held);
+                                   const floatX* weight, const floatX* bias, int64_t N, int C, cudaStream_t stream) {
+    check_layernorm_rows("layernorm_forward", C, {inp, weight, bias}, out, held);
     if (N == 0) return;
     const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
     with_held_packs(held, [&](auto packs) {
         constexpr int P = decltype(packs)::value;
-        auto* kernel = fp8.q != nullptr ? layernorm_forward_kernel<true, P> : layernorm_forward_kernel<false, P>;
-        kernel<<<grid, kLayerNormBlock, 0, stream>>>(out, fp8, mean, rstd, inp, weight, bias, N, C, amax);
+        layernorm_forward_kernel<P><<<grid, kLayerNormBlock, 0, stream>>>(out, mean, rstd, inp, weight, bias, N, C);
     });
     cudaCheckLaunch();
 }
 }  // namespace detail
 
-// amax (optional): folds max |out| into it (the caller zeroes it). fp8 (optional): out in E4M3 instead.
 inline void layernorm_forward(floatX* out, float* mean, float* rstd, const floatX* inp, const floatX* weight,
-                              const floatX* bias, int64_t N, int C, cudaStream_t stream, unsigned int* amax = nullptr,
-                              LayerNormFp8Out fp8 = {}) {
-    detail::layernorm_forward_rows(detail::layernorm_held_packs(C), out, mean, rstd, inp, weight, bias, N, C, stream,
-                                   amax, fp8);
-}
-
-// As layernorm_forward_kernel, of residual = a + b, which it writes; with P > 0 every load comes before
-// the first store, so residual may alias a or b.
-template <bool kFp8, int P>
-static __global__ void __launch_bounds__(kLayerNormBlock)
-    fused_residual_layernorm_forward_kernel(floatX* residual, floatX* out, LayerNormFp8Out fp8, float* mean,
-                                            float* rstd, const floatX* a, const floatX* b, const floatX* weight,
-                                            const floatX* bias, int64_t N, int C, unsigned int* amax) {
-    const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    float out_max = 0.0f;
-    if (row < N) {
-        floatX* r = residual + row * C;
-        auto add = [](const PackX& pa, const PackX& pb) {
-            PackX o;
-            for (int k = 0; k < kPackX; k++) o[k] = __float2bfloat16_rn(float(pa[k]) + float(pb[k]));
-            return o;
-        };
-        if constexpr (P > 0) {
-            PackX held[P], pb[P];
-            detail::for_lane_packs<P>(C, [&](int p, int c) {
-                held[p] = load128(a + row * C + c);
-                pb[p] = load128(b + row * C + c);
-            });
-            detail::for_lane_packs<P>(C, [&](int p, int c) {
-                held[p] = add(held[p], pb[p]);
-                store128(r + c, held[p]);
-            });
-            out_max = detail::layernorm_row<kFp8, P>(out, fp8.q, fp8.scale, mean, rstd,
-                                                     [&](int p, int) { return held[p]; }, weight, bias, row, C);
-        } else {
-            detail::for_lane_packs<0>(C, [&](int, int c) {
-                store128(r + c, add(load128(a + row * C + c), load128(b + row * C + c)));
-            });
-            out_max = detail::layernorm_row<kFp8, 0>(out, fp8.q, fp8.scale, mean, rstd,
-                                                     [&](int, int c) { return load128(r + c); }, weight, bias, row, C);
-        }
-    }
-    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
-}
-
-namespace detail {
-// fused_residual_layernorm_forward with `held` packs a lane held in registers, as layernorm_forward_rows.
-inline void fused_residual_layernorm_forward_rows(int held, floatX* residual, floatX* out, float* mean, float* rstd,
-                                                  const floatX* a, const floatX* b, const floatX* weight,
-                                                  const floatX* bias, int64_t N, int C, cudaStream_t stream,
-                                                  unsigned int* amax, LayerNormFp8Out fp8) {
-    check_layernorm_rows("fused_residual_layernorm_forward", C, {residual, a, b, weight, bias}, out, fp8, held);
-    if (N == 0) return;
-    const unsigned grid = unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock));
-    with_held_packs(held, [&](auto packs) {
-        constexpr int P = decltype(packs)::value;
-        auto* kernel = fp8.q != nullptr ? fused_residual_layernorm_forward_kernel<true, P>
-                                        : fused_residual_layernorm_forward_kernel<false, P>;
-        kernel<<<grid, kLayerNormBlock, 0, stream>>>(residual, out, fp8, mean, rstd, a, b, weight, bias, N, C, amax);
-    });
-    cudaCheckLaunch();
-}
-}  // namespace detail
-
-// residual (N,C) = a + b; out = LayerNorm(residual). residual may alias a or b; amax and fp8 as above.
-inline void fused_residual_layernorm_forward(floatX* residual, floatX* out, float* mean, float* rstd, const floatX* a,
-                                             const floatX* b, const floatX* weight, const floatX* bias, int64_t N,
-                                             int C, cudaStream_t stream, unsigned int* amax = nullptr,
-                                             LayerNormFp8Out fp8 = {}) {
-    detail::fused_residual_layernorm_forward_rows(detail::layernorm_held_packs(C), residual, out, mean, rstd, a, b,
-                                                  weight, bias, N, C, stream, amax, fp8);
+                              const floatX* bias, int64_t N, int C, cudaStream_t stream) {
+    detail::layernorm_forward_rows(detail::layernorm_held_packs(C), out, mean, rstd, inp, weight, bias, N, C, stream);
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -275,8 +165,8 @@ inline size_t layernorm_backward_scratch_bytes(int64_t N, int C) {
 
 namespace detail {
 // dinp[row] = dres[row] + rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = weight * dout,
-// by one warp (dres == dinp: in place); returns the lane's max |dinp| (for the amax).
-__device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dres, const floatX* dout, const floatX* inp,
+// by one warp (dres == dinp: in place).
+__device__ inline void layernorm_backward_row(floatX* dinp, const floatX* dres, const floatX* dout, const floatX* inp,
                                                const floatX* weight, const float* mean, const float* rstd, int64_t row,
                                                int C) {
     const int lane = threadIdx.x % kWarpSize;
@@ -296,7 +186,6 @@ __device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dres,
     const float dnorm_norm_mean = warp_sum(dnorm_norm_sum) / float(C);
     floatX* dx = dinp + row * C;
     const floatX* dr = dres + row * C;
-    float out_max = 0.0f;
     for (int c = lane * kPackX; c < C; c += kWarpSize * kPackX) {
         const PackX px = load128(x + c), pd = load128(d + c), pw = load128(weight + c);
         PackX o = load128(dr + c);
@@ -304,23 +193,18 @@ __device__ inline float layernorm_backward_row(floatX* dinp, const floatX* dres,
             const float norm = (float(px[k]) - m) * s;
             const float dnorm = float(pw[k]) * float(pd[k]);
             o[k] = __float2bfloat16_rn(float(o[k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
-            out_max = fmaxf(out_max, fabsf(float(o[k])));
         }
         store128(dx + c, o);
     }
-    return out_max;
 }
 }  // namespace detail
 
 // detail::layernorm_backward_row for every row, a warp each.
 static __global__ void __launch_bounds__(kLayerNormBlock)
     layernorm_backward_dinp_kernel(floatX* dinp, const floatX* dres, const floatX* dout, const floatX* inp,
-                                   const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                                   unsigned int* amax) {
+                                   const floatX* weight, const float* mean, const float* rstd, int64_t N, int C) {
     const int64_t row = int64_t(blockIdx.x) * kLayerNormRowsPerBlock + threadIdx.x / kWarpSize;
-    float out_max = 0.0f;
-    if (row < N) out_max = detail::layernorm_backward_row(dinp, dres, dout, inp, weight, mean, rstd, row, C);
-    fp8_record_amax_block(amax, out_max);  // every warp, rows past N included
+    if (row < N) detail::layernorm_backward_row(dinp, dres, dout, inp, weight, mean, rstd, row, C);
 }
 
 // Block (x, chunk): channels [x * 256, + 256) over the chunk's rows; partial[chunk] = (dweight sums,
@@ -428,7 +312,7 @@ template <int P, bool kSumDinp>
 static __global__ void __launch_bounds__(kLayerNormBlock, 2)
     layernorm_backward_fused_kernel(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
                                     const floatX* dout, const floatX* inp, const floatX* weight, const float* mean,
-                                    const float* rstd, int64_t N, int C, unsigned int* amax) {
+                                    const float* rstd, int64_t N, int C) {
     // acc[warp][0 dweight, 1 dbias, 2 dinp][p][half][lane]: channels (p * 32 + lane) * 8 + 4 * half ..
     extern __shared__ float4 acc[];
     constexpr int kSums = kSumDinp ? 3 : 2;
@@ -445,7 +329,6 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
             acc[slot(warp, wb, p, 1, lane)] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     }
-    float out_max = 0.0f;
     for (int64_t row = chunk * kLayerNormRowsPerChunk + warp; row < row_end; row += kLayerNormRowsPerBlock) {
         PackX x[P], d[P], o[P];  // the row's inp, dout and old dinp (from dres)
 #pragma unroll
@@ -489,7 +372,6 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
                 const float norm = (float(x[p][k]) - m) * s;
                 const float dnorm = float(pw[k]) * float(d[p][k]);
                 o[p][k] = __float2bfloat16_rn(float(o[p][k]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
-                out_max = fmaxf(out_max, fabsf(float(o[p][k])));
                 const float dv = float(d[p][k]);
                 sw[k] += (float(x[p][k]) - m) * s * dv;
                 sb[k] += dv;
@@ -510,7 +392,6 @@ static __global__ void __launch_bounds__(kLayerNormBlock, 2)
             }
         }
     }
-    fp8_record_amax(amax, out_max);
     // partial[chunk] = (dweight sums, dbias sums): 0 + warp 0's + warp 1's + ...
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += kLayerNormBlock) {
@@ -552,8 +433,8 @@ inline bool layernorm_backward_fuses(int C) {
 
 inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
                                           const floatX* dout, const floatX* inp, const floatX* weight,
-                                          const float* mean, const float* rstd, int64_t N, int C, cudaStream_t stream,
-                                          unsigned int* amax = nullptr) {
+                                          const float* mean, const float* rstd, int64_t N, int C,
+                                          cudaStream_t stream) {
     if (!layernorm_backward_fuses(C)) {
         fail(kExitUsage, "layernorm_backward: the fused kernel takes C up to %d, not %d",
              kLayerNormFusedMaxPacks * kLayerNormColumnsPerBlock, C);
@@ -568,7 +449,7 @@ inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, floa
             cudaCheck(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
         }
         kernel<<<unsigned(layernorm_chunks(N)), kLayerNormBlock, smem, stream>>>(
-            dinp, dres, partial, partial_dinp, dout, inp, weight, mean, rstd, N, C, amax);
+            dinp, dres, partial, partial_dinp, dout, inp, weight, mean, rstd, N, C);
     };
     auto with_sums = [&](auto p) {
         partial_dinp != nullptr ? launch(p, std::true_type{}) : launch(p, std::false_type{});
@@ -584,9 +465,9 @@ inline void layernorm_backward_rows_fused(floatX* dinp, const floatX* dres, floa
 inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, float* partial, float* partial_dinp,
                                              const floatX* dout, const floatX* inp, const floatX* weight,
                                              const float* mean, const float* rstd, int64_t N, int C,
-                                             cudaStream_t stream, unsigned int* amax = nullptr) {
+                                             cudaStream_t stream) {
     layernorm_backward_dinp_kernel<<<unsigned(ceil_div<int64_t>(N, kLayerNormRowsPerBlock)), kLayerNormBlock, 0,
-                                     stream>>>(dinp, dres, dout, inp, weight, mean, rstd, N, C, amax);
+                                     stream>>>(dinp, dres, dout, inp, weight, mean, rstd, N, C);
     cudaCheckLaunch();
     const dim3 grid(unsigned(ceil_div(C, kLayerNormColumnsPerBlock)), unsigned(layernorm_chunks(N)));
     auto* kernel =
@@ -598,13 +479,13 @@ inline void layernorm_backward_rows_separate(floatX* dinp, const floatX* dres, f
 }  // namespace detail
 
 // dinp (N,C) +=, dweight (C) +=, dbias (C) += the gradients of out = LayerNorm(inp) given dout and the
-// forward's mean and rstd; dinp must not alias dout or inp. amax (optional): max |dinp| after the
-// addition. next_dbias (optional, C): += dinp's column sums, bit for bit as bias_grad_accumulate.
+// forward's mean and rstd; dinp must not alias dout or inp. next_dbias (optional, C): += dinp's column
+// sums, bit for bit as bias_grad_accumulate.
 // dres (optional, not overlapping dinp): dinp = dres + the LayerNorm's part; dres left as it was.
 inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, const floatX* dout, const floatX* inp,
                                const floatX* weight, const float* mean, const float* rstd, int64_t N, int C,
-                               float* scratch, size_t scratch_bytes, cudaStream_t stream, unsigned int* amax = nullptr,
-                               floatX* next_dbias = nullptr, const floatX* dres = nullptr) {
+                               float* scratch, size_t scratch_bytes, cudaStream_t stream, floatX* next_dbias = nullptr,
+                               const floatX* dres = nullptr) {
     detail::check_layernorm_args("layernorm_backward", C, {dinp, dout, inp, weight, dres});
     if (dres == nullptr) {
         dres = dinp;
@@ -623,7 +504,7 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
         // Where the sums would halve the fused kernel's blocks an SM: next_dbias from its own pass.
         const bool own_pass = partial_dinp != nullptr && !detail::layernorm_backward_fused_sums_fit(C);
         detail::layernorm_backward_rows_fused(dinp, dres, scratch, own_pass ? nullptr : partial_dinp, dout, inp, weight,
-                                              mean, rstd, N, C, stream, amax);
+                                              mean, rstd, N, C, stream);
         if (own_pass) {
             bias_grad_accumulate(next_dbias, dinp, N, C, partial_dinp, size_t(chunks) * C * sizeof(float), stream);
             next_dbias = nullptr;
@@ -631,7 +512,7 @@ inline void layernorm_backward(floatX* dinp, floatX* dweight, floatX* dbias, con
         }
     } else {
         detail::layernorm_backward_rows_separate(dinp, dres, scratch, partial_dinp, dout, inp, weight, mean, rstd, N,
-                                                 C, stream, amax);
+                                                 C, stream);
     }
     layernorm_backward_final_kernel<<<unsigned(ceil_div(C, kWarpSize)), kLayerNormFinalWarps * kWarpSize, 0, stream>>>(
         dweight, dbias, next_dbias, scratch, partial_dinp, chunks, C);

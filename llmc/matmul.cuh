@@ -434,7 +434,7 @@ static __global__ void __launch_bounds__(kBiasGradFinalWarps * kWarpSize)
 }
 
 // dbias (OC) += the sum of `chunks` rows of fp32 partial column sums, added as pass two adds
-// bias_grad_accumulate's (for kernels that sum rows while reading dout anyway: llmc/fp8.cuh).
+// bias_grad_accumulate's (for kernels that sum rows while writing dout anyway: llmc/flash_attention_sm90.cuh).
 inline void bias_grad_from_partials(floatX* dbias, const float* partial, int64_t chunks, int OC, cudaStream_t stream) {
     if (chunks == 0) return;
     bias_grad_final_kernel<<<unsigned(ceil_div(OC, kWarpSize)), kBiasGradFinalWarps * kWarpSize, 0, stream>>>(

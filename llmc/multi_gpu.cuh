@@ -133,13 +133,6 @@ public:
         settle(ncclAllReduce(buf, buf, n, nccl_type<T>(), ncclSum, comm_, comm_stream_), "ncclAllReduce");
     }
 
-    // buf[0, n) becomes the largest over ranks, on every rank (FP8 amaxes, so that every rank scales alike).
-    template <class T>
-    void all_reduce_max_async(T* buf, size_t n, cudaStream_t compute) {
-        after(compute);
-        settle(ncclAllReduce(buf, buf, n, nccl_type<T>(), ncclMax, comm_, comm_stream_), "ncclAllReduce");
-    }
-
     // The same over several ranges of one buffer, in one NCCL group (e.g. every gradient slice of one layer).
     template <class T>
     void all_reduce_sum_async(T* buf, const std::vector<ShardRange>& ranges, cudaStream_t compute) {

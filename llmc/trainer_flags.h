@@ -42,7 +42,7 @@ struct TrainerOptions {
     // train_gpt2 alone: an explicit shape instead of -e.
     int layers, channels, heads, vocab, max_seq_len;
     // train_gpt2cu alone.
-    int checkpoint_every, keep_last, keep_every, recompute, resume, fp8;
+    int checkpoint_every, keep_last, keep_every, recompute, resume;
     int64_t rounding_seed;  // -1: seed
     int64_t data_on_gpu_mib;
     bool dry_run;
@@ -126,11 +126,6 @@ inline Flags trainer_flags(TrainerOptions<kTrainer>& o) {
     add(Gpu, "r", "recompute", &o.recompute, 0,
         "1: keep one GELU output instead of one per layer and recompute it in backward (less memory, a little "
         "slower; llm.c's default); 0: keep them all", 0, 1);
-    add(Gpu, "", "fp8", &o.fp8, 0,
-        "1: FP8 matmuls (GPUs of compute capability 8.9+): every matmul but attention's and some weight "
-        "gradients' takes E4M3 activations and weights and E5M2 gradients, at per-tensor scales (delayed "
-        "ones, from the last 16 steps' max, where the writer needs the scale first); 0: bf16 everywhere",
-        0, 1);
     add(Gpu, "y", "resume", &o.resume, 0, "1: resume from the newest valid checkpoint in the output directory", 0, 1);
     add(Both, "k", "schedule", &o.schedule, "cosine", "learning-rate schedule: cosine, linear, constant or wsd");
     add(Both, "", "decay-fraction", &o.decay_fraction, 0.2, "wsd: fraction of the steps spent decaying at the end", 0, 1);

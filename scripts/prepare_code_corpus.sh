@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A corpus that a run of up to ~50 M tokens reads once, for judging numerics (FP8 against bf16) on data that
+# A corpus that a run of up to ~50 M tokens reads once, for judging numerics (a change against bf16's own spread) on data that
 # does not repeat: the Python sources of the packages installed beside python3 (site-packages), one
 # document a file, duplicates dropped, visited in the order of their content's hash (so every shard mixes
 # the packages), about 1 in 32 files held out for validation (chosen by that hash too).
