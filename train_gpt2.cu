@@ -751,7 +751,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
         });
         std::vector<std::string> notes;
         int saved_world = 0;
-        std::string resharded, fp8_note;
+        std::string resharded;
         RunControl guard = control;  // takes up the checkpoint's step guard state, kept if this checkpoint is used
         bool guard_saved = false;
         if (bad.empty()) {
@@ -771,7 +771,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
             } catch (const Error& e) {
                 fail(kExitUsage, "cannot resume from '%s': %s", c.path.c_str(), e.what());
             }
-            check([&] { resharded = load_checkpoint(model, c.path, m, io, &fp8_note); });
+            check([&] { resharded = load_checkpoint(model, c.path, m, io); });
             check([&] {
                 if (const std::vector<uint8_t>* g = m.blob("step_guard")) {
                     guard.restore(*g, c.path);
@@ -794,6 +794,7 @@ inline int resume_from_checkpoint(const std::vector<CheckpointEntry>& candidates
                         "the same sample stream\n", saved_world, world);
         }
         if (!resharded.empty()) std::printf("resume: %s\n", resharded.c_str());
+        const std::string fp8_note = removed_fp8_note(m);
         if (!fp8_note.empty()) std::printf("resume: %s\n", fp8_note.c_str());
         control = guard;
         if (!guard_saved) {

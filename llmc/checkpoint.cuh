@@ -317,25 +317,12 @@ inline std::vector<std::pair<std::string, std::string>> checkpoint_layout_settin
 // Restores the state a checkpoint holds, written in either layout by any number of ranks: streamed
 // straight to the device when the layout and ranges are this run's, else this rank's range assembled
 // from the saved files' pieces. Returns a description of what was re-sharded (empty: nothing).
-// fp8_note (when not null): a line for a checkpoint an older version wrote with FP8 matmuls (its
-// fp8_history.bin is not read: the run goes on in bf16), else empty.
-inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io,
-                                   std::string* fp8_note = nullptr) {
+inline std::string load_checkpoint(GPT2& model, const std::string& dir, const CheckpointManifest& m, DeviceFileIO& io) {
     const int64_t num_params = model.num_parameters();
     const StateLayout saved = read_state_layout(dir, m, num_params);
     const GPT2::State s = model.state();
     const ShardRange target = model.owned();
     cudaStream_t stream = model.stream();
-    // An older version's FP8 run (--fp8 1, since removed) saved its settings' "fp8" and fp8_history.bin:
-    // neither is read, the state above is all bf16 needs.
-    if (fp8_note != nullptr) {
-        const std::string* fp8 = m.setting("fp8");
-        const bool fp8_run = (fp8 != nullptr && *fp8 != "none") || m.file(kCkptFp8HistoryFile) != nullptr;
-        *fp8_note = fp8_run ? format("the checkpoint was written with FP8 matmuls (%s), which this version no longer "
-                                     "has: its %s is ignored and the run goes on in bf16",
-                                     fp8 != nullptr ? fp8->c_str() : "fp8", kCkptFp8HistoryFile)
-                            : "";
-    }
     // The parameters are whole in both layouts.
     load_checkpoint_tensors(dir, m,
                             {saved.sharded ? detail::bf16_model_tensor(model)

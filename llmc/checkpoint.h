@@ -100,6 +100,15 @@ struct CheckpointManifest {
     }
 };
 
+// A line for a checkpoint that an older version wrote with FP8 matmuls (--fp8 1, since removed: its settings'
+// "fp8" other than "none", or an fp8_history.bin): nothing of it is read, the run goes on in bf16. Else empty.
+inline std::string removed_fp8_note(const CheckpointManifest& m) {
+    const std::string* fp8 = m.setting("fp8");
+    if ((fp8 == nullptr || *fp8 == "none") && m.file(kCkptFp8HistoryFile) == nullptr) return "";
+    return format("the checkpoint was written with FP8 matmuls (%s), which this version no longer has: its %s is "
+                  "ignored and the run goes on in bf16", fp8 != nullptr ? fp8->c_str() : "fp8", kCkptFp8HistoryFile);
+}
+
 namespace detail {
 inline bool is_token(const std::string& s) {
     return !s.empty() && std::none_of(s.begin(), s.end(), [](char c) { return c <= ' ' || c == 127; });

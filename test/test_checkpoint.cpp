@@ -125,6 +125,22 @@ TEST(Checksum, DetectsEveryFlippedBitAndDependsOnLength) {
     EXPECT_NE(checksum64(zeros.data(), 0), checksum64(zeros.data(), 1));
 }
 
+// A checkpoint an older version wrote with FP8 matmuls: its "fp8" setting or fp8_history.bin earn the note;
+// a bf16 one's "fp8" of "none" (older versions recorded it) or no such setting earn none.
+TEST(Manifest, OldFp8CheckpointsAreNamed) {
+    CheckpointManifest m;
+    EXPECT_EQ(removed_fp8_note(m), "");
+    m.settings = {{"fp8", "none"}};
+    EXPECT_EQ(removed_fp8_note(m), "");
+    m.settings = {{"fp8", "qkv,fc"}};
+    EXPECT_NE(removed_fp8_note(m).find("written with FP8 matmuls (qkv,fc)"), std::string::npos) << removed_fp8_note(m);
+    m.settings = {{"fp8", "none"}};
+    FileRecord f;
+    f.name = kCkptFp8HistoryFile;
+    m.files = {f};
+    EXPECT_NE(removed_fp8_note(m).find("fp8_history.bin is ignored and the run goes on in bf16"), std::string::npos);
+}
+
 TEST(Manifest, RoundTripsAndRejectsDamage) {
     CheckpointManifest m;
     m.step = 42;
