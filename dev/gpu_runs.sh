@@ -7,7 +7,7 @@
 #   bash dev/gpu_runs.sh SECTION...
 #   sections: build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart
 #             long-tests resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large
-#             attention-detail compare llmc
+#             attention-detail profile compare llmc
 #   e.g.  bash dev/gpu_runs.sh build throughput torch-throughput
 # Environment: LOGS (log folder); TIME_BUDGET (seconds, default 0: none): when set, no step starts or runs
 # past it, so a run under an outer time limit still prints its summary; BUILD_TARGETS (what `build` makes,
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 # The sections, as the case below names them: a misspelt one stops the script before anything runs.
 sections="build tests io-tests sanitizer bench-io dataloader kernels trainer throughput quickstart long-tests
           resume bench-checkpoint torch torch-mild torch-hot torch-throughput throughput-large attention-detail
-          compare llmc"
+          profile compare llmc"
 [ $# -gt 0 ] || { echo "usage: bash dev/gpu_runs.sh SECTION... (sections: $(echo $sections))" >&2; exit 2; }
 for section in "$@"; do
     case " $(echo $sections) " in
@@ -228,6 +228,14 @@ for section in "$@"; do
             done
             grep -E "flash|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued|Shared Memory Throughput|Bank|L2 Cache Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit|Stall|Memory Throughput" \
                 "$LOGS/attention_detail.log" | tee -a "$summary" ;;
+        profile)
+            # Where a d12 B=64 step's time goes: every kernel of the second step under Nsight Compute at the
+            # clocks it gets (one at a time, so without the two streams' overlap), summed by kernel.
+            step "ncu d12 B=64 step" profile.log 300 ncu --target-processes application-only --clock-control none \
+                --csv --print-units base --log-file "$LOGS/profile_ncu.csv" \
+                --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,gpc__cycles_elapsed.avg.per_second \
+                ./train_gpt2cu -e d12 -b 64 -t 1024 -x 2 -v 0 -s 0 -o ""
+            python3 dev/ncu_step.py "$LOGS/profile_ncu.csv" --sequence 12 | tee -a "$summary" ;;
         compare)
             # Trainers built from other commits, timed against each other in one run:
             # COMPARE="new= old=HEAD~1 ..." (see dev/compare_builds.sh).
