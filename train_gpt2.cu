@@ -12,6 +12,7 @@ then plan, meet the other ranks, build or load the model, open the data, maybe r
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -553,15 +554,16 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Output
 }
 
 struct StepStats {
-    double loss = 0, norm = 0, seconds = 0;
+    double loss = 0, norm = 0, seconds = 0;  // seconds: from t0 (train_step's) to the losses' arrival
+    std::chrono::steady_clock::time_point end;
     std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
 
 // One optimizer step: grad_accum micro-batches forward and backward, then norm, clip and AdamW. The only
 // wait is the copy back of the losses and the norm; the step guard (GPT2::update) may skip the update.
+// The step's time runs from t0: the end of the step before, where nothing ran between them (main's loop).
 inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o, int grad_accum, int step, float lr,
-                            float loss_limit, LoopBuffers& buf) {
-    const auto t0 = std::chrono::steady_clock::now();
+                            float loss_limit, LoopBuffers& buf, std::chrono::steady_clock::time_point t0) {
     const float dloss = 1.0f / (float(o.B) * float(o.T) * float(grad_accum));
     model.zero_grad();
     for (int micro = 0; micro < grad_accum; micro++) {
@@ -598,7 +600,8 @@ inline StepStats train_step(GPT2& model, GpuDataLoader& train, const Options& o,
     }
     s.loss /= grad_accum;
     if (std::isnan(h[1 + grad_accum])) s.skipped = skip_reason(s.norm, finite_losses, s.loss, double(loss_limit));
-    s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    s.end = std::chrono::steady_clock::now();
+    s.seconds = std::chrono::duration<double>(s.end - t0).count();
     return s;
 }
 
@@ -952,11 +955,16 @@ int main(int argc, char** argv) {
             }
         };
 
-        // The loop: evaluate and sample between steps (and after the last), train in between.
+        // The loop: evaluate and sample between steps (and after the last), train in between. A step's time
+        // runs from the end of the step before, so that it counts the host's work between steps and whatever
+        // the GPU still does for the step before (AdamW beside the forward); after an evaluation, a sample or
+        // a checkpoint, which are not counted, from the step's own start.
         double first_val = NAN, last_val = NAN;
+        std::optional<std::chrono::steady_clock::time_point> step_clock;
         for (int step = start_step; step <= plan.max_steps; step++) {
             const bool last = step == plan.max_steps;
             if (data.val && (step % opt.val_every == 0 || last)) {
+                step_clock.reset();
                 if (multi) multi->heartbeat("evaluating");
                 last_val = evaluate(model, *data.val, plan.val_steps, opt.B, opt.T, buf);
                 if (std::isnan(first_val)) first_val = last_val;
@@ -964,17 +972,21 @@ int main(int argc, char** argv) {
                 out.log.write(format("{\"step\":%d,\"val_loss\":%s}", step, json_number(last_val, "%.9g").c_str()));
             }
             if (mc && ((opt.eval_every > 0 && step % opt.eval_every == 0) || last)) {
+                step_clock.reset();
                 if (multi) multi->heartbeat("evaluating multiple choice");
                 evaluate_choices(*mc, plan.eval, step, plan.max_steps, out.log);
             }
             if (opt.sample_every > 0 && plan.gen_tokens > 0 && ((step > 0 && step % opt.sample_every == 0) || last)) {
+                step_clock.reset();
                 if (multi) multi->heartbeat("sampling (rank 0 alone)", 600);  // the others wait in a collective
                 if (root) print_sample(model, opt, plan, out, buf, step);
             }
             if (last) break;
             const float lr = float(plan.schedule.at(step));
             if (multi) multi->heartbeat("training");
-            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf);
+            const StepStats s = train_step(model, *data.train, opt, plan.grad_accum, step, lr, control.loss_limit(), buf,
+                                           step_clock.value_or(std::chrono::steady_clock::now()));
+            step_clock = s.end;
             tp.add(step, plan.max_steps, s.seconds);
             if (root && step == start_step) print_gemm_tuning(model.cublas());
             log_step(out, tp, step, plan.max_steps, lr, s,
@@ -990,6 +1002,7 @@ int main(int argc, char** argv) {
                 ckpt = make_checkpointer(opt, model, multi.get(), /*async=*/false);
             }
             if (due || (stop && !opt.output_dir.empty())) {
+                step_clock.reset();
                 if (multi) multi->heartbeat("saving a checkpoint", 3600);
                 require_finite_parameters(model, step + 1, "the checkpoint");
                 if (ckpt) {

@@ -9,8 +9,8 @@
 #   bash dev/compare_builds.sh "NAME=REV" ...      e.g. "new=" "old=HEAD~1" or "old=build/old_trainer"
 #   ROUNDS=3 ARGS="-e d12 -b 64 -t 1024 -x 30" bash dev/compare_builds.sh ...
 # runs them all ROUNDS times, interleaved (a b c a b c ...), so clock and thermal drift fall on every
-# variant alike. Prints each run's average ms/step (the trainer's own "average over N steps" line: CUDA
-# events, step 1 left out), then per variant the median over rounds and its ratio to the first variant,
+# variant alike. Prints each run's average ms/step (the trainer's own "average over N steps" line: wall
+# time from one step's end to the next, step 1 left out), then per variant the median over rounds and its ratio to the first variant,
 # and whether every run printed the same per-step losses and gradient norms as the first variant's first
 # run (same seed and flags: a change that should leave the results alone must keep them).
 #
