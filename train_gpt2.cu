@@ -554,7 +554,7 @@ inline void print_sample(GPT2& model, const Options& o, const Plan& plan, Output
 }
 
 struct StepStats {
-    double loss = 0, norm = 0, seconds = 0;  // seconds: from t0 (train_step's) to the losses' arrival
+    double loss = 0, norm = 0, seconds = 0;  // seconds: from train_step's t0 to the losses' arrival (end)
     std::chrono::steady_clock::time_point end;
     std::string skipped;  // why the step guard skipped the update; empty when it was applied
 };
